@@ -1,0 +1,73 @@
+"""Pure-JAX reference of every ReplaySSM op: the ground truth for the kernels.
+
+Glossary (letters used in shapes; config field; paper symbol):
+
+  Mamba-2 (mamba_ssm / transformers Mamba2, NemotronH)
+    batch                          sequences in the batch
+    H  nheads      num_heads / mamba_num_heads     heads
+    P  head_dim    head_dim / mamba_head_dim       per-head channels (x)
+    N  d_state     state_size / ssm_state_size     state size (B, C)
+    G  n_groups    n_groups / mamba_n_groups       B/C groups; head h uses group h // (H // G)
+    A  f32[H] = -exp(A_log), negative; dt_bias [H]; D [H]; dt_limit = time_step_limit
+
+  Gated DeltaNet (flash-linear-attention / Qwen3-Next, Qwen3.5)
+    H   linear_num_key_heads       key heads (q, k)
+    HV  linear_num_value_heads     value heads; value head h uses key head h // (HV // H)
+    K   linear_key_head_dim        key / query dim
+    V   linear_value_head_dim      value dim
+    g   log decay <= 0 = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b) in (0, 1)
+
+  ReplaySSM (DESIGN.md)
+    L   buffer length (steps buffered between flushes);  W  verify window length
+    checkpoint [batch, heads, V, K] (Mamba-2: V = head_dim, K = d_state)
+    cursor i32[batch], steps buffered since the checkpoint
+
+States are value-major, [batch, heads, V, K], as mamba_ssm's ssm_state and
+FLA's recurrent state; transformers' GDN cache is [batch, HV, K, V].
+Everything runs under jax.jit and is batched over batch and heads; all
+arithmetic is float32, clear rather than fast.
+"""
+
+from replayssm_jax.reference.gdn import (
+    gdn_chunked,
+    gdn_replay_flush,
+    gdn_replay_materialize,
+    gdn_replay_step,
+    gdn_replay_verify,
+    gdn_step,
+)
+from replayssm_jax.reference.mamba2 import (
+    mamba2_chunked,
+    mamba2_replay_flush,
+    mamba2_replay_materialize,
+    mamba2_replay_step,
+    mamba2_replay_verify,
+    mamba2_step,
+)
+from replayssm_jax.state import (
+    GDNReplayState,
+    Mamba2ReplayState,
+    gdn_replay_init,
+    mamba2_replay_init,
+    replay_commit,
+)
+
+__all__ = [
+    "GDNReplayState",
+    "Mamba2ReplayState",
+    "gdn_chunked",
+    "gdn_replay_flush",
+    "gdn_replay_init",
+    "gdn_replay_materialize",
+    "gdn_replay_step",
+    "gdn_replay_verify",
+    "gdn_step",
+    "mamba2_chunked",
+    "mamba2_replay_flush",
+    "mamba2_replay_init",
+    "mamba2_replay_materialize",
+    "mamba2_replay_step",
+    "mamba2_replay_verify",
+    "mamba2_step",
+    "replay_commit",
+]

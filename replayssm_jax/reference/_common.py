@@ -1,0 +1,164 @@
+"""Math shared by the Mamba-2 and Gated DeltaNet references.
+
+Both layers are instances of one recurrence per head (DESIGN.md section 2):
+
+    S_t = exp(lg_t) S_{t-1} + u_t k_t^T,    y_t = S_t q_t,
+
+S f32[V, K], u f32[V], k, q f32[K], lg a log decay <= 0. The helpers below
+compute it three ways: over the L slots of a ReplaySSM buffer (readout and
+materialisation from a checkpoint), and over a chunk of T steps at once
+(the quadratic "attention" form of the SSD paper, used by the chunked
+prefill and by the verify window). Everything is float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from replayssm_jax.state import slot_mask
+
+f32 = jnp.float32
+
+
+def expand_heads(x: jax.Array, nheads: int, axis: int) -> jax.Array:
+    """Repeat grouped heads along `axis` so that head h reads group h // (nheads // ngroups)."""
+    return jnp.repeat(x, nheads // x.shape[axis], axis=axis)
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x * rsqrt(sum(x^2) + eps) over the last axis, as Qwen3-Next / FLA normalise q and k."""
+    x = x.astype(f32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def replay_weights(lg: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Decay weights of the live buffer slots.
+
+    Args:
+      lg: f32[batch, heads, L], log decay of each slot.
+      count: i32[batch], live slots per row (slots 0..count-1).
+
+    Returns:
+      (G f32[batch, heads], w f32[batch, heads, L]): G = total log decay of the
+      live slots, w_i = exp(G - G_i) for live slots i and 0 for dead ones,
+      where G_i is the cumulative log decay up to and including slot i.
+    """
+    live = slot_mask(count, lg.shape[-1])[:, None, :]
+    lg = jnp.where(live, lg, 0.0)
+    cum = jnp.cumsum(lg, axis=-1)
+    total = cum[..., -1]
+    w = jnp.where(live, jnp.exp(total[..., None] - cum), 0.0)
+    return total, w
+
+
+def replay_readout(checkpoint, u, k, lg, count, q) -> jax.Array:
+    """y = S_count q from the checkpoint and the buffer, without forming S.
+
+    y = exp(G) (S_c q) + sum_i w_i (k_i . q) u_i   (the output-only route).
+
+    Args:
+      checkpoint: f32[batch, heads, V, K]; u: [batch, heads, L, V];
+      k: [batch, heads, L, K]; lg: f32[batch, heads, L]; count: i32[batch];
+      q: [batch, heads, K].
+
+    Returns:
+      f32[batch, heads, V].
+    """
+    total, w = replay_weights(lg, count)
+    from_checkpoint = jnp.einsum("bhvk,bhk->bhv", checkpoint.astype(f32), q.astype(f32))
+    scores = w * jnp.einsum("bhlk,bhk->bhl", k.astype(f32), q.astype(f32))
+    return jnp.exp(total)[..., None] * from_checkpoint + jnp.einsum("bhl,bhlv->bhv", scores, u.astype(f32))
+
+
+def replay_materialize(checkpoint, u, k, lg, count) -> jax.Array:
+    """S_count = exp(G) S_c + sum_i w_i u_i k_i^T, f32[batch, heads, V, K]."""
+    total, w = replay_weights(lg, count)
+    update = jnp.einsum("bhl,bhlv,bhlk->bhvk", w, u.astype(f32), k.astype(f32))
+    return jnp.exp(total)[..., None, None] * checkpoint.astype(f32) + update
+
+
+def causal_decay(lg: jax.Array, strict: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Within-chunk decays from log decays lg f32[batch, T, heads].
+
+    Returns:
+      (cum f32[batch, T, heads], decay f32[batch, heads, T, T]) with
+      cum_t = lg_1 + ... + lg_t and decay[t, s] = exp(cum_t - cum_s) for
+      s <= t (s < t if strict), else 0. Masked before the exp, so no inf.
+    """
+    cum = jnp.cumsum(lg, axis=1)
+    c = jnp.moveaxis(cum, 1, -1)  # [batch, heads, T]
+    T = lg.shape[1]
+    mask = jnp.tril(jnp.ones((T, T), bool), k=-1 if strict else 0)
+    diff = jnp.where(mask, c[..., :, None] - c[..., None, :], -jnp.inf)
+    return cum, jnp.exp(diff)
+
+
+def chunk_readout(state, u, k, q, lg) -> tuple[jax.Array, jax.Array]:
+    """T steps of the recurrence at once from `state` (SSD's quadratic form).
+
+    Args:
+      state: f32[batch, heads, V, K] at the chunk start.
+      u: [batch, T, heads, V]; k, q: [batch, T, heads, K]; lg: f32[batch, T, heads].
+
+    Returns:
+      (y f32[batch, T, heads, V], final state f32[batch, heads, V, K]):
+      y_t = exp(cum_t) S q_t + sum_{s <= t} exp(cum_t - cum_s) (k_s . q_t) u_s,
+      S_T = exp(cum_T) S + sum_s exp(cum_T - cum_s) u_s k_s^T.
+    """
+    u, k, q = (a.astype(f32) for a in (u, k, q))
+    cum, decay = causal_decay(lg)
+    scores = jnp.einsum("bthk,bshk->bhts", q, k) * decay
+    y = jnp.einsum("bhts,bshv->bthv", scores, u)
+    y = y + jnp.exp(cum)[..., None] * jnp.einsum("bhvk,bthk->bthv", state, q)
+    to_end = jnp.exp(cum[:, -1:, :] - cum)  # [batch, T, heads]
+    final = jnp.exp(cum[:, -1])[..., None, None] * state + jnp.einsum("bth,bthv,bthk->bhvk", to_end, u, k)
+    return y, final
+
+
+def scan_chunks(chunk_fn: Callable, state: jax.Array, inputs: tuple, chunk_size: int):
+    """Run `chunk_fn(state, *chunk) -> (y, state)` over the seqlen axis (axis 1).
+
+    The inputs are zero-padded to a multiple of `chunk_size`; a zero step is
+    the identity for both layer types once their inputs are processed
+    (lg = 0, u = 0 for Mamba-2; beta = 0 for GDN), so padding does not
+    change the final state. The scan runs over chunks, not steps.
+    """
+    T = inputs[0].shape[1]
+    n_chunks = -(-T // chunk_size)
+    pad = n_chunks * chunk_size - T
+
+    def to_chunks(a):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(a.shape[0], n_chunks, chunk_size, *a.shape[2:])
+        return jnp.moveaxis(a, 1, 0)
+
+    def body(carry, chunk):
+        y, carry = chunk_fn(carry, *chunk)
+        return carry, y
+
+    final, ys = jax.lax.scan(body, state, tuple(to_chunks(a) for a in inputs))
+    ys = jnp.moveaxis(ys, 0, 1)
+    ys = ys.reshape(ys.shape[0], n_chunks * chunk_size, *ys.shape[3:])
+    return ys[:, :T], final
+
+
+def flush_where(state, rows: jax.Array, unify: Callable):
+    """Flush the rows where `rows` (bool[batch]) is set.
+
+    Those rows get checkpoint <- S_cursor (cast to the checkpoint dtype) and
+    cursor <- 0; the others are unchanged. `unify(state)` returns the
+    buffer in the common form (u, k, lg) of :func:`replay_materialize`.
+    """
+    materialized = replay_materialize(state.checkpoint, *unify(state), state.cursor)
+    keep = rows[:, None, None, None]
+    checkpoint = jnp.where(keep, materialized.astype(state.checkpoint.dtype), state.checkpoint)
+    return state.replace(checkpoint=checkpoint, cursor=jnp.where(rows, 0, state.cursor))
+
+
+def make_room(state, W: int, unify: Callable):
+    """The early-flush rule: rows whose buffer cannot take W more steps
+    (cursor + W > L) flush first, so that a step or window never overruns."""
+    return flush_where(state, state.cursor + W > state.buffer_len, unify)

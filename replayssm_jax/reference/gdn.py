@@ -1,0 +1,289 @@
+"""Pure-JAX reference of the Gated DeltaNet ops: standard step, chunked
+prefill, and the ReplaySSM step, verify window, materialisation and flush.
+
+Math: Yang, Kautz & Hatamizadeh, "Gated Delta Networks" (ICLR 2025), in the
+convention of flash-linear-attention's `fused_recurrent_gated_delta_rule`
+(and Qwen3-Next / Qwen3.5); ReplaySSM per DESIGN.md sections 2 and 3. Per
+value head h with key head h // (HV // H), state S f32[V, K] (value-major):
+
+    q, k  = l2norm(q), l2norm(k)             (eps 1e-6, if use_qk_l2norm)
+    S     = exp(g) S
+    d     = beta * (v - S k)                  the delta-rule update vector
+    S     = S + d k^T
+    o     = S (scale * q)                     scale = K ** -0.5 by default
+
+The chunked form solves each chunk's update vectors in closed form (the UT
+transform of the WY representation): with cum the within-chunk cumulative
+log decay, A_ij = beta_i exp(cum_i - cum_j) (k_i . k_j) for i > j and
+R_i = beta_i (v_i - exp(cum_i) S_0 k_i), the update vectors are
+D = (I + A)^-1 R, found by unit lower-triangular forward substitution.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+from replayssm_jax import _validate as val
+from replayssm_jax.reference import _common as c
+from replayssm_jax.state import GDNReplayState, check_replay_state, write_slots
+
+f32 = jnp.float32
+
+
+def _check_inputs(dims, q, k, vv, g, beta, scale, seq=None, seq_name="seqlen"):
+    """Validate one step (seq None) or `seq` steps. dims = (batch, HV, V, K). Returns H."""
+    batch, HV, V, K = dims
+    lead, names = ((batch,), "batch") if seq is None else ((batch, seq), f"batch, {seq_name}")
+    q = val.check_float("q", q)
+    val.check_rank("q", q, f"{names}, H, K")
+    H = q.shape[-2]
+    val.check_divisible("HV (value heads)", HV, "H (key heads)", H)
+    val.check_shape("q", q, f"{names}, H, K", (*lead, H, K))
+    val.float_arg("k", k, f"{names}, H, K", (*lead, H, K))
+    val.float_arg("v", vv, f"{names}, HV, V", (*lead, HV, V))
+    val.float_arg("g", g, f"{names}, HV", (*lead, HV))
+    val.float_arg("beta", beta, f"{names}, HV", (*lead, HV))
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"`scale` must be a Python float or None; got {type(scale).__name__}")
+    return H
+
+
+def _check_state(state):
+    state = val.check_float("state", state, val.STATE_DTYPES)
+    val.check_rank("state", state, "batch, HV, V, K")
+    return state
+
+
+def _prepare_qk(q, k, scale, use_qk_l2norm):
+    """(scaled q, k) in float32, L2-normalised if asked."""
+    if use_qk_l2norm:
+        q, k = c.l2norm(q), c.l2norm(k)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return q.astype(f32) * scale, k.astype(f32)
+
+
+def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
+    """One standard Gated DeltaNet decode step (the gated delta rule).
+
+    Args:
+      state: f32 | bf16[batch, HV, V, K], value-major recurrent state.
+      q, k: [batch, H, K], query and key (before L2 norm).
+      v: [batch, HV, V], value.
+      g: [batch, HV], log decay <= 0 (g = -exp(A_log) * softplus(a + dt_bias)).
+      beta: [batch, HV], write strength in (0, 1) (sigmoid(b)).
+      scale: query scale, default K ** -0.5.
+      use_qk_l2norm: L2-normalise q and k over K (eps 1e-6), as the models do.
+
+    Returns:
+      (o [batch, HV, V] in v.dtype, new_state in state.dtype).
+
+    Raises:
+      TypeError: a non-floating argument, or a state that is not f32/bf16.
+      ValueError: a shape mismatch, or HV not divisible by H.
+    """
+    state = _check_state(state)
+    _check_inputs(state.shape, q, k, v, g, beta, scale)
+    HV = state.shape[1]
+    q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
+    qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
+    S = state.astype(f32) * jnp.exp(g.astype(f32))[..., None, None]
+    d = beta.astype(f32)[..., None] * (v.astype(f32) - jnp.einsum("bhvk,bhk->bhv", S, kh))
+    S = S + d[..., None] * kh[:, :, None, :]
+    o = jnp.einsum("bhvk,bhk->bhv", S, qh)
+    return o.astype(v.dtype), S.astype(state.dtype)
+
+
+def gdn_chunk(state, q, k, v, g, beta):
+    """One chunk of T steps from `state`, all in float32.
+
+    Args:
+      state: f32[batch, HV, V, K]; q (scaled), k (normalised): [batch, T, HV, K];
+      v: [batch, T, HV, V]; g, beta: [batch, T, HV].
+
+    Returns:
+      (o f32[batch, T, HV, V], final state f32[batch, HV, V, K],
+      d f32[batch, T, HV, V] the update vectors of the T steps).
+    """
+    g, beta = g.astype(f32), beta.astype(f32)
+    cum, decay = c.causal_decay(g, strict=True)
+    A = jnp.einsum("bihk,bjhk->bhij", k, k) * decay * jnp.moveaxis(beta, 1, -1)[..., :, None]
+    from_state = jnp.exp(cum)[..., None] * jnp.einsum("bhvk,bihk->bihv", state, k)
+    R = jnp.moveaxis(beta[..., None] * (v.astype(f32) - from_state), 1, 2)  # [batch, HV, T, V]
+    eye = jnp.eye(A.shape[-1], dtype=f32)
+    d = solve_triangular(eye + A, R, lower=True, unit_diagonal=True)
+    d = jnp.moveaxis(d, 2, 1)
+    o, final = c.chunk_readout(state, d, k, q, g)
+    return o, final, d
+
+
+def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64):
+    """T Gated DeltaNet steps in the chunk-parallel WY / UT-transform form.
+
+    Args:
+      state: None (zeros) or f32 | bf16[batch, HV, V, K].
+      q, k: [batch, seqlen, H, K]; v: [batch, seqlen, HV, V];
+      g, beta: [batch, seqlen, HV]; scale, use_qk_l2norm: as :func:`gdn_step`.
+      chunk_size: steps per chunk (any int >= 1; need not divide seqlen).
+
+    Returns:
+      (o [batch, seqlen, HV, V] in v.dtype, final state in state.dtype, or
+      float32 if state is None).
+
+    Raises:
+      TypeError, ValueError: as :func:`gdn_step`; also chunk_size < 1.
+    """
+    vv = val.check_float("v", v)
+    val.check_rank("v", vv, "batch, seqlen, HV, V")
+    kk = val.check_float("k", k)
+    val.check_rank("k", kk, "batch, seqlen, H, K")
+    batch, T, HV, V = vv.shape
+    K = kk.shape[-1]
+    if state is None:
+        state = jnp.zeros((batch, HV, V, K), f32)
+    state = _check_state(state)
+    val.check_shape("state", state, "batch, HV, V, K", (batch, HV, V, K))
+    _check_inputs(state.shape, q, k, vv, g, beta, scale, seq=T)
+    chunk_size = val.check_positive_int("chunk_size", chunk_size)
+    q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
+    qh, kh = (c.expand_heads(a, HV, axis=2) for a in (q, k))
+
+    def chunk(S, *inputs):
+        o, final, _ = gdn_chunk(S, *inputs)
+        return o, final
+
+    o, final = c.scan_chunks(chunk, state.astype(f32), (qh, kh, vv.astype(f32), g.astype(f32), beta.astype(f32)), chunk_size)
+    return o.astype(vv.dtype), final.astype(state.dtype)
+
+
+# --------------------------------------------------------------------------
+# ReplaySSM
+
+
+def unify(state: GDNReplayState) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The buffer in the common (u, k, lg) form: u = d, k per value head, lg = g."""
+    HV = state.checkpoint.shape[1]
+    return state.d.astype(f32), c.expand_heads(state.k.astype(f32), HV, axis=1), state.g
+
+
+def gdn_replay_materialize(state: GDNReplayState) -> jax.Array:
+    """The current full state from checkpoint plus buffer.
+
+    Returns:
+      f32[batch, HV, V, K]: the state after `cursor` buffered steps, equal to
+      the state a standard decode would hold now.
+    """
+    check_replay_state(state, GDNReplayState)
+    return c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
+
+
+def gdn_replay_flush(state: GDNReplayState) -> GDNReplayState:
+    """Write the materialised state of every row as its checkpoint; cursor <- 0."""
+    check_replay_state(state, GDNReplayState)
+    return c.flush_where(state, jnp.ones_like(state.cursor, bool), unify)
+
+
+def _check_replay_inputs(state, q, k, v, g, beta, scale, seq=None):
+    check_replay_state(state, GDNReplayState)
+    if state.window:
+        raise ValueError(f"`state` has a pending verify window (W = {state.window}); call replay_commit first")
+    H = _check_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, seq=seq, seq_name="W")
+    if H != state.k.shape[1]:
+        raise ValueError(f"`q` and `k` must have H = {state.k.shape[1]} key heads (the state's); got {H}")
+
+
+def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output"):
+    """One ReplaySSM decode step of a Gated DeltaNet layer.
+
+    Per row: flush first if the buffer is full (cursor == L, only after a
+    commit); form d = beta (v - exp(g) S_prev k), where S_prev k comes from
+    one read of the checkpoint plus the buffer; append (d, k, g) at slot
+    `cursor`; read o = S q the same way; cursor += 1; if the cursor reaches
+    L, flush (checkpoint <- S_L, cursor <- 0), fused into this step.
+
+    Args:
+      state: GDNReplayState with no pending verify window.
+      q, k, v, g, beta, scale, use_qk_l2norm: as :func:`gdn_step`.
+      route: "output" computes S_prev k and S q as exp(G) S_c x + sum_i
+        w_i (k_i . x) d_i, never forming S; "state" forms S_prev and S in
+        f32. Both give the same numbers up to float32 rounding.
+
+    Returns:
+      (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
+      :func:`gdn_step`'s output on the same step sequence.
+
+    Raises:
+      TypeError, ValueError: as :func:`gdn_step`, for a malformed state, a
+      pending verify window, or an unknown route.
+    """
+    _check_replay_inputs(state, q, k, v, g, beta, scale)
+    val.check_route(route)
+    HV = state.checkpoint.shape[1]
+    state = c.make_room(state, 1, unify)
+    q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
+    qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
+    g = g.astype(f32)
+    if route == "output":
+        prev_k = c.replay_readout(state.checkpoint, *unify(state), state.cursor, kh)
+    else:
+        prev = c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
+        prev_k = jnp.einsum("bhvk,bhk->bhv", prev, kh)
+    d = beta.astype(f32)[..., None] * (v.astype(f32) - jnp.exp(g)[..., None] * prev_k)
+    new = state.replace(
+        d=write_slots(state.d, d[:, :, None], state.cursor),
+        k=write_slots(state.k, k[:, :, None], state.cursor),
+        g=write_slots(state.g, g[:, :, None], state.cursor),
+        cursor=state.cursor + 1,
+    )
+    if route == "output":
+        o = c.replay_readout(new.checkpoint, *unify(new), new.cursor, qh)
+    else:
+        S = jnp.exp(g)[..., None, None] * prev + d[..., None] * kh[:, :, None, :]
+        o = jnp.einsum("bhvk,bhk->bhv", S, qh)
+    new = c.flush_where(new, new.cursor == new.buffer_len, unify)
+    return o.astype(v.dtype), new
+
+
+def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
+    """Verify a window of W speculative steps (DESIGN.md section 3).
+
+    Rows with cursor + W > L flush first. The window's update vectors depend
+    on one another (each d_t sees the state after the earlier draft steps);
+    they are solved in closed form from the state at the window start
+    (checkpoint plus buffer), as one chunk of the chunked delta rule. The W
+    records (d, k, g) are written at slots cursor .. cursor + W - 1; the
+    cursor and the checkpoint are not moved. Follow with :func:`replay_commit`.
+
+    Args:
+      state: GDNReplayState with no pending window.
+      q, k: [batch, W, H, K]; v: [batch, W, HV, V]; g, beta: [batch, W, HV];
+      scale, use_qk_l2norm: as :func:`gdn_step`. 1 <= W <= L.
+
+    Returns:
+      (o [batch, W, HV, V] in v.dtype, new state with window = W): o[:, t]
+      is the output of step t assuming steps 0..t-1 of the window are accepted.
+
+    Raises:
+      TypeError, ValueError: as :func:`gdn_replay_step`, and W > L.
+    """
+    check_replay_state(state, GDNReplayState)
+    vv = val.check_float("v", v)
+    val.check_rank("v", vv, "batch, W, HV, V")
+    W = vv.shape[1]
+    if not 1 <= W <= state.buffer_len:
+        raise ValueError(f"the window length W = v.shape[1] must be in [1, L = {state.buffer_len}]; got {W}")
+    _check_replay_inputs(state, q, k, vv, g, beta, scale, seq=W)
+    HV = state.checkpoint.shape[1]
+    state = c.make_room(state, W, unify)
+    start = c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
+    q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
+    qh, kh = (c.expand_heads(a, HV, axis=2) for a in (q, k))
+    o, _, d = gdn_chunk(start, qh, kh, vv, g, beta)
+    state = state.replace(
+        d=write_slots(state.d, jnp.swapaxes(d, 1, 2), state.cursor),
+        k=write_slots(state.k, jnp.swapaxes(k, 1, 2), state.cursor),
+        g=write_slots(state.g, jnp.swapaxes(g.astype(f32), 1, 2), state.cursor),
+        window=W,
+    )
+    return o.astype(vv.dtype), state

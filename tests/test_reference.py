@@ -1,0 +1,273 @@
+"""The pure-JAX reference against float64 NumPy loops, for both layer types.
+
+Every test runs for Mamba-2 and for Gated DeltaNet through the adapters in
+cases.py, at awkward sizes: head dims 24 and 100, n_groups < nheads, and
+HV = 2H and 3H.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cases import GDNCase, Mamba2Case, assert_close, take_rows, take_step
+from replayssm_jax import replay_commit
+
+CASES = {
+    "mamba2": lambda rng: Mamba2Case(rng),
+    "mamba2-P100-G1-ungated-dtlimit": lambda rng: Mamba2Case(
+        rng, nheads=3, head_dim=100, n_groups=1, gated=False, dt_limit=(0.05, 0.8)
+    ),
+    "gdn-HV2H": lambda rng: GDNCase(rng),
+    "gdn-HV3H-K100": lambda rng: GDNCase(rng, num_k_heads=2, num_v_heads=6, head_k_dim=100, head_v_dim=24),
+}
+TWO_CASES = ["mamba2", "gdn-HV2H"]
+
+
+def run_standard(case, state, seq, steps):
+    """The reference's standard step loop; returns (outputs [batch, T, ...], final state)."""
+    ys = []
+    for t in range(steps):
+        y, state = case.step(state, take_step(seq, t))
+        ys.append(y)
+    return jnp.stack(ys, axis=1), state
+
+
+def run_oracle(case, state, seq, steps):
+    ys = []
+    for t in range(steps):
+        y, state = case.oracle_step(state, take_step(seq, t))
+        ys.append(y)
+    return np.stack(ys, axis=1), state
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_step_matches_numpy(name, state_dtype, rng):
+    case = CASES[name](rng)
+    state = jnp.asarray(case.initial_state(), state_dtype)
+    oracle = np.asarray(state.astype(jnp.float32), np.float64)
+    for t in range(4):
+        inp = case.draw()
+        y, state = case.step(state, inp)
+        y_ref, oracle = case.oracle_step(oracle, inp)
+        assert state.dtype == state_dtype
+        assert_close(y, y_ref, state_dtype, f"y at step {t}")
+        assert_close(state, oracle, state_dtype, f"state at step {t}")
+        oracle = np.asarray(state.astype(jnp.float32), np.float64)  # follow the rounded state
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_step_bf16_inputs(name, rng):
+    """bf16 activations with an f32 state: outputs come back in bf16."""
+    case = CASES[name](rng)
+    state = case.initial_state()
+    inp = {key: jnp.asarray(value, jnp.bfloat16) for key, value in case.draw().items()}
+    y, new = case.step(state, inp)
+    y_ref, new_ref = case.oracle_step(state, {key: np.asarray(value.astype(jnp.float32)) for key, value in inp.items()})
+    assert y.dtype == jnp.bfloat16 and new.dtype == jnp.float32
+    assert_close(y, y_ref, jnp.bfloat16, "y")
+    assert_close(new, new_ref, jnp.float32, "state")
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("T", [1, 15, 63])
+def test_chunked_matches_step_loop(name, T, rng):
+    case = CASES[name](rng)
+    state = case.initial_state()
+    seq = case.draw(T)
+    y, final = case.chunked(state, seq, chunk_size=8)
+    y_loop, final_loop = run_standard(case, state, seq, T)
+    assert_close(y, y_loop, jnp.float32, "chunked outputs vs step loop")
+    assert_close(final, final_loop, jnp.float32, "chunked final state vs step loop")
+    if T == 15:
+        y_ref, final_ref = run_oracle(case, state, seq, T)
+        assert_close(y, y_ref, jnp.float32, "chunked outputs vs numpy")
+        assert_close(final, final_ref, jnp.float32, "chunked final state vs numpy")
+
+
+@pytest.mark.parametrize("name", TWO_CASES)
+def test_chunked_from_zero_state(name, rng):
+    case = CASES[name](rng)
+    seq = case.draw(10)
+    y, final = case.chunked(None, seq, chunk_size=4)
+    y_ref, final_ref = run_oracle(case, np.zeros(case.dims), seq, 10)
+    assert final.dtype == jnp.float32
+    assert_close(y, y_ref, jnp.float32, "outputs")
+    assert_close(final, final_ref, jnp.float32, "final state")
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("L", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_matches_standard(name, L, route, rng):
+    case = CASES[name](rng)
+    state = case.initial_state()
+    steps = 3 * L + 1
+    seq = case.draw(steps)
+    y_std, final_std = run_standard(case, state, seq, steps)
+    rs = case.replay_init(state, L)
+    for t in range(steps):
+        y, rs = case.replay_step(rs, take_step(seq, t), route=route)
+        assert_close(y, y_std[:, t], jnp.float32, f"replay output at step {t}")
+        np.testing.assert_array_equal(rs.cursor, (t + 1) % L)
+    assert_close(case.materialize(rs), final_std, jnp.float32, "materialized state")
+    if L > 1:  # the checkpoint is the state at the last flush, step 3L
+        _, at_flush = run_standard(case, state, seq, 3 * L)
+        assert_close(rs.checkpoint, at_flush, jnp.float32, "checkpoint")
+
+
+@pytest.mark.parametrize("name", TWO_CASES)
+def test_replay_routes_agree(name, rng):
+    case = CASES[name](rng)
+    state = case.initial_state()
+    a = b = case.replay_init(state, 5)
+    for t in range(7):
+        inp = case.draw()
+        ya, a = case.replay_step(a, inp, route="output")
+        yb, b = case.replay_step(b, inp, route="state")
+        assert_close(ya, yb, jnp.float32, f"routes at step {t}")
+    assert_close(a.checkpoint, b.checkpoint, jnp.float32, "checkpoints")
+
+
+@pytest.mark.parametrize("name", TWO_CASES)
+def test_replay_bf16_checkpoint_and_buffer(name, rng):
+    """bf16 checkpoint and bf16 records against the float64 recurrence."""
+    case = CASES[name](rng)
+    state = case.initial_state()
+    steps = 9
+    seq = {key: jnp.asarray(value, jnp.bfloat16) for key, value in case.draw(steps).items()}
+    y_ref, final_ref = run_oracle(case, state, {k: np.asarray(v.astype(jnp.float32)) for k, v in seq.items()}, steps)
+    rs = case.replay_init(jnp.asarray(state, jnp.bfloat16), 4, buffer_dtype=jnp.bfloat16)
+    for t in range(steps):
+        y, rs = case.replay_step(rs, take_step(seq, t))
+        assert y.dtype == jnp.bfloat16
+        assert_close(y, y_ref[:, t], jnp.bfloat16, f"output at step {t}")
+    assert rs.checkpoint.dtype == jnp.bfloat16
+    assert_close(case.materialize(rs), final_ref, jnp.bfloat16, "materialized state")
+
+
+@pytest.mark.parametrize("name", TWO_CASES)
+def test_rows_with_different_cursors(name, rng):
+    """A window accepted 0, 2 and all W steps puts the rows at three cursors;
+    the rows then flush on different steps and still match the recurrence."""
+    case = CASES[name](rng)
+    L, W = 6, 4
+    state = case.initial_state()
+    rs = case.replay_init(state, L)
+    window = case.draw(W)
+    y, rs = case.verify(rs, window)
+    accepted = np.array([0, 2, W])
+    rs = replay_commit(rs, accepted)
+    np.testing.assert_array_equal(rs.cursor, accepted)
+    oracle = []
+    for row, m in enumerate(accepted):
+        s = kept = state[row : row + 1]
+        for t in range(W):
+            y_ref, s = case.oracle_step(s, take_rows(take_step(window, t), [row]))
+            assert_close(y[row : row + 1, t], y_ref, jnp.float32, f"window output row {row} step {t}")
+            kept = s if t < m else kept
+        oracle.append(kept)
+    oracle = np.concatenate(oracle)
+    cursors = [np.asarray(rs.cursor)]
+    for t in range(2 * L):
+        inp = case.draw()
+        y, rs = case.replay_step(rs, inp)
+        y_ref, oracle = case.oracle_step(oracle, inp)
+        assert_close(y, y_ref, jnp.float32, f"output at step {t}")
+        cursors.append(np.asarray(rs.cursor))
+    assert_close(case.materialize(rs), oracle, jnp.float32, "materialized state")
+    flush_steps = [set(np.nonzero(np.stack(cursors)[:, row] == 0)[0]) for row in range(3)]
+    assert flush_steps[0] != flush_steps[1] != flush_steps[2], "rows should flush on different steps"
+
+
+@pytest.mark.parametrize("name", TWO_CASES)
+def test_flush_keeps_the_state(name, rng):
+    case = CASES[name](rng)
+    rs = case.replay_init(case.initial_state(), 8)
+    for _ in range(5):
+        _, rs = case.replay_step(rs, case.draw())
+    flushed = case.flush(rs)
+    np.testing.assert_array_equal(flushed.cursor, 0)
+    assert_close(flushed.checkpoint, case.materialize(rs), jnp.float32, "flushed checkpoint")
+    assert_close(case.materialize(flushed), case.materialize(rs), jnp.float32, "state after flush")
+
+
+@pytest.mark.parametrize("name", TWO_CASES)
+def test_replay_under_jit_and_scan(name, rng):
+    """The replay step is jit-able and scan-able with the state as the carry."""
+    case = CASES[name](rng)
+    steps, L = 11, 4
+    seq = case.draw(steps)
+    state = case.initial_state()
+    y_std, final_std = run_standard(case, state, seq, steps)
+
+    @jax.jit
+    def decode(rs, seq):
+        def body(rs, inp):
+            y, rs = case.replay_step(rs, inp)
+            return rs, y
+
+        rs, ys = jax.lax.scan(body, rs, {k: jnp.swapaxes(v, 0, 1) for k, v in seq.items()})
+        return jnp.swapaxes(ys, 0, 1), rs
+
+    ys, rs = decode(case.replay_init(state, L), seq)
+    assert_close(ys, y_std, jnp.float32, "scanned outputs")
+    assert_close(case.materialize(rs), final_std, jnp.float32, "scanned final state")
+
+
+# --------------------------------------------------------------------------
+# Speculative decoding: random sequences of step / verify(W) / commit(m)
+
+
+@st.composite
+def programs(draw):
+    L = draw(st.integers(1, 6))
+    ops = []
+    for _ in range(draw(st.integers(1, 7))):
+        if draw(st.booleans()):
+            ops.append(("step", draw(st.sampled_from(["output", "state"]))))
+        else:
+            W = draw(st.integers(1, L))
+            ops.append(("verify", W, tuple(draw(st.integers(0, W)) for _ in range(2))))
+    return L, ops, draw(st.integers(0, 2**32 - 1))
+
+
+@pytest.mark.parametrize("name", TWO_CASES)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=programs())
+def test_speculative_sequences(name, program):
+    """Replay state after any sequence of steps, verifies and commits equals the
+    recurrence that applies only the accepted steps, row by row."""
+    L, ops, seed = program
+    case = CASES[name](np.random.default_rng(seed))
+    case.batch = 2
+    state = case.initial_state()
+    rs = case.replay_init(state, L)
+    rows = [state[i : i + 1].astype(np.float64) for i in range(2)]
+    for op in ops:
+        if op[0] == "step":
+            inp = case.draw()
+            y, rs = case.replay_step(rs, inp, route=op[1])
+            for i in range(2):
+                y_ref, rows[i] = case.oracle_step(rows[i], take_rows(inp, [i]))
+                assert_close(y[i : i + 1], y_ref, jnp.float32, f"step output row {i}")
+        else:
+            _, W, accepted = op
+            window = case.draw(W)
+            y, rs = case.verify(rs, window)
+            assert rs.window == W
+            for i in range(2):
+                s = rows[i]
+                for t in range(W):
+                    y_ref, s = case.oracle_step(s, take_rows(take_step(window, t), [i]))
+                    assert_close(y[i : i + 1, t], y_ref, jnp.float32, f"window output row {i} step {t}")
+                    if t + 1 == accepted[i]:
+                        rows[i] = s
+            rs = replay_commit(rs, np.array(accepted, np.int32))
+        assert np.all((0 <= np.asarray(rs.cursor)) & (np.asarray(rs.cursor) <= L))
+        assert_close(case.materialize(rs), np.concatenate(rows), jnp.float32, f"state after {op}")

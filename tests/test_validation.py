@@ -1,0 +1,147 @@
+"""Bad input: a clear error naming the argument, raised before any computation,
+leaving the caller's state usable."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cases import GDNCase, Mamba2Case, assert_close
+from replayssm_jax import ops, replay_commit
+from replayssm_jax import reference as ref
+
+
+def with_(inp, **changes):
+    return {**inp, **changes}
+
+
+@pytest.fixture
+def mamba(rng):
+    case = Mamba2Case(rng, batch=2, nheads=4, head_dim=8, d_state=16, n_groups=2)
+    return case, case.initial_state(), case.draw()
+
+
+@pytest.fixture
+def gdn(rng):
+    case = GDNCase(rng, batch=2)
+    return case, case.initial_state(), case.draw()
+
+
+MAMBA2_STEP_ERRORS = [
+    ("x rank", lambda i, r: with_(i, x=i["x"][0]), ValueError, "`x` must have shape [batch, nheads, head_dim] = (2, 4, 8); got (4, 8)"),
+    ("B groups", lambda i, r: with_(i, B=r.normal(size=(2, 3, 16)).astype(np.float32)), ValueError, "nheads = 4 must be divisible by n_groups = 3"),
+    ("C shape", lambda i, r: with_(i, C=i["C"][:, :, :8]), ValueError, "`C` must have shape [batch, n_groups, d_state] = (2, 2, 16); got (2, 2, 8)"),
+    ("batch mismatch", lambda i, r: with_(i, dt=i["dt"][:1]), ValueError, "`dt` must have shape [batch, nheads] = (2, 4); got (1, 4)"),
+    ("integer x", lambda i, r: with_(i, x=i["x"].astype(np.int32)), TypeError, "`x` must have a floating-point dtype; got int32"),
+    ("list z", lambda i, r: with_(i, z=i["z"].tolist()), TypeError, "`z` must be an array; got list"),
+]
+
+
+@pytest.mark.parametrize("what, change, error, message", MAMBA2_STEP_ERRORS, ids=[e[0] for e in MAMBA2_STEP_ERRORS])
+def test_mamba2_step_errors(mamba, rng, what, change, error, message):
+    case, state, inp = mamba
+    with pytest.raises(error) as info:
+        case.step(state, change(inp, rng))
+    assert message in str(info.value)
+
+
+def test_mamba2_bad_params(mamba):
+    case, state, inp = mamba
+    with pytest.raises(ValueError, match=r"`A` must have shape \[nheads\] = \(4,\); got \(3,\)"):
+        ref.mamba2_step(state, **inp, A=case.A[:3])
+    with pytest.raises(ValueError, match="`dt_limit` must satisfy 0 <= low <= high"):
+        ref.mamba2_step(state, **inp, A=case.A, dt_limit=(1.0, 0.5))
+    with pytest.raises(TypeError, match=r"`state` must have dtype in \(float32, bfloat16\); got float16"):
+        ref.mamba2_step(state.astype(np.float16), **inp, A=case.A)
+    with pytest.raises(ValueError, match="`chunk_size` must be >= 1; got 0"):
+        case.chunked(state, case.draw(5), chunk_size=0)
+
+
+GDN_STEP_ERRORS = [
+    ("HV not divisible", lambda i, r: with_(i, q=r.normal(size=(2, 3, 16)).astype(np.float32)), ValueError, "HV (value heads) = 4 must be divisible by H (key heads) = 3"),
+    ("k shape", lambda i, r: with_(i, k=i["k"][:, :1]), ValueError, "`k` must have shape [batch, H, K] = (2, 2, 16); got (2, 1, 16)"),
+    ("v rank", lambda i, r: with_(i, v=i["v"][None]), ValueError, "`v` must have shape [batch, HV, V]"),
+    ("integer beta", lambda i, r: with_(i, beta=np.ones((2, 4), np.int64)), TypeError, "`beta` must have a floating-point dtype"),
+    ("g batch", lambda i, r: with_(i, g=i["g"][:1]), ValueError, "`g` must have shape [batch, HV] = (2, 4); got (1, 4)"),
+]
+
+
+@pytest.mark.parametrize("what, change, error, message", GDN_STEP_ERRORS, ids=[e[0] for e in GDN_STEP_ERRORS])
+def test_gdn_step_errors(gdn, rng, what, change, error, message):
+    case, state, inp = gdn
+    with pytest.raises(error) as info:
+        case.step(state, change(inp, rng))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["mamba", "gdn"])
+def test_replay_errors_leave_state_usable(name, request):
+    case, state, inp = request.getfixturevalue(name)
+    rs = case.replay_init(state, 4)
+    _, rs = case.replay_step(rs, inp)
+    before = [np.asarray(a).copy() for a in (rs.checkpoint, rs.cursor)]
+
+    bad_inputs = {key: value[:1] for key, value in inp.items()}  # wrong batch
+    with pytest.raises(ValueError, match="must have shape"):
+        case.replay_step(rs, bad_inputs)
+    with pytest.raises(ValueError, match="`route` must be 'output' or 'state'; got 'fast'"):
+        case.replay_step(rs, inp, route="fast")
+    with pytest.raises(ValueError, match=r"the window length W = .* must be in \[1, L = 4\]; got 5"):
+        case.verify(rs, case.draw(5))
+    with pytest.raises(ValueError, match="no pending verify window"):
+        replay_commit(rs, np.zeros(2, np.int32))
+
+    _, pending = case.verify(rs, case.draw(3))
+    with pytest.raises(ValueError, match=r"pending verify window \(W = 3\); call replay_commit first"):
+        case.replay_step(pending, inp)
+    with pytest.raises(ValueError, match=r"`num_accepted` must be in \[0, 3\] for every row; got \[1, 4\]"):
+        replay_commit(pending, np.array([1, 4], np.int32))
+    with pytest.raises(ValueError, match=r"`num_accepted` must be in \[0, 3\] for every row; got \[-1, 0\]"):
+        replay_commit(pending, np.array([-1, 0], np.int32))
+    with pytest.raises(ValueError, match=r"`num_accepted` must have shape \[batch\] = \(2,\); got \(3,\)"):
+        replay_commit(pending, np.zeros(3, np.int32))
+    with pytest.raises(TypeError, match="`num_accepted` must have an integer dtype; got float32"):
+        replay_commit(pending, np.zeros(2, np.float32))
+
+    # The state that saw all these failures is intact and still decodes.
+    np.testing.assert_array_equal(rs.checkpoint, before[0])
+    np.testing.assert_array_equal(rs.cursor, before[1])
+    expected = case.materialize(rs)
+    y, after = case.replay_step(rs, inp)
+    y_ref, _ = case.oracle_step(np.asarray(expected, np.float64), inp)
+    assert_close(y, y_ref, jnp.float32, "output after the failed calls")
+
+
+@pytest.mark.parametrize("name", ["mamba", "gdn"])
+def test_init_errors(name, request):
+    case, state, _ = request.getfixturevalue(name)
+    with pytest.raises(ValueError, match="`buffer_len` must be >= 1; got 0"):
+        case.replay_init(state, 0)
+    with pytest.raises(TypeError, match="`buffer_len` must be an int; got float"):
+        case.replay_init(state, 4.0)
+    with pytest.raises(TypeError, match="`checkpoint` must have a floating-point dtype; got int32"):
+        case.replay_init(state.astype(np.int32), 4)
+    with pytest.raises(ValueError, match="`checkpoint` must have rank 4"):
+        case.replay_init(state[0], 4)
+    with pytest.raises(TypeError, match="`buffer_dtype` must be a floating dtype; got int8"):
+        case.replay_init(state, 4, buffer_dtype=np.int8)
+
+
+def test_init_divisibility(rng):
+    with pytest.raises(ValueError, match="nheads = 4 must be divisible by n_groups = 3"):
+        ref.mamba2_replay_init(np.ones((1, 4, 8, 16), np.float32), 4, n_groups=3)
+    with pytest.raises(ValueError, match=r"HV \(value heads\) = 4 must be divisible by H \(key heads\) = 3"):
+        ref.gdn_replay_init(np.ones((1, 4, 8, 16), np.float32), 4, num_k_heads=3)
+
+
+def test_state_type_is_checked(mamba, gdn):
+    (mcase, mstate, minp), (gcase, gstate, ginp) = mamba, gdn
+    with pytest.raises(TypeError, match="`state` must be a GDNReplayState; got Mamba2ReplayState"):
+        gcase.replay_step(mcase.replay_init(mstate, 2), ginp)
+
+
+def test_unknown_backend(mamba):
+    case, state, inp = mamba
+    with pytest.raises(ValueError, match=r"`backend` must be one of \('pallas', 'interpret', 'xla'\) or None; got 'cuda'"):
+        ops.mamba2_step(state, **inp, A=case.A, backend="cuda")
