@@ -1,0 +1,110 @@
+"""What the hybrid models share: the model-level decode cache and the functional entry points.
+
+A model is a Flax NNX module with
+
+- ``__call__(input_ids) -> logits``: full causal forward, no cache;
+- ``prefill(input_ids, max_len, *, replay_buffer_len=None, ...) -> (logits, HybridCache)``;
+- ``decode(tokens, cache, *, route="output") -> (logits, HybridCache)``.
+
+`make_prefill` / `make_decode_step` wrap these as pure functions of
+``(params, ...)`` (via ``nnx.split`` / ``nnx.merge``) compiled with ``jax.jit``,
+so that a generation loop can carry the cache through ``jax.lax.scan``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from replayssm_jax.layers.cache import ReplayLayerState, SSMLayerState
+
+__all__ = ["HybridCache", "make_prefill", "make_decode_step", "split_params"]
+
+
+@struct.dataclass
+class HybridCache:
+    """Decode state of a whole hybrid model.
+
+    Attributes:
+      layers: one entry per layer: `SSMLayerState` or `ReplayLayerState` (Mamba-2 /
+        GDN layers), `KVCache` (attention layers), None (MLP / MoE layers).
+      position: i32[batch], tokens consumed so far (the position of the next token).
+    """
+
+    layers: tuple
+    position: jax.Array
+
+    @property
+    def uses_replay(self) -> bool:
+        """True if the SSM layers hold ReplaySSM states."""
+        return any(isinstance(s, ReplayLayerState) for s in self.layers)
+
+
+def check_input_ids(input_ids, vocab_size: int, name: str = "input_ids") -> jax.Array:
+    """`input_ids` as int32[batch, T]; raises ValueError / TypeError on other ranks or dtypes."""
+    ids = jnp.asarray(input_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"`{name}` must have shape [batch, seqlen]; got {ids.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"`{name}` must be an integer array; got dtype {ids.dtype}")
+    return ids.astype(jnp.int32)
+
+
+def check_tokens(tokens) -> jax.Array:
+    """`tokens` as int32[batch]; raises on other ranks or dtypes."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"`tokens` must have shape [batch]; got {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"`tokens` must be an integer array; got dtype {tokens.dtype}")
+    return tokens.astype(jnp.int32)
+
+
+def split_params(model: nnx.Module):
+    """(graphdef, params): the model's static structure and its parameter pytree."""
+    return nnx.split(model)
+
+
+def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None, buffer_dtype=jnp.float32,
+                 last_logits_only: bool = False, backend: str | None = None):
+    """A jitted ``prefill(params, input_ids) -> (logits, HybridCache)``.
+
+    Args:
+      graphdef: from `split_params`.
+      max_len: KV cache length (prompt + generated tokens).
+      replay_buffer_len: None for standard SSM states, else the ReplaySSM buffer length L.
+      buffer_dtype: ReplaySSM buffer dtype.
+      last_logits_only: return logits [batch, vocab] of the last prompt token only.
+      backend: SSM op backend (replayssm_jax.ops).
+    """
+
+    @jax.jit
+    def prefill(params, input_ids):
+        model = nnx.merge(graphdef, params)
+        logits, cache = model.prefill(input_ids, max_len, replay_buffer_len=replay_buffer_len,
+                                      buffer_dtype=buffer_dtype, backend=backend)
+        return (logits[:, -1] if last_logits_only else logits), cache
+
+    return prefill
+
+
+def make_decode_step(graphdef, *, route: str = "output", backend: str | None = None, donate_cache: bool = False):
+    """A jitted ``decode_step(params, cache, tokens) -> (logits [batch, vocab], HybridCache)``.
+
+    ``donate_cache=True`` donates the cache argument (in-place state updates on GPU).
+    """
+
+    def decode_step(params, cache, tokens):
+        model = nnx.merge(graphdef, params)
+        return model.decode(tokens, cache, route=route, backend=backend)
+
+    return jax.jit(decode_step, donate_argnums=(1,) if donate_cache else ())
+
+
+def prefill_layer_states(mixer, state, *, replay_buffer_len, buffer_dtype):
+    """Convert an SSM layer's prefill state to ReplaySSM if asked (KV caches and None pass through)."""
+    if replay_buffer_len is not None and isinstance(state, SSMLayerState):
+        return mixer.to_replay(state, replay_buffer_len, buffer_dtype)
+    return state
+

@@ -1,0 +1,215 @@
+"""Causal self-attention with GQA, (partial) RoPE, optional output gate and q/k norms.
+
+Covers the attention layers of the supported hybrids:
+
+- Nemotron-H (`NemotronHAttention`): q/k/v/o projections, GQA, *no* positional
+  encoding (the Mamba-2 layers carry position), no norms, no gate.
+- Qwen3-Next / Qwen3.5 (`Qwen3NextAttention`, `Qwen3_5Attention`): ``q_proj``
+  produces [query | gate] per head (2 * head_dim each), zero-centered RMSNorm
+  ``q_norm`` / ``k_norm`` over head_dim, RoPE on the first
+  ``rotary_dim = head_dim * partial_rotary_factor`` dims (rotate-half form),
+  output multiplied by sigmoid(gate) before ``o_proj``.
+
+Dimension names: batch, T = seqlen, num_heads, num_kv_heads (query head h uses
+kv head h // (num_heads // num_kv_heads)), head_dim, max_len (KV cache length).
+
+Scores use scale head_dim ** -0.5 and a float32 softmax, as transformers'
+eager attention.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from replayssm_jax.layers.cache import KVCache
+from replayssm_jax.layers.linear import Linear, default_rngs
+from replayssm_jax.layers.norms import RMSNorm
+
+__all__ = ["Attention", "rope_inv_freq", "apply_rope"]
+
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """Default RoPE inverse frequencies, f32[rotary_dim // 2]: theta ** (-2i / rotary_dim)."""
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    return (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE on the first 2 * len(inv_freq) dims of the last axis.
+
+    Args:
+      x: [batch, T, heads, head_dim].
+      positions: int[batch, T].
+      inv_freq: f32[rotary_dim // 2].
+
+    Returns:
+      [batch, T, heads, head_dim] of x.dtype; dims >= rotary_dim pass through.
+    """
+    rotary_dim = 2 * inv_freq.shape[0]
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [b, T, rd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [b, T, 1, rd]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+
+
+class Attention(nnx.Module):
+    """Multi-head causal attention with GQA and a fixed-length KV cache.
+
+    Args:
+      hidden_size: model width.
+      num_heads, num_kv_heads, head_dim: config `num_attention_heads`,
+        `num_key_value_heads`, `head_dim`. num_kv_heads must divide num_heads.
+      bias: `attention_bias` (q/k/v/o biases).
+      output_gate: q_proj also produces a per-head gate; output *= sigmoid(gate).
+      qk_norm: zero-centered RMSNorm over head_dim on queries and keys (eps = norm_eps).
+      rotary_dim: number of rotated dims (0: no RoPE). Even, <= head_dim.
+      rope_theta: RoPE base.
+
+    Parameters (Hugging Face names): ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
+    (`Linear`), and with qk_norm ``q_norm``, ``k_norm`` (`RMSNorm`, [head_dim]).
+
+    Raises:
+      ValueError: inconsistent sizes.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool = False,
+                 output_gate: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, rotary_dim: int = 0,
+                 rope_theta: float = 10000.0, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = default_rngs(rngs)
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"Attention: `num_key_value_heads` must divide num_attention_heads = {num_heads}; "
+                             f"got {num_kv_heads}")
+        if rotary_dim < 0 or rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"Attention: `rotary_dim` must be even and in [0, head_dim = {head_dim}]; "
+                             f"got {rotary_dim}")
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.output_gate = output_gate
+        self.rotary_dim = rotary_dim
+        self.rope_theta = float(rope_theta)
+        q_out = num_heads * head_dim * (2 if output_gate else 1)
+        kw = dict(bias=bias, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = Linear(hidden_size, q_out, **kw)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, **kw)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=norm_eps, zero_centered=True, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(head_dim, eps=norm_eps, zero_centered=True, param_dtype=param_dtype)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _project(self, x: jax.Array, positions: jax.Array):
+        """q [b, T, nh, D], k/v [b, T, kvh, D], gate [b, T, nh * D] | None."""
+        batch, seqlen, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x)
+        gate = None
+        if self.output_gate:
+            q = q.reshape(batch, seqlen, self.num_heads, 2 * d)
+            q, gate = q[..., :d], q[..., d:].reshape(batch, seqlen, self.num_heads * d)
+        else:
+            q = q.reshape(batch, seqlen, self.num_heads, d)
+        k = self.k_proj(x).reshape(batch, seqlen, self.num_kv_heads, d)
+        v = self.v_proj(x).reshape(batch, seqlen, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        if self.rotary_dim:
+            inv_freq = rope_inv_freq(self.rotary_dim, self.rope_theta)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+        return q, k, v, gate
+
+    def _attend(self, q, k, v, mask):
+        """q [b, T, nh, D]; k, v [b, S, kvh, D]; mask bool[b, T, S] -> [b, T, nh * D]."""
+        batch, seqlen, _, d = q.shape
+        rep = self.num_heads // self.num_kv_heads
+        qg = q.reshape(batch, seqlen, self.num_kv_heads, rep, d)
+        scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
+        return out.reshape(batch, seqlen, self.num_heads * d)
+
+    def _output(self, attn, gate):
+        if gate is not None:
+            attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
+        return self.o_proj(attn)
+
+    # -- modes --------------------------------------------------------------------------------
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Full causal forward, no cache. x: [batch, T, hidden] -> [batch, T, hidden]."""
+        y, _ = self._prefill(x, max_len=None)
+        return y
+
+    def prefill(self, x: jax.Array, max_len: int) -> tuple[jax.Array, KVCache]:
+        """Causal forward over a prompt that starts at position 0, filling a new KV cache.
+
+        Args:
+          x: [batch, T, hidden].
+          max_len: cache length (>= T), static.
+
+        Returns:
+          (y [batch, T, hidden], KVCache with length T for every row).
+
+        Raises:
+          ValueError: T > max_len.
+        """
+        return self._prefill(x, max_len)
+
+    def _prefill(self, x, max_len):
+        batch, seqlen, _ = x.shape
+        if max_len is not None and seqlen > max_len:
+            raise ValueError(f"Attention.prefill: prompt length T = {seqlen} exceeds `max_len` = {max_len}")
+        positions = jnp.broadcast_to(jnp.arange(seqlen, dtype=jnp.int32), (batch, seqlen))
+        q, k, v, gate = self._project(x, positions)
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((seqlen, seqlen), bool)), (batch, seqlen, seqlen))
+        y = self._output(self._attend(q, k, v, mask), gate)
+        if max_len is None:
+            return y, None
+        pad = ((0, 0), (0, max_len - seqlen), (0, 0), (0, 0))
+        cache = KVCache(k=jnp.pad(k, pad), v=jnp.pad(v, pad), length=jnp.full((batch,), seqlen, jnp.int32))
+        return y, cache
+
+    def extend(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Append T tokens per row after its cached ones and attend causally.
+
+        Args:
+          x: [batch, T, hidden]; token t of row b gets position cache.length[b] + t.
+          cache: KVCache.
+
+        Returns:
+          (y [batch, T, hidden], cache with the new keys/values written and length += T).
+        """
+        batch, seqlen, _ = x.shape
+        if cache.k.shape[0] != batch or cache.k.shape[2:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"Attention: `cache.k` must have shape [batch, max_len, num_kv_heads, head_dim] = "
+                             f"({batch}, max_len, {self.num_kv_heads}, {self.head_dim}); got {cache.k.shape}")
+        positions = cache.length[:, None] + jnp.arange(seqlen, dtype=jnp.int32)[None, :]
+        q, k, v, gate = self._project(x, positions)
+
+        def write(buf, new, start):
+            return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, axis=0)
+
+        k_all = jax.vmap(write)(cache.k, k, cache.length)
+        v_all = jax.vmap(write)(cache.v, v, cache.length)
+        key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
+        mask = key_pos[None, None, :] <= positions[:, :, None]
+        y = self._output(self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask), gate)
+        return y, KVCache(k=k_all, v=v_all, length=cache.length + seqlen)
+
+    def decode(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """One decode step. x: [batch, hidden] -> (y [batch, hidden], updated cache)."""
+        y, cache = self.extend(x[:, None, :], cache)
+        return y[:, 0], cache

@@ -1,0 +1,139 @@
+"""Causal depthwise conv1d with a rolling `conv_state` (the short conv of Mamba-2 and GDN).
+
+Dimension letters: batch, T = seqlen, C = conv_dim (channels), W = conv width
+(config `conv_kernel` / `linear_conv_kernel_dim`, typically 4).
+
+The conv state holds the last W - 1 *inputs* (before the conv), channel-major:
+``conv_state: [batch, C, W - 1]``, oldest first. This is mamba_ssm's
+``causal_conv1d_update`` convention with one slot fewer than transformers'
+cache (which keeps W slots, the oldest of them never read).
+
+Math (torch ``nn.Conv1d(C, C, W, groups=C, padding=W-1)`` cut to the first T
+outputs): with xp = [conv_state ; x] along time,
+
+    y[b, t, c] = act(bias[c] + sum_{j < W} weight[c, 0, j] * xp[b, t + j, c]).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from replayssm_jax.layers.linear import default_rngs
+
+__all__ = ["CausalConv1d", "ACTIVATIONS"]
+
+
+def _relu2(x):
+    return jnp.square(jax.nn.relu(x))
+
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "relu2": _relu2,
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "identity": lambda x: x,
+}
+
+
+def get_activation(name: str):
+    """The activation function for a transformers `hidden_act` name.
+
+    Raises:
+      ValueError: an unknown name (lists the known ones).
+    """
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r}; expected one of {sorted(ACTIVATIONS)}") from None
+
+
+class CausalConv1d(nnx.Module):
+    """Depthwise causal conv1d over time, Hugging Face parameter names.
+
+    Args:
+      channels: C (conv_dim).
+      kernel_size: W.
+      bias: whether there is a ``bias`` parameter (Mamba-2 `use_conv_bias`; GDN has none).
+      activation: applied to the conv output ("silu" in all supported models).
+
+    Parameters: ``weight``: [C, 1, W] (torch Conv1d layout); ``bias``: [C].
+    """
+
+    def __init__(self, channels: int, kernel_size: int, *, bias: bool, activation: str = "silu",
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = default_rngs(rngs)
+        if kernel_size < 1:
+            raise ValueError(f"CausalConv1d: `kernel_size` must be >= 1; got {kernel_size}")
+        self.channels = channels
+        self.kernel_size = kernel_size
+        self.activation = activation
+        self._act = get_activation(activation)
+        self.weight = nnx.Param(
+            (kernel_size ** -0.5) * jax.random.normal(rngs.params(), (channels, 1, kernel_size), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((channels,), param_dtype)) if bias else None
+
+    def init_state(self, batch: int, dtype=jnp.float32) -> jax.Array:
+        """Zeros, [batch, C, W - 1]: the conv state of an empty prefix."""
+        return jnp.zeros((batch, self.channels, self.kernel_size - 1), dtype)
+
+    def _check_state(self, conv_state, batch):
+        want = (batch, self.channels, self.kernel_size - 1)
+        if conv_state.shape != want:
+            raise ValueError(f"CausalConv1d: `conv_state` must have shape [batch, C, W-1] = {want}; "
+                             f"got {conv_state.shape}")
+
+    def __call__(self, x: jax.Array, conv_state: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Prefill: convolve a whole sequence.
+
+        Args:
+          x: [batch, T, C].
+          conv_state: [batch, C, W - 1] inputs preceding x, or None (zeros).
+
+        Returns:
+          (y [batch, T, C] of x.dtype, after the activation; new conv_state
+          [batch, C, W - 1] of x.dtype: the last W - 1 inputs of [conv_state ; x]).
+        """
+        batch, seqlen, channels = x.shape
+        if channels != self.channels:
+            raise ValueError(f"CausalConv1d: `x` must have shape [batch, T, {self.channels}]; got {x.shape}")
+        width = self.kernel_size
+        if conv_state is None:
+            conv_state = self.init_state(batch, x.dtype)
+        self._check_state(conv_state, batch)
+        xp = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)  # [b, W-1+T, C]
+        w = self.weight[...][:, 0, :]  # [C, W]
+        acc = jnp.zeros((batch, seqlen, channels), jnp.float32)
+        for j in range(width):
+            acc = acc + xp[:, j:j + seqlen, :].astype(jnp.float32) * w[:, j].astype(jnp.float32)
+        if self.bias is not None:
+            acc = acc + self.bias[...].astype(jnp.float32)
+        y = self._act(acc).astype(x.dtype)
+        new_state = jnp.swapaxes(xp[:, xp.shape[1] - (width - 1):, :], 1, 2)
+        return y, new_state
+
+    def step(self, x: jax.Array, conv_state: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Decode: one new time step.
+
+        Args:
+          x: [batch, C], the new input.
+          conv_state: [batch, C, W - 1].
+
+        Returns:
+          (y [batch, C] of x.dtype, new conv_state [batch, C, W - 1] of conv_state.dtype).
+        """
+        batch, channels = x.shape
+        if channels != self.channels:
+            raise ValueError(f"CausalConv1d.step: `x` must have shape [batch, {self.channels}]; got {x.shape}")
+        self._check_state(conv_state, batch)
+        window = jnp.concatenate([conv_state.astype(jnp.float32), x.astype(jnp.float32)[:, :, None]], axis=2)
+        acc = jnp.sum(window * self.weight[...][:, 0, :].astype(jnp.float32), axis=-1)
+        if self.bias is not None:
+            acc = acc + self.bias[...].astype(jnp.float32)
+        y = self._act(acc).astype(x.dtype)
+        new_state = window[:, :, 1:].astype(conv_state.dtype)
+        return y, new_state

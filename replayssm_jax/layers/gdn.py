@@ -1,0 +1,215 @@
+"""The Gated DeltaNet layer (Yang, Kautz & Hatamizadeh, ICLR 2025), Hugging Face names.
+
+Matches transformers' `Qwen3NextGatedDeltaNet` (packed projections) and
+`Qwen3_5GatedDeltaNet` (separate projections):
+
+    q, k, v, z, b, a = projections(u)
+    qkv = silu(conv1d([q ; k ; v]))           causal depthwise, width W, conv_state
+    beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)      (float32)
+    o = GDN(q, k, v, g, beta)                  L2-normalised q, k; scale K**-0.5 (replayssm_jax.ops)
+    o = norm(o, z)                             per value head: weight * rmsnorm(o) * silu(z)
+    out = out_proj(o)
+
+Dimension names: batch, T = seqlen, H = linear_num_key_heads, HV =
+linear_num_value_heads (value head h uses key head h // (HV // H)),
+K = linear_key_head_dim, V = linear_value_head_dim, W = linear_conv_kernel_dim,
+conv_dim = 2 * H * K + HV * V.
+
+Projection layouts:
+- packed (Qwen3-Next): ``in_proj_qkvz`` [H * (2K + 2 (HV/H) V), hidden], laid out per
+  key head as [q (K) | k (K) | v ((HV/H) V) | z ((HV/H) V)]; ``in_proj_ba``
+  [2 HV, hidden], per key head [b (HV/H) | a (HV/H)].
+- separate (Qwen3.5): ``in_proj_qkv`` [2 H K + HV V, hidden] as [q | k | v],
+  ``in_proj_z`` [HV V, hidden], ``in_proj_b``, ``in_proj_a`` [HV, hidden].
+
+The recurrent state is value-major, [batch, HV, V, K] (transformers stores
+[batch, HV, K, V]).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from replayssm_jax import ops
+from replayssm_jax.layers._backend import chunked_backend
+from replayssm_jax.layers.cache import ReplayLayerState, SSMLayerState
+from replayssm_jax.layers.conv import CausalConv1d
+from replayssm_jax.layers.linear import Linear, default_rngs
+from replayssm_jax.layers.norms import GatedRMSNorm
+from replayssm_jax.state import gdn_replay_init
+
+__all__ = ["GatedDeltaNet"]
+
+
+class GatedDeltaNet(nnx.Module):
+    """Gated DeltaNet token mixer.
+
+    Args:
+      hidden_size: model width.
+      num_k_heads, num_v_heads, head_k_dim, head_v_dim: H, HV, K, V (H divides HV).
+      conv_kernel: W.
+      packed: Qwen3-Next packed projections (``in_proj_qkvz``, ``in_proj_ba``) if
+        True, else Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+      norm_eps: epsilon of the gated RMSNorm (`rms_norm_eps`).
+      chunk_size: chunk length of the prefill form.
+      ssm_state_dtype: dtype of the ssm_state / checkpoint kept between steps.
+
+    Parameters: the projections above, ``conv1d`` (weight [conv_dim, 1, W], no
+    bias), ``dt_bias`` [HV], ``A_log`` [HV], ``norm`` (weight [V]), ``out_proj``.
+
+    Raises:
+      ValueError: H does not divide HV.
+    """
+
+    def __init__(self, hidden_size: int, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int = 4, packed: bool, norm_eps: float = 1e-6, chunk_size: int = 64,
+                 activation: str = "silu", ssm_state_dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs | None = None):
+        rngs = default_rngs(rngs)
+        if num_k_heads <= 0 or num_v_heads % num_k_heads:
+            raise ValueError(f"GatedDeltaNet: `linear_num_key_heads` must divide linear_num_value_heads = "
+                             f"{num_v_heads}; got {num_k_heads}")
+        self.hidden_size = hidden_size
+        self.num_k_heads = num_k_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.packed = packed
+        self.chunk_size = chunk_size
+        self.ssm_state_dtype = ssm_state_dtype
+        self.key_dim = num_k_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        kw = dict(bias=False, param_dtype=param_dtype, rngs=rngs)
+        if packed:
+            self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, **kw)
+            self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, **kw)
+        else:
+            self.in_proj_qkv = Linear(hidden_size, self.conv_dim, **kw)
+            self.in_proj_z = Linear(hidden_size, self.value_dim, **kw)
+            self.in_proj_b = Linear(hidden_size, num_v_heads, **kw)
+            self.in_proj_a = Linear(hidden_size, num_v_heads, **kw)
+        self.conv1d = CausalConv1d(self.conv_dim, conv_kernel, bias=False, activation=activation,
+                                   param_dtype=param_dtype, rngs=rngs)
+        self.dt_bias = nnx.Param(jnp.ones((num_v_heads,), jnp.float32))
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, num_v_heads, dtype=jnp.float32)))
+        self.norm = GatedRMSNorm(head_v_dim, group_size=head_v_dim, eps=norm_eps, norm_before_gate=True,
+                                 param_dtype=param_dtype)
+        self.out_proj = Linear(self.value_dim, hidden_size, **kw)
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _project(self, u):
+        """u [..., hidden] -> (qkv [..., conv_dim] in conv channel order, z [..., HV, V], b, a [..., HV])."""
+        lead = u.shape[:-1]
+        H, K, V = self.num_k_heads, self.head_k_dim, self.head_v_dim
+        r = self.num_v_heads // H
+        if self.packed:
+            qkvz = self.in_proj_qkvz(u).reshape(*lead, H, 2 * K + 2 * r * V)
+            q = qkvz[..., :K].reshape(*lead, H * K)
+            k = qkvz[..., K:2 * K].reshape(*lead, H * K)
+            v = qkvz[..., 2 * K:2 * K + r * V].reshape(*lead, H * r * V)
+            z = qkvz[..., 2 * K + r * V:].reshape(*lead, self.num_v_heads, V)
+            ba = self.in_proj_ba(u).reshape(*lead, H, 2 * r)
+            b = ba[..., :r].reshape(*lead, self.num_v_heads)
+            a = ba[..., r:].reshape(*lead, self.num_v_heads)
+            qkv = jnp.concatenate([q, k, v], axis=-1)
+        else:
+            qkv = self.in_proj_qkv(u)
+            z = self.in_proj_z(u).reshape(*lead, self.num_v_heads, V)
+            b = self.in_proj_b(u)
+            a = self.in_proj_a(u)
+        return qkv, z, b, a
+
+    def _split_qkv(self, qkv):
+        lead = qkv.shape[:-1]
+        kd = self.key_dim
+        q = qkv[..., :kd].reshape(*lead, self.num_k_heads, self.head_k_dim)
+        k = qkv[..., kd:2 * kd].reshape(*lead, self.num_k_heads, self.head_k_dim)
+        v = qkv[..., 2 * kd:].reshape(*lead, self.num_v_heads, self.head_v_dim)
+        return q, k, v
+
+    def _gates(self, b, a):
+        """(g f32[..., HV] log decay <= 0, beta f32[..., HV] in (0, 1))."""
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        return g, beta
+
+    def _finish(self, o, z):
+        o = self.norm(o.astype(z.dtype), z)
+        return self.out_proj(o.reshape(*o.shape[:-2], self.value_dim))
+
+    def init_state(self, batch: int, dtype=jnp.float32) -> SSMLayerState:
+        """The state of an empty prefix: zero conv_state [batch, conv_dim, W-1] and ssm_state [batch, HV, V, K]."""
+        return SSMLayerState(
+            conv_state=self.conv1d.init_state(batch, dtype),
+            ssm_state=jnp.zeros((batch, self.num_v_heads, self.head_v_dim, self.head_k_dim), self.ssm_state_dtype))
+
+    # -- modes --------------------------------------------------------------------------------
+    def __call__(self, u: jax.Array, *, backend: str | None = None) -> jax.Array:
+        """Full forward, no cache. u: [batch, T, hidden] -> [batch, T, hidden]."""
+        return self.prefill(u, backend=backend)[0]
+
+    def prefill(self, u: jax.Array, state: SSMLayerState | None = None, *,
+                backend: str | None = None) -> tuple[jax.Array, SSMLayerState]:
+        """Chunked prefill.
+
+        Args:
+          u: [batch, T, hidden], the normalised layer input.
+          state: None (empty prefix) or an `SSMLayerState` to continue from.
+          backend: replayssm_jax.ops backend of the chunked op (None: the platform
+            default where it has the op, else "xla"; see layers._backend).
+
+        Returns:
+          (out [batch, T, hidden] of u.dtype, SSMLayerState with conv_state
+          [batch, conv_dim, W-1] (u.dtype) and ssm_state = the checkpoint
+          [batch, HV, V, K] (ssm_state_dtype)).
+        """
+        qkv, z, b, a = self._project(u)
+        qkv, conv_state = self.conv1d(qkv, None if state is None else state.conv_state)
+        q, k, v = self._split_qkv(qkv)
+        g, beta = self._gates(b, a)
+        init = None if state is None else state.ssm_state
+        o, ssm_state = ops.gdn_chunked(init, q, k, v, g, beta, use_qk_l2norm=True, chunk_size=self.chunk_size,
+                                       backend=chunked_backend("gdn_chunked", backend))
+        return self._finish(o, z), SSMLayerState(conv_state=conv_state,
+                                                 ssm_state=ssm_state.astype(self.ssm_state_dtype))
+
+    def to_replay(self, state: SSMLayerState, buffer_len: int, buffer_dtype=jnp.float32) -> ReplayLayerState:
+        """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps."""
+        replay = gdn_replay_init(state.ssm_state, buffer_len, self.num_k_heads, buffer_dtype=buffer_dtype)
+        return ReplayLayerState(conv_state=state.conv_state, replay=replay)
+
+    def decode(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, route: str = "output",
+               backend: str | None = None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
+        """One decode step.
+
+        Args:
+          u: [batch, hidden], the normalised layer input of the new token.
+          state: `SSMLayerState` (standard step) or `ReplayLayerState` (ReplaySSM step).
+          route: ReplaySSM readout route, "output" or "state".
+          backend: passed to replayssm_jax.ops.
+
+        Returns:
+          (out [batch, hidden], the new state of the same type).
+
+        Raises:
+          TypeError: `state` of another type.
+        """
+        if not isinstance(state, (SSMLayerState, ReplayLayerState)):
+            raise TypeError(f"GatedDeltaNet.decode: `state` must be SSMLayerState or ReplayLayerState; "
+                            f"got {type(state).__name__}")
+        qkv, z, b, a = self._project(u)
+        qkv, conv_state = self.conv1d.step(qkv, state.conv_state)
+        q, k, v = self._split_qkv(qkv)
+        g, beta = self._gates(b, a)
+        if isinstance(state, SSMLayerState):
+            o, ssm_state = ops.gdn_step(state.ssm_state, q, k, v, g, beta, use_qk_l2norm=True, backend=backend)
+            new = SSMLayerState(conv_state=conv_state, ssm_state=ssm_state)
+        else:
+            o, replay = ops.gdn_replay_step(state.replay, q, k, v, g, beta, use_qk_l2norm=True, route=route,
+                                            backend=backend)
+            new = ReplayLayerState(conv_state=conv_state, replay=replay)
+        return self._finish(o, z), new

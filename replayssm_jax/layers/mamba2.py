@@ -1,0 +1,189 @@
+"""The Mamba-2 mixer (Dao & Gu 2024), with Hugging Face parameter names.
+
+Matches transformers' `Mamba2Mixer` and `NemotronHMamba2Mixer` (torch_forward):
+
+    zxbcdt = in_proj(u)                        [batch, T, d_inner + conv_dim + nheads]
+    z, xBC, dt = split(zxbcdt)                 d_inner, conv_dim = d_inner + 2 G N, nheads
+    xBC = silu(conv1d(xBC))                    causal depthwise, width W, conv_state
+    x, B, C = split(xBC)                       [.., nheads, head_dim], [.., G, N], [.., G, N]
+    y = SSM(x, dt, A = -exp(A_log), B, C, D, dt_bias, dt_limit)   (replayssm_jax.ops)
+    y = norm(y, z)                             gated RMSNorm, groups of norm_group_size
+    out = out_proj(y)
+
+Dimension names: batch, T = seqlen, H = nheads, P = head_dim, N = d_state
+(`state_size` / `ssm_state_size`), G = n_groups, W = conv_kernel,
+d_inner = H * P, conv_dim = d_inner + 2 * G * N.
+
+Three modes share the parameters:
+- `prefill`: the chunked SSD form (``ops.mamba2_chunked``); returns the outputs
+  and an `SSMLayerState` whose ssm_state is the checkpoint (final SSM state).
+- `decode` with an `SSMLayerState`: one standard step (``ops.mamba2_step``).
+- `decode` with a `ReplayLayerState`: one ReplaySSM step (``ops.mamba2_replay_step``),
+  built from a prefill by `to_replay` (``mamba2_replay_init``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from replayssm_jax import ops
+from replayssm_jax.layers._backend import chunked_backend
+from replayssm_jax.layers.cache import ReplayLayerState, SSMLayerState
+from replayssm_jax.layers.conv import CausalConv1d
+from replayssm_jax.layers.linear import Linear, default_rngs
+from replayssm_jax.layers.norms import GatedRMSNorm
+from replayssm_jax.state import mamba2_replay_init
+
+__all__ = ["Mamba2Mixer"]
+
+
+class Mamba2Mixer(nnx.Module):
+    """Mamba-2 mixer: in_proj, conv1d, SSM, gated RMSNorm, out_proj.
+
+    Args:
+      hidden_size: model width.
+      num_heads, head_dim, state_size, n_groups: H, P, N, G (G must divide H).
+      conv_kernel: W.
+      use_conv_bias: conv1d has a bias.
+      use_bias: in_proj / out_proj have biases.
+      chunk_size: chunk length of the prefill (SSD) form.
+      dt_limit: (low, high) clamp of the processed dt. Plain Mamba2 uses the
+        config's `time_step_limit`; transformers' Nemotron-H clamps at
+        `time_step_min` from below (see models.nemotron_h).
+      norm_eps: epsilon of the gated RMSNorm.
+      norm_group_size: group size of the gated RMSNorm (Nemotron-H: d_inner // G;
+        transformers' Mamba2: d_inner).
+      ssm_state_dtype: dtype of the ssm_state / checkpoint kept between steps.
+
+    Parameters: ``in_proj``, ``conv1d`` (weight [conv_dim, 1, W], bias), ``dt_bias`` [H],
+    ``A_log`` [H], ``D`` [H], ``norm`` (weight [d_inner]), ``out_proj``.
+
+    Raises:
+      ValueError: G does not divide H, or norm_group_size does not divide d_inner.
+    """
+
+    def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, state_size: int, n_groups: int,
+                 conv_kernel: int = 4, use_conv_bias: bool = True, use_bias: bool = False, chunk_size: int = 128,
+                 dt_limit: tuple[float, float] = (0.0, math.inf), norm_eps: float = 1e-5,
+                 norm_group_size: int | None = None, activation: str = "silu", ssm_state_dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = default_rngs(rngs)
+        if n_groups <= 0 or num_heads % n_groups:
+            raise ValueError(f"Mamba2Mixer: `n_groups` must divide nheads = {num_heads}; got {n_groups}")
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.state_size = state_size
+        self.n_groups = n_groups
+        self.chunk_size = chunk_size
+        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        self.ssm_state_dtype = ssm_state_dtype
+        self.d_inner = num_heads * head_dim
+        self.conv_dim = self.d_inner + 2 * n_groups * state_size
+        self.in_proj = Linear(hidden_size, self.d_inner + self.conv_dim + num_heads, bias=use_bias,
+                              param_dtype=param_dtype, rngs=rngs)
+        self.conv1d = CausalConv1d(self.conv_dim, conv_kernel, bias=use_conv_bias, activation=activation,
+                                   param_dtype=param_dtype, rngs=rngs)
+        self.dt_bias = nnx.Param(jnp.full((num_heads,), math.log(math.expm1(0.01)), jnp.float32))
+        self.A_log = nnx.Param(jnp.log(jnp.arange(1, num_heads + 1, dtype=jnp.float32)))
+        self.D = nnx.Param(jnp.ones((num_heads,), jnp.float32))
+        self.norm = GatedRMSNorm(self.d_inner, group_size=norm_group_size or self.d_inner, eps=norm_eps,
+                                 norm_before_gate=False, param_dtype=param_dtype)
+        self.out_proj = Linear(self.d_inner, hidden_size, bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _split_proj(self, zxbcdt):
+        d, c = self.d_inner, self.conv_dim
+        return zxbcdt[..., :d], zxbcdt[..., d:d + c], zxbcdt[..., d + c:]
+
+    def _split_xbc(self, xbc):
+        d, gn = self.d_inner, self.n_groups * self.state_size
+        lead = xbc.shape[:-1]
+        x = xbc[..., :d].reshape(*lead, self.num_heads, self.head_dim)
+        B = xbc[..., d:d + gn].reshape(*lead, self.n_groups, self.state_size)
+        C = xbc[..., d + gn:].reshape(*lead, self.n_groups, self.state_size)
+        return x, B, C
+
+    def _ssm_params(self):
+        A = -jnp.exp(self.A_log[...].astype(jnp.float32))
+        return dict(A=A, D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=self.dt_limit)
+
+    def _finish(self, y, z):
+        y = y.reshape(*z.shape[:-1], self.d_inner)
+        return self.out_proj(self.norm(y, z))
+
+    def init_state(self, batch: int, dtype=jnp.float32) -> SSMLayerState:
+        """The state of an empty prefix: zero conv_state [batch, conv_dim, W-1] and ssm_state [batch, H, P, N]."""
+        return SSMLayerState(
+            conv_state=self.conv1d.init_state(batch, dtype),
+            ssm_state=jnp.zeros((batch, self.num_heads, self.head_dim, self.state_size), self.ssm_state_dtype))
+
+    # -- modes --------------------------------------------------------------------------------
+    def __call__(self, u: jax.Array, *, backend: str | None = None) -> jax.Array:
+        """Full forward, no cache. u: [batch, T, hidden] -> [batch, T, hidden]."""
+        return self.prefill(u, backend=backend)[0]
+
+    def prefill(self, u: jax.Array, state: SSMLayerState | None = None, *,
+                backend: str | None = None) -> tuple[jax.Array, SSMLayerState]:
+        """Chunked prefill.
+
+        Args:
+          u: [batch, T, hidden], the normalised layer input.
+          state: None (empty prefix) or an `SSMLayerState` to continue from.
+          backend: replayssm_jax.ops backend of the chunked op (None: the platform
+            default where it has the op, else "xla"; see layers._backend).
+
+        Returns:
+          (out [batch, T, hidden] of u.dtype, SSMLayerState with conv_state
+          [batch, conv_dim, W-1] (u.dtype) and ssm_state = the checkpoint
+          [batch, H, P, N] (ssm_state_dtype)).
+        """
+        z, xbc, dt = self._split_proj(self.in_proj(u))
+        xbc, conv_state = self.conv1d(xbc, None if state is None else state.conv_state)
+        x, B, C = self._split_xbc(xbc)
+        init = None if state is None else state.ssm_state
+        y, ssm_state = ops.mamba2_chunked(init, x, dt, B=B, C=C, chunk_size=self.chunk_size,
+                                          backend=chunked_backend("mamba2_chunked", backend),
+                                          **self._ssm_params())
+        return self._finish(y, z), SSMLayerState(conv_state=conv_state,
+                                                 ssm_state=ssm_state.astype(self.ssm_state_dtype))
+
+    def to_replay(self, state: SSMLayerState, buffer_len: int, buffer_dtype=jnp.float32) -> ReplayLayerState:
+        """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps."""
+        replay = mamba2_replay_init(state.ssm_state, buffer_len, self.n_groups, buffer_dtype=buffer_dtype)
+        return ReplayLayerState(conv_state=state.conv_state, replay=replay)
+
+    def decode(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, route: str = "output",
+               backend: str | None = None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
+        """One decode step.
+
+        Args:
+          u: [batch, hidden], the normalised layer input of the new token.
+          state: `SSMLayerState` (standard step) or `ReplayLayerState` (ReplaySSM step).
+          route: ReplaySSM readout route, "output" or "state" (same numbers).
+          backend: passed to replayssm_jax.ops.
+
+        Returns:
+          (out [batch, hidden], the new state of the same type).
+
+        Raises:
+          TypeError: `state` of another type.
+        """
+        if not isinstance(state, (SSMLayerState, ReplayLayerState)):
+            raise TypeError(f"Mamba2Mixer.decode: `state` must be SSMLayerState or ReplayLayerState; "
+                            f"got {type(state).__name__}")
+        z, xbc, dt = self._split_proj(self.in_proj(u))
+        xbc, conv_state = self.conv1d.step(xbc, state.conv_state)
+        x, B, C = self._split_xbc(xbc)
+        if isinstance(state, SSMLayerState):
+            y, ssm_state = ops.mamba2_step(state.ssm_state, x, dt, B=B, C=C, backend=backend, **self._ssm_params())
+            new = SSMLayerState(conv_state=conv_state, ssm_state=ssm_state)
+        else:
+            y, replay = ops.mamba2_replay_step(state.replay, x, dt, B=B, C=C, route=route, backend=backend,
+                                               **self._ssm_params())
+            new = ReplayLayerState(conv_state=conv_state, replay=replay)
+        return self._finish(y, z), new

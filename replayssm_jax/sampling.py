@@ -1,0 +1,68 @@
+"""Next-token choice: greedy, temperature, top-k and top-p (nucleus) sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the logits.
+
+    Attributes:
+      temperature: 0 for greedy (argmax); > 0 divides the logits before sampling.
+      top_k: keep the k most likely tokens (0: all).
+      top_p: keep the smallest set of most likely tokens whose probability
+        reaches top_p (1.0: all). Applied after top_k (Holtzman et al., 2020).
+
+    Raises:
+      ValueError: temperature < 0, top_k < 0, or top_p outside (0, 1].
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"`temperature` must be a finite float >= 0; got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"`top_k` must be an int >= 0; got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"`top_p` must be in (0, 1]; got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
+    """Choose one token per row.
+
+    Args:
+      logits: f32[batch, vocab].
+      key: a PRNG key (unused when greedy).
+      params: SamplingParams (static).
+
+    Returns:
+      i32[batch] token ids.
+    """
+    logits = logits.astype(jnp.float32)
+    if params.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, params.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if params.top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        kept = jnp.where(before < params.top_p, ordered, jnp.inf)
+        cutoff = jnp.min(kept, axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

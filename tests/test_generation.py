@@ -1,0 +1,181 @@
+"""Generation on the real fixture checkpoints: greedy tokens equal transformers'
+with the standard state and with ReplaySSM, ragged batches equal each prompt
+alone, stop tokens and sampling behave, the decode loop updates its states in
+place, and the command line reports bad input in one line."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hlo_checks import per_step_copies
+from models import load_model
+from replayssm_jax.generate import main
+from replayssm_jax.generation import GenerationError, Generator
+from replayssm_jax.sampling import SamplingParams, sample_tokens
+from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
+
+DATA = pathlib.Path(__file__).parent / "data"
+FIXTURES = ["mamba2_tiny", "nemotron_h_tiny", "qwen3_5_tiny", "qwen3_next_tiny"]
+MODES = [("standard", None), ("replay", 1), ("replay", 4), ("replay", 16)]
+_MODELS = {}
+
+
+def model(name):
+    if name not in _MODELS:
+        _MODELS[name] = load_model(DATA / name)
+    return _MODELS[name]
+
+
+def reference(name):
+    return np.load(DATA / name / "reference.npz")
+
+
+@pytest.mark.parametrize("state, L", MODES, ids=[f"{s}-L{L}" if L else s for s, L in MODES])
+@pytest.mark.parametrize("name", FIXTURES)
+def test_greedy_tokens_match_transformers(name, state, L):
+    ref = reference(name)
+    prompts, expected = ref["prompt_ids"], ref["generated_ids"]
+    gen = Generator(model(name), state=state, buffer_len=L or 1)
+    out = gen.generate(prompts, expected.shape[1] - prompts.shape[1])
+    np.testing.assert_array_equal(np.array(out.sequences), expected)
+
+
+@pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_5_tiny"])
+def test_ragged_batch_equals_each_prompt_alone(name, rng):
+    vocab = model(name).config.vocab_size
+    prompts = [rng.integers(3, vocab, size=n).tolist() for n in (9, 3, 6)]
+    gen = Generator(model(name), state="replay", buffer_len=4)
+    together = gen.generate(prompts, 10).sequences
+    for prompt, row in zip(prompts, together):
+        assert gen.generate([prompt], 10).sequences[0] == row
+
+
+def test_stop_tokens_end_only_their_sequence():
+    ref = reference("qwen3_5_tiny")
+    prompts, expected = ref["prompt_ids"], ref["generated_ids"]
+    T = prompts.shape[1]
+    stop = int(expected[0, T + 5])  # the 6th token of row 0
+    gen = Generator(model("qwen3_5_tiny"), state="replay", buffer_len=4, block_size=8)
+    out = gen.generate(prompts, 30, stop_tokens=[stop])
+    for row in range(2):
+        new = expected[row, T : T + 30].tolist()
+        cut = new.index(stop) + 1 if stop in new else len(new)
+        assert out.sequences[row] == prompts[row].tolist() + new[:cut]
+        assert out.num_generated[row] == cut
+
+
+def test_sampling_is_seeded_and_respects_top_k():
+    ref = reference("nemotron_h_tiny")
+    gen = Generator(model("nemotron_h_tiny"), state="replay", buffer_len=4)
+    sampling = SamplingParams(temperature=1.0, top_k=5, top_p=0.9)
+    a = gen.generate(ref["prompt_ids"], 12, sampling=sampling, seed=7).sequences
+    b = gen.generate(ref["prompt_ids"], 12, sampling=sampling, seed=7).sequences
+    c = gen.generate(ref["prompt_ids"], 12, sampling=sampling, seed=8).sequences
+    assert a == b and a != c
+    greedy = gen.generate(ref["prompt_ids"], 12).sequences
+    assert gen.generate(ref["prompt_ids"], 12, sampling=SamplingParams(1.0, top_k=1), seed=3).sequences == greedy
+
+
+def test_sample_tokens_stays_in_top_k_and_top_p(rng):
+    logits = jnp.asarray(rng.normal(size=(4, 50)) * 3, jnp.float32)
+    top3 = np.argsort(-np.asarray(logits), axis=-1)[:, :3]
+    probs = np.asarray(jax.nn.softmax(logits))
+    for i in range(20):
+        key = jax.random.key(i)
+        t = np.asarray(sample_tokens(logits, key, SamplingParams(1.0, top_k=3)))
+        assert all(t[r] in top3[r] for r in range(4))
+        t = np.asarray(sample_tokens(logits, key, SamplingParams(1.0, top_p=0.5)))
+        for r in range(4):
+            order = np.argsort(-probs[r])
+            mass_before = np.cumsum(probs[r][order]) - probs[r][order]
+            allowed = set(order[mass_before < 0.5].tolist())
+            assert t[r] in allowed
+    with pytest.raises(ValueError, match=r"`top_p` must be in \(0, 1\]; got 0.0"):
+        SamplingParams(1.0, top_p=0.0)
+
+
+@pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_next_tiny"])
+def test_decode_loop_copies_no_checkpoint(name):
+    gen = Generator(model(name), state="replay", buffer_len=4, block_size=16)
+    ref = reference(name)
+    gen.generate(ref["prompt_ids"], 17)  # one block of 16 steps
+    (hlo,) = gen.decode_hlo()
+    cfg = model(name).config
+    prompts = jnp.asarray(ref["prompt_ids"])
+    _, cache = model(name).prefill(prompts, 32, replay_buffer_len=4)
+    checkpoints = [s.replay.checkpoint for s in cache.layers if hasattr(s, "replay")]
+    assert checkpoints and all(isinstance(s.replay, (Mamba2ReplayState, GDNReplayState))
+                               for s in cache.layers if hasattr(s, "replay"))
+    assert "while" in hlo, "the decode block should compile to a loop"
+    for c in checkpoints:  # the checkpoints are in the loop state, so a copy would show
+        assert f"f32[{','.join(map(str, c.shape))}]" in hlo
+    found = per_step_copies(hlo, checkpoints)
+    assert not found, f"{cfg.model_type}: per-step copies of a checkpoint:\n" + "\n".join(found)
+
+
+def test_generator_errors():
+    gen = Generator(model("mamba2_tiny"), state="replay", buffer_len=4)
+    with pytest.raises(GenerationError, match=r"`prompt 1` has token id 256 outside the vocabulary \[0, 256\)"):
+        gen.generate([[1, 2], [3, 256]], 4)
+    with pytest.raises(GenerationError, match="prompt 0 is empty"):
+        gen.generate([[]], 4)
+    with pytest.raises(GenerationError, match="`max_new_tokens` must be an int >= 0; got -1"):
+        gen.generate([[1, 2]], -1)
+    with pytest.raises(GenerationError, match="`buffer_len` must be an int >= 1; got 0"):
+        Generator(model("mamba2_tiny"), state="replay", buffer_len=0)
+    assert gen.generate([[5, 6, 7]], 0).sequences == [[5, 6, 7]]
+
+
+# --------------------------------------------------------------------------
+# The command
+
+
+def test_command_default_checkpoint_json(capsys):
+    assert main(["--max-new-tokens", "6", "--compare", "--json", "--buffer-len", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical"] is True
+    runs = report["runs"]
+    assert runs["replay"]["buffer_len"] == 4 and runs["standard"]["buffer_len"] is None
+    for r in runs.values():
+        assert r["backend"] == "xla" and r["tokens_per_s"] > 0 and r["compile_s"] > 0
+        assert len(r["generated_ids"]) == 1 and r["text"][0].startswith("ReplaySSM")
+
+
+def test_command_prompt_ids_on_fixture(capsys):
+    ref = reference("qwen3_next_tiny")
+    ids = ";".join(",".join(map(str, row)) for row in ref["prompt_ids"])
+    n = ref["generated_ids"].shape[1] - ref["prompt_ids"].shape[1]
+    argv = ["--checkpoint", str(DATA / "qwen3_next_tiny"), "--prompt-ids", ids, "--max-new-tokens", str(n),
+            "--state", "replay", "--buffer-len", "3", "--stop", "", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["generated_ids"] == ref["generated_ids"].tolist()
+    assert report["state"] == "replay" and report["buffer_len"] == 3
+
+
+BAD_COMMANDS = [
+    (["--checkpoint", "/nonexistent/folder"], "cannot load checkpoint '/nonexistent/folder'"),
+    (["--prompt-ids", "1,2,999"], "token id 999 outside the vocabulary [0, 256)"),
+    (["--prompt", ""], "--prompt is empty"),
+    (["--prompt-ids", "1,2;;3"], "--prompt-ids: row 1 is empty"),
+    (["--prompt-ids", "1,x"], "--prompt-ids: row 0 ('1,x') is not a comma-separated list of integers"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0; got -1"),
+    (["--buffer-len", "0"], "--buffer-len must be >= 1; got 0"),
+    (["--backend", "cuda"], "--backend must be one of pallas, interpret, xla; got 'cuda'"),
+    (["--dtype", "float64"], "--dtype must be one of float32, bfloat16; got 'float64'"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]; got 0.0"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_COMMANDS, ids=[m[:24] for _, m in BAD_COMMANDS])
+def test_command_bad_input_is_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert message in err, err

@@ -1,0 +1,454 @@
+"""Unit tests of replayssm_jax.layers: norms, conv, attention, MLP / MoE, Mamba-2 mixer, Gated DeltaNet.
+
+Each layer is checked against a small, literal NumPy formula of the Hugging Face
+module it mirrors, and each stateful layer for continuity: a prefill of t tokens
+followed by decode steps (standard and ReplaySSM) equals the prefill of all tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from replayssm_jax.layers import (
+    MLP,
+    Attention,
+    CausalConv1d,
+    GatedDeltaNet,
+    GatedRMSNorm,
+    KVCache,
+    Mamba2Mixer,
+    MoE,
+    ReplayLayerState,
+    RMSNorm,
+    SSMLayerState,
+)
+from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
+
+TOL = 2e-5
+
+
+def rand(key, shape, scale=1.0):
+    return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+def randomize(module, seed=0, scale=0.3):
+    """Replace every parameter with N(0, scale) noise (norm weights around their init)."""
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [leaf + scale * jax.random.normal(k, leaf.shape, leaf.dtype) for leaf, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+def assert_close(a, b, tol=TOL, what=""):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} vs {b.shape}"
+    err = np.max(np.abs(a - b))
+    rel = err / max(np.max(np.abs(b)), 1e-30)
+    assert err < tol, f"{what}: max abs err {err:.3g} (rel {rel:.3g}) > {tol}"
+
+
+def np_rms(x, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def np_silu(x):
+    return x / (1 + np.exp(-x))
+
+
+# ------------------------------------------------------------------------------------------------
+# norms
+
+
+def test_rms_norms():
+    x = np.asarray(rand(0, (3, 5, 12)))
+    n = randomize(RMSNorm(12, eps=1e-5))
+    assert_close(n(jnp.asarray(x)), np.asarray(n.weight[...]) * np_rms(x, 1e-5), what="plain")
+    z = randomize(RMSNorm(12, eps=1e-6, zero_centered=True))
+    assert_close(z(jnp.asarray(x)), (1 + np.asarray(z.weight[...])) * np_rms(x, 1e-6), what="zero-centered")
+    assert RMSNorm(4, eps=1e-6, zero_centered=True).weight[...].sum() == 0
+
+
+def test_gated_rms_norms():
+    x, g = np.asarray(rand(1, (2, 3, 12))), np.asarray(rand(2, (2, 3, 12)))
+    grouped = randomize(GatedRMSNorm(12, group_size=4, eps=1e-5, norm_before_gate=False))
+    w = np.asarray(grouped.weight[...])
+    want = (np_rms((x * np_silu(g)).reshape(2, 3, 3, 4), 1e-5)).reshape(2, 3, 12) * w
+    assert_close(grouped(jnp.asarray(x), jnp.asarray(g)), want, what="gate-then-norm per group")
+    after = randomize(GatedRMSNorm(12, group_size=12, eps=1e-6, norm_before_gate=True))
+    want = np.asarray(after.weight[...]) * np_rms(x, 1e-6) * np_silu(g)
+    assert_close(after(jnp.asarray(x), jnp.asarray(g)), want, what="norm-then-gate")
+    with pytest.raises(ValueError, match="group_size"):
+        GatedRMSNorm(12, group_size=5, eps=1e-6, norm_before_gate=False)
+    with pytest.raises(ValueError, match="same shape"):
+        after(jnp.asarray(x), jnp.asarray(g[..., :6]))
+
+
+# ------------------------------------------------------------------------------------------------
+# conv
+
+
+@pytest.mark.parametrize("seqlen", [1, 2, 7])
+def test_causal_conv1d_prefill_and_step(seqlen):
+    conv = randomize(CausalConv1d(6, 4, bias=True))
+    x = rand(3, (2, seqlen, 6))
+    y, state = conv(x)
+    w, b = np.asarray(conv.weight[...])[:, 0], np.asarray(conv.bias[...])
+    xp = np.concatenate([np.zeros((2, 3, 6)), np.asarray(x)], axis=1)
+    want = np.stack([np_silu(b + sum(w[:, j] * xp[:, t + j] for j in range(4))) for t in range(seqlen)], axis=1)
+    assert_close(y, want, what="prefill")
+    assert_close(state, np.swapaxes(xp[:, -3:], 1, 2), what="conv_state = last W-1 inputs")
+    # token by token from an empty state
+    s = conv.init_state(2)
+    for t in range(seqlen):
+        yt, s = conv.step(x[:, t], s)
+        assert_close(yt, want[:, t], what=f"step {t}")
+    assert_close(s, state, what="stepped conv_state")
+    # a prefill continued from a state equals one prefill over both parts
+    x2 = rand(4, (2, 3, 6))
+    y_all, s_all = conv(jnp.concatenate([x, x2], axis=1))
+    y2, s2 = conv(x2, state)
+    assert_close(y2, y_all[:, seqlen:], what="continued prefill")
+    assert_close(s2, s_all)
+    with pytest.raises(ValueError, match=r"conv_state.*\(2, 6, 3\)"):
+        conv.step(x[:, 0], jnp.zeros((2, 6, 4)))
+
+
+# ------------------------------------------------------------------------------------------------
+# attention
+
+
+def np_attention(layer: Attention, x):
+    """Literal transformers math (eager attention, repeat_kv, rotate-half RoPE)."""
+    p = lambda m: np.asarray(m.weight[...])  # noqa: E731
+    b, T, _ = x.shape
+    nh, kvh, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    q = x @ p(layer.q_proj).T
+    gate = None
+    if layer.output_gate:
+        q = q.reshape(b, T, nh, 2 * d)
+        q, gate = q[..., :d], q[..., d:].reshape(b, T, nh * d)
+    q = q.reshape(b, T, nh, d)
+    k = (x @ p(layer.k_proj).T).reshape(b, T, kvh, d)
+    v = (x @ p(layer.v_proj).T).reshape(b, T, kvh, d)
+    if layer.q_norm is not None:
+        q = np_rms(q, 1e-6) * (1 + p(layer.q_norm))
+        k = np_rms(k, 1e-6) * (1 + p(layer.k_norm))
+    rd = layer.rotary_dim
+    if rd:
+        inv = 1.0 / (layer.rope_theta ** (np.arange(0, rd, 2) / rd))
+        ang = np.arange(T)[:, None] * inv[None]
+        cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+        def rope(t):
+            r, rest = t[..., :rd], t[..., rd:]
+            rot = np.concatenate([-r[..., rd // 2:], r[..., :rd // 2]], -1)
+            return np.concatenate([r * cos[None, :, None] + rot * sin[None, :, None], rest], -1)
+
+        q, k = rope(q), rope(k)
+    k = np.repeat(k, nh // kvh, axis=2)
+    v = np.repeat(v, nh // kvh, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    s = np.exp(s - s.max(-1, keepdims=True))
+    s = s / s.sum(-1, keepdims=True)
+    o = np.einsum("bhts,bshd->bthd", s, v).reshape(b, T, nh * d)
+    if gate is not None:
+        o = o / (1 + np.exp(-gate))
+    return o @ p(layer.o_proj).T
+
+
+ATTENTION_VARIANTS = {
+    "nemotron": dict(rotary_dim=0),
+    "qwen": dict(output_gate=True, qk_norm=True, rotary_dim=4, rope_theta=10000.0),
+    "full_rope_bias": dict(rotary_dim=8, bias=True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ATTENTION_VARIANTS))
+def test_attention_matches_formula_and_decodes(variant):
+    layer = randomize(Attention(24, 4, 2, 8, **ATTENTION_VARIANTS[variant]), scale=0.2)
+    x = rand(5, (2, 9, 24))
+    y = jax.jit(layer)(x)
+    if not ATTENTION_VARIANTS[variant].get("bias"):
+        assert_close(y, np_attention(layer, np.asarray(x, np.float64)), what=variant)
+    # prefill 5 tokens, then decode 4: same outputs as the full forward
+    y5, cache = jax.jit(layer.prefill, static_argnums=1)(x[:, :5], 12)
+    assert cache.k.shape == (2, 12, 2, 8)
+    assert_close(y5, y[:, :5])
+    for t in range(5, 9):
+        yt, cache = jax.jit(layer.decode)(x[:, t], cache)
+        assert_close(yt, y[:, t], what=f"decode {t}")
+    np.testing.assert_array_equal(np.asarray(cache.length), [9, 9])
+
+
+def test_attention_extend_with_ragged_lengths():
+    """Rows at different cache lengths: each token attends to its own row's prefix only."""
+    layer = randomize(Attention(16, 2, 1, 8, output_gate=True, qk_norm=True, rotary_dim=8), scale=0.2)
+    x = rand(6, (2, 6, 16))
+    full = jax.jit(layer)(x)
+    prefill = jax.jit(layer.prefill, static_argnums=1)
+    _, c0 = prefill(x[:1, :2], 8)
+    _, c1 = prefill(x[1:, :4], 8)
+    cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), c0, c1)
+    y, cache = jax.jit(layer.extend)(jnp.stack([x[0, 2:4], x[1, 4:6]]), cache)
+    assert_close(y[0], full[0, 2:4])
+    assert_close(y[1], full[1, 4:6])
+    np.testing.assert_array_equal(np.asarray(cache.length), [4, 6])
+
+
+def test_attention_errors():
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        Attention(16, 4, 3, 4)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        Attention(16, 4, 2, 4, rotary_dim=3)
+    layer = Attention(16, 4, 2, 4)
+    with pytest.raises(ValueError, match="max_len"):
+        layer.prefill(jnp.zeros((1, 5, 16)), max_len=4)
+    with pytest.raises(ValueError, match="cache.k"):
+        layer.decode(jnp.zeros((1, 16)), KVCache.zeros(1, 4, 4, 4))
+
+
+# ------------------------------------------------------------------------------------------------
+# MLP and MoE
+
+
+def test_mlps():
+    x = np.asarray(rand(7, (3, 16)))
+    relu2 = randomize(MLP(16, 24, activation="relu2", gated=False))
+    p = lambda m: np.asarray(m.weight[...])  # noqa: E731
+    assert_close(relu2(jnp.asarray(x)), (np.maximum(x @ p(relu2.up_proj).T, 0) ** 2) @ p(relu2.down_proj).T)
+    swiglu = randomize(MLP(16, 24, activation="silu", gated=True))
+    want = (np_silu(x @ p(swiglu.gate_proj).T) * (x @ p(swiglu.up_proj).T)) @ p(swiglu.down_proj).T
+    assert_close(swiglu(jnp.asarray(x)), want)
+    with pytest.raises(ValueError, match="unknown activation"):
+        MLP(4, 4, activation="swoosh", gated=False)
+
+
+def np_moe(moe: MoE, x):
+    """Per-token loop following NemotronHMoE / Qwen3NextSparseMoeBlock."""
+    w = np.asarray(moe.gate.weight[...])
+    e = moe.experts
+    up, down = np.asarray(e.up_proj[...]), np.asarray(e.down_proj[...])
+    gate = np.asarray(e.gate_proj[...]) if e.gated else None
+    out = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        logits = w @ x[n]
+        if moe.router == "softmax":
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+            idx = np.argsort(-probs)[:moe.top_k]
+            wts = probs[idx]
+            if moe.norm_topk_prob:
+                wts = wts / wts.sum()
+        else:
+            scores = 1 / (1 + np.exp(-logits))
+            choice = scores + np.asarray(moe.gate.e_score_correction_bias[...])
+            per = moe.num_experts // moe.n_group
+            grp = np.sort(choice.reshape(moe.n_group, per), axis=-1)[:, -2:].sum(-1)
+            keep = np.argsort(-grp)[:moe.topk_group]
+            masked = np.full_like(choice, -np.inf)
+            for gi in keep:
+                masked[gi * per:(gi + 1) * per] = choice[gi * per:(gi + 1) * per]
+            idx = np.argsort(-masked)[:moe.top_k]
+            wts = scores[idx]
+            if moe.norm_topk_prob:
+                wts = wts / (wts.sum() + 1e-20)
+            wts = wts * moe.routed_scaling_factor
+        for i, wt in zip(idx, wts):
+            h = up[i] @ x[n]
+            h = np_silu(gate[i] @ x[n]) * h if e.gated else np.maximum(h, 0) ** 2
+            out[n] += wt * (down[i] @ h)
+    shared = getattr(moe, moe.shared_name)
+    if shared is not None:
+        p = lambda m: np.asarray(m.weight[...])  # noqa: E731
+        if shared.gated:
+            s = (np_silu(x @ p(shared.gate_proj).T) * (x @ p(shared.up_proj).T)) @ p(shared.down_proj).T
+        else:
+            s = (np.maximum(x @ p(shared.up_proj).T, 0) ** 2) @ p(shared.down_proj).T
+        if moe.shared_expert_gate is not None:
+            s = s / (1 + np.exp(-(x @ p(moe.shared_expert_gate).T)))
+        out += s
+    return out
+
+
+MOE_VARIANTS = {
+    "nemotron_grouped": dict(activation="relu2", gated=False, router="sigmoid", norm_topk_prob=True,
+                             routed_scaling_factor=2.5, n_group=4, topk_group=2, shared_intermediate_size=12,
+                             shared_name="shared_experts"),
+    "nemotron_plain": dict(activation="relu2", gated=False, router="sigmoid", norm_topk_prob=False),
+    "qwen3_next": dict(activation="silu", gated=True, router="softmax", norm_topk_prob=True,
+                       shared_intermediate_size=12, shared_expert_gate=True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_moe_matches_formula(variant):
+    moe = randomize(MoE(16, 8, 3, 10, **MOE_VARIANTS[variant]), scale=0.3)
+    x = np.asarray(rand(8, (2, 5, 16)))
+    want = np_moe(moe, x.reshape(10, 16)).reshape(2, 5, 16)
+    assert_close(jax.jit(moe)(jnp.asarray(x)), want, what=f"{variant} dense path")
+    # few tokens: the gather path (N * k <= E)
+    assert_close(jax.jit(moe)(jnp.asarray(x[:, 0])), want[:, 0], what=f"{variant} gather path")
+
+
+def test_moe_errors():
+    with pytest.raises(ValueError, match="router"):
+        MoE(8, 4, 2, 8, activation="silu", gated=True, router="topk", norm_topk_prob=True)
+    with pytest.raises(ValueError, match="n_group"):
+        MoE(8, 4, 2, 8, activation="silu", gated=True, router="sigmoid", norm_topk_prob=True, n_group=3)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        MoE(8, 4, 5, 8, activation="silu", gated=True, router="softmax", norm_topk_prob=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# SSM layers: continuity of prefill, standard decode and ReplaySSM decode
+
+
+def mamba2_layer(**kw):
+    layer = Mamba2Mixer(24, num_heads=4, head_dim=6, state_size=5, n_groups=2, conv_kernel=4, chunk_size=4,
+                        norm_group_size=12, **kw)
+    layer = randomize(layer, seed=1, scale=0.3)
+    # keep the decay moderate so that the test exercises real state carry-over
+    layer.A_log[...] = jnp.log(jnp.linspace(0.2, 1.0, 4))
+    return layer
+
+
+def gdn_layer(packed):
+    layer = GatedDeltaNet(24, num_k_heads=2, num_v_heads=4, head_k_dim=6, head_v_dim=5, conv_kernel=4, packed=packed,
+                          chunk_size=4)
+    return randomize(layer, seed=2, scale=0.3)
+
+
+SSM_LAYERS = {
+    "mamba2": mamba2_layer,
+    "gdn_packed": lambda: gdn_layer(True),
+    "gdn_separate": lambda: gdn_layer(False),
+}
+
+
+def np_mamba2(layer: Mamba2Mixer, u):
+    """Literal per-step recurrence of transformers' Mamba2Mixer decode path, from zeros."""
+    p = lambda a: np.asarray(a[...], np.float64)  # noqa: E731
+    b, T, _ = u.shape
+    H, P, N, G = layer.num_heads, layer.head_dim, layer.state_size, layer.n_groups
+    zxbcdt = u @ p(layer.in_proj.weight).T
+    d, c = layer.d_inner, layer.conv_dim
+    z, xbc, dt = zxbcdt[..., :d], zxbcdt[..., d:d + c], zxbcdt[..., d + c:]
+    w = p(layer.conv1d.weight)[:, 0]
+    xp = np.concatenate([np.zeros((b, 3, c)), xbc], 1)
+    xbc = np_silu(np.stack([sum(w[:, j] * xp[:, t + j] for j in range(4)) + p(layer.conv1d.bias)
+                            for t in range(T)], 1))
+    x = xbc[..., :d].reshape(b, T, H, P)
+    Bm = np.repeat(xbc[..., d:d + G * N].reshape(b, T, G, N), H // G, axis=2)
+    Cm = np.repeat(xbc[..., d + G * N:].reshape(b, T, G, N), H // G, axis=2)
+    dt = np.log1p(np.exp(dt + p(layer.dt_bias)))
+    A = -np.exp(p(layer.A_log))
+    S = np.zeros((b, H, P, N))
+    ys = []
+    for t in range(T):
+        S = S * np.exp(dt[:, t] * A)[..., None, None] + (dt[:, t, :, None] * x[:, t])[..., None] * Bm[:, t, :, None]
+        ys.append(np.einsum("bhpn,bhn->bhp", S, Cm[:, t]) + p(layer.D)[:, None] * x[:, t])
+    y = (np.stack(ys, 1).reshape(b, T, d) * np_silu(z)).reshape(b, T, 2, 12)
+    y = (np_rms(y, 1e-5).reshape(b, T, d)) * p(layer.norm.weight)
+    return y @ p(layer.out_proj.weight).T
+
+
+def test_mamba2_mixer_matches_recurrence():
+    layer = mamba2_layer()
+    u = rand(9, (2, 7, 24))
+    assert_close(jax.jit(layer)(u), np_mamba2(layer, np.asarray(u, np.float64)), tol=5e-5)
+
+
+@pytest.mark.parametrize("name", sorted(SSM_LAYERS))
+def test_ssm_layer_continuity(name):
+    layer = SSM_LAYERS[name]()
+    u = rand(10, (2, 11, 24))
+    prefill = jax.jit(layer.prefill)
+    full, full_state = prefill(u)
+    assert isinstance(full_state, SSMLayerState)
+    # prefill 4 tokens, then 7 standard decode steps
+    y, state = prefill(u[:, :4])
+    assert_close(y, full[:, :4], what="prefill prefix")
+    decode = jax.jit(lambda s, x: layer.decode(x, s))
+    std = state
+    for t in range(4, 11):
+        yt, std = decode(std, u[:, t])
+        assert_close(yt, full[:, t], what=f"standard step {t}")
+    assert_close(std.ssm_state, full_state.ssm_state, what="final ssm_state")
+    assert_close(std.conv_state, full_state.conv_state, what="final conv_state")
+    # ReplaySSM at buffer lengths 1, 3 (flushes at ragged points) and 8 (no flush); both routes at L = 3
+    for L, route in ((1, "output"), (3, "output"), (3, "state"), (8, "output")):
+        rep = layer.to_replay(state, L)
+        assert isinstance(rep, ReplayLayerState)
+        assert isinstance(rep.replay, Mamba2ReplayState if name == "mamba2" else GDNReplayState)
+        step = jax.jit(lambda s, x, route=route: layer.decode(x, s, route=route))
+        for t in range(4, 11):
+            yt, rep = step(rep, u[:, t])
+            assert_close(yt, full[:, t], what=f"replay L={L} route={route} step {t}")
+        np.testing.assert_array_equal(np.asarray(rep.replay.cursor), [7 % L] * 2)
+    # a prefill continued from a state equals the full prefill
+    y2, s2 = prefill(u[:, 4:], state)
+    assert_close(y2, full[:, 4:], what="continued prefill")
+    assert_close(s2.ssm_state, full_state.ssm_state)
+    with pytest.raises(TypeError, match="SSMLayerState or ReplayLayerState"):
+        layer.decode(u[:, 0], KVCache.zeros(2, 4, 1, 1))
+
+
+def test_gdn_packed_layout_equals_separate():
+    """Qwen3-Next's per-key-head packing of in_proj_qkvz / in_proj_ba, unpacked, gives Qwen3.5's layer."""
+    packed, separate = gdn_layer(True), gdn_layer(False)
+    H, K, V, HV = 2, 6, 5, 4
+    r = HV // H
+    Wq, Wk = rand(11, (H, K, 24), 0.3), rand(12, (H, K, 24), 0.3)
+    Wv, Wz = rand(13, (H, r * V, 24), 0.3), rand(14, (H, r * V, 24), 0.3)
+    Wb, Wa = rand(15, (H, r, 24), 0.3), rand(16, (H, r, 24), 0.3)
+    packed.in_proj_qkvz.weight[...] = jnp.concatenate([Wq, Wk, Wv, Wz], axis=1).reshape(-1, 24)
+    packed.in_proj_ba.weight[...] = jnp.concatenate([Wb, Wa], axis=1).reshape(-1, 24)
+    separate.in_proj_qkv.weight[...] = jnp.concatenate([Wq.reshape(-1, 24), Wk.reshape(-1, 24),
+                                                        Wv.reshape(-1, 24)])
+    separate.in_proj_z.weight[...] = Wz.reshape(-1, 24)
+    separate.in_proj_b.weight[...] = Wb.reshape(-1, 24)
+    separate.in_proj_a.weight[...] = Wa.reshape(-1, 24)
+    for name in ("conv1d", "norm", "out_proj"):
+        nnx.update(getattr(separate, name), nnx.state(getattr(packed, name)))
+    separate.A_log[...] = packed.A_log[...]
+    separate.dt_bias[...] = packed.dt_bias[...]
+    u = rand(17, (2, 6, 24))
+    assert_close(jax.jit(separate)(u), jax.jit(packed)(u))
+
+
+def test_ssm_layer_errors():
+    with pytest.raises(ValueError, match="n_groups"):
+        Mamba2Mixer(8, num_heads=4, head_dim=2, state_size=4, n_groups=3)
+    with pytest.raises(ValueError, match="linear_num_key_heads"):
+        GatedDeltaNet(8, num_k_heads=3, num_v_heads=4, head_k_dim=2, head_v_dim=2, packed=False)
+
+
+def test_decode_in_lax_scan_with_split_merge():
+    """The functional form a generation loop uses: params split once, state carried by lax.scan."""
+    layer = mamba2_layer()
+    u = rand(18, (2, 9, 24))
+    full = jax.jit(layer)(u)
+    graphdef, params = nnx.split(layer)
+
+    @jax.jit
+    def run(params, u):
+        m = nnx.merge(graphdef, params)
+        _, state = m.prefill(u[:, :3])
+        state = m.to_replay(state, 4)
+
+        def body(s, x):
+            y, s = nnx.merge(graphdef, params).decode(x, s)
+            return s, y
+
+        _, ys = jax.lax.scan(body, state, jnp.swapaxes(u[:, 3:], 0, 1))
+        return jnp.swapaxes(ys, 0, 1)
+
+    assert_close(run(params, u), full[:, 3:])

@@ -1,0 +1,381 @@
+"""Hybrid models against transformers 5.17 on the four tiny fixtures, and checkpoint / config errors.
+
+Fixtures (tests/data/*, see /work/shared/fixtures/README.md): a real checkpoint
+per family plus reference.npz from transformers' pure-PyTorch path (float32, CPU).
+Parity: prefill_logits and full_logits within 1e-4; decode with the standard
+state and with ReplaySSM at several buffer lengths reproduces step_logits within
+1e-4 and the greedy generated_ids exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from models import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    HybridCache,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+    QwenHybridConfig,
+    QwenHybridForCausalLM,
+    load_model,
+    make_decode_step,
+    make_prefill,
+    split_params,
+)
+from replayssm_jax.layers import KVCache, ReplayLayerState, SSMLayerState
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+FIXTURES = ["mamba2_tiny", "nemotron_h_tiny", "qwen3_5_tiny", "qwen3_next_tiny"]
+TOL = 1e-4
+# None: standard SSM state; ints: ReplaySSM buffer lengths (1: flush every step; 16: flushes
+# after 16 and 32 of the 40 steps, ends with a partly filled buffer).
+DECODE_MODES = [None, 1, 16]
+
+_MODELS: dict = {}
+
+
+def fixture_dir(name):
+    return os.path.join(DATA, name)
+
+
+def get_model(name):
+    if name not in _MODELS:
+        _MODELS[name] = load_model(fixture_dir(name))
+    return _MODELS[name]
+
+
+def reference(name):
+    return dict(np.load(os.path.join(fixture_dir(name), "reference.npz")))
+
+
+def max_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a - b)))
+
+
+_forward = jax.jit(lambda graphdef, params, ids: nnx.merge(graphdef, params)(ids), static_argnums=0)
+
+
+def forward(model, ids):
+    graphdef, params = split_params(model)
+    return _forward(graphdef, params, jnp.asarray(ids))
+
+
+def greedy(model, prompt, new_tokens, replay_buffer_len, route="output"):
+    """Prefill + greedy decode in one jitted lax.scan. Returns (step logits [N, B, V], generated ids [B, T+N])."""
+    graphdef, params = split_params(model)
+    max_len = prompt.shape[1] + new_tokens
+
+    @jax.jit
+    def run(params, prompt):
+        m = nnx.merge(graphdef, params)
+        logits, cache = m.prefill(prompt, max_len, replay_buffer_len=replay_buffer_len)
+        first = logits[:, -1]
+
+        def body(carry, _):
+            cache, lg = carry
+            tok = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+            lg2, cache = nnx.merge(graphdef, params).decode(tok, cache, route=route)
+            return (cache, lg2), (lg, tok)
+
+        _, (lgs, toks) = jax.lax.scan(body, (cache, first), None, length=new_tokens)
+        return lgs, jnp.concatenate([prompt, toks.T], axis=1)
+
+    return run(params, jnp.asarray(prompt))
+
+
+# ------------------------------------------------------------------------------------------------
+# parity
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_loaded_model_class(name):
+    model = get_model(name)
+    expected = NemotronHForCausalLM if name in ("mamba2_tiny", "nemotron_h_tiny") else QwenHybridForCausalLM
+    assert isinstance(model, expected)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_prefill_and_full_logits_match_transformers(name):
+    model, ref = get_model(name), reference(name)
+    err_prefill = max_err(forward(model, ref["prompt_ids"]), ref["prefill_logits"])
+    err_full = max_err(forward(model, ref["generated_ids"]), ref["full_logits"])
+    assert err_prefill < TOL, f"{name}: prefill_logits max abs err {err_prefill:.3g}"
+    assert err_full < TOL, f"{name}: full_logits max abs err {err_full:.3g}"
+
+
+@pytest.mark.parametrize("replay_buffer_len", DECODE_MODES)
+@pytest.mark.parametrize("name", FIXTURES)
+def test_decode_matches_transformers(name, replay_buffer_len):
+    model, ref = get_model(name), reference(name)
+    n_new = ref["step_logits"].shape[0]
+    step_logits, ids = greedy(model, ref["prompt_ids"], n_new, replay_buffer_len)
+    err = max_err(step_logits, ref["step_logits"])
+    assert err < TOL, f"{name} (replay L={replay_buffer_len}): step_logits max abs err {err:.3g}"
+    np.testing.assert_array_equal(np.asarray(ids), ref["generated_ids"])
+
+
+@pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_5_tiny"])
+def test_replay_state_route_matches(name):
+    model, ref = get_model(name), reference(name)
+    step_logits, ids = greedy(model, ref["prompt_ids"], 12, 5, route="state")
+    assert max_err(step_logits, ref["step_logits"][:12]) < TOL
+    np.testing.assert_array_equal(np.asarray(ids), ref["generated_ids"][:, :ref["prompt_ids"].shape[1] + 12])
+
+
+def test_functional_prefill_and_decode_step():
+    """make_prefill / make_decode_step: pure jitted functions of (params, ...), and the cache types."""
+    name = "qwen3_next_tiny"
+    model, ref = get_model(name), reference(name)
+    graphdef, params = split_params(model)
+    T = ref["prompt_ids"].shape[1]
+    prefill = make_prefill(graphdef, max_len=T + 4, replay_buffer_len=3, last_logits_only=True)
+    step = make_decode_step(graphdef)
+    logits, cache = prefill(params, jnp.asarray(ref["prompt_ids"]))
+    assert isinstance(cache, HybridCache) and cache.uses_replay
+    kinds = [type(s) for s in cache.layers]
+    assert kinds == [ReplayLayerState, ReplayLayerState, KVCache, ReplayLayerState]
+    assert max_err(logits, ref["step_logits"][0]) < TOL
+    for j in range(3):
+        logits, cache = step(params, cache, jnp.asarray(ref["generated_ids"][:, T + j]))
+        assert max_err(logits, ref["step_logits"][j + 1]) < TOL
+    np.testing.assert_array_equal(np.asarray(cache.position), [T + 3] * 2)
+    np.testing.assert_array_equal(np.asarray(cache.layers[2].length), [T + 3] * 2)
+
+
+def test_decode_rejects_mismatched_cache():
+    model = get_model("nemotron_h_tiny")
+    ids = jnp.asarray(reference("nemotron_h_tiny")["prompt_ids"])
+    _, cache = jax.jit(model.prefill, static_argnums=1)(ids, 16)
+    assert isinstance(cache.layers[0], SSMLayerState) and cache.layers[1] is None
+    with pytest.raises(ValueError, match="layer states"):
+        model.decode(ids[:, 0], HybridCache(layers=cache.layers[:-1], position=cache.position))
+    swapped = (cache.layers[2],) + cache.layers[1:]
+    with pytest.raises(ValueError, match=r"cache.layers\[0\]"):
+        model.decode(ids[:, 0], HybridCache(layers=swapped, position=cache.position))
+    with pytest.raises(ValueError, match=r"\[batch\]"):
+        model.decode(ids, cache)
+    with pytest.raises(ValueError, match="max_len"):
+        model.prefill(ids, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# loading
+
+
+def copy_fixture(name, tmp_path):
+    dst = tmp_path / name
+    shutil.copytree(fixture_dir(name), dst)
+    os.chmod(dst, 0o755)
+    for f in dst.iterdir():
+        os.chmod(f, 0o644)
+    return dst
+
+
+def test_sharded_checkpoint_and_dtype_cast(tmp_path):
+    name = "qwen3_next_tiny"
+    dst = copy_fixture(name, tmp_path)
+    tensors = load_file(dst / "model.safetensors")
+    keys = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    weight_map = {}
+    for fname, ks in shards.items():
+        save_file({k: tensors[k] for k in ks}, dst / fname)
+        weight_map.update({k: fname for k in ks})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    os.remove(dst / "model.safetensors")
+    ref = reference(name)
+    model = load_model(dst)
+    assert max_err(forward(model, ref["prompt_ids"]), ref["prefill_logits"]) < TOL
+
+    model16 = load_model(dst, dtype=jnp.bfloat16)
+    gdn = model16.model.layers[0].linear_attn
+    assert gdn.in_proj_qkvz.weight[...].dtype == jnp.bfloat16
+    assert gdn.A_log[...].dtype == jnp.float32 and gdn.dt_bias[...].dtype == jnp.float32
+    logits = forward(model16, ref["prompt_ids"])
+    assert logits.dtype == jnp.float32
+    assert max_err(logits, ref["prefill_logits"]) < 0.05  # bf16 weights (seen: 7e-3)
+    T = ref["prompt_ids"].shape[1]
+    graphdef, params = split_params(model16)
+    prefill = make_prefill(graphdef, max_len=T + 2, replay_buffer_len=2, buffer_dtype=jnp.bfloat16)
+    _, cache = prefill(params, jnp.asarray(ref["prompt_ids"]))
+    assert cache.layers[0].replay.d.dtype == jnp.bfloat16
+    assert cache.layers[0].replay.checkpoint.dtype == jnp.float32
+    logits, _ = make_decode_step(graphdef)(params, cache, jnp.asarray(ref["generated_ids"][:, T]))
+    assert max_err(logits, ref["step_logits"][1]) < 0.05
+
+
+def test_nemotron_model_prefix_and_mtp_are_accepted(tmp_path):
+    name = "nemotron_h_tiny"
+    dst = copy_fixture(name, tmp_path)
+    tensors = load_file(dst / "model.safetensors")
+    renamed = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v for k, v in tensors.items()}
+    renamed["mtp.layers.0.norm.weight"] = np.ones(4, np.float32)
+    save_file(renamed, dst / "model.safetensors")
+    ref = reference(name)
+    assert max_err(forward(load_model(dst), ref["prompt_ids"]), ref["prefill_logits"]) < TOL
+
+
+def _rewrite(dst, fn):
+    tensors = load_file(dst / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, dst / "model.safetensors")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    dst = copy_fixture("nemotron_h_tiny", tmp_path)
+    _rewrite(dst, lambda t: t.pop("backbone.layers.4.mixer.dt_bias"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'backbone.layers.4.mixer.dt_bias'.*\(4,\)"):
+        load_model(dst)
+
+
+def test_missing_expert_is_named(tmp_path):
+    dst = copy_fixture("qwen3_next_tiny", tmp_path)
+    _rewrite(dst, lambda t: t.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.experts.2.up_proj.weight"):
+        load_model(dst)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    dst = copy_fixture("qwen3_5_tiny", tmp_path)
+    _rewrite(dst, lambda t: t.__setitem__("model.layers.0.linear_attn.extra.weight", np.zeros(3, np.float32)))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor.*'model.layers.0.linear_attn.extra.weight'"):
+        load_model(dst)
+
+
+def test_shape_mismatch_names_file_key_and_shapes(tmp_path):
+    dst = copy_fixture("mamba2_tiny", tmp_path)
+    _rewrite(dst, lambda t: t.__setitem__("backbone.layers.1.mixer.D", np.ones(5, np.float32)))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'backbone.layers.1.mixer.D' has shape "
+                                              r"\(5,\); Mamba2ForCausalLM expects \(4,\)"):
+        load_model(dst)
+
+
+def test_missing_config_and_weights(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+    dst = copy_fixture("mamba2_tiny", tmp_path)
+    os.remove(dst / "config.json")
+    with pytest.raises(CheckpointNotFoundError, match=r"config.json: no such file"):
+        load_model(dst)
+    dst = copy_fixture("qwen3_5_tiny", tmp_path)
+    os.remove(dst / "model.safetensors")
+    with pytest.raises(CheckpointNotFoundError, match="no model.safetensors"):
+        load_model(dst)
+
+
+def _edit_config(dst, fn):
+    cfg = json.loads((dst / "config.json").read_text())
+    fn(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def test_unknown_model_type(tmp_path):
+    dst = copy_fixture("mamba2_tiny", tmp_path)
+    _edit_config(dst, lambda c: c.__setitem__("model_type", "llama"))
+    with pytest.raises(ConfigError, match=r"config.json: unknown model_type 'llama'"):
+        load_model(dst)
+
+
+def test_unknown_layer_type(tmp_path):
+    dst = copy_fixture("nemotron_h_tiny", tmp_path)
+    _edit_config(dst, lambda c: c["layers_block_type"].__setitem__(2, "sliding_attention"))
+    with pytest.raises(ConfigError, match=r"'layers_block_type': unknown layer type 'sliding_attention' at layer 2"):
+        load_model(dst)
+    dst = copy_fixture("qwen3_5_tiny", tmp_path)
+    _edit_config(dst, lambda c: c["layer_types"].__setitem__(0, "mamba"))
+    with pytest.raises(ConfigError, match=r"'layer_types': unknown layer type 'mamba' at layer 0"):
+        load_model(dst)
+
+
+# ------------------------------------------------------------------------------------------------
+# configs
+
+
+def fixture_config(name):
+    return json.loads(open(os.path.join(fixture_dir(name), "config.json")).read())
+
+
+def test_nemotron_legacy_names_give_the_same_config():
+    new = fixture_config("nemotron_h_tiny")
+    legacy = dict(new)
+    del legacy["layers_block_type"]
+    legacy["hybrid_override_pattern"] = "ME*-ME"
+    for old, key in [("mamba_n_groups", "n_groups"), ("mamba_d_conv", "conv_kernel"),
+                     ("mamba_chunk_size", "chunk_size"), ("mamba_conv_bias", "use_conv_bias")]:
+        legacy[old] = legacy.pop(key)
+    legacy["mamba_dt_limit"] = [0.0, float("inf")]
+    del legacy["time_step_limit"]
+    a = NemotronHConfig.from_hf_config(new)
+    b = NemotronHConfig.from_hf_config(legacy)
+    assert a == b
+    assert a.layer_types == ("mamba", "moe", "attention", "mlp", "mamba", "moe")
+    assert a.dt_limit == (0.0, float("inf"))
+    assert a.mamba_norm_group_size == 16  # d_inner 32 / n_groups 2
+    # the legacy list names of older hub configs
+    older = dict(new, layers_block_type=["mamba", "moe", "attention", "mlp", "mamba", "moe"])
+    assert NemotronHConfig.from_hf_config(older) == a
+
+
+def test_nemotron_config_validation():
+    base = fixture_config("nemotron_h_tiny")
+    with pytest.raises(ConfigError, match=r"'n_groups' = 3 must divide 'mamba_num_heads' = 4"):
+        NemotronHConfig.from_hf_config(dict(base, n_groups=3))
+    with pytest.raises(ConfigError, match=r"'num_key_value_heads' = 3 must divide 'num_attention_heads' = 4"):
+        NemotronHConfig.from_hf_config(dict(base, num_key_value_heads=3))
+    with pytest.raises(ConfigError, match=r"missing key 'layers_block_type'"):
+        NemotronHConfig.from_hf_config({k: v for k, v in base.items() if k != "layers_block_type"})
+    with pytest.raises(ConfigError, match=r"'hybrid_override_pattern': unknown layer type 'X' at layer 1"):
+        NemotronHConfig.from_hf_config(dict({k: v for k, v in base.items() if k != "layers_block_type"},
+                                            hybrid_override_pattern="MX"))
+    with pytest.raises(ConfigError, match=r"'num_experts_per_tok' must be in \[1, n_routed_experts = 4\]"):
+        NemotronHConfig.from_hf_config(dict(base, num_experts_per_tok=5))
+    with pytest.raises(ConfigError, match=r"key 'hidden_size' must be int"):
+        NemotronHConfig.from_hf_config(dict(base, hidden_size="32"))
+
+
+def test_mamba2_config():
+    cfg = NemotronHConfig.from_hf_config(fixture_config("mamba2_tiny"))
+    assert cfg.layer_types == ("mamba", "mamba") and cfg.mamba_norm_group_size == 32
+    assert cfg.dt_limit == (0.0, float("inf")) and cfg.residual_in_fp32 and not cfg.tie_word_embeddings
+    with pytest.raises(ConfigError, match=r"'num_heads' \* 'head_dim' = 24 must equal"):
+        NemotronHConfig.from_hf_config(dict(fixture_config("mamba2_tiny"), num_heads=3))
+
+
+def test_qwen_configs():
+    nxt = QwenHybridConfig.from_hf_config(fixture_config("qwen3_next_tiny"))
+    assert nxt.layer_types == ("gdn", "gdn", "attention", "gdn") and nxt.mlp_types == ("moe",) * 4
+    assert nxt.gdn_packed and nxt.rotary_dim == 4
+    q35 = QwenHybridConfig.from_hf_config(fixture_config("qwen3_5_tiny"))
+    assert q35.mlp_types == ("mlp",) * 4 and not q35.gdn_packed
+    # legacy: full_attention_interval instead of layer_types, top-level rope keys
+    legacy = {k: v for k, v in fixture_config("qwen3_next_tiny").items() if k not in ("layer_types", "rope_parameters")}
+    legacy.update(full_attention_interval=3, rope_theta=10000.0, partial_rotary_factor=0.25, mlp_only_layers=[1])
+    cfg = QwenHybridConfig.from_hf_config(legacy)
+    assert cfg.layer_types == ("gdn", "gdn", "attention", "gdn")
+    assert cfg.mlp_types == ("moe", "mlp", "moe", "moe") and cfg.rotary_dim == 4
+    # the multimodal wrapper reads text_config
+    wrapped = {"model_type": "qwen3_5", "text_config": {k: v for k, v in fixture_config("qwen3_5_tiny").items()
+                                                        if k != "model_type"}}
+    assert QwenHybridConfig.from_hf_config(wrapped) == q35
+    bad = dict(fixture_config("qwen3_5_tiny"), rope_parameters={"rope_type": "yarn", "rope_theta": 1e4})
+    with pytest.raises(ConfigError, match=r"rope_type 'yarn' is not supported"):
+        QwenHybridConfig.from_hf_config(bad)
+    with pytest.raises(ConfigError, match=r"'linear_num_key_heads' = 3 must divide 'linear_num_value_heads' = 4"):
+        QwenHybridConfig.from_hf_config(dict(fixture_config("qwen3_5_tiny"), linear_num_key_heads=3))
+    with pytest.raises(ConfigError, match=r"'layer_types' has 4 entries; 'num_hidden_layers' = 5"):
+        QwenHybridConfig.from_hf_config(dict(fixture_config("qwen3_5_tiny"), num_hidden_layers=5))
