@@ -14,12 +14,6 @@ An explicitly requested backend that cannot run raises (no GPU for
 "pallas"; no kernel for the op); nothing falls back silently. The kernel
 backends accept a keyword-only `config=` (:class:`replayssm_jax.kernels.Config`)
 that overrides the frozen tiling heuristic.
-
-Replay steps on the kernel backends: a row entering with a full buffer
-(cursor == L, only after a speculative commit) flushes the buffered steps
-and the new step at once (cursor 0 after the step; the reference leaves
-cursor 1). Materialized states and outputs agree; see
-:mod:`replayssm_jax.kernels`.
 """
 
 from __future__ import annotations

@@ -6,18 +6,13 @@ from replayssm_jax import ops
 
 
 def chunked_backend(op_name: str, backend: str | None) -> str | None:
-    """The backend for a chunked (prefill) op.
+    """The backend of a prefill (chunked) op, given the model's `backend`.
 
-    An explicit `backend` is passed through unchanged (and fails loudly in
-    replayssm_jax.ops if it cannot run). With None, the platform default is used
-    when it implements `op_name`; on a GPU, where the default is "pallas" and the
-    chunked forms have no Pallas kernel yet, the prefill runs the "xla" form (the
-    decode ops still get the default, i.e. the kernels).
+    A model's `backend` selects the implementation of its decode ops. The
+    chunked prefill forms have no Pallas kernel (:data:`ops.KERNEL_OPS`), so
+    under "pallas" or "interpret" they run their XLA form; None and "xla"
+    pass through (None already resolves to "xla" for an op without a kernel).
     """
-    if backend is not None:
-        return backend
-    if ops.default_backend() == "xla":
-        return None
-    from replayssm_jax import kernels
-
-    return None if hasattr(kernels, op_name) else "xla"
+    if backend in ("pallas", "interpret") and op_name not in ops.KERNEL_OPS:
+        return "xla"
+    return backend

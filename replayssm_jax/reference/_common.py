@@ -13,6 +13,7 @@ prefill and by the verify window). Everything is float32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -21,6 +22,10 @@ import jax.numpy as jnp
 from replayssm_jax.state import slot_mask
 
 f32 = jnp.float32
+
+# The reference is the ground truth: its contractions run in full float32 on
+# every platform (no TF32 on a GPU).
+einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
 def expand_heads(x: jax.Array, nheads: int, axis: int) -> jax.Array:
@@ -68,15 +73,15 @@ def replay_readout(checkpoint, u, k, lg, count, q) -> jax.Array:
       f32[batch, heads, V].
     """
     total, w = replay_weights(lg, count)
-    from_checkpoint = jnp.einsum("bhvk,bhk->bhv", checkpoint.astype(f32), q.astype(f32))
-    scores = w * jnp.einsum("bhlk,bhk->bhl", k.astype(f32), q.astype(f32))
-    return jnp.exp(total)[..., None] * from_checkpoint + jnp.einsum("bhl,bhlv->bhv", scores, u.astype(f32))
+    from_checkpoint = einsum("bhvk,bhk->bhv", checkpoint.astype(f32), q.astype(f32))
+    scores = w * einsum("bhlk,bhk->bhl", k.astype(f32), q.astype(f32))
+    return jnp.exp(total)[..., None] * from_checkpoint + einsum("bhl,bhlv->bhv", scores, u.astype(f32))
 
 
 def replay_materialize(checkpoint, u, k, lg, count) -> jax.Array:
     """S_count = exp(G) S_c + sum_i w_i u_i k_i^T, f32[batch, heads, V, K]."""
     total, w = replay_weights(lg, count)
-    update = jnp.einsum("bhl,bhlv,bhlk->bhvk", w, u.astype(f32), k.astype(f32))
+    update = einsum("bhl,bhlv,bhlk->bhvk", w, u.astype(f32), k.astype(f32))
     return jnp.exp(total)[..., None, None] * checkpoint.astype(f32) + update
 
 
@@ -110,11 +115,11 @@ def chunk_readout(state, u, k, q, lg) -> tuple[jax.Array, jax.Array]:
     """
     u, k, q = (a.astype(f32) for a in (u, k, q))
     cum, decay = causal_decay(lg)
-    scores = jnp.einsum("bthk,bshk->bhts", q, k) * decay
-    y = jnp.einsum("bhts,bshv->bthv", scores, u)
-    y = y + jnp.exp(cum)[..., None] * jnp.einsum("bhvk,bthk->bthv", state, q)
+    scores = einsum("bthk,bshk->bhts", q, k) * decay
+    y = einsum("bhts,bshv->bthv", scores, u)
+    y = y + jnp.exp(cum)[..., None] * einsum("bhvk,bthk->bthv", state, q)
     to_end = jnp.exp(cum[:, -1:, :] - cum)  # [batch, T, heads]
-    final = jnp.exp(cum[:, -1])[..., None, None] * state + jnp.einsum("bth,bthv,bthk->bhvk", to_end, u, k)
+    final = jnp.exp(cum[:, -1])[..., None, None] * state + einsum("bth,bthv,bthk->bhvk", to_end, u, k)
     return y, final
 
 

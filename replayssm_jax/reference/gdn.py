@@ -89,9 +89,9 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
     S = state.astype(f32) * jnp.exp(g.astype(f32))[..., None, None]
-    d = beta.astype(f32)[..., None] * (v.astype(f32) - jnp.einsum("bhvk,bhk->bhv", S, kh))
+    d = beta.astype(f32)[..., None] * (v.astype(f32) - c.einsum("bhvk,bhk->bhv", S, kh))
     S = S + d[..., None] * kh[:, :, None, :]
-    o = jnp.einsum("bhvk,bhk->bhv", S, qh)
+    o = c.einsum("bhvk,bhk->bhv", S, qh)
     return o.astype(v.dtype), S.astype(state.dtype)
 
 
@@ -108,8 +108,8 @@ def gdn_chunk(state, q, k, v, g, beta):
     """
     g, beta = g.astype(f32), beta.astype(f32)
     cum, decay = c.causal_decay(g, strict=True)
-    A = jnp.einsum("bihk,bjhk->bhij", k, k) * decay * jnp.moveaxis(beta, 1, -1)[..., :, None]
-    from_state = jnp.exp(cum)[..., None] * jnp.einsum("bhvk,bihk->bihv", state, k)
+    A = c.einsum("bihk,bjhk->bhij", k, k) * decay * jnp.moveaxis(beta, 1, -1)[..., :, None]
+    from_state = jnp.exp(cum)[..., None] * c.einsum("bhvk,bihk->bihv", state, k)
     R = jnp.moveaxis(beta[..., None] * (v.astype(f32) - from_state), 1, 2)  # [batch, HV, T, V]
     eye = jnp.eye(A.shape[-1], dtype=f32)
     d = solve_triangular(eye + A, R, lower=True, unit_diagonal=True)
@@ -196,11 +196,12 @@ def _check_replay_inputs(state, q, k, v, g, beta, scale, seq=None):
 def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output"):
     """One ReplaySSM decode step of a Gated DeltaNet layer.
 
-    Per row: flush first if the buffer is full (cursor == L, only after a
-    commit); form d = beta (v - exp(g) S_prev k), where S_prev k comes from
+    Per row: form d = beta (v - exp(g) S_prev k), where S_prev k comes from
     one read of the checkpoint plus the buffer; append (d, k, g) at slot
     `cursor`; read o = S q the same way; cursor += 1; if the cursor reaches
-    L, flush (checkpoint <- S_L, cursor <- 0), fused into this step.
+    L, flush (checkpoint <- S_L, cursor <- 0), fused into this step. A row
+    that enters with a full buffer (cursor == L, only after a commit)
+    flushes its L records and this step together (cursor 0 afterwards).
 
     Args:
       state: GDNReplayState with no pending verify window.
@@ -220,6 +221,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     _check_replay_inputs(state, q, k, v, g, beta, scale)
     val.check_route(route)
     HV = state.checkpoint.shape[1]
+    entered_full = state.cursor == state.buffer_len
     state = c.make_room(state, 1, unify)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
@@ -228,7 +230,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         prev_k = c.replay_readout(state.checkpoint, *unify(state), state.cursor, kh)
     else:
         prev = c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
-        prev_k = jnp.einsum("bhvk,bhk->bhv", prev, kh)
+        prev_k = c.einsum("bhvk,bhk->bhv", prev, kh)
     d = beta.astype(f32)[..., None] * (v.astype(f32) - jnp.exp(g)[..., None] * prev_k)
     new = state.replace(
         d=write_slots(state.d, d[:, :, None], state.cursor),
@@ -240,8 +242,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         o = c.replay_readout(new.checkpoint, *unify(new), new.cursor, qh)
     else:
         S = jnp.exp(g)[..., None, None] * prev + d[..., None] * kh[:, :, None, :]
-        o = jnp.einsum("bhvk,bhk->bhv", S, qh)
-    new = c.flush_where(new, new.cursor == new.buffer_len, unify)
+        o = c.einsum("bhvk,bhk->bhv", S, qh)
+    new = c.flush_where(new, (new.cursor == new.buffer_len) | entered_full, unify)
     return o.astype(v.dtype), new
 
 

@@ -110,7 +110,7 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
     decay = jnp.exp(dt * A.astype(f32))
     S = state.astype(f32) * decay[..., None, None]
     S = S + (dt[..., None] * x.astype(f32))[..., None] * Bh[:, :, None, :]
-    y = jnp.einsum("bhpn,bhn->bhp", S, Ch)
+    y = c.einsum("bhpn,bhn->bhp", S, Ch)
     y = _skip_and_gate(y, x, D, z, head_axis=1)
     return y.astype(x.dtype), S.astype(state.dtype)
 
@@ -211,10 +211,11 @@ def mamba2_replay_step(
 ):
     """One ReplaySSM decode step of a Mamba-2 layer.
 
-    Per row: flush first if the buffer is full (cursor == L, only after a
-    commit); append the record (x, dt, B) at slot `cursor`; compute y from one
-    read of the checkpoint plus the buffer; cursor += 1; if the cursor
+    Per row: append the record (x, dt, B) at slot `cursor`; compute y from
+    one read of the checkpoint plus the buffer; cursor += 1; if the cursor
     reaches L, flush (checkpoint <- S_L, cursor <- 0), fused into this step.
+    A row that enters with a full buffer (cursor == L, only after a commit)
+    flushes its L records and this step together (cursor 0 afterwards).
 
     Args:
       state: Mamba2ReplayState with no pending verify window.
@@ -239,6 +240,7 @@ def mamba2_replay_step(
         raise ValueError(f"`B` must have n_groups = {state.B.shape[1]} (the state's); got {B.shape[1]}")
     v.check_route(route)
     H = state.checkpoint.shape[1]
+    entered_full = state.cursor == state.buffer_len
     state = c.make_room(state, 1, lambda s: unify(s, A))
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     state = state.replace(
@@ -252,9 +254,10 @@ def mamba2_replay_step(
     if route == "output":
         y = c.replay_readout(state.checkpoint, *buffer, state.cursor, Ch)
     else:
-        y = jnp.einsum("bhpn,bhn->bhp", c.replay_materialize(state.checkpoint, *buffer, state.cursor), Ch)
+        y = c.einsum("bhpn,bhn->bhp", c.replay_materialize(state.checkpoint, *buffer, state.cursor), Ch)
     y = _skip_and_gate(y, x, D, z, head_axis=1)
-    state = c.flush_where(state, state.cursor == state.buffer_len, lambda s: unify(s, A))
+    flush = (state.cursor == state.buffer_len) | entered_full
+    state = c.flush_where(state, flush, lambda s: unify(s, A))
     return y.astype(x.dtype), state
 
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU checks of a session, in one device call (see bench/RESULTS.md):
+#   1. the kernel tests at realistic shapes (pytest -m gpu),
+#   2. replayssm-generate --backend pallas --compare on a fixture (tokens vs transformers)
+#      and on a random-weight Nemotron-3-Nano-4B-shaped model,
+#   3. the kernel benchmark at the batches given in $KERNEL_BATCHES (default 256).
+# Logs and JSON go to $OUT (or bench/results/gpu when unset).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+out=${OUT:-bench/results/gpu}
+mkdir -p "$out"
+
+python3 -m pytest -m gpu tests/test_kernels_gdn.py tests/test_kernels_mamba2.py tests/test_inplace_hlo.py \
+  -q -W ignore::DeprecationWarning 2>&1 | tee "$out/gpu_tests.log" | tail -3
+
+ids() { python3 -c "import numpy as n; r = n.load('$1')['prompt_ids']; print(';'.join(','.join(map(str, x)) for x in r))"; }
+fixture=tests/data/qwen3_next_tiny
+timeout 120 python3 -m replayssm_jax.generate --checkpoint $fixture --prompt-ids "$(ids $fixture/reference.npz)" \
+  --max-new-tokens 40 --stop "" --backend pallas --compare --json > "$out/cli_fixture.json"
+python3 - "$out/cli_fixture.json" $fixture/reference.npz <<'PY'
+import json, sys, numpy as np
+d = json.load(open(sys.argv[1])); ref = np.load(sys.argv[2])["generated_ids"].tolist()
+print("fixture: standard == replay:", d["identical"], "| replay == transformers:", d["runs"]["replay"]["generated_ids"] == ref)
+PY
+
+rows=$(python3 -c "print(';'.join(','.join(str(3 + (31 * i + 7 * j) % 5000) for j in range(64)) for i in range(64)))")
+timeout 200 python3 -m replayssm_jax.generate --checkpoint bench/configs/nemotron3_nano_4b_like --random-weights \
+  --dtype bfloat16 --backend pallas --compare --json --prompt-ids "$rows" --max-new-tokens 32 --stop "" \
+  > "$out/cli_nemotron.json"
+python3 -c "import json; d = json.load(open('$out/cli_nemotron.json')); r = d['runs']
+print('nemotron-4b-like b64 bf16: identical', d['identical'], '| speedup %.2fx' % d['speedup'],
+      '| tok/s std %.0f replay %.0f | compile s %.0f / %.0f' % (r['standard']['tokens_per_s'], r['replay']['tokens_per_s'],
+      r['standard']['compile_s'], r['replay']['compile_s']))"
+
+timeout 170 python3 bench/kernels.py --batches "${KERNEL_BATCHES:-256}" --lengths 8,16 --repeats 5 \
+  --out "$out" --tag kernels 2>&1 | tail -14

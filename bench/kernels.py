@@ -1,0 +1,442 @@
+"""Decode-step kernel benchmark: standard vs ReplaySSM, one layer, on a GPU.
+
+Shapes (one layer each):
+  qwen3.5-4b-gdn       Gated DeltaNet, H = 16 key heads, HV = 32 value heads, K = V = 128
+  nemotron3-nano-4b    Mamba-2, 96 heads, head_dim P = 80, d_state N = 128, 8 groups
+Activations bf16, buffers bf16 (the activation dtype), state f32 or bf16.
+
+Method (DESIGN.md section 6, METHOD.md):
+  * correctness first, in the same run, at the same shape: 2 standard steps
+    against the reference, and for each L one full flush cycle of replay
+    steps (all rows in step, cursor 0 -> L) whose outputs are compared with
+    the reference standard step and whose final checkpoint (every row has
+    flushed) is compared with the reference state. A timing counts only if
+    its shape passed.
+  * timing: a jitted `lax.scan` over the L steps of a flush cycle (cursor
+    through 0..L-1, flushes included; the standard step uses 16 steps), with
+    the carry donated. The carry holds `n_sets` independent copies of the
+    layer's state ("layers"), each stepped once per scan step, so that the
+    states together exceed the L2 (>= 240 MB, at most 64 copies) and every
+    step reads its state from HBM. Wall clock around the call with
+    `block_until_ready`, median of repeats after a compile and warm-up run;
+    per-step time = median / (steps * n_sets).
+  * replay rows at staggered cursors (row r starts at r mod L) unless the
+    variant says "in-step" (all rows start at 0 and flush together).
+  * bytes per step from a traffic model (each array the kernel touches,
+    once: state read (+ write for standard, + write / L for replay), the
+    full L-slot buffer tiles read, one record written, inputs and outputs),
+    achieved GB/s = bytes / time, against a device copy measured in the run.
+
+Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
+              [--state-dtypes float32,bfloat16] [--lengths 8,16,32] [--out DIR] [--tag NAME]
+  --sweep     time the standard and replay kernels over a few fixed
+              (block_v, num_warps) instead of the table (after the same check);
+              its results are how the frozen heuristic in kernels/_common.py is chosen.
+  --dry-run   run the script on the CPU in interpret mode (numbers meaningless).
+Prints a table; writes JSON to DIR/NAME.json (default bench/results/kernels.json).
+Results and their discussion: bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from replayssm_jax import kernels, ops  # noqa: E402
+from replayssm_jax import reference as ref  # noqa: E402
+from replayssm_jax.kernels import Config  # noqa: E402
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+BATCHES = (1, 8, 32, 64, 128, 256, 512)
+LENGTHS = (8, 16, 32)
+STANDARD_STEPS = 16
+L2_TARGET_BYTES = 240e6
+MAX_SETS = 64
+MIN_SETS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GDNShape:
+    name: str = "qwen3.5-4b-gdn"
+    H: int = 16
+    HV: int = 32
+    K: int = 128
+    V: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Shape:
+    name: str = "nemotron3-nano-4b-mamba2"
+    H: int = 96
+    P: int = 80
+    N: int = 128
+    G: int = 8
+
+
+_KEY = [jax.random.key(0)]
+
+
+def _normal(shape, dtype=f32, scale=1.0, mean=0.0):
+    """Fresh N(mean, scale^2) draws, made on the device (fast at 1 GB)."""
+    _KEY[0], key = jax.random.split(_KEY[0])
+    return (mean + scale * jax.random.normal(key, shape, f32)).astype(dtype)
+
+
+class GDNBench:
+    layer = "gdn"
+
+    def __init__(self, shape: GDNShape, batch: int, state_dtype, rng):
+        self.s, self.b, self.sd, self.rng = shape, batch, jnp.dtype(state_dtype), rng
+
+    def _n(self, *shape, dtype=bf16):
+        return _normal(shape, dtype)
+
+    def state(self):
+        s = self.s
+        return _normal((self.b, s.HV, s.V, s.K), self.sd, 0.5)
+
+    def inputs(self, T):
+        s, b = self.s, self.b
+        return dict(
+            q=self._n(T, b, s.H, s.K), k=self._n(T, b, s.H, s.K), v=self._n(T, b, s.HV, s.V),
+            g=-jnp.exp(_normal((T, b, s.HV), f32, 1.0, -3.0)),
+            beta=jax.nn.sigmoid(_normal((T, b, s.HV))).astype(bf16),
+        )
+
+    def replay_init(self, state, L, cursor):
+        rs = ref.gdn_replay_init(state, L, self.s.H, bf16)
+        return rs.replace(cursor=jnp.asarray(cursor, jnp.int32))
+
+    def step(self, state, inp, backend, config=None):
+        kw = {} if config is None else {"config": config}
+        return ops.gdn_step(state, **inp, backend=backend, **kw)
+
+    def replay_step(self, rs, inp, route, backend, config=None):
+        kw = {} if config is None else {"config": config}
+        return ops.gdn_replay_step(rs, **inp, route=route, backend=backend, **kw)
+
+    def heads_dims(self):
+        return self.s.HV, self.s.V, self.s.K
+
+    def state_bytes(self):
+        s = self.s
+        return self.b * s.HV * s.V * s.K * self.sd.itemsize
+
+    def io_bytes(self):
+        s, b = self.s, self.b
+        return b * (2 * s.H * s.K * 2 + s.HV * s.V * 2 * 2 + s.HV * (4 + 2))  # q, k, v, o, g, beta
+
+    def buffer_bytes(self, L):
+        """(read per step, written per step): the full L-slot tiles of d, k, g; one record."""
+        s, b = self.s, self.b
+        rec = b * (s.HV * s.V * 2 + s.H * s.K * 2 + s.HV * 4)
+        return L * rec, rec
+
+
+class Mamba2Bench:
+    layer = "mamba2"
+
+    def __init__(self, shape: Mamba2Shape, batch: int, state_dtype, rng):
+        self.s, self.b, self.sd, self.rng = shape, batch, jnp.dtype(state_dtype), rng
+        H = shape.H
+        self.params = dict(
+            A=jnp.asarray(-np.exp(rng.uniform(-1.0, 1.0, H)), f32),
+            D=jnp.asarray(rng.standard_normal(H), f32),
+            dt_bias=jnp.asarray(rng.normal(-2.0, 0.5, H), f32),
+        )
+
+    def _n(self, *shape, dtype=bf16):
+        return _normal(shape, dtype)
+
+    def state(self):
+        s = self.s
+        return _normal((self.b, s.H, s.P, s.N), self.sd, 0.5)
+
+    def inputs(self, T):
+        s, b = self.s, self.b
+        return dict(x=self._n(T, b, s.H, s.P), dt=self._n(T, b, s.H), B=self._n(T, b, s.G, s.N),
+                    C=self._n(T, b, s.G, s.N), z=self._n(T, b, s.H, s.P))
+
+    def replay_init(self, state, L, cursor):
+        rs = ref.mamba2_replay_init(state, L, self.s.G, bf16)
+        return rs.replace(cursor=jnp.asarray(cursor, jnp.int32))
+
+    def step(self, state, inp, backend, config=None):
+        kw = {} if config is None else {"config": config}
+        return ops.mamba2_step(state, **inp, **self.params, backend=backend, **kw)
+
+    def replay_step(self, rs, inp, route, backend, config=None):
+        kw = {} if config is None else {"config": config}
+        return ops.mamba2_replay_step(rs, **inp, **self.params, route=route, backend=backend, **kw)
+
+    def heads_dims(self):
+        return self.s.H, self.s.P, self.s.N
+
+    def state_bytes(self):
+        s = self.s
+        return self.b * s.H * s.P * s.N * self.sd.itemsize
+
+    def io_bytes(self):
+        s, b = self.s, self.b
+        return b * (3 * s.H * s.P * 2 + s.H * 2 + 2 * s.G * s.N * 2)  # x, z, y, dt, B, C
+
+    def buffer_bytes(self, L):
+        s, b = self.s, self.b
+        rec = b * (s.H * s.P * 2 + s.H * 4 + s.G * s.N * 2)
+        return L * rec, rec
+
+
+# ---------------------------------------------------------------------------
+
+
+def _take(xs, t):
+    return jax.tree.map(lambda a: a[t], xs)
+
+
+def _err(a, b):
+    a = np.asarray(jnp.asarray(a, f32), np.float64)
+    b = np.asarray(jnp.asarray(b, f32), np.float64)
+    return float(np.abs(a - b).max()), float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# Relative L2 error allowed against the float32 reference on the same bf16 inputs:
+# outputs are bf16 (rounding ~2^-9); states keep their dtype; a replay state
+# also carries the bf16 rounding of the buffered records (GDN's d is computed
+# in f32 and stored in bf16: about 5e-4 relative after a cycle).
+TOL_REL = {"y": 1e-2, "float32": 1e-4, "bfloat16": 2e-2, "replay_float32": 5e-3, "replay_bfloat16": 2e-2}
+BACKEND = "pallas"
+
+
+def check(bench, lengths, config_std=None):
+    """Correctness at this shape (reference in float32, no TF32). Returns a dict of errors and `ok`."""
+    with jax.default_matmul_precision("highest"):
+        return _check(bench, lengths, config_std)
+
+
+def _check(bench, lengths, config_std):
+    out, ok = {}, True
+    tol_y, tol_s = TOL_REL["y"], TOL_REL[bench.sd.name]
+    state = bench.state()
+    xs = bench.inputs(max(lengths) + 2)
+    s_k, s_r = state, state.astype(f32)
+    for t in range(2):
+        y_k, s_k = bench.step(s_k, _take(xs, t), BACKEND, config_std)
+        y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
+        for what, a, b, tol in (("y", y_k, y_r, tol_y), ("state", s_k, s_r, tol_s)):
+            e = _err(a, b)
+            out[f"standard_{what}"] = e
+            ok &= e[1] <= tol
+    for L in lengths:
+        rs = bench.replay_init(state, L, np.zeros(bench.b))
+        s_r = state.astype(f32)
+        worst = 0.0
+        for t in range(L):
+            y_k, rs = bench.replay_step(rs, _take(xs, t), "output", BACKEND)
+            y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
+            worst = max(worst, _err(y_k, y_r)[1])
+        e_state = _err(rs.checkpoint, s_r)
+        out[f"replay_L{L}"] = {"y_rel": worst, "checkpoint": e_state,
+                               "cursor_zero": bool((np.asarray(rs.cursor) == 0).all())}
+        ok &= worst <= tol_y and e_state[1] <= TOL_REL["replay_" + bench.sd.name] and out[f"replay_L{L}"]["cursor_zero"]
+    out["ok"] = bool(ok)
+    return out
+
+
+def n_sets_for(bench):
+    per = bench.state_bytes()
+    return int(min(MAX_SETS, max(MIN_SETS, math.ceil(L2_TARGET_BYTES / per))))
+
+
+def time_cycle(step, carries, xs, steps, repeats):
+    """Median seconds per (step x set) of a jitted, donated scan over `steps`."""
+
+    def cycle(carries, xs):
+        def body(cs, inp):
+            ys, new = [], []
+            for c in cs:
+                y, c = step(c, inp)
+                ys.append(y)
+                new.append(c)
+            return tuple(new), ys[-1]
+
+        return jax.lax.scan(body, carries, xs)
+
+    f = jax.jit(cycle, donate_argnums=0)
+    t0 = time.perf_counter()
+    carries, ys = f(carries, xs)
+    jax.block_until_ready((carries, ys))
+    compile_s = time.perf_counter() - t0
+    carries, ys = f(carries, xs)
+    jax.block_until_ready((carries, ys))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        carries, ys = f(carries, xs)
+        jax.block_until_ready((carries, ys))
+        times.append(time.perf_counter() - t0)
+    per = steps * len(carries)
+    return statistics.median(times) / per, (max(times) - min(times)) / per, compile_s
+
+
+def measure_copy_bandwidth(nbytes=2 << 30, repeats=20):
+    x = jnp.ones((nbytes // 4,), f32)
+    results = {}
+    for name, fn in (("copy", lambda a: jnp.copy(a)), ("elementwise", lambda a: a * 1.0001)):
+        f = jax.jit(fn)
+        f(x).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        results[name] = 2 * nbytes / statistics.median(times) / 1e9
+    del x
+    return results
+
+
+def variants(lengths):
+    yield ("standard", None, None)
+    for L in lengths:
+        yield (f"replay-L{L}", L, "staggered")
+    yield (f"replay-L{16 if 16 in lengths else lengths[0]}-in-step", 16 if 16 in lengths else lengths[0], "in-step")
+
+
+def run_variant(bench, kind, L, cursors, repeats, config=None, route="output"):
+    n = n_sets_for(bench)
+    if L is None:
+        carries = tuple(bench.state() for _ in range(n))
+        xs = bench.inputs(STANDARD_STEPS)
+        step = lambda c, inp: bench.step(c, inp, BACKEND, config)  # noqa: E731
+        steps = STANDARD_STEPS
+        bytes_step = 2 * bench.state_bytes() + bench.io_bytes()
+    else:
+        cur = np.zeros(bench.b) if cursors == "in-step" else np.arange(bench.b) % L
+        carries = tuple(bench.replay_init(bench.state(), L, cur) for _ in range(n))
+        xs = bench.inputs(L)
+        step = lambda c, inp: bench.replay_step(c, inp, route, BACKEND, config)  # noqa: E731
+        steps = L
+        rd, wr = bench.buffer_bytes(L)
+        bytes_step = bench.state_bytes() * (1 + 1 / L) + rd + wr + bench.io_bytes()
+    t, spread, compile_s = time_cycle(step, carries, xs, steps, repeats)
+    return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_step, gbps=bytes_step / t / 1e9)
+
+
+SWEEP_CONFIGS = {
+    "gdn": [(16, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)],
+    "mamba2": [(16, 2), (16, 4), (32, 4), (64, 4), (128, 4), (128, 8)],
+}
+
+
+def sweep(bench, base, rows, lengths, repeats):
+    """Time the standard and replay kernels over a few (block_v, num_warps)."""
+    default_std = kernels.default_config(bench.b, *bench.heads_dims(), bench.sd.itemsize)
+    for kind, L in [("standard", None)] + [(f"replay-L{L}", L) for L in lengths]:
+        for bv, w in SWEEP_CONFIGS[bench.layer]:
+            cfg = Config(block_v=bv, num_warps=w)
+            r = run_variant(bench, kind, L, "staggered", repeats, cfg)
+            is_default = cfg == default_std
+            rows.append(dict(base, variant=kind, L=L, config=dataclasses.asdict(cfg), default=is_default, **r))
+            print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} bv{bv:<3d} w{w}"
+                  f" {r['seconds'] * 1e6:9.2f} us {r['gbps']:7.0f} GB/s{'  (default)' if is_default else ''}",
+                  flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", default="gdn,mamba2")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    p.add_argument("--state-dtypes", default="float32,bfloat16")
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--tag", default="kernels")
+    p.add_argument("--sweep", action="store_true", help="time block_v x num_warps at each shape instead")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU smoke test of this script: interpret mode, 1 state set (numbers meaningless)")
+    args = p.parse_args()
+    global BACKEND, MAX_SETS, MIN_SETS
+    if args.dry_run:
+        BACKEND, MAX_SETS, MIN_SETS = "interpret", 1, 1
+    elif jax.default_backend() != "gpu":
+        sys.exit("bench/kernels.py needs a GPU (JAX default backend is %r)" % jax.default_backend())
+    rng = np.random.default_rng(0)
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    dev = jax.devices()[0]
+    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), device=dev.device_kind,
+                jax=jax.__version__, python=platform.python_version(), argv=sys.argv[1:])
+    meta["bandwidth_gbps"] = measure_copy_bandwidth(nbytes=(1 << 20) if args.dry_run else (2 << 30))
+    copy_bw = meta["bandwidth_gbps"]["copy"]
+    print(f"# {meta['device']}  jax {meta['jax']}  copy {copy_bw:.0f} GB/s  elementwise "
+          f"{meta['bandwidth_gbps']['elementwise']:.0f} GB/s", flush=True)
+    rows = []
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.tag}.json")
+    makers = {"gdn": lambda b, sd: GDNBench(GDNShape(), b, sd, rng),
+              "mamba2": lambda b, sd: Mamba2Bench(Mamba2Shape(), b, sd, rng)}
+    for layer in args.layers.split(","):
+        for sd in args.state_dtypes.split(","):
+            for batch in (int(x) for x in args.batches.split(",")):
+                bench = makers[layer](batch, sd)
+                shape_name = bench.s.name
+                t0 = time.perf_counter()
+                chk = check(bench, lengths)
+                check_s = time.perf_counter() - t0
+                base = dict(layer=layer, shape=shape_name, batch=batch, state_dtype=sd, check=chk, check_s=check_s)
+                if not chk["ok"]:
+                    print(f"FAILED correctness {layer} {sd} b{batch}: {chk}", flush=True)
+                    rows.append(dict(base, variant="check", passed=False))
+                    continue
+                if args.sweep:
+                    sweep(bench, base, rows, lengths, args.repeats)
+                    continue
+                std = None
+                for kind, L, cursors in variants(lengths):
+                    r = run_variant(bench, kind, L, cursors, args.repeats)
+                    if L is None:
+                        std = r["seconds"]
+                    row = dict(base, variant=kind, L=L, cursors=cursors, **r, speedup=std / r["seconds"],
+                               pct_copy=100 * r["gbps"] / copy_bw, passed=True)
+                    rows.append(row)
+                    print(f"{layer:7s} {sd:9s} b{batch:<4d} {kind:22s} {r['seconds'] * 1e6:9.2f} us "
+                          f"{r['gbps']:7.0f} GB/s {row['pct_copy']:5.1f}% copy  x{row['speedup']:.2f} vs std"
+                          f"  (sets {r['n_sets']}, compile {r['compile_s']:.1f}s)", flush=True)
+                with open(path, "w") as fh:
+                    json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    with open(path, "w") as fh:
+        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    summary(rows, copy_bw)
+
+
+def summary(rows, copy_bw):
+    print("\n| layer | state | batch | standard us | std % copy | best replay | replay us | replay/standard |")
+    print("|---|---|---|---|---|---|---|---|")
+    keyed = {}
+    for r in rows:
+        if r.get("passed") and "seconds" in r:
+            keyed.setdefault((r["layer"], r["state_dtype"], r["batch"]), []).append(r)
+    for (layer, sd, b), rs in keyed.items():
+        std = next((r for r in rs if r["variant"] == "standard"), None)
+        rep = [r for r in rs if r["variant"].startswith("replay") and r.get("cursors") == "staggered"]
+        if not std or not rep:
+            continue
+        best = min(rep, key=lambda r: r["seconds"])
+        print(f"| {layer} | {sd} | {b} | {std['seconds'] * 1e6:.2f} | {std['pct_copy']:.1f} | {best['variant']} | "
+              f"{best['seconds'] * 1e6:.2f} | {std['seconds'] / best['seconds']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Pallas GPU kernels of the decode ops, with the reference's signatures.
+
+Each function here validates its arguments exactly as its
+:mod:`replayssm_jax.reference` namesake (same errors, raised before any
+kernel runs), rejects shapes the kernels cannot tile, and runs the Pallas
+kernel of :mod:`replayssm_jax.kernels.mamba2` / :mod:`~.gdn`, compiled for the
+GPU or, with `interpret=True`, interpreted on any platform.
+
+Ops without a kernel (chunked prefill, verify, materialize, flush) are not
+defined here; :mod:`replayssm_jax.ops` says so when asked for them.
+
+A row that enters a replay step with a full buffer (cursor == L, possible
+only after a speculative commit) flushes the L buffered steps and this step
+at once (cursor 0 afterwards), as the reference does: every program of the
+step then touches only its own rows, and no program reads a slot that
+another rewrites in the same launch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from replayssm_jax import _validate as val
+from replayssm_jax.kernels import gdn as _gdn
+from replayssm_jax.kernels import mamba2 as _mamba2
+from replayssm_jax.kernels._common import Config, default_config
+from replayssm_jax.reference import gdn as _ref_gdn
+from replayssm_jax.reference import mamba2 as _ref_mamba2
+from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
+
+__all__ = [
+    "Config",
+    "default_config",
+    "gdn_replay_step",
+    "gdn_step",
+    "mamba2_replay_step",
+    "mamba2_step",
+]
+
+MAX_HEAD_DIM = 256  # K and N (the full row of a state tile) and V, P
+MAX_BUFFER_LEN = 64
+
+
+def _check_tileable(what: str, name: str, size: int, limit: int) -> None:
+    if size > limit:
+        raise ValueError(f"the Pallas kernels support {what} `{name}` <= {limit}; got {size} (use backend='xla')")
+
+
+def _check_route(route):
+    return val.check_route(route)
+
+
+def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpret: bool = False,
+             config: Config | None = None):
+    """One standard Gated DeltaNet decode step (Pallas kernel, state updated in place).
+
+    Arguments, returns and errors as :func:`replayssm_jax.reference.gdn_step`;
+    also ValueError for K or V > 256 (not tiled). `config` overrides the
+    frozen tiling heuristic; `interpret` runs the kernel in interpret mode.
+    """
+    state = _ref_gdn._check_state(state)
+    _ref_gdn._check_inputs(state.shape, q, k, v, g, beta, scale)
+    _, _, V, K = state.shape
+    _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
+    _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
+    scale = K ** -0.5 if scale is None else float(scale)
+    return _gdn.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+                         config=config, interpret=interpret)
+
+
+def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True,
+                    route: str = "output", *, interpret: bool = False, config: Config | None = None):
+    """One ReplaySSM Gated DeltaNet decode step (Pallas kernel, in place).
+
+    Arguments, returns and errors as :func:`replayssm_jax.reference.gdn_replay_step`
+    (see the module note on rows entering with cursor == L); also ValueError
+    for K or V > 256 or L > 64.
+    """
+    _ref_gdn._check_replay_inputs(state, q, k, v, g, beta, scale)
+    _check_route(route)
+    _, _, V, K = state.checkpoint.shape
+    L = state.buffer_len
+    _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
+    _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
+    _check_tileable("buffer length", "L", L, MAX_BUFFER_LEN)
+    scale = K ** -0.5 if scale is None else float(scale)
+    o, ck, d, kb, gb, cursor = _gdn.gdn_replay_step(
+        state.checkpoint, state.d, state.k, state.g, state.cursor, q, k, v, g, beta,
+        L=L, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), route=route, config=config, interpret=interpret)
+    return o, state.replace(checkpoint=ck, d=d, k=kb, g=gb, cursor=cursor)
+
+
+def _dt_limit(dt_limit):
+    low, high = val.check_dt_limit(dt_limit)
+    return (low, high if high < math.inf else math.inf)
+
+
+def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, math.inf),
+                *, interpret: bool = False, config: Config | None = None):
+    """One standard Mamba-2 decode step (Pallas kernel, state updated in place).
+
+    Arguments, returns and errors as :func:`replayssm_jax.reference.mamba2_step`;
+    also ValueError for head_dim or d_state > 256.
+    """
+    state = _ref_mamba2._check_state(state)
+    _ref_mamba2._check_inputs(state.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
+    _, _, P, N = state.shape
+    _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
+    _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
+    return _mamba2.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=bool(dt_softplus),
+                               dt_limit=_dt_limit(dt_limit), config=config, interpret=interpret)
+
+
+def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
+                       dt_limit=(0.0, math.inf), route: str = "output", *, interpret: bool = False,
+                       config: Config | None = None):
+    """One ReplaySSM Mamba-2 decode step (Pallas kernel, in place).
+
+    Arguments, returns and errors as :func:`replayssm_jax.reference.mamba2_replay_step`
+    (see the module note on rows entering with cursor == L); also ValueError
+    for head_dim or d_state > 256 or L > 64.
+    """
+    _ref_mamba2._check_replay(state, A)
+    if state.window:
+        raise ValueError(f"`state` has a pending verify window (W = {state.window}); call replay_commit first")
+    _ref_mamba2._check_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
+    if B.shape[1] != state.B.shape[1]:
+        raise ValueError(f"`B` must have n_groups = {state.B.shape[1]} (the state's); got {B.shape[1]}")
+    _check_route(route)
+    _, _, P, N = state.checkpoint.shape
+    L = state.buffer_len
+    _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
+    _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
+    _check_tileable("buffer length", "L", L, MAX_BUFFER_LEN)
+    y, ck, xb, dtb, Bb, cursor = _mamba2.mamba2_replay_step(
+        state.checkpoint, state.x, state.dt, state.B, state.cursor, x, dt, A, B, C, D, z, dt_bias,
+        L=L, dt_softplus=bool(dt_softplus), dt_limit=_dt_limit(dt_limit), route=route, config=config,
+        interpret=interpret)
+    return y, state.replace(checkpoint=ck, x=xb, dt=dtb, B=Bb, cursor=cursor)

@@ -1,0 +1,210 @@
+"""The decode step updates its state in place: no per-step copy of the
+checkpoint (standard state) or of the replay buffers in the compiled HLO.
+
+Each test jits a `lax.scan` of 32 decode steps with the carry donated,
+compiles it (`jax.jit(f, donate_argnums=0).lower(...).compile().as_text()`)
+and looks, in every computation reachable from a while-loop body, for a
+`copy` / `copy-start` whose result has the shape and dtype of a protected
+array. `test_detector_finds_a_copy` checks that the detector does find the
+copy forced by a variant that keeps the previous state alive.
+
+On the CPU: the "xla" backend (the reference). The Pallas kernels' aliasing
+is checked structurally (the lowered custom call aliases the checkpoint and
+every buffer, input to output); the compiled check of the kernels needs a
+GPU (`pytest -m gpu`). Interpret mode is not tested for copies: the Pallas
+interpreter stages every block through temporary buffers by design.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_checks import GDN, GDNShape, Mamba2, Mamba2Shape, lower_for_cuda
+from replayssm_jax import kernels
+
+STEPS = 32
+L = 4
+
+# The Pallas Triton backend warns that it is deprecated when a kernel is lowered.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+
+def _layers(rng):
+    return {
+        "gdn": GDN(GDNShape(batch=2, H=2, HV=4, K=16, V=32), rng),
+        "mamba2": Mamba2(Mamba2Shape(batch=2, H=4, P=32, N=16, G=2), rng),
+    }
+
+
+def _stack(layer, n):
+    return jax.tree.map(lambda *a: jnp.stack(a), *[layer.draw() for _ in range(n)])
+
+
+# ---------------------------------------------------------------------------
+# HLO inspection
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_CALLEE = re.compile(
+    r"\b(?:body|condition|calls|to_apply|true_computation|false_computation|branch_computations)="
+    r"\{?(%?[\w.\-]+(?:, %?[\w.\-]+)*)\}?"
+)
+_WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
+_HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "int32": "s32"}
+_COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy(?:-start)?\(")
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and not line.startswith(" "):
+            name = m.group(1)
+            comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            comps[name].append(line.strip())
+    return comps
+
+
+def per_step_copies(hlo: str, protected) -> list[str]:
+    """Copies inside loop bodies (and everything they call) whose result
+    matches one of `protected` (arrays or ShapeDtypeStructs)."""
+    comps = _computations(hlo)
+    targets = {(_HLO_DTYPE[jnp.dtype(a.dtype).name], tuple(a.shape)) for a in protected}
+    todo = [m.group(1) for lines in comps.values() for line in lines if (m := _WHILE_BODY.search(line))]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            for m in _CALLEE.finditer(line):
+                todo += [c.strip().lstrip("%") for c in m.group(1).split(",")]
+    found = []
+    for name in seen:
+        for line in comps[name]:
+            m = _COPY.search(line)
+            if m and (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) in targets:
+                found.append(f"{name}: {line[:160]}")
+    return found
+
+
+def compiled_scan(step, carry, xs):
+    def f(carry, xs):
+        return jax.lax.scan(lambda c, inp: step(c, inp)[::-1], carry, xs)
+
+    return jax.jit(f, donate_argnums=0).lower(carry, xs).compile().as_text()
+
+
+def standard_step(layer, backend):
+    return lambda state, inp: layer.step(state, inp, backend)
+
+
+def replay_step(layer, backend, route="output"):
+    return lambda rs, inp: layer.replay_step(rs, inp, route, backend)
+
+
+def _replay_arrays(rs):
+    return [a for a in jax.tree.leaves(rs) if a.ndim >= 2]
+
+
+def _check_no_copy(hlo, protected):
+    found = per_step_copies(hlo, protected)
+    assert not found, "per-step copies of the state:\n" + "\n".join(found)
+
+
+# ---------------------------------------------------------------------------
+# CPU
+
+
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+def test_detector_finds_a_copy(name, rng):
+    layer = _layers(rng)[name]
+    state = layer.state(jnp.float32)
+
+    def keeps_previous(carry, inp):
+        state, _ = carry
+        y, new = layer.step(state, inp, "xla")
+        return y, (new, state)  # the previous state stays alive: XLA must copy
+
+    hlo = compiled_scan(keeps_previous, (state, state), _stack(layer, STEPS))
+    assert per_step_copies(hlo, [state]), "the detector missed a forced copy"
+
+
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+def test_xla_standard_step_in_place(name, rng):
+    layer = _layers(rng)[name]
+    state = layer.state(jnp.float32)
+    _check_no_copy(compiled_scan(standard_step(layer, "xla"), state, _stack(layer, STEPS)), [state])
+
+
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+def test_xla_replay_step_checkpoint_in_place(name, rng):
+    layer = _layers(rng)[name]
+    rs = layer.replay_state(L, jnp.float32, jnp.float32, np.array([0, L - 1]))
+    _check_no_copy(compiled_scan(replay_step(layer, "xla"), rs, _stack(layer, STEPS)), [rs.checkpoint])
+
+
+def _custom_call_aliases(name, rs, layer):
+    """The replay kernel's custom call, lowered for CUDA (see kernel_checks.lower_for_cuda)."""
+    fn = kernels.gdn_replay_step if name == "gdn" else kernels.mamba2_replay_step
+    extra = {} if name == "gdn" else layer.params
+    text = lower_for_cuda(lambda rs, inp: fn(rs, **inp, **extra), rs, layer.draw())
+    calls = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
+    assert len(calls) == 1, calls
+    return calls[0]
+
+
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+def test_kernel_aliases_checkpoint_and_buffers(name, rng):
+    layer = _layers(rng)[name]
+    rs = layer.replay_state(L, jnp.float32, jnp.float32, np.array([0, L - 1]))
+    call = _custom_call_aliases(name, rs, layer)
+    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call)
+    # outputs 1..4 (checkpoint and the three buffers) alias operands 0..3
+    assert sorted((int(o), int(i)) for o, i in aliases) == [(1, 0), (2, 1), (3, 2), (4, 3)], call[:2000]
+
+
+# ---------------------------------------------------------------------------
+# GPU: the compiled kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_standard_step_in_place(name, state_dtype, rng):
+    layer = _layers(rng)[name]
+    state = layer.state(state_dtype)
+    _check_no_copy(compiled_scan(standard_step(layer, "pallas"), state, _stack(layer, STEPS)), [state])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_pallas_replay_step_in_place(name, route, rng):
+    layer = _layers(rng)[name]
+    rs = layer.replay_state(L, jnp.float32, jnp.bfloat16, np.array([0, L - 1]))
+    hlo = compiled_scan(replay_step(layer, "pallas", route), rs, _stack(layer, STEPS))
+    _check_no_copy(hlo, _replay_arrays(rs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+def test_pallas_detector_finds_a_copy(name, rng):
+    layer = _layers(rng)[name]
+    state = layer.state(jnp.float32)
+
+    def keeps_previous(carry, inp):
+        state, _ = carry
+        y, new = layer.step(state, inp, "pallas")
+        return y, (new, state)
+
+    hlo = compiled_scan(keeps_previous, (state, state), _stack(layer, STEPS))
+    assert per_step_copies(hlo, [state]), "the detector missed a forced copy"
