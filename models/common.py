@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from replayssm_jax.layers.cache import ReplayLayerState, SSMLayerState
@@ -41,24 +42,40 @@ class HybridCache:
         return any(isinstance(s, ReplayLayerState) for s in self.layers)
 
 
+def _check_vocab(ids, vocab_size: int, name: str) -> None:
+    """Token ids must lie in [0, vocab_size); checked when concrete (inside jit, ids are clipped)."""
+    if isinstance(ids, jax.core.Tracer):
+        return
+    values = np.asarray(ids)
+    bad = values[(values < 0) | (values >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"`{name}` has token id {int(bad[0])} outside the vocabulary [0, {vocab_size})")
+
+
 def check_input_ids(input_ids, vocab_size: int, name: str = "input_ids") -> jax.Array:
-    """`input_ids` as int32[batch, T]; raises ValueError / TypeError on other ranks or dtypes."""
-    ids = jnp.asarray(input_ids)
+    """`input_ids` as int32[batch, T] with ids in [0, vocab_size).
+
+    Raises ValueError / TypeError on other ranks or dtypes, and ValueError on an
+    id outside the vocabulary (when the ids are concrete).
+    """
+    ids = input_ids if isinstance(input_ids, jax.core.Tracer) else np.asarray(input_ids)
     if ids.ndim != 2:
         raise ValueError(f"`{name}` must have shape [batch, seqlen]; got {ids.shape}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"`{name}` must be an integer array; got dtype {ids.dtype}")
-    return ids.astype(jnp.int32)
+    _check_vocab(ids, vocab_size, name)
+    return jnp.asarray(ids).astype(jnp.int32)
 
 
-def check_tokens(tokens) -> jax.Array:
-    """`tokens` as int32[batch]; raises on other ranks or dtypes."""
-    tokens = jnp.asarray(tokens)
+def check_tokens(tokens, vocab_size: int) -> jax.Array:
+    """`tokens` as int32[batch] with ids in [0, vocab_size); raises as check_input_ids."""
+    tokens = tokens if isinstance(tokens, jax.core.Tracer) else np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"`tokens` must have shape [batch]; got {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"`tokens` must be an integer array; got dtype {tokens.dtype}")
-    return tokens.astype(jnp.int32)
+    _check_vocab(tokens, vocab_size, "tokens")
+    return jnp.asarray(tokens).astype(jnp.int32)
 
 
 def split_params(model: nnx.Module):

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from models.config import ConfigError
 
@@ -85,9 +85,14 @@ class TensorSource:
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         self._file_of: dict[str, str] = {}
+        self._handles: dict[str, object] = {}
         if os.path.isfile(index):
             with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+                try:
+                    weight_map = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: missing or malformed 'weight_map'")
             for fname in sorted(set(weight_map.values())):
@@ -96,16 +101,17 @@ class TensorSource:
                     raise CheckpointNotFoundError(f"{fpath}: shard named by {index} does not exist")
             self._file_of = {k: os.path.join(path, v) for k, v in weight_map.items()}
         elif os.path.isfile(single):
-            with safe_open(single, framework="numpy") as f:
-                self._file_of = {k: single for k in f.keys()}
+            self._file_of = {k: single for k in self._handle(single).keys()}
         else:
             raise CheckpointNotFoundError(
                 f"{path}: no model.safetensors or model.safetensors.index.json (safetensors weights are required)")
-        self._handles: dict[str, object] = {}
 
     def _handle(self, fname):
         if fname not in self._handles:
-            self._handles[fname] = safe_open(fname, framework="numpy")
+            try:
+                self._handles[fname] = safe_open(fname, framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{fname}: not a readable safetensors file ({e})") from None
         return self._handles[fname]
 
     def keys(self) -> list[str]:
@@ -114,11 +120,22 @@ class TensorSource:
     def file_of(self, key: str) -> str:
         return self._file_of[key]
 
+    def _read(self, key: str, what):
+        fname = self._file_of[key]
+        try:
+            return what(self._handle(fname))
+        except SafetensorError as e:
+            raise CheckpointError(f"{fname}: cannot read tensor {key!r} ({e})") from None
+
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handle(self._file_of[key]).get_slice(key).get_shape())
+        return tuple(self._read(key, lambda f: f.get_slice(key).get_shape()))
+
+    def dtype(self, key: str) -> str:
+        """The safetensors dtype name of `key` (e.g. "F32", "BF16", "I64")."""
+        return self._read(key, lambda f: f.get_slice(key).get_dtype())
 
     def get(self, key: str) -> np.ndarray:
-        return self._handle(self._file_of[key]).get_tensor(key)
+        return self._read(key, lambda f: f.get_tensor(key))
 
 
 _EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
@@ -169,6 +186,10 @@ def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
         if found != shape:
             raise CheckpointError(f"{src.file_of(key)}: tensor {key!r} has shape {found}; {model_name} expects "
                                   f"{shape}")
+        kind = src.dtype(key)
+        if not (kind.startswith("F") or kind.startswith("BF")):
+            raise CheckpointError(f"{src.file_of(key)}: tensor {key!r} has dtype {kind}; {model_name} expects a "
+                                  f"floating dtype (F16, BF16, F32, F64)")
         used.add(name)
         return src.get(key)
 
@@ -192,6 +213,22 @@ def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
         more = f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""
         raise CheckpointError(f"{where}: unexpected tensor(s) {shown}{more}: {model_name} has no parameter for them")
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def check_dtypes(dtype, ssm_state_dtype) -> None:
+    """Raise TypeError unless `dtype` is None or floating and `ssm_state_dtype` is float32 or bfloat16."""
+    try:
+        ok = dtype is None or jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise TypeError(f"`dtype` must be None or a floating dtype (float32, bfloat16); got {dtype!r}")
+    try:
+        ok = jnp.dtype(ssm_state_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    except TypeError:
+        ok = False
+    if not ok:
+        raise TypeError(f"`ssm_state_dtype` must be float32 or bfloat16; got {ssm_state_dtype!r}")
 
 
 def _families():
@@ -225,8 +262,11 @@ def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float
     Raises:
       CheckpointNotFoundError: no folder, no config.json, or no safetensors weights.
       ConfigError: unknown model_type or layer type, missing / malformed config keys.
-      CheckpointError: missing or unexpected tensors, shape mismatches.
+      CheckpointError: missing or unexpected tensors, shape or dtype mismatches,
+        unreadable safetensors files.
+      TypeError: a non-floating `dtype` or an `ssm_state_dtype` other than f32 / bf16.
     """
+    check_dtypes(dtype, ssm_state_dtype)
     cfg = read_config(path)
     source = os.path.join(os.fspath(path), "config.json")
     model_type = cfg.get("model_type")

@@ -209,7 +209,7 @@ class NemotronHForCausalLM(nnx.Module):
         Raises:
           ValueError: a cache whose layers do not match the model's.
         """
-        tokens = check_tokens(tokens)
+        tokens = check_tokens(tokens, self.config.vocab_size)
         _check_cache(cache, self.config.layer_types)
         h = self.backbone.embeddings(tokens)
         states = []

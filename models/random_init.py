@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ConfigError, NemotronHConfig, QwenHybridConfig
-from models.loading import read_config
+from models.loading import check_dtypes, read_config
 from models.nemotron_h import NemotronHForCausalLM
 from models.qwen_hybrid import QwenHybridForCausalLM
 
@@ -34,7 +34,9 @@ def init_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, seed: int = 0, ss
     Raises:
       CheckpointNotFoundError: no folder or no config.json.
       ConfigError: an unknown model_type or a malformed config.
+      TypeError: a non-floating `dtype` or an `ssm_state_dtype` other than f32 / bf16.
     """
+    check_dtypes(dtype, ssm_state_dtype)
     cfg = read_config(path)
     source = os.path.join(os.fspath(path), "config.json")
     family = _FAMILIES.get(cfg.get("model_type"))

@@ -50,10 +50,12 @@ def check_shape(name: str, x, dims: str, expected: Sequence[int]) -> None:
 
 
 def check_rank(name: str, x, dims: str) -> None:
-    """Raise ValueError unless `x` has as many axes as `dims` names."""
+    """Raise ValueError unless `x` has as many axes as `dims` names, none empty."""
     rank = len(dims.split(","))
     if x.ndim != rank:
         raise ValueError(f"`{name}` must have rank {rank} [{dims}]; got shape {tuple(x.shape)}")
+    if 0 in x.shape:
+        raise ValueError(f"`{name}` must have no empty axis [{dims}]; got shape {tuple(x.shape)}")
 
 
 def float_arg(name: str, x, dims: str, expected: Sequence[int]) -> jax.Array:
@@ -90,12 +92,14 @@ def check_int_range(name: str, x, dims: str, expected: Sequence[int], low: int, 
     are checked only when `x` is concrete; inside `jax.jit` only the shape
     and dtype are.
     """
-    x = as_array(name, x)
+    concrete = not isinstance(x, jax.core.Tracer) and not isinstance(high, jax.core.Tracer)
+    values = np.asarray(x) if concrete and isinstance(x, (np.ndarray, np.generic, list, tuple)) else None
+    x = as_array(name, np.asarray(x) if isinstance(x, (list, tuple)) else x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"`{name}` must have an integer dtype; got {x.dtype}")
     check_shape(name, x, dims, expected)
-    if not isinstance(x, jax.core.Tracer) and not isinstance(high, jax.core.Tracer):
-        values = np.asarray(x)
+    if concrete:
+        values = np.asarray(x) if values is None else values  # the caller's values, before any int32 cast
         bound = np.broadcast_to(np.asarray(high), values.shape)
         bad = (values < low) | (values > bound)
         if bad.any():
@@ -105,6 +109,24 @@ def check_int_range(name: str, x, dims: str, expected: Sequence[int], low: int, 
                 f" for every row; got {values.tolist()}"
             )
     return x.astype(jnp.int32)
+
+
+def check_negative(name: str, x, what: str) -> None:
+    """Raise ValueError if a concrete `x` has an entry >= 0 (traced values pass)."""
+    if isinstance(x, jax.core.Tracer):
+        return
+    values = np.asarray(x, np.float64)
+    if not np.all(values < 0):
+        raise ValueError(f"`{name}` must be negative ({what}); got max {values.max():g}")
+
+
+def check_scale(scale):
+    """None, or a finite real number (Python or NumPy scalar) as a Python float."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) or not math.isfinite(scale):
+        raise TypeError(f"`scale` must be a finite real number or None; got {scale!r}")
+    return float(scale)
 
 
 def check_dt_limit(dt_limit) -> tuple[float, float]:

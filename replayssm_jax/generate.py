@@ -35,8 +35,15 @@ class UsageError(Exception):
     """An error in the user's input: printed as one line, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are UsageErrors: one line, exit status 2, like the command's own."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="replayssm-generate", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="replayssm-generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=None, help="checkpoint folder (config.json + safetensors); default: the shipped tiny Nemotron-H")
     p.add_argument("--random-weights", action="store_true",
                    help="build the model of --checkpoint's config.json with random weights (seeded by --seed); no safetensors needed")
@@ -121,6 +128,10 @@ def _check_args(args):
         raise UsageError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}")
     if args.buffer_len < 1:
         raise UsageError(f"--buffer-len must be >= 1; got {args.buffer_len}")
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed must be in [0, 2**32); got {args.seed}")
+    if args.temperature == 0 and (args.top_k or args.top_p < 1.0):
+        raise UsageError("--top-k and --top-p apply to sampling: give --temperature > 0 with them")
     try:
         return SamplingParams(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
@@ -192,8 +203,9 @@ def run(args) -> dict:
         raise UsageError(str(e)) from None
     if args.compare:
         std, rep = runs["standard"], runs["replay"]
+        timed = std["tokens_per_s"] and rep["tokens_per_s"]
         report.update(runs=runs, identical=std["generated_ids"] == rep["generated_ids"],
-                      speedup=rep["tokens_per_s"] / std["tokens_per_s"])
+                      speedup=rep["tokens_per_s"] / std["tokens_per_s"] if timed else None)
     else:
         report.update(runs[args.state])
     return report
@@ -204,20 +216,22 @@ def _print_human(report):
     print(f"checkpoint: {report['checkpoint']} ({report['model_type']}, {report['dtype']}, {report['device']})")
     for state, r in runs.items():
         label = f"{state}" + (f" L={r['buffer_len']}" if r["buffer_len"] else "")
-        print(f"\n[{label}] backend={r['backend']}: {r['tokens_per_s']:.1f} tokens/s decode, "
+        speed = "no decode step" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f} tokens/s decode"
+        print(f"\n[{label}] backend={r['backend']}: {speed}, "
               f"prefill {r['prefill_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s")
         for i, ids in enumerate(r["generated_ids"]):
             print(f"  seq {i} ids: {ids}")
             if "text" in r:
                 print(f"  seq {i} text: {r['text'][i]!r}")
     if "identical" in report:
+        speed = "n/a" if report["speedup"] is None else f"{report['speedup']:.2f}x"
         print(f"\nstandard vs replay: tokens {'identical' if report['identical'] else 'DIFFERENT'}, "
-              f"replay/standard speed {report['speedup']:.2f}x")
+              f"replay/standard speed {speed}")
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         report = run(args)
     except UsageError as e:
         print(f"replayssm-generate: error: {e}", file=sys.stderr)

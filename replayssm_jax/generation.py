@@ -18,6 +18,7 @@ of decoding, not prefilling, the ragged part of the prompts.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections.abc import Sequence
 
@@ -79,10 +80,12 @@ class GenerationOutput:
     decode_steps: int
 
     @property
-    def tokens_per_s(self) -> float:
-        """Decode throughput: tokens produced by the decode steps (all rows) per second."""
-        batch = len(self.sequences)
-        return batch * self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+    def tokens_per_s(self) -> float | None:
+        """Decode throughput: tokens produced by the decode steps (all rows) per
+        second; None when no decode step ran (max_new_tokens <= 1)."""
+        if self.decode_steps == 0 or self.decode_s <= 0:
+            return None
+        return len(self.sequences) * self.decode_steps / self.decode_s
 
 
 def _choose(logits, carry_pos, prompts, lengths, key, done, stop_ids, pad_id, sampling):
@@ -119,10 +122,9 @@ class Generator:
                  route="output", block_size=64):
         if state not in STATES:
             raise GenerationError(f"`state` must be one of {STATES}; got {state!r}")
-        if state == "replay" and (isinstance(buffer_len, bool) or not isinstance(buffer_len, int) or buffer_len < 1):
-            raise GenerationError(f"`buffer_len` must be an int >= 1; got {buffer_len!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise GenerationError(f"`block_size` must be an int >= 1; got {block_size!r}")
+        if state == "replay":
+            buffer_len = _check_int("buffer_len", buffer_len, 1)
+        block_size = _check_int("block_size", block_size, 1)
         self.backend = ops.resolve_backend(backend)
         self.state = state
         self.buffer_len = buffer_len if state == "replay" else None
@@ -211,8 +213,12 @@ class Generator:
             max_new_tokens < 0.
         """
         prompts, lengths = self._check_prompts(prompts)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise GenerationError(f"`max_new_tokens` must be an int >= 0; got {max_new_tokens!r}")
+        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
+        seed = _check_int("seed", seed, 0, 2**32 - 1)
+        if isinstance(stop_tokens, numbers.Integral):
+            stop_tokens = [stop_tokens]
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in stop_tokens):
+            raise GenerationError(f"`stop_tokens` must be token ids (ints); got {list(stop_tokens)!r}")
         stop_ids = self._check_ids(np.asarray(list(stop_tokens), np.int64).reshape(-1), "stop_tokens")
         if max_new_tokens == 0:
             return GenerationOutput([p.tolist() for p in prompts], [0] * len(prompts), 0.0, 0.0, 0.0, 0)
@@ -285,6 +291,16 @@ class Generator:
                 raise GenerationError(f"prompt {i} must hold integer token ids; got dtype {p.dtype}")
             self._check_ids(p, f"prompt {i}")
         return [p.astype(np.int32) for p in rows], np.array([p.size for p in rows], np.int32)
+
+
+def _check_int(name, value, low, high=None) -> int:
+    """`value` as a Python int in [low, high]; NumPy integers are accepted."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise GenerationError(f"`{name}` must be an int; got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise GenerationError(f"`{name}` must be {bound}; got {value}")
+    return int(value)
 
 
 class _progress:

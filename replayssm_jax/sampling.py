@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +29,17 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731
+        if not (real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"`temperature` must be a finite float >= 0; got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"`top_k` must be an int >= 0; got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+        if not (real(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"`top_p` must be in (0, 1]; got {self.top_p!r}")
+        # Plain Python numbers: the params are a static (hashed) argument of compiled code.
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "top_p", float(self.top_p))
 
     @property
     def greedy(self) -> bool:
@@ -45,7 +51,8 @@ def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> 
 
     Args:
       logits: f32[batch, vocab].
-      key: a PRNG key (unused when greedy).
+      key: a PRNG key (unused when greedy). Row i samples with
+        fold_in(key, i), so a row's draw does not depend on the other rows.
       params: SamplingParams (static).
 
     Returns:
@@ -65,4 +72,5 @@ def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> 
         kept = jnp.where(before < params.top_p, ordered, jnp.inf)
         cutoff = jnp.min(kept, axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(logits.shape[0]))
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)

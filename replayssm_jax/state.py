@@ -197,6 +197,13 @@ def check_replay_state(state, kind: type) -> None:
         raise TypeError(f"`state.cursor` must be int32; got {state.cursor.dtype}")
 
 
+def check_no_pending_window(state) -> None:
+    """Raise ValueError if `state` holds a verified window not yet committed
+    (a step, verify or flush then would drop or double-count its records)."""
+    if state.window:
+        raise ValueError(f"`state` has a pending verify window (W = {state.window}); call replay_commit first")
+
+
 def replay_commit(state: ReplayState, num_accepted) -> ReplayState:
     """Accept the first `num_accepted` steps of the pending verify window.
 

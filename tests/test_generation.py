@@ -82,6 +82,15 @@ def test_sampling_is_seeded_and_respects_top_k():
     assert gen.generate(ref["prompt_ids"], 12, sampling=SamplingParams(1.0, top_k=1), seed=3).sequences == greedy
 
 
+def test_sampled_row_does_not_depend_on_the_other_rows(rng):
+    gen = Generator(model("qwen3_5_tiny"), state="replay", buffer_len=4)
+    first, a, b = (rng.integers(3, 256, size=n).tolist() for n in (6, 4, 9))
+    sampling = SamplingParams(temperature=1.0)
+    with_a = gen.generate([first, a], 8, sampling=sampling, seed=5).sequences
+    with_b = gen.generate([first, b], 8, sampling=sampling, seed=5).sequences
+    assert with_a[0] == with_b[0]
+
+
 def test_sample_tokens_stays_in_top_k_and_top_p(rng):
     logits = jnp.asarray(rng.normal(size=(4, 50)) * 3, jnp.float32)
     top3 = np.argsort(-np.asarray(logits), axis=-1)[:, :3]
@@ -125,9 +134,9 @@ def test_generator_errors():
         gen.generate([[1, 2], [3, 256]], 4)
     with pytest.raises(GenerationError, match="prompt 0 is empty"):
         gen.generate([[]], 4)
-    with pytest.raises(GenerationError, match="`max_new_tokens` must be an int >= 0; got -1"):
+    with pytest.raises(GenerationError, match="`max_new_tokens` must be >= 0; got -1"):
         gen.generate([[1, 2]], -1)
-    with pytest.raises(GenerationError, match="`buffer_len` must be an int >= 1; got 0"):
+    with pytest.raises(GenerationError, match="`buffer_len` must be >= 1; got 0"):
         Generator(model("mamba2_tiny"), state="replay", buffer_len=0)
     assert gen.generate([[5, 6, 7]], 0).sequences == [[5, 6, 7]]
 
@@ -145,6 +154,14 @@ def test_command_default_checkpoint_json(capsys):
     for r in runs.values():
         assert r["backend"] == "xla" and r["tokens_per_s"] > 0 and r["compile_s"] > 0
         assert len(r["generated_ids"]) == 1 and r["text"][0].startswith("ReplaySSM")
+
+
+def test_command_with_a_single_new_token_reports_no_speed(capsys):
+    assert main(["--max-new-tokens", "1", "--compare", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["speedup"] is None and report["runs"]["replay"]["tokens_per_s"] is None
+    assert all(len(r["generated_ids"][0]) == len(report["runs"]["standard"]["generated_ids"][0])
+               for r in report["runs"].values())
 
 
 def test_command_prompt_ids_on_fixture(capsys):
@@ -169,7 +186,11 @@ BAD_COMMANDS = [
     (["--buffer-len", "0"], "--buffer-len must be >= 1; got 0"),
     (["--backend", "cuda"], "--backend must be one of pallas, interpret, xla; got 'cuda'"),
     (["--dtype", "float64"], "--dtype must be one of float32, bfloat16; got 'float64'"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]; got 0.0"),
+    (["--top-p", "0", "--temperature", "1"], "--top-p must be in (0, 1]; got 0.0"),
+    (["--top-k", "5"], "--top-k and --top-p apply to sampling: give --temperature > 0 with them"),
+    (["--seed", "-3"], "--seed must be in [0, 2**32); got -3"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--state", "fast"], "argument --state: invalid choice: 'fast'"),
 ]
 
 

@@ -265,6 +265,48 @@ def test_shape_mismatch_names_file_key_and_shapes(tmp_path):
         load_model(dst)
 
 
+def test_integer_tensor_is_rejected(tmp_path):
+    dst = copy_fixture("mamba2_tiny", tmp_path)
+    _rewrite(dst, lambda t: t.__setitem__("backbone.layers.0.mixer.A_log", np.arange(4, dtype=np.int32)))
+    with pytest.raises(CheckpointError, match=r"tensor 'backbone.layers.0.mixer.A_log' has dtype I32; "
+                                              r"Mamba2ForCausalLM expects a floating dtype"):
+        load_model(dst)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "index"])
+def test_unreadable_weights_are_a_checkpoint_error(tmp_path, damage):
+    dst = copy_fixture("qwen3_5_tiny", tmp_path)
+    weights = dst / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "garbage":
+        weights.write_bytes(np.random.default_rng().bytes(4096))
+    else:
+        (dst / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(dst)
+
+
+def test_bad_dtypes_are_rejected():
+    with pytest.raises(TypeError, match="`dtype` must be None or a floating dtype"):
+        load_model(fixture_dir("mamba2_tiny"), dtype=jnp.int8)
+    with pytest.raises(TypeError, match="`ssm_state_dtype` must be float32 or bfloat16; got"):
+        load_model(fixture_dir("mamba2_tiny"), ssm_state_dtype=jnp.int32)
+
+
+def test_out_of_vocabulary_ids_and_a_full_kv_cache_are_errors():
+    model = load_model(fixture_dir("qwen3_5_tiny"))
+    ids = reference("qwen3_5_tiny")["prompt_ids"]
+    with pytest.raises(ValueError, match=r"`input_ids` has token id 256 outside the vocabulary \[0, 256\)"):
+        model(np.array([[1, 256]]))
+    _, cache = model.prefill(ids[:, :4], max_len=5)
+    with pytest.raises(ValueError, match=r"`tokens` has token id -1 outside the vocabulary"):
+        model.decode(np.array([1, -1]), cache)
+    _, cache = model.decode(np.array([1, 2]), cache)
+    with pytest.raises(ValueError, match="the KV cache is full: a row holds 5 of max_len = 5 positions"):
+        model.decode(np.array([1, 2]), cache)
+
+
 def test_missing_config_and_weights(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
         load_model(tmp_path / "nowhere")

@@ -271,3 +271,30 @@ def test_speculative_sequences(name, program):
             rs = replay_commit(rs, np.array(accepted, np.int32))
         assert np.all((0 <= np.asarray(rs.cursor)) & (np.asarray(rs.cursor) <= L))
         assert_close(case.materialize(rs), np.concatenate(rows), jnp.float32, f"state after {op}")
+
+
+@pytest.mark.parametrize("name", TWO_CASES)
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_rejected_non_finite_draft_leaves_no_trace(name, route, rng):
+    """A rejected draft step whose inputs overflowed (inf) is a dead record: it
+    must not reach later outputs or the state (0 * inf would be NaN)."""
+    case = CASES[name](rng)
+    case.batch = 2
+    state = case.initial_state()
+    rs = case.replay_init(state, 6)
+    window = case.draw(3)
+    first = "x" if name.startswith("mamba2") else "v"
+    window[first][:, 2] = np.inf
+    _, rs = case.verify(rs, window)
+    rs = replay_commit(rs, np.array([1, 2], np.int32))
+    rows = []
+    for i, m in enumerate([1, 2]):
+        s = state[i : i + 1]
+        for t in range(m):
+            _, s = case.oracle_step(s, take_rows(take_step(window, t), [i]))
+        rows.append(s)
+    inp = case.draw()
+    y, rs = case.replay_step(rs, inp, route=route)
+    y_ref, s_ref = case.oracle_step(np.concatenate(rows), inp)
+    assert_close(y, y_ref, jnp.float32, "output after the rejected draft")
+    assert_close(case.materialize(rs), s_ref, jnp.float32, "state after the rejected draft")

@@ -145,3 +145,29 @@ def test_unknown_backend(mamba):
     case, state, inp = mamba
     with pytest.raises(ValueError, match=r"`backend` must be one of \('pallas', 'interpret', 'xla'\) or None; got 'cuda'"):
         ops.mamba2_step(state, **inp, A=case.A, backend="cuda")
+
+
+def test_flush_with_pending_window_is_refused(mamba, gdn):
+    for case, state, _ in (mamba, gdn):
+        rs = case.replay_init(state, 4)
+        _, pending = case.verify(rs, case.draw(2))
+        with pytest.raises(ValueError, match=r"pending verify window \(W = 2\); call replay_commit first"):
+            case.flush(pending)
+        # materialize is allowed: the state at the window's start
+        assert_close(case.materialize(pending), case.materialize(rs), jnp.float32, "state at the window start")
+
+
+def test_value_checks(mamba, gdn):
+    case, state, inp = mamba
+    with pytest.raises(ValueError, match=r"`A` must be negative \(A = -exp\(A_log\)\); got max 0.5"):
+        ref.mamba2_step(state, **inp, A=np.full(4, 0.5, np.float32))
+    with pytest.raises(ValueError, match=r"`state` must have no empty axis \[batch, nheads, head_dim, d_state\]; got shape \(2, 4, 0, 16\)"):
+        ref.mamba2_step(state[:, :, :0], **{**inp, "x": inp["x"][:, :, :0], "z": inp["z"][:, :, :0]}, A=case.A)
+    rs = case.replay_init(state, 4)
+    _, pending = case.verify(rs, case.draw(3))
+    with pytest.raises(ValueError, match=r"`num_accepted` must be in \[0, 3\] for every row; got \[4294967297, 0\]"):
+        replay_commit(pending, np.array([2**32 + 1, 0], np.int64))
+    gcase, gstate, ginp = gdn
+    y, _ = ref.gdn_step(gstate, **ginp, scale=np.float32(0.25))  # NumPy scalars are fine
+    with pytest.raises(TypeError, match="`scale` must be a finite real number or None; got 'big'"):
+        ref.gdn_step(gstate, **ginp, scale="big")

@@ -196,6 +196,10 @@ class Attention(nnx.Module):
         if cache.k.shape[0] != batch or cache.k.shape[2:] != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"Attention: `cache.k` must have shape [batch, max_len, num_kv_heads, head_dim] = "
                              f"({batch}, max_len, {self.num_kv_heads}, {self.head_dim}); got {cache.k.shape}")
+        if not isinstance(cache.length, jax.core.Tracer) and int(np.max(cache.length)) + seqlen > cache.max_len:
+            raise ValueError(f"Attention: the KV cache is full: a row holds {int(np.max(cache.length))} of "
+                             f"max_len = {cache.max_len} positions and {seqlen} more were given (prefill with a "
+                             f"larger max_len; inside jit, writes past max_len are dropped)")
         positions = cache.length[:, None] + jnp.arange(seqlen, dtype=jnp.int32)[None, :]
         q, k, v, gate = self._project(x, positions)
 

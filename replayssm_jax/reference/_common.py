@@ -59,6 +59,13 @@ def replay_weights(lg: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Arra
     return total, w
 
 
+def live_records(u, k, count):
+    """u and k with the dead slots (>= count) zeroed, as float32, so that a
+    rejected draft's record (possibly inf or NaN) cannot leak into a sum."""
+    live = slot_mask(count, u.shape[2])[:, None, :, None]
+    return jnp.where(live, u.astype(f32), 0.0), jnp.where(live, k.astype(f32), 0.0)
+
+
 def replay_readout(checkpoint, u, k, lg, count, q) -> jax.Array:
     """y = S_count q from the checkpoint and the buffer, without forming S.
 
@@ -73,15 +80,17 @@ def replay_readout(checkpoint, u, k, lg, count, q) -> jax.Array:
       f32[batch, heads, V].
     """
     total, w = replay_weights(lg, count)
+    u, k = live_records(u, k, count)
     from_checkpoint = einsum("bhvk,bhk->bhv", checkpoint.astype(f32), q.astype(f32))
-    scores = w * einsum("bhlk,bhk->bhl", k.astype(f32), q.astype(f32))
-    return jnp.exp(total)[..., None] * from_checkpoint + einsum("bhl,bhlv->bhv", scores, u.astype(f32))
+    scores = w * einsum("bhlk,bhk->bhl", k, q.astype(f32))
+    return jnp.exp(total)[..., None] * from_checkpoint + einsum("bhl,bhlv->bhv", scores, u)
 
 
 def replay_materialize(checkpoint, u, k, lg, count) -> jax.Array:
     """S_count = exp(G) S_c + sum_i w_i u_i k_i^T, f32[batch, heads, V, K]."""
     total, w = replay_weights(lg, count)
-    update = einsum("bhl,bhlv,bhlk->bhvk", w, u.astype(f32), k.astype(f32))
+    u, k = live_records(u, k, count)
+    update = einsum("bhl,bhlv,bhlk->bhvk", w, u, k)
     return jnp.exp(total)[..., None, None] * checkpoint.astype(f32) + update
 
 

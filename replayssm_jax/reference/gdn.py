@@ -27,7 +27,7 @@ from jax.scipy.linalg import solve_triangular
 
 from replayssm_jax import _validate as val
 from replayssm_jax.reference import _common as c
-from replayssm_jax.state import GDNReplayState, check_replay_state, write_slots
+from replayssm_jax.state import GDNReplayState, check_no_pending_window, check_replay_state, write_slots
 
 f32 = jnp.float32
 
@@ -45,8 +45,7 @@ def _check_inputs(dims, q, k, vv, g, beta, scale, seq=None, seq_name="seqlen"):
     val.float_arg("v", vv, f"{names}, HV, V", (*lead, HV, V))
     val.float_arg("g", g, f"{names}, HV", (*lead, HV))
     val.float_arg("beta", beta, f"{names}, HV", (*lead, HV))
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"`scale` must be a Python float or None; got {type(scale).__name__}")
+    val.check_scale(scale)
     return H
 
 
@@ -172,7 +171,8 @@ def gdn_replay_materialize(state: GDNReplayState) -> jax.Array:
 
     Returns:
       f32[batch, HV, V, K]: the state after `cursor` buffered steps, equal to
-      the state a standard decode would hold now.
+      the state a standard decode would hold now. With a pending verify
+      window: the state at the window's start.
     """
     check_replay_state(state, GDNReplayState)
     return c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
@@ -181,13 +181,13 @@ def gdn_replay_materialize(state: GDNReplayState) -> jax.Array:
 def gdn_replay_flush(state: GDNReplayState) -> GDNReplayState:
     """Write the materialised state of every row as its checkpoint; cursor <- 0."""
     check_replay_state(state, GDNReplayState)
+    check_no_pending_window(state)
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), unify)
 
 
 def _check_replay_inputs(state, q, k, v, g, beta, scale, seq=None):
     check_replay_state(state, GDNReplayState)
-    if state.window:
-        raise ValueError(f"`state` has a pending verify window (W = {state.window}); call replay_commit first")
+    check_no_pending_window(state)
     H = _check_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, seq=seq, seq_name="W")
     if H != state.k.shape[1]:
         raise ValueError(f"`q` and `k` must have H = {state.k.shape[1]} key heads (the state's); got {H}")

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from replayssm_jax import _validate as v
 from replayssm_jax.reference import _common as c
-from replayssm_jax.state import Mamba2ReplayState, check_replay_state, write_slots
+from replayssm_jax.state import Mamba2ReplayState, check_no_pending_window, check_replay_state, write_slots
 
 f32 = jnp.float32
 INF = math.inf
@@ -37,6 +37,7 @@ def _check_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_limit, seq=None, seq_n
     v.float_arg("x", x, f"{lead_names}, nheads, head_dim", (*lead, H, P))
     v.float_arg("dt", dt, f"{lead_names}, nheads", (*lead, H))
     v.float_arg("A", A, "nheads", (H,))
+    v.check_negative("A", A, "A = -exp(A_log)")
     B = v.check_float("B", B)
     v.check_rank("B", B, f"{lead_names}, n_groups, d_state")
     G = B.shape[-2]
@@ -183,7 +184,8 @@ def mamba2_replay_materialize(state: Mamba2ReplayState, A) -> jax.Array:
 
     Returns:
       f32[batch, nheads, head_dim, d_state]: the state after `cursor` buffered
-      steps, equal to the state a standard decode would hold now.
+      steps, equal to the state a standard decode would hold now. With a
+      pending verify window: the state at the window's start.
     """
     _check_replay(state, A)
     return c.replay_materialize(state.checkpoint, *unify(state, A), state.cursor)
@@ -192,6 +194,7 @@ def mamba2_replay_materialize(state: Mamba2ReplayState, A) -> jax.Array:
 def mamba2_replay_flush(state: Mamba2ReplayState, A) -> Mamba2ReplayState:
     """Write the materialised state of every row as its checkpoint; cursor <- 0."""
     _check_replay(state, A)
+    check_no_pending_window(state)
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), lambda s: unify(s, A))
 
 
@@ -233,8 +236,7 @@ def mamba2_replay_step(
       a pending verify window, or an unknown route.
     """
     _check_replay(state, A)
-    if state.window:
-        raise ValueError(f"`state` has a pending verify window (W = {state.window}); call replay_commit first")
+    check_no_pending_window(state)
     _check_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
     if B.shape[1] != state.B.shape[1]:
         raise ValueError(f"`B` must have n_groups = {state.B.shape[1]} (the state's); got {B.shape[1]}")
@@ -297,8 +299,7 @@ def mamba2_replay_verify(
       TypeError, ValueError: as :func:`mamba2_replay_step`, and W > L.
     """
     _check_replay(state, A)
-    if state.window:
-        raise ValueError(f"`state` has a pending verify window (W = {state.window}); call replay_commit first")
+    check_no_pending_window(state)
     x = v.check_float("x", x)
     v.check_rank("x", x, "batch, W, nheads, head_dim")
     W = x.shape[1]
