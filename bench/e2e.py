@@ -11,7 +11,8 @@ Method: for each model, batch and state mode, `replayssm_jax.generation.Generato
 prefills a random prompt and decodes the new tokens in one compiled
 `lax.scan` block (jit, carry donated); the run is repeated after a warm-up
 and the faster decode wall time counts. Throughput = batch x decode steps /
-decode seconds. Beside it: compile seconds, peak GPU memory, and the share
+decode seconds. Beside it: compile seconds, the decode cache's size and the
+process's peak GPU memory, and the share
 of a decode step spent in the SSM kernels, estimated by timing the layer's
 SSM op alone (a jitted scan over the same batch and state) times the number
 of SSM layers, over the measured step time. Greedy tokens of every mode are
@@ -60,6 +61,7 @@ class Row:
     step_ms: float
     compile_s: float
     prefill_s: float
+    cache_gib: float
     peak_gib: float
     ssm_share: float
     identical_to_standard: bool | None
@@ -71,6 +73,7 @@ def _mode(mode: str) -> tuple[str, int | None]:
 
 
 def _peak_gib() -> float:
+    """Peak device memory of the process so far (not reset between runs)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use", 0) / 2**30
 
@@ -142,7 +145,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                 reference_tokens = tokens
             same = None if reference_tokens is None else bool(np.array_equal(tokens, reference_tokens))
             rows.append(Row(name, batch, mode, best.tokens_per_s, step_s * 1e3, out.compile_s, best.prefill_s,
-                            _peak_gib(), ssm_share, same))
+                            best.cache_bytes / 2**30, _peak_gib(), ssm_share, same))
             log(f"{name} batch={batch} {mode}: {best.tokens_per_s:.0f} tok/s, step {step_s * 1e3:.2f} ms, "
                 f"compile {out.compile_s:.1f} s, SSM share {ssm_share:.0%}, identical={same}")
             del gen, out, again
@@ -194,10 +197,10 @@ def main(argv=None) -> int:
     print(f"\n{meta['date']} {meta['device']} backend={backend} commit={meta['commit']} "
           f"prompt={prompt_len} new={new_tokens} {meta['dtype']}")
     print(f"{'model':26s} {'batch':>5s} {'mode':>8s} {'tok/s':>10s} {'step ms':>8s} {'speedup':>7s} "
-          f"{'SSM%':>5s} {'GiB':>6s} {'compile s':>9s} same")
+          f"{'SSM%':>5s} {'cache GiB':>9s} {'peak GiB':>8s} {'compile s':>9s} same")
     for r in rows:
         print(f"{r.model:26s} {r.batch:5d} {r.mode:>8s} {r.tokens_per_s:10.0f} {r.step_ms:8.2f} "
-              f"{(r.speedup or float('nan')):7.2f} {r.ssm_share:5.0%} {r.peak_gib:6.1f} {r.compile_s:9.1f} "
+              f"{(r.speedup or float('nan')):7.2f} {r.ssm_share:5.0%} {r.cache_gib:9.2f} {r.peak_gib:8.1f} {r.compile_s:9.1f} "
               f"{'-' if r.identical_to_standard is None else r.identical_to_standard}")
     return 0
 

@@ -157,6 +157,7 @@ def _summary(out, state, args, backend, tokenizer):
         "decode_s": out.decode_s,
         "prefill_s": out.prefill_s,
         "compile_s": out.compile_s,
+        "cache_bytes": out.cache_bytes,
     }
     if tokenizer is not None:
         result["text"] = [tokenizer.decode(s) for s in out.sequences]

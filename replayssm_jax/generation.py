@@ -70,6 +70,8 @@ class GenerationOutput:
         the decode loop (compilation excluded).
       compile_s: seconds spent compiling prefill and decode blocks.
       decode_steps: decode steps run (one token for every row each).
+      cache_bytes: device bytes of the decode cache (SSM states or checkpoints
+        and buffers, conv states, KV caches).
     """
 
     sequences: list[list[int]]
@@ -78,6 +80,7 @@ class GenerationOutput:
     decode_s: float
     compile_s: float
     decode_steps: int
+    cache_bytes: int = 0
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -255,9 +258,11 @@ class Generator:
                 bar.update(n)
         tokens = np.asarray(carry.tokens)
         decode_s = time.perf_counter() - t0
-        return self._collect(tokens, lengths, max_new_tokens, stop_ids, prefill_s, decode_s, compile_s, done_steps)
+        cache_bytes = sum(a.nbytes for a in jax.tree.leaves(carry.cache))
+        return self._collect(tokens, lengths, max_new_tokens, stop_ids, prefill_s, decode_s, compile_s, done_steps,
+                             cache_bytes)
 
-    def _collect(self, tokens, lengths, max_new_tokens, stop_ids, prefill_s, decode_s, compile_s, steps):
+    def _collect(self, tokens, lengths, max_new_tokens, stop_ids, prefill_s, decode_s, compile_s, steps, cache_bytes):
         stops = set(stop_ids.tolist())
         sequences, counts = [], []
         for row, length in enumerate(lengths):
@@ -266,7 +271,7 @@ class Generator:
             new = new[: ends[0] + 1] if ends else new
             sequences.append(tokens[row, :length].tolist() + new)
             counts.append(len(new))
-        return GenerationOutput(sequences, counts, prefill_s, decode_s, compile_s, steps)
+        return GenerationOutput(sequences, counts, prefill_s, decode_s, compile_s, steps, cache_bytes)
 
     def _check_ids(self, ids: np.ndarray, name: str) -> np.ndarray:
         vocab = int(self.config.vocab_size)
