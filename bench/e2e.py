@@ -166,8 +166,8 @@ def _commit() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="End-to-end decode throughput: standard vs ReplaySSM")
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--batches", default="1,16,64,128,256,512")
+    p.add_argument("--models", default=None, help=f"default: {','.join(MODELS)} (with --smoke: the tiny fixtures)")
+    p.add_argument("--batches", default=None, help="default: 1,16,64,128,256,512 (with --smoke: 1,2)")
     p.add_argument("--modes", default="standard,8,16,32", help="'standard' and ReplaySSM buffer lengths")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -176,12 +176,13 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny fixture on any device, to check the script")
     args = p.parse_args(argv)
     if args.smoke:
-        configs = {"qwen3_next_tiny": os.path.join(ROOT, "tests", "data", "qwen3_next_tiny"),
-                   "nemotron_h_tiny": os.path.join(ROOT, "tests", "data", "nemotron_h_tiny")}
-        batches, prompt_len, new_tokens, dtype = [1, 2], 8, 6, jnp.float32
+        folder, names = os.path.join(ROOT, "tests", "data"), args.models or "qwen3_next_tiny,nemotron_h_tiny"
+        batches, prompt_len, new_tokens, dtype = args.batches or "1,2", 8, 6, jnp.float32
     else:
-        configs = {m: os.path.join(CONFIGS, m) for m in args.models.split(",")}
-        batches, prompt_len, new_tokens, dtype = [int(b) for b in args.batches.split(",")], args.prompt_len, args.new_tokens, jnp.bfloat16
+        folder, names = CONFIGS, args.models or ",".join(MODELS)
+        batches, prompt_len, new_tokens, dtype = args.batches or "1,16,64,128,256,512", args.prompt_len, args.new_tokens, jnp.bfloat16
+    configs = {m: os.path.join(folder, m) for m in names.split(",")}
+    batches = [int(b) for b in batches.split(",")]
     modes = args.modes.split(",")
     backend = ops.resolve_backend(args.backend)
     rows = []
