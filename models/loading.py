@@ -57,10 +57,10 @@ def read_config(path: str | os.PathLike) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointNotFoundError(f"{cfg_path}: no such file (a Hugging Face checkpoint folder needs config.json)")
-    with open(cfg_path) as f:
+    with open(cfg_path, "rb") as f:
         try:
-            d = json.load(f)
-        except json.JSONDecodeError as e:
+            d = json.loads(f.read().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object; found {type(d).__name__}")
@@ -87,13 +87,13 @@ class TensorSource:
         self._file_of: dict[str, str] = {}
         self._handles: dict[str, object] = {}
         if os.path.isfile(index):
-            with open(index) as f:
+            with open(index, "rb") as f:
                 try:
-                    weight_map = json.load(f)
-                except json.JSONDecodeError as e:
+                    weight_map = json.loads(f.read().decode("utf-8"))
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     raise CheckpointError(f"{index}: not valid JSON ({e})") from None
             weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-            if not isinstance(weight_map, dict):
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointError(f"{index}: missing or malformed 'weight_map'")
             for fname in sorted(set(weight_map.values())):
                 fpath = os.path.join(path, fname)
@@ -173,8 +173,12 @@ def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
     available: dict[str, str] = {}
     for key in src.keys():
         name = checkpoint_key(key)
-        if name is not None:
-            available[name] = key
+        if name is None:
+            continue
+        if name in available:
+            raise CheckpointError(f"{src.path}: tensors {available[name]!r} and {key!r} both map to the parameter "
+                                  f"{name!r} of {model_name}")
+        available[name] = key
     used: set[str] = set()
     where = f"{src.path} ({_describe(src)})"
 

@@ -84,8 +84,9 @@ class GenerationOutput:
 
     @property
     def tokens_per_s(self) -> float | None:
-        """Decode throughput: tokens produced by the decode steps (all rows) per
-        second; None when no decode step ran (max_new_tokens <= 1)."""
+        """Decode throughput: tokens the decode steps produced per second, every
+        row every step (the steps that feed the rest of longer prompts in a
+        ragged batch included); None when no decode step ran."""
         if self.decode_steps == 0 or self.decode_s <= 0:
             return None
         return len(self.sequences) * self.decode_steps / self.decode_s
@@ -128,6 +129,14 @@ class Generator:
         if state == "replay":
             buffer_len = _check_int("buffer_len", buffer_len, 1)
         block_size = _check_int("block_size", block_size, 1)
+        if route not in ("output", "state"):
+            raise GenerationError(f"`route` must be 'output' or 'state'; got {route!r}")
+        try:
+            floating = jnp.issubdtype(jnp.dtype(buffer_dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise GenerationError(f"`buffer_dtype` must be a floating dtype; got {buffer_dtype!r}")
         self.backend = ops.resolve_backend(backend)
         self.state = state
         self.buffer_len = buffer_len if state == "replay" else None

@@ -61,7 +61,9 @@ def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> 
     logits = logits.astype(jnp.float32)
     if params.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / params.temperature
+    # Shift by the row maximum before dividing, so that a tiny temperature
+    # cannot overflow to inf (the largest logit maps to 0).
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, params.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)

@@ -193,7 +193,7 @@ def check_replay_state(state, kind: type) -> None:
         v.check_shape("state.k", state.k, "batch, H, L, K", (batch, state.k.shape[1], L, K))
         v.check_shape("state.g", state.g, "batch, HV, L", (batch, HV, L))
     v.check_shape("state.cursor", state.cursor, "batch", (batch,))
-    if not jnp.issubdtype(state.cursor.dtype, jnp.integer):
+    if state.cursor.dtype != jnp.int32:
         raise TypeError(f"`state.cursor` must be int32; got {state.cursor.dtype}")
 
 
@@ -223,13 +223,16 @@ def replay_commit(state: ReplayState, num_accepted) -> ReplayState:
     Raises:
       TypeError: not a replay state, or non-integer counts.
       ValueError: no pending window, counts of the wrong shape, or (when
-        the counts are concrete) a count outside 0..W.
+        the counts are concrete) a count outside 0..W. Inside jit, counts
+        are clipped to 0..W.
     """
     if not isinstance(state, (Mamba2ReplayState, GDNReplayState)):
         raise TypeError(f"`state` must be a Mamba2ReplayState or GDNReplayState; got {type(state).__name__}")
     if state.window == 0:
         raise ValueError("`state` has no pending verify window (window = 0); call a replay verify op before replay_commit")
     num_accepted = v.check_int_range("num_accepted", num_accepted, "batch", (state.batch,), 0, state.window)
+    # Inside jit the counts cannot be checked; clipping keeps the cursor in 0..L.
+    num_accepted = jnp.clip(num_accepted, 0, state.window)
     return state.replace(cursor=state.cursor + num_accepted, window=0)
 
 

@@ -107,6 +107,8 @@ def test_sample_tokens_stays_in_top_k_and_top_p(rng):
             assert t[r] in allowed
     with pytest.raises(ValueError, match=r"`top_p` must be in \(0, 1\]; got 0.0"):
         SamplingParams(1.0, top_p=0.0)
+    tiny = np.asarray(sample_tokens(logits, jax.random.key(0), SamplingParams(1e-38)))
+    np.testing.assert_array_equal(tiny, np.argmax(np.asarray(logits), axis=-1))  # no overflow to inf
 
 
 @pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_next_tiny"])
@@ -138,6 +140,10 @@ def test_generator_errors():
         gen.generate([[1, 2]], -1)
     with pytest.raises(GenerationError, match="`buffer_len` must be >= 1; got 0"):
         Generator(model("mamba2_tiny"), state="replay", buffer_len=0)
+    with pytest.raises(GenerationError, match="`route` must be 'output' or 'state'; got 'fast'"):
+        Generator(model("mamba2_tiny"), route="fast")
+    with pytest.raises(GenerationError, match="`buffer_dtype` must be a floating dtype"):
+        Generator(model("mamba2_tiny"), buffer_dtype=jnp.int32)
     assert gen.generate([[5, 6, 7]], 0).sequences == [[5, 6, 7]]
 
 

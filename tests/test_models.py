@@ -287,6 +287,20 @@ def test_unreadable_weights_are_a_checkpoint_error(tmp_path, damage):
         load_model(dst)
 
 
+def test_two_tensors_for_one_parameter_are_rejected(tmp_path):
+    dst = copy_fixture("mamba2_tiny", tmp_path)
+    _rewrite(dst, lambda t: t.__setitem__("backbone.embedding.weight", t["backbone.embeddings.weight"] + 1))
+    with pytest.raises(CheckpointError, match="both map to the parameter 'backbone.embeddings.weight'"):
+        load_model(dst)
+
+
+def test_malformed_index_is_a_checkpoint_error(tmp_path):
+    dst = copy_fixture("qwen3_5_tiny", tmp_path)
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": 1}}))
+    with pytest.raises(CheckpointError, match="missing or malformed 'weight_map'"):
+        load_model(dst)
+
+
 def test_bad_dtypes_are_rejected():
     with pytest.raises(TypeError, match="`dtype` must be None or a floating dtype"):
         load_model(fixture_dir("mamba2_tiny"), dtype=jnp.int8)

@@ -122,10 +122,11 @@ def test_replay_matches_standard(name, L, route, rng):
 
 
 @pytest.mark.parametrize("name", TWO_CASES)
-def test_replay_routes_agree(name, rng):
+@pytest.mark.parametrize("buffer_dtype", [jnp.float32, jnp.bfloat16])
+def test_replay_routes_agree(name, buffer_dtype, rng):
     case = CASES[name](rng)
     state = case.initial_state()
-    a = b = case.replay_init(state, 5)
+    a = b = case.replay_init(state, 5, buffer_dtype=buffer_dtype)
     for t in range(7):
         inp = case.draw()
         ya, a = case.replay_step(a, inp, route="output")
@@ -298,3 +299,11 @@ def test_rejected_non_finite_draft_leaves_no_trace(name, route, rng):
     y_ref, s_ref = case.oracle_step(np.concatenate(rows), inp)
     assert_close(y, y_ref, jnp.float32, "output after the rejected draft")
     assert_close(case.materialize(rs), s_ref, jnp.float32, "state after the rejected draft")
+
+
+def test_commit_counts_are_clipped_inside_jit(rng):
+    case = CASES["gdn-HV2H"](rng)
+    rs = case.replay_init(case.initial_state(), 4)
+    _, pending = case.verify(rs, case.draw(2))
+    committed = jax.jit(replay_commit)(pending, jnp.array([7, -3, 1], jnp.int32))
+    np.testing.assert_array_equal(committed.cursor, [2, 0, 1])

@@ -199,7 +199,8 @@ class Attention(nnx.Module):
         if not isinstance(cache.length, jax.core.Tracer) and int(np.max(cache.length)) + seqlen > cache.max_len:
             raise ValueError(f"Attention: the KV cache is full: a row holds {int(np.max(cache.length))} of "
                              f"max_len = {cache.max_len} positions and {seqlen} more were given (prefill with a "
-                             f"larger max_len; inside jit, writes past max_len are dropped)")
+                             f"larger max_len: inside jit this is not checked, and a write past max_len "
+                             f"lands on the last positions, giving wrong results)")
         positions = cache.length[:, None] + jnp.arange(seqlen, dtype=jnp.int32)[None, :]
         q, k, v, gate = self._project(x, positions)
 

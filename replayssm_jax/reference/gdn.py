@@ -206,9 +206,11 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     Args:
       state: GDNReplayState with no pending verify window.
       q, k, v, g, beta, scale, use_qk_l2norm: as :func:`gdn_step`.
-      route: "output" computes S_prev k and S q as exp(G) S_c x + sum_i
-        w_i (k_i . x) d_i, never forming S; "state" forms S_prev and S in
-        f32. Both give the same numbers up to float32 rounding.
+      route: "output" computes S_prev k and S_prev q as exp(G) S_c x +
+        sum_i w_i (k_i . x) d_i; "state" reads them off S_prev formed in f32
+        (the reference forms S_prev in both routes, for the flush). This
+        step's own update d k^T enters through the unrounded d and k, so the
+        routes agree up to float32 rounding also with a bf16 buffer.
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
@@ -226,24 +228,26 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
     g = g.astype(f32)
+    buffered = (state.checkpoint, *unify(state), state.cursor)  # S_{j-1} = checkpoint + buffer
+    prev = c.replay_materialize(*buffered)  # f32, formed for the flush (and the "state" route)
     if route == "output":
-        prev_k = c.replay_readout(state.checkpoint, *unify(state), state.cursor, kh)
+        prev_k, prev_q = (c.replay_readout(*buffered, x) for x in (kh, qh))
     else:
-        prev = c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
-        prev_k = c.einsum("bhvk,bhk->bhv", prev, kh)
-    d = beta.astype(f32)[..., None] * (v.astype(f32) - jnp.exp(g)[..., None] * prev_k)
+        prev_k, prev_q = (c.einsum("bhvk,bhk->bhv", prev, x) for x in (kh, qh))
+    decay = jnp.exp(g)[..., None]
+    d = beta.astype(f32)[..., None] * (v.astype(f32) - decay * prev_k)
+    # o = S_j q with S_j = exp(g) S_{j-1} + d k^T; this step enters through the
+    # unrounded d and k (the buffer may round them to bf16 for later steps).
+    o = decay * prev_q + jnp.sum(kh * qh, axis=-1, keepdims=True) * d
+    flush = (state.cursor + 1 == state.buffer_len) | entered_full
+    S = decay[..., None] * prev + d[..., None] * kh[:, :, None, :]
     new = state.replace(
+        checkpoint=jnp.where(flush[:, None, None, None], S.astype(state.checkpoint.dtype), state.checkpoint),
         d=write_slots(state.d, d[:, :, None], state.cursor),
         k=write_slots(state.k, k[:, :, None], state.cursor),
         g=write_slots(state.g, g[:, :, None], state.cursor),
-        cursor=state.cursor + 1,
+        cursor=jnp.where(flush, 0, state.cursor + 1),
     )
-    if route == "output":
-        o = c.replay_readout(new.checkpoint, *unify(new), new.cursor, qh)
-    else:
-        S = jnp.exp(g)[..., None, None] * prev + d[..., None] * kh[:, :, None, :]
-        o = c.einsum("bhvk,bhk->bhv", S, qh)
-    new = c.flush_where(new, (new.cursor == new.buffer_len) | entered_full, unify)
     return o.astype(v.dtype), new
 
 
