@@ -7,7 +7,7 @@ staggered cursors, flushes included) with the method of bench/kernels.py,
 after the same-run correctness check of that shape. Beside each time: the
 traffic model's bytes per step and the speedup it predicts,
 
-    standard 2|S| + io    against    |S| (1 + 1/L) + L records read + 1 written + io,
+    standard 2|S| + io    against    |S| (1 + 2/L) + L records read + 1 written + io,
 
 so that the gap between model and measurement is visible per L. The best L
 per shape is reported, and two plots are written: speedup against L (a
@@ -38,10 +38,7 @@ import kernels as kb  # noqa: E402  (bench/kernels.py: shapes, traffic model, ti
 
 def predicted_speedup(bench, L) -> float:
     """Standard bytes over ReplaySSM bytes per step, from the traffic model."""
-    standard = 2 * bench.state_bytes() + bench.io_bytes()
-    read, written = bench.buffer_bytes(L)
-    replay = bench.state_bytes() * (1 + 1 / L) + read + written + bench.io_bytes()
-    return standard / replay
+    return kb.standard_bytes(bench) / kb.replay_bytes(bench, L)
 
 
 def study(layer, shape, state_dtype, batches, lengths, repeats, rng, log):

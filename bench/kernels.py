@@ -315,6 +315,19 @@ def variants(lengths):
     yield (f"replay-L{16 if 16 in lengths else lengths[0]}-in-step", 16 if 16 in lengths else lengths[0], "in-step")
 
 
+def standard_bytes(bench) -> float:
+    """Traffic model of one standard step: the state read and written, inputs and outputs."""
+    return 2 * bench.state_bytes() + bench.io_bytes()
+
+
+def replay_bytes(bench, L) -> float:
+    """Traffic model of one ReplaySSM step, averaged over a flush cycle: the
+    checkpoint read once, re-read and written by the flush launch once per L
+    steps, the L-slot buffer tiles read and one record written, inputs and outputs."""
+    read, written = bench.buffer_bytes(L)
+    return bench.state_bytes() * (1 + 2 / L) + read + written + bench.io_bytes()
+
+
 def run_variant(bench, kind, L, cursors, repeats, config=None, route="output"):
     n = n_sets_for(bench)
     if L is None:
@@ -322,35 +335,38 @@ def run_variant(bench, kind, L, cursors, repeats, config=None, route="output"):
         xs = bench.inputs(STANDARD_STEPS)
         step = lambda c, inp: bench.step(c, inp, BACKEND, config)  # noqa: E731
         steps = STANDARD_STEPS
-        bytes_step = 2 * bench.state_bytes() + bench.io_bytes()
+        bytes_step = standard_bytes(bench)
     else:
         cur = np.zeros(bench.b) if cursors == "in-step" else np.arange(bench.b) % L
         carries = tuple(bench.replay_init(bench.state(), L, cur) for _ in range(n))
         xs = bench.inputs(L)
         step = lambda c, inp: bench.replay_step(c, inp, route, BACKEND, config)  # noqa: E731
         steps = L
-        rd, wr = bench.buffer_bytes(L)
-        bytes_step = bench.state_bytes() * (1 + 1 / L) + rd + wr + bench.io_bytes()
+        bytes_step = replay_bytes(bench, L)
     t, spread, compile_s = time_cycle(step, carries, xs, steps, repeats)
     return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_step, gbps=bytes_step / t / 1e9)
 
 
+# (block_v, num_warps) of the standard step; (block_v, num_warps, tiles,
+# num_stages) of the replay step.
 SWEEP_CONFIGS = {
-    "gdn": [(16, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)],
-    "mamba2": [(16, 2), (16, 4), (32, 4), (64, 4), (128, 4), (128, 8)],
+    ("gdn", "standard"): [(32, 4), (64, 8)],
+    ("mamba2", "standard"): [(16, 2), (16, 4)],
+    ("gdn", "replay"): [(32, 4, 4), (16, 2, 8), (64, 4, 2), (32, 4, 1)],
+    ("mamba2", "replay"): [(16, 2, 5), (16, 4, 5), (32, 4, 3), (16, 2, 1)],
 }
 
 
 def sweep(bench, base, rows, lengths, repeats):
-    """Time the standard and replay kernels over a few (block_v, num_warps)."""
-    default_std = kernels.default_config(bench.b, *bench.heads_dims(), bench.sd.itemsize)
+    """Time the standard and replay kernels over the SWEEP_CONFIGS tilings."""
     for kind, L in [("standard", None)] + [(f"replay-L{L}", L) for L in lengths]:
-        for bv, w in SWEEP_CONFIGS[bench.layer]:
-            cfg = Config(block_v=bv, num_warps=w)
+        default = kernels.default_config(bench.b, *bench.heads_dims(), bench.sd.itemsize, replay_len=L or 0)
+        for spec in SWEEP_CONFIGS[(bench.layer, "standard" if L is None else "replay")]:
+            cfg = Config(*spec[:2], num_stages=spec[3] if len(spec) > 3 else 1, tiles=spec[2] if len(spec) > 2 else 1)
             r = run_variant(bench, kind, L, "staggered", repeats, cfg)
-            is_default = cfg == default_std
+            is_default = cfg == default
             rows.append(dict(base, variant=kind, L=L, config=dataclasses.asdict(cfg), default=is_default, **r))
-            print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} bv{bv:<3d} w{w}"
+            print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} {cfg.tag():18s}"
                   f" {r['seconds'] * 1e6:9.2f} us {r['gbps']:7.0f} GB/s{'  (default)' if is_default else ''}",
                   flush=True)
 
@@ -404,9 +420,8 @@ def main():
                     continue
                 if args.sweep:
                     sweep(bench, base, rows, lengths, args.repeats)
-                    continue
                 std = None
-                for kind, L, cursors in variants(lengths):
+                for kind, L, cursors in [] if args.sweep else variants(lengths):
                     r = run_variant(bench, kind, L, cursors, args.repeats)
                     if L is None:
                         std = r["seconds"]

@@ -35,10 +35,13 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtype", default="float32")
     p.add_argument("--L", type=int, default=8)
     p.add_argument("--backend", default="pallas", help="pallas (GPU) or interpret (a CPU check of the script)")
-    p.add_argument("--configs", default="", help="extra replay configs to profile, e.g. '32x4,64x4' (block_v x warps)")
+    p.add_argument("--configs", default="", help="extra replay configs to profile, e.g. '32x4x4,64x8x2' (block_v x warps x tiles)")
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
-    extra = [Config(*map(int, c.split("x"))) for c in args.configs.split(",") if c]
+    extra = []
+    for spec in filter(None, args.configs.split(",")):
+        bv, warps, tiles = (list(map(int, spec.split("x"))) + [1])[:3]
+        extra.append(Config(block_v=bv, num_warps=warps, tiles=tiles))
     for bench in (kb.GDNBench(kb.GDNShape(), args.batch, args.state_dtype, rng),
                   kb.Mamba2Bench(kb.Mamba2Shape(), args.batch, args.state_dtype, rng)):
         inp = jax.tree.map(lambda a: a[0], bench.inputs(1))

@@ -99,9 +99,8 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
     @jax.jit
     def prefill(params, input_ids):
         model = nnx.merge(graphdef, params)
-        logits, cache = model.prefill(input_ids, max_len, replay_buffer_len=replay_buffer_len,
-                                      buffer_dtype=buffer_dtype, backend=backend)
-        return (logits[:, -1] if last_logits_only else logits), cache
+        return model.prefill(input_ids, max_len, replay_buffer_len=replay_buffer_len, buffer_dtype=buffer_dtype,
+                             backend=backend, last_logits_only=last_logits_only)
 
     return prefill
 

@@ -167,7 +167,8 @@ class NemotronHForCausalLM(nnx.Module):
         return self._logits(h)
 
     def prefill(self, input_ids: jax.Array, max_len: int, *, replay_buffer_len: int | None = None,
-                buffer_dtype=jnp.float32, backend: str | None = None) -> tuple[jax.Array, HybridCache]:
+                buffer_dtype=jnp.float32, backend: str | None = None,
+                last_logits_only: bool = False) -> tuple[jax.Array, HybridCache]:
         """Prompt forward that builds the decode cache.
 
         Args:
@@ -178,6 +179,9 @@ class NemotronHForCausalLM(nnx.Module):
             SSM state, cursor 0, L buffer slots).
           buffer_dtype: ReplaySSM buffer dtype.
           backend: SSM op backend.
+          last_logits_only: project only the last position (logits f32[batch,
+            vocab_size]): generation needs no more, and the full logits of a
+            large batch do not fit (256 x 512 x 131k f32 is 69 GB).
 
         Returns:
           (logits f32[batch, T, vocab_size], HybridCache with position = T).
@@ -191,7 +195,7 @@ class NemotronHForCausalLM(nnx.Module):
                                                buffer_dtype=buffer_dtype))
         batch, seqlen = ids.shape
         cache = HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32))
-        return self._logits(h), cache
+        return (self._logits(h[:, -1]) if last_logits_only else self._logits(h)), cache
 
     def decode(self, tokens: jax.Array, cache: HybridCache, *, route: str = "output",
                backend: str | None = None) -> tuple[jax.Array, HybridCache]:

@@ -152,11 +152,13 @@ class QwenHybridForCausalLM(nnx.Module):
         return self._logits(h)
 
     def prefill(self, input_ids: jax.Array, max_len: int, *, replay_buffer_len: int | None = None,
-                buffer_dtype=jnp.float32, backend: str | None = None) -> tuple[jax.Array, HybridCache]:
+                buffer_dtype=jnp.float32, backend: str | None = None,
+                last_logits_only: bool = False) -> tuple[jax.Array, HybridCache]:
         """Prompt forward that builds the decode cache (see NemotronHForCausalLM.prefill).
 
         Returns:
-          (logits f32[batch, T, vocab_size], HybridCache with position = T).
+          (logits f32[batch, T, vocab_size] (f32[batch, vocab_size] with
+          last_logits_only), HybridCache with position = T).
         """
         ids = check_input_ids(input_ids, self.config.vocab_size)
         h = self.model.embed_tokens(ids)
@@ -166,7 +168,8 @@ class QwenHybridForCausalLM(nnx.Module):
             states.append(prefill_layer_states(layer.mixer, state, replay_buffer_len=replay_buffer_len,
                                                buffer_dtype=buffer_dtype))
         batch, seqlen = ids.shape
-        return self._logits(h), HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32))
+        logits = self._logits(h[:, -1]) if last_logits_only else self._logits(h)
+        return logits, HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32))
 
     def decode(self, tokens: jax.Array, cache: HybridCache, *, route: str = "output",
                backend: str | None = None) -> tuple[jax.Array, HybridCache]:

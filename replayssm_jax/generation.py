@@ -155,10 +155,11 @@ class Generator:
         def start(params, prompts, lengths, stop_ids, key):
             model = nnx.merge(self.graphdef, params)
             logits, cache = model.prefill(prompts[:, :prefix_len], total, replay_buffer_len=self.buffer_len,
-                                          buffer_dtype=self.buffer_dtype, backend=self.backend)
+                                          buffer_dtype=self.buffer_dtype, backend=self.backend,
+                                          last_logits_only=True)
             done = jnp.zeros(prompts.shape[0], bool)
             pos = jnp.asarray(prefix_len, jnp.int32)
-            token, done = _choose(logits[:, -1], pos, prompts, lengths, key, done, stop_ids, self._pad_id, sampling)
+            token, done = _choose(logits, pos, prompts, lengths, key, done, stop_ids, self._pad_id, sampling)
             tokens = prompts.at[:, prefix_len].set(token)
             return DecodeCarry(cache=cache, token=token, pos=pos, done=done, tokens=tokens, key=key)
 

@@ -103,8 +103,9 @@ class GDN:
             cursor=jnp.asarray(cursor, jnp.int32),
         )
 
-    def replay_step(self, rs, inp, route, backend):
-        return ops.gdn_replay_step(rs, **inp, route=route, backend=backend)
+    def replay_step(self, rs, inp, route, backend, config=None):
+        kw = {} if config is None else {"config": config}
+        return ops.gdn_replay_step(rs, **inp, route=route, backend=backend, **kw)
 
     def materialize(self, rs):
         return ref.gdn_replay_materialize(rs)
@@ -157,8 +158,9 @@ class Mamba2:
             cursor=jnp.asarray(cursor, jnp.int32),
         )
 
-    def replay_step(self, rs, inp, route, backend):
-        return ops.mamba2_replay_step(rs, **inp, **self.params, route=route, backend=backend)
+    def replay_step(self, rs, inp, route, backend, config=None):
+        kw = {} if config is None else {"config": config}
+        return ops.mamba2_replay_step(rs, **inp, **self.params, route=route, backend=backend, **kw)
 
     def materialize(self, rs):
         return ref.mamba2_replay_materialize(rs, self.A)
@@ -190,26 +192,51 @@ def _check_standard(layer, state_dtype, backend, steps):
         assert_close(state, state_ref, tol, what=f"state, step {t}")
 
 
-def check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps=3):
+def check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps=3, config=None,
+                 poison=False):
     """Replay steps from a state with mixed cursors, kernel backend vs reference.
 
     Compared every step: outputs, the materialized state, the cursor rule
     (cursor + 1, or 0 for a row that flushes: cursor >= L - 1 at entry), and
     that rows that do not flush keep their checkpoint bit for bit. The
-    reference runs with float32 matmuls (no TF32 on a GPU).
+    reference runs with float32 matmuls (no TF32 on a GPU). `config` fixes
+    the kernel tiling; `poison` fills the dead slots of the initial buffers
+    with NaN and inf (as a rejected draft may leave them): they must not reach
+    any output or state.
     """
     with jax.default_matmul_precision("highest"):
-        _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps)
+        _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps, config, poison)
 
 
-def _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps):
+def poison_dead_slots(rs):
+    """`rs` with every buffer slot at or after its row's cursor set to NaN
+    (and the first dead slot to inf)."""
+    L = rs.buffer_len
+    lane = np.arange(L)[None, None, :]
+    cursor = np.asarray(rs.cursor)[:, None, None]
+    changes = {}
+    for name in ("d", "k", "g", "x", "dt", "B"):
+        buf = getattr(rs, name, None)
+        if buf is None:
+            continue
+        a = np.asarray(jnp.asarray(buf, f32)).copy()
+        a = np.where((lane > cursor)[..., None] if a.ndim == 4 else lane > cursor, np.nan, a)
+        a = np.where((lane == cursor)[..., None] if a.ndim == 4 else lane == cursor, np.inf, a)
+        changes[name] = jnp.asarray(a, buf.dtype)
+    return rs.replace(**changes)
+
+
+def _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps, config, poison):
     tol = tol_dtype(input_dtype, state_dtype)
     rs = layer.replay_state(L, state_dtype, buffer_dtype, mixed_cursors(layer.s.batch, L))
+    if poison:
+        rs = poison_dead_slots(rs)
     rs_ref = rs
     for t in range(steps):
         inp = layer.draw()
         cursor = np.asarray(rs.cursor)
-        y, new = layer.replay_step(rs, inp, route, backend)
+        y, new = layer.replay_step(rs, inp, route, backend, config)
+        assert np.isfinite(np.asarray(jnp.asarray(y, f32))).all(), f"non-finite output, step {t}"
         y_ref, rs_ref = layer.replay_step(rs_ref, inp, route, "xla")
         assert_close(y, y_ref, tol, what=f"output, step {t}")
         assert_close(layer.materialize(new), layer.materialize(rs_ref), tol, what=f"materialized state, step {t}")

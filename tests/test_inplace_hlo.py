@@ -107,23 +107,27 @@ def test_xla_replay_step_checkpoint_in_place(name, rng):
 
 
 def _custom_call_aliases(name, rs, layer):
-    """The replay kernel's custom call, lowered for CUDA (see kernel_checks.lower_for_cuda)."""
+    """The replay step's two custom calls (replay, then flush), lowered for CUDA
+    (see kernel_checks.lower_for_cuda)."""
     fn = kernels.gdn_replay_step if name == "gdn" else kernels.mamba2_replay_step
     extra = {} if name == "gdn" else layer.params
     text = lower_for_cuda(lambda rs, inp: fn(rs, **inp, **extra), rs, layer.draw())
     calls = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
-    assert len(calls) == 1, calls
-    return calls[0]
+    assert len(calls) == 2, calls
+    return calls
 
 
 @pytest.mark.parametrize("name", ["gdn", "mamba2"])
 def test_kernel_aliases_checkpoint_and_buffers(name, rng):
     layer = _layers(rng)[name]
     rs = layer.replay_state(L, jnp.float32, jnp.float32, np.array([0, L - 1]))
-    call = _custom_call_aliases(name, rs, layer)
-    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call)
-    # outputs 1..4 (checkpoint and the three buffers) alias operands 0..3
-    assert sorted((int(o), int(i)) for o, i in aliases) == [(1, 0), (2, 1), (3, 2), (4, 3)], call[:2000]
+    replay, flush = _custom_call_aliases(name, rs, layer)
+    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", replay)
+    # replay: outputs 1..3 (the three buffers) alias operands 1..3; the checkpoint is only read
+    assert sorted((int(o), int(i)) for o, i in aliases) == [(1, 1), (2, 2), (3, 3)], replay[:2000]
+    # flush: its one output (the checkpoint) aliases operand 0
+    assert re.search(r"output_operand_aliases = \[#stablehlo.output_operand_alias<output_tuple_indices = \[\], "
+                     r"operand_index = 0", flush), flush[:2000]
 
 
 # ---------------------------------------------------------------------------

@@ -48,6 +48,30 @@ def test_replay_step_bf16(shape, dtypes, route, rng):
     check_replay(GDN(shape, rng, input_dtype), 4, route, input_dtype, state_dtype, buffer_dtype, "interpret")
 
 
+# Tilings the heuristic picks only at other shapes: several row tiles per
+# program (a static and a dynamic trip count, rows padded past V), and the
+# flush's rank-L update as a dot (block_v, L and K >= 16) or unrolled.
+TILINGS = [
+    (kernels.Config(block_v=8, num_warps=2, tiles=3), 4),
+    (kernels.Config(block_v=8, num_warps=2, tiles=2), 16),
+    (kernels.Config(block_v=16, num_warps=4, tiles=2), 16),
+    (kernels.Config(block_v=16, num_warps=4, tiles=1), 4),
+]
+
+
+@pytest.mark.parametrize(("config", "L"), TILINGS, ids=str)
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_tilings(config, L, route, rng):
+    layer = GDN(CPU_SHAPES[0], rng, jnp.bfloat16)
+    check_replay(layer, L, route, *DTYPES["bf16in-f32state"], "interpret", steps=L // 2 + 2, config=config)
+
+
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_dead_slots_never_read(route, rng):
+    """NaN and inf in the dead slots (a rejected draft's records) reach no output or state."""
+    check_replay(GDN(CPU_SHAPES[0], rng), 8, route, *DTYPES["f32"], "interpret", steps=6, poison=True)
+
+
 def test_errors_before_any_kernel(rng):
     layer = GDN(CPU_SHAPES[0], rng)
     state, inp = layer.state(jnp.float32), layer.draw()
@@ -61,6 +85,8 @@ def test_errors_before_any_kernel(rng):
                             backend="interpret")
     with pytest.raises(NotImplementedError, match="no Pallas kernel"):
         ops.gdn_replay_materialize(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), backend="interpret")
+    with pytest.raises(ValueError, match="`config.tiles` must be 1"):
+        ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
 
 
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
@@ -75,7 +101,7 @@ def test_kernels_lower_for_cuda(shape, L, dtypes, rng):
     text = lower_for_cuda(lambda s, i: kernels.gdn_step(s, **i), rs.checkpoint, inp)
     for route in ("output", "state"):
         text += lower_for_cuda(lambda r, i: kernels.gdn_replay_step(r, **i, route=route), rs, inp)
-    assert text.count("__gpu$xla.gpu.triton") == 3
+    assert text.count("__gpu$xla.gpu.triton") == 5  # standard, then (replay, flush) per route
 
 
 @pytest.mark.gpu
@@ -100,3 +126,16 @@ def test_replay_step_gpu(shape, L, route, dtypes, rng):
     input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]
     check_replay(GDN(shape, rng, input_dtype), L, route, input_dtype, state_dtype, buffer_dtype, "pallas",
                  steps=L // 2 + 2)
+
+
+# The replay tilings at the model shape, compiled; dead slots poisoned.
+GPU_TILINGS = [kernels.Config(block_v=bv, num_warps=w, tiles=t) for bv, w, t in [(32, 4, 4), (64, 8, 2), (16, 2, 3)]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_TILINGS, ids=str)
+@pytest.mark.parametrize("L", [8, 32])
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_tilings_gpu(config, L, route, rng):
+    layer = GDN(GPU_SHAPES[0], rng, jnp.bfloat16)
+    check_replay(layer, L, route, *DTYPES["bf16in-f32state"], "pallas", steps=L // 2 + 2, config=config, poison=True)

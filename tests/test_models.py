@@ -136,6 +136,16 @@ def test_replay_state_route_matches(name):
     np.testing.assert_array_equal(np.asarray(ids), ref["generated_ids"][:, :ref["prompt_ids"].shape[1] + 12])
 
 
+@pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_5_tiny"])
+def test_prefill_last_logits_only(name):
+    """The last position alone (what generation uses; full prompt logits of a large batch do not fit)."""
+    model, ref = get_model(name), reference(name)
+    prompt = jnp.asarray(ref["prompt_ids"])
+    logits, _ = jax.jit(lambda ids: model.prefill(ids, ids.shape[1] + 1, last_logits_only=True))(prompt)
+    assert logits.shape == ref["step_logits"][0].shape
+    assert max_err(logits, ref["step_logits"][0]) < TOL
+
+
 def test_functional_prefill_and_decode_step():
     """make_prefill / make_decode_step: pure jitted functions of (params, ...), and the cache types."""
     name = "qwen3_next_tiny"

@@ -9,11 +9,18 @@ GPU or, with `interpret=True`, interpreted on any platform.
 Ops without a kernel (chunked prefill, verify, materialize, flush) are not
 defined here; :mod:`replayssm_jax.ops` says so when asked for them.
 
-A row that enters a replay step with a full buffer (cursor == L, possible
-only after a speculative commit) flushes the L buffered steps and this step
-at once (cursor 0 afterwards), as the reference does: every program of the
-step then touches only its own rows, and no program reads a slot that
-another rewrites in the same launch.
+A replay step is two launches: the replay kernel (outputs, the new record
+appended at the cursor; the checkpoint is only read) and the flush kernel,
+whose programs return at once except for rows whose buffer is full after
+the step: they materialize the state from the checkpoint and the L records
+and write it in place. Keeping the flush out of the replay kernel keeps its
+register budget (and so its occupancy) that of the readout alone; the
+price is a second read of the flushing rows' checkpoint (|S| / L per step
+on average). A row that enters with a full buffer (cursor == L, possible
+only after a speculative commit) has no slot for this step's record: the
+flush absorbs the L records and this step at once (cursor 0 afterwards),
+as the reference does. No program reads a slot that another rewrites in
+the same launch.
 """
 
 from __future__ import annotations
@@ -50,6 +57,11 @@ def _check_route(route):
     return val.check_route(route)
 
 
+def _check_standard_config(config):
+    if config is not None and config.tiles != 1:
+        raise ValueError(f"`config.tiles` must be 1 for the standard step (one tile per program); got {config.tiles}")
+
+
 def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpret: bool = False,
              config: Config | None = None):
     """One standard Gated DeltaNet decode step (Pallas kernel, state updated in place).
@@ -63,6 +75,7 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpr
     _, _, V, K = state.shape
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
+    _check_standard_config(config)
     scale = K ** -0.5 if scale is None else float(scale)
     return _gdn.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
                          config=config, interpret=interpret)
@@ -107,6 +120,7 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
     _, _, P, N = state.shape
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
     _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
+    _check_standard_config(config)
     return _mamba2.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=bool(dt_softplus),
                                dt_limit=_dt_limit(dt_limit), config=config, interpret=interpret)
 

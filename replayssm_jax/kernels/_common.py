@@ -48,60 +48,74 @@ class Config:
 
     Attributes:
       block_v: rows of a state tile (V for GDN, P = head_dim for Mamba-2); a
-        power of two. The grid is (batch, heads, cdiv(V, block_v)).
+        power of two.
       num_warps: Triton warps per program.
-      num_stages: Triton software-pipelining stages (1: the kernels have no
-        loop over the state worth pipelining).
+      num_stages: Triton software-pipelining stages.
+      tiles: row tiles per program (ReplaySSM kernels only; the standard
+        step takes one tile per program). A replay program forms the
+        per-head quantities (buffer scores, decay weights) once and then
+        loops over its `tiles` row tiles, so the grid is
+        (batch, heads, cdiv(cdiv(V, block_v), tiles)).
     """
 
     block_v: int
     num_warps: int = 4
     num_stages: int = 1
+    tiles: int = 1
 
     def __post_init__(self):
         if self.block_v < 1 or self.block_v & (self.block_v - 1):
             raise ValueError(f"`config.block_v` must be a power of two; got {self.block_v}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"`config.num_warps` must be one of 1, 2, 4, 8, 16; got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"`config.num_stages` must be >= 1; got {self.num_stages}")
+        if self.tiles < 1:
+            raise ValueError(f"`config.tiles` must be >= 1; got {self.tiles}")
 
     def tag(self) -> str:
-        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}"
+        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}_t{self.tiles}"
+
+    def splits(self, V: int) -> int:
+        """Programs per head along the rows: cdiv(cdiv(V, block_v), tiles)."""
+        return -(-(-(-V // self.block_v)) // self.tiles)
 
 
 def default_config(batch: int, heads: int, V: int, K: int, state_bytes: int, replay_len: int = 0) -> Config:
-    """The frozen heuristic: block rows and warps from the problem shape.
+    """The frozen heuristic: tile rows, warps and (replay) tiles per program.
 
-    Standard step: a program streams a [block_v, K] tile of the state. The
-    rule aims at about 16 KiB of state per program and at least ~8 programs
-    per SM, shrinking the tile for small batches, then picks warps so that
-    each thread holds about 32 state elements.
+    Standard step: a tile holds about 16 KiB of state (32 elements per
+    thread), preferring a row count that divides V (V = 80 -> 16); one tile
+    per program, shrunk until there are at least ~8 programs per SM.
 
-    Replay step: the per-program work on the buffer (the [L, K] key scores,
-    the decay weights, the record loads) does not shrink with the tile, so
-    once there are at least 4 programs per SM with whole-head tiles the
-    kernel takes a whole head per program (block_v = V rounded up to a
-    power of two, at most 128; 8 warps for 128 x 128 f32 of real state,
-    else 4).
-    The sweep at batch 128 (bench/RESULTS.md) measured this 1.1-1.7x faster
-    than the standard-step rule; smaller problems keep that rule.
+    Replay step: tiles of up to 64 rows (again preferring a divisor of V) on
+    at most 4 warps, and one program loops over all tiles of a head, so the
+    per-head work on the buffer (the buffered keys' scores, the decay
+    weights) is done once per head, as long as that leaves at least ~4
+    programs per SM; otherwise the head is split over more programs, and
+    with one tile per program the tile shrinks as in the standard rule.
+    The sweeps in bench/RESULTS.md chose these numbers.
     """
     BK = next_pow2(K)
     BVmax = next_pow2(V)
-    if replay_len and batch * heads >= 4 * _NUM_SMS:
-        bv = min(BVmax, 128)
-        warps = 8 if min(V, bv) * BK * state_bytes >= 128 * 128 * 4 else 4
-        return Config(block_v=bv, num_warps=warps, num_stages=1)
-    target_rows = max(1, (16384 // state_bytes) // BK)
-    bv = min(BVmax, next_pow2(target_rows))
+    if replay_len:
+        bv = min(BVmax, 64)
+    else:
+        bv = min(BVmax, next_pow2(max(1, (16384 // state_bytes) // BK)))
     # Prefer a block that divides V (no padded rows; V = 80 -> 16) if one
     # within a factor 4 exists.
     if V % bv:
         divides = next_pow2(V & -V) if V & -V < bv else bv
         bv = divides if divides * 4 >= bv else bv
-    while bv > 4 and batch * heads * -(-V // bv) < 8 * _NUM_SMS:
-        bv //= 2
-    warps = max(1, min(8, next_pow2(max(1, bv * BK // (32 * 32)))))
-    return Config(block_v=bv, num_warps=warps, num_stages=1)
+    n_tiles = -(-V // bv)
+    tiles = n_tiles if replay_len else 1
+    while tiles > 1 and batch * heads * -(-n_tiles // tiles) < 4 * _NUM_SMS:
+        tiles = -(-tiles // 2)
+    if tiles == 1:
+        while bv > 4 and batch * heads * -(-V // bv) < 8 * _NUM_SMS:
+            bv //= 2
+    warps = max(1, min(4 if replay_len else 8, next_pow2(max(1, bv * BK // (32 * 32)))))
+    return Config(block_v=bv, num_warps=warps, num_stages=1, tiles=tiles)
 
 
 def pallas_call(kernel, *, interpret: bool, config: Config, **kwargs):
@@ -209,49 +223,58 @@ def replay_weights(lg: jax.Array, count) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(lg), w
 
 
-def replay_readout(S_c, U, Kb, total, w, vec) -> jax.Array:
-    """(S_count vec) f32[BV] without forming S_count (the output-only route):
+def rank_update(S: jax.Array, Uw: jax.Array, Kb: jax.Array) -> jax.Array:
+    """S + sum_i Uw[i]^T Kb[i], f32[BV, BK]: the buffered records' rank-BL update.
 
-        exp(total) (S_c vec) + sum_i w_i (k_i . vec) u_i
-
-    S_c f32[BV, BK] checkpoint tile; U f32[BL, BV]; Kb f32[BL, BK]; w f32[BL].
+    Uw f32[BL, BV] (records already scaled by their decay weights, dead
+    slots zero); Kb f32[BL, BK]. A rolled loop over the slots that picks
+    row i out of the register tiles (a masked sum): no reloads, and a
+    register budget of about one state tile. (Inside the replay kernel, an
+    unrolled loop or a `dot` here took 244-252 registers per thread and 12%
+    occupancy from every program of the step, bench/RESULTS.md; it now runs
+    in the flush kernel and in the state route.)
     """
-    scores = w * jnp.sum(Kb * vec[None, :], axis=1)  # [BL]
-    return jnp.exp(total) * matvec(S_c, vec) + jnp.sum(scores[:, None] * U, axis=0)
+    idx = lane_ids(Uw.shape[0])[:, None]
+
+    def body(i, acc):
+        u_i = jnp.sum(jnp.where(idx == i, Uw, 0.0), axis=0)
+        k_i = jnp.sum(jnp.where(idx == i, Kb, 0.0), axis=0)
+        return acc + u_i[:, None] * k_i[None, :]
+
+    return jax.lax.fori_loop(0, Uw.shape[0], body, S)
 
 
-def replay_materialize(S_c, u_row, k_row, total, w, count) -> jax.Array:
-    """S_count = exp(total) S_c + sum_{i < count} w_i u_i k_i^T, f32[BV, BK].
+def replay_tiles(V: int, config: Config, split, tile) -> None:
+    """Run `tile(rows, row_mask)` over this program's row tiles.
 
-    `u_row(i)` / `k_row(i)` load record i as f32[BV] / f32[BK]; the loop runs
-    over the live slots only.
+    split: the program's index along the rows (`pl.program_id(2)`, read at
+    the kernel's top level: interpret mode cannot read it inside a branch).
+    rows: a `pl.ds` of block_v rows, relative to the program's block of
+    block_v * tiles rows; row_mask: bool[block_v] (rows < V), None when V is
+    a multiple of block_v.
     """
-    BL = w.shape[0]
-    idx = lane_ids(BL)
+    BV, tiles = config.block_v, config.tiles
+    n_tiles = -(-V // BV)
+    first = split * tiles
 
-    def body(i, S):
-        w_i = jnp.sum(jnp.where(idx == i, w, 0.0))
-        return S + (w_i * u_row(i))[:, None] * k_row(i)[None, :]
+    def body(r, carry):
+        mask = None if V % BV == 0 else (first + r) * BV + lane_ids(BV) < V
+        start = r * BV if isinstance(r, int) else pl.multiple_of(r * BV, BV)
+        tile(pl.ds(start, BV), mask)
+        return carry
 
-    return jax.lax.fori_loop(0, count, body, jnp.exp(total) * S_c)
-
-
-def slot_plan(cursor, L: int):
-    """Where this step's record goes, from the row's cursor at entry.
-
-    Returns (count, slot, flush, new_cursor) as int32 / bool scalars:
-      count: live records to replay before this step (cursor);
-      slot: the slot the new record is written to (cursor; unused on flush);
-      flush: whether this step writes the checkpoint. A row flushes when its
-        cursor reaches L with this step (cursor == L - 1), or when it enters
-        full (cursor == L, possible only after a speculative commit): then
-        the flush absorbs the L buffered steps and this step at once.
-      new_cursor: cursor + 1, or 0 on flush.
-    """
-    flush = cursor >= L - 1
-    return cursor, cursor, flush, next_cursor(cursor, L)
+    if tiles == 1:
+        body(0, 0)
+    else:
+        count = tiles if n_tiles % tiles == 0 else jnp.minimum(tiles, n_tiles - first)
+        jax.lax.fori_loop(0, count, body, 0)
 
 
 def next_cursor(cursor, L: int):
-    """The cursor after one replay step: cursor + 1, or 0 where the step flushes."""
+    """The cursor after one replay step: cursor + 1, or 0 where the step flushes.
+
+    A row flushes when its cursor reaches L with this step (cursor == L - 1)
+    or when it entered full (cursor == L, possible only after a speculative
+    commit): then the flush absorbs the L buffered steps and this one.
+    """
     return jnp.where(cursor >= L - 1, 0, cursor + 1).astype(jnp.int32)

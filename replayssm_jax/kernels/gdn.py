@@ -9,19 +9,23 @@ section 2, fla's fused_recurrent_gated_delta_rule with T = 1):
 
 with q, k L2-normalized over K (eps 1e-6) when use_qk_l2norm.
 
-Grid: (batch, HV, cdiv(V, block_v)). A program owns rows [v0, v0 + block_v)
-of one head's state and all K columns, so S k and S q are local row sums and
-no two programs touch the same state element.
+Tiles: a program works on [block_v, K] tiles of one head's state (rows of
+V, all K columns), so S k and S q are local row sums and no two programs
+touch the same state element.
 
-- :func:`gdn_step`: the standard step; reads S, writes S in place
-  (state aliased input -> output).
-- :func:`gdn_replay_step`: the ReplaySSM step. Reads the checkpoint tile once
-  and forms both S_{j-1} k_j (for d_j) and S_j q_j from it and the buffered
-  records; appends (d_j, k_j, g_j) at the row's cursor; writes the
-  checkpoint only in the step that flushes (masked per row; the checkpoint
-  is aliased, so rows that do not flush cost no copy). `route="state"`
-  materializes S_{j-1} in registers instead and reads o from S_j; the two
-  routes share one kernel body.
+- :func:`gdn_step`: the standard step, grid (batch, HV, cdiv(V, block_v)),
+  one tile per program; reads S, writes S in place (aliased).
+- :func:`gdn_replay_step`: the ReplaySSM step, two launches on the grid
+  (batch, HV, splits). The replay kernel: a program forms the per-head terms
+  once (decay weights of the live slots, the buffered keys' scores against
+  k and q), then loops over its row tiles; one read of each checkpoint tile
+  gives both exp(g) S_{j-1} k_j (for d_j) and S_j q_j through the buffered
+  records, without forming S; the new record (d_j, k_j, g_j) goes to the
+  row's cursor; the checkpoint is only read. The flush kernel: programs of
+  rows whose buffer is now full materialize S_j (a rank-L update of each
+  checkpoint tile, plus this step for a row that entered full) and write it
+  in place; the other programs return at once. `route="state"` makes the
+  replay kernel form S_{j-1} in every step and read o from S_j instead.
 
 These functions take validated arrays; the public, validated entry points
 are :mod:`replayssm_jax.ops`.
@@ -65,61 +69,82 @@ def _step_kernel(s_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s_out_ref, 
 
 def _replay_kernel(
     ck_ref, dbuf_ref, kbuf_ref, gbuf_ref, cur_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-    o_ref, ck_out, dbuf_out, kbuf_out, gbuf_out,
-    *, V, K, L, group, scale, use_qk_l2norm, route,
+    o_ref, dbuf_out, kbuf_out, gbuf_out,
+    *, V, K, L, group, scale, use_qk_l2norm, route, config,
 ):
-    BV, BK = ck_ref.shape
-    BL = gbuf_ref.shape[0]
-    vmask = c.row_mask(BV, V)
+    BL, BK, BV = gbuf_ref.shape[0], q_ref.shape[-1], config.block_v
     kmask, q, k = _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale)
-    lmask = c.lane_mask(BL, L)
-    tile = c.outer(vmask, kmask, (BV, BK))
-    count, slot, flush, _ = c.slot_plan(c.load_scalar(cur_ref, jnp.int32), L)
+    count = c.load_scalar(cur_ref, jnp.int32)  # live records; the new one goes to slot `count`
+    split = pl.program_id(2)
+    live = c.lane_ids(BL) < count  # dead slots are never read (a rejected draft may hold inf)
 
-    S_c = c.load(ck_ref, tile)  # the one read of the checkpoint
-    total, w = c.replay_weights(c.load(gbuf_ref, lmask), count)
-    g = c.load_scalar(g_ref)
+    # Per-head work, once per program: the decay weights of the live slots
+    # and the buffered keys' scores against this step's k and q.
+    total, w = c.replay_weights(c.load(gbuf_ref, live), count)
+    Kb = c.load(kbuf_ref, c.outer(live, kmask, (BL, BK)))
+    a_k = w * jnp.sum(Kb * k[None, :], axis=1)
+    a_q = w * jnp.sum(Kb * q[None, :], axis=1)
+    kq = jnp.sum(k * q)
+    decay = jnp.exp(c.load_scalar(g_ref))
     beta = c.load_scalar(beta_ref)
-    v = c.load(v_ref, vmask)
-    decay = jnp.exp(g)
+    carried = jnp.exp(total)  # decay of the checkpoint up to the last live slot
+    append = count < L  # a row that entered full has no free slot (the flush absorbs this step)
 
-    def u_row(i):
-        return c.load(dbuf_ref.at[i], vmask)
+    def tile(rows, vmask):
+        tmask = c.outer(vmask, kmask, (BV, BK))
+        S_c = c.load(ck_ref.at[rows, :], tmask)  # the one read of the checkpoint
+        U = c.load(dbuf_ref.at[:, rows], c.outer(live, vmask, (BL, BV)))
+        v = c.load(v_ref.at[rows], vmask)
+        if route == "output":
+            # exp(g) S_{j-1} k and exp(g) S_{j-1} q without forming S_{j-1}.
+            Sk = decay * (carried * c.matvec(S_c, k) + jnp.sum(a_k[:, None] * U, axis=0))
+            d = beta * (v - Sk)
+            o = decay * (carried * c.matvec(S_c, q) + jnp.sum(a_q[:, None] * U, axis=0)) + kq * d
+        else:
+            S = decay * c.rank_update(carried * S_c, w[:, None] * U, Kb)
+            d = beta * (v - c.matvec(S, k))
+            o = c.matvec(S + d[:, None] * k[None, :], q)
+        c.store(o_ref.at[rows], o, vmask)
+        c.store(dbuf_out.at[count, rows], d, c.both(vmask, append, (BV,)))  # the d rows are this program's
 
-    def k_row(i):
-        return c.load(kbuf_ref.at[i], kmask)
+    c.replay_tiles(V, config, split, tile)
 
-    if route == "output":
-        U = c.load(dbuf_ref, c.outer(lmask, vmask, (BL, BV)))
+    # The shared records: g by the first program of the head, k by the first
+    # value head of the group, so no element has two writers.
+    first = split == 0
+    c.store(gbuf_out, jnp.broadcast_to(c.load_scalar(g_ref), (BL,)), (c.lane_ids(BL) == count) & append & first)
+    leader = first & (pl.program_id(1) % group == 0)
+    c.store(kbuf_out.at[count], k, c.both(kmask, append & leader, (BK,)))  # k normalized, not scaled
+
+
+def _flush_kernel(
+    ck_ref, dbuf_ref, kbuf_ref, gbuf_ref, cur_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, ck_out,
+    *, V, K, L, scale, use_qk_l2norm, config,
+):
+    BL, BK, BV = gbuf_ref.shape[0], q_ref.shape[-1], config.block_v
+    cursor = c.load_scalar(cur_ref, jnp.int32)  # at the step's entry
+    split = pl.program_id(2)
+
+    @pl.when(cursor >= L - 1)
+    def _():
+        kmask, _, k = _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale)
+        lmask = c.lane_mask(BL, L)
+        total, w = c.replay_weights(c.load(gbuf_ref, lmask), L)
         Kb = c.load(kbuf_ref, c.outer(lmask, kmask, (BL, BK)))
-        Sk = decay * c.replay_readout(S_c, U, Kb, total, w, k)  # exp(g) S_{j-1} k
-        d = beta * (v - Sk)
-        o = decay * c.replay_readout(S_c, U, Kb, total, w, q) + jnp.sum(k * q) * d
-        c.store(o_ref, o, vmask)
+        # A row that entered full still has this step to absorb (its record
+        # has no slot): S <- exp(g) S + d k^T with d from the materialized S.
+        extra = cursor >= L
+        decay = jnp.where(extra, jnp.exp(c.load_scalar(g_ref)), 1.0)
+        beta = jnp.where(extra, c.load_scalar(beta_ref), 0.0)
 
-        @pl.when(flush)
-        def _():
-            S = decay * c.replay_materialize(S_c, u_row, k_row, total, w, count)
-            c.store(ck_out, S + d[:, None] * k[None, :], tile)
-    else:
-        S = decay * c.replay_materialize(S_c, u_row, k_row, total, w, count)
-        d = beta * (v - c.matvec(S, k))
-        S = S + d[:, None] * k[None, :]
-        c.store(o_ref, c.matvec(S, q), vmask)
-        c.store(ck_out, S, c.both(tile, flush, (BV, BK)))
+        def tile(rows, vmask):
+            tmask = c.outer(vmask, kmask, (BV, BK))
+            U = c.load(dbuf_ref.at[:, rows], c.outer(lmask, vmask, (BL, BV)))
+            S = decay * c.rank_update(jnp.exp(total) * c.load(ck_ref.at[rows, :], tmask), w[:, None] * U, Kb)
+            d = beta * (c.load(v_ref.at[rows], vmask) - c.matvec(S, k))
+            c.store(ck_out.at[rows, :], S + d[:, None] * k[None, :], tmask)
 
-    # Append the record at `slot` (skipped on flush: the slot is dead then).
-    # The d tile is owned by this program; the shared k and g records are
-    # written by one program each (first value head of the group, first
-    # row block), so no two programs write the same element.
-    append = jnp.logical_not(flush)
-    at_slot = (c.lane_ids(BL) == slot) & append
-    c.store(dbuf_out, jnp.broadcast_to(d[None, :], (BL, BV)), c.outer(at_slot, vmask, (BL, BV)))
-    first_block = pl.program_id(2) == 0
-    c.store(gbuf_out, jnp.broadcast_to(g, (BL,)), at_slot & first_block)
-    leader = first_block & (pl.program_id(1) % group == 0)
-    k_mask = c.both(c.outer(at_slot, kmask, (BL, BK)), leader, (BL, BK))
-    c.store(kbuf_out, jnp.broadcast_to(k[None, :], (BL, BK)), k_mask)  # k normalized, not scaled
+        c.replay_tiles(V, config, split, tile)
 
 
 def _specs(batch, H, HV, V, K, cfg):
@@ -177,25 +202,43 @@ def gdn_replay_step(checkpoint, dbuf, kbuf, gbuf, cursor, q, k, v, g, beta, *, L
     batch, HV, V, K = checkpoint.shape
     H = q.shape[1]
     cfg = config or c.default_config(batch, HV, V, K, checkpoint.dtype.itemsize, replay_len=L)
-    grid, sspec, qk, vrow, scal = _specs(batch, H, HV, V, K, cfg)
-    BV, BK, BL = cfg.block_v, c.next_pow2(K), c.next_pow2(L)
+    BK, BL, R = c.next_pow2(K), c.next_pow2(L), cfg.block_v * cfg.tiles
     group = HV // H
-    dspec = pl.BlockSpec((None, None, BL, BV), lambda b, h, j: (b, h, 0, j))
+    sspec = pl.BlockSpec((None, None, R, BK), lambda b, h, j: (b, h, j, 0))
+    qk = pl.BlockSpec((None, None, BK), lambda b, h, j: (b, h // group, 0))
+    vrow = pl.BlockSpec((None, None, R), lambda b, h, j: (b, h, j))
+    scal = pl.BlockSpec((None, None), lambda b, h, j: (b, h))
+    dspec = pl.BlockSpec((None, None, BL, R), lambda b, h, j: (b, h, 0, j))
     kspec = pl.BlockSpec((None, None, BL, BK), lambda b, h, j: (b, h // group, 0, 0))
     gspec = pl.BlockSpec((None, None, BL), lambda b, h, j: (b, h, 0))
     cspec = pl.BlockSpec((None,), lambda b, h, j: (b,))
     kernel = functools.partial(_replay_kernel, V=V, K=K, L=L, group=group, scale=scale,
-                               use_qk_l2norm=use_qk_l2norm, route=route)
-    outs = c.pallas_call(
+                               use_qk_l2norm=use_qk_l2norm, route=route, config=cfg)
+    grid = (batch, HV, cfg.splits(V))
+    in_specs = [sspec, dspec, kspec, gspec, cspec, qk, qk, vrow, scal, scal]
+    inputs = (cursor, q, k, v, g.astype(f32), beta)
+    o, dbuf, kbuf, gbuf = c.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[sspec, dspec, kspec, gspec, cspec, qk, qk, vrow, scal, scal],
-        out_specs=[vrow, sspec, dspec, kspec, gspec],
+        in_specs=in_specs,
+        out_specs=[vrow, dspec, kspec, gspec],
         out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
-        + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (checkpoint, dbuf, kbuf, gbuf)],
-        input_output_aliases={0: 1, 1: 2, 2: 3, 3: 4},
+        + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (dbuf, kbuf, gbuf)],
+        input_output_aliases={1: 1, 2: 2, 3: 3},
         interpret=interpret,
         config=cfg,
         name=f"gdn_replay_{route}_L{L}_{cfg.tag()}",
-    )(checkpoint, dbuf, kbuf, gbuf, cursor, q, k, v, g.astype(f32), beta)
-    return (*outs, c.next_cursor(cursor, L))
+    )(checkpoint, dbuf, kbuf, gbuf, *inputs)
+    flush = functools.partial(_flush_kernel, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm, config=cfg)
+    checkpoint = c.pallas_call(
+        flush,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=sspec,
+        out_shape=jax.ShapeDtypeStruct(checkpoint.shape, checkpoint.dtype),
+        input_output_aliases={0: 0},
+        interpret=interpret,
+        config=cfg,
+        name=f"gdn_replay_flush_L{L}_{cfg.tag()}",
+    )(checkpoint, dbuf, kbuf, gbuf, *inputs)
+    return o, checkpoint, dbuf, kbuf, gbuf, c.next_cursor(cursor, L)

@@ -8,16 +8,21 @@ selective_state_update):
     dt = clamp(softplus(dt_raw + dt_bias), dt_limit)
     S_new = exp(dt A) S + (dt x) B^T;   y = S_new C + D x;   y *= silu(z)
 
-Grid: (batch, H, cdiv(P, block_v)). A program owns rows [p0, p0 + block_v)
-of one head's state and all N columns.
+Tiles: a program works on [block_v, N] tiles of one head's state (rows of
+P, all N columns).
 
-- :func:`mamba2_step`: the standard step; S read and written in place.
-- :func:`mamba2_replay_step`: the ReplaySSM step: one read of the checkpoint
-  tile, the buffered records (x, dt, B) replayed as
-  y = exp(G) S_c C + sum_i w_i dt_i (B_i . C) x_i, the new record appended at
-  the row's cursor, the checkpoint written only by the flushing step (masked
-  per row; aliased in place). `route="state"` materializes S instead; one
-  kernel body serves both routes.
+- :func:`mamba2_step`: the standard step, grid (batch, H, cdiv(P, block_v)),
+  one tile per program; S read and written in place.
+- :func:`mamba2_replay_step`: the ReplaySSM step, two launches on the grid
+  (batch, H, splits). The replay kernel: a program forms the per-head terms
+  once (decay weights of the live slots, the buffered B's scores against C)
+  and loops over its row tiles, reading each checkpoint tile once:
+  y = exp(dt A) (exp(G) S_c C + sum_i w_i dt_i (B_i . C) x_i) + (B . C) dt x;
+  the new record (x, dt, B) goes to the row's cursor; the checkpoint is only
+  read. The flush kernel: programs of rows whose buffer is now full
+  materialize S (a rank-L update of each checkpoint tile, plus this step for
+  a row that entered full) and write it in place; the others return at
+  once. `route="state"` makes the replay kernel form S in every step.
 
 These functions take validated arrays; the public entry points are
 :mod:`replayssm_jax.ops`.
@@ -80,60 +85,108 @@ def _step_kernel(*refs, P, N, has_z, dt_softplus, dt_limit):
     c.store(s_out, S, tile)
 
 
-def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route):
+def _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N, dt_softplus, dt_limit):
+    """This step's dt, A, the nmask and B as buffered (rounded to the buffer dtype)."""
+    nmask = c.lane_mask(B_ref.shape[0], N)
+    dt = _process_dt(c.load_scalar(dt_ref), c.load_scalar(bias_ref), dt_softplus, dt_limit)
+    Bv = c.load(B_ref, nmask).astype(Bbuf_ref.dtype).astype(f32)
+    return nmask, dt, c.load_scalar(A_ref), Bv
+
+
+def _load_x_record(x_ref, xbuf_ref, rows, pmask):
+    """(x f32[BP], x as buffered) for the rows of a tile."""
+    x = c.load(x_ref.at[rows], pmask)
+    return x, x.astype(xbuf_ref.dtype).astype(f32)
+
+
+def _buffer_weights(dtbuf_ref, live, count, A):
+    """(carried decay, w f32[BL]) of the live slots, dt_i folded into w (u_i = dt_i x_i)."""
+    dts = c.load(dtbuf_ref, live)
+    total, w = c.replay_weights(dts * A, count)
+    return jnp.exp(total), w * dts
+
+
+def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, config):
     ck_ref, xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref, x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref = refs[:12]
     z_ref = refs[12] if has_z else None
-    y_ref, ck_out, xbuf_out, dtbuf_out, Bbuf_out = refs[-5:]
-    BL, BP, BN = dtbuf_ref.shape[0], x_ref.shape[0], B_ref.shape[0]
-    pmask, nmask, x, dt, A, Bv, Cv, skip, gate = _load_step_inputs(
-        x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref, z_ref, P, N, dt_softplus, dt_limit)
-    x = x.astype(xbuf_ref.dtype).astype(f32)  # the record as buffered
-    Bv = Bv.astype(Bbuf_ref.dtype).astype(f32)
-    lmask = c.lane_mask(BL, L)
-    tile = c.outer(pmask, nmask, (BP, BN))
-    count, slot, flush, _ = c.slot_plan(c.load_scalar(cur_ref, jnp.int32), L)
+    y_ref, xbuf_out, dtbuf_out, Bbuf_out = refs[-4:]
+    BL, BN, BP = dtbuf_ref.shape[0], B_ref.shape[0], config.block_v
+    nmask, dt, A, Bv = _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N, dt_softplus,
+                                      dt_limit)
+    Cv = c.load(C_ref, nmask)
+    D = c.load_scalar(D_ref)
+    count = c.load_scalar(cur_ref, jnp.int32)  # live records; the new one goes to slot `count`
+    split = pl.program_id(2)
+    live = c.lane_ids(BL) < count  # dead slots are never read (a rejected draft may hold inf)
 
-    S_c = c.load(ck_ref, tile)  # the one read of the checkpoint
-    dts = c.load(dtbuf_ref, lmask)
-    total, w = c.replay_weights(dts * A, count)
-    w = w * dts  # u_i = dt_i x_i: fold dt_i into the slot weight
+    # Per-head work, once per program: decay weights of the live slots and
+    # the buffered B's scores against C.
+    carried, w = _buffer_weights(dtbuf_ref, live, count, A)
+    Bb = c.load(Bbuf_ref, c.outer(live, nmask, (BL, BN)))
+    a_c = w * jnp.sum(Bb * Cv[None, :], axis=1)
+    bc = jnp.sum(Bv * Cv)
     decay = jnp.exp(dt * A)
-    u = dt * x
+    append = count < L  # a row that entered full has no free slot (the flush absorbs this step)
 
-    def x_row(i):
-        return c.load(xbuf_ref.at[i], pmask)
+    def tile(rows, pmask):
+        S_c = c.load(ck_ref.at[rows, :], c.outer(pmask, nmask, (BP, BN)))  # the one read of the checkpoint
+        X = c.load(xbuf_ref.at[:, rows], c.outer(live, pmask, (BL, BP)))
+        x, x_rec = _load_x_record(x_ref, xbuf_ref, rows, pmask)
+        u = dt * x_rec
+        if route == "output":
+            y = decay * (carried * c.matvec(S_c, Cv) + jnp.sum(a_c[:, None] * X, axis=0)) + bc * u
+        else:
+            S = decay * c.rank_update(carried * S_c, w[:, None] * X, Bb) + u[:, None] * Bv[None, :]
+            y = c.matvec(S, Cv)
+        y = y + D * x
+        if has_z:
+            z = c.load(z_ref.at[rows], pmask)
+            y = y * (z * jax.nn.sigmoid(z))
+        c.store(y_ref.at[rows], y, pmask)
+        c.store(xbuf_out.at[count, rows], x_rec, c.both(pmask, append, (BP,)))  # the x rows are this program's
 
-    def B_row(i):
-        return c.load(Bbuf_ref.at[i], nmask)
+    c.replay_tiles(P, config, split, tile)
 
-    if route == "output":
-        X = c.load(xbuf_ref, c.outer(lmask, pmask, (BL, BP)))
+    # The shared records: dt by the first program of the head, B by the
+    # first head of the group, so no element has two writers.
+    first = split == 0
+    c.store(dtbuf_out, jnp.broadcast_to(dt, (BL,)), (c.lane_ids(BL) == count) & append & first)
+    leader = first & (pl.program_id(1) % group == 0)
+    c.store(Bbuf_out.at[count], Bv, c.both(nmask, append & leader, (BN,)))
+
+
+def _flush_kernel(*refs, P, N, L, has_z, dt_softplus, dt_limit, config):
+    ck_ref, xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref, x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref = refs[:12]
+    ck_out = refs[-1]
+    BL, BN, BP = dtbuf_ref.shape[0], B_ref.shape[0], config.block_v
+    cursor = c.load_scalar(cur_ref, jnp.int32)  # at the step's entry
+    split = pl.program_id(2)
+
+    @pl.when(cursor >= L - 1)
+    def _():
+        nmask, dt, A, Bv = _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N,
+                                          dt_softplus, dt_limit)
+        lmask = c.lane_mask(BL, L)
+        carried, w = _buffer_weights(dtbuf_ref, lmask, L, A)
         Bb = c.load(Bbuf_ref, c.outer(lmask, nmask, (BL, BN)))
-        y = decay * c.replay_readout(S_c, X, Bb, total, w, Cv) + jnp.sum(Bv * Cv) * u
-        c.store(y_ref, _finish(y, skip, gate), pmask)
+        # A row that entered full still has this step to absorb (its record
+        # has no slot): S <- exp(dt A) S + dt x B^T.
+        extra = cursor >= L
+        decay = jnp.where(extra, jnp.exp(dt * A), 1.0)
+        dt_extra = jnp.where(extra, dt, 0.0)
 
-        @pl.when(flush)
-        def _():
-            S = decay * c.replay_materialize(S_c, x_row, B_row, total, w, count)
-            c.store(ck_out, S + u[:, None] * Bv[None, :], tile)
-    else:
-        S = decay * c.replay_materialize(S_c, x_row, B_row, total, w, count) + u[:, None] * Bv[None, :]
-        c.store(y_ref, _finish(c.matvec(S, Cv), skip, gate), pmask)
-        c.store(ck_out, S, c.both(tile, flush, (BP, BN)))
+        def tile(rows, pmask):
+            tmask = c.outer(pmask, nmask, (BP, BN))
+            X = c.load(xbuf_ref.at[:, rows], c.outer(lmask, pmask, (BL, BP)))
+            S = decay * c.rank_update(carried * c.load(ck_ref.at[rows, :], tmask), w[:, None] * X, Bb)
+            u = dt_extra * _load_x_record(x_ref, xbuf_ref, rows, pmask)[1]
+            c.store(ck_out.at[rows, :], S + u[:, None] * Bv[None, :], tmask)
 
-    # Append (x, dt, B) at `slot` unless flushing. x rows are owned by this
-    # program; dt is written by the first row block of the head, B by the
-    # first head of the group: no element has two writers.
-    at_slot = (c.lane_ids(BL) == slot) & jnp.logical_not(flush)
-    c.store(xbuf_out, jnp.broadcast_to(x[None, :], (BL, BP)), c.outer(at_slot, pmask, (BL, BP)))
-    first_block = pl.program_id(2) == 0
-    c.store(dtbuf_out, jnp.broadcast_to(dt, (BL,)), at_slot & first_block)
-    leader = first_block & (pl.program_id(1) % group == 0)
-    c.store(Bbuf_out, jnp.broadcast_to(Bv[None, :], (BL, BN)), c.both(c.outer(at_slot, nmask, (BL, BN)), leader, (BL, BN)))
+        c.replay_tiles(P, config, split, tile)
 
 
-def _specs(H, G, cfg, N):
-    BP, BN = cfg.block_v, c.next_pow2(N)
+def _specs(H, G, BP, N):
+    BN = c.next_pow2(N)
     group = H // G
     return dict(
         state=pl.BlockSpec((None, None, BP, BN), lambda b, h, j: (b, h, j, 0)),
@@ -170,7 +223,7 @@ def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_l
     batch, H, P, N = state.shape
     G = B.shape[1]
     cfg = config or c.default_config(batch, H, P, N, state.dtype.itemsize)
-    s = _specs(H, G, cfg, N)
+    s = _specs(H, G, cfg.block_v, N)
     kernel = functools.partial(_step_kernel, P=P, N=N, has_z=z is not None, dt_softplus=dt_softplus, dt_limit=dt_limit)
     y, new_state = c.pallas_call(
         kernel,
@@ -203,25 +256,41 @@ def mamba2_replay_step(checkpoint, xbuf, dtbuf, Bbuf, cursor, x, dt, A, B, C, D,
     batch, H, P, N = checkpoint.shape
     G = B.shape[1]
     cfg = config or c.default_config(batch, H, P, N, checkpoint.dtype.itemsize, replay_len=L)
-    s = _specs(H, G, cfg, N)
-    BL, BP, BN = c.next_pow2(L), cfg.block_v, c.next_pow2(N)
+    BL, BN, R = c.next_pow2(L), c.next_pow2(N), cfg.block_v * cfg.tiles
     group = H // G
-    xspec = pl.BlockSpec((None, None, BL, BP), lambda b, h, j: (b, h, 0, j))
+    s = _specs(H, G, R, N)
+    xspec = pl.BlockSpec((None, None, BL, R), lambda b, h, j: (b, h, 0, j))
     dtspec = pl.BlockSpec((None, None, BL), lambda b, h, j: (b, h, 0))
     Bspec = pl.BlockSpec((None, None, BL, BN), lambda b, h, j: (b, h // group, 0, 0))
     cspec = pl.BlockSpec((None,), lambda b, h, j: (b,))
     kernel = functools.partial(_replay_kernel, P=P, N=N, L=L, group=group, has_z=z is not None,
-                               dt_softplus=dt_softplus, dt_limit=dt_limit, route=route)
-    outs = c.pallas_call(
+                               dt_softplus=dt_softplus, dt_limit=dt_limit, route=route, config=cfg)
+    grid = (batch, H, cfg.splits(P))
+    in_specs = [s["state"], xspec, dtspec, Bspec, cspec] + _input_specs(s, z is not None)
+    inputs = (cursor, *_inputs(x, dt, A, B, C, D, z, dt_bias))
+    y, xbuf, dtbuf, Bbuf = c.pallas_call(
         kernel,
-        grid=(batch, H, pl.cdiv(P, BP)),
-        in_specs=[s["state"], xspec, dtspec, Bspec, cspec] + _input_specs(s, z is not None),
-        out_specs=[s["row"], s["state"], xspec, dtspec, Bspec],
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=[s["row"], xspec, dtspec, Bspec],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)]
-        + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (checkpoint, xbuf, dtbuf, Bbuf)],
-        input_output_aliases={0: 1, 1: 2, 2: 3, 3: 4},
+        + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (xbuf, dtbuf, Bbuf)],
+        input_output_aliases={1: 1, 2: 2, 3: 3},
         interpret=interpret,
         config=cfg,
         name=f"mamba2_replay_{route}_L{L}_{cfg.tag()}",
-    )(checkpoint, xbuf, dtbuf, Bbuf, cursor, *_inputs(x, dt, A, B, C, D, z, dt_bias))
-    return (*outs, c.next_cursor(cursor, L))
+    )(checkpoint, xbuf, dtbuf, Bbuf, *inputs)
+    flush = functools.partial(_flush_kernel, P=P, N=N, L=L, has_z=z is not None, dt_softplus=dt_softplus,
+                              dt_limit=dt_limit, config=cfg)
+    checkpoint = c.pallas_call(
+        flush,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=s["state"],
+        out_shape=jax.ShapeDtypeStruct(checkpoint.shape, checkpoint.dtype),
+        input_output_aliases={0: 0},
+        interpret=interpret,
+        config=cfg,
+        name=f"mamba2_replay_flush_L{L}_{cfg.tag()}",
+    )(checkpoint, xbuf, dtbuf, Bbuf, *inputs)
+    return y, checkpoint, xbuf, dtbuf, Bbuf, c.next_cursor(cursor, L)
