@@ -20,8 +20,11 @@ compared with the standard state's.
 
 Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
                              [--modes standard,8,16,32] [--prompt-len 512] [--new-tokens 256]
+                             [--prefill-rows 64]
         python3 bench/e2e.py --smoke     (CPU check of the script on a tiny fixture)
-Prints a table; writes JSON to --out (default bench/results/e2e.json).
+Prints a table; writes JSON to --out (default bench/results/e2e.json) after every
+configuration, so a run cut short keeps what it measured; a configuration that
+runs out of device memory is logged and skipped.
 """
 
 from __future__ import annotations
@@ -124,7 +127,11 @@ def _ssm_op_time(model, batch, state, L, backend, steps=16) -> float:
     return min(times) / steps
 
 
-def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log):
+def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log, prefill_rows=None,
+                save=lambda rows: None):
+    """Rows of one model over batches x modes; `save(rows)` after each row. A
+    configuration that runs out of device memory is logged and skipped (the
+    others still run)."""
     model = init_model(config_dir, dtype)
     n_ssm = len(_ssm_layers(model.config))
     rows = []
@@ -134,9 +141,18 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
         reference_tokens = None
         for mode in modes:
             state, L = _mode(mode)
-            gen = Generator(model, state=state, buffer_len=L or 1, backend=backend, block_size=new_tokens)
-            out = gen.generate(prompts, new_tokens, progress=False)
-            again = gen.generate(prompts, new_tokens, progress=False)
+            gen = Generator(model, state=state, buffer_len=L or 1, backend=backend, block_size=new_tokens,
+                            prefill_rows=prefill_rows)
+            try:
+                out = gen.generate(prompts, new_tokens, progress=False)
+                again = gen.generate(prompts, new_tokens, progress=False)
+            except jax.errors.JaxRuntimeError as err:
+                if "RESOURCE_EXHAUSTED" not in str(err):
+                    raise
+                log(f"{name} batch={batch} {mode}: out of device memory, skipped ({str(err).splitlines()[0][:160]})")
+                del gen
+                gc.collect()
+                continue
             best = min((out, again), key=lambda o: o.decode_s)
             step_s = best.decode_s / best.decode_steps
             ssm_share = n_ssm * _ssm_op_time(model, batch, state, L or 1, backend) / step_s
@@ -148,6 +164,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                             best.cache_bytes / 2**30, _peak_gib(), ssm_share, same))
             log(f"{name} batch={batch} {mode}: {best.tokens_per_s:.0f} tok/s, step {step_s * 1e3:.2f} ms, "
                 f"compile {out.compile_s:.1f} s, SSM share {ssm_share:.0%}, identical={same}")
+            save(rows)
             del gen, out, again
             gc.collect()
         standard = next((r for r in rows if r.batch == batch and r.model == name and r.mode == "standard"), None)
@@ -172,6 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--backend", default=None)
+    p.add_argument("--prefill-rows", type=int, default=64,
+                   help="rows per prefill pass (the prefill of 512 x 512 tokens at once may not fit); 0: all at once")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "e2e.json"))
     p.add_argument("--smoke", action="store_true", help="tiny fixture on any device, to check the script")
     args = p.parse_args(argv)
@@ -185,16 +204,20 @@ def main(argv=None) -> int:
     batches = [int(b) for b in batches.split(",")]
     modes = args.modes.split(",")
     backend = ops.resolve_backend(args.backend)
-    rows = []
-    for name, path in configs.items():
-        rows += bench_model(name, path, batches, modes, prompt_len, new_tokens, backend, dtype,
-                            lambda s: print(s, file=sys.stderr, flush=True))
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=_commit(), prompt_len=prompt_len,
                 new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, command=" ".join(sys.argv))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=[dataclasses.asdict(r) for r in rows]), f, indent=1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows = []
+
+    def save(more):
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=[dataclasses.asdict(r) for r in rows + more]), f, indent=1)
+
+    for name, path in configs.items():
+        rows += bench_model(name, path, batches, modes, prompt_len, new_tokens, backend, dtype,
+                            lambda s: print(s, file=sys.stderr, flush=True), args.prefill_rows or None, save)
+        save([])
     print(f"\n{meta['date']} {meta['device']} backend={backend} commit={meta['commit']} "
           f"prompt={prompt_len} new={new_tokens} {meta['dtype']}")
     print(f"{'model':26s} {'batch':>5s} {'mode':>8s} {'tok/s':>10s} {'step ms':>8s} {'speedup':>7s} "

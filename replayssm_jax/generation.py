@@ -116,19 +116,25 @@ class Generator:
       route: ReplaySSM readout route, "output" or "state".
       block_size: decode steps per compiled block (progress and early stop
         happen between blocks).
+      prefill_rows: rows per prefill pass, or None for the whole batch at
+        once. Prefill memory grows with batch x prompt length (attention
+        scores, chunked-scan intermediates); passes of `prefill_rows` rows
+        run one after another (`lax.map`) and build the same cache.
 
     Raises:
-      GenerationError: an unknown state, L < 1, block_size < 1.
+      GenerationError: an unknown state, L < 1 (or above the kernels' limit
+        with a kernel backend), block_size < 1, prefill_rows < 1.
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
     def __init__(self, model, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32, backend=None,
-                 route="output", block_size=64):
+                 route="output", block_size=64, prefill_rows=None):
         if state not in STATES:
             raise GenerationError(f"`state` must be one of {STATES}; got {state!r}")
         if state == "replay":
             buffer_len = _check_int("buffer_len", buffer_len, 1)
         block_size = _check_int("block_size", block_size, 1)
+        self.prefill_rows = None if prefill_rows is None else _check_int("prefill_rows", prefill_rows, 1)
         if route not in ("output", "state"):
             raise GenerationError(f"`route` must be 'output' or 'state'; got {route!r}")
         try:
@@ -138,6 +144,12 @@ class Generator:
         if not floating:
             raise GenerationError(f"`buffer_dtype` must be a floating dtype; got {buffer_dtype!r}")
         self.backend = ops.resolve_backend(backend)
+        if state == "replay" and self.backend != "xla":
+            from replayssm_jax.kernels import MAX_BUFFER_LEN
+
+            if buffer_len > MAX_BUFFER_LEN:
+                raise GenerationError(f"`buffer_len` must be <= {MAX_BUFFER_LEN} with backend {self.backend!r} "
+                                      f"(the kernels' limit); got {buffer_len} (use backend='xla')")
         self.state = state
         self.buffer_len = buffer_len if state == "replay" else None
         self.buffer_dtype = buffer_dtype
@@ -154,9 +166,12 @@ class Generator:
 
         def start(params, prompts, lengths, stop_ids, key):
             model = nnx.merge(self.graphdef, params)
-            logits, cache = model.prefill(prompts[:, :prefix_len], total, replay_buffer_len=self.buffer_len,
-                                          buffer_dtype=self.buffer_dtype, backend=self.backend,
-                                          last_logits_only=True)
+
+            def prefill(ids):
+                return model.prefill(ids, total, replay_buffer_len=self.buffer_len, buffer_dtype=self.buffer_dtype,
+                                     backend=self.backend, last_logits_only=True)
+
+            logits, cache = _by_rows(prefill, prompts[:, :prefix_len], self.prefill_rows)
             done = jnp.zeros(prompts.shape[0], bool)
             pos = jnp.asarray(prefix_len, jnp.int32)
             token, done = _choose(logits, pos, prompts, lengths, key, done, stop_ids, self._pad_id, sampling)
@@ -306,6 +321,21 @@ class Generator:
                 raise GenerationError(f"prompt {i} must hold integer token ids; got dtype {p.dtype}")
             self._check_ids(p, f"prompt {i}")
         return [p.astype(np.int32) for p in rows], np.array([p.size for p in rows], np.int32)
+
+
+def _by_rows(fn, ids, rows):
+    """fn(ids) for ids [batch, T], in passes of `rows` rows (None: one pass).
+
+    Every leaf of fn's output has batch as its leading axis. The last pass is
+    filled up with copies of row 0, whose results are dropped.
+    """
+    batch = ids.shape[0]
+    if rows is None or rows >= batch:
+        return fn(ids)
+    passes = -(-batch // rows)
+    fill = jnp.broadcast_to(ids[:1], (passes * rows - batch, ids.shape[1]))
+    out = jax.lax.map(fn, jnp.concatenate([ids, fill]).reshape(passes, rows, ids.shape[1]))
+    return jax.tree.map(lambda a: a.reshape(passes * rows, *a.shape[2:])[:batch], out)
 
 
 def _check_int(name, value, low, high=None) -> int:

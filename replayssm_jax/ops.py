@@ -78,8 +78,11 @@ def _op(name: str):
 
     @functools.wraps(ref)
     def op(*args, backend: str | None = None, **kwargs):
-        backend = resolve_backend(backend, name)
-        impl = ref if backend == "xla" else _kernel(name, backend)
+        chosen = resolve_backend(backend, name)
+        if chosen == "xla" and "config" in kwargs:
+            why = "" if backend else f" (backend=None picked it: JAX's default backend is {jax.default_backend()!r})"
+            raise TypeError(f"`config` tunes the Pallas kernels; the 'xla' backend{why} takes none")
+        impl = ref if chosen == "xla" else _kernel(name, chosen)
         return impl(*args, **kwargs)
 
     op.__doc__ = (ref.__doc__ or "") + "\n    backend: 'pallas', 'interpret', 'xla' or None (see replayssm_jax.ops).\n"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from replayssm_jax import _validate as v
@@ -195,6 +196,11 @@ def check_replay_state(state, kind: type) -> None:
     v.check_shape("state.cursor", state.cursor, "batch", (batch,))
     if state.cursor.dtype != jnp.int32:
         raise TypeError(f"`state.cursor` must be int32; got {state.cursor.dtype}")
+    if not isinstance(state.cursor, jax.core.Tracer):  # concrete values are checked; traced ones cannot be
+        cursor = np.asarray(state.cursor)
+        if ((cursor < 0) | (cursor > L)).any():
+            raise ValueError(f"`state.cursor` must be in [0, {L}] (the buffer length) for every row; "
+                             f"got {cursor.tolist()}")
 
 
 def check_no_pending_window(state) -> None:

@@ -56,6 +56,22 @@ def test_ragged_batch_equals_each_prompt_alone(name, rng):
         assert gen.generate([prompt], 10).sequences[0] == row
 
 
+def test_prefill_in_passes_of_rows_gives_the_same_tokens(rng):
+    """prefill_rows = 2 for 5 rows (3 passes, the last filled up) == one pass."""
+    m = model("nemotron_h_tiny")
+    prompts = [rng.integers(3, m.config.vocab_size, size=7).tolist() for _ in range(5)]
+    whole = Generator(m, state="replay", buffer_len=4).generate(prompts, 6).sequences
+    assert Generator(m, state="replay", buffer_len=4, prefill_rows=2).generate(prompts, 6).sequences == whole
+    with pytest.raises(GenerationError, match="`prefill_rows` must be >= 1"):
+        Generator(m, prefill_rows=0)
+
+
+def test_buffer_len_above_the_kernel_limit_is_refused_up_front():
+    with pytest.raises(GenerationError, match="`buffer_len` must be <= 64 with backend 'interpret'"):
+        Generator(model("nemotron_h_tiny"), state="replay", buffer_len=65, backend="interpret")
+    Generator(model("nemotron_h_tiny"), state="replay", buffer_len=65, backend="xla")  # no kernel, no limit
+
+
 def test_stop_tokens_end_only_their_sequence():
     ref = reference("qwen3_5_tiny")
     prompts, expected = ref["prompt_ids"], ref["generated_ids"]
@@ -190,6 +206,7 @@ BAD_COMMANDS = [
     (["--prompt-ids", "1,x"], "--prompt-ids: row 0 ('1,x') is not a comma-separated list of integers"),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0; got -1"),
     (["--buffer-len", "0"], "--buffer-len must be >= 1; got 0"),
+    (["--buffer-len", "65", "--backend", "interpret"], "`buffer_len` must be <= 64 with backend 'interpret'"),
     (["--backend", "cuda"], "--backend must be one of pallas, interpret, xla; got 'cuda'"),
     (["--dtype", "float64"], "--dtype must be one of float32, bfloat16; got 'float64'"),
     (["--top-p", "0", "--temperature", "1"], "--top-p must be in (0, 1]; got 0.0"),

@@ -103,6 +103,9 @@ def test_replay_errors_leave_state_usable(name, request):
         replay_commit(pending, np.zeros(3, np.int32))
     with pytest.raises(TypeError, match="`num_accepted` must have an integer dtype; got float32"):
         replay_commit(pending, np.zeros(2, np.float32))
+    for cursor in ([0, 5], [-1, 0]):
+        with pytest.raises(ValueError, match=r"`state.cursor` must be in \[0, 4\] \(the buffer length\) for every row"):
+            case.replay_step(rs.replace(cursor=jnp.asarray(cursor, jnp.int32)), inp)
 
     # The state that saw all these failures is intact and still decodes.
     np.testing.assert_array_equal(rs.checkpoint, before[0])
@@ -145,6 +148,16 @@ def test_unknown_backend(mamba):
     case, state, inp = mamba
     with pytest.raises(ValueError, match=r"`backend` must be one of \('pallas', 'interpret', 'xla'\) or None; got 'cuda'"):
         ops.mamba2_step(state, **inp, A=case.A, backend="cuda")
+
+
+def test_config_needs_a_kernel_backend(mamba):
+    case, state, inp = mamba
+    from replayssm_jax.kernels import Config
+
+    with pytest.raises(TypeError, match="`config` tunes the Pallas kernels; the 'xla' backend takes none"):
+        ops.mamba2_step(state, **inp, A=case.A, backend="xla", config=Config(block_v=8))
+    with pytest.raises(TypeError, match="`config` must be a replayssm_jax.kernels.Config or None; got dict"):
+        ops.mamba2_step(state, **inp, A=case.A, backend="interpret", config={"block_v": 8})
 
 
 def test_flush_with_pending_window_is_refused(mamba, gdn):

@@ -57,7 +57,13 @@ def _check_route(route):
     return val.check_route(route)
 
 
+def _check_config(config):
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"`config` must be a replayssm_jax.kernels.Config or None; got {type(config).__name__}")
+
+
 def _check_standard_config(config):
+    _check_config(config)
     if config is not None and config.tiles != 1:
         raise ValueError(f"`config.tiles` must be 1 for the standard step (one tile per program); got {config.tiles}")
 
@@ -96,6 +102,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
     _check_tileable("buffer length", "L", L, MAX_BUFFER_LEN)
+    _check_config(config)
     scale = K ** -0.5 if scale is None else float(scale)
     o, ck, d, kb, gb, cursor = _gdn.gdn_replay_step(
         state.checkpoint, state.d, state.k, state.g, state.cursor, q, k, v, g, beta,
@@ -146,6 +153,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
     _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
     _check_tileable("buffer length", "L", L, MAX_BUFFER_LEN)
+    _check_config(config)
     y, ck, xb, dtb, Bb, cursor = _mamba2.mamba2_replay_step(
         state.checkpoint, state.x, state.dt, state.B, state.cursor, x, dt, A, B, C, D, z, dt_bias,
         L=L, dt_softplus=bool(dt_softplus), dt_limit=_dt_limit(dt_limit), route=route, config=config,
