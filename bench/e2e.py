@@ -20,8 +20,11 @@ compared with the standard state's.
 
 Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
                              [--modes standard,8,16,32] [--prompt-len 512] [--new-tokens 256]
-                             [--prefill-rows 64]
+                             [--prefill-rows 64] [--profile]
         python3 bench/e2e.py --smoke     (CPU check of the script on a tiny fixture)
+--profile adds, per configuration, a breakdown of a decode step by kernel
+category (SSM kernels, GEMMs, other kernels, idle) from a profiler trace of a
+third run (bench/step_profile.py).
 Prints a table; writes JSON to --out (default bench/results/e2e.json) after every
 configuration, so a run cut short keeps what it measured; a configuration that
 runs out of device memory is logged and skipped.
@@ -51,6 +54,9 @@ from models.random_init import init_model  # noqa: E402
 from replayssm_jax import ops  # noqa: E402
 from replayssm_jax.generation import Generator  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_profile  # noqa: E402  (bench/step_profile.py)
+
 CONFIGS = os.path.join(ROOT, "bench", "configs")
 MODELS = ("nemotron3_nano_4b_like", "qwen3_5_4b_like")
 
@@ -69,6 +75,7 @@ class Row:
     ssm_share: float
     identical_to_standard: bool | None
     speedup: float | None = None
+    profile: dict | None = None  # ms per decode step by category (step_profile.CATEGORIES), and top kernels
 
 
 def _mode(mode: str) -> tuple[str, int | None]:
@@ -127,11 +134,24 @@ def _ssm_op_time(model, batch, state, L, backend, steps=16) -> float:
     return min(times) / steps
 
 
+def _profile(gen, prompts, new_tokens):
+    """ms per decode step by category, from a profiled third run (None on a CPU)."""
+    out = []
+    profile = step_profile.trace(lambda: out.append(gen.generate(prompts, new_tokens, progress=False)))
+    b = step_profile.decode_breakdown(profile)
+    if b is None:
+        return None
+    steps = out[0].decode_steps
+    return dict(ms={k: v / steps / 1e6 for k, v in b["ns"].items()},
+                top=[(name, t / steps / 1e6, n // steps) for name, t, n in b["top"]])
+
+
 def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log, prefill_rows=None,
-                save=lambda rows: None):
+                save=lambda rows: None, profile=False):
     """Rows of one model over batches x modes; `save(rows)` after each row. A
     configuration that runs out of device memory is logged and skipped (the
-    others still run)."""
+    others still run). `profile`: also break a decode step down by kernel
+    category (bench/step_profile.py), from a third, traced run."""
     model = init_model(config_dir, dtype)
     n_ssm = len(_ssm_layers(model.config))
     rows = []
@@ -161,7 +181,8 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                 reference_tokens = tokens
             same = None if reference_tokens is None else bool(np.array_equal(tokens, reference_tokens))
             rows.append(Row(name, batch, mode, best.tokens_per_s, step_s * 1e3, out.compile_s, best.prefill_s,
-                            best.cache_bytes / 2**30, _peak_gib(), ssm_share, same))
+                            best.cache_bytes / 2**30, _peak_gib(), ssm_share, same,
+                            profile=_profile(gen, prompts, new_tokens) if profile else None))
             log(f"{name} batch={batch} {mode}: {best.tokens_per_s:.0f} tok/s, step {step_s * 1e3:.2f} ms, "
                 f"compile {out.compile_s:.1f} s, SSM share {ssm_share:.0%}, identical={same}")
             save(rows)
@@ -191,6 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default=None)
     p.add_argument("--prefill-rows", type=int, default=64,
                    help="rows per prefill pass (the prefill of 512 x 512 tokens at once may not fit); 0: all at once")
+    p.add_argument("--profile", action="store_true",
+                   help="also break one decode step down by kernel category (a third, traced run per configuration)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "e2e.json"))
     p.add_argument("--smoke", action="store_true", help="tiny fixture on any device, to check the script")
     args = p.parse_args(argv)
@@ -216,7 +239,8 @@ def main(argv=None) -> int:
 
     for name, path in configs.items():
         rows += bench_model(name, path, batches, modes, prompt_len, new_tokens, backend, dtype,
-                            lambda s: print(s, file=sys.stderr, flush=True), args.prefill_rows or None, save)
+                            lambda s: print(s, file=sys.stderr, flush=True), args.prefill_rows or None, save,
+                            args.profile)
         save([])
     print(f"\n{meta['date']} {meta['device']} backend={backend} commit={meta['commit']} "
           f"prompt={prompt_len} new={new_tokens} {meta['dtype']}")
@@ -226,6 +250,15 @@ def main(argv=None) -> int:
         print(f"{r.model:26s} {r.batch:5d} {r.mode:>8s} {r.tokens_per_s:10.0f} {r.step_ms:8.2f} "
               f"{(r.speedup or float('nan')):7.2f} {r.ssm_share:5.0%} {r.cache_gib:9.2f} {r.peak_gib:8.1f} {r.compile_s:9.1f} "
               f"{'-' if r.identical_to_standard is None else r.identical_to_standard}")
+    profiled = [r for r in rows if r.profile]
+    if profiled:
+        print(f"\nms per decode step: {' '.join(f'{c:>7s}' for c in step_profile.CATEGORIES)}   (then the longest kernels)")
+        for r in profiled:
+            top = ", ".join(f"{n[:40]} {t:.3f}" for n, t, _ in r.profile["top"][:3])
+            print(f"{r.model[:18]:18s} {r.batch:4d} {r.mode:>8s} "
+                  f"{' '.join(f'{r.profile['ms'][c]:7.3f}' for c in step_profile.CATEGORIES)}   {top}")
+    elif args.profile:
+        print("\n--profile: the trace has no GPU plane (a CPU run): no breakdown")
     return 0
 
 

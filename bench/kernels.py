@@ -22,15 +22,16 @@ Method (DESIGN.md section 6, METHOD.md):
     per-step time = median / (steps * n_sets).
   * replay rows at staggered cursors (row r starts at r mod L) unless the
     variant says "in-step" (all rows start at 0 and flush together).
-  * bytes per step from a traffic model (each array the kernel touches,
-    once: state read (+ write for standard, + write / L for replay), the
-    full L-slot buffer tiles read, one record written, inputs and outputs),
+  * bytes per step from a traffic model (each array the kernels touch,
+    once: state read (+ write for standard; for replay + the flush launch's
+    re-read and write, / L), the full L-slot buffer tiles read, one record
+    written, inputs and outputs),
     achieved GB/s = bytes / time, against a device copy measured in the run.
 
 Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
               [--state-dtypes float32,bfloat16] [--lengths 8,16,32] [--out DIR] [--tag NAME]
-  --sweep     time the standard and replay kernels over a few fixed
-              (block_v, num_warps) instead of the table (after the same check);
+  --sweep     time the standard and replay kernels over the fixed tilings of
+              SWEEP_CONFIGS instead of the table (after the same check);
               its results are how the frozen heuristic in kernels/_common.py is chosen.
   --dry-run   run the script on the CPU in interpret mode (numbers meaningless).
 Prints a table; writes JSON to DIR/NAME.json (default bench/results/kernels.json).

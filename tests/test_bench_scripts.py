@@ -34,6 +34,47 @@ def test_e2e_smoke(tmp_path, capsys):
     assert "nemotron_h_tiny" in capsys.readouterr().out
 
 
+def test_e2e_profile_table(tmp_path, capsys, monkeypatch):
+    """--profile: a traced third run per configuration, broken down per decode step
+    (on the CPU the trace has no GPU plane; a fixed breakdown stands in for it)."""
+    e2e = load("e2e")
+    assert e2e.main(["--smoke", "--models", "nemotron_h_tiny", "--batches", "1", "--modes", "2",
+                     "--out", str(tmp_path / "cpu.json"), "--profile"]) == 0
+    assert "no GPU plane" in capsys.readouterr().out
+    fake = dict(window_ns=5e6, ns=dict(ssm=2e6, gemm=1e6, other=1e6, idle=1e6), top=[("gdn_replay_x", 2e6, 5)])
+    monkeypatch.setattr(e2e.step_profile, "decode_breakdown", lambda profile: fake)
+    assert e2e.main(["--smoke", "--models", "nemotron_h_tiny", "--batches", "1", "--modes", "2",
+                     "--out", str(tmp_path / "e2e.json"), "--profile"]) == 0
+    row = json.loads((tmp_path / "e2e.json").read_text())["rows"][0]
+    steps = 5  # --smoke: 6 new tokens, the first from the prefill
+    assert row["profile"]["ms"] == {k: v / steps / 1e6 for k, v in fake["ns"].items()}
+    assert "ms per decode step" in capsys.readouterr().out
+
+
+def test_step_profile_breakdown():
+    """Kernel time by category inside the decode module's windows, and the idle rest."""
+    from jax.profiler import ProfileData
+
+    step_profile = load("step_profile")
+    names = ["jit_block(7)", "mamba2_replay_output_L8", "sm90_xmma_gemm_bf16", "loop_multiply_fusion", "jit_start(3)"]
+    metadata = "".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}\n'
+                       for i, n in enumerate(names, 1))
+    events = lambda spans: "".join(f"events {{ metadata_id: {m} offset_ps: {o} duration_ps: {d} }}"  # noqa: E731
+                                   for m, o, d in spans)
+    text = (f'planes {{ id: 1 name: "/device:GPU:0"\n'
+            f'lines {{ id: 1 name: "XLA Modules" timestamp_ns: 1000 {events([(1, 0, 10**7), (5, 2 * 10**7, 5 * 10**6)])} }}\n'
+            f'lines {{ id: 2 name: "Stream #13(Compute)" timestamp_ns: 1000 '
+            f'{events([(2, 10**6, 3 * 10**6), (3, 2 * 10**6, 2 * 10**6), (4, 6 * 10**6, 10**6), (3, 21 * 10**6, 10**6)])} }}\n'
+            f'{metadata}}}')
+    b = step_profile.decode_breakdown(ProfileData.from_text_proto(text))
+    # the module ran 10 us; kernels covered [1, 4] and [6, 7] us of it (the GEMM overlapping
+    # the SSM kernel counts once in the union); the GEMM at 21 us belongs to jit_start
+    assert b["window_ns"] == 10_000
+    assert b["ns"] == dict(ssm=3000, gemm=2000, other=1000, idle=6000)
+    assert b["top"][0] == ("mamba2_replay_output_L8", 3000, 1)
+    assert step_profile.decode_breakdown(ProfileData.from_text_proto('planes { id: 1 name: "/host:CPU" }')) is None
+
+
 def test_buffer_length_dry_run(tmp_path, capsys):
     assert load("buffer_length").main(["--dry-run", "--layers", "mamba2", "--state-dtypes", "float32",
                                        "--out", str(tmp_path)]) == 0

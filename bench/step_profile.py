@@ -1,0 +1,99 @@
+"""Where the time of compiled decode steps goes, from a JAX profiler trace (GPU).
+
+`trace(fn)` runs `fn()` under `jax.profiler.trace` and returns the parsed
+trace (`jax.profiler.ProfileData`). `decode_breakdown(profile)` then sums the
+GPU kernels that ran inside the decode modules (the XLA module whose name
+contains "jit_block": `Generator`'s compiled `lax.scan` block of decode
+steps) by category:
+
+  ssm    the Pallas SSM kernels (names mamba2_* / gdn_*: standard step,
+         replay, flush);
+  gemm   matrix products (cuBLAS / CUTLASS / XLA's Triton GEMMs): the
+         projections, the MLP or experts, the attention products, the LM head;
+  other  every other kernel: XLA fusions for norms, activations, the causal
+         conv, softmax, RoPE, cache writes, sampling;
+  idle   time inside the module windows with no kernel running (launch
+         latency and host gaps),
+
+and lists the kernels that took longest. Kernel names come from CUPTI, so
+"gemm" and "other" are told apart by name patterns; a kernel name the
+patterns miss counts as "other" (the top list shows what was there).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import tempfile
+
+import jax
+from jax.profiler import ProfileData
+
+CATEGORIES = ("ssm", "gemm", "other", "idle")
+_SSM = re.compile(r"^(mamba2|gdn)_(step|replay)")
+_GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|wgmma|matmul", re.IGNORECASE)
+
+
+def category(kernel: str) -> str:
+    """"ssm", "gemm" or "other" for a GPU kernel name."""
+    if _SSM.match(kernel):
+        return "ssm"
+    return "gemm" if _GEMM.search(kernel) else "other"
+
+
+def trace(fn) -> ProfileData:
+    """Run fn() under the JAX profiler; the parsed trace."""
+    with tempfile.TemporaryDirectory() as logdir:
+        with jax.profiler.trace(logdir):
+            fn()
+        files = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            raise RuntimeError(f"the profiler wrote no trace under {logdir}")
+        return ProfileData.from_file(max(files, key=os.path.getmtime))
+
+
+def _merged_length(intervals) -> float:
+    """Total length covered by a set of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def decode_breakdown(profile: ProfileData, module: str = "jit_block", top: int = 8) -> dict | None:
+    """GPU time of the `module` windows by category, in nanoseconds.
+
+    Returns None when the trace has no GPU plane (a CPU run). Otherwise a dict:
+      window_ns: summed duration of the module's executions (all of them when
+        the trace has no "XLA Modules" line: then the span of all kernels);
+      ns: {category: nanoseconds} for CATEGORIES (idle = window - union of kernels);
+      top: [(kernel name, nanoseconds, launches)], longest first.
+    """
+    planes = [p for p in profile.planes if p.name.startswith("/device:GPU")]
+    if not planes:
+        return None
+    windows, kernels = [], []
+    for plane in planes:
+        for line in plane.lines:
+            if line.name == "XLA Modules":
+                windows += [(e.start_ns, e.end_ns) for e in line.events if module in e.name]
+            elif line.name.startswith("Stream"):
+                kernels += [(e.start_ns, e.end_ns, e.name) for e in line.events]
+    if not windows and kernels:
+        windows = [(min(k[0] for k in kernels), max(k[1] for k in kernels))]
+    inside = [k for k in kernels if any(s <= k[0] and k[1] <= e for s, e in windows)]
+    ns = dict.fromkeys(CATEGORIES, 0.0)
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    for start, end, name in inside:
+        ns[category(name)] += end - start
+        per_kernel[name][0] += end - start
+        per_kernel[name][1] += 1
+    window_ns = sum(e - s for s, e in windows)
+    ns["idle"] = max(0.0, window_ns - _merged_length([(s, e) for s, e, _ in inside]))
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(window_ns=window_ns, ns=ns, top=[(name, t, n) for name, (t, n) in ranked])
