@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results/gpu}
 mkdir -p "$out"
 
-python3 -m pytest -m gpu tests/test_kernels_gdn.py tests/test_kernels_mamba2.py tests/test_inplace_hlo.py \
+python3 -m pytest -m gpu tests/test_kernels.py tests/test_inplace_hlo.py \
   -q -W ignore::DeprecationWarning 2>&1 | tee "$out/gpu_tests.log" | tail -3
 
 ids() { python3 -c "import numpy as n; r = n.load('$1')['prompt_ids']; print(';'.join(','.join(map(str, x)) for x in r))"; }

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cases import assert_close
-from replayssm_jax import ops
+from replayssm_jax import kernels, ops
 from replayssm_jax import reference as ref
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -110,6 +110,13 @@ class GDN:
     def materialize(self, rs):
         return ref.gdn_replay_materialize(rs)
 
+    def kernel_step(self, state, inp):
+        """The standard step's kernel entry point (replayssm_jax.kernels), no dispatch."""
+        return kernels.gdn_step(state, **inp)
+
+    def kernel_replay_step(self, rs, inp, route):
+        return kernels.gdn_replay_step(rs, **inp, route=route)
+
 
 class Mamba2:
     """Adapter for the Mamba-2 ops."""
@@ -164,6 +171,13 @@ class Mamba2:
 
     def materialize(self, rs):
         return ref.mamba2_replay_materialize(rs, self.A)
+
+    def kernel_step(self, state, inp):
+        """The standard step's kernel entry point (replayssm_jax.kernels), no dispatch."""
+        return kernels.mamba2_step(state, **inp, **self.params)
+
+    def kernel_replay_step(self, rs, inp, route):
+        return kernels.mamba2_replay_step(rs, **inp, **self.params, route=route)
 
 
 def mixed_cursors(batch: int, L: int) -> np.ndarray:

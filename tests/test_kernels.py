@@ -1,0 +1,196 @@
+"""The Pallas kernels of both layers against the reference.
+
+On the CPU the kernels run in interpret mode at small, awkward shapes: GDN
+head dims 20, 24 and 100 with HV = 2H; Mamba-2 head_dim 24 and 100, d_state
+20, n_groups < nheads, with and without the z gate and a dt clamp; L in
+{1, 4, 8, 16}, rows at mixed cursors, bf16 inputs with f32 or bf16 state,
+several row tiles per program, poisoned dead slots. The same checks run
+compiled at the models' shapes on a GPU (`pytest -m gpu`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_checks import (
+    DTYPES,
+    GDN,
+    GDNShape,
+    Mamba2,
+    Mamba2Shape,
+    check_replay,
+    check_standard,
+    lower_for_cuda,
+)
+from replayssm_jax import kernels, ops
+
+CPU_SHAPES = {
+    GDN: [GDNShape(batch=4, H=2, HV=4, K=20, V=24), GDNShape(batch=4, H=1, HV=1, K=100, V=16)],
+    Mamba2: [
+        Mamba2Shape(batch=4, H=4, P=24, N=20, G=2),
+        Mamba2Shape(batch=4, H=3, P=100, N=16, G=1, gated=False, dt_limit=(0.05, 0.8)),
+    ],
+}
+GPU_SHAPES = {
+    GDN: [
+        GDNShape(batch=8, H=16, HV=32, K=128, V=128),  # the Qwen3.5-4B layer; heads split over programs
+        GDNShape(batch=20, H=16, HV=32, K=128, V=128),  # one program per head (batch * HV >= 4 * 132)
+        GDNShape(batch=5, H=2, HV=6, K=100, V=80),
+    ],
+    Mamba2: [Mamba2Shape(batch=8, H=96, P=80, N=128, G=8), Mamba2Shape(batch=5, H=6, P=100, N=64, G=2, gated=False)],
+}
+# Replay tilings compiled at the model shape: (block_v, num_warps, tiles).
+GPU_TILINGS = {GDN: [(32, 4, 4), (64, 8, 2), (16, 2, 3)], Mamba2: [(16, 2, 5), (32, 4, 3), (16, 2, 2)]}
+# Tilings the heuristic picks only at other shapes, interpreted: several row
+# tiles per program (a static and a dynamic trip count, rows padded past V).
+TILINGS = [
+    (kernels.Config(block_v=8, num_warps=2, tiles=3), 4),
+    (kernels.Config(block_v=8, num_warps=2, tiles=2), 16),
+    (kernels.Config(block_v=16, num_warps=4, tiles=2), 16),
+    (kernels.Config(block_v=16, num_warps=4, tiles=1), 4),
+]
+
+
+def cases(table, first_only=False):
+    """(adapter class, entry) pairs of a per-layer table, for parametrize."""
+    return [(layer, entry) for layer, entries in table.items() for entry in (entries[:1] if first_only else entries)]
+
+
+def case_id(case):
+    return str(case[1]) if not isinstance(case[1], tuple) else f"{case[0].__name__}-{case[1]}"
+
+
+# The Pallas Triton backend warns that it is deprecated when a kernel is lowered.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+
+@pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
+@pytest.mark.parametrize("dtypes", DTYPES)
+def test_step(case, dtypes, rng):
+    layer, shape = case
+    input_dtype, state_dtype, _ = DTYPES[dtypes]
+    check_standard(layer(shape, rng, input_dtype), state_dtype, "interpret")
+
+
+@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+@pytest.mark.parametrize("L", [1, 4, 16])
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_step_f32(case, L, route, rng):
+    layer, shape = case
+    check_replay(layer(shape, rng), L, route, *DTYPES["f32"], "interpret")
+
+
+@pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
+@pytest.mark.parametrize("dtypes", ["bf16in-f32state", "bf16in-bf16state"])
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_step_bf16(case, dtypes, route, rng):
+    layer, shape = case
+    input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]
+    check_replay(layer(shape, rng, input_dtype), 4, route, input_dtype, state_dtype, buffer_dtype, "interpret")
+
+
+@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+@pytest.mark.parametrize(("config", "L"), TILINGS, ids=str)
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_tilings(case, config, L, route, rng):
+    layer, shape = case
+    check_replay(layer(shape, rng, jnp.bfloat16), L, route, *DTYPES["bf16in-f32state"], "interpret",
+                 steps=L // 2 + 2, config=config)
+
+
+@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_dead_slots_never_read(case, route, rng):
+    """NaN and inf in the dead slots (a rejected draft's records) reach no output or state."""
+    layer, shape = case
+    check_replay(layer(shape, rng), 8, route, *DTYPES["f32"], "interpret", steps=6, poison=True)
+
+
+def test_gdn_errors_before_any_kernel(rng):
+    layer = GDN(CPU_SHAPES[GDN][0], rng)
+    state, inp = layer.state(jnp.float32), layer.draw()
+    with pytest.raises(ValueError, match="`v` must have shape"):
+        ops.gdn_step(state, **dict(inp, v=inp["v"][:, :, :5]), backend="interpret")
+    big = GDN(GDNShape(batch=1, H=1, HV=1, K=300, V=8), rng)
+    with pytest.raises(ValueError, match="`K` <= 256"):
+        ops.gdn_step(big.state(jnp.float32), **big.draw(), backend="interpret")
+    with pytest.raises(ValueError, match="`route`"):
+        ops.gdn_replay_step(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), **inp, route="x",
+                            backend="interpret")
+    with pytest.raises(NotImplementedError, match="no Pallas kernel"):
+        ops.gdn_replay_materialize(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), backend="interpret")
+    with pytest.raises(ValueError, match="`config.tiles` must be 1"):
+        ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
+
+
+def test_mamba2_errors_before_any_kernel(rng):
+    layer = Mamba2(CPU_SHAPES[Mamba2][0], rng)
+    state, inp = layer.state(jnp.float32), layer.draw()
+    with pytest.raises(ValueError, match="`B` must have shape"):
+        ops.mamba2_step(state, **dict(inp, B=inp["B"][:, :, :5]), **layer.params, backend="interpret")
+    big = Mamba2(Mamba2Shape(batch=1, H=1, P=8, N=512, G=1), rng)
+    with pytest.raises(ValueError, match="`N` <= 256"):
+        ops.mamba2_step(big.state(jnp.float32), **big.draw(), **big.params, backend="interpret")
+    with pytest.raises(ValueError, match="`route`"):
+        ops.mamba2_replay_step(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), **inp, **layer.params,
+                               route="x", backend="interpret")
+    with pytest.raises(ValueError, match="`backend`"):
+        ops.mamba2_step(state, **inp, **layer.params, backend="triton")
+    with pytest.raises(ValueError, match="`config.tiles` must be 1"):
+        ops.mamba2_step(state, **inp, **layer.params, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
+
+
+@pytest.mark.parametrize("case", cases(GPU_SHAPES), ids=case_id)
+@pytest.mark.parametrize("L", [1, 32])
+@pytest.mark.parametrize("dtypes", ["f32", "bf16in-bf16state"])
+def test_kernels_lower_for_cuda(case, L, dtypes, rng):
+    """The Triton lowering of every kernel at the GPU test shapes, on the CPU."""
+    input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]
+    layer = case[0](case[1], rng, input_dtype)
+    rs = layer.replay_state(L, state_dtype, buffer_dtype, np.zeros(case[1].batch))
+    inp = layer.draw()
+    text = lower_for_cuda(layer.kernel_step, rs.checkpoint, inp)
+    for route in ("output", "state"):
+        text += lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, route), rs, inp)
+    assert text.count("__gpu$xla.gpu.triton") == 5  # standard, then (replay, flush) per route
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", cases(GPU_SHAPES), ids=case_id)
+@pytest.mark.parametrize("dtypes", DTYPES)
+def test_step_gpu(case, dtypes, rng):
+    layer, shape = case
+    input_dtype, state_dtype, _ = DTYPES[dtypes]
+    check_standard(layer(shape, rng, input_dtype), state_dtype, "pallas")
+
+
+# Model shape: every dtype and route, a short and a long buffer; the second
+# shape (GDN: one program per head; Mamba-2: head dim 100, d_state 64):
+# bf16 inputs only.
+GPU_REPLAY_CASES = [
+    (layer, shapes[0], L, dtypes) for layer, shapes in GPU_SHAPES.items() for L in (4, 32) for dtypes in DTYPES
+] + [(layer, shapes[1], L, "bf16in-f32state") for layer, shapes in GPU_SHAPES.items() for L in (1, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("layer", "shape", "L", "dtypes"), GPU_REPLAY_CASES,
+                         ids=lambda v: v.__name__ if isinstance(v, type) else str(v))
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_step_gpu(layer, shape, L, route, dtypes, rng):
+    input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]
+    check_replay(layer(shape, rng, input_dtype), L, route, input_dtype, state_dtype, buffer_dtype, "pallas",
+                 steps=L // 2 + 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", cases(GPU_TILINGS), ids=case_id)
+@pytest.mark.parametrize("L", [8, 32])
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_tilings_gpu(case, L, route, rng):
+    """The replay tilings at the model shape, compiled; dead slots poisoned."""
+    layer, (block_v, warps, tiles) = case
+    config = kernels.Config(block_v=block_v, num_warps=warps, tiles=tiles)
+    check_replay(layer(GPU_SHAPES[layer][0], rng, jnp.bfloat16), L, route, *DTYPES["bf16in-f32state"], "pallas",
+                 steps=L // 2 + 2, config=config, poison=True)
