@@ -73,8 +73,9 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpr
     """One standard Gated DeltaNet decode step (Pallas kernel, state updated in place).
 
     Arguments, returns and errors as :func:`replayssm_jax.reference.gdn_step`;
-    also ValueError for K or V > 256 (not tiled). `config` overrides the
-    frozen tiling heuristic; `interpret` runs the kernel in interpret mode.
+    also ValueError for K or V > 256 (not tiled) or a `config` with tiles != 1,
+    TypeError for a `config` that is not a :class:`Config`. `config` overrides
+    the frozen tiling heuristic; `interpret` runs the kernel in interpret mode.
     """
     state = _ref_gdn._check_state(state)
     _ref_gdn._check_inputs(state.shape, q, k, v, g, beta, scale)
@@ -93,7 +94,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
 
     Arguments, returns and errors as :func:`replayssm_jax.reference.gdn_replay_step`
     (see the module note on rows entering with cursor == L); also ValueError
-    for K or V > 256 or L > 64.
+    for K or V > 256 or L > 64, TypeError for a `config` that is not a
+    :class:`Config`.
     """
     _ref_gdn._check_replay_inputs(state, q, k, v, g, beta, scale)
     _check_route(route)
@@ -120,7 +122,8 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
     """One standard Mamba-2 decode step (Pallas kernel, state updated in place).
 
     Arguments, returns and errors as :func:`replayssm_jax.reference.mamba2_step`;
-    also ValueError for head_dim or d_state > 256.
+    also ValueError for head_dim or d_state > 256 or a `config` with
+    tiles != 1, TypeError for a `config` that is not a :class:`Config`.
     """
     state = _ref_mamba2._check_state(state)
     _ref_mamba2._check_inputs(state.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
@@ -139,7 +142,8 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
 
     Arguments, returns and errors as :func:`replayssm_jax.reference.mamba2_replay_step`
     (see the module note on rows entering with cursor == L); also ValueError
-    for head_dim or d_state > 256 or L > 64.
+    for head_dim or d_state > 256 or L > 64, TypeError for a `config` that is
+    not a :class:`Config`.
     """
     _ref_mamba2._check_replay(state, A)
     if state.window:
