@@ -108,6 +108,14 @@ def test_replay_dead_slots_never_read(case, route, rng):
     check_replay(layer(shape, rng), 8, route, *DTYPES["f32"], "interpret", steps=6, poison=True)
 
 
+@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+def test_bf16_buffer_flush_matches_the_reference_to_f32_rounding(case, rng):
+    """With float32 inputs and state, a bfloat16 buffer rounds the records alike
+    in kernel and reference: flushed checkpoints agree to float32 tolerance."""
+    layer, shape = case
+    check_replay(layer(shape, rng), 4, "output", jnp.float32, jnp.float32, jnp.bfloat16, "interpret", steps=5)
+
+
 def test_gdn_errors_before_any_kernel(rng):
     layer = GDN(CPU_SHAPES[GDN][0], rng)
     state, inp = layer.state(jnp.float32), layer.draw()

@@ -209,8 +209,12 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
       route: "output" computes S_prev k and S_prev q as exp(G) S_c x +
         sum_i w_i (k_i . x) d_i; "state" reads them off S_prev formed in f32
         (the reference forms S_prev in both routes, for the flush). This
-        step's own update d k^T enters through the unrounded d and k, so the
-        routes agree up to float32 rounding also with a bf16 buffer.
+        step's own update d k^T enters the output through the unrounded d and
+        k, so the routes agree up to float32 rounding also with a bf16 buffer.
+        The flushed checkpoint is the buffer materialized: this step's record
+        as stored (rounded to the buffer dtype), as any later step would read
+        it; a row that entered full, whose record has no slot, adds it
+        unrounded.
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
@@ -240,7 +244,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     # unrounded d and k (the buffer may round them to bf16 for later steps).
     o = decay * prev_q + jnp.sum(kh * qh, axis=-1, keepdims=True) * d
     flush = (state.cursor + 1 == state.buffer_len) | entered_full
-    S = decay[..., None] * prev + d[..., None] * kh[:, :, None, :]
+    as_stored = lambda x, dtype: jnp.where(entered_full[:, None, None], x, x.astype(dtype).astype(f32))  # noqa: E731
+    S = decay[..., None] * prev + as_stored(d, state.d.dtype)[..., None] * as_stored(kh, state.k.dtype)[:, :, None, :]
     new = state.replace(
         checkpoint=jnp.where(flush[:, None, None, None], S.astype(state.checkpoint.dtype), state.checkpoint),
         d=write_slots(state.d, d[:, :, None], state.cursor),
