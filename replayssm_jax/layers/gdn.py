@@ -23,7 +23,9 @@ Projection layouts:
   ``in_proj_z`` [HV V, hidden], ``in_proj_b``, ``in_proj_a`` [HV, hidden].
 
 The recurrent state is value-major, [batch, HV, V, K] (transformers stores
-[batch, HV, K, V]).
+[batch, HV, K, V]). The three modes (prefill with ``ops.gdn_chunked``, standard
+decode with ``ops.gdn_step``, ReplaySSM decode with ``ops.gdn_replay_step`` on a
+state from `to_replay`) come from `replayssm_jax.layers.ssm_mixer.SSMMixer`.
 """
 
 from __future__ import annotations
@@ -32,18 +34,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from replayssm_jax import ops
-from replayssm_jax.layers._backend import chunked_backend
-from replayssm_jax.layers.cache import ReplayLayerState, SSMLayerState
+from replayssm_jax.layers.cache import SSMLayerState
 from replayssm_jax.layers.conv import CausalConv1d
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import GatedRMSNorm
+from replayssm_jax.layers.ssm_mixer import SSMMixer
 from replayssm_jax.state import gdn_replay_init
 
 __all__ = ["GatedDeltaNet"]
 
 
-class GatedDeltaNet(nnx.Module):
+class GatedDeltaNet(SSMMixer):
     """Gated DeltaNet token mixer.
 
     Args:
@@ -62,6 +63,8 @@ class GatedDeltaNet(nnx.Module):
     Raises:
       ValueError: H does not divide HV.
     """
+
+    _op = "gdn"
 
     def __init__(self, hidden_size: int, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int = 4, packed: bool, norm_eps: float = 1e-6, chunk_size: int = 64,
@@ -137,6 +140,19 @@ class GatedDeltaNet(nnx.Module):
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         return g, beta
 
+    def _ssm_inputs(self, u, conv_state, conv):
+        qkv, z, b, a = self._project(u)
+        qkv, conv_state = conv(qkv, conv_state)
+        q, k, v = self._split_qkv(qkv)
+        g, beta = self._gates(b, a)
+        return dict(q=q, k=k, v=v, g=g, beta=beta), z, conv_state
+
+    def _op_params(self):
+        return dict(use_qk_l2norm=True)
+
+    def _replay_init(self, ssm_state, buffer_len, buffer_dtype):
+        return gdn_replay_init(ssm_state, buffer_len, self.num_k_heads, buffer_dtype=buffer_dtype)
+
     def _finish(self, o, z):
         o = self.norm(o.astype(z.dtype), z)
         return self.out_proj(o.reshape(*o.shape[:-2], self.value_dim))
@@ -146,70 +162,3 @@ class GatedDeltaNet(nnx.Module):
         return SSMLayerState(
             conv_state=self.conv1d.init_state(batch, dtype),
             ssm_state=jnp.zeros((batch, self.num_v_heads, self.head_v_dim, self.head_k_dim), self.ssm_state_dtype))
-
-    # -- modes --------------------------------------------------------------------------------
-    def __call__(self, u: jax.Array, *, backend: str | None = None) -> jax.Array:
-        """Full forward, no cache. u: [batch, T, hidden] -> [batch, T, hidden]."""
-        return self.prefill(u, backend=backend)[0]
-
-    def prefill(self, u: jax.Array, state: SSMLayerState | None = None, *,
-                backend: str | None = None) -> tuple[jax.Array, SSMLayerState]:
-        """Chunked prefill.
-
-        Args:
-          u: [batch, T, hidden], the normalised layer input.
-          state: None (empty prefix) or an `SSMLayerState` to continue from.
-          backend: replayssm_jax.ops backend of the chunked op (None: the platform
-            default where it has the op, else "xla"; see layers._backend).
-
-        Returns:
-          (out [batch, T, hidden] of u.dtype, SSMLayerState with conv_state
-          [batch, conv_dim, W-1] (u.dtype) and ssm_state = the checkpoint
-          [batch, HV, V, K] (ssm_state_dtype)).
-        """
-        qkv, z, b, a = self._project(u)
-        qkv, conv_state = self.conv1d(qkv, None if state is None else state.conv_state)
-        q, k, v = self._split_qkv(qkv)
-        g, beta = self._gates(b, a)
-        init = None if state is None else state.ssm_state
-        o, ssm_state = ops.gdn_chunked(init, q, k, v, g, beta, use_qk_l2norm=True, chunk_size=self.chunk_size,
-                                       backend=chunked_backend("gdn_chunked", backend))
-        return self._finish(o, z), SSMLayerState(conv_state=conv_state,
-                                                 ssm_state=ssm_state.astype(self.ssm_state_dtype))
-
-    def to_replay(self, state: SSMLayerState, buffer_len: int, buffer_dtype=jnp.float32) -> ReplayLayerState:
-        """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps."""
-        replay = gdn_replay_init(state.ssm_state, buffer_len, self.num_k_heads, buffer_dtype=buffer_dtype)
-        return ReplayLayerState(conv_state=state.conv_state, replay=replay)
-
-    def decode(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, route: str = "output",
-               backend: str | None = None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
-        """One decode step.
-
-        Args:
-          u: [batch, hidden], the normalised layer input of the new token.
-          state: `SSMLayerState` (standard step) or `ReplayLayerState` (ReplaySSM step).
-          route: ReplaySSM readout route, "output" or "state".
-          backend: passed to replayssm_jax.ops.
-
-        Returns:
-          (out [batch, hidden], the new state of the same type).
-
-        Raises:
-          TypeError: `state` of another type.
-        """
-        if not isinstance(state, (SSMLayerState, ReplayLayerState)):
-            raise TypeError(f"GatedDeltaNet.decode: `state` must be SSMLayerState or ReplayLayerState; "
-                            f"got {type(state).__name__}")
-        qkv, z, b, a = self._project(u)
-        qkv, conv_state = self.conv1d.step(qkv, state.conv_state)
-        q, k, v = self._split_qkv(qkv)
-        g, beta = self._gates(b, a)
-        if isinstance(state, SSMLayerState):
-            o, ssm_state = ops.gdn_step(state.ssm_state, q, k, v, g, beta, use_qk_l2norm=True, backend=backend)
-            new = SSMLayerState(conv_state=conv_state, ssm_state=ssm_state)
-        else:
-            o, replay = ops.gdn_replay_step(state.replay, q, k, v, g, beta, use_qk_l2norm=True, route=route,
-                                            backend=backend)
-            new = ReplayLayerState(conv_state=conv_state, replay=replay)
-        return self._finish(o, z), new

@@ -14,12 +14,9 @@ Dimension names: batch, T = seqlen, H = nheads, P = head_dim, N = d_state
 (`state_size` / `ssm_state_size`), G = n_groups, W = conv_kernel,
 d_inner = H * P, conv_dim = d_inner + 2 * G * N.
 
-Three modes share the parameters:
-- `prefill`: the chunked SSD form (``ops.mamba2_chunked``); returns the outputs
-  and an `SSMLayerState` whose ssm_state is the checkpoint (final SSM state).
-- `decode` with an `SSMLayerState`: one standard step (``ops.mamba2_step``).
-- `decode` with a `ReplayLayerState`: one ReplaySSM step (``ops.mamba2_replay_step``),
-  built from a prefill by `to_replay` (``mamba2_replay_init``).
+The three modes (prefill with ``ops.mamba2_chunked``, standard decode with
+``ops.mamba2_step``, ReplaySSM decode with ``ops.mamba2_replay_step`` on a state
+from `to_replay`) come from `replayssm_jax.layers.ssm_mixer.SSMMixer`.
 """
 
 from __future__ import annotations
@@ -30,18 +27,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from replayssm_jax import ops
-from replayssm_jax.layers._backend import chunked_backend
-from replayssm_jax.layers.cache import ReplayLayerState, SSMLayerState
+from replayssm_jax.layers.cache import SSMLayerState
 from replayssm_jax.layers.conv import CausalConv1d
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import GatedRMSNorm
+from replayssm_jax.layers.ssm_mixer import SSMMixer
 from replayssm_jax.state import mamba2_replay_init
 
 __all__ = ["Mamba2Mixer"]
 
 
-class Mamba2Mixer(nnx.Module):
+class Mamba2Mixer(SSMMixer):
     """Mamba-2 mixer: in_proj, conv1d, SSM, gated RMSNorm, out_proj.
 
     Args:
@@ -65,6 +61,8 @@ class Mamba2Mixer(nnx.Module):
     Raises:
       ValueError: G does not divide H, or norm_group_size does not divide d_inner.
     """
+
+    _op = "mamba2"
 
     def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, state_size: int, n_groups: int,
                  conv_kernel: int = 4, use_conv_bias: bool = True, use_bias: bool = False, chunk_size: int = 128,
@@ -108,9 +106,18 @@ class Mamba2Mixer(nnx.Module):
         C = xbc[..., d + gn:].reshape(*lead, self.n_groups, self.state_size)
         return x, B, C
 
-    def _ssm_params(self):
+    def _op_params(self):
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         return dict(A=A, D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=self.dt_limit)
+
+    def _ssm_inputs(self, u, conv_state, conv):
+        z, xbc, dt = self._split_proj(self.in_proj(u))
+        xbc, conv_state = conv(xbc, conv_state)
+        x, B, C = self._split_xbc(xbc)
+        return dict(x=x, dt=dt, B=B, C=C), z, conv_state
+
+    def _replay_init(self, ssm_state, buffer_len, buffer_dtype):
+        return mamba2_replay_init(ssm_state, buffer_len, self.n_groups, buffer_dtype=buffer_dtype)
 
     def _finish(self, y, z):
         y = y.reshape(*z.shape[:-1], self.d_inner)
@@ -121,69 +128,3 @@ class Mamba2Mixer(nnx.Module):
         return SSMLayerState(
             conv_state=self.conv1d.init_state(batch, dtype),
             ssm_state=jnp.zeros((batch, self.num_heads, self.head_dim, self.state_size), self.ssm_state_dtype))
-
-    # -- modes --------------------------------------------------------------------------------
-    def __call__(self, u: jax.Array, *, backend: str | None = None) -> jax.Array:
-        """Full forward, no cache. u: [batch, T, hidden] -> [batch, T, hidden]."""
-        return self.prefill(u, backend=backend)[0]
-
-    def prefill(self, u: jax.Array, state: SSMLayerState | None = None, *,
-                backend: str | None = None) -> tuple[jax.Array, SSMLayerState]:
-        """Chunked prefill.
-
-        Args:
-          u: [batch, T, hidden], the normalised layer input.
-          state: None (empty prefix) or an `SSMLayerState` to continue from.
-          backend: replayssm_jax.ops backend of the chunked op (None: the platform
-            default where it has the op, else "xla"; see layers._backend).
-
-        Returns:
-          (out [batch, T, hidden] of u.dtype, SSMLayerState with conv_state
-          [batch, conv_dim, W-1] (u.dtype) and ssm_state = the checkpoint
-          [batch, H, P, N] (ssm_state_dtype)).
-        """
-        z, xbc, dt = self._split_proj(self.in_proj(u))
-        xbc, conv_state = self.conv1d(xbc, None if state is None else state.conv_state)
-        x, B, C = self._split_xbc(xbc)
-        init = None if state is None else state.ssm_state
-        y, ssm_state = ops.mamba2_chunked(init, x, dt, B=B, C=C, chunk_size=self.chunk_size,
-                                          backend=chunked_backend("mamba2_chunked", backend),
-                                          **self._ssm_params())
-        return self._finish(y, z), SSMLayerState(conv_state=conv_state,
-                                                 ssm_state=ssm_state.astype(self.ssm_state_dtype))
-
-    def to_replay(self, state: SSMLayerState, buffer_len: int, buffer_dtype=jnp.float32) -> ReplayLayerState:
-        """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps."""
-        replay = mamba2_replay_init(state.ssm_state, buffer_len, self.n_groups, buffer_dtype=buffer_dtype)
-        return ReplayLayerState(conv_state=state.conv_state, replay=replay)
-
-    def decode(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, route: str = "output",
-               backend: str | None = None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
-        """One decode step.
-
-        Args:
-          u: [batch, hidden], the normalised layer input of the new token.
-          state: `SSMLayerState` (standard step) or `ReplayLayerState` (ReplaySSM step).
-          route: ReplaySSM readout route, "output" or "state" (same numbers).
-          backend: passed to replayssm_jax.ops.
-
-        Returns:
-          (out [batch, hidden], the new state of the same type).
-
-        Raises:
-          TypeError: `state` of another type.
-        """
-        if not isinstance(state, (SSMLayerState, ReplayLayerState)):
-            raise TypeError(f"Mamba2Mixer.decode: `state` must be SSMLayerState or ReplayLayerState; "
-                            f"got {type(state).__name__}")
-        z, xbc, dt = self._split_proj(self.in_proj(u))
-        xbc, conv_state = self.conv1d.step(xbc, state.conv_state)
-        x, B, C = self._split_xbc(xbc)
-        if isinstance(state, SSMLayerState):
-            y, ssm_state = ops.mamba2_step(state.ssm_state, x, dt, B=B, C=C, backend=backend, **self._ssm_params())
-            new = SSMLayerState(conv_state=conv_state, ssm_state=ssm_state)
-        else:
-            y, replay = ops.mamba2_replay_step(state.replay, x, dt, B=B, C=C, route=route, backend=backend,
-                                               **self._ssm_params())
-            new = ReplayLayerState(conv_state=conv_state, replay=replay)
-        return self._finish(y, z), new
