@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from replayssm_jax.layers.cache import ReplayLayerState, SSMLayerState
+from replayssm_jax.layers.cache import KVCache, ReplayLayerState, SSMLayerState
 
-__all__ = ["HybridCache", "make_prefill", "make_decode_step", "split_params"]
+__all__ = ["HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "split_params"]
 
 
 @struct.dataclass
@@ -40,6 +40,112 @@ class HybridCache:
     def uses_replay(self) -> bool:
         """True if the SSM layers hold ReplaySSM states."""
         return any(isinstance(s, ReplayLayerState) for s in self.layers)
+
+
+_STATE_TYPES = {"mamba": (SSMLayerState, ReplayLayerState), "gdn": (SSMLayerState, ReplayLayerState),
+                "attention": (KVCache,), "mlp": (type(None),), "moe": (type(None),)}
+
+
+def check_cache(cache: HybridCache, layer_types) -> None:
+    """Raise ValueError unless `cache` has one state of the right type per layer."""
+    if len(cache.layers) != len(layer_types):
+        raise ValueError(f"`cache` has {len(cache.layers)} layer states; the model has {len(layer_types)} layers")
+    for i, (kind, state) in enumerate(zip(layer_types, cache.layers)):
+        if not isinstance(state, _STATE_TYPES[kind]):
+            want = " or ".join(t.__name__ for t in _STATE_TYPES[kind])
+            raise ValueError(f"`cache.layers[{i}]` ({kind} layer) must be {want}; got {type(state).__name__}")
+
+
+class HybridCausalLM(nnx.Module):
+    """The modes of a hybrid causal LM, over its blocks (each with ``__call__``,
+    ``prefill(h, max_len)``, ``decode(h, state)`` and a ``mixer``).
+
+    A subclass sets ``config`` (with ``vocab_size`` and ``layer_types``) and
+    gives `_embed` (int ids -> hidden), `_blocks` (the blocks in order) and
+    `_logits` (final norm and LM head, f32).
+    """
+
+    def _embed(self, ids):
+        raise NotImplementedError
+
+    @property
+    def _blocks(self):
+        raise NotImplementedError
+
+    def _logits(self, h):
+        raise NotImplementedError
+
+    def __call__(self, input_ids: jax.Array, *, backend: str | None = None) -> jax.Array:
+        """Full causal forward, no cache.
+
+        Args:
+          input_ids: int[batch, T].
+          backend: SSM op backend (replayssm_jax.ops).
+
+        Returns:
+          logits f32[batch, T, vocab_size].
+        """
+        h = self._embed(check_input_ids(input_ids, self.config.vocab_size))
+        for block in self._blocks:
+            h = block(h, backend=backend)
+        return self._logits(h)
+
+    def prefill(self, input_ids: jax.Array, max_len: int, *, replay_buffer_len: int | None = None,
+                buffer_dtype=jnp.float32, backend: str | None = None,
+                last_logits_only: bool = False) -> tuple[jax.Array, HybridCache]:
+        """Prompt forward that builds the decode cache.
+
+        Args:
+          input_ids: int[batch, T], prompts without padding.
+          max_len: KV cache length (>= T + tokens to generate), static.
+          replay_buffer_len: None: standard SSM states (`SSMLayerState`); an int L:
+            ReplaySSM states (`ReplayLayerState`, checkpoint = the prefill's final
+            SSM state, cursor 0, L buffer slots).
+          buffer_dtype: ReplaySSM buffer dtype.
+          backend: SSM op backend.
+          last_logits_only: project only the last position (logits f32[batch,
+            vocab_size]): generation needs no more, and the full logits of a
+            large batch do not fit (256 x 512 x 131k f32 is 69 GB).
+
+        Returns:
+          (logits f32[batch, T, vocab_size] (f32[batch, vocab_size] with
+          last_logits_only), HybridCache with position = T).
+        """
+        ids = check_input_ids(input_ids, self.config.vocab_size)
+        h = self._embed(ids)
+        states = []
+        for block in self._blocks:
+            h, state = block.prefill(h, max_len, backend=backend)
+            states.append(prefill_layer_states(block.mixer, state, replay_buffer_len=replay_buffer_len,
+                                               buffer_dtype=buffer_dtype))
+        batch, seqlen = ids.shape
+        logits = self._logits(h[:, -1]) if last_logits_only else self._logits(h)
+        return logits, HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32))
+
+    def decode(self, tokens: jax.Array, cache: HybridCache, *, route: str = "output",
+               backend: str | None = None) -> tuple[jax.Array, HybridCache]:
+        """One decode step for every sequence.
+
+        Args:
+          tokens: int[batch], the newest token of each sequence.
+          cache: from `prefill` or a previous `decode`.
+          route: ReplaySSM readout route ("output" or "state").
+          backend: SSM op backend.
+
+        Returns:
+          (logits f32[batch, vocab_size] for the next token, updated HybridCache).
+
+        Raises:
+          ValueError: a cache whose layers do not match the model's.
+        """
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        check_cache(cache, self.config.layer_types)
+        h = self._embed(tokens)
+        states = []
+        for block, state in zip(self._blocks, cache.layers):
+            h, state = block.decode(h, state, route=route, backend=backend)
+            states.append(state)
+        return self._logits(h), HybridCache(layers=tuple(states), position=cache.position + 1)
 
 
 def _check_vocab(ids, vocab_size: int, name: str) -> None:

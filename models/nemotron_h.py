@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.common import HybridCache, check_input_ids, check_tokens, prefill_layer_states
+from models.common import HybridCausalLM
 from models.config import NemotronHConfig
 from models.loading import TensorSource, load_params
-from replayssm_jax.layers import MLP, Attention, Embedding, KVCache, Linear, Mamba2Mixer, MoE, RMSNorm
-from replayssm_jax.layers.cache import ReplayLayerState, SSMLayerState
+from replayssm_jax.layers import MLP, Attention, Embedding, Linear, Mamba2Mixer, MoE, RMSNorm
 from replayssm_jax.layers.linear import default_rngs
 
 __all__ = ["NemotronHBlock", "NemotronHForCausalLM", "load"]
@@ -125,7 +124,7 @@ class NemotronHBackbone(nnx.Module):
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, param_dtype=param_dtype)
 
 
-class NemotronHForCausalLM(nnx.Module):
+class NemotronHForCausalLM(HybridCausalLM):
     """Nemotron-H / Mamba-2 causal language model.
 
     Args:
@@ -151,89 +150,12 @@ class NemotronHForCausalLM(nnx.Module):
             return self.backbone.embeddings.attend(h).astype(jnp.float32)
         return self.lm_head(h.astype(self.lm_head.weight[...].dtype)).astype(jnp.float32)
 
-    def __call__(self, input_ids: jax.Array, *, backend: str | None = None) -> jax.Array:
-        """Full causal forward, no cache.
+    def _embed(self, ids):
+        return self.backbone.embeddings(ids)
 
-        Args:
-          input_ids: int[batch, T].
-          backend: SSM op backend (replayssm_jax.ops).
-
-        Returns:
-          logits f32[batch, T, vocab_size].
-        """
-        h = self.backbone.embeddings(check_input_ids(input_ids, self.config.vocab_size))
-        for block in self.backbone.layers:
-            h = block(h, backend=backend)
-        return self._logits(h)
-
-    def prefill(self, input_ids: jax.Array, max_len: int, *, replay_buffer_len: int | None = None,
-                buffer_dtype=jnp.float32, backend: str | None = None,
-                last_logits_only: bool = False) -> tuple[jax.Array, HybridCache]:
-        """Prompt forward that builds the decode cache.
-
-        Args:
-          input_ids: int[batch, T], prompts without padding.
-          max_len: KV cache length (>= T + tokens to generate), static.
-          replay_buffer_len: None: standard SSM states (`SSMLayerState`); an int L:
-            ReplaySSM states (`ReplayLayerState`, checkpoint = the prefill's final
-            SSM state, cursor 0, L buffer slots).
-          buffer_dtype: ReplaySSM buffer dtype.
-          backend: SSM op backend.
-          last_logits_only: project only the last position (logits f32[batch,
-            vocab_size]): generation needs no more, and the full logits of a
-            large batch do not fit (256 x 512 x 131k f32 is 69 GB).
-
-        Returns:
-          (logits f32[batch, T, vocab_size], HybridCache with position = T).
-        """
-        ids = check_input_ids(input_ids, self.config.vocab_size)
-        h = self.backbone.embeddings(ids)
-        states = []
-        for block in self.backbone.layers:
-            h, state = block.prefill(h, max_len, backend=backend)
-            states.append(prefill_layer_states(block.mixer, state, replay_buffer_len=replay_buffer_len,
-                                               buffer_dtype=buffer_dtype))
-        batch, seqlen = ids.shape
-        cache = HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32))
-        return (self._logits(h[:, -1]) if last_logits_only else self._logits(h)), cache
-
-    def decode(self, tokens: jax.Array, cache: HybridCache, *, route: str = "output",
-               backend: str | None = None) -> tuple[jax.Array, HybridCache]:
-        """One decode step for every sequence.
-
-        Args:
-          tokens: int[batch], the newest token of each sequence.
-          cache: from `prefill` or a previous `decode`.
-          route: ReplaySSM readout route ("output" or "state").
-          backend: SSM op backend.
-
-        Returns:
-          (logits f32[batch, vocab_size] for the next token, updated HybridCache).
-
-        Raises:
-          ValueError: a cache whose layers do not match the model's.
-        """
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        _check_cache(cache, self.config.layer_types)
-        h = self.backbone.embeddings(tokens)
-        states = []
-        for block, state in zip(self.backbone.layers, cache.layers):
-            h, state = block.decode(h, state, route=route, backend=backend)
-            states.append(state)
-        return self._logits(h), HybridCache(layers=tuple(states), position=cache.position + 1)
-
-
-_STATE_TYPES = {"mamba": (SSMLayerState, ReplayLayerState), "attention": (KVCache,), "mlp": (type(None),),
-                "moe": (type(None),), "gdn": (SSMLayerState, ReplayLayerState)}
-
-
-def _check_cache(cache: HybridCache, layer_types) -> None:
-    if len(cache.layers) != len(layer_types):
-        raise ValueError(f"`cache` has {len(cache.layers)} layer states; the model has {len(layer_types)} layers")
-    for i, (kind, state) in enumerate(zip(layer_types, cache.layers)):
-        if not isinstance(state, _STATE_TYPES[kind]):
-            want = " or ".join(t.__name__ for t in _STATE_TYPES[kind])
-            raise ValueError(f"`cache.layers[{i}]` ({kind} layer) must be {want}; got {type(state).__name__}")
+    @property
+    def _blocks(self):
+        return self.backbone.layers
 
 
 def load(path, config_dict: dict, *, dtype=None, ssm_state_dtype=jnp.float32,

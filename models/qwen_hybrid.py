@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.common import HybridCache, check_input_ids, check_tokens, prefill_layer_states
+from models.common import HybridCausalLM
 from models.config import QwenHybridConfig
 from models.loading import TensorSource, load_params
-from models.nemotron_h import _check_cache
 from replayssm_jax.layers import MLP, Attention, Embedding, GatedDeltaNet, Linear, MoE, RMSNorm
 from replayssm_jax.layers.linear import default_rngs
 
@@ -119,7 +118,7 @@ class QwenModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=True, param_dtype=param_dtype)
 
 
-class QwenHybridForCausalLM(nnx.Module):
+class QwenHybridForCausalLM(HybridCausalLM):
     """Qwen3-Next / Qwen3.5 text causal language model.
 
     Args:
@@ -144,48 +143,12 @@ class QwenHybridForCausalLM(nnx.Module):
             return self.model.embed_tokens.attend(h).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
-    def __call__(self, input_ids: jax.Array, *, backend: str | None = None) -> jax.Array:
-        """Full causal forward, no cache: int[batch, T] -> logits f32[batch, T, vocab_size]."""
-        h = self.model.embed_tokens(check_input_ids(input_ids, self.config.vocab_size))
-        for layer in self.model.layers:
-            h = layer(h, backend=backend)
-        return self._logits(h)
+    def _embed(self, ids):
+        return self.model.embed_tokens(ids)
 
-    def prefill(self, input_ids: jax.Array, max_len: int, *, replay_buffer_len: int | None = None,
-                buffer_dtype=jnp.float32, backend: str | None = None,
-                last_logits_only: bool = False) -> tuple[jax.Array, HybridCache]:
-        """Prompt forward that builds the decode cache (see NemotronHForCausalLM.prefill).
-
-        Returns:
-          (logits f32[batch, T, vocab_size] (f32[batch, vocab_size] with
-          last_logits_only), HybridCache with position = T).
-        """
-        ids = check_input_ids(input_ids, self.config.vocab_size)
-        h = self.model.embed_tokens(ids)
-        states = []
-        for layer in self.model.layers:
-            h, state = layer.prefill(h, max_len, backend=backend)
-            states.append(prefill_layer_states(layer.mixer, state, replay_buffer_len=replay_buffer_len,
-                                               buffer_dtype=buffer_dtype))
-        batch, seqlen = ids.shape
-        logits = self._logits(h[:, -1]) if last_logits_only else self._logits(h)
-        return logits, HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32))
-
-    def decode(self, tokens: jax.Array, cache: HybridCache, *, route: str = "output",
-               backend: str | None = None) -> tuple[jax.Array, HybridCache]:
-        """One decode step: tokens int[batch] -> (logits f32[batch, vocab_size], updated HybridCache).
-
-        Raises:
-          ValueError: a cache whose layers do not match the model's.
-        """
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        _check_cache(cache, self.config.layer_types)
-        h = self.model.embed_tokens(tokens)
-        states = []
-        for layer, state in zip(self.model.layers, cache.layers):
-            h, state = layer.decode(h, state, route=route, backend=backend)
-            states.append(state)
-        return self._logits(h), HybridCache(layers=tuple(states), position=cache.position + 1)
+    @property
+    def _blocks(self):
+        return self.model.layers
 
 
 def load(path, config_dict: dict, *, dtype=None, ssm_state_dtype=jnp.float32,
