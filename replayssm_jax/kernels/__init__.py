@@ -62,6 +62,11 @@ def _check_config(config):
         raise TypeError(f"`config` must be a replayssm_jax.kernels.Config or None; got {type(config).__name__}")
 
 
+def _check_replay_tiling(L, config):
+    _check_tileable("buffer length", "L", L, MAX_BUFFER_LEN)
+    _check_config(config)
+
+
 def _check_standard_config(config):
     _check_config(config)
     if config is not None and config.tiles != 1:
@@ -103,8 +108,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     L = state.buffer_len
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
-    _check_tileable("buffer length", "L", L, MAX_BUFFER_LEN)
-    _check_config(config)
+    _check_replay_tiling(L, config)
     scale = K ** -0.5 if scale is None else float(scale)
     o, ck, d, kb, gb, cursor = _gdn.gdn_replay_step(
         state.checkpoint, state.d, state.k, state.g, state.cursor, q, k, v, g, beta,
@@ -145,19 +149,13 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     for head_dim or d_state > 256 or L > 64, TypeError for a `config` that is
     not a :class:`Config`.
     """
-    _ref_mamba2._check_replay(state, A)
-    if state.window:
-        raise ValueError(f"`state` has a pending verify window (W = {state.window}); call replay_commit first")
-    _ref_mamba2._check_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
-    if B.shape[1] != state.B.shape[1]:
-        raise ValueError(f"`B` must have n_groups = {state.B.shape[1]} (the state's); got {B.shape[1]}")
+    _ref_mamba2._check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit)
     _check_route(route)
     _, _, P, N = state.checkpoint.shape
     L = state.buffer_len
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
     _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
-    _check_tileable("buffer length", "L", L, MAX_BUFFER_LEN)
-    _check_config(config)
+    _check_replay_tiling(L, config)
     y, ck, xb, dtb, Bb, cursor = _mamba2.mamba2_replay_step(
         state.checkpoint, state.x, state.dt, state.B, state.cursor, x, dt, A, B, C, D, z, dt_bias,
         L=L, dt_softplus=bool(dt_softplus), dt_limit=_dt_limit(dt_limit), route=route, config=config,

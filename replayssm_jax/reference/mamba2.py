@@ -176,6 +176,15 @@ def _check_replay(state, A):
     v.float_arg("A", A, "nheads", (state.checkpoint.shape[1],))
 
 
+def _check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit):
+    """The checks of a replay step: the state, no pending window, the inputs, the state's n_groups."""
+    _check_replay(state, A)
+    check_no_pending_window(state)
+    _check_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
+    if B.shape[1] != state.B.shape[1]:
+        raise ValueError(f"`B` must have n_groups = {state.B.shape[1]} (the state's); got {B.shape[1]}")
+
+
 def mamba2_replay_materialize(state: Mamba2ReplayState, A) -> jax.Array:
     """The current full SSM state from checkpoint plus buffer.
 
@@ -235,11 +244,7 @@ def mamba2_replay_step(
       TypeError, ValueError: as :func:`mamba2_step`, for a malformed state,
       a pending verify window, or an unknown route.
     """
-    _check_replay(state, A)
-    check_no_pending_window(state)
-    _check_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
-    if B.shape[1] != state.B.shape[1]:
-        raise ValueError(f"`B` must have n_groups = {state.B.shape[1]} (the state's); got {B.shape[1]}")
+    _check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit)
     v.check_route(route)
     H = state.checkpoint.shape[1]
     entered_full = state.cursor == state.buffer_len
