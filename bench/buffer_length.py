@@ -16,7 +16,8 @@ line per batch) and speedup against batch (a line per L).
 Usage (GPU):  python3 bench/buffer_length.py [--layers gdn,mamba2] [--batches 1,64,256]
                   [--lengths 1,2,4,8,16,32,64] [--state-dtypes float32,bfloat16]
 CPU check of the script: python3 bench/buffer_length.py --dry-run
-Writes bench/results/buffer_length.json and buffer_length_{vs_L,vs_batch}.png.
+Writes bench/results/buffer_length.json and buffer_length_{vs_L,vs_batch}.png,
+again after every batch, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -41,14 +42,15 @@ def predicted_speedup(bench, L) -> float:
     return kb.standard_bytes(bench) / kb.replay_bytes(bench, L)
 
 
-def study(layer, shape, state_dtype, batches, lengths, repeats, rng, log):
-    rows = []
+def study(layer, shape, state_dtype, batches, lengths, repeats, rng, log, rows, save):
+    """Append the rows of one layer and state dtype to `rows`; save() after each batch."""
     for batch in batches:
         bench = (kb.GDNBench if layer == "gdn" else kb.Mamba2Bench)(shape, batch, state_dtype, rng)
         check = kb.check(bench, [L for L in lengths if L <= 32] or lengths[:1])
         if not check["ok"]:
             log(f"FAILED correctness {layer} {state_dtype} batch {batch}: {check}")
             rows.append(dict(layer=layer, state_dtype=state_dtype, batch=batch, passed=False, check=check))
+            save()
             continue
         std = kb.run_variant(bench, "standard", None, None, repeats)
         for L in lengths:
@@ -60,7 +62,7 @@ def study(layer, shape, state_dtype, batches, lengths, repeats, rng, log):
             rows.append(row)
             log(f"{layer:7s} {state_dtype:9s} b{batch:<4d} L={L:<3d} standard {std['seconds'] * 1e6:8.2f} us  "
                 f"replay {r['seconds'] * 1e6:8.2f} us  x{row['speedup']:.2f} (model x{row['predicted']:.2f})")
-    return rows
+        save()
 
 
 def best_lengths(rows):
@@ -124,15 +126,21 @@ def main(argv=None) -> int:
         sys.exit(f"bench/buffer_length.py needs a GPU (JAX default backend is {jax.default_backend()!r}); try --dry-run")
     rng = np.random.default_rng(0)
     rows = []
-    for layer in args.layers.split(","):
-        for sd in args.state_dtypes.split(","):
-            rows += study(layer, shapes[layer], sd, batches, lengths, args.repeats, rng, lambda s: print(s, flush=True))
     os.makedirs(args.out, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__,
                 argv=sys.argv[1:], backend=kb.BACKEND)
-    with open(os.path.join(args.out, "buffer_length.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    paths = plot(rows, args.out)
+
+    def save():
+        """JSON and plots of the rows so far: a run cut short keeps what it measured."""
+        with open(os.path.join(args.out, "buffer_length.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        return plot(rows, args.out)
+
+    for layer in args.layers.split(","):
+        for sd in args.state_dtypes.split(","):
+            study(layer, shapes[layer], sd, batches, lengths, args.repeats, rng, lambda s: print(s, flush=True),
+                  rows, save)
+    paths = save()
     print(f"\n{meta['date']} {meta['device']}: best L per shape (measured speedup; traffic model's at that L)")
     print("| layer | state | batch | best L | speedup | model |")
     print("|---|---|---|---|---|---|")

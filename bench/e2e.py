@@ -23,8 +23,8 @@ Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
                              [--prefill-rows 64] [--profile]
         python3 bench/e2e.py --smoke     (CPU check of the script on a tiny fixture)
 --profile adds, per configuration, a breakdown of a decode step by kernel
-category (SSM kernels, GEMMs, other kernels, idle) from a profiler trace of a
-third run (bench/step_profile.py).
+category (SSM kernels, GEMMs, other kernels, idle): the profiler trace of a
+third run less that of a prefill-only run (bench/step_profile.py).
 Prints a table; writes JSON to --out (default bench/results/e2e.json) after every
 configuration, so a run cut short keeps what it measured; a configuration that
 runs out of device memory is logged and skipped.
@@ -135,12 +135,20 @@ def _ssm_op_time(model, batch, state, L, backend, steps=16) -> float:
 
 
 def _profile(gen, prompts, new_tokens):
-    """ms per decode step by category, from a profiled third run (None on a CPU)."""
+    """ms per decode step by category and the longest kernels (None on a CPU).
+
+    Two traced runs: the configuration's, and the same prompts with one new
+    token (the prefill alone, no decode step); the decode's share is their
+    difference (step_profile.difference), so kernels of the prefill never
+    count, whether or not the trace tells the two compiled modules apart.
+    """
     out = []
-    profile = step_profile.trace(lambda: out.append(gen.generate(prompts, new_tokens, progress=False)))
-    b = step_profile.decode_breakdown(profile)
-    if b is None:
+    full = step_profile.decode_breakdown(
+        step_profile.trace(lambda: out.append(gen.generate(prompts, new_tokens, progress=False))))
+    if full is None:
         return None
+    base = step_profile.decode_breakdown(step_profile.trace(lambda: gen.generate(prompts, 1, progress=False)))
+    b = step_profile.difference(full, base)
     steps = out[0].decode_steps
     return dict(ms={k: v / steps / 1e6 for k, v in b["ns"].items()},
                 top=[(name, t / steps / 1e6, n // steps) for name, t, n in b["top"]])

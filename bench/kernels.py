@@ -31,8 +31,12 @@ Method (DESIGN.md section 6, METHOD.md):
 Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
               [--state-dtypes float32,bfloat16] [--lengths 8,16,32] [--out DIR] [--tag NAME]
   --sweep     time the standard and replay kernels over the fixed tilings of
-              SWEEP_CONFIGS instead of the table (after the same check);
+              SWEEP_CONFIGS (or --standard-configs / --replay-configs) instead
+              of the table (after the same check);
               its results are how the frozen heuristic in kernels/_common.py is chosen.
+  --profile   also trace one more run of each variant (bench/step_profile.py)
+              and report the GPU time per step of each kernel (replay, flush
+              launch, standard step, XLA fusions): where a step's time goes.
   --dry-run   run the script on the CPU in interpret mode (numbers meaningless).
 Prints a table; writes JSON to DIR/NAME.json (default bench/results/kernels.json).
 Results and their discussion: bench/RESULTS.md.
@@ -56,6 +60,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import step_profile  # noqa: E402  (bench/step_profile.py)
 
 from replayssm_jax import kernels, ops  # noqa: E402
 from replayssm_jax import reference as ref  # noqa: E402
@@ -262,8 +269,25 @@ def n_sets_for(bench):
     return int(min(MAX_SETS, max(MIN_SETS, math.ceil(L2_TARGET_BYTES / per))))
 
 
+PROFILE = False
+SWEEP_OVERRIDE: dict[str, list[Config]] = {}  # --standard-configs / --replay-configs
+
+
+def kernel_times(f, carries, xs, per):
+    """GPU microseconds per step of each kernel of one traced run of f; None without a GPU trace."""
+    out = []
+    trace = step_profile.trace(lambda: out.append(jax.block_until_ready(f(carries, xs))))
+    b = step_profile.decode_breakdown(trace, module="jit_cycle", top=12)
+    if b is None:
+        return None, out[0][0]
+    times = {name: dict(us=ns / per / 1e3, launches_per_step=n / per) for name, ns, n in b["top"]}
+    times["(idle)"] = dict(us=b["ns"]["idle"] / per / 1e3, launches_per_step=0)
+    return times, out[0][0]
+
+
 def time_cycle(step, carries, xs, steps, repeats):
-    """Median seconds per (step x set) of a jitted, donated scan over `steps`."""
+    """Median seconds per (step x set) of a jitted, donated scan over `steps`,
+    its spread, the compile seconds, and (PROFILE) the kernel times per step."""
 
     def cycle(carries, xs):
         def body(cs, inp):
@@ -290,7 +314,10 @@ def time_cycle(step, carries, xs, steps, repeats):
         jax.block_until_ready((carries, ys))
         times.append(time.perf_counter() - t0)
     per = steps * len(carries)
-    return statistics.median(times) / per, (max(times) - min(times)) / per, compile_s
+    profile = None
+    if PROFILE:
+        profile, carries = kernel_times(f, carries, xs, per)
+    return statistics.median(times) / per, (max(times) - min(times)) / per, compile_s, profile
 
 
 def measure_copy_bandwidth(nbytes=2 << 30, repeats=20):
@@ -344,32 +371,53 @@ def run_variant(bench, kind, L, cursors, repeats, config=None, route="output"):
         step = lambda c, inp: bench.replay_step(c, inp, route, BACKEND, config)  # noqa: E731
         steps = L
         bytes_step = replay_bytes(bench, L)
-    t, spread, compile_s = time_cycle(step, carries, xs, steps, repeats)
-    return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_step, gbps=bytes_step / t / 1e9)
+    t, spread, compile_s, profile = time_cycle(step, carries, xs, steps, repeats)
+    return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_step, gbps=bytes_step / t / 1e9,
+                kernels_us=profile)
 
 
-# (block_v, num_warps) of the standard step; (block_v, num_warps, tiles,
-# num_stages) of the replay step.
+# (block_v, num_warps) of the standard step; (block_v, num_warps, tiles) of
+# the replay step (with the flush launch). The replay sweep also times the
+# default config and the default with `fused_flush` flipped.
 SWEEP_CONFIGS = {
     ("gdn", "standard"): [(32, 4), (64, 8)],
     ("mamba2", "standard"): [(16, 2), (16, 4)],
-    ("gdn", "replay"): [(32, 4, 4), (16, 2, 8), (64, 4, 2), (32, 4, 1)],
-    ("mamba2", "replay"): [(16, 2, 5), (16, 4, 5), (32, 4, 3), (16, 2, 1)],
+    ("gdn", "replay"): [(32, 4, 4), (64, 4, 2), (32, 4, 1)],
+    ("mamba2", "replay"): [(16, 2, 5), (32, 4, 3), (16, 2, 1)],
 }
+
+
+def parse_config(spec: str) -> Config:
+    """'BVxWxT' or 'BVxWxTf' (f: fused flush) -> Config(block_v=BV, num_warps=W, tiles=T)."""
+    fused = spec.endswith("f")
+    bv, warps, tiles = (list(map(int, spec.rstrip("f").split("x"))) + [1, 1])[:3]
+    return Config(block_v=bv, num_warps=warps, tiles=tiles, fused_flush=fused)
+
+
+def sweep_configs(bench, L):
+    default = kernels.default_config(bench.b, *bench.heads_dims(), bench.sd.itemsize, replay_len=L or 0)
+    kind = "standard" if L is None else "replay"
+    override = SWEEP_OVERRIDE.get(kind)
+    if L is None:
+        fixed = override or [Config(bv, warps) for bv, warps in SWEEP_CONFIGS[(bench.layer, "standard")]]
+        return default, list(dict.fromkeys([default] + fixed))
+    fixed = override or [Config(bv, warps, tiles=tiles) for bv, warps, tiles in SWEEP_CONFIGS[(bench.layer, "replay")]]
+    flipped = dataclasses.replace(default, fused_flush=not default.fused_flush)
+    return default, list(dict.fromkeys([default, flipped] + fixed))
 
 
 def sweep(bench, base, rows, lengths, repeats):
     """Time the standard and replay kernels over the SWEEP_CONFIGS tilings."""
     for kind, L in [("standard", None)] + [(f"replay-L{L}", L) for L in lengths]:
-        default = kernels.default_config(bench.b, *bench.heads_dims(), bench.sd.itemsize, replay_len=L or 0)
-        for spec in SWEEP_CONFIGS[(bench.layer, "standard" if L is None else "replay")]:
-            cfg = Config(*spec[:2], num_stages=spec[3] if len(spec) > 3 else 1, tiles=spec[2] if len(spec) > 2 else 1)
+        default, configs = sweep_configs(bench, L)
+        for cfg in configs:
             r = run_variant(bench, kind, L, "staggered", repeats, cfg)
             is_default = cfg == default
             rows.append(dict(base, variant=kind, L=L, config=dataclasses.asdict(cfg), default=is_default, **r))
-            print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} {cfg.tag():18s}"
+            print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} {cfg.tag():24s}"
                   f" {r['seconds'] * 1e6:9.2f} us {r['gbps']:7.0f} GB/s{'  (default)' if is_default else ''}",
                   flush=True)
+            print_kernel_times(r["kernels_us"])
 
 
 def main():
@@ -382,10 +430,19 @@ def main():
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default="kernels")
     p.add_argument("--sweep", action="store_true", help="time block_v x num_warps at each shape instead")
+    p.add_argument("--standard-configs", default="",
+                   help="with --sweep: standard tilings to time instead of SWEEP_CONFIGS, e.g. '64x8,128x8' (BVxW)")
+    p.add_argument("--replay-configs", default="",
+                   help="with --sweep: replay tilings instead of SWEEP_CONFIGS, e.g. '16x4x1f,64x4x2' (BVxWxT, f: fused)")
+    p.add_argument("--profile", action="store_true", help="trace a run of each variant: GPU time per kernel and step")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test of this script: interpret mode, 1 state set (numbers meaningless)")
     args = p.parse_args()
-    global BACKEND, MAX_SETS, MIN_SETS
+    global BACKEND, MAX_SETS, MIN_SETS, PROFILE
+    PROFILE = args.profile
+    for kind, specs in (("standard", args.standard_configs), ("replay", args.replay_configs)):
+        if specs:
+            SWEEP_OVERRIDE[kind] = [parse_config(x) for x in specs.split(",")]
     if args.dry_run:
         BACKEND, MAX_SETS, MIN_SETS = "interpret", 1, 1
     elif jax.default_backend() != "gpu":
@@ -432,11 +489,17 @@ def main():
                     print(f"{layer:7s} {sd:9s} b{batch:<4d} {kind:22s} {r['seconds'] * 1e6:9.2f} us "
                           f"{r['gbps']:7.0f} GB/s {row['pct_copy']:5.1f}% copy  x{row['speedup']:.2f} vs std"
                           f"  (sets {r['n_sets']}, compile {r['compile_s']:.1f}s)", flush=True)
+                    print_kernel_times(r["kernels_us"])
                 with open(path, "w") as fh:
                     json.dump(dict(meta=meta, rows=rows), fh, indent=1)
     with open(path, "w") as fh:
         json.dump(dict(meta=meta, rows=rows), fh, indent=1)
     summary(rows, copy_bw)
+
+
+def print_kernel_times(times):
+    for name, t in (times or {}).items():
+        print(f"      {t['us']:9.2f} us/step  {t['launches_per_step']:5.2f} launches/step  {name[:90]}", flush=True)
 
 
 def summary(rows, copy_bw):

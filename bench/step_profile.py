@@ -72,7 +72,8 @@ def decode_breakdown(profile: ProfileData, module: str = "jit_block", top: int =
       window_ns: summed duration of the module's executions (all of them when
         the trace has no "XLA Modules" line: then the span of all kernels);
       ns: {category: nanoseconds} for CATEGORIES (idle = window - union of kernels);
-      top: [(kernel name, nanoseconds, launches)], longest first.
+      top: [(kernel name, nanoseconds, launches)], longest first;
+      kernels: {kernel name: (nanoseconds, launches)}, all of them.
     """
     planes = [p for p in profile.planes if p.name.startswith("/device:GPU")]
     if not planes:
@@ -96,4 +97,24 @@ def decode_breakdown(profile: ProfileData, module: str = "jit_block", top: int =
     window_ns = sum(e - s for s, e in windows)
     ns["idle"] = max(0.0, window_ns - _merged_length([(s, e) for s, e, _ in inside]))
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
-    return dict(window_ns=window_ns, ns=ns, top=[(name, t, n) for name, (t, n) in ranked])
+    return dict(window_ns=window_ns, ns=ns, top=[(name, t, n) for name, (t, n) in ranked],
+                kernels={name: (t, n) for name, (t, n) in per_kernel.items()})
+
+
+def difference(full: dict, base: dict, top: int = 8) -> dict:
+    """The breakdown of `full` less that of `base` (two `decode_breakdown`s):
+    per category and per kernel, floored at 0.
+
+    For a run whose trace cannot tell the decode module from the prefill (no
+    "XLA Modules" line: every kernel counts), the difference between a run
+    with n decode steps and the same run with none leaves the decode's share.
+    """
+    ns = {c: max(0.0, full["ns"][c] - base["ns"][c]) for c in CATEGORIES}
+    kernels = {}
+    for name, (t, n) in full["kernels"].items():
+        t0, n0 = base["kernels"].get(name, (0.0, 0))
+        if t - t0 > 0:
+            kernels[name] = (t - t0, max(0, n - n0))
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(window_ns=max(0.0, full["window_ns"] - base["window_ns"]), ns=ns,
+                top=[(name, t, n) for name, (t, n) in ranked], kernels=kernels)

@@ -114,8 +114,8 @@ class GDN:
         """The standard step's kernel entry point (replayssm_jax.kernels), no dispatch."""
         return kernels.gdn_step(state, **inp)
 
-    def kernel_replay_step(self, rs, inp, route):
-        return kernels.gdn_replay_step(rs, **inp, route=route)
+    def kernel_replay_step(self, rs, inp, route, config=None):
+        return kernels.gdn_replay_step(rs, **inp, route=route, config=config)
 
 
 class Mamba2:
@@ -176,8 +176,16 @@ class Mamba2:
         """The standard step's kernel entry point (replayssm_jax.kernels), no dispatch."""
         return kernels.mamba2_step(state, **inp, **self.params)
 
-    def kernel_replay_step(self, rs, inp, route):
-        return kernels.mamba2_replay_step(rs, **inp, **self.params, route=route)
+    def kernel_replay_step(self, rs, inp, route, config=None):
+        return kernels.mamba2_replay_step(rs, **inp, **self.params, route=route, config=config)
+
+
+def replay_config(layer, L: int, state_dtype, **changes):
+    """The kernels' default replay Config at the layer's shape, with `changes` (e.g. fused_flush)."""
+    s = layer.s
+    heads, V, K = (s.HV, s.V, s.K) if isinstance(layer, GDN) else (s.H, s.P, s.N)
+    base = kernels.default_config(s.batch, heads, V, K, jnp.dtype(state_dtype).itemsize, replay_len=L)
+    return dataclasses.replace(base, **changes)
 
 
 def mixed_cursors(batch: int, L: int) -> np.ndarray:

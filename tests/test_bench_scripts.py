@@ -35,19 +35,27 @@ def test_e2e_smoke(tmp_path, capsys):
 
 
 def test_e2e_profile_table(tmp_path, capsys, monkeypatch):
-    """--profile: a traced third run per configuration, broken down per decode step
-    (on the CPU the trace has no GPU plane; a fixed breakdown stands in for it)."""
+    """--profile: traced runs per configuration (with and without decode), broken
+    down per decode step (on the CPU the trace has no GPU plane; fixed
+    breakdowns stand in for it)."""
     e2e = load("e2e")
     assert e2e.main(["--smoke", "--models", "nemotron_h_tiny", "--batches", "1", "--modes", "2",
                      "--out", str(tmp_path / "cpu.json"), "--profile"]) == 0
     assert "no GPU plane" in capsys.readouterr().out
-    fake = dict(window_ns=5e6, ns=dict(ssm=2e6, gemm=1e6, other=1e6, idle=1e6), top=[("gdn_replay_x", 2e6, 5)])
-    monkeypatch.setattr(e2e.step_profile, "decode_breakdown", lambda profile: fake)
+    # The traced runs alternate: the configuration's (prefill + decode), then the prefill alone.
+    full = dict(window_ns=9e6, ns=dict(ssm=2e6, gemm=3e6, other=2e6, idle=2e6),
+                kernels={"gdn_replay_x": (2e6, 5), "gemm_a": (3e6, 8), "trsm": (1e6, 1)})
+    prefill = dict(window_ns=4e6, ns=dict(ssm=0.0, gemm=2e6, other=1e6, idle=1e6),
+                   kernels={"gemm_a": (2e6, 3), "trsm": (1e6, 1)})
+    breakdowns = iter([full, prefill] * 4)
+    monkeypatch.setattr(e2e.step_profile, "decode_breakdown", lambda profile: next(breakdowns))
     assert e2e.main(["--smoke", "--models", "nemotron_h_tiny", "--batches", "1", "--modes", "2",
                      "--out", str(tmp_path / "e2e.json"), "--profile"]) == 0
     row = json.loads((tmp_path / "e2e.json").read_text())["rows"][0]
     steps = 5  # --smoke: 6 new tokens, the first from the prefill
-    assert row["profile"]["ms"] == {k: v / steps / 1e6 for k, v in fake["ns"].items()}
+    assert row["profile"]["ms"] == {k: (full["ns"][k] - prefill["ns"][k]) / steps / 1e6 for k in full["ns"]}
+    # the prefill's kernels are gone from the decode's list
+    assert [name for name, _, _ in row["profile"]["top"]] == ["gdn_replay_x", "gemm_a"]
     assert "ms per decode step" in capsys.readouterr().out
 
 

@@ -9,7 +9,7 @@ array. `test_detector_finds_a_copy` checks that the detector does find the
 copy forced by a variant that keeps the previous state alive.
 
 On the CPU: the "xla" backend (the reference). The Pallas kernels' aliasing
-is checked structurally (the lowered custom call aliases the checkpoint and
+is checked structurally (the lowered custom calls alias the checkpoint and
 every buffer, input to output); the compiled check of the kernels needs a
 GPU (`pytest -m gpu`). Interpret mode is not tested for copies: the Pallas
 interpreter stages every block through temporary buffers by design.
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from hlo_checks import per_step_copies
-from kernel_checks import GDN, GDNShape, Mamba2, Mamba2Shape, lower_for_cuda
+from kernel_checks import GDN, GDNShape, Mamba2, Mamba2Shape, lower_for_cuda, replay_config
 from replayssm_jax import kernels
 
 STEPS = 32
@@ -61,8 +61,8 @@ def standard_step(layer, backend):
     return lambda state, inp: layer.step(state, inp, backend)
 
 
-def replay_step(layer, backend, route="output"):
-    return lambda rs, inp: layer.replay_step(rs, inp, route, backend)
+def replay_step(layer, backend, route="output", config=None):
+    return lambda rs, inp: layer.replay_step(rs, inp, route, backend, config)
 
 
 def _replay_arrays(rs):
@@ -106,28 +106,28 @@ def test_xla_replay_step_checkpoint_in_place(name, rng):
     _check_no_copy(compiled_scan(replay_step(layer, "xla"), rs, _stack(layer, STEPS)), [rs.checkpoint])
 
 
-def _custom_call_aliases(name, rs, layer):
-    """The replay step's two custom calls (replay, then flush), lowered for CUDA
-    (see kernel_checks.lower_for_cuda)."""
+def _custom_calls(name, rs, layer, config):
+    """The replay step's Triton custom calls, lowered for CUDA (see kernel_checks.lower_for_cuda)."""
     fn = kernels.gdn_replay_step if name == "gdn" else kernels.mamba2_replay_step
     extra = {} if name == "gdn" else layer.params
-    text = lower_for_cuda(lambda rs, inp: fn(rs, **inp, **extra), rs, layer.draw())
-    calls = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
-    assert len(calls) == 2, calls
-    return calls
+    text = lower_for_cuda(lambda rs, inp: fn(rs, **inp, **extra, config=config), rs, layer.draw())
+    return [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
 
 
 @pytest.mark.parametrize("name", ["gdn", "mamba2"])
-def test_kernel_aliases_checkpoint_and_buffers(name, rng):
+@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
+def test_kernel_aliases_checkpoint_and_buffers(name, fused, rng):
     layer = _layers(rng)[name]
     rs = layer.replay_state(L, jnp.float32, jnp.float32, np.array([0, L - 1]))
-    replay, flush = _custom_call_aliases(name, rs, layer)
-    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", replay)
-    # replay: outputs 1..3 (the three buffers) alias operands 1..3; the checkpoint is only read
-    assert sorted((int(o), int(i)) for o, i in aliases) == [(1, 1), (2, 2), (3, 3)], replay[:2000]
-    # flush: its one output (the checkpoint) aliases operand 0
-    assert re.search(r"output_operand_aliases = \[#stablehlo.output_operand_alias<output_tuple_indices = \[\], "
-                     r"operand_index = 0", flush), flush[:2000]
+    calls = _custom_calls(name, rs, layer, replay_config(layer, L, jnp.float32, fused_flush=fused))
+    assert len(calls) == (1 if fused else 2), calls
+    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
+    # replay: outputs 1..4 (checkpoint, the three buffers) alias operands 0..3; output 5 (the new cursor) is fresh
+    assert sorted((int(o), int(i)) for o, i in aliases) == [(1, 0), (2, 1), (3, 2), (4, 3)], calls[0][:2000]
+    if not fused:
+        # the flush launch: its one output (the checkpoint) aliases operand 0
+        assert re.search(r"output_operand_aliases = \[#stablehlo.output_operand_alias<output_tuple_indices = \[\], "
+                         r"operand_index = 0", calls[1]), calls[1][:2000]
 
 
 # ---------------------------------------------------------------------------
@@ -146,10 +146,12 @@ def test_pallas_standard_step_in_place(name, state_dtype, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gdn", "mamba2"])
 @pytest.mark.parametrize("route", ["output", "state"])
-def test_pallas_replay_step_in_place(name, route, rng):
+@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
+def test_pallas_replay_step_in_place(name, route, fused, rng):
     layer = _layers(rng)[name]
     rs = layer.replay_state(L, jnp.float32, jnp.bfloat16, np.array([0, L - 1]))
-    hlo = compiled_scan(replay_step(layer, "pallas", route), rs, _stack(layer, STEPS))
+    config = replay_config(layer, L, jnp.float32, fused_flush=fused)
+    hlo = compiled_scan(replay_step(layer, "pallas", route, config), rs, _stack(layer, STEPS))
     _check_no_copy(hlo, _replay_arrays(rs))
 
 

@@ -23,6 +23,7 @@ from kernel_checks import (
     check_replay,
     check_standard,
     lower_for_cuda,
+    replay_config,
 )
 from replayssm_jax import kernels, ops
 
@@ -41,8 +42,11 @@ GPU_SHAPES = {
     ],
     Mamba2: [Mamba2Shape(batch=8, H=96, P=80, N=128, G=8), Mamba2Shape(batch=5, H=6, P=100, N=64, G=2, gated=False)],
 }
-# Replay tilings compiled at the model shape: (block_v, num_warps, tiles).
-GPU_TILINGS = {GDN: [(32, 4, 4), (64, 8, 2), (16, 2, 3)], Mamba2: [(16, 2, 5), (32, 4, 3), (16, 2, 2)]}
+# Replay tilings compiled at the model shape: (block_v, num_warps, tiles, fused_flush).
+GPU_TILINGS = {
+    GDN: [(32, 4, 4, False), (64, 8, 2, True), (16, 2, 3, False), (4, 1, 1, True)],
+    Mamba2: [(16, 2, 5, False), (32, 4, 3, True), (16, 2, 2, False), (8, 1, 1, True)],
+}
 # Tilings the heuristic picks only at other shapes, interpreted: several row
 # tiles per program (a static and a dynamic trip count, rows padded past V).
 TILINGS = [
@@ -50,6 +54,8 @@ TILINGS = [
     (kernels.Config(block_v=8, num_warps=2, tiles=2), 16),
     (kernels.Config(block_v=16, num_warps=4, tiles=2), 16),
     (kernels.Config(block_v=16, num_warps=4, tiles=1), 4),
+    (kernels.Config(block_v=8, num_warps=2, tiles=3, fused_flush=True), 4),
+    (kernels.Config(block_v=16, num_warps=4, tiles=1, fused_flush=True), 16),
 ]
 
 
@@ -109,11 +115,13 @@ def test_replay_dead_slots_never_read(case, route, rng):
 
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
-def test_bf16_buffer_flush_matches_the_reference_to_f32_rounding(case, rng):
+@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
+def test_bf16_buffer_flush_matches_the_reference_to_f32_rounding(case, fused, rng):
     """With float32 inputs and state, a bfloat16 buffer rounds the records alike
     in kernel and reference: flushed checkpoints agree to float32 tolerance."""
-    layer, shape = case
-    check_replay(layer(shape, rng), 4, "output", jnp.float32, jnp.float32, jnp.bfloat16, "interpret", steps=5)
+    layer = case[0](case[1], rng)
+    check_replay(layer, 4, "output", jnp.float32, jnp.float32, jnp.bfloat16, "interpret", steps=5,
+                 config=replay_config(layer, 4, jnp.float32, fused_flush=fused))
 
 
 def test_gdn_errors_before_any_kernel(rng):
@@ -131,6 +139,8 @@ def test_gdn_errors_before_any_kernel(rng):
         ops.gdn_replay_materialize(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), backend="interpret")
     with pytest.raises(ValueError, match="`config.tiles` must be 1"):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
+    with pytest.raises(ValueError, match="`config.fused_flush` must be False"):
+        ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, fused_flush=True))
 
 
 def test_mamba2_errors_before_any_kernel(rng):
@@ -161,8 +171,11 @@ def test_kernels_lower_for_cuda(case, L, dtypes, rng):
     inp = layer.draw()
     text = lower_for_cuda(layer.kernel_step, rs.checkpoint, inp)
     for route in ("output", "state"):
-        text += lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, route), rs, inp)
-    assert text.count("__gpu$xla.gpu.triton") == 5  # standard, then (replay, flush) per route
+        for fused in (False, True):
+            config = replay_config(layer, L, state_dtype, fused_flush=fused)
+            text += lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, route, config), rs, inp)
+    # The standard step, then per route: (replay, flush launch) and the fused replay.
+    assert text.count("__gpu$xla.gpu.triton") == 7
 
 
 @pytest.mark.gpu
@@ -198,7 +211,7 @@ def test_replay_step_gpu(layer, shape, L, route, dtypes, rng):
 @pytest.mark.parametrize("route", ["output", "state"])
 def test_replay_tilings_gpu(case, L, route, rng):
     """The replay tilings at the model shape, compiled; dead slots poisoned."""
-    layer, (block_v, warps, tiles) = case
-    config = kernels.Config(block_v=block_v, num_warps=warps, tiles=tiles)
+    layer, (block_v, warps, tiles, fused) = case
+    config = kernels.Config(block_v=block_v, num_warps=warps, tiles=tiles, fused_flush=fused)
     check_replay(layer(GPU_SHAPES[layer][0], rng, jnp.bfloat16), L, route, *DTYPES["bf16in-f32state"], "pallas",
                  steps=L // 2 + 2, config=config, poison=True)

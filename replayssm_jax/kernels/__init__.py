@@ -9,18 +9,21 @@ GPU or, with `interpret=True`, interpreted on any platform.
 Ops without a kernel (chunked prefill, verify, materialize, flush) are not
 defined here; :mod:`replayssm_jax.ops` says so when asked for them.
 
-A replay step is two launches: the replay kernel (outputs, the new record
-appended at the cursor; the checkpoint is only read) and the flush kernel,
-whose programs return at once except for rows whose buffer is full after
-the step: they materialize the state from the checkpoint and the L records
-and write it in place. Keeping the flush out of the replay kernel keeps its
-register budget (and so its occupancy) that of the readout alone; the
-price is a second read of the flushing rows' checkpoint (|S| / L per step
-on average). A row that enters with a full buffer (cursor == L, possible
-only after a speculative commit) has no slot for this step's record: the
-flush absorbs the L records and this step at once (cursor 0 afterwards),
-as the reference does. No program reads a slot that another rewrites in
-the same launch.
+A replay step is one launch or two (`Config.fused_flush`, chosen by
+:func:`default_config`). The replay kernel computes the outputs, appends
+the new record at the cursor and writes each row's next cursor. At large
+grids the flush is a second launch, whose programs (one state tile, a block
+of batch rows each) skip rows whose buffer is not full after the step and
+materialize the state of the others from the checkpoint and the L records,
+in place: keeping the flush out of the replay kernel keeps that kernel's
+register budget (so its occupancy) that of the readout alone, at the price
+of a second read of the flushing rows' checkpoint (|S| / L per step on
+average). At small grids (latency-bound) the replay kernel writes the
+flushing rows' state itself. A row that enters with a full buffer (cursor
+== L, possible only after a speculative commit) has no slot for this step's
+record: the flush absorbs the L records and this step at once (cursor 0
+afterwards), as the reference does. No program reads a slot that another
+rewrites in the same launch.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ def _check_standard_config(config):
     _check_config(config)
     if config is not None and config.tiles != 1:
         raise ValueError(f"`config.tiles` must be 1 for the standard step (one tile per program); got {config.tiles}")
+    if config is not None and config.fused_flush:
+        raise ValueError("`config.fused_flush` must be False for the standard step (it has no flush); got True")
 
 
 def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpret: bool = False,

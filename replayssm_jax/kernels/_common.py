@@ -19,6 +19,7 @@ message (a Mosaic GPU port is expected, DESIGN.md section 5).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import jax
@@ -56,12 +57,20 @@ class Config:
         per-head quantities (buffer scores, decay weights) once and then
         loops over its `tiles` row tiles, so the grid is
         (batch, heads, cdiv(cdiv(V, block_v), tiles)).
+      fused_flush: ReplaySSM kernels only. True: the replay kernel also
+        writes the state of its flushing rows (one launch per step; the
+        flush's registers then set the occupancy of every program, which
+        only small grids can afford). False: the flush is a second launch,
+        one tile and a block of batch rows per program, that skips rows
+        which do not flush (the checkpoint tiles of flushing rows are read
+        twice per flush cycle).
     """
 
     block_v: int
     num_warps: int = 4
     num_stages: int = 1
     tiles: int = 1
+    fused_flush: bool = False
 
     def __post_init__(self):
         if self.block_v < 1 or self.block_v & (self.block_v - 1):
@@ -74,7 +83,8 @@ class Config:
             raise ValueError(f"`config.tiles` must be >= 1; got {self.tiles}")
 
     def tag(self) -> str:
-        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}_t{self.tiles}"
+        fused = "_fused" if self.fused_flush else ""
+        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}_t{self.tiles}{fused}"
 
     def splits(self, V: int) -> int:
         """Programs per head along the rows: cdiv(cdiv(V, block_v), tiles)."""
@@ -85,7 +95,8 @@ def default_config(batch: int, heads: int, V: int, K: int, state_bytes: int, rep
     """The frozen heuristic: tile rows, warps and (replay) tiles per program.
 
     Standard step: a tile holds about 16 KiB of state (32 elements per
-    thread), preferring a row count that divides V (V = 80 -> 16); one tile
+    thread), preferring a row count that divides V (V = 80 -> 16), on at
+    most 4 warps (8 warps on a 64-row bf16 tile ran 16% slower); one tile
     per program, shrunk until there are at least ~8 programs per SM.
 
     Replay step: tiles of up to 64 rows (again preferring a divisor of V) on
@@ -94,11 +105,17 @@ def default_config(batch: int, heads: int, V: int, K: int, state_bytes: int, rep
     weights) is done once per head, as long as that leaves at least ~4
     programs per SM; otherwise the head is split over more programs, and
     with one tile per program the tile shrinks as in the standard rule.
+    When one wave holds every head (batch x heads <= number of SMs: batch
+    1 to 4 here), the step is bound by latency, not by occupancy: the flush
+    is fused into the replay kernel, on 16-row tiles and 4 warps.
     The sweeps in bench/RESULTS.md chose these numbers.
     """
     BK = next_pow2(K)
     BVmax = next_pow2(V)
-    if replay_len:
+    fused = bool(replay_len) and batch * heads <= _NUM_SMS
+    if fused:
+        bv = min(BVmax, 16)
+    elif replay_len:
         bv = min(BVmax, 64)
     else:
         bv = min(BVmax, next_pow2(max(1, (16384 // state_bytes) // BK)))
@@ -107,6 +124,8 @@ def default_config(batch: int, heads: int, V: int, K: int, state_bytes: int, rep
     if V % bv:
         divides = next_pow2(V & -V) if V & -V < bv else bv
         bv = divides if divides * 4 >= bv else bv
+    if fused:
+        return Config(block_v=bv, num_warps=4, num_stages=1, tiles=1, fused_flush=True)
     n_tiles = -(-V // bv)
     tiles = n_tiles if replay_len else 1
     while tiles > 1 and batch * heads * -(-n_tiles // tiles) < 4 * _NUM_SMS:
@@ -114,8 +133,100 @@ def default_config(batch: int, heads: int, V: int, K: int, state_bytes: int, rep
     if tiles == 1:
         while bv > 4 and batch * heads * -(-V // bv) < 8 * _NUM_SMS:
             bv //= 2
-    warps = max(1, min(4 if replay_len else 8, next_pow2(max(1, bv * BK // (32 * 32)))))
+    warps = max(1, min(4, next_pow2(max(1, bv * BK // (32 * 32)))))
     return Config(block_v=bv, num_warps=warps, num_stages=1, tiles=tiles)
+
+
+# Batch rows per program of the flush launch (at most; a power of two that
+# divides the batch). A flush program returns at once for a row that does not
+# flush, but a launch of one program per row and tile spent ~30 us per step
+# on those programs alone at batch 256 (bench/RESULTS.md, third session).
+MAX_FLUSH_ROWS = 8
+
+
+def flush_rows(batch: int) -> int:
+    """Batch rows per flush program: the largest power of two <= MAX_FLUSH_ROWS dividing `batch`."""
+    return min(MAX_FLUSH_ROWS, batch & -batch)
+
+
+class RowRef:
+    """Row r of a ref's first axis, indexed as a ref of the remaining axes.
+
+    `view.at[idx]` is `ref.at[(r, *idx)]` and `view[idx]` is `ref[(r, *idx)]`:
+    one indexing step, not `ref.at[r].at[idx]` (interpret mode mis-shapes a
+    branch that stores through such a chain of dynamic views).
+    """
+
+    def __init__(self, ref, r):
+        self.ref, self.r = ref, r
+        self.shape, self.dtype = tuple(ref.shape[1:]), ref.dtype
+
+    def _index(self, idx):
+        return (self.r, *(idx if isinstance(idx, tuple) else (idx,)))
+
+    @property
+    def at(self):
+        return _RowAt(self)
+
+    def __getitem__(self, idx):
+        return self.ref[self._index(idx)]
+
+    def whole(self):
+        """The row as a ref (for a load or store of all of it)."""
+        return self.ref.at[self.r]
+
+
+class _RowAt:
+    def __init__(self, view: RowRef):
+        self.view = view
+
+    def __getitem__(self, idx):
+        return self.view.ref.at[self.view._index(idx)]
+
+
+def flush_rows_of_program(refs, L: int, flush, shared=()) -> None:
+    """Run flush(*views, cursor=cursor) for each batch row of the program
+    whose buffer is full after this step (cursor at entry >= L - 1).
+
+    refs[0] is the checkpoint block (its first axis: the program's batch
+    rows), refs[4] the cursor block. views[i] = RowRef(refs[i], r), or
+    refs[i] itself for i in `shared` (per-head parameters, no batch axis).
+    """
+
+    def row(r, carry):
+        cursor = refs[4][r].astype(jnp.int32)
+
+        @pl.when(cursor >= L - 1)
+        def _():
+            flush(*[ref if i in shared else RowRef(ref, r) for i, ref in enumerate(refs)], cursor=cursor)
+
+        return carry
+
+    jax.lax.fori_loop(0, refs[0].shape[0], row, 0)
+
+
+def flush_launch(kernel, specs, config: Config, checkpoint, operands, *, interpret: bool, name: str):
+    """The flush launch of the two-launch replay step; returns the checkpoint, updated in place.
+
+    kernel(*refs, config=...): the layer's flush kernel; specs(config, nb)
+    -> (grid, in_specs, out_specs) of the layer's replay step (out_specs[1]:
+    the checkpoint's); operands: the replay step's inputs after the
+    checkpoint. One row tile per program (a flushing row's tiles run in
+    parallel) and a block of `flush_rows(batch)` batch rows.
+    """
+    fcfg = dataclasses.replace(config, tiles=1)
+    grid, in_specs, out_specs = specs(fcfg, flush_rows(checkpoint.shape[0]))
+    return pallas_call(
+        functools.partial(kernel, config=fcfg),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs[1],
+        out_shape=jax.ShapeDtypeStruct(checkpoint.shape, checkpoint.dtype),
+        input_output_aliases={0: 0},
+        interpret=interpret,
+        config=fcfg,
+        name=f"{name}_{fcfg.tag()}",
+    )(checkpoint, *operands)
 
 
 def pallas_call(kernel, *, interpret: bool, config: Config, **kwargs):
@@ -172,6 +283,8 @@ def both(mask, cond, shape):
 
 def load(ref, mask, dtype=f32):
     """Load (zeros where `mask` is false; None: no mask), cast to `dtype`."""
+    if isinstance(ref, RowRef):
+        ref = ref.whole()
     if mask is None:
         return plgpu.load(ref).astype(dtype)
     return plgpu.load(ref, mask=mask, other=0).astype(dtype)
@@ -179,6 +292,21 @@ def load(ref, mask, dtype=f32):
 
 def store(ref, value, mask):
     plgpu.store(ref, value.astype(ref.dtype), mask=mask)
+
+
+def load_live(ref, live, L: int, cols=None):
+    """A buffer tile f32[BL] or f32[BL, n] with its dead slots zeroed.
+
+    live: bool[BL], the live slots. The load itself is masked only by what
+    is static (slots < L, and `cols`, bool[n] or None), so it need not wait
+    for the cursor; the dead slots are then zeroed by a select, not a
+    product, so a NaN or inf left there (a rejected draft's record) never
+    reaches the math.
+    """
+    slots = lane_mask(live.shape[0], L)
+    if len(ref.shape) == 1:
+        return jnp.where(live, load(ref, slots), 0.0)
+    return jnp.where(live[:, None], load(ref, outer(slots, cols, tuple(ref.shape))), 0.0)
 
 
 def load_scalar(ref, dtype=f32):
@@ -231,8 +359,8 @@ def rank_update(S: jax.Array, Uw: jax.Array, Kb: jax.Array) -> jax.Array:
     row i out of the register tiles (a masked sum): no reloads, and a
     register budget of about one state tile. (Inside the replay kernel, an
     unrolled loop or a `dot` here took 244-252 registers per thread and 12%
-    occupancy from every program of the step, bench/RESULTS.md; it now runs
-    in the flush kernel and in the state route.)
+    occupancy from every program of the step, bench/RESULTS.md; it runs in
+    the state route and in the fused flush.)
     """
     idx = lane_ids(Uw.shape[0])[:, None]
 
@@ -268,6 +396,31 @@ def replay_tiles(V: int, config: Config, split, tile) -> None:
     else:
         count = tiles if n_tiles % tiles == 0 else jnp.minimum(tiles, n_tiles - first)
         jax.lax.fori_loop(0, count, body, 0)
+
+
+def replay_records(S: jax.Array, L: int, record) -> jax.Array:
+    """S after the L buffered steps S <- exp(lg_i) S + u_i k_i^T, i = 0 .. L - 1.
+
+    record(i) -> (lg_i f32 scalar, u_i f32[BV], k_i f32[BK]) loads slot i
+    (a traced index) from the buffer refs. The flush launch's loop: one
+    buffered step per iteration, an iteration being a load of the record
+    and one scale-and-update of the tile (the loads form a dependent chain
+    of L memory round trips: the launch is latency-bound, bench/RESULTS.md).
+    """
+
+    def body(i, S):
+        lg, u, k = record(i)
+        return jnp.exp(lg) * S + u[:, None] * k[None, :]
+
+    return jax.lax.fori_loop(0, L, body, S)
+
+
+def store_cursor(cursor_out, cursor, L: int, writer) -> None:
+    """Store the row's cursor after this step (see `next_cursor`), from the one program where `writer`."""
+
+    @pl.when(writer)
+    def _():
+        cursor_out[()] = next_cursor(cursor, L)
 
 
 def next_cursor(cursor, L: int):

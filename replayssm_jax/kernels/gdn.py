@@ -15,16 +15,20 @@ touch the same state element.
 
 - :func:`gdn_step`: the standard step, grid (batch, HV, cdiv(V, block_v)),
   one tile per program; reads S, writes S in place (aliased).
-- :func:`gdn_replay_step`: the ReplaySSM step, two launches on the grid
-  (batch, HV, splits). The replay kernel: a program forms the per-head terms
-  once (decay weights of the live slots, the buffered keys' scores against
-  k and q), then loops over its row tiles; one read of each checkpoint tile
-  gives both exp(g) S_{j-1} k_j (for d_j) and S_j q_j through the buffered
-  records, without forming S; the new record (d_j, k_j, g_j) goes to the
-  row's cursor; the checkpoint is only read. The flush kernel: programs of
-  rows whose buffer is now full materialize S_j (a rank-L update of each
-  checkpoint tile, plus this step for a row that entered full) and write it
-  in place; the other programs return at once. `route="state"` makes the
+- :func:`gdn_replay_step`: the ReplaySSM step. The replay kernel, grid
+  (batch, HV, splits): a program forms the per-head terms once (decay
+  weights of the live slots, the buffered keys' scores against k and q),
+  then loops over its row tiles; one read of each checkpoint tile gives both
+  exp(g) S_{j-1} k_j (for d_j) and S_j q_j through the buffered records,
+  without forming S; the new record (d_j, k_j, g_j) goes to the row's
+  cursor, and the first program of the row writes its next cursor (a fresh
+  array: the other programs still read the old one). The flush: with
+  `config.fused_flush` the replay kernel itself writes S_j over the
+  checkpoint tiles of rows whose buffer is now full (one launch per step);
+  otherwise a second launch, grid (batch / rows, HV, tiles), one tile and a
+  block of batch rows per program, materializes S_j of each flushing row
+  (the L buffered steps applied to its checkpoint tile, plus this step for a
+  row that entered full) and writes it in place. `route="state"` makes the
   replay kernel form S_{j-1} in every step and read o from S_j instead.
 
 These functions take validated arrays; the public, validated entry points
@@ -69,19 +73,19 @@ def _step_kernel(s_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s_out_ref, 
 
 def _replay_kernel(
     ck_ref, dbuf_ref, kbuf_ref, gbuf_ref, cur_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-    o_ref, dbuf_out, kbuf_out, gbuf_out,
+    o_ref, ck_out, dbuf_out, kbuf_out, gbuf_out, cur_out,
     *, V, K, L, group, scale, use_qk_l2norm, route, config,
 ):
     BL, BK, BV = gbuf_ref.shape[0], q_ref.shape[-1], config.block_v
     kmask, q, k = _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale)
     count = c.load_scalar(cur_ref, jnp.int32)  # live records; the new one goes to slot `count`
     split = pl.program_id(2)
-    live = c.lane_ids(BL) < count  # dead slots are never read (a rejected draft may hold inf)
+    live = c.lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
 
     # Per-head work, once per program: the decay weights of the live slots
     # and the buffered keys' scores against this step's k and q.
-    total, w = c.replay_weights(c.load(gbuf_ref, live), count)
-    Kb = c.load(kbuf_ref, c.outer(live, kmask, (BL, BK)))
+    total, w = c.replay_weights(c.load_live(gbuf_ref, live, L), count)
+    Kb = c.load_live(kbuf_ref, live, L, kmask)
     a_k = w * jnp.sum(Kb * k[None, :], axis=1)
     a_q = w * jnp.sum(Kb * q[None, :], axis=1)
     kq = jnp.sum(k * q)
@@ -93,8 +97,9 @@ def _replay_kernel(
     def tile(rows, vmask):
         tmask = c.outer(vmask, kmask, (BV, BK))
         S_c = c.load(ck_ref.at[rows, :], tmask)  # the one read of the checkpoint
-        U = c.load(dbuf_ref.at[:, rows], c.outer(live, vmask, (BL, BV)))
+        U = c.load_live(dbuf_ref.at[:, rows], live, L, vmask)
         v = c.load(v_ref.at[rows], vmask)
+        S = None  # exp(g) S_{j-1}, formed only where needed
         if route == "output":
             # exp(g) S_{j-1} k and exp(g) S_{j-1} q without forming S_{j-1}.
             Sk = decay * (carried * c.matvec(S_c, k) + jnp.sum(a_k[:, None] * U, axis=0))
@@ -106,6 +111,15 @@ def _replay_kernel(
             o = c.matvec(S + d[:, None] * k[None, :], q)
         c.store(o_ref.at[rows], o, vmask)
         c.store(dbuf_out.at[count, rows], d, c.both(vmask, append, (BV,)))  # the d rows are this program's
+        if config.fused_flush:
+            # This step's record as buffered (rounded to the buffers' dtypes), as the flush launch reads it.
+            d_rec = jnp.where(append, d.astype(dbuf_out.dtype).astype(f32), d)
+            k_rec = jnp.where(append, k.astype(kbuf_out.dtype).astype(f32), k)
+
+            @pl.when(count >= L - 1)
+            def _():
+                S_prev = decay * c.rank_update(carried * S_c, w[:, None] * U, Kb) if S is None else S
+                c.store(ck_out.at[rows, :], S_prev + d_rec[:, None] * k_rec[None, :], tmask)
 
     c.replay_tiles(V, config, split, tile)
 
@@ -115,36 +129,40 @@ def _replay_kernel(
     c.store(gbuf_out, jnp.broadcast_to(c.load_scalar(g_ref), (BL,)), (c.lane_ids(BL) == count) & append & first)
     leader = first & (pl.program_id(1) % group == 0)
     c.store(kbuf_out.at[count], k, c.both(kmask, append & leader, (BK,)))  # k normalized, not scaled
+    c.store_cursor(cur_out, count, L, first & (pl.program_id(1) == 0))
 
 
-def _flush_kernel(
+def _flush_kernel(*refs, V, K, L, scale, use_qk_l2norm, config):
+    """The flush launch: a program holds one row tile of one head for a block of batch rows."""
+    split = pl.program_id(2)  # read here: interpret mode cannot read it inside a branch
+    c.flush_rows_of_program(refs, L, functools.partial(
+        _flush_row, split=split, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm, config=config))
+
+
+def _flush_row(
     ck_ref, dbuf_ref, kbuf_ref, gbuf_ref, cur_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, ck_out,
-    *, V, K, L, scale, use_qk_l2norm, config,
+    *, cursor, split, V, K, L, scale, use_qk_l2norm, config,
 ):
-    BL, BK, BV = gbuf_ref.shape[0], q_ref.shape[-1], config.block_v
-    cursor = c.load_scalar(cur_ref, jnp.int32)  # at the step's entry
-    split = pl.program_id(2)
+    """Write S after this step into the checkpoint of one flushing row (refs: the row's blocks)."""
+    BK, BV = q_ref.shape[-1], config.block_v
+    kmask, _, k = _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale)
+    # A row that entered full still has this step to absorb (its record has
+    # no slot): S <- exp(g) S + d k^T with d from the materialized S.
+    extra = cursor >= L
+    decay = jnp.where(extra, jnp.exp(c.load_scalar(g_ref)), 1.0)
+    beta = jnp.where(extra, c.load_scalar(beta_ref), 0.0)
 
-    @pl.when(cursor >= L - 1)
-    def _():
-        kmask, _, k = _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale)
-        lmask = c.lane_mask(BL, L)
-        total, w = c.replay_weights(c.load(gbuf_ref, lmask), L)
-        Kb = c.load(kbuf_ref, c.outer(lmask, kmask, (BL, BK)))
-        # A row that entered full still has this step to absorb (its record
-        # has no slot): S <- exp(g) S + d k^T with d from the materialized S.
-        extra = cursor >= L
-        decay = jnp.where(extra, jnp.exp(c.load_scalar(g_ref)), 1.0)
-        beta = jnp.where(extra, c.load_scalar(beta_ref), 0.0)
+    def tile(rows, vmask):
+        tmask = c.outer(vmask, kmask, (BV, BK))
 
-        def tile(rows, vmask):
-            tmask = c.outer(vmask, kmask, (BV, BK))
-            U = c.load(dbuf_ref.at[:, rows], c.outer(lmask, vmask, (BL, BV)))
-            S = decay * c.rank_update(jnp.exp(total) * c.load(ck_ref.at[rows, :], tmask), w[:, None] * U, Kb)
-            d = beta * (c.load(v_ref.at[rows], vmask) - c.matvec(S, k))
-            c.store(ck_out.at[rows, :], S + d[:, None] * k[None, :], tmask)
+        def record(i):
+            return gbuf_ref[i], c.load(dbuf_ref.at[i, rows], vmask), c.load(kbuf_ref.at[i], kmask)
 
-        c.replay_tiles(V, config, split, tile)
+        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record)
+        d = beta * (c.load(v_ref.at[rows], vmask) - c.matvec(S, k))
+        c.store(ck_out.at[rows, :], S + d[:, None] * k[None, :], tmask)
+
+    c.replay_tiles(V, config, split, tile)
 
 
 def _specs(batch, H, HV, V, K, cfg):
@@ -196,49 +214,47 @@ def gdn_replay_step(checkpoint, dbuf, kbuf, gbuf, cursor, q, k, v, g, beta, *, L
     q, k [batch, H, K]; v [batch, HV, V]; g f32[batch, HV]; beta [batch, HV].
 
     Returns: (o [batch, HV, V] in v.dtype, checkpoint, dbuf, kbuf, gbuf,
-    new cursor). A row flushes (writes checkpoint = S after this step,
-    cursor 0) when its cursor reaches L with this step or entered at L.
+    new cursor); checkpoint and buffers are updated in place (aliased). A
+    row flushes (writes checkpoint = S after this step, cursor 0) when its
+    cursor reaches L with this step or entered at L.
     """
     batch, HV, V, K = checkpoint.shape
     H = q.shape[1]
     cfg = config or c.default_config(batch, HV, V, K, checkpoint.dtype.itemsize, replay_len=L)
-    BK, BL, R = c.next_pow2(K), c.next_pow2(L), cfg.block_v * cfg.tiles
     group = HV // H
-    sspec = pl.BlockSpec((None, None, R, BK), lambda b, h, j: (b, h, j, 0))
-    qk = pl.BlockSpec((None, None, BK), lambda b, h, j: (b, h // group, 0))
-    vrow = pl.BlockSpec((None, None, R), lambda b, h, j: (b, h, j))
-    scal = pl.BlockSpec((None, None), lambda b, h, j: (b, h))
-    dspec = pl.BlockSpec((None, None, BL, R), lambda b, h, j: (b, h, 0, j))
-    kspec = pl.BlockSpec((None, None, BL, BK), lambda b, h, j: (b, h // group, 0, 0))
-    gspec = pl.BlockSpec((None, None, BL), lambda b, h, j: (b, h, 0))
-    cspec = pl.BlockSpec((None,), lambda b, h, j: (b,))
+
+    def specs(cfg, nb=None):
+        """(grid, in_specs, out_specs) for programs of cfg.tiles row tiles and
+        nb batch rows (None: one row, the batch axis squeezed)."""
+        BK, BL, R = c.next_pow2(K), c.next_pow2(L), cfg.block_v * cfg.tiles
+        state = pl.BlockSpec((nb, None, R, BK), lambda b, h, j: (b, h, j, 0))
+        qk = pl.BlockSpec((nb, None, BK), lambda b, h, j: (b, h // group, 0))
+        vrow = pl.BlockSpec((nb, None, R), lambda b, h, j: (b, h, j))
+        scal = pl.BlockSpec((nb, None), lambda b, h, j: (b, h))
+        buffers = [pl.BlockSpec((nb, None, BL, R), lambda b, h, j: (b, h, 0, j)),
+                   pl.BlockSpec((nb, None, BL, BK), lambda b, h, j: (b, h // group, 0, 0)),
+                   pl.BlockSpec((nb, None, BL), lambda b, h, j: (b, h, 0))]
+        row = pl.BlockSpec((nb,), lambda b, h, j: (b,))
+        grid = (batch // (nb or 1), HV, cfg.splits(V))
+        return grid, [state, *buffers, row, qk, qk, vrow, scal, scal], [vrow, state, *buffers, row]
+
+    args = (checkpoint, dbuf, kbuf, gbuf, cursor, q, k, v, g.astype(f32), beta)
+    grid, in_specs, out_specs = specs(cfg)
     kernel = functools.partial(_replay_kernel, V=V, K=K, L=L, group=group, scale=scale,
                                use_qk_l2norm=use_qk_l2norm, route=route, config=cfg)
-    grid = (batch, HV, cfg.splits(V))
-    in_specs = [sspec, dspec, kspec, gspec, cspec, qk, qk, vrow, scal, scal]
-    inputs = (cursor, q, k, v, g.astype(f32), beta)
-    o, dbuf, kbuf, gbuf = c.pallas_call(
+    o, checkpoint, dbuf, kbuf, gbuf, new_cursor = c.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
-        out_specs=[vrow, dspec, kspec, gspec],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
-        + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (dbuf, kbuf, gbuf)],
-        input_output_aliases={1: 1, 2: 2, 3: 3},
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (v, checkpoint, dbuf, kbuf, gbuf, cursor)],
+        input_output_aliases={0: 1, 1: 2, 2: 3, 3: 4},
         interpret=interpret,
         config=cfg,
         name=f"gdn_replay_{route}_L{L}_{cfg.tag()}",
-    )(checkpoint, dbuf, kbuf, gbuf, *inputs)
-    flush = functools.partial(_flush_kernel, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm, config=cfg)
-    checkpoint = c.pallas_call(
-        flush,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=sspec,
-        out_shape=jax.ShapeDtypeStruct(checkpoint.shape, checkpoint.dtype),
-        input_output_aliases={0: 0},
-        interpret=interpret,
-        config=cfg,
-        name=f"gdn_replay_flush_L{L}_{cfg.tag()}",
-    )(checkpoint, dbuf, kbuf, gbuf, *inputs)
-    return o, checkpoint, dbuf, kbuf, gbuf, c.next_cursor(cursor, L)
+    )(*args)
+    if not cfg.fused_flush:
+        flush = functools.partial(_flush_kernel, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        checkpoint = c.flush_launch(flush, specs, cfg, checkpoint, (dbuf, kbuf, gbuf, *args[4:]),
+                                    interpret=interpret, name=f"gdn_replay_flush_L{L}")
+    return o, checkpoint, dbuf, kbuf, gbuf, new_cursor

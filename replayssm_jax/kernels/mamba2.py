@@ -13,16 +13,19 @@ P, all N columns).
 
 - :func:`mamba2_step`: the standard step, grid (batch, H, cdiv(P, block_v)),
   one tile per program; S read and written in place.
-- :func:`mamba2_replay_step`: the ReplaySSM step, two launches on the grid
-  (batch, H, splits). The replay kernel: a program forms the per-head terms
-  once (decay weights of the live slots, the buffered B's scores against C)
-  and loops over its row tiles, reading each checkpoint tile once:
+- :func:`mamba2_replay_step`: the ReplaySSM step. The replay kernel, grid
+  (batch, H, splits): a program forms the per-head terms once (decay
+  weights of the live slots, the buffered B's scores against C) and loops
+  over its row tiles, reading each checkpoint tile once:
   y = exp(dt A) (exp(G) S_c C + sum_i w_i dt_i (B_i . C) x_i) + (B . C) dt x;
-  the new record (x, dt, B) goes to the row's cursor; the checkpoint is only
-  read. The flush kernel: programs of rows whose buffer is now full
-  materialize S (a rank-L update of each checkpoint tile, plus this step for
-  a row that entered full) and write it in place; the others return at
-  once. `route="state"` makes the replay kernel form S in every step.
+  the new record (x, dt, B) goes to the row's cursor, and the first program
+  of the row writes its next cursor (a fresh array). The flush: with
+  `config.fused_flush` the replay kernel itself writes S over the
+  checkpoint tiles of rows whose buffer is now full; otherwise a second
+  launch, grid (batch / rows, H, tiles), one tile and a block of batch rows
+  per program, applies the L buffered steps (plus this step for a row that
+  entered full) to each flushing row's checkpoint tile and writes it in
+  place. `route="state"` makes the replay kernel form S in every step.
 
 These functions take validated arrays; the public entry points are
 :mod:`replayssm_jax.ops`.
@@ -99,9 +102,9 @@ def _load_x_record(x_ref, xbuf_ref, rows, pmask):
     return x, x.astype(xbuf_ref.dtype).astype(f32)
 
 
-def _buffer_weights(dtbuf_ref, live, count, A):
+def _buffer_weights(dtbuf_ref, live, L, count, A):
     """(carried decay, w f32[BL]) of the live slots, dt_i folded into w (u_i = dt_i x_i)."""
-    dts = c.load(dtbuf_ref, live)
+    dts = c.load_live(dtbuf_ref, live, L)
     total, w = c.replay_weights(dts * A, count)
     return jnp.exp(total), w * dts
 
@@ -109,7 +112,7 @@ def _buffer_weights(dtbuf_ref, live, count, A):
 def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, config):
     ck_ref, xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref, x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref = refs[:12]
     z_ref = refs[12] if has_z else None
-    y_ref, xbuf_out, dtbuf_out, Bbuf_out = refs[-4:]
+    y_ref, ck_out, xbuf_out, dtbuf_out, Bbuf_out, cur_out = refs[-6:]
     BL, BN, BP = dtbuf_ref.shape[0], B_ref.shape[0], config.block_v
     nmask, dt, A, Bv = _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N, dt_softplus,
                                       dt_limit)
@@ -117,22 +120,24 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
     D = c.load_scalar(D_ref)
     count = c.load_scalar(cur_ref, jnp.int32)  # live records; the new one goes to slot `count`
     split = pl.program_id(2)
-    live = c.lane_ids(BL) < count  # dead slots are never read (a rejected draft may hold inf)
+    live = c.lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
 
     # Per-head work, once per program: decay weights of the live slots and
     # the buffered B's scores against C.
-    carried, w = _buffer_weights(dtbuf_ref, live, count, A)
-    Bb = c.load(Bbuf_ref, c.outer(live, nmask, (BL, BN)))
+    carried, w = _buffer_weights(dtbuf_ref, live, L, count, A)
+    Bb = c.load_live(Bbuf_ref, live, L, nmask)
     a_c = w * jnp.sum(Bb * Cv[None, :], axis=1)
     bc = jnp.sum(Bv * Cv)
     decay = jnp.exp(dt * A)
     append = count < L  # a row that entered full has no free slot (the flush absorbs this step)
 
     def tile(rows, pmask):
-        S_c = c.load(ck_ref.at[rows, :], c.outer(pmask, nmask, (BP, BN)))  # the one read of the checkpoint
-        X = c.load(xbuf_ref.at[:, rows], c.outer(live, pmask, (BL, BP)))
+        tmask = c.outer(pmask, nmask, (BP, BN))
+        S_c = c.load(ck_ref.at[rows, :], tmask)  # the one read of the checkpoint
+        X = c.load_live(xbuf_ref.at[:, rows], live, L, pmask)
         x, x_rec = _load_x_record(x_ref, xbuf_ref, rows, pmask)
         u = dt * x_rec
+        S = None  # S after this step, formed only where needed
         if route == "output":
             y = decay * (carried * c.matvec(S_c, Cv) + jnp.sum(a_c[:, None] * X, axis=0)) + bc * u
         else:
@@ -144,6 +149,14 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
             y = y * (z * jax.nn.sigmoid(z))
         c.store(y_ref.at[rows], y, pmask)
         c.store(xbuf_out.at[count, rows], x_rec, c.both(pmask, append, (BP,)))  # the x rows are this program's
+        if config.fused_flush:
+
+            @pl.when(count >= L - 1)
+            def _():
+                S_new = S
+                if S_new is None:
+                    S_new = decay * c.rank_update(carried * S_c, w[:, None] * X, Bb) + u[:, None] * Bv[None, :]
+                c.store(ck_out.at[rows, :], S_new, tmask)
 
     c.replay_tiles(P, config, split, tile)
 
@@ -153,47 +166,54 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
     c.store(dtbuf_out, jnp.broadcast_to(dt, (BL,)), (c.lane_ids(BL) == count) & append & first)
     leader = first & (pl.program_id(1) % group == 0)
     c.store(Bbuf_out.at[count], Bv, c.both(nmask, append & leader, (BN,)))
+    c.store_cursor(cur_out, count, L, first & (pl.program_id(1) == 0))
 
 
 def _flush_kernel(*refs, P, N, L, has_z, dt_softplus, dt_limit, config):
-    ck_ref, xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref, x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref = refs[:12]
+    """The flush launch: a program holds one row tile of one head for a block of batch rows."""
+    split = pl.program_id(2)  # read here: interpret mode cannot read it inside a branch
+    c.flush_rows_of_program(refs, L, functools.partial(
+        _flush_row, split=split, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit, config=config),
+        shared=(7, 10, 11))  # A, D, dt_bias: per head
+
+
+def _flush_row(*refs, cursor, split, P, N, L, dt_softplus, dt_limit, config):
+    """Write S after this step into the checkpoint of one flushing row (refs: the row's blocks)."""
+    ck_ref, xbuf_ref, dtbuf_ref, Bbuf_ref, _, x_ref, dt_ref, A_ref, B_ref, _, _, bias_ref = refs[:12]
     ck_out = refs[-1]
-    BL, BN, BP = dtbuf_ref.shape[0], B_ref.shape[0], config.block_v
-    cursor = c.load_scalar(cur_ref, jnp.int32)  # at the step's entry
-    split = pl.program_id(2)
+    BN, BP = B_ref.shape[0], config.block_v
+    nmask, dt, A, Bv = _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N,
+                                      dt_softplus, dt_limit)
+    # A row that entered full still has this step to absorb (its record has
+    # no slot): S <- exp(dt A) S + dt x B^T.
+    extra = cursor >= L
+    decay = jnp.where(extra, jnp.exp(dt * A), 1.0)
+    dt_extra = jnp.where(extra, dt, 0.0)
 
-    @pl.when(cursor >= L - 1)
-    def _():
-        nmask, dt, A, Bv = _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N,
-                                          dt_softplus, dt_limit)
-        lmask = c.lane_mask(BL, L)
-        carried, w = _buffer_weights(dtbuf_ref, lmask, L, A)
-        Bb = c.load(Bbuf_ref, c.outer(lmask, nmask, (BL, BN)))
-        # A row that entered full still has this step to absorb (its record
-        # has no slot): S <- exp(dt A) S + dt x B^T.
-        extra = cursor >= L
-        decay = jnp.where(extra, jnp.exp(dt * A), 1.0)
-        dt_extra = jnp.where(extra, dt, 0.0)
+    def tile(rows, pmask):
+        tmask = c.outer(pmask, nmask, (BP, BN))
 
-        def tile(rows, pmask):
-            tmask = c.outer(pmask, nmask, (BP, BN))
-            X = c.load(xbuf_ref.at[:, rows], c.outer(lmask, pmask, (BL, BP)))
-            S = decay * c.rank_update(carried * c.load(ck_ref.at[rows, :], tmask), w[:, None] * X, Bb)
-            u = dt_extra * _load_x_record(x_ref, xbuf_ref, rows, pmask)[1]
-            c.store(ck_out.at[rows, :], S + u[:, None] * Bv[None, :], tmask)
+        def record(i):
+            dt_i = dtbuf_ref[i]
+            return dt_i * A, dt_i * c.load(xbuf_ref.at[i, rows], pmask), c.load(Bbuf_ref.at[i], nmask)
 
-        c.replay_tiles(P, config, split, tile)
+        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record)
+        u = dt_extra * _load_x_record(x_ref, xbuf_ref, rows, pmask)[1]
+        c.store(ck_out.at[rows, :], S + u[:, None] * Bv[None, :], tmask)
+
+    c.replay_tiles(P, config, split, tile)
 
 
-def _specs(H, G, BP, N):
+def _specs(H, G, BP, N, nb=None):
+    """Block specs of programs of BP state rows and nb batch rows (None: one, the batch axis squeezed)."""
     BN = c.next_pow2(N)
     group = H // G
     return dict(
-        state=pl.BlockSpec((None, None, BP, BN), lambda b, h, j: (b, h, j, 0)),
-        row=pl.BlockSpec((None, None, BP), lambda b, h, j: (b, h, j)),
-        scal=pl.BlockSpec((None, None), lambda b, h, j: (b, h)),
+        state=pl.BlockSpec((nb, None, BP, BN), lambda b, h, j: (b, h, j, 0)),
+        row=pl.BlockSpec((nb, None, BP), lambda b, h, j: (b, h, j)),
+        scal=pl.BlockSpec((nb, None), lambda b, h, j: (b, h)),
         head=pl.BlockSpec((None,), lambda b, h, j: (h,)),
-        grp=pl.BlockSpec((None, None, BN), lambda b, h, j: (b, h // group, 0)),
+        grp=pl.BlockSpec((nb, None, BN), lambda b, h, j: (b, h // group, 0)),
     )
 
 
@@ -250,47 +270,45 @@ def mamba2_replay_step(checkpoint, xbuf, dtbuf, Bbuf, cursor, x, dt, A, B, C, D,
     cursor i32[batch] in 0..L; the step inputs as :func:`mamba2_step`.
 
     Returns: (y [batch, H, P] in x.dtype, checkpoint, xbuf, dtbuf, Bbuf,
-    new cursor). A row flushes (checkpoint = S after this step, cursor 0)
-    when its cursor reaches L with this step or entered at L.
+    new cursor); checkpoint and buffers are updated in place (aliased). A
+    row flushes (checkpoint = S after this step, cursor 0) when its cursor
+    reaches L with this step or entered at L.
     """
     batch, H, P, N = checkpoint.shape
     G = B.shape[1]
     cfg = config or c.default_config(batch, H, P, N, checkpoint.dtype.itemsize, replay_len=L)
-    BL, BN, R = c.next_pow2(L), c.next_pow2(N), cfg.block_v * cfg.tiles
     group = H // G
-    s = _specs(H, G, R, N)
-    xspec = pl.BlockSpec((None, None, BL, R), lambda b, h, j: (b, h, 0, j))
-    dtspec = pl.BlockSpec((None, None, BL), lambda b, h, j: (b, h, 0))
-    Bspec = pl.BlockSpec((None, None, BL, BN), lambda b, h, j: (b, h // group, 0, 0))
-    cspec = pl.BlockSpec((None,), lambda b, h, j: (b,))
+
+    def specs(cfg, nb=None):
+        """(grid, in_specs, out_specs) for programs of cfg.tiles row tiles and
+        nb batch rows (None: one row, the batch axis squeezed)."""
+        BL, BN, R = c.next_pow2(L), c.next_pow2(N), cfg.block_v * cfg.tiles
+        s = _specs(H, G, R, N, nb)
+        buffers = [pl.BlockSpec((nb, None, BL, R), lambda b, h, j: (b, h, 0, j)),
+                   pl.BlockSpec((nb, None, BL), lambda b, h, j: (b, h, 0)),
+                   pl.BlockSpec((nb, None, BL, BN), lambda b, h, j: (b, h // group, 0, 0))]
+        row = pl.BlockSpec((nb,), lambda b, h, j: (b,))
+        in_specs = [s["state"], *buffers, row] + _input_specs(s, z is not None)
+        return (batch // (nb or 1), H, cfg.splits(P)), in_specs, [s["row"], s["state"], *buffers, row]
+
+    args = (checkpoint, xbuf, dtbuf, Bbuf, cursor, *_inputs(x, dt, A, B, C, D, z, dt_bias))
+    grid, in_specs, out_specs = specs(cfg)
     kernel = functools.partial(_replay_kernel, P=P, N=N, L=L, group=group, has_z=z is not None,
                                dt_softplus=dt_softplus, dt_limit=dt_limit, route=route, config=cfg)
-    grid = (batch, H, cfg.splits(P))
-    in_specs = [s["state"], xspec, dtspec, Bspec, cspec] + _input_specs(s, z is not None)
-    inputs = (cursor, *_inputs(x, dt, A, B, C, D, z, dt_bias))
-    y, xbuf, dtbuf, Bbuf = c.pallas_call(
+    y, checkpoint, xbuf, dtbuf, Bbuf, new_cursor = c.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
-        out_specs=[s["row"], xspec, dtspec, Bspec],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)]
-        + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (xbuf, dtbuf, Bbuf)],
-        input_output_aliases={1: 1, 2: 2, 3: 3},
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, checkpoint, xbuf, dtbuf, Bbuf, cursor)],
+        input_output_aliases={0: 1, 1: 2, 2: 3, 3: 4},
         interpret=interpret,
         config=cfg,
         name=f"mamba2_replay_{route}_L{L}_{cfg.tag()}",
-    )(checkpoint, xbuf, dtbuf, Bbuf, *inputs)
-    flush = functools.partial(_flush_kernel, P=P, N=N, L=L, has_z=z is not None, dt_softplus=dt_softplus,
-                              dt_limit=dt_limit, config=cfg)
-    checkpoint = c.pallas_call(
-        flush,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=s["state"],
-        out_shape=jax.ShapeDtypeStruct(checkpoint.shape, checkpoint.dtype),
-        input_output_aliases={0: 0},
-        interpret=interpret,
-        config=cfg,
-        name=f"mamba2_replay_flush_L{L}_{cfg.tag()}",
-    )(checkpoint, xbuf, dtbuf, Bbuf, *inputs)
-    return y, checkpoint, xbuf, dtbuf, Bbuf, c.next_cursor(cursor, L)
+    )(*args)
+    if not cfg.fused_flush:
+        flush = functools.partial(_flush_kernel, P=P, N=N, L=L, has_z=z is not None, dt_softplus=dt_softplus,
+                                  dt_limit=dt_limit)
+        checkpoint = c.flush_launch(flush, specs, cfg, checkpoint, (xbuf, dtbuf, Bbuf, *args[4:]),
+                                    interpret=interpret, name=f"mamba2_replay_flush_L{L}")
+    return y, checkpoint, xbuf, dtbuf, Bbuf, new_cursor
