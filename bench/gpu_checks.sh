@@ -11,8 +11,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results/gpu}
 mkdir -p "$out"
 
-python3 -m pytest -m gpu tests/test_kernels.py tests/test_inplace_hlo.py \
-  -q -W ignore::DeprecationWarning 2>&1 | tee "$out/gpu_tests.log" | tail -3
+# 8 pytest workers share the GPU (no preallocation): compiling the kernels is the slow part.
+XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -m gpu tests/test_kernels.py tests/test_inplace_hlo.py \
+  -q -n 8 -p no:benchmark -W ignore::DeprecationWarning 2>&1 | tee "$out/gpu_tests.log" | tail -3
 
 ids() { python3 -c "import numpy as n; r = n.load('$1')['prompt_ids']; print(';'.join(','.join(map(str, x)) for x in r))"; }
 fixture=tests/data/qwen3_next_tiny

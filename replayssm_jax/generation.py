@@ -122,13 +122,17 @@ class Generator:
         run one after another (`lax.map`) and build the same cache.
 
     Raises:
-      GenerationError: an unknown state, L < 1 (or above the kernels' limit
-        with a kernel backend), block_size < 1, prefill_rows < 1.
+      GenerationError: `model` not a model of this package, an unknown
+        state, L < 1 (or above the kernels' limit with a kernel backend),
+        block_size < 1, prefill_rows < 1.
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
     def __init__(self, model, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32, backend=None,
                  route="output", block_size=64, prefill_rows=None):
+        if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
+            raise GenerationError(f"`model` must be a model of this package (an nnx.Module with a `config`, e.g. "
+                                  f"from models.load_model); got {type(model).__name__}")
         if state not in STATES:
             raise GenerationError(f"`state` must be one of {STATES}; got {state!r}")
         if state == "replay":
@@ -230,18 +234,22 @@ class Generator:
           max_new_tokens: >= 0 tokens to generate per sequence.
           sampling: SamplingParams (greedy by default).
           seed: PRNG seed for sampling.
-          stop_tokens: ids that end a sequence (kept in its output).
+          stop_tokens: ids that end a sequence (kept in its output); None or (): none.
           progress: show a progress bar on stderr (None: only on a terminal).
 
         Returns:
           GenerationOutput.
 
         Raises:
-          GenerationError: empty prompt or batch, an id outside the vocabulary,
-            max_new_tokens < 0.
+          GenerationError: prompts that are not a list of non-empty id
+            sequences, an id outside the vocabulary, max_new_tokens < 0, a
+            `sampling` that is not a SamplingParams.
         """
         prompts, lengths = self._check_prompts(prompts)
         max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
+        if not isinstance(sampling, SamplingParams):
+            raise GenerationError(f"`sampling` must be a SamplingParams; got {type(sampling).__name__}")
+        stop_tokens = () if stop_tokens is None else stop_tokens
         seed = _check_int("seed", seed, 0, 2**32 - 1)
         if isinstance(stop_tokens, numbers.Integral):
             stop_tokens = [stop_tokens]
@@ -311,12 +319,20 @@ class Generator:
             if prompts.ndim != 2:
                 raise GenerationError(f"`prompts` must have shape [batch, seqlen]; got {prompts.shape}")
             prompts = list(prompts)
-        rows = [np.asarray(p) for p in prompts]
+        if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
+            raise GenerationError(f"`prompts` must be a list of token-id sequences; got {type(prompts).__name__}")
+        rows = []
+        for i, p in enumerate(prompts):
+            try:
+                rows.append(np.asarray(p))
+            except ValueError as e:  # a ragged nesting
+                raise GenerationError(f"prompt {i} is not a flat list of token ids: {e}") from None
         if not rows:
             raise GenerationError("`prompts` is empty: give at least one sequence")
         for i, p in enumerate(rows):
             if p.ndim != 1 or p.size == 0:
-                raise GenerationError(f"prompt {i} is empty or not a flat list of ids (shape {p.shape})")
+                hint = " (`prompts` is a list of sequences: [[ids...], ...])" if p.ndim == 0 else ""
+                raise GenerationError(f"prompt {i} is empty or not a flat list of ids (shape {p.shape}){hint}")
             if not np.issubdtype(p.dtype, np.integer):
                 raise GenerationError(f"prompt {i} must hold integer token ids; got dtype {p.dtype}")
             self._check_ids(p, f"prompt {i}")

@@ -79,9 +79,16 @@ def _op(name: str):
     @functools.wraps(ref)
     def op(*args, backend: str | None = None, **kwargs):
         chosen = resolve_backend(backend, name)
-        if chosen == "xla" and "config" in kwargs:
-            why = "" if backend else f" (backend=None picked it: JAX's default backend is {jax.default_backend()!r})"
-            raise TypeError(f"`config` tunes the Pallas kernels; the 'xla' backend{why} takes none")
+        if chosen == "xla":
+            if kwargs.get("config") is not None:
+                if name not in KERNEL_OPS:
+                    why = f" ({name} has no Pallas kernel: it runs the reference on every backend)"
+                elif backend is None:
+                    why = f" (backend=None picked it: JAX's default backend is {jax.default_backend()!r})"
+                else:
+                    why = ""
+                raise TypeError(f"`config` tunes the Pallas kernels; the 'xla' backend{why} takes none")
+            kwargs.pop("config", None)  # config=None: the default, accepted by every backend
         impl = ref if chosen == "xla" else _kernel(name, chosen)
         return impl(*args, **kwargs)
 

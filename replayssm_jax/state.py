@@ -180,9 +180,15 @@ def check_replay_state(state, kind: type) -> None:
     """Raise TypeError / ValueError unless `state` is a consistent `kind`."""
     if not isinstance(state, kind):
         raise TypeError(f"`state` must be a {kind.__name__}; got {type(state).__name__}")
+    v.check_float("state.checkpoint", state.checkpoint, v.STATE_DTYPES)
+    records, decays = (("x", "B"), ("dt",)) if kind is Mamba2ReplayState else (("d", "k"), ("g",))
+    for name in records:  # the buffer dtype: any floating dtype
+        v.check_float(f"state.{name}", getattr(state, name))
+    for name in decays:  # processed dt / log decays: float32, as the init makes them
+        v.check_float(f"state.{name}", getattr(state, name), (jnp.float32,))
+    v.as_array("state.cursor", state.cursor)
     batch = state.checkpoint.shape[0]
     L = state.buffer_len
-    v.check_float("state.checkpoint", state.checkpoint, v.STATE_DTYPES)
     if kind is Mamba2ReplayState:
         _, nheads, head_dim, d_state = state.checkpoint.shape
         v.check_shape("state.x", state.x, "batch, nheads, L, head_dim", (batch, nheads, L, head_dim))

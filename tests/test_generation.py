@@ -160,7 +160,21 @@ def test_generator_errors():
         Generator(model("mamba2_tiny"), route="fast")
     with pytest.raises(GenerationError, match="`buffer_dtype` must be a floating dtype"):
         Generator(model("mamba2_tiny"), buffer_dtype=jnp.int32)
+    with pytest.raises(GenerationError, match="`prompts` must be a list of token-id sequences; got NoneType"):
+        gen.generate(None, 4)
+    with pytest.raises(GenerationError, match="prompt 0 is not a flat list of token ids"):
+        gen.generate([[1, [2, 3]]], 4)
+    with pytest.raises(GenerationError, match=r"prompt 0 is empty or not a flat list of ids \(shape \(\)\) "
+                                              r"\(`prompts` is a list of sequences"):
+        gen.generate([1, 2, 3], 4)
+    for sampling in (None, {"temperature": 1.0}):
+        with pytest.raises(GenerationError, match="`sampling` must be a SamplingParams; got"):
+            gen.generate([[1, 2]], 4, sampling=sampling)
+    with pytest.raises(GenerationError, match="`model` must be a model of this package"):
+        Generator("tests/data/mamba2_tiny")
     assert gen.generate([[5, 6, 7]], 0).sequences == [[5, 6, 7]]
+    # stop_tokens=None: no stop tokens, as ()
+    assert gen.generate([[5, 6]], 3, stop_tokens=None).sequences == gen.generate([[5, 6]], 3).sequences
 
 
 # --------------------------------------------------------------------------

@@ -10,6 +10,8 @@ compiled at the models' shapes on a GPU (`pytest -m gpu`).
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -141,6 +143,21 @@ def test_gdn_errors_before_any_kernel(rng):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
     with pytest.raises(ValueError, match="`config.fused_flush` must be False"):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, fused_flush=True))
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    (dict(block_v=12), ValueError, "`config.block_v` must be a power of two; got 12"),
+    (dict(block_v=4.0), TypeError, "`config.block_v` must be an int; got float 4.0"),
+    (dict(block_v=True), TypeError, "`config.block_v` must be an int; got bool True"),
+    (dict(block_v=8, num_warps=3), ValueError, "`config.num_warps` must be one of 1, 2, 4, 8, 16; got 3"),
+    (dict(block_v=8, num_stages=2.5), TypeError, "`config.num_stages` must be an int; got float 2.5"),
+    (dict(block_v=8, tiles=0), ValueError, "`config.tiles` must be >= 1; got 0"),
+    (dict(block_v=8, tiles=1.5), TypeError, "`config.tiles` must be an int; got float 1.5"),
+    (dict(block_v=8, fused_flush="yes"), TypeError, "`config.fused_flush` must be a bool; got str"),
+])
+def test_config_rejects_bad_fields(fields, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        kernels.Config(**fields)
 
 
 def test_mamba2_errors_before_any_kernel(rng):

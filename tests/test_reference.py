@@ -122,6 +122,29 @@ def test_replay_matches_standard(name, L, route, rng):
 
 
 @pytest.mark.parametrize("name", TWO_CASES)
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_replay_after_an_extreme_decay(name, route, rng):
+    """A decay that wipes the state (GDN g = -inf, allowed by g <= 0; Mamba-2 a
+    dt spike of 1e4) inside the buffer: replay outputs stay finite and equal to
+    the standard step's (the slot weights are suffix sums, no G - G_i)."""
+    case = CASES[name](rng)
+    state, L, steps = case.initial_state(), 8, 12
+    seq = case.draw(steps)
+    if name.startswith("gdn"):
+        seq["g"][:, 2, 0] = -np.inf
+        seq["g"][:, 5] = -500.0
+    else:
+        seq["dt"][:, 2] = 1e4
+    y_std, final_std = run_standard(case, state, seq, steps)
+    assert np.isfinite(np.asarray(y_std)).all()
+    rs = case.replay_init(state, L)
+    for t in range(steps):
+        y, rs = case.replay_step(rs, take_step(seq, t), route=route)
+        assert_close(y, y_std[:, t], jnp.float32, f"replay output at step {t}")
+    assert_close(case.materialize(rs), final_std, jnp.float32, "materialized state")
+
+
+@pytest.mark.parametrize("name", TWO_CASES)
 @pytest.mark.parametrize("buffer_dtype", [jnp.float32, jnp.bfloat16])
 def test_replay_routes_agree(name, buffer_dtype, rng):
     case = CASES[name](rng)

@@ -106,6 +106,14 @@ def test_replay_errors_leave_state_usable(name, request):
     for cursor in ([0, 5], [-1, 0]):
         with pytest.raises(ValueError, match=r"`state.cursor` must be in \[0, 4\] \(the buffer length\) for every row"):
             case.replay_step(rs.replace(cursor=jnp.asarray(cursor, jnp.int32)), inp)
+    # Buffers of the wrong dtype (a silent truncation otherwise), a cursor that is not an array.
+    record, decay = ("x", "dt") if name == "mamba" else ("d", "g")
+    with pytest.raises(TypeError, match=f"`state.{record}` must have a floating-point dtype; got int32"):
+        case.replay_step(rs.replace(**{record: getattr(rs, record).astype(jnp.int32)}), inp)
+    with pytest.raises(TypeError, match=rf"`state.{decay}` must have dtype in \(float32\); got bfloat16"):
+        case.replay_step(rs.replace(**{decay: getattr(rs, decay).astype(jnp.bfloat16)}), inp)
+    with pytest.raises(TypeError, match="`state.cursor` must be an array; got list"):
+        case.replay_step(rs.replace(cursor=[0, 0]), inp)
 
     # The state that saw all these failures is intact and still decodes.
     np.testing.assert_array_equal(rs.checkpoint, before[0])
@@ -158,6 +166,14 @@ def test_config_needs_a_kernel_backend(mamba):
         ops.mamba2_step(state, **inp, A=case.A, backend="xla", config=Config(block_v=8))
     with pytest.raises(TypeError, match="`config` must be a replayssm_jax.kernels.Config or None; got dict"):
         ops.mamba2_step(state, **inp, A=case.A, backend="interpret", config={"block_v": 8})
+    # config=None (the default) is accepted by every backend, also said explicitly
+    y_default, _ = ops.mamba2_step(state, **inp, A=case.A, backend="xla")
+    y_none, _ = ops.mamba2_step(state, **inp, A=case.A, backend="xla", config=None)
+    np.testing.assert_array_equal(np.asarray(y_none), np.asarray(y_default))
+    rs = case.replay_init(state, 4)
+    ops.mamba2_replay_materialize(rs, case.A, config=None)
+    with pytest.raises(TypeError, match="has no Pallas kernel: it runs the reference on every backend"):
+        ops.mamba2_replay_materialize(rs, case.A, config=Config(block_v=8))
 
 
 def test_flush_with_pending_window_is_refused(mamba, gdn):

@@ -64,6 +64,11 @@ class Config:
         one tile and a block of batch rows per program, that skips rows
         which do not flush (the checkpoint tiles of flushing rows are read
         twice per flush cycle).
+
+    Raises:
+      TypeError: a field of the wrong type (ints; fused_flush a bool).
+      ValueError: block_v not a power of two, num_warps not in {1, 2, 4,
+        8, 16}, num_stages or tiles < 1.
     """
 
     block_v: int
@@ -73,6 +78,12 @@ class Config:
     fused_flush: bool = False
 
     def __post_init__(self):
+        for name in ("block_v", "num_warps", "num_stages", "tiles"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"`config.{name}` must be an int; got {type(value).__name__} {value!r}")
+        if not isinstance(self.fused_flush, bool):
+            raise TypeError(f"`config.fused_flush` must be a bool; got {type(self.fused_flush).__name__}")
         if self.block_v < 1 or self.block_v & (self.block_v - 1):
             raise ValueError(f"`config.block_v` must be a power of two; got {self.block_v}")
         if self.num_warps not in (1, 2, 4, 8, 16):

@@ -48,15 +48,18 @@ def replay_weights(lg: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Arra
 
     Returns:
       (G f32[batch, heads], w f32[batch, heads, L]): G = total log decay of the
-      live slots, w_i = exp(G - G_i) for live slots i and 0 for dead ones,
-      where G_i is the cumulative log decay up to and including slot i.
+      live slots, w_i = exp(sum of lg_j over the live slots j > i) for live
+      slots i and 0 for dead ones. The exponent is a suffix sum, not G - G_i
+      (G_i the prefix sum up to slot i): the difference cancels, to NaN once
+      a slot's decay is -inf (g = -inf is allowed) and to lost digits after
+      a large one.
     """
     live = slot_mask(count, lg.shape[-1])[:, None, :]
     lg = jnp.where(live, lg, 0.0)
-    cum = jnp.cumsum(lg, axis=-1)
-    total = cum[..., -1]
-    w = jnp.where(live, jnp.exp(total[..., None] - cum), 0.0)
-    return total, w
+    through = jnp.cumsum(lg[..., ::-1], axis=-1)[..., ::-1]  # sum over slots j >= i
+    after = jnp.concatenate([through[..., 1:], jnp.zeros_like(through[..., :1])], axis=-1)
+    w = jnp.where(live, jnp.exp(after), 0.0)
+    return through[..., 0], w
 
 
 def live_records(u, k, count):
