@@ -90,6 +90,10 @@ class GDN:
     def step(self, state, inp, backend):
         return ops.gdn_step(state, **inp, backend=backend)
 
+    def wipe_decay(self, inp):
+        """The inputs with head 0's decay at its extreme: g = -inf (allowed: g <= 0)."""
+        return dict(inp, g=inp["g"].at[:, 0].set(-jnp.inf))
+
     def replay_state(self, L, state_dtype, buffer_dtype, cursor):
         """A replay state with random live and dead records and the given cursors."""
         s, r = self.s, self.rng
@@ -155,6 +159,10 @@ class Mamba2:
     def step(self, state, inp, backend):
         return ops.mamba2_step(state, **inp, **self.params, backend=backend)
 
+    def wipe_decay(self, inp):
+        """The inputs with a dt spike on head 0 (raw dt 1e4: exp(dt A) underflows to 0)."""
+        return dict(inp, dt=inp["dt"].at[:, 0].set(1e4))
+
     def replay_state(self, L, state_dtype, buffer_dtype, cursor):
         s, r = self.s, self.rng
         return ref.Mamba2ReplayState(
@@ -215,7 +223,7 @@ def _check_standard(layer, state_dtype, backend, steps):
 
 
 def check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps=3, config=None,
-                 poison=False):
+                 poison=False, wipe_at=None):
     """Replay steps from a state with mixed cursors, kernel backend vs reference.
 
     Compared every step: outputs, the materialized state, the cursor rule
@@ -224,10 +232,12 @@ def check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backen
     reference runs with float32 matmuls (no TF32 on a GPU). `config` fixes
     the kernel tiling; `poison` fills the dead slots of the initial buffers
     with NaN and inf (as a rejected draft may leave them): they must not reach
-    any output or state.
+    any output or state. `wipe_at`: the step whose inputs get an extreme
+    decay on head 0 (`layer.wipe_decay`).
     """
     with jax.default_matmul_precision("highest"):
-        _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps, config, poison)
+        _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps, config, poison,
+                      wipe_at)
 
 
 def poison_dead_slots(rs):
@@ -248,7 +258,7 @@ def poison_dead_slots(rs):
     return rs.replace(**changes)
 
 
-def _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps, config, poison):
+def _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps, config, poison, wipe_at):
     tol = tol_dtype(input_dtype, state_dtype)
     rs = layer.replay_state(L, state_dtype, buffer_dtype, mixed_cursors(layer.s.batch, L))
     if poison:
@@ -256,6 +266,8 @@ def _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backe
     rs_ref = rs
     for t in range(steps):
         inp = layer.draw()
+        if t == wipe_at:
+            inp = layer.wipe_decay(inp)
         cursor = np.asarray(rs.cursor)
         y, new = layer.replay_step(rs, inp, route, backend, config)
         assert np.isfinite(np.asarray(jnp.asarray(y, f32))).all(), f"non-finite output, step {t}"

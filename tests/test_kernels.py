@@ -118,6 +118,17 @@ def test_replay_dead_slots_never_read(case, route, rng):
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
 @pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
+def test_replay_after_a_wiping_decay(case, fused, rng):
+    """A decay that wipes a head's state inside the buffer (GDN g = -inf, a
+    Mamba-2 dt spike): outputs and flushed states stay finite and equal to the
+    reference's."""
+    layer = case[0](case[1], rng)
+    check_replay(layer, 4, "output", *DTYPES["f32"], "interpret", steps=6, wipe_at=1,
+                 config=replay_config(layer, 4, jnp.float32, fused_flush=fused))
+
+
+@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
 def test_bf16_buffer_flush_matches_the_reference_to_f32_rounding(case, fused, rng):
     """With float32 inputs and state, a bfloat16 buffer rounds the records alike
     in kernel and reference: flushed checkpoints agree to float32 tolerance."""
@@ -220,6 +231,15 @@ def test_replay_step_gpu(layer, shape, L, route, dtypes, rng):
     input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]
     check_replay(layer(shape, rng, input_dtype), L, route, input_dtype, state_dtype, buffer_dtype, "pallas",
                  steps=L // 2 + 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", cases(GPU_SHAPES, first_only=True), ids=case_id)
+@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
+def test_replay_after_a_wiping_decay_gpu(case, fused, rng):
+    layer = case[0](case[1], rng)
+    check_replay(layer, 8, "output", *DTYPES["f32"], "pallas", steps=10, wipe_at=1,
+                 config=replay_config(layer, 8, jnp.float32, fused_flush=fused))
 
 
 @pytest.mark.gpu
