@@ -65,15 +65,20 @@ class HybridCausalLM(nnx.Module):
     `_logits` (final norm and LM head, f32).
     """
 
+    # Hooks each model defines (Nemotron-H, Qwen); the base has no default.
+
     def _embed(self, ids):
-        raise NotImplementedError
+        """int ids [batch, T] -> hidden [batch, T, hidden]."""
+        raise NotImplementedError(f"{type(self).__name__} must define _embed")
 
     @property
     def _blocks(self):
-        raise NotImplementedError
+        """The decoder blocks, in order."""
+        raise NotImplementedError(f"{type(self).__name__} must define _blocks")
 
     def _logits(self, h):
-        raise NotImplementedError
+        """hidden -> logits f32 (final norm and LM head)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _logits")
 
     def __call__(self, input_ids: jax.Array, *, backend: str | None = None) -> jax.Array:
         """Full causal forward, no cache.

@@ -74,12 +74,18 @@ def case_id(case):
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
+# The standard step: interpreted at the CPU shapes, compiled at the model shapes (gpu marker).
+STEP_CASES = [pytest.param(c, "interpret", id=f"cpu-{case_id(c)}") for c in cases(CPU_SHAPES)] + [
+    pytest.param(c, "pallas", id=f"gpu-{case_id(c)}", marks=pytest.mark.gpu) for c in cases(GPU_SHAPES)
+]
+
+
+@pytest.mark.parametrize(("case", "backend"), STEP_CASES)
 @pytest.mark.parametrize("dtypes", DTYPES)
-def test_step(case, dtypes, rng):
+def test_step(case, backend, dtypes, rng):
     layer, shape = case
     input_dtype, state_dtype, _ = DTYPES[dtypes]
-    check_standard(layer(shape, rng, input_dtype), state_dtype, "interpret")
+    check_standard(layer(shape, rng, input_dtype), state_dtype, backend)
 
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
@@ -204,15 +210,6 @@ def test_kernels_lower_for_cuda(case, L, dtypes, rng):
             text += lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, route, config), rs, inp)
     # The standard step, then per route: (replay, flush launch) and the fused replay.
     assert text.count("__gpu$xla.gpu.triton") == 7
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", cases(GPU_SHAPES), ids=case_id)
-@pytest.mark.parametrize("dtypes", DTYPES)
-def test_step_gpu(case, dtypes, rng):
-    layer, shape = case
-    input_dtype, state_dtype, _ = DTYPES[dtypes]
-    check_standard(layer(shape, rng, input_dtype), state_dtype, "pallas")
 
 
 # Model shape: every dtype and route, a short and a long buffer; the second

@@ -29,20 +29,24 @@ class SSMMixer(nnx.Module):
 
     _op: str  # prefix of the layer's ops in replayssm_jax.ops
 
+    # Hooks each layer defines (Mamba2Mixer, GatedDeltaNet); the base has no default.
+
     def _ssm_inputs(self, u, conv_state, conv):
         """(SSM op inputs as keywords, gate z, new conv_state); `conv` is `self.conv1d`
         (a whole sequence) or `self.conv1d.step` (one token)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _ssm_inputs")
 
     def _op_params(self) -> dict:
         """Keyword parameters of every op call (A, D, dt_bias, ... or use_qk_l2norm)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _op_params")
 
     def _replay_init(self, ssm_state, buffer_len, buffer_dtype):
-        raise NotImplementedError
+        """The layer's ReplaySSM state with `ssm_state` as checkpoint and an empty buffer."""
+        raise NotImplementedError(f"{type(self).__name__} must define _replay_init")
 
     def _finish(self, y, z):
-        raise NotImplementedError
+        """The layer output from the SSM output y and gate z (gated norm, then out_proj)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _finish")
 
     def __call__(self, u: jax.Array, *, backend: str | None = None) -> jax.Array:
         """Full forward, no cache. u: [batch, T, hidden] -> [batch, T, hidden]."""
