@@ -90,3 +90,16 @@ def test_buffer_length_dry_run(tmp_path, capsys):
     assert {r["L"] for r in rows} == {1, 2} and all(r["passed"] for r in rows)
     assert (tmp_path / "buffer_length_vs_L.png").stat().st_size > 0
     assert "best L per shape" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("spec", "fields"), [
+    ("64x4", dict(block_v=64, num_warps=4)),
+    ("16x4x1f", dict(block_v=16, num_warps=4, fused_flush=True)),
+    ("64x4x2:32x2x4", dict(block_v=64, num_warps=4, tiles=2, flush_block_v=32, flush_warps=2, flush_rows=4)),
+    ("16x2x5:8", dict(block_v=16, num_warps=2, tiles=5, flush_block_v=8)),
+])
+def test_kernels_sweep_config_spec(spec, fields):
+    """`bench/kernels.py --replay-configs` specs, the flush launch's tiling after ':'."""
+    from replayssm_jax.kernels import Config
+
+    assert load("kernels").parse_config(spec) == Config(**fields)
