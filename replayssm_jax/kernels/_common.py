@@ -254,15 +254,10 @@ def flush_launch(kernel, specs, config: Config, checkpoint, operands, *, interpr
     the checkpoint's); operands: the replay step's inputs after the
     checkpoint. One row tile per program (a flushing row's tiles run in
     parallel) and a block of batch rows: the config's flush fields, or by
-    default the replay kernel's tile and `flush_rows(batch)` rows.
-
-    Raises:
-      ValueError: config.flush_rows does not divide the batch.
+    default the replay kernel's tile and `flush_rows(batch)` rows (the
+    public wrappers have checked that config.flush_rows divides the batch).
     """
-    batch = checkpoint.shape[0]
-    rows = config.flush_rows or flush_rows(batch)
-    if batch % rows:
-        raise ValueError(f"`config.flush_rows` must divide the batch ({batch}); got {rows}")
+    rows = config.flush_rows or flush_rows(checkpoint.shape[0])
     fcfg = Config(block_v=config.flush_block_v or config.block_v, num_warps=config.flush_warps or config.num_warps,
                   num_stages=config.num_stages)
     grid, in_specs, out_specs = specs(fcfg, rows)
