@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -111,12 +112,14 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="1,2,4,8,16,32,64")
     p.add_argument("--state-dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=None, help="default: bench/results (with --dry-run: a new temporary folder)")
     p.add_argument("--dry-run", action="store_true", help="interpret mode on any device, tiny settings")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     lengths = [int(L) for L in args.lengths.split(",")]
     shapes = {"gdn": kb.GDNShape(), "mamba2": kb.Mamba2Shape()}
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="buffer_length_dry_run_") if args.dry_run else os.path.join(HERE, "results")
     if args.dry_run:
         kb.BACKEND, kb.MAX_SETS, kb.MIN_SETS, kb.STANDARD_STEPS = "interpret", 1, 1, 2
         shapes = {"gdn": kb.GDNShape(name="tiny-gdn", H=1, HV=2, K=16, V=16),
@@ -147,6 +150,7 @@ def main(argv=None) -> int:
     for (layer, sd, b), r in sorted(best_lengths(rows).items()):
         print(f"| {layer} | {sd} | {b} | {r['L']} | {r['speedup']:.2f} | {r['predicted']:.2f} |")
     print("plots:", ", ".join(paths.values()))
+    print("JSON:", os.path.join(args.out, "buffer_length.json"))
     return 0
 
 

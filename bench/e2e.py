@@ -41,6 +41,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 # JAX takes 75% of the GPU by default (104 GiB of the H200's 139): batch 512
@@ -227,9 +228,13 @@ def main(argv=None) -> int:
                    help="rows per prefill pass (the prefill of 512 x 512 tokens at once may not fit); 0: all at once")
     p.add_argument("--profile", action="store_true",
                    help="also break one decode step down by kernel category (a third, traced run per configuration)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "e2e.json"))
+    p.add_argument("--out", default=None,
+                   help="JSON path; default: bench/results/e2e.json (with --smoke: in a new temporary folder)")
     p.add_argument("--smoke", action="store_true", help="tiny fixture on any device, to check the script")
     args = p.parse_args(argv)
+    if args.out is None:
+        folder = tempfile.mkdtemp(prefix="e2e_smoke_") if args.smoke else os.path.join(ROOT, "bench", "results")
+        args.out = os.path.join(folder, "e2e.json")
     if args.smoke:
         folder, names = os.path.join(ROOT, "tests", "data"), args.models or "qwen3_next_tiny,nemotron_h_tiny"
         batches, prompt_len, new_tokens, dtype = args.batches or "1,2", 8, 6, jnp.float32
@@ -272,6 +277,7 @@ def main(argv=None) -> int:
                   f"{' '.join(f'{r.profile['ms'][c]:7.3f}' for c in step_profile.CATEGORIES)}   {top}")
     elif args.profile:
         print("\n--profile: the trace has no GPU plane (a CPU run): no breakdown")
+    print(f"JSON: {args.out}")
     return 0
 
 

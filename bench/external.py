@@ -40,11 +40,10 @@ import types
 import zipfile
 from pathlib import Path
 
-import torch
+torch = None  # imported by main(), after the arguments: --help runs without PyTorch
 
 L2_TARGET_BYTES = 240e6
 MIN_SETS, MAX_SETS = 2, 64
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GDN = dict(H=16, HV=32, K=128, V=128)
 MAMBA2 = dict(nheads=96, head_dim=80, d_state=128, n_groups=8)
 
@@ -179,6 +178,12 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="bench/results/external.json")
     p.add_argument("--workdir", default="/tmp/external_baselines")
     args = p.parse_args(argv)
+    for dtype in args.state_dtypes.split(","):
+        if dtype not in ("float32", "bfloat16"):
+            p.error(f"--state-dtypes: each must be float32 or bfloat16; got {dtype!r}")
+    global torch
+    import torch
+
     root = Path(args.workdir)
     fns = {"gdn": (load_fla(args.fla_wheel, root), gdn_case),
            "mamba2": (load_mamba_ssm(args.mamba_sdist, root), mamba2_case)}
@@ -189,7 +194,7 @@ def main(argv=None) -> None:
         for dtype in args.state_dtypes.split(","):
             for batch in map(int, args.batches.split(",")):
                 try:
-                    calls, nbytes = case(fn, batch, DTYPES[dtype])
+                    calls, nbytes = case(fn, batch, getattr(torch, dtype))
                 except ValueError as e:
                     print(f"{layer:7s} {dtype:9s} b{batch:<4d} skipped: {e}")
                     break

@@ -53,6 +53,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -69,6 +70,7 @@ from replayssm_jax import reference as ref  # noqa: E402
 from replayssm_jax.kernels import Config  # noqa: E402
 
 f32, bf16 = jnp.float32, jnp.bfloat16
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BATCHES = (1, 8, 32, 64, 128, 256, 512)
 LENGTHS = (8, 16, 32)
 STANDARD_STEPS = 16
@@ -431,7 +433,7 @@ def main():
     p.add_argument("--state-dtypes", default="float32,bfloat16")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", default=None, help="default: bench/results (with --dry-run: a new temporary folder)")
     p.add_argument("--tag", default="kernels")
     p.add_argument("--sweep", action="store_true", help="time block_v x num_warps at each shape instead")
     p.add_argument("--standard-configs", default="",
@@ -448,6 +450,8 @@ def main():
     for kind, specs in (("standard", args.standard_configs), ("replay", args.replay_configs)):
         if specs:
             SWEEP_OVERRIDE[kind] = [parse_config(x) for x in specs.split(",")]
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="kernels_dry_run_") if args.dry_run else RESULTS
     if args.dry_run:
         BACKEND, MAX_SETS, MIN_SETS = "interpret", 1, 1
     elif jax.default_backend() != "gpu":
@@ -500,6 +504,7 @@ def main():
     with open(path, "w") as fh:
         json.dump(dict(meta=meta, rows=rows), fh, indent=1)
     summary(rows, copy_bw)
+    print(f"JSON: {path}")
 
 
 def print_kernel_times(times):

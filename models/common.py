@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from replayssm_jax import ops
 from replayssm_jax.layers.cache import KVCache, ReplayLayerState, SSMLayerState
 
 __all__ = ["HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "split_params"]
@@ -46,8 +47,15 @@ _STATE_TYPES = {"mamba": (SSMLayerState, ReplayLayerState), "gdn": (SSMLayerStat
                 "attention": (KVCache,), "mlp": (type(None),), "moe": (type(None),)}
 
 
-def check_cache(cache: HybridCache, layer_types) -> None:
-    """Raise ValueError unless `cache` has one state of the right type per layer."""
+def check_cache(cache: HybridCache, layer_types, batch: int | None = None) -> None:
+    """Raise unless `cache` is a HybridCache with one state of the right type
+    per layer (TypeError, ValueError) and, if `batch` is given, `batch` rows
+    (ValueError, naming `tokens`: the ids given with the cache)."""
+    if not isinstance(cache, HybridCache):
+        raise TypeError(f"`cache` must be a HybridCache (from `prefill` or `decode`); got {type(cache).__name__}")
+    if batch is not None and cache.position.shape != (batch,):
+        raise ValueError(f"`tokens` must have shape [batch] = ({cache.position.shape[0]},) (the cache's batch); "
+                         f"got ({batch},)")
     if len(cache.layers) != len(layer_types):
         raise ValueError(f"`cache` has {len(cache.layers)} layer states; the model has {len(layer_types)} layers")
     for i, (kind, state) in enumerate(zip(layer_types, cache.layers)):
@@ -115,8 +123,14 @@ class HybridCausalLM(nnx.Module):
         Returns:
           (logits f32[batch, T, vocab_size] (f32[batch, vocab_size] with
           last_logits_only), HybridCache with position = T).
+
+        Raises:
+          ValueError: bad `input_ids`, max_len < T, an unknown backend, or a
+            replay_buffer_len the kernels of `backend` cannot take.
+          RuntimeError: backend "pallas" without a GPU.
         """
         ids = check_input_ids(input_ids, self.config.vocab_size)
+        _check_replay_buffer_len(replay_buffer_len, backend)
         h = self._embed(ids)
         states = []
         for block in self._blocks:
@@ -141,10 +155,13 @@ class HybridCausalLM(nnx.Module):
           (logits f32[batch, vocab_size] for the next token, updated HybridCache).
 
         Raises:
-          ValueError: a cache whose layers do not match the model's.
+          TypeError: `cache` not a HybridCache; `tokens` not integers.
+          ValueError: a cache whose layers do not match the model's, `tokens`
+            not of shape [batch] with the cache's batch, or an id outside the
+            vocabulary.
         """
         tokens = check_tokens(tokens, self.config.vocab_size)
-        check_cache(cache, self.config.layer_types)
+        check_cache(cache, self.config.layer_types, tokens.shape[0])
         h = self._embed(tokens)
         states = []
         for block, state in zip(self._blocks, cache.layers):
@@ -227,6 +244,17 @@ def make_decode_step(graphdef, *, route: str = "output", backend: str | None = N
         return model.decode(tokens, cache, route=route, backend=backend)
 
     return jax.jit(decode_step, donate_argnums=(1,) if donate_cache else ())
+
+
+def _check_replay_buffer_len(replay_buffer_len, backend) -> None:
+    """At prefill, the limit that the decode steps' kernels would hit later."""
+    if replay_buffer_len is None or ops.resolve_backend(backend, "mamba2_replay_step") == "xla":
+        return
+    from replayssm_jax.kernels import MAX_BUFFER_LEN
+
+    if replay_buffer_len > MAX_BUFFER_LEN:
+        raise ValueError(f"`replay_buffer_len` must be <= {MAX_BUFFER_LEN} with backend {backend!r} (the kernels' "
+                         f"limit); got {replay_buffer_len} (use backend='xla')")
 
 
 def prefill_layer_states(mixer, state, *, replay_buffer_len, buffer_dtype):

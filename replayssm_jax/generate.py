@@ -126,7 +126,7 @@ def _check_args(args):
         raise UsageError(f"--backend must be one of {', '.join(ops.BACKENDS)}; got {args.backend!r}")
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}")
-    if args.buffer_len < 1:
+    if args.buffer_len < 1 and (args.state == "replay" or args.compare):  # the standard state has no buffer
         raise UsageError(f"--buffer-len must be >= 1; got {args.buffer_len}")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32); got {args.seed}")
@@ -162,6 +162,17 @@ def _summary(out, state, args, backend, tokenizer):
     if tokenizer is not None:
         result["text"] = [tokenizer.decode(s) for s in out.sequences]
     return result
+
+
+# Generator's argument names as this command's flags, for its error messages.
+_FLAGS = {"`buffer_len`": "--buffer-len", "`max_new_tokens`": "--max-new-tokens", "`stop_tokens`": "--stop",
+          "`seed`": "--seed", "`prompt ": "`--prompt-ids row "}
+
+
+def _flag_names(message: str) -> str:
+    for name, flag in _FLAGS.items():
+        message = message.replace(name, flag)
+    return message
 
 
 def run(args) -> dict:
@@ -201,7 +212,7 @@ def run(args) -> dict:
         runs = {s: _summary(_run(model, prompts, args, s, sampling, stop, backend), s, args, backend, tokenizer)
                 for s in states}
     except GenerationError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(_flag_names(str(e))) from None
     if args.compare:
         std, rep = runs["standard"], runs["replay"]
         timed = std["tokens_per_s"] and rep["tokens_per_s"]

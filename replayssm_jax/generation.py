@@ -240,10 +240,15 @@ class Generator:
         Returns:
           GenerationOutput.
 
+        The attention layers' KV caches hold len(longest prompt) +
+        max_new_tokens positions for every sequence: their memory grows with
+        both (a cache that does not fit fails in JAX's allocator).
+
         Raises:
           GenerationError: prompts that are not a list of non-empty id
-            sequences, an id outside the vocabulary, max_new_tokens < 0, a
-            `sampling` that is not a SamplingParams.
+            sequences, an id outside the vocabulary, max_new_tokens < 0 or
+            more positions than int32 holds, a `sampling` that is not a
+            SamplingParams.
         """
         prompts, lengths = self._check_prompts(prompts)
         max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
@@ -260,6 +265,9 @@ class Generator:
             return GenerationOutput([p.tolist() for p in prompts], [0] * len(prompts), 0.0, 0.0, 0.0, 0)
         prefix_len, longest = int(lengths.min()), int(lengths.max())
         total = longest + max_new_tokens
+        if total > _MAX_POSITIONS:
+            raise GenerationError(f"`max_new_tokens` plus the longest prompt must be <= {_MAX_POSITIONS} positions "
+                                  f"(int32 positions and cursors); got {max_new_tokens} + {longest} = {total}")
         padded = np.full((len(prompts), total), self._pad_id, np.int32)
         for row, p in enumerate(prompts):
             padded[row, : len(p)] = p
@@ -337,6 +345,10 @@ class Generator:
                 raise GenerationError(f"prompt {i} must hold integer token ids; got dtype {p.dtype}")
             self._check_ids(p, f"prompt {i}")
         return [p.astype(np.int32) for p in rows], np.array([p.size for p in rows], np.int32)
+
+
+# Positions, lengths and cursors are int32.
+_MAX_POSITIONS = 2**31 - 1
 
 
 def _by_rows(fn, ids, rows):

@@ -92,7 +92,12 @@ def _op(name: str):
         impl = ref if chosen == "xla" else _kernel(name, chosen)
         return impl(*args, **kwargs)
 
-    op.__doc__ = (ref.__doc__ or "") + "\n    backend: 'pallas', 'interpret', 'xla' or None (see replayssm_jax.ops).\n"
+    if name in KERNEL_OPS:
+        backends = "'pallas' (GPU), 'interpret', 'xla' or None (see replayssm_jax.ops); `config` tunes the kernels"
+    else:
+        backends = ("'xla' or None: this op has no Pallas kernel, so 'pallas' and 'interpret' raise "
+                    "NotImplementedError")
+    op.__doc__ = (ref.__doc__ or "").rstrip() + f"\n\n    Backend (keyword-only `backend`): {backends}.\n"
     return op
 
 

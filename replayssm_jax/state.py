@@ -186,8 +186,10 @@ def check_replay_state(state, kind: type) -> None:
         v.check_float(f"state.{name}", getattr(state, name))
     for name in decays:  # processed dt / log decays: float32, as the init makes them
         v.check_float(f"state.{name}", getattr(state, name), (jnp.float32,))
-    v.as_array("state.cursor", state.cursor)
     batch = state.checkpoint.shape[0]
+    if not isinstance(state.cursor, (jax.Array, np.ndarray)):
+        raise TypeError(f"`state.cursor` must be an int32 array of shape [batch] = ({batch},); "
+                        f"got {type(state.cursor).__name__} {state.cursor!r}")
     L = state.buffer_len
     if kind is Mamba2ReplayState:
         _, nheads, head_dim, d_state = state.checkpoint.shape

@@ -154,6 +154,9 @@ def test_generator_errors():
         gen.generate([[]], 4)
     with pytest.raises(GenerationError, match="`max_new_tokens` must be >= 0; got -1"):
         gen.generate([[1, 2]], -1)
+    with pytest.raises(GenerationError, match=r"<= 2147483647 positions \(int32 positions and cursors\); "
+                                              r"got 3000000000 \+ 3 = 3000000003"):
+        gen.generate([[1, 2, 3], [4]], 3_000_000_000)  # refused before any array is allocated
     with pytest.raises(GenerationError, match="`buffer_len` must be >= 1; got 0"):
         Generator(model("mamba2_tiny"), state="replay", buffer_len=0)
     with pytest.raises(GenerationError, match="`route` must be 'output' or 'state'; got 'fast'"):
@@ -200,6 +203,13 @@ def test_command_with_a_single_new_token_reports_no_speed(capsys):
                for r in report["runs"].values())
 
 
+def test_command_standard_state_ignores_buffer_len(capsys):
+    """--buffer-len only matters to the replay state (checked when it runs)."""
+    assert main(["--max-new-tokens", "2", "--state", "standard", "--buffer-len", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["state"] == "standard" and report["buffer_len"] is None and report["num_generated"] == [2]
+
+
 def test_command_prompt_ids_on_fixture(capsys):
     ref = reference("qwen3_next_tiny")
     ids = ";".join(",".join(map(str, row)) for row in ref["prompt_ids"])
@@ -220,7 +230,9 @@ BAD_COMMANDS = [
     (["--prompt-ids", "1,x"], "--prompt-ids: row 0 ('1,x') is not a comma-separated list of integers"),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0; got -1"),
     (["--buffer-len", "0"], "--buffer-len must be >= 1; got 0"),
-    (["--buffer-len", "65", "--backend", "interpret"], "`buffer_len` must be <= 64 with backend 'interpret'"),
+    (["--buffer-len", "65", "--backend", "interpret"], "--buffer-len must be <= 64 with backend 'interpret'"),
+    (["--stop", "999999"], "--stop has token id 999999 outside the vocabulary"),
+    (["--prompt-ids", "1,999999"], "`--prompt-ids row 0` has token id 999999 outside the vocabulary"),
     (["--backend", "cuda"], "--backend must be one of pallas, interpret, xla; got 'cuda'"),
     (["--dtype", "float64"], "--dtype must be one of float32, bfloat16; got 'float64'"),
     (["--top-p", "0", "--temperature", "1"], "--top-p must be in (0, 1]; got 0.0"),

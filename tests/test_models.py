@@ -178,8 +178,19 @@ def test_decode_rejects_mismatched_cache():
         model.decode(ids[:, 0], HybridCache(layers=swapped, position=cache.position))
     with pytest.raises(ValueError, match=r"\[batch\]"):
         model.decode(ids, cache)
+    batch = ids.shape[0]
+    with pytest.raises(ValueError, match=rf"`tokens` must have shape \[batch\] = \({batch},\) \(the cache's batch\); got \(1,\)"):
+        model.decode(ids[:1, 0], cache)
+    with pytest.raises(TypeError, match="`cache` must be a HybridCache .*; got NoneType"):
+        model.decode(ids[:, 0], None)
     with pytest.raises(ValueError, match="max_len"):
         model.prefill(ids, 4)
+    # Backends that cannot run fail at prefill, not at the first decode step.
+    if jax.default_backend() != "gpu":
+        with pytest.raises(RuntimeError, match="`backend='pallas'` needs a CUDA GPU"):
+            model.prefill(ids, 16, backend="pallas")
+    with pytest.raises(ValueError, match=r"`replay_buffer_len` must be <= 64 with backend 'interpret' .*; got 100"):
+        model.prefill(ids, 16, replay_buffer_len=100, backend="interpret")
 
 
 # ------------------------------------------------------------------------------------------------

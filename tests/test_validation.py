@@ -3,6 +3,8 @@ leaving the caller's state usable."""
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -112,8 +114,9 @@ def test_replay_errors_leave_state_usable(name, request):
         case.replay_step(rs.replace(**{record: getattr(rs, record).astype(jnp.int32)}), inp)
     with pytest.raises(TypeError, match=rf"`state.{decay}` must have dtype in \(float32\); got bfloat16"):
         case.replay_step(rs.replace(**{decay: getattr(rs, decay).astype(jnp.bfloat16)}), inp)
-    with pytest.raises(TypeError, match="`state.cursor` must be an array; got list"):
-        case.replay_step(rs.replace(cursor=[0, 0]), inp)
+    for cursor, got in (([0, 0], "list [0, 0]"), (0, "int 0")):
+        with pytest.raises(TypeError, match=re.escape(f"`state.cursor` must be an int32 array of shape [batch] = (2,); got {got}")):
+            case.replay_step(rs.replace(cursor=cursor), inp)
 
     # The state that saw all these failures is intact and still decodes.
     np.testing.assert_array_equal(rs.checkpoint, before[0])
@@ -188,8 +191,12 @@ def test_flush_with_pending_window_is_refused(mamba, gdn):
 
 def test_value_checks(mamba, gdn):
     case, state, inp = mamba
+    positive = np.full(4, 0.5, np.float32)
     with pytest.raises(ValueError, match=r"`A` must be negative \(A = -exp\(A_log\)\); got max 0.5"):
-        ref.mamba2_step(state, **inp, A=np.full(4, 0.5, np.float32))
+        ref.mamba2_step(state, **inp, A=positive)
+    for op in (ops.mamba2_replay_materialize, ops.mamba2_replay_flush):
+        with pytest.raises(ValueError, match=r"`A` must be negative \(A = -exp\(A_log\)\); got max 0.5"):
+            op(case.replay_init(state, 4), positive)
     with pytest.raises(ValueError, match=r"`state` must have no empty axis \[batch, nheads, head_dim, d_state\]; got shape \(2, 4, 0, 16\)"):
         ref.mamba2_step(state[:, :, :0], **{**inp, "x": inp["x"][:, :, :0], "z": inp["z"][:, :, :0]}, A=case.A)
     rs = case.replay_init(state, 4)

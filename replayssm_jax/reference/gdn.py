@@ -169,6 +169,12 @@ def unify(state: GDNReplayState) -> tuple[jax.Array, jax.Array, jax.Array]:
 def gdn_replay_materialize(state: GDNReplayState) -> jax.Array:
     """The current full state from checkpoint plus buffer.
 
+    Args:
+      state: a GDNReplayState.
+
+    Raises:
+      TypeError, ValueError: a malformed state (see replayssm_jax.state).
+
     Returns:
       f32[batch, HV, V, K]: the state after `cursor` buffered steps, equal to
       the state a standard decode would hold now. With a pending verify
@@ -179,7 +185,23 @@ def gdn_replay_materialize(state: GDNReplayState) -> jax.Array:
 
 
 def gdn_replay_flush(state: GDNReplayState) -> GDNReplayState:
-    """Write the materialised state of every row as its checkpoint; cursor <- 0."""
+    """Write the materialised state of every row as its checkpoint; cursor <- 0.
+
+    Use it to hand a replay state to code that reads only the checkpoint
+    (e.g. a standard decode step or a cache export); decoding itself
+    flushes a row when its buffer fills.
+
+    Args:
+      state: a GDNReplayState without a pending verify window.
+
+    Returns:
+      GDNReplayState: checkpoint = the materialised state (in the
+      checkpoint's dtype), cursor 0 in every row; the buffers keep their
+      contents (dead slots, never read).
+
+    Raises:
+      TypeError, ValueError: a malformed state, or a pending verify window.
+    """
     check_replay_state(state, GDNReplayState)
     check_no_pending_window(state)
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), unify)

@@ -174,6 +174,7 @@ def unify(state: Mamba2ReplayState, A) -> tuple[jax.Array, jax.Array, jax.Array]
 def _check_replay(state, A):
     check_replay_state(state, Mamba2ReplayState)
     v.float_arg("A", A, "nheads", (state.checkpoint.shape[1],))
+    v.check_negative("A", A, "A = -exp(A_log)")
 
 
 def _check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit):
@@ -195,13 +196,35 @@ def mamba2_replay_materialize(state: Mamba2ReplayState, A) -> jax.Array:
       f32[batch, nheads, head_dim, d_state]: the state after `cursor` buffered
       steps, equal to the state a standard decode would hold now. With a
       pending verify window: the state at the window's start.
+
+    Raises:
+      TypeError, ValueError: a malformed state, a wrong shape or dtype of
+        `A`, or a concrete `A` with an entry >= 0.
     """
     _check_replay(state, A)
     return c.replay_materialize(state.checkpoint, *unify(state, A), state.cursor)
 
 
 def mamba2_replay_flush(state: Mamba2ReplayState, A) -> Mamba2ReplayState:
-    """Write the materialised state of every row as its checkpoint; cursor <- 0."""
+    """Write the materialised state of every row as its checkpoint; cursor <- 0.
+
+    Use it to hand a replay state to code that reads only the checkpoint
+    (e.g. a standard decode step or a cache export); decoding itself
+    flushes a row when its buffer fills.
+
+    Args:
+      state: a Mamba2ReplayState without a pending verify window.
+      A: f32[nheads], negative (A = -exp(A_log)).
+
+    Returns:
+      Mamba2ReplayState: checkpoint = the materialised state (in the
+      checkpoint's dtype), cursor 0 in every row; the buffers keep their
+      contents (dead slots, never read).
+
+    Raises:
+      TypeError, ValueError: a malformed state, a wrong shape or dtype of
+        `A`, a concrete `A` with an entry >= 0, or a pending verify window.
+    """
     _check_replay(state, A)
     check_no_pending_window(state)
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), lambda s: unify(s, A))
