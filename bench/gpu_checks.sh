@@ -12,7 +12,7 @@ out=${OUT:-bench/results/gpu}
 mkdir -p "$out"
 
 # 14 pytest workers share the GPU (no preallocation): compiling the kernels is the slow part
-# (16 cores on the H200 machine; 105 tests in about 130 s).
+# (16 cores on the H200 machine; 97 tests took 130 s in the fourth session).
 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -m gpu tests/test_kernels.py tests/test_inplace_hlo.py \
   -q -n 14 -p no:benchmark -W ignore::DeprecationWarning 2>&1 | tee "$out/gpu_tests.log" | tail -3
 
