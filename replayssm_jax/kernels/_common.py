@@ -64,17 +64,11 @@ class Config:
         one tile and a block of batch rows per program, that skips rows
         which do not flush (the checkpoint tiles of flushing rows are read
         twice per flush cycle).
-      flush_block_v, flush_warps, flush_rows: the flush launch's own tiling
-        (two-launch replay steps only; 0: its default, the replay kernel's
-        block_v and num_warps and `flush_rows(batch)` batch rows per
-        program). flush_block_v a power of two, flush_warps as num_warps,
-        flush_rows a power of two that must divide the batch.
 
     Raises:
       TypeError: a field of the wrong type (ints; fused_flush a bool).
       ValueError: block_v not a power of two, num_warps not in {1, 2, 4,
-        8, 16}, num_stages or tiles < 1, a flush field out of range, or
-        a flush field set with fused_flush (that step has no flush launch).
+        8, 16}, num_stages or tiles < 1.
     """
 
     block_v: int
@@ -82,12 +76,9 @@ class Config:
     num_stages: int = 1
     tiles: int = 1
     fused_flush: bool = False
-    flush_block_v: int = 0
-    flush_warps: int = 0
-    flush_rows: int = 0
 
     def __post_init__(self):
-        for name in ("block_v", "num_warps", "num_stages", "tiles", "flush_block_v", "flush_warps", "flush_rows"):
+        for name in ("block_v", "num_warps", "num_stages", "tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"`config.{name}` must be an int; got {type(value).__name__} {value!r}")
@@ -101,27 +92,10 @@ class Config:
             raise ValueError(f"`config.num_stages` must be >= 1; got {self.num_stages}")
         if self.tiles < 1:
             raise ValueError(f"`config.tiles` must be >= 1; got {self.tiles}")
-        for name in ("flush_block_v", "flush_rows"):
-            value = getattr(self, name)
-            if value < 0 or value & (value - 1):
-                raise ValueError(f"`config.{name}` must be 0 (default) or a power of two; got {value}")
-        if self.flush_warps not in (0, 1, 2, 4, 8, 16):
-            raise ValueError(f"`config.flush_warps` must be 0 (default) or one of 1, 2, 4, 8, 16; "
-                             f"got {self.flush_warps}")
-        if self.fused_flush and (self.flush_block_v or self.flush_warps or self.flush_rows):
-            raise ValueError("`config.flush_block_v`, `flush_warps` and `flush_rows` tile the flush launch, "
-                             "which a `fused_flush=True` step does not have; got "
-                             f"{self.flush_block_v}, {self.flush_warps}, {self.flush_rows}")
-
-    @property
-    def has_flush_tiling(self) -> bool:
-        """Whether a flush field is set (not 0)."""
-        return bool(self.flush_block_v or self.flush_warps or self.flush_rows)
 
     def tag(self) -> str:
         fused = "_fused" if self.fused_flush else ""
-        flush = f"_f{self.flush_block_v}x{self.flush_warps}x{self.flush_rows}" if self.has_flush_tiling else ""
-        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}_t{self.tiles}{fused}{flush}"
+        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}_t{self.tiles}{fused}"
 
     def splits(self, V: int) -> int:
         """Programs per head along the rows: cdiv(cdiv(V, block_v), tiles)."""
@@ -253,14 +227,10 @@ def flush_launch(kernel, specs, config: Config, checkpoint, operands, *, interpr
     -> (grid, in_specs, out_specs) of the layer's replay step (out_specs[1]:
     the checkpoint's); operands: the replay step's inputs after the
     checkpoint. One row tile per program (a flushing row's tiles run in
-    parallel) and a block of batch rows: the config's flush fields, or by
-    default the replay kernel's tile and `flush_rows(batch)` rows (the
-    public wrappers have checked that config.flush_rows divides the batch).
+    parallel) and a block of `flush_rows(batch)` batch rows.
     """
-    rows = config.flush_rows or flush_rows(checkpoint.shape[0])
-    fcfg = Config(block_v=config.flush_block_v or config.block_v, num_warps=config.flush_warps or config.num_warps,
-                  num_stages=config.num_stages)
-    grid, in_specs, out_specs = specs(fcfg, rows)
+    fcfg = dataclasses.replace(config, tiles=1)
+    grid, in_specs, out_specs = specs(fcfg, flush_rows(checkpoint.shape[0]))
     return pallas_call(
         functools.partial(kernel, config=fcfg),
         grid=grid,
@@ -270,7 +240,7 @@ def flush_launch(kernel, specs, config: Config, checkpoint, operands, *, interpr
         input_output_aliases={0: 0},
         interpret=interpret,
         config=fcfg,
-        name=f"{name}_{fcfg.tag()}_r{rows}",
+        name=f"{name}_{fcfg.tag()}",
     )(checkpoint, *operands)
 
 
