@@ -130,7 +130,8 @@ class HybridCausalLM(nnx.Module):
           RuntimeError: backend "pallas" without a GPU.
         """
         ids = check_input_ids(input_ids, self.config.vocab_size)
-        _check_replay_buffer_len(replay_buffer_len, backend)
+        if replay_buffer_len is not None:
+            ops.check_buffer_len(replay_buffer_len, backend, "replay_buffer_len")
         h = self._embed(ids)
         states = []
         for block in self._blocks:
@@ -244,17 +245,6 @@ def make_decode_step(graphdef, *, route: str = "output", backend: str | None = N
         return model.decode(tokens, cache, route=route, backend=backend)
 
     return jax.jit(decode_step, donate_argnums=(1,) if donate_cache else ())
-
-
-def _check_replay_buffer_len(replay_buffer_len, backend) -> None:
-    """At prefill, the limit that the decode steps' kernels would hit later."""
-    if replay_buffer_len is None or ops.resolve_backend(backend, "mamba2_replay_step") == "xla":
-        return
-    from replayssm_jax.kernels import MAX_BUFFER_LEN
-
-    if replay_buffer_len > MAX_BUFFER_LEN:
-        raise ValueError(f"`replay_buffer_len` must be <= {MAX_BUFFER_LEN} with backend {backend!r} (the kernels' "
-                         f"limit); got {replay_buffer_len} (use backend='xla')")
 
 
 def prefill_layer_states(mixer, state, *, replay_buffer_len, buffer_dtype):

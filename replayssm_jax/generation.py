@@ -148,12 +148,11 @@ class Generator:
         if not floating:
             raise GenerationError(f"`buffer_dtype` must be a floating dtype; got {buffer_dtype!r}")
         self.backend = ops.resolve_backend(backend)
-        if state == "replay" and self.backend != "xla":
-            from replayssm_jax.kernels import MAX_BUFFER_LEN
-
-            if buffer_len > MAX_BUFFER_LEN:
-                raise GenerationError(f"`buffer_len` must be <= {MAX_BUFFER_LEN} with backend {self.backend!r} "
-                                      f"(the kernels' limit); got {buffer_len} (use backend='xla')")
+        if state == "replay":
+            try:
+                ops.check_buffer_len(buffer_len, self.backend)
+            except ValueError as e:
+                raise GenerationError(str(e)) from None
         self.state = state
         self.buffer_len = buffer_len if state == "replay" else None
         self.buffer_dtype = buffer_dtype

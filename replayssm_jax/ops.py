@@ -63,6 +63,20 @@ def resolve_backend(backend: str | None, op: str | None = None) -> str:
     return backend
 
 
+def check_buffer_len(buffer_len: int, backend: str | None, name: str = "buffer_len") -> None:
+    """Raise ValueError if the replay-step kernels that `backend` selects cannot
+    take a buffer of `buffer_len` slots (the limit of :mod:`replayssm_jax.kernels`;
+    the "xla" backend has none). `name` is the caller's argument name."""
+    chosen = resolve_backend(backend, "mamba2_replay_step")
+    if chosen == "xla":
+        return
+    from replayssm_jax.kernels import MAX_BUFFER_LEN
+
+    if buffer_len > MAX_BUFFER_LEN:
+        raise ValueError(f"`{name}` must be <= {MAX_BUFFER_LEN} with backend {chosen!r} (the kernels' limit); "
+                         f"got {buffer_len} (use backend='xla')")
+
+
 def _kernel(name: str, backend: str):
     """The Pallas implementation of op `name`, bound to compiled or interpret mode."""
     from replayssm_jax import kernels
