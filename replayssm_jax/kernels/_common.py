@@ -419,8 +419,11 @@ def replay_records(S: jax.Array, L: int, record) -> jax.Array:
     record(i) -> (lg_i f32 scalar, u_i f32[BV], k_i f32[BK]) loads slot i
     (a traced index) from the buffer refs. The flush launch's loop: one
     buffered step per iteration, an iteration being a load of the record
-    and one scale-and-update of the tile (the loads form a dependent chain
-    of L memory round trips: the launch is latency-bound, bench/RESULTS.md).
+    and one scale-and-update of the tile. Loading the records ahead (a
+    4-deep prefetch) or all at once (applied by `rank_update`) made the
+    launch slower on the H200, not faster (bench/RESULTS.md, fourth
+    session): this loop's small register budget matters more than its
+    chain of record loads.
     """
 
     def body(i, S):
