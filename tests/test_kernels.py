@@ -44,10 +44,11 @@ GPU_SHAPES = {
     ],
     Mamba2: [Mamba2Shape(batch=8, H=96, P=80, N=128, G=8), Mamba2Shape(batch=5, H=6, P=100, N=64, G=2, gated=False)],
 }
-# Replay tilings compiled at the model shape: (block_v, num_warps, tiles, fused_flush).
+# Replay tilings compiled at the model shape: (block_v, num_warps, tiles,
+# fused_flush[, (flush_block_v, flush_warps, flush_rows)]).
 GPU_TILINGS = {
-    GDN: [(32, 4, 4, False), (64, 8, 2, True), (16, 2, 3, False), (4, 1, 1, True)],
-    Mamba2: [(16, 2, 5, False), (32, 4, 3, True), (16, 2, 2, False), (8, 1, 1, True)],
+    GDN: [(32, 4, 4, False), (64, 8, 2, True), (16, 2, 3, False), (4, 1, 1, True), (64, 4, 2, False, (16, 2, 1))],
+    Mamba2: [(16, 2, 5, False), (32, 4, 3, True), (16, 2, 2, False), (8, 1, 1, True), (16, 2, 5, False, (8, 1, 2))],
 }
 # Tilings the heuristic picks only at other shapes, interpreted: several row
 # tiles per program (a static and a dynamic trip count, rows padded past V).
@@ -58,6 +59,10 @@ TILINGS = [
     (kernels.Config(block_v=16, num_warps=4, tiles=1), 4),
     (kernels.Config(block_v=8, num_warps=2, tiles=3, fused_flush=True), 4),
     (kernels.Config(block_v=16, num_warps=4, tiles=1, fused_flush=True), 16),
+    # The flush launch on its own tiling: smaller and larger tiles than the
+    # replay kernel's, one row and a block of rows per program.
+    (kernels.Config(block_v=16, num_warps=4, tiles=2, flush_block_v=4, flush_warps=1, flush_rows=1), 4),
+    (kernels.Config(block_v=8, num_warps=2, tiles=3, flush_block_v=32, flush_rows=2), 16),
 ]
 
 
@@ -160,6 +165,12 @@ def test_gdn_errors_before_any_kernel(rng):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
     with pytest.raises(ValueError, match="`config.fused_flush` must be False"):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, fused_flush=True))
+    with pytest.raises(ValueError, match="flush fields of `config` must be 0 for the standard step"):
+        ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, flush_rows=2))
+    replay = layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4))
+    too_many = 2 * replay.checkpoint.shape[0]
+    with pytest.raises(ValueError, match=rf"`config.flush_rows` must divide the batch \(\d+\); got {too_many}"):
+        ops.gdn_replay_step(replay, **inp, backend="interpret", config=kernels.Config(block_v=8, flush_rows=too_many))
 
 
 @pytest.mark.parametrize(("fields", "error", "message"), [
@@ -171,6 +182,11 @@ def test_gdn_errors_before_any_kernel(rng):
     (dict(block_v=8, tiles=0), ValueError, "`config.tiles` must be >= 1; got 0"),
     (dict(block_v=8, tiles=1.5), TypeError, "`config.tiles` must be an int; got float 1.5"),
     (dict(block_v=8, fused_flush="yes"), TypeError, "`config.fused_flush` must be a bool; got str"),
+    (dict(block_v=8, flush_block_v=24), ValueError, "`config.flush_block_v` must be 0 (default) or a power of two; got 24"),
+    (dict(block_v=8, flush_rows=-2), ValueError, "`config.flush_rows` must be 0 (default) or a power of two; got -2"),
+    (dict(block_v=8, flush_warps=3), ValueError, "`config.flush_warps` must be 0 (default) or one of 1, 2, 4, 8, 16; got 3"),
+    (dict(block_v=8, flush_rows=2.0), TypeError, "`config.flush_rows` must be an int; got float 2.0"),
+    (dict(block_v=8, fused_flush=True, flush_warps=2), ValueError, "which a `fused_flush=True` step does not have"),
 ])
 def test_config_rejects_bad_fields(fields, error, message):
     with pytest.raises(error, match=re.escape(message)):
@@ -212,6 +228,25 @@ def test_kernels_lower_for_cuda(case, L, dtypes, rng):
     assert text.count("__gpu$xla.gpu.triton") == 7
 
 
+def gpu_tiling_config(tiling):
+    """kernels.Config of a GPU_TILINGS entry."""
+    block_v, warps, tiles, fused, *flush = tiling
+    flush_block_v, flush_warps, flush_rows = flush[0] if flush else (0, 0, 0)
+    return kernels.Config(block_v=block_v, num_warps=warps, tiles=tiles, fused_flush=fused,
+                          flush_block_v=flush_block_v, flush_warps=flush_warps, flush_rows=flush_rows)
+
+
+@pytest.mark.parametrize("case", [c for c in cases(GPU_TILINGS) if len(c[1]) == 5], ids=case_id)
+def test_flush_tilings_lower_for_cuda(case, rng):
+    """The flush launch on its own tiling (GPU_TILINGS), lowered for Triton on the CPU."""
+    layer = case[0](GPU_SHAPES[case[0]][0], rng, jnp.bfloat16)
+    rs = layer.replay_state(8, jnp.float32, jnp.bfloat16, np.zeros(layer.s.batch))
+    config = gpu_tiling_config(case[1])
+    text = lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, "output", config), rs, layer.draw())
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert f"flush_L8_bv{config.flush_block_v}_w{config.flush_warps}_s1_t1_r{config.flush_rows}" in text
+
+
 # Model shape: every dtype and route, a short and a long buffer; the second
 # shape (GDN: one program per head; Mamba-2: head dim 100, d_state 64):
 # bf16 inputs only.
@@ -245,7 +280,6 @@ def test_replay_after_a_wiping_decay_gpu(case, fused, rng):
 @pytest.mark.parametrize("route", ["output", "state"])
 def test_replay_tilings_gpu(case, L, route, rng):
     """The replay tilings at the model shape, compiled; dead slots poisoned."""
-    layer, (block_v, warps, tiles, fused) = case
-    config = kernels.Config(block_v=block_v, num_warps=warps, tiles=tiles, fused_flush=fused)
+    layer, config = case[0], gpu_tiling_config(case[1])
     check_replay(layer(GPU_SHAPES[layer][0], rng, jnp.bfloat16), L, route, *DTYPES["bf16in-f32state"], "pallas",
                  steps=L // 2 + 2, config=config, poison=True)

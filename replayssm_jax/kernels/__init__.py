@@ -65,9 +65,11 @@ def _check_config(config):
         raise TypeError(f"`config` must be a replayssm_jax.kernels.Config or None; got {type(config).__name__}")
 
 
-def _check_replay_tiling(L, config):
+def _check_replay_tiling(L, config, batch):
     _check_tileable("buffer length", "L", L, MAX_BUFFER_LEN)
     _check_config(config)
+    if config is not None and config.flush_rows and batch % config.flush_rows:
+        raise ValueError(f"`config.flush_rows` must divide the batch ({batch}); got {config.flush_rows}")
 
 
 def _check_standard_config(config):
@@ -76,6 +78,9 @@ def _check_standard_config(config):
         raise ValueError(f"`config.tiles` must be 1 for the standard step (one tile per program); got {config.tiles}")
     if config is not None and config.fused_flush:
         raise ValueError("`config.fused_flush` must be False for the standard step (it has no flush); got True")
+    if config is not None and config.has_flush_tiling:
+        raise ValueError(f"the flush fields of `config` must be 0 for the standard step (it has no flush); "
+                         f"got {config.tag()}")
 
 
 def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpret: bool = False,
@@ -113,7 +118,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     L = state.buffer_len
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
-    _check_replay_tiling(L, config)
+    _check_replay_tiling(L, config, state.checkpoint.shape[0])
     scale = K ** -0.5 if scale is None else float(scale)
     o, ck, d, kb, gb, cursor = _gdn.gdn_replay_step(
         state.checkpoint, state.d, state.k, state.g, state.cursor, q, k, v, g, beta,
@@ -160,7 +165,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     L = state.buffer_len
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
     _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
-    _check_replay_tiling(L, config)
+    _check_replay_tiling(L, config, state.checkpoint.shape[0])
     y, ck, xb, dtb, Bb, cursor = _mamba2.mamba2_replay_step(
         state.checkpoint, state.x, state.dt, state.B, state.cursor, x, dt, A, B, C, D, z, dt_bias,
         L=L, dt_softplus=bool(dt_softplus), dt_limit=_dt_limit(dt_limit), route=route, config=config,

@@ -8,8 +8,8 @@ on a state tile S f32[BV, BK] that holds rows v0 .. v0 + BV - 1 of one head's
 V x K state and all of its K columns (BK = K rounded up to a power of two,
 the Triton lowering needs power-of-two tensors). Padded rows and columns are
 masked on every load and store. Mat-vecs are elementwise products and
-reductions: `pl.dot` needs >= 16 in every dimension on Triton, and a
-mat-vec is memory-bound anyway.
+reductions (a dot needs >= 16 in every dimension on Triton, and a mat-vec
+is memory-bound anyway); the flush's rank-L update is a dot where it fits.
 
 The lowering (Pallas on Triton) is private to this package. Pallas warns
 that its Triton backend is deprecated; this module silences exactly that
@@ -64,11 +64,17 @@ class Config:
         one tile and a block of batch rows per program, that skips rows
         which do not flush (the checkpoint tiles of flushing rows are read
         twice per flush cycle).
+      flush_block_v, flush_warps, flush_rows: the flush launch's own tiling
+        (two-launch replay steps only; 0: its default, the replay kernel's
+        block_v and num_warps and `flush_rows(batch)` batch rows per
+        program). flush_block_v a power of two, flush_warps as num_warps,
+        flush_rows a power of two that must divide the batch.
 
     Raises:
       TypeError: a field of the wrong type (ints; fused_flush a bool).
       ValueError: block_v not a power of two, num_warps not in {1, 2, 4,
-        8, 16}, num_stages or tiles < 1.
+        8, 16}, num_stages or tiles < 1, a flush field out of range, or
+        a flush field set with fused_flush (that step has no flush launch).
     """
 
     block_v: int
@@ -76,9 +82,12 @@ class Config:
     num_stages: int = 1
     tiles: int = 1
     fused_flush: bool = False
+    flush_block_v: int = 0
+    flush_warps: int = 0
+    flush_rows: int = 0
 
     def __post_init__(self):
-        for name in ("block_v", "num_warps", "num_stages", "tiles"):
+        for name in ("block_v", "num_warps", "num_stages", "tiles", "flush_block_v", "flush_warps", "flush_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"`config.{name}` must be an int; got {type(value).__name__} {value!r}")
@@ -92,10 +101,27 @@ class Config:
             raise ValueError(f"`config.num_stages` must be >= 1; got {self.num_stages}")
         if self.tiles < 1:
             raise ValueError(f"`config.tiles` must be >= 1; got {self.tiles}")
+        for name in ("flush_block_v", "flush_rows"):
+            value = getattr(self, name)
+            if value < 0 or value & (value - 1):
+                raise ValueError(f"`config.{name}` must be 0 (default) or a power of two; got {value}")
+        if self.flush_warps not in (0, 1, 2, 4, 8, 16):
+            raise ValueError(f"`config.flush_warps` must be 0 (default) or one of 1, 2, 4, 8, 16; "
+                             f"got {self.flush_warps}")
+        if self.fused_flush and (self.flush_block_v or self.flush_warps or self.flush_rows):
+            raise ValueError("`config.flush_block_v`, `flush_warps` and `flush_rows` tile the flush launch, "
+                             "which a `fused_flush=True` step does not have; got "
+                             f"{self.flush_block_v}, {self.flush_warps}, {self.flush_rows}")
+
+    @property
+    def has_flush_tiling(self) -> bool:
+        """Whether a flush field is set (not 0)."""
+        return bool(self.flush_block_v or self.flush_warps or self.flush_rows)
 
     def tag(self) -> str:
         fused = "_fused" if self.fused_flush else ""
-        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}_t{self.tiles}{fused}"
+        flush = f"_f{self.flush_block_v}x{self.flush_warps}x{self.flush_rows}" if self.has_flush_tiling else ""
+        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}_t{self.tiles}{fused}{flush}"
 
     def splits(self, V: int) -> int:
         """Programs per head along the rows: cdiv(cdiv(V, block_v), tiles)."""
@@ -227,10 +253,14 @@ def flush_launch(kernel, specs, config: Config, checkpoint, operands, *, interpr
     -> (grid, in_specs, out_specs) of the layer's replay step (out_specs[1]:
     the checkpoint's); operands: the replay step's inputs after the
     checkpoint. One row tile per program (a flushing row's tiles run in
-    parallel) and a block of `flush_rows(batch)` batch rows.
+    parallel) and a block of batch rows: the config's flush fields, or by
+    default the replay kernel's tile and `flush_rows(batch)` rows (the
+    public wrappers have checked that config.flush_rows divides the batch).
     """
-    fcfg = dataclasses.replace(config, tiles=1)
-    grid, in_specs, out_specs = specs(fcfg, flush_rows(checkpoint.shape[0]))
+    rows = config.flush_rows or flush_rows(checkpoint.shape[0])
+    fcfg = Config(block_v=config.flush_block_v or config.block_v, num_warps=config.flush_warps or config.num_warps,
+                  num_stages=config.num_stages)
+    grid, in_specs, out_specs = specs(fcfg, rows)
     return pallas_call(
         functools.partial(kernel, config=fcfg),
         grid=grid,
@@ -240,7 +270,7 @@ def flush_launch(kernel, specs, config: Config, checkpoint, operands, *, interpr
         input_output_aliases={0: 0},
         interpret=interpret,
         config=fcfg,
-        name=f"{name}_{fcfg.tag()}",
+        name=f"{name}_{fcfg.tag()}_r{rows}",
     )(checkpoint, *operands)
 
 
@@ -309,6 +339,15 @@ def store(ref, value, mask):
     plgpu.store(ref, value.astype(ref.dtype), mask=mask)
 
 
+def load_slots(ref, L: int, cols=None):
+    """All slots of a buffer tile, f32[BL] or f32[BL, n]; the padded slots (>= L) zero.
+
+    cols: bool[n] or None, the valid columns of a 2-D tile.
+    """
+    slots = lane_mask(ref.shape[0], L)
+    return load(ref, slots if len(ref.shape) == 1 else outer(slots, cols, tuple(ref.shape)))
+
+
 def load_live(ref, live, L: int, cols=None):
     """A buffer tile f32[BL] or f32[BL, n] with its dead slots zeroed.
 
@@ -318,10 +357,7 @@ def load_live(ref, live, L: int, cols=None):
     product, so a NaN or inf left there (a rejected draft's record) never
     reaches the math.
     """
-    slots = lane_mask(live.shape[0], L)
-    if len(ref.shape) == 1:
-        return jnp.where(live, load(ref, slots), 0.0)
-    return jnp.where(live[:, None], load(ref, outer(slots, cols, tuple(ref.shape))), 0.0)
+    return jnp.where(live if len(ref.shape) == 1 else live[:, None], load_slots(ref, L, cols), 0.0)
 
 
 def load_scalar(ref, dtype=f32):
@@ -366,17 +402,23 @@ def replay_weights(lg: jax.Array, count) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(lg), w
 
 
+# The smallest extent of every dimension of a dot on the Triton lowering.
+DOT_MIN = 16
+
+
 def rank_update(S: jax.Array, Uw: jax.Array, Kb: jax.Array) -> jax.Array:
     """S + sum_i Uw[i]^T Kb[i], f32[BV, BK]: the buffered records' rank-BL update.
 
     Uw f32[BL, BV] (records already scaled by their decay weights, dead
-    slots zero); Kb f32[BL, BK]. A rolled loop over the slots that picks
-    row i out of the register tiles (a masked sum): no reloads, and a
-    register budget of about one state tile. (Inside the replay kernel, an
-    unrolled loop or a `dot` here took 244-252 registers per thread and 12%
-    occupancy from every program of the step, bench/RESULTS.md; it runs in
-    the state route and in the fused flush.)
+    slots zero); Kb f32[BL, BK]. When BL, BV and BK are all >= DOT_MIN, one
+    dot (a `tt.dot` on Triton) in f32 (precision HIGHEST: IEEE FMAs, not TF32). Otherwise a
+    rolled loop over the slots that picks row i out of the register tiles
+    (a masked sum): no reloads, and a register budget of about one state
+    tile.
     """
+    if min(*Uw.shape, Kb.shape[1]) >= DOT_MIN:
+        return S + jax.lax.dot_general(Uw, Kb, (((0,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                       preferred_element_type=f32)
     idx = lane_ids(Uw.shape[0])[:, None]
 
     def body(i, acc):
@@ -413,18 +455,24 @@ def replay_tiles(V: int, config: Config, split, tile) -> None:
         jax.lax.fori_loop(0, count, body, 0)
 
 
-def replay_records(S: jax.Array, L: int, record) -> jax.Array:
+def replay_records(S: jax.Array, L: int, record, records) -> jax.Array:
     """S after the L buffered steps S <- exp(lg_i) S + u_i k_i^T, i = 0 .. L - 1.
 
-    record(i) -> (lg_i f32 scalar, u_i f32[BV], k_i f32[BK]) loads slot i
-    (a traced index) from the buffer refs. The flush launch's loop: one
-    buffered step per iteration, an iteration being a load of the record
-    and one scale-and-update of the tile. Loading the records ahead (a
-    4-deep prefetch) or all at once (applied by `rank_update`) made the
-    launch slower on the H200, not faster (bench/RESULTS.md, fourth
-    session): this loop's small register budget matters more than its
-    chain of record loads.
+    S f32[BV, BK]. With BL = next_pow2(L), BV and BK all >= DOT_MIN, the
+    whole buffer is loaded at once, records() -> (lg f32[BL], U f32[BL, BV],
+    K f32[BL, BK]) with slots >= L zero, and applied as one decay and one
+    rank-L update (`rank_update`, a dot):
+    S_L = exp(sum_i lg_i) S + sum_i w_i u_i k_i^T, w_i = exp(sum_{j > i} lg_j).
+    Otherwise one buffered step per iteration of a loop, record(i) ->
+    (lg_i f32 scalar, u_i f32[BV], k_i f32[BK]) loading slot i (a traced
+    index). (In the fourth session a 4-deep prefetch of the loop's records,
+    and the whole buffer applied by the masked-sum rank update, both made
+    the flush launch slower: bench/RESULTS.md.)
     """
+    if min(next_pow2(L), *S.shape) >= DOT_MIN:
+        lg, U, K = records()
+        total, w = replay_weights(lg, L)
+        return rank_update(jnp.exp(total) * S, w[:, None] * U, K)
 
     def body(i, S):
         lg, u, k = record(i)

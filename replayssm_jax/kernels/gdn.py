@@ -158,7 +158,11 @@ def _flush_row(
         def record(i):
             return gbuf_ref[i], c.load(dbuf_ref.at[i, rows], vmask), c.load(kbuf_ref.at[i], kmask)
 
-        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record)
+        def records():
+            return (c.load_slots(gbuf_ref, L), c.load_slots(dbuf_ref.at[:, rows], L, vmask),
+                    c.load_slots(kbuf_ref, L, kmask))
+
+        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record, records)
         d = beta * (c.load(v_ref.at[rows], vmask) - c.matvec(S, k))
         c.store(ck_out.at[rows, :], S + d[:, None] * k[None, :], tmask)
 

@@ -169,7 +169,7 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
     c.store_cursor(cur_out, count, L, first & (pl.program_id(1) == 0))
 
 
-def _flush_kernel(*refs, P, N, L, has_z, dt_softplus, dt_limit, config):
+def _flush_kernel(*refs, P, N, L, dt_softplus, dt_limit, config):
     """The flush launch: a program holds one row tile of one head for a block of batch rows."""
     split = pl.program_id(2)  # read here: interpret mode cannot read it inside a branch
     c.flush_rows_of_program(refs, L, functools.partial(
@@ -197,7 +197,12 @@ def _flush_row(*refs, cursor, split, P, N, L, dt_softplus, dt_limit, config):
             dt_i = dtbuf_ref[i]
             return dt_i * A, dt_i * c.load(xbuf_ref.at[i, rows], pmask), c.load(Bbuf_ref.at[i], nmask)
 
-        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record)
+        def records():
+            dts = c.load_slots(dtbuf_ref, L)
+            return (dts * A, dts[:, None] * c.load_slots(xbuf_ref.at[:, rows], L, pmask),
+                    c.load_slots(Bbuf_ref, L, nmask))
+
+        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record, records)
         u = dt_extra * _load_x_record(x_ref, xbuf_ref, rows, pmask)[1]
         c.store(ck_out.at[rows, :], S + u[:, None] * Bv[None, :], tmask)
 
@@ -307,8 +312,7 @@ def mamba2_replay_step(checkpoint, xbuf, dtbuf, Bbuf, cursor, x, dt, A, B, C, D,
         name=f"mamba2_replay_{route}_L{L}_{cfg.tag()}",
     )(*args)
     if not cfg.fused_flush:
-        flush = functools.partial(_flush_kernel, P=P, N=N, L=L, has_z=z is not None, dt_softplus=dt_softplus,
-                                  dt_limit=dt_limit)
+        flush = functools.partial(_flush_kernel, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit)
         checkpoint = c.flush_launch(flush, specs, cfg, checkpoint, (xbuf, dtbuf, Bbuf, *args[4:]),
                                     interpret=interpret, name=f"mamba2_replay_flush_L{L}")
     return y, checkpoint, xbuf, dtbuf, Bbuf, new_cursor
