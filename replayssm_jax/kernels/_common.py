@@ -406,18 +406,32 @@ def replay_weights(lg: jax.Array, count) -> tuple[jax.Array, jax.Array]:
 DOT_MIN = 16
 
 
-def rank_update(S: jax.Array, Uw: jax.Array, Kb: jax.Array) -> jax.Array:
+def dot_precision(state_dtype):
+    """The algorithm of the rank-L update's dot for a state of `state_dtype`.
+
+    Tensor cores on split bf16 operands with f32 accumulation: 6 products
+    (about f32 accuracy) for an f32 state, 3 (about 16 mantissa bits, far
+    below a bf16 state's own rounding) for a bf16 state. On the H200 an
+    IEEE f32 dot (FMAs) made the f32 flush 5-12x slower, and the 3-product
+    dot made every flush at L >= 16 faster than the record loop
+    (bench/RESULTS.md, fifth session).
+    """
+    exact = jnp.dtype(state_dtype) == jnp.float32
+    return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if exact else jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+
+
+def rank_update(S: jax.Array, Uw: jax.Array, Kb: jax.Array, state_dtype) -> jax.Array:
     """S + sum_i Uw[i]^T Kb[i], f32[BV, BK]: the buffered records' rank-BL update.
 
     Uw f32[BL, BV] (records already scaled by their decay weights, dead
-    slots zero); Kb f32[BL, BK]. When BL, BV and BK are all >= DOT_MIN, one
-    dot (a `tt.dot` on Triton) in f32 (precision HIGHEST: IEEE FMAs, not TF32). Otherwise a
-    rolled loop over the slots that picks row i out of the register tiles
-    (a masked sum): no reloads, and a register budget of about one state
-    tile.
+    slots zero); Kb f32[BL, BK]; state_dtype: the state's dtype (the dot's
+    accuracy, `dot_precision`). When BL, BV and BK are all >= DOT_MIN, one
+    dot. Otherwise a rolled loop over the slots that picks row i out of the
+    register tiles (a masked sum): no reloads, and a register budget of
+    about one state tile.
     """
     if min(*Uw.shape, Kb.shape[1]) >= DOT_MIN:
-        return S + jax.lax.dot_general(Uw, Kb, (((0,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+        return S + jax.lax.dot_general(Uw, Kb, (((0,), (0,)), ((), ())), precision=dot_precision(state_dtype),
                                        preferred_element_type=f32)
     idx = lane_ids(Uw.shape[0])[:, None]
 
@@ -455,10 +469,10 @@ def replay_tiles(V: int, config: Config, split, tile) -> None:
         jax.lax.fori_loop(0, count, body, 0)
 
 
-def replay_records(S: jax.Array, L: int, record, records) -> jax.Array:
+def replay_records(S: jax.Array, L: int, record, records, state_dtype) -> jax.Array:
     """S after the L buffered steps S <- exp(lg_i) S + u_i k_i^T, i = 0 .. L - 1.
 
-    S f32[BV, BK]. With BL = next_pow2(L), BV and BK all >= DOT_MIN, the
+    S f32[BV, BK] (a tile of a state of `state_dtype`). With BL = next_pow2(L), BV and BK all >= DOT_MIN, the
     whole buffer is loaded at once, records() -> (lg f32[BL], U f32[BL, BV],
     K f32[BL, BK]) with slots >= L zero, and applied as one decay and one
     rank-L update (`rank_update`, a dot):
@@ -472,7 +486,7 @@ def replay_records(S: jax.Array, L: int, record, records) -> jax.Array:
     if min(next_pow2(L), *S.shape) >= DOT_MIN:
         lg, U, K = records()
         total, w = replay_weights(lg, L)
-        return rank_update(jnp.exp(total) * S, w[:, None] * U, K)
+        return rank_update(jnp.exp(total) * S, w[:, None] * U, K, state_dtype)
 
     def body(i, S):
         lg, u, k = record(i)

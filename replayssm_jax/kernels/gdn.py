@@ -106,7 +106,7 @@ def _replay_kernel(
             d = beta * (v - Sk)
             o = decay * (carried * c.matvec(S_c, q) + jnp.sum(a_q[:, None] * U, axis=0)) + kq * d
         else:
-            S = decay * c.rank_update(carried * S_c, w[:, None] * U, Kb)
+            S = decay * c.rank_update(carried * S_c, w[:, None] * U, Kb, ck_ref.dtype)
             d = beta * (v - c.matvec(S, k))
             o = c.matvec(S + d[:, None] * k[None, :], q)
         c.store(o_ref.at[rows], o, vmask)
@@ -118,7 +118,7 @@ def _replay_kernel(
 
             @pl.when(count >= L - 1)
             def _():
-                S_prev = decay * c.rank_update(carried * S_c, w[:, None] * U, Kb) if S is None else S
+                S_prev = decay * c.rank_update(carried * S_c, w[:, None] * U, Kb, ck_ref.dtype) if S is None else S
                 c.store(ck_out.at[rows, :], S_prev + d_rec[:, None] * k_rec[None, :], tmask)
 
     c.replay_tiles(V, config, split, tile)
@@ -162,7 +162,7 @@ def _flush_row(
             return (c.load_slots(gbuf_ref, L), c.load_slots(dbuf_ref.at[:, rows], L, vmask),
                     c.load_slots(kbuf_ref, L, kmask))
 
-        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record, records)
+        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record, records, ck_ref.dtype)
         d = beta * (c.load(v_ref.at[rows], vmask) - c.matvec(S, k))
         c.store(ck_out.at[rows, :], S + d[:, None] * k[None, :], tmask)
 

@@ -141,7 +141,7 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
         if route == "output":
             y = decay * (carried * c.matvec(S_c, Cv) + jnp.sum(a_c[:, None] * X, axis=0)) + bc * u
         else:
-            S = decay * c.rank_update(carried * S_c, w[:, None] * X, Bb) + u[:, None] * Bv[None, :]
+            S = decay * c.rank_update(carried * S_c, w[:, None] * X, Bb, ck_ref.dtype) + u[:, None] * Bv[None, :]
             y = c.matvec(S, Cv)
         y = y + D * x
         if has_z:
@@ -155,7 +155,8 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
             def _():
                 S_new = S
                 if S_new is None:
-                    S_new = decay * c.rank_update(carried * S_c, w[:, None] * X, Bb) + u[:, None] * Bv[None, :]
+                    S_new = decay * c.rank_update(carried * S_c, w[:, None] * X, Bb, ck_ref.dtype)
+                    S_new = S_new + u[:, None] * Bv[None, :]
                 c.store(ck_out.at[rows, :], S_new, tmask)
 
     c.replay_tiles(P, config, split, tile)
@@ -202,7 +203,7 @@ def _flush_row(*refs, cursor, split, P, N, L, dt_softplus, dt_limit, config):
             return (dts * A, dts[:, None] * c.load_slots(xbuf_ref.at[:, rows], L, pmask),
                     c.load_slots(Bbuf_ref, L, nmask))
 
-        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record, records)
+        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record, records, ck_ref.dtype)
         u = dt_extra * _load_x_record(x_ref, xbuf_ref, rows, pmask)[1]
         c.store(ck_out.at[rows, :], S + u[:, None] * Bv[None, :], tmask)
 
