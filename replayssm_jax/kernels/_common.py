@@ -412,8 +412,8 @@ def dot_precision(state_dtype):
     Tensor cores on split bf16 operands with f32 accumulation: 6 products
     (about f32 accuracy) for an f32 state, 3 (about 16 mantissa bits, far
     below a bf16 state's own rounding) for a bf16 state. On the H200 an
-    IEEE f32 dot (FMAs) made the f32 flush 5-12x slower, and the 3-product
-    dot made every flush at L >= 16 faster than the record loop
+    IEEE f32 dot (FMAs) made the flush of an f32 state up to 12x slower
+    than the record loop, while these dots made it faster
     (bench/RESULTS.md, fifth session).
     """
     exact = jnp.dtype(state_dtype) == jnp.float32
