@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -245,6 +246,21 @@ def test_flush_tilings_lower_for_cuda(case, rng):
     text = lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, "output", config), rs, layer.draw())
     assert text.count("__gpu$xla.gpu.triton") == 2
     assert f"flush_L8_bv{config.flush_block_v}_w{config.flush_warps}_s1_t1_r{config.flush_rows}" in text
+
+
+@pytest.mark.parametrize("case", cases(GPU_SHAPES, first_only=True), ids=case_id)
+@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
+def test_flush_is_one_dot_from_16_slots(case, fused, rng):
+    """The flush's rank-L update: a loop below 16 buffer slots, from 16 one
+    dot whose algorithm keeps the state's accuracy (6 split-bf16 products
+    for an f32 state, 3 for a bf16 state)."""
+    layer = case[0](case[1], rng, jnp.bfloat16)
+    for L, state_dtype, algorithms in [(8, jnp.float32, set()), (16, jnp.float32, {"BF16_BF16_F32_X6"}),
+                                       (32, jnp.bfloat16, {"BF16_BF16_F32_X3"})]:
+        rs = layer.replay_state(L, state_dtype, jnp.bfloat16, np.zeros(case[1].batch))
+        config = replay_config(layer, L, state_dtype, fused_flush=fused)
+        jaxpr = str(jax.make_jaxpr(lambda r, i: layer.kernel_replay_step(r, i, "output", config))(rs, layer.draw()))
+        assert set(re.findall(r"dot_general\[.*?precision=(\w+)", jaxpr, re.S)) == algorithms, (L, state_dtype)
 
 
 # Model shape: every dtype and route, a short and a long buffer; the second
