@@ -94,12 +94,14 @@ def test_buffer_length_dry_run(tmp_path, capsys):
 
 @pytest.mark.parametrize(("spec", "fields"), [
     ("64x4", dict(block_v=64, num_warps=4)),
+    ("64x4x2", dict(block_v=64, num_warps=4, tiles=2)),
     ("16x4x1f", dict(block_v=16, num_warps=4, fused_flush=True)),
     ("64x4x2:32x2x4", dict(block_v=64, num_warps=4, tiles=2, flush_block_v=32, flush_warps=2, flush_rows=4)),
     ("16x2x5:8", dict(block_v=16, num_warps=2, tiles=5, flush_block_v=8)),
 ])
 def test_kernels_sweep_config_spec(spec, fields):
-    """`bench/kernels.py --replay-configs` specs, the flush launch's tiling after ':'."""
+    """`bench/kernels.py --standard-configs / --replay-configs` specs (f: fused flush; the flush
+    launch's tiling after ':')."""
     from replayssm_jax.kernels import Config
 
     assert load("kernels").parse_config(spec) == Config(**fields)

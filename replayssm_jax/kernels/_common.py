@@ -472,10 +472,11 @@ def replay_tiles(V: int, config: Config, split, tile) -> None:
 def replay_records(S: jax.Array, L: int, record, records, state_dtype) -> jax.Array:
     """S after the L buffered steps S <- exp(lg_i) S + u_i k_i^T, i = 0 .. L - 1.
 
-    S f32[BV, BK] (a tile of a state of `state_dtype`). With BL = next_pow2(L), BV and BK all >= DOT_MIN, the
-    whole buffer is loaded at once, records() -> (lg f32[BL], U f32[BL, BV],
-    K f32[BL, BK]) with slots >= L zero, and applied as one decay and one
-    rank-L update (`rank_update`, a dot):
+    S f32[BV, BK], a tile of a state of `state_dtype`. With BL =
+    next_pow2(L), BV and BK all >= DOT_MIN, the whole buffer is loaded at
+    once, records() -> (lg f32[BL], U f32[BL, BV], K f32[BL, BK]) with slots
+    >= L zero, and applied as one decay and one rank-L update
+    (`rank_update`, a dot):
     S_L = exp(sum_i lg_i) S + sum_i w_i u_i k_i^T, w_i = exp(sum_{j > i} lg_j).
     Otherwise one buffered step per iteration of a loop, record(i) ->
     (lg_i f32 scalar, u_i f32[BV], k_i f32[BK]) loading slot i (a traced
