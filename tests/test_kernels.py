@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cases import assert_close
 from kernel_checks import (
     DTYPES,
     GDN,
@@ -166,12 +167,20 @@ def test_gdn_errors_before_any_kernel(rng):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
     with pytest.raises(ValueError, match="`config.fused_flush` must be False"):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, fused_flush=True))
-    with pytest.raises(ValueError, match="flush fields of `config` must be 0 for the standard step"):
+    with pytest.raises(ValueError, match=re.escape("must be 0 for the standard step (it has no flush); got "
+                                                   "flush_block_v=0, flush_warps=0, flush_rows=2")):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, flush_rows=2))
+    # V = 24: tiles of at most 32 rows.
+    with pytest.raises(ValueError, match=re.escape("`config.block_v` must be <= 32 (the state's value dim V = 24 "
+                                                   "rows, rounded up to a power of two); got 64")):
+        ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=64))
     replay = layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4))
     too_many = 2 * replay.checkpoint.shape[0]
     with pytest.raises(ValueError, match=rf"`config.flush_rows` must divide the batch \(\d+\); got {too_many}"):
         ops.gdn_replay_step(replay, **inp, backend="interpret", config=kernels.Config(block_v=8, flush_rows=too_many))
+    with pytest.raises(ValueError, match=re.escape("`config.flush_block_v` must be <= 32 (the state's value dim "
+                                                   "V = 24 rows, rounded up to a power of two); got 4096")):
+        ops.gdn_replay_step(replay, **inp, backend="interpret", config=kernels.Config(block_v=8, flush_block_v=4096))
 
 
 @pytest.mark.parametrize(("fields", "error", "message"), [
@@ -209,6 +218,14 @@ def test_mamba2_errors_before_any_kernel(rng):
         ops.mamba2_step(state, **inp, **layer.params, backend="triton")
     with pytest.raises(ValueError, match="`config.tiles` must be 1"):
         ops.mamba2_step(state, **inp, **layer.params, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
+    # P = 24: tiles of at most 32 rows; the state stays usable after the refusal.
+    replay = layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4))
+    with pytest.raises(ValueError, match=re.escape("`config.block_v` must be <= 32 (the state's head_dim P = 24 "
+                                                   "rows, rounded up to a power of two); got 128")):
+        ops.mamba2_replay_step(replay, **inp, **layer.params, backend="interpret", config=kernels.Config(block_v=128))
+    y, _ = ops.mamba2_replay_step(replay, **inp, **layer.params, backend="interpret")
+    y_ref, _ = ops.mamba2_replay_step(replay, **inp, **layer.params, backend="xla")
+    assert_close(y, y_ref, jnp.float32, what="output after a refused call")
 
 
 @pytest.mark.parametrize("case", cases(GPU_SHAPES), ids=case_id)
@@ -251,11 +268,14 @@ def test_flush_tilings_lower_for_cuda(case, rng):
 @pytest.mark.parametrize("case", cases(GPU_SHAPES, first_only=True), ids=case_id)
 @pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
 def test_flush_is_one_dot_from_16_slots(case, fused, rng):
-    """The flush's rank-L update: a loop below 16 buffer slots, from 16 one
-    dot whose algorithm keeps the state's accuracy (6 split-bf16 products
-    for an f32 state, 3 for a bf16 state)."""
+    """The flush's rank-L update: a loop for L <= 8, one dot once the buffer
+    pads to 16 slots (L >= 9), whose algorithm keeps the state's accuracy
+    (6 split-bf16 products for an f32 state, 3 for a bf16 state). The CPU
+    computes any dot algorithm as an exact f32 dot, so the accuracy of the
+    split products is checked by the GPU tests, not here."""
     layer = case[0](case[1], rng, jnp.bfloat16)
-    for L, state_dtype, algorithms in [(8, jnp.float32, set()), (16, jnp.float32, {"BF16_BF16_F32_X6"}),
+    for L, state_dtype, algorithms in [(8, jnp.float32, set()), (9, jnp.float32, {"BF16_BF16_F32_X6"}),
+                                       (16, jnp.float32, {"BF16_BF16_F32_X6"}),
                                        (32, jnp.bfloat16, {"BF16_BF16_F32_X3"})]:
         rs = layer.replay_state(L, state_dtype, jnp.bfloat16, np.zeros(case[1].batch))
         config = replay_config(layer, L, state_dtype, fused_flush=fused)

@@ -33,7 +33,7 @@ import math
 from replayssm_jax import _validate as val
 from replayssm_jax.kernels import gdn as _gdn
 from replayssm_jax.kernels import mamba2 as _mamba2
-from replayssm_jax.kernels._common import Config, default_config
+from replayssm_jax.kernels._common import Config, default_config, next_pow2
 from replayssm_jax.reference import gdn as _ref_gdn
 from replayssm_jax.reference import mamba2 as _ref_mamba2
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
@@ -65,22 +65,39 @@ def _check_config(config):
         raise TypeError(f"`config` must be a replayssm_jax.kernels.Config or None; got {type(config).__name__}")
 
 
-def _check_replay_tiling(L, config, batch):
+def _check_tile_rows(config, rows: int, name: str) -> None:
+    """A tile (block_v, flush_block_v) of at most the state's rows, rounded up to a power of two."""
+    limit = next_pow2(rows)
+    for field in ("block_v", "flush_block_v"):
+        value = getattr(config, field)
+        if value > limit:
+            raise ValueError(f"`config.{field}` must be <= {limit} (the state's {name} = {rows} rows, rounded up "
+                             f"to a power of two); got {value}")
+
+
+def _check_replay_tiling(L, config, batch: int, rows: int, name: str):
     _check_tileable("buffer length", "L", L, MAX_BUFFER_LEN)
     _check_config(config)
-    if config is not None and config.flush_rows and batch % config.flush_rows:
+    if config is None:
+        return
+    _check_tile_rows(config, rows, name)
+    if config.flush_rows and batch % config.flush_rows:
         raise ValueError(f"`config.flush_rows` must divide the batch ({batch}); got {config.flush_rows}")
 
 
-def _check_standard_config(config):
+def _check_standard_config(config, rows: int, name: str):
     _check_config(config)
-    if config is not None and config.tiles != 1:
+    if config is None:
+        return
+    _check_tile_rows(config, rows, name)
+    if config.tiles != 1:
         raise ValueError(f"`config.tiles` must be 1 for the standard step (one tile per program); got {config.tiles}")
-    if config is not None and config.fused_flush:
+    if config.fused_flush:
         raise ValueError("`config.fused_flush` must be False for the standard step (it has no flush); got True")
-    if config is not None and config.has_flush_tiling:
-        raise ValueError(f"the flush fields of `config` must be 0 for the standard step (it has no flush); "
-                         f"got {config.tag()}")
+    if config.has_flush_tiling:
+        raise ValueError("`config.flush_block_v`, `flush_warps` and `flush_rows` must be 0 for the standard step "
+                         f"(it has no flush); got flush_block_v={config.flush_block_v}, "
+                         f"flush_warps={config.flush_warps}, flush_rows={config.flush_rows}")
 
 
 def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpret: bool = False,
@@ -88,8 +105,10 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpr
     """One standard Gated DeltaNet decode step (Pallas kernel, state updated in place).
 
     Arguments, returns and errors as :func:`replayssm_jax.reference.gdn_step`;
-    also ValueError for K or V > 256 (not tiled) or a `config` with tiles != 1,
-    TypeError for a `config` that is not a :class:`Config`. `config` overrides
+    also ValueError for K or V > 256 (not tiled), or a `config` with
+    tiles != 1, fused_flush, a flush field set, or block_v above V rounded
+    up to a power of two; TypeError for a `config` that is not a
+    :class:`Config`. `config` overrides
     the frozen tiling heuristic; `interpret` runs the kernel in interpret mode.
     """
     state = _ref_gdn._check_state(state)
@@ -97,7 +116,7 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpr
     _, _, V, K = state.shape
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
-    _check_standard_config(config)
+    _check_standard_config(config, V, "value dim V")
     scale = K ** -0.5 if scale is None else float(scale)
     return _gdn.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
                          config=config, interpret=interpret)
@@ -109,8 +128,9 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
 
     Arguments, returns and errors as :func:`replayssm_jax.reference.gdn_replay_step`
     (see the module note on rows entering with cursor == L); also ValueError
-    for K or V > 256 or L > 64, TypeError for a `config` that is not a
-    :class:`Config`.
+    for K or V > 256, L > 64, a `config.block_v` or `flush_block_v` above V
+    rounded up to a power of two, or a `config.flush_rows` that does not
+    divide the batch; TypeError for a `config` that is not a :class:`Config`.
     """
     _ref_gdn._check_replay_inputs(state, q, k, v, g, beta, scale)
     _check_route(route)
@@ -118,7 +138,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     L = state.buffer_len
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
-    _check_replay_tiling(L, config, state.checkpoint.shape[0])
+    _check_replay_tiling(L, config, state.checkpoint.shape[0], V, "value dim V")
     scale = K ** -0.5 if scale is None else float(scale)
     o, ck, d, kb, gb, cursor = _gdn.gdn_replay_step(
         state.checkpoint, state.d, state.k, state.g, state.cursor, q, k, v, g, beta,
@@ -136,15 +156,17 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
     """One standard Mamba-2 decode step (Pallas kernel, state updated in place).
 
     Arguments, returns and errors as :func:`replayssm_jax.reference.mamba2_step`;
-    also ValueError for head_dim or d_state > 256 or a `config` with
-    tiles != 1, TypeError for a `config` that is not a :class:`Config`.
+    also ValueError for head_dim or d_state > 256, or a `config` with
+    tiles != 1, fused_flush, a flush field set, or block_v above P rounded
+    up to a power of two; TypeError for a `config` that is not a
+    :class:`Config`.
     """
     state = _ref_mamba2._check_state(state)
     _ref_mamba2._check_inputs(state.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
     _, _, P, N = state.shape
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
     _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
-    _check_standard_config(config)
+    _check_standard_config(config, P, "head_dim P")
     return _mamba2.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=bool(dt_softplus),
                                dt_limit=_dt_limit(dt_limit), config=config, interpret=interpret)
 
@@ -156,8 +178,10 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
 
     Arguments, returns and errors as :func:`replayssm_jax.reference.mamba2_replay_step`
     (see the module note on rows entering with cursor == L); also ValueError
-    for head_dim or d_state > 256 or L > 64, TypeError for a `config` that is
-    not a :class:`Config`.
+    for head_dim or d_state > 256, L > 64, a `config.block_v` or
+    `flush_block_v` above P rounded up to a power of two, or a
+    `config.flush_rows` that does not divide the batch; TypeError for a
+    `config` that is not a :class:`Config`.
     """
     _ref_mamba2._check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit)
     _check_route(route)
@@ -165,7 +189,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     L = state.buffer_len
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
     _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
-    _check_replay_tiling(L, config, state.checkpoint.shape[0])
+    _check_replay_tiling(L, config, state.checkpoint.shape[0], P, "head_dim P")
     y, ck, xb, dtb, Bb, cursor = _mamba2.mamba2_replay_step(
         state.checkpoint, state.x, state.dt, state.B, state.cursor, x, dt, A, B, C, D, z, dt_bias,
         L=L, dt_softplus=bool(dt_softplus), dt_limit=_dt_limit(dt_limit), route=route, config=config,

@@ -9,7 +9,8 @@ V x K state and all of its K columns (BK = K rounded up to a power of two,
 the Triton lowering needs power-of-two tensors). Padded rows and columns are
 masked on every load and store. Mat-vecs are elementwise products and
 reductions (a dot needs >= 16 in every dimension on Triton, and a mat-vec
-is memory-bound anyway); the flush's rank-L update is a dot where it fits.
+is memory-bound anyway); the buffered records' rank-L update (the flush,
+and the replay kernel's state route) is a dot where it fits.
 
 The lowering (Pallas on Triton) is private to this package. Pallas warns
 that its Triton backend is deprecated; this module silences exactly that
