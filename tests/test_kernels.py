@@ -203,6 +203,14 @@ def test_config_rejects_bad_fields(fields, error, message):
         kernels.Config(**fields)
 
 
+def test_config_takes_numpy_ints():
+    config = kernels.Config(block_v=np.int64(16), num_warps=np.int32(2), flush_rows=np.int64(4))
+    assert config == kernels.Config(block_v=16, num_warps=2, flush_rows=4)
+    assert all(type(getattr(config, name)) is int for name in ("block_v", "num_warps", "flush_rows"))
+    with pytest.raises(TypeError, match="`config.tiles` must be an int; got bool"):
+        kernels.Config(block_v=16, tiles=np.bool_(True))
+
+
 def test_mamba2_errors_before_any_kernel(rng):
     layer = Mamba2(CPU_SHAPES[Mamba2][0], rng)
     state, inp = layer.state(jnp.float32), layer.draw()

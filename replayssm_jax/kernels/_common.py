@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -72,7 +74,8 @@ class Config:
         flush_rows a power of two that must divide the batch.
 
     Raises:
-      TypeError: a field of the wrong type (ints; fused_flush a bool).
+      TypeError: a field of the wrong type (ints, numpy ints included;
+        fused_flush a bool).
       ValueError: block_v not a power of two, num_warps not in {1, 2, 4,
         8, 16}, num_stages or tiles < 1, a flush field out of range, or
         a flush field set with fused_flush (that step has no flush launch).
@@ -90,8 +93,9 @@ class Config:
     def __post_init__(self):
         for name in ("block_v", "num_warps", "num_stages", "tiles", "flush_block_v", "flush_warps", "flush_rows"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"`config.{name}` must be an int; got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, int(value))  # a numpy int (from a sweep) is stored as an int
         if not isinstance(self.fused_flush, bool):
             raise TypeError(f"`config.fused_flush` must be a bool; got {type(self.fused_flush).__name__}")
         if self.block_v < 1 or self.block_v & (self.block_v - 1):
