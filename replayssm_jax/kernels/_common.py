@@ -411,6 +411,11 @@ def replay_weights(lg: jax.Array, count) -> tuple[jax.Array, jax.Array]:
 DOT_MIN = 16
 
 
+def fits_dot(*dims: int) -> bool:
+    """Whether a dot with these (power-of-two) dimensions lowers on Triton."""
+    return min(dims) >= DOT_MIN
+
+
 def dot_precision(state_dtype):
     """The algorithm of the rank-L update's dot for a state of `state_dtype`.
 
@@ -435,7 +440,7 @@ def rank_update(S: jax.Array, Uw: jax.Array, Kb: jax.Array, state_dtype) -> jax.
     register tiles (a masked sum): no reloads, and a register budget of
     about one state tile.
     """
-    if min(*Uw.shape, Kb.shape[1]) >= DOT_MIN:
+    if fits_dot(*Uw.shape, Kb.shape[1]):
         return S + jax.lax.dot_general(Uw, Kb, (((0,), (0,)), ((), ())), precision=dot_precision(state_dtype),
                                        preferred_element_type=f32)
     idx = lane_ids(Uw.shape[0])[:, None]
@@ -489,7 +494,7 @@ def replay_records(S: jax.Array, L: int, record, records, state_dtype) -> jax.Ar
     and the whole buffer applied by the masked-sum rank update, both made
     the flush launch slower: bench/RESULTS.md.)
     """
-    if min(next_pow2(L), *S.shape) >= DOT_MIN:
+    if fits_dot(next_pow2(L), *S.shape):  # then rank_update takes its dot too
         lg, U, K = records()
         total, w = replay_weights(lg, L)
         return rank_update(jnp.exp(total) * S, w[:, None] * U, K, state_dtype)
