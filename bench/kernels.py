@@ -390,13 +390,14 @@ SWEEP_CONFIGS = {
 
 
 def parse_config(spec: str) -> Config:
-    """'BVxWxT', 'BVxWxTf' (f: fused flush) or 'BVxWxT:FBVxFWxFR' (the flush launch's
-    block_v, warps and batch rows per program, 0 for the default) -> Config."""
+    """'BVxWxT', 'BVxWxTxS' (S: num_stages), 'BVxWxTf' (f: fused flush) or
+    'BVxWxT:FBVxFWxFR' (the flush launch's block_v, warps and batch rows per
+    program, 0 for the default) -> Config."""
     spec, _, flush = spec.partition(":")
     fused = spec.endswith("f")
-    bv, warps, tiles = (list(map(int, spec.rstrip("f").split("x"))) + [1, 1])[:3]
+    bv, warps, tiles, stages = (list(map(int, spec.rstrip("f").split("x"))) + [1, 1, 1])[:4]
     fbv, fwarps, frows = (list(map(int, flush.split("x"))) + [0, 0, 0])[:3] if flush else (0, 0, 0)
-    return Config(block_v=bv, num_warps=warps, tiles=tiles, fused_flush=fused,
+    return Config(block_v=bv, num_warps=warps, num_stages=stages, tiles=tiles, fused_flush=fused,
                   flush_block_v=fbv, flush_warps=fwarps, flush_rows=frows)
 
 
@@ -440,7 +441,7 @@ def main():
                    help="with --sweep: standard tilings to time instead of SWEEP_CONFIGS, e.g. '64x8,128x8' (BVxW)")
     p.add_argument("--replay-configs", default="",
                    help="with --sweep: replay tilings instead of SWEEP_CONFIGS, e.g. '16x4x1f,64x4x2,64x4x2:32x2x4' "
-                        "(BVxWxT, f: fused; after ':' the flush launch's BVxWxROWS)")
+                        "(BVxWxT or BVxWxTxSTAGES, f: fused; after ':' the flush launch's BVxWxROWS)")
     p.add_argument("--profile", action="store_true", help="trace a run of each variant: GPU time per kernel and step")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test of this script: interpret mode, 1 state set (numbers meaningless)")

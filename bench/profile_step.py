@@ -26,7 +26,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernels as kb  # noqa: E402  (bench/kernels.py)
-from replayssm_jax.kernels import Config  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -35,15 +34,16 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtype", default="float32")
     p.add_argument("--L", type=int, default=8)
     p.add_argument("--backend", default="pallas", help="pallas (GPU) or interpret (a CPU check of the script)")
-    p.add_argument("--configs", default="", help="extra replay configs to profile, e.g. '32x4x4,64x8x2' (block_v x warps x tiles)")
+    p.add_argument("--layers", default="gdn,mamba2")
+    p.add_argument("--configs", default="",
+                   help="extra replay configs to profile, as bench/kernels.py --replay-configs, e.g. '32x4x4,16x2x5x2'")
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
-    extra = []
-    for spec in filter(None, args.configs.split(",")):
-        bv, warps, tiles = (list(map(int, spec.split("x"))) + [1])[:3]
-        extra.append(Config(block_v=bv, num_warps=warps, tiles=tiles))
-    for bench in (kb.GDNBench(kb.GDNShape(), args.batch, args.state_dtype, rng),
-                  kb.Mamba2Bench(kb.Mamba2Shape(), args.batch, args.state_dtype, rng)):
+    extra = [kb.parse_config(spec) for spec in filter(None, args.configs.split(","))]
+    benches = {"gdn": lambda: kb.GDNBench(kb.GDNShape(), args.batch, args.state_dtype, rng),
+               "mamba2": lambda: kb.Mamba2Bench(kb.Mamba2Shape(), args.batch, args.state_dtype, rng)}
+    for layer in args.layers.split(","):
+        bench = benches[layer]()
         inp = jax.tree.map(lambda a: a[0], bench.inputs(1))
         state = bench.state()
         runs = [("standard", jax.jit(lambda s, i: bench.step(s, i, args.backend), donate_argnums=0), state)]

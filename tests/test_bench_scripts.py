@@ -95,6 +95,7 @@ def test_buffer_length_dry_run(tmp_path, capsys):
 @pytest.mark.parametrize(("spec", "fields"), [
     ("64x4", dict(block_v=64, num_warps=4)),
     ("64x4x2", dict(block_v=64, num_warps=4, tiles=2)),
+    ("16x2x5x3", dict(block_v=16, num_warps=2, tiles=5, num_stages=3)),
     ("16x4x1f", dict(block_v=16, num_warps=4, fused_flush=True)),
     ("64x4x2:32x2x4", dict(block_v=64, num_warps=4, tiles=2, flush_block_v=32, flush_warps=2, flush_rows=4)),
     ("16x2x5:8", dict(block_v=16, num_warps=2, tiles=5, flush_block_v=8)),

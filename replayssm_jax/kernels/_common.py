@@ -344,17 +344,17 @@ def store(ref, value, mask):
     plgpu.store(ref, value.astype(ref.dtype), mask=mask)
 
 
-def load_slots(ref, L: int, cols=None):
-    """All slots of a buffer tile, f32[BL] or f32[BL, n]; the padded slots (>= L) zero.
+def load_slots(ref, L: int, cols=None, dtype=f32):
+    """All slots of a buffer tile, [BL] or [BL, n] in `dtype`; the padded slots (>= L) zero.
 
     cols: bool[n] or None, the valid columns of a 2-D tile.
     """
     slots = lane_mask(ref.shape[0], L)
-    return load(ref, slots if len(ref.shape) == 1 else outer(slots, cols, tuple(ref.shape)))
+    return load(ref, slots if len(ref.shape) == 1 else outer(slots, cols, tuple(ref.shape)), dtype)
 
 
-def load_live(ref, live, L: int, cols=None):
-    """A buffer tile f32[BL] or f32[BL, n] with its dead slots zeroed.
+def load_live(ref, live, L: int, cols=None, dtype=f32):
+    """A buffer tile [BL] or [BL, n] in `dtype` with its dead slots zeroed.
 
     live: bool[BL], the live slots. The load itself is masked only by what
     is static (slots < L, and `cols`, bool[n] or None), so it need not wait
@@ -362,7 +362,8 @@ def load_live(ref, live, L: int, cols=None):
     product, so a NaN or inf left there (a rejected draft's record) never
     reaches the math.
     """
-    return jnp.where(live if len(ref.shape) == 1 else live[:, None], load_slots(ref, L, cols), 0.0)
+    return jnp.where(live if len(ref.shape) == 1 else live[:, None], load_slots(ref, L, cols, dtype),
+                     jnp.zeros((), dtype))
 
 
 def load_scalar(ref, dtype=f32):
@@ -417,7 +418,8 @@ def fits_dot(*dims: int) -> bool:
 
 
 def dot_precision(state_dtype):
-    """The algorithm of the rank-L update's dot for a state of `state_dtype`.
+    """The algorithm of the rank-L update's dot for a state of `state_dtype`
+    when the buffered keys are not bf16 (f32 or f16 buffers).
 
     Tensor cores on split bf16 operands with f32 accumulation: 6 products
     (about f32 accuracy) for an f32 state, 3 (about 16 mantissa bits, far
@@ -430,19 +432,50 @@ def dot_precision(state_dtype):
     return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if exact else jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
 
+def split_parts(state_dtype) -> int:
+    """bf16 parts of the weighted records in the rank-L update with bf16 keys:
+    3 (about 24 mantissa bits, f32 accuracy) for an f32 state, 2 (about 16
+    bits) for a bf16 state."""
+    return 3 if jnp.dtype(state_dtype) == jnp.float32 else 2
+
+
+def split_bf16(a: jax.Array, parts: int) -> list[jax.Array]:
+    """bf16 arrays, largest first, whose f32 sum is `a` to about 8 * parts mantissa bits."""
+    out = []
+    for _ in range(parts):
+        out.append(a.astype(jnp.bfloat16))
+        a = a - out[-1].astype(f32)
+    return out
+
+
 def rank_update(S: jax.Array, Uw: jax.Array, Kb: jax.Array, state_dtype) -> jax.Array:
     """S + sum_i Uw[i]^T Kb[i], f32[BV, BK]: the buffered records' rank-BL update.
 
     Uw f32[BL, BV] (records already scaled by their decay weights, dead
-    slots zero); Kb f32[BL, BK]; state_dtype: the state's dtype (the dot's
-    accuracy, `dot_precision`). When BL, BV and BK are all >= DOT_MIN, one
-    dot. Otherwise a rolled loop over the slots that picks row i out of the
+    slots zero); Kb [BL, BK], the buffered keys as stored (bf16, or f32 /
+    f16 buffers); state_dtype: the state's dtype (the dot's accuracy).
+
+    When BL, BV and BK are all >= DOT_MIN, dots on the tensor cores with
+    f32 accumulation. With bf16 keys, only Uw is split into bf16 parts
+    (`split_parts`: 3 for an f32 state, 2 for a bf16 one) and each part is
+    one bf16 dot against the keys as stored: every product is exact, and
+    the big key tile is neither split nor widened (registers: occupancy).
+    Other key dtypes take one dot of f32 operands with `dot_precision`.
+    Otherwise a rolled loop over the slots that picks row i out of the
     register tiles (a masked sum): no reloads, and a register budget of
     about one state tile.
     """
+    dims = (((0,), (0,)), ((), ()))
     if fits_dot(*Uw.shape, Kb.shape[1]):
-        return S + jax.lax.dot_general(Uw, Kb, (((0,), (0,)), ((), ())), precision=dot_precision(state_dtype),
+        if Kb.dtype == jnp.bfloat16:
+            acc = None
+            for part in reversed(split_bf16(Uw, split_parts(state_dtype))):  # smallest first
+                term = jax.lax.dot_general(part, Kb, dims, preferred_element_type=f32)
+                acc = term if acc is None else acc + term
+            return S + acc
+        return S + jax.lax.dot_general(Uw, Kb.astype(f32), dims, precision=dot_precision(state_dtype),
                                        preferred_element_type=f32)
+    Kb = Kb.astype(f32)
     idx = lane_ids(Uw.shape[0])[:, None]
 
     def body(i, acc):
@@ -484,9 +517,9 @@ def replay_records(S: jax.Array, L: int, record, records, state_dtype) -> jax.Ar
 
     S f32[BV, BK], a tile of a state of `state_dtype`. With BL =
     next_pow2(L), BV and BK all >= DOT_MIN, the whole buffer is loaded at
-    once, records() -> (lg f32[BL], U f32[BL, BV], K f32[BL, BK]) with slots
+    once, records() -> (lg f32[BL], U f32[BL, BV], K [BL, BK] as buffered) with slots
     >= L zero, and applied as one decay and one rank-L update
-    (`rank_update`, a dot):
+    (`rank_update`, on the tensor cores):
     S_L = exp(sum_i lg_i) S + sum_i w_i u_i k_i^T, w_i = exp(sum_{j > i} lg_j).
     Otherwise one buffered step per iteration of a loop, record(i) ->
     (lg_i f32 scalar, u_i f32[BV], k_i f32[BK]) loading slot i (a traced

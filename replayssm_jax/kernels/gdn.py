@@ -85,7 +85,7 @@ def _replay_kernel(
     # Per-head work, once per program: the decay weights of the live slots
     # and the buffered keys' scores against this step's k and q.
     total, w = c.replay_weights(c.load_live(gbuf_ref, live, L), count)
-    Kb = c.load_live(kbuf_ref, live, L, kmask)
+    Kb = c.load_live(kbuf_ref, live, L, kmask, kbuf_ref.dtype)  # as buffered (the rank update's keys)
     a_k = w * jnp.sum(Kb * k[None, :], axis=1)
     a_q = w * jnp.sum(Kb * q[None, :], axis=1)
     kq = jnp.sum(k * q)
@@ -160,7 +160,7 @@ def _flush_row(
 
         def records():
             return (c.load_slots(gbuf_ref, L), c.load_slots(dbuf_ref.at[:, rows], L, vmask),
-                    c.load_slots(kbuf_ref, L, kmask))
+                    c.load_slots(kbuf_ref, L, kmask, kbuf_ref.dtype))
 
         S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record, records, ck_ref.dtype)
         d = beta * (c.load(v_ref.at[rows], vmask) - c.matvec(S, k))

@@ -125,7 +125,7 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
     # Per-head work, once per program: decay weights of the live slots and
     # the buffered B's scores against C.
     carried, w = _buffer_weights(dtbuf_ref, live, L, count, A)
-    Bb = c.load_live(Bbuf_ref, live, L, nmask)
+    Bb = c.load_live(Bbuf_ref, live, L, nmask, Bbuf_ref.dtype)  # as buffered (the rank update's keys)
     a_c = w * jnp.sum(Bb * Cv[None, :], axis=1)
     bc = jnp.sum(Bv * Cv)
     decay = jnp.exp(dt * A)
@@ -201,7 +201,7 @@ def _flush_row(*refs, cursor, split, P, N, L, dt_softplus, dt_limit, config):
         def records():
             dts = c.load_slots(dtbuf_ref, L)
             return (dts * A, dts[:, None] * c.load_slots(xbuf_ref.at[:, rows], L, pmask),
-                    c.load_slots(Bbuf_ref, L, nmask))
+                    c.load_slots(Bbuf_ref, L, nmask, Bbuf_ref.dtype))
 
         S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record, records, ck_ref.dtype)
         u = dt_extra * _load_x_record(x_ref, xbuf_ref, rows, pmask)[1]
