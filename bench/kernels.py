@@ -392,13 +392,23 @@ SWEEP_CONFIGS = {
 def parse_config(spec: str) -> Config:
     """'BVxWxT', 'BVxWxTxS' (S: num_stages), 'BVxWxTf' (f: fused flush) or
     'BVxWxT:FBVxFWxFR' (the flush launch's block_v, warps and batch rows per
-    program, 0 for the default) -> Config."""
-    spec, _, flush = spec.partition(":")
-    fused = spec.endswith("f")
-    bv, warps, tiles, stages = (list(map(int, spec.rstrip("f").split("x"))) + [1, 1, 1])[:4]
-    fbv, fwarps, frows = (list(map(int, flush.split("x"))) + [0, 0, 0])[:3] if flush else (0, 0, 0)
+    program, 0 for the default) -> Config. Missing trailing fields take their
+    defaults. Raises ValueError for a spec that does not parse."""
+    head, colon, flush = spec.partition(":")
+    fused = head.endswith("f")
+    main = _spec_ints(spec, head.removesuffix("f"), 4)
+    bv, warps, tiles, stages = main + [None, 4, 1, 1][len(main):]  # Config's defaults
+    fbv, fwarps, frows = (_spec_ints(spec, flush, 3) + [0, 0, 0])[:3] if colon else (0, 0, 0)
     return Config(block_v=bv, num_warps=warps, num_stages=stages, tiles=tiles, fused_flush=fused,
                   flush_block_v=fbv, flush_warps=fwarps, flush_rows=frows)
+
+
+def _spec_ints(spec: str, part: str, most: int) -> list[int]:
+    fields = part.split("x")
+    if not 1 <= len(fields) <= most or not all(f.isdigit() for f in fields):
+        raise ValueError(f"config spec {spec!r}: expected 'BVxWxT', 'BVxWxTxSTAGES' or 'BVxWxTf', then optionally "
+                         f"':FBVxFWxROWS' (1-{most} 'x'-separated integers in {part!r})")
+    return [int(f) for f in fields]
 
 
 def sweep_configs(bench, L):
@@ -450,11 +460,14 @@ def main():
     PROFILE = args.profile
     for kind, specs in (("standard", args.standard_configs), ("replay", args.replay_configs)):
         if specs:
-            SWEEP_OVERRIDE[kind] = [parse_config(x) for x in specs.split(",")]
+            try:
+                SWEEP_OVERRIDE[kind] = [parse_config(x) for x in specs.split(",")]
+            except (ValueError, TypeError) as e:
+                p.error(f"--{kind}-configs: {e}")
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix="kernels_dry_run_") if args.dry_run else RESULTS
-    if args.dry_run:
-        BACKEND, MAX_SETS, MIN_SETS = "interpret", 1, 1
+    if args.dry_run:  # the real shapes in interpret mode: minutes per layer and state dtype
+        BACKEND, MAX_SETS, MIN_SETS, args.repeats = "interpret", 1, 1, 1
     elif jax.default_backend() != "gpu":
         sys.exit("bench/kernels.py needs a GPU (JAX default backend is %r)" % jax.default_backend())
     rng = np.random.default_rng(0)
@@ -504,7 +517,10 @@ def main():
                     json.dump(dict(meta=meta, rows=rows), fh, indent=1)
     with open(path, "w") as fh:
         json.dump(dict(meta=meta, rows=rows), fh, indent=1)
-    summary(rows, copy_bw)
+    if args.sweep:
+        sweep_summary(rows)
+    else:
+        summary(rows, copy_bw)
     print(f"JSON: {path}")
 
 
@@ -528,6 +544,28 @@ def summary(rows, copy_bw):
         best = min(rep, key=lambda r: r["seconds"])
         print(f"| {layer} | {sd} | {b} | {std['seconds'] * 1e6:.2f} | {std['pct_copy']:.1f} | {best['variant']} | "
               f"{best['seconds'] * 1e6:.2f} | {std['seconds'] / best['seconds']:.2f} |")
+
+
+
+def sweep_summary(rows):
+    """The default and the fastest tiling of each swept variant."""
+    print("\n| layer | state | batch | variant | default | us | fastest | us | default / fastest |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    keyed = {}
+    for r in rows:
+        if "config" in r:
+            keyed.setdefault((r["layer"], r["state_dtype"], r["batch"], r["variant"]), []).append(r)
+
+    def tag(r):
+        return Config(**r["config"]).tag()
+
+    for (layer, sd, b, variant), rs in keyed.items():
+        default = next((r for r in rs if r["default"]), None)
+        best = min(rs, key=lambda r: r["seconds"])
+        d_tag, d_us = (tag(default), f"{default['seconds'] * 1e6:.2f}") if default else ("-", "-")
+        ratio = f"{default['seconds'] / best['seconds']:.2f}" if default else "-"
+        print(f"| {layer} | {sd} | {b} | {variant} | {d_tag} | {d_us} | {tag(best)} | {best['seconds'] * 1e6:.2f} | "
+              f"{ratio} |")
 
 
 if __name__ == "__main__":

@@ -34,15 +34,21 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtype", default="float32")
     p.add_argument("--L", type=int, default=8)
     p.add_argument("--backend", default="pallas", help="pallas (GPU) or interpret (a CPU check of the script)")
-    p.add_argument("--layers", default="gdn,mamba2")
+    p.add_argument("--layers", default="gdn,mamba2", help="comma-separated: gdn, mamba2")
     p.add_argument("--configs", default="",
                    help="extra replay configs to profile, as bench/kernels.py --replay-configs, e.g. '32x4x4,16x2x5x2'")
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
-    extra = [kb.parse_config(spec) for spec in filter(None, args.configs.split(","))]
+    try:
+        extra = [kb.parse_config(spec) for spec in filter(None, args.configs.split(","))]
+    except (ValueError, TypeError) as e:
+        p.error(f"--configs: {e}")
     benches = {"gdn": lambda: kb.GDNBench(kb.GDNShape(), args.batch, args.state_dtype, rng),
                "mamba2": lambda: kb.Mamba2Bench(kb.Mamba2Shape(), args.batch, args.state_dtype, rng)}
-    for layer in args.layers.split(","):
+    layers = args.layers.split(",")
+    if unknown := [x for x in layers if x not in benches]:
+        p.error(f"--layers: unknown {', '.join(unknown)}; choose from {', '.join(benches)}")
+    for layer in layers:
         bench = benches[layer]()
         inp = jax.tree.map(lambda a: a[0], bench.inputs(1))
         state = bench.state()

@@ -93,6 +93,7 @@ def test_buffer_length_dry_run(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("spec", "fields"), [
+    ("32", dict(block_v=32)),
     ("64x4", dict(block_v=64, num_warps=4)),
     ("64x4x2", dict(block_v=64, num_warps=4, tiles=2)),
     ("16x2x5x3", dict(block_v=16, num_warps=2, tiles=5, num_stages=3)),
@@ -106,3 +107,72 @@ def test_kernels_sweep_config_spec(spec, fields):
     from replayssm_jax.kernels import Config
 
     assert load("kernels").parse_config(spec) == Config(**fields)
+
+
+@pytest.mark.parametrize("spec", ["16x2x5x2x9", "16x2x5x", "", "axb", "16x2:1x2x3x4", "16x2:"])
+def test_kernels_sweep_config_spec_errors(spec):
+    with pytest.raises(ValueError, match=r"config spec .*: expected 'BVxWxT'"):
+        load("kernels").parse_config(spec)
+
+
+def test_kernels_sweep_summary(capsys):
+    """--sweep ends with the default and the fastest tiling of each variant."""
+    from replayssm_jax.kernels import Config
+
+    kb = load("kernels")
+    base = dict(layer="mamba2", state_dtype="float32", batch=256)
+    rows = [dict(base, variant="replay-L16", config=Config(16, 2, tiles=5).__dict__, default=True, seconds=429e-6),
+            dict(base, variant="replay-L16", config=Config(16, 2, tiles=5, flush_block_v=16, flush_warps=1,
+                                                           flush_rows=8).__dict__, default=False, seconds=422e-6),
+            dict(base, variant="standard", config=Config(16, 2).__dict__, default=True, seconds=594e-6)]
+    kb.sweep_summary(rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert "| mamba2 | float32 | 256 | replay-L16 | bv16_w2_s1_t5 | 429.00 | bv16_w2_s1_t5_f16x1x8 | 422.00 | 1.02 |" in lines
+    assert "| mamba2 | float32 | 256 | standard | bv16_w2_s1_t1 | 594.00 | bv16_w2_s1_t1 | 594.00 | 1.00 |" in lines
+
+
+NCU_REPORT = """==PROF== Disconnected from process 457
+  mamba2_replay_output_L16_bv16_w2_s1_t5 (256, 96, 1)x(64, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Metric Name             Metric Unit Metric Value
+    ----------------------- ----------- ------------
+    DRAM Throughput                   %        71.05
+    Duration                         ms         0.33
+    Section: Memory Workload Analysis
+    Memory Throughput                Gbyte/s     3,420.50
+    Section: Launch Statistics
+    Registers Per Thread             register/thread          72
+  gdn_step_bv32_w4_s1 (256, 32, 4)x(128, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    Duration                         us       294.72
+"""
+
+
+def test_ncu_table_reads_an_ncu_report(tmp_path, capsys):
+    """bench/ncu_table.py: one row per launch, units normalised (ms -> us, Gbyte/s -> TB/s), '-' where a
+    section was not collected."""
+    nt = load("ncu_table")
+    launches = nt.parse(NCU_REPORT)
+    assert [x["kernel"] for x in launches] == ["mamba2_replay_output_L16_bv16_w2_s1_t5", "gdn_step_bv32_w4_s1"]
+    assert launches[0]["grid"] == (256, 96, 1) and launches[0]["block"] == 64
+    m = launches[0]["metrics"]
+    assert m[("Duration", "us")] == pytest.approx(330.0)
+    assert m[("Memory Throughput", "Tbyte/s")] == pytest.approx(3.4205)
+    assert m[("Registers Per Thread", "register/thread")] == 72
+    report = tmp_path / "ncu.txt"
+    report.write_text(NCU_REPORT)
+    assert nt.main([str(report)]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert rows[0].split() == ["mamba2_replay_output_L16_bv16_w2_s1_t5", "330", "3.421", "71.05", "72", "-", "-", "-",
+                               "-"]
+    assert rows[1].split() == ["gdn_step_bv32_w4_s1", "294.7"] + ["-"] * 7
+    empty = tmp_path / "empty.txt"
+    empty.write_text("==PROF== nothing profiled\n")
+    assert nt.main([str(empty)]) == 1
+
+
+def test_profile_step_rejects_unknown_layers(capsys):
+    with pytest.raises(SystemExit):
+        load("profile_step").main(["--layers", "mamba", "--backend", "interpret"])
+    assert "--layers: unknown mamba; choose from gdn, mamba2" in capsys.readouterr().err

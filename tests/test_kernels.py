@@ -144,31 +144,28 @@ def test_replay_after_a_wiping_decay(case, fused, rng):
 # kernel and reference. GDN's d is computed in the kernel in f32, and a d that
 # differs from the reference's in its last f32 bits can round to the other
 # bf16 neighbour (one bf16 ulp, above an f32 tolerance): a flaky comparison.
-# test_rank_update_accuracy checks the flush's dots for both layers.
-MAMBA2_CPU = [c for c in cases(CPU_SHAPES) if c[0] is Mamba2]  # the second shape takes the dot at L = 16
+# test_rank_update_accuracy checks the dots of both layers' flushes
+# (`rank_update`) on their own. On the CPU, 16-row tiles make L = 16 take the
+# dots (the default tiles of these small shapes are narrower: the loop).
+BF16_BUFFER_FLUSH_CASES = (
+    [(case, L, "interpret") for case in cases(CPU_SHAPES) if case[0] is Mamba2 for L in (4, 16)]
+    + [pytest.param(case, L, "pallas", marks=pytest.mark.gpu)
+       for case in cases(GPU_SHAPES, first_only=True) if case[0] is Mamba2 for L in (16, 32)])
 
 
-@pytest.mark.parametrize("case", MAMBA2_CPU, ids=case_id)
+@pytest.mark.parametrize(("case", "L", "backend"), BF16_BUFFER_FLUSH_CASES,
+                         ids=lambda v: case_id(v) if isinstance(v, tuple) else str(v))
 @pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
-@pytest.mark.parametrize("L", [4, 16])
-def test_bf16_buffer_flush_matches_the_reference_to_f32_rounding(case, fused, L, rng):
+def test_bf16_buffer_flush_matches_the_reference_to_f32_rounding(case, L, backend, fused, rng):
     """With float32 inputs and state, a bfloat16 buffer rounds the records alike
     in kernel and reference: flushed checkpoints agree to float32 tolerance,
-    by the record loop (L = 4) and by the split-bf16 dots (L = 16)."""
+    by the record loop (L = 4) and by the split-bf16 dots (L >= 16)."""
     layer = case[0](case[1], rng)
-    check_replay(layer, L, "output", jnp.float32, jnp.float32, jnp.bfloat16, "interpret", steps=L + 1,
-                 config=replay_config(layer, L, jnp.float32, fused_flush=fused))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in cases(GPU_SHAPES, first_only=True) if c[0] is Mamba2], ids=case_id)
-@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
-@pytest.mark.parametrize("L", [16, 32])
-def test_bf16_buffer_flush_to_f32_rounding_gpu(case, fused, L, rng):
-    """The split-bf16 dots on the tensor cores keep an f32 state's accuracy through a flush."""
-    layer = case[0](case[1], rng)
-    check_replay(layer, L, "output", jnp.float32, jnp.float32, jnp.bfloat16, "pallas", steps=L + 1,
-                 config=replay_config(layer, L, jnp.float32, fused_flush=fused))
+    config = replay_config(layer, L, jnp.float32, fused_flush=fused,
+                           **({"block_v": 16} if backend == "interpret" else {}))
+    rs = layer.replay_state(L, jnp.float32, jnp.bfloat16, np.zeros(case[1].batch))
+    assert bool(kernel_dots(layer, rs, config)) == (L > 8), "the test must reach the path it names"
+    check_replay(layer, L, "output", jnp.float32, jnp.float32, jnp.bfloat16, backend, steps=L + 1, config=config)
 
 
 def test_gdn_errors_before_any_kernel(rng):
@@ -300,21 +297,28 @@ def test_flush_is_one_dot_from_16_slots(case, fused, rng):
     """The flush's rank-L update: a loop for L <= 8, dots once the buffer pads
     to 16 slots (L >= 9). With bf16 buffers, one exact bf16 x bf16 dot per
     bf16 part of the weighted records (3 for an f32 state, 2 for a bf16
-    state) against the keys as stored; with f32 buffers one f32 dot of 6
-    split-bf16 products. The CPU computes every dot exactly, so the accuracy
-    on the tensor cores is checked by the GPU tests, not here."""
+    state) against the keys as stored; with f32 or f16 buffers one f32 dot
+    of 6 split-bf16 products (3 for a bf16 state). The CPU computes every
+    dot exactly: the accuracy on the tensor cores is test_rank_update_accuracy's
+    GPU case."""
     layer = case[0](case[1], rng, jnp.bfloat16)
-    bf, x6 = ("bfloat16", "bfloat16", "None"), ("float32", "float32", "BF16_BF16_F32_X6")
+    bf, x6, x3 = (("bfloat16", "bfloat16", "None"), ("float32", "float32", "BF16_BF16_F32_X6"),
+                  ("float32", "float32", "BF16_BF16_F32_X3"))
     for L, state_dtype, buffer_dtype, expected in [
             (8, jnp.float32, jnp.bfloat16, []), (9, jnp.float32, jnp.bfloat16, [bf] * 3),
             (16, jnp.float32, jnp.bfloat16, [bf] * 3), (32, jnp.bfloat16, jnp.bfloat16, [bf] * 2),
-            (16, jnp.float32, jnp.float32, [x6])]:
+            (16, jnp.float32, jnp.float32, [x6]), (16, jnp.float32, jnp.float16, [x6]),
+            (16, jnp.bfloat16, jnp.float16, [x3])]:
         rs = layer.replay_state(L, state_dtype, buffer_dtype, np.zeros(case[1].batch))
         config = replay_config(layer, L, state_dtype, fused_flush=fused)
-        jaxpr = jax.make_jaxpr(lambda r, i: layer.kernel_replay_step(r, i, "output", config))(rs, layer.draw())
-        dots = [(str(e.invars[0].aval.dtype), str(e.invars[1].aval.dtype), str(e.params["precision"]).split(".")[-1])
-                for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-        assert dots == expected, (L, state_dtype, buffer_dtype)
+        assert kernel_dots(layer, rs, config) == expected, (L, state_dtype, buffer_dtype)
+
+
+def kernel_dots(layer, rs, config):
+    """(lhs dtype, rhs dtype, precision) of each dot in the jaxpr of one replay step."""
+    jaxpr = jax.make_jaxpr(lambda r, i: layer.kernel_replay_step(r, i, "output", config))(rs, layer.draw())
+    return [(str(e.invars[0].aval.dtype), str(e.invars[1].aval.dtype), str(e.params["precision"]).split(".")[-1])
+            for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
 
 
 def _equations(jaxpr):
@@ -332,16 +336,20 @@ def _equations(jaxpr):
                 yield from _equations(value.jaxpr)
 
 
+# The f32-key cases check the dot's accuracy on the GPU only: the CPU
+# computes it exactly whatever the algorithm (there they check the product).
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize(("state_dtype", "key_dtype", "rtol"), [
     (jnp.float32, jnp.bfloat16, 1e-6),  # 3 bf16 parts of the weighted records (CPU: <= 2e-7)
     (jnp.bfloat16, jnp.bfloat16, 2e-5),  # 2 parts (CPU: <= 6e-6), far below a bf16 state's rounding (4e-3)
     (jnp.float32, jnp.float32, 1e-6),  # f32 keys: one dot of 6 split-bf16 products
-], ids=["f32state-bf16keys", "bf16state-bf16keys", "f32state-f32keys"])
+    (jnp.float32, jnp.float16, 1e-6),  # f16 keys: the same dot
+], ids=["f32state-bf16keys", "bf16state-bf16keys", "f32state-f32keys", "f32state-f16keys"])
 def test_rank_update_accuracy(backend, state_dtype, key_dtype, rtol, rng):
-    """The rank-L update's dots (`kernels._common.rank_update`) in a kernel,
-    against a float64 product: an f32 state keeps f32 accuracy (relative to
-    the largest element; one bf16 part is off by about 2e-3, two by 2-5e-6)."""
+    """The rank-L update's dots (`kernels._common.rank_update`, as both layers'
+    flushes call it) in a kernel, against a float64 product: an f32 state
+    keeps f32 accuracy (relative to the largest element; one bf16 part of the
+    weighted records is off by about 2e-3, two by 2-5e-6)."""
     from replayssm_jax.kernels import _common
 
     BL, BV, BK = 32, 64, 128

@@ -32,7 +32,7 @@ def gdn(rng):
 
 MAMBA2_STEP_ERRORS = [
     ("x rank", lambda i, r: with_(i, x=i["x"][0]), ValueError, "`x` must have shape [batch, nheads, head_dim] = (2, 4, 8); got (4, 8)"),
-    ("B groups", lambda i, r: with_(i, B=r.normal(size=(2, 3, 16)).astype(np.float32)), ValueError, "nheads = 4 must be divisible by n_groups = 3"),
+    ("B groups", lambda i, r: with_(i, B=r.normal(size=(2, 3, 16)).astype(np.float32)), ValueError, "nheads = 4 must be divisible by n_groups = B.shape[-2] = 3"),
     ("C shape", lambda i, r: with_(i, C=i["C"][:, :, :8]), ValueError, "`C` must have shape [batch, n_groups, d_state] = (2, 2, 16); got (2, 2, 8)"),
     ("batch mismatch", lambda i, r: with_(i, dt=i["dt"][:1]), ValueError, "`dt` must have shape [batch, nheads] = (2, 4); got (1, 4)"),
     ("integer x", lambda i, r: with_(i, x=i["x"].astype(np.int32)), TypeError, "`x` must have a floating-point dtype; got int32"),
@@ -61,7 +61,7 @@ def test_mamba2_bad_params(mamba):
 
 
 GDN_STEP_ERRORS = [
-    ("HV not divisible", lambda i, r: with_(i, q=r.normal(size=(2, 3, 16)).astype(np.float32)), ValueError, "HV (value heads) = 4 must be divisible by H (key heads) = 3"),
+    ("HV not divisible", lambda i, r: with_(i, q=r.normal(size=(2, 3, 16)).astype(np.float32)), ValueError, "HV (value heads) = 4 must be divisible by H (key heads) = q.shape[-2] = 3"),
     ("k shape", lambda i, r: with_(i, k=i["k"][:, :1]), ValueError, "`k` must have shape [batch, H, K] = (2, 2, 16); got (2, 1, 16)"),
     ("v rank", lambda i, r: with_(i, v=i["v"][None]), ValueError, "`v` must have shape [batch, HV, V]"),
     ("integer beta", lambda i, r: with_(i, beta=np.ones((2, 4), np.int64)), TypeError, "`beta` must have a floating-point dtype"),
@@ -89,6 +89,11 @@ def test_replay_errors_leave_state_usable(name, request):
         case.replay_step(rs, bad_inputs)
     with pytest.raises(ValueError, match="`route` must be 'output' or 'state'; got 'fast'"):
         case.replay_step(rs, inp, route="fast")
+    # Heads that do not divide the state's: the error names the state's count, not the divisibility.
+    grouped, message = ("B", "`B` must have n_groups = 2 (the state's); got 3") if name == "mamba" else \
+        ("q", "`q` and `k` must have H = 2 key heads (the state's); got 3")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        case.replay_step(rs, with_(inp, **{grouped: np.ones((2, 3, inp[grouped].shape[-1]), np.float32)}))
     with pytest.raises(ValueError, match=r"the window length W = .* must be in \[1, L = 4\]; got 5"):
         case.verify(rs, case.draw(5))
     with pytest.raises(ValueError, match="no pending verify window"):

@@ -32,14 +32,18 @@ from replayssm_jax.state import GDNReplayState, check_no_pending_window, check_r
 f32 = jnp.float32
 
 
-def _check_inputs(dims, q, k, vv, g, beta, scale, seq=None, seq_name="seqlen"):
-    """Validate one step (seq None) or `seq` steps. dims = (batch, HV, V, K). Returns H."""
+def _check_inputs(dims, q, k, vv, g, beta, scale, seq=None, seq_name="seqlen", heads=None):
+    """Validate one step (seq None) or `seq` steps. dims = (batch, HV, V, K);
+    heads: the key heads H that q must have (a replay state's), or None (any
+    divisor of HV). Returns H."""
     batch, HV, V, K = dims
     lead, names = ((batch,), "batch") if seq is None else ((batch, seq), f"batch, {seq_name}")
     q = val.check_float("q", q)
     val.check_rank("q", q, f"{names}, H, K")
     H = q.shape[-2]
-    val.check_divisible("HV (value heads)", HV, "H (key heads)", H)
+    if heads is not None and H != heads:
+        raise ValueError(f"`q` and `k` must have H = {heads} key heads (the state's); got {H}")
+    val.check_divisible("HV (value heads)", HV, "H (key heads) = q.shape[-2]", H)
     val.check_shape("q", q, f"{names}, H, K", (*lead, H, K))
     val.float_arg("k", k, f"{names}, H, K", (*lead, H, K))
     val.float_arg("v", vv, f"{names}, HV, V", (*lead, HV, V))
@@ -210,9 +214,7 @@ def gdn_replay_flush(state: GDNReplayState) -> GDNReplayState:
 def _check_replay_inputs(state, q, k, v, g, beta, scale, seq=None):
     check_replay_state(state, GDNReplayState)
     check_no_pending_window(state)
-    H = _check_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, seq=seq, seq_name="W")
-    if H != state.k.shape[1]:
-        raise ValueError(f"`q` and `k` must have H = {state.k.shape[1]} key heads (the state's); got {H}")
+    _check_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, seq=seq, seq_name="W", heads=state.k.shape[1])
 
 
 def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output"):

@@ -27,10 +27,12 @@ f32 = jnp.float32
 INF = math.inf
 
 
-def _check_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_limit, seq=None, seq_name="seqlen"):
+def _check_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_limit, seq=None, seq_name="seqlen", groups=None):
     """Validate the inputs of one step (seq None) or of `seq` steps.
 
-    dims = (batch, nheads, head_dim, d_state). Returns n_groups.
+    dims = (batch, nheads, head_dim, d_state); groups: the n_groups that B
+    must have (a replay state's), or None (any divisor of nheads). Returns
+    n_groups.
     """
     batch, H, P, N = dims
     lead, lead_names = ((batch,), "batch") if seq is None else ((batch, seq), f"batch, {seq_name}")
@@ -41,7 +43,9 @@ def _check_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_limit, seq=None, seq_n
     B = v.check_float("B", B)
     v.check_rank("B", B, f"{lead_names}, n_groups, d_state")
     G = B.shape[-2]
-    v.check_divisible("nheads", H, "n_groups", G)
+    if groups is not None and G != groups:
+        raise ValueError(f"`B` must have n_groups = {groups} (the state's); got {G}")
+    v.check_divisible("nheads", H, "n_groups = B.shape[-2]", G)
     v.check_shape("B", B, f"{lead_names}, n_groups, d_state", (*lead, G, N))
     v.float_arg("C", C, f"{lead_names}, n_groups, d_state", (*lead, G, N))
     v.optional_float_arg("D", D, "nheads", (H,))
@@ -181,9 +185,7 @@ def _check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit):
     """The checks of a replay step: the state, no pending window, the inputs, the state's n_groups."""
     _check_replay(state, A)
     check_no_pending_window(state)
-    _check_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
-    if B.shape[1] != state.B.shape[1]:
-        raise ValueError(f"`B` must have n_groups = {state.B.shape[1]} (the state's); got {B.shape[1]}")
+    _check_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit, groups=state.B.shape[1])
 
 
 def mamba2_replay_materialize(state: Mamba2ReplayState, A) -> jax.Array:
@@ -333,9 +335,8 @@ def mamba2_replay_verify(
     W = x.shape[1]
     if not 1 <= W <= state.buffer_len:
         raise ValueError(f"the window length W = x.shape[1] must be in [1, L = {state.buffer_len}]; got {W}")
-    _check_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit, seq=W, seq_name="W")
-    if B.shape[2] != state.B.shape[1]:
-        raise ValueError(f"`B` must have n_groups = {state.B.shape[1]} (the state's); got {B.shape[2]}")
+    _check_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit, seq=W, seq_name="W",
+                  groups=state.B.shape[1])
     H = state.checkpoint.shape[1]
     state = c.make_room(state, W, lambda s: unify(s, A))
     start = c.replay_materialize(state.checkpoint, *unify(state, A), state.cursor)
