@@ -32,7 +32,8 @@ Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
               [--state-dtypes float32,bfloat16] [--lengths 8,16,32] [--out DIR] [--tag NAME]
   --sweep     time the standard and replay kernels over the fixed tilings of
               SWEEP_CONFIGS (or --standard-configs / --replay-configs) instead
-              of the table (after the same check);
+              of the table (after the same check), then print the default and
+              the fastest tiling of each variant;
               its results are how the frozen heuristic in kernels/_common.py is chosen.
   --profile   also trace one more run of each variant (bench/step_profile.py)
               and report the GPU time per step of each kernel (replay, flush
@@ -454,7 +455,8 @@ def main():
                         "(BVxWxT or BVxWxTxSTAGES, f: fused; after ':' the flush launch's BVxWxROWS)")
     p.add_argument("--profile", action="store_true", help="trace a run of each variant: GPU time per kernel and step")
     p.add_argument("--dry-run", action="store_true",
-                   help="CPU smoke test of this script: interpret mode, 1 state set (numbers meaningless)")
+                   help="CPU smoke test of this script: interpret mode, 1 state set, 1 repeat, the real shapes "
+                        "(minutes per layer and state dtype; numbers meaningless)")
     args = p.parse_args()
     global BACKEND, MAX_SETS, MIN_SETS, PROFILE
     PROFILE = args.profile
@@ -544,7 +546,6 @@ def summary(rows, copy_bw):
         best = min(rep, key=lambda r: r["seconds"])
         print(f"| {layer} | {sd} | {b} | {std['seconds'] * 1e6:.2f} | {std['pct_copy']:.1f} | {best['variant']} | "
               f"{best['seconds'] * 1e6:.2f} | {std['seconds'] / best['seconds']:.2f} |")
-
 
 
 def sweep_summary(rows):
