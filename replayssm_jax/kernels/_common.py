@@ -417,26 +417,24 @@ def fits_dot(*dims: int) -> bool:
     return min(dims) >= DOT_MIN
 
 
+def split_parts(state_dtype) -> int:
+    """bf16 parts an operand of the rank-L update is split into: 3 (about 24
+    mantissa bits, f32 accuracy) for an f32 state, 2 (about 16 bits, far
+    below a bf16 state's own rounding) for a bf16 state."""
+    return 3 if jnp.dtype(state_dtype) == jnp.float32 else 2
+
+
 def dot_precision(state_dtype):
     """The algorithm of the rank-L update's dot for a state of `state_dtype`
-    when the buffered keys are not bf16 (f32 or f16 buffers).
-
-    Tensor cores on split bf16 operands with f32 accumulation: 6 products
-    (about f32 accuracy) for an f32 state, 3 (about 16 mantissa bits, far
-    below a bf16 state's own rounding) for a bf16 state. On the H200 an
-    IEEE f32 dot (FMAs) made the flush of an f32 state up to 12x slower
-    than the record loop, while these dots made it faster
+    when the buffered keys are not bf16 (f32 or f16 buffers): both operands
+    split into `split_parts` bf16 parts on the tensor cores, f32
+    accumulation (6 products for an f32 state, 3 for a bf16 state). On the
+    H200 an IEEE f32 dot (FMAs) made the flush of an f32 state up to 12x
+    slower than the record loop, while these dots made it faster
     (bench/RESULTS.md, fifth session).
     """
-    exact = jnp.dtype(state_dtype) == jnp.float32
-    return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if exact else jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
-
-
-def split_parts(state_dtype) -> int:
-    """bf16 parts of the weighted records in the rank-L update with bf16 keys:
-    3 (about 24 mantissa bits, f32 accuracy) for an f32 state, 2 (about 16
-    bits) for a bf16 state."""
-    return 3 if jnp.dtype(state_dtype) == jnp.float32 else 2
+    presets = jax.lax.DotAlgorithmPreset
+    return presets.BF16_BF16_F32_X6 if split_parts(state_dtype) == 3 else presets.BF16_BF16_F32_X3
 
 
 def split_bf16(a: jax.Array, parts: int) -> list[jax.Array]:
