@@ -176,3 +176,35 @@ def test_profile_step_rejects_unknown_layers(capsys):
     with pytest.raises(SystemExit):
         load("profile_step").main(["--layers", "mamba", "--backend", "interpret"])
     assert "--layers: unknown mamba; choose from gdn, mamba2" in capsys.readouterr().err
+
+
+def test_roofline_checks_its_kernels(tmp_path, capsys):
+    """bench/roofline.py in interpret mode: both streaming kernels give their
+    results (checked inside the script against numpy) and a table per kind."""
+    out = tmp_path / "rl"
+    assert load("roofline").main(["--backend", "interpret", "--mib", "1", "--repeats", "1",
+                                  "--configs", "16x2x2,8x1x1", "--out", str(out)]) == 0
+    rows = json.loads((out / "roofline.json").read_text())["rows"]
+    assert {(r["kind"], r["dtype"], r["config"]) for r in rows} == {
+        (k, d, c) for k in ("read", "update") for d in ("float32", "bfloat16")
+        for c in ("bv16_w2_s1_t2", "bv8_w1_s1_t1")}
+    rows_per_program = {"bv16_w2_s1_t2": 32, "bv8_w1_s1_t1": 8}
+    for r in rows:  # 1 MiB in programs of rows_per_program x 128 elements
+        assert r["programs"] == (1 << 20) // (rows_per_program[r["config"]] * 128 * (4 if r["dtype"] == "float32" else 2))
+        assert r["gbps"] > 0
+    assert "| read | float32 |" in capsys.readouterr().out
+
+
+def test_roofline_catches_a_wrong_kernel(monkeypatch):
+    """The result check is live: a read kernel that drops a tile fails it."""
+    rl = load("roofline")
+    monkeypatch.setattr(rl, "_read_kernel", lambda x_ref, o_ref, *, config: o_ref.__setitem__((), 0.0))
+    with pytest.raises(AssertionError, match="wrong result"):
+        rl.measure("read", rl.c.Config(block_v=8, num_warps=1, tiles=2), rl.jnp.float32, 1, 1, True)
+
+
+@pytest.mark.parametrize("args, message", [(["--configs", "12x2x1"], "--configs"), (["--kinds", "write"], "--kinds")])
+def test_roofline_rejects_bad_arguments(args, message, capsys):
+    with pytest.raises(SystemExit):
+        load("roofline").main(["--backend", "interpret", *args])
+    assert message in capsys.readouterr().err
