@@ -9,12 +9,13 @@ elements, one after the other):
 - update: each program scales its tiles in place (aliased), the traffic of
   the standard decode step (the state read and written).
 
-It prints GB/s per kernel and tiling, the best of each kind, and writes JSON:
+Every kernel's result is checked against NumPy first. It prints GB/s per
+kernel and tiling, the best of each kind, and writes JSON (after every row):
 
     python3 bench/roofline.py --dtypes float32,bfloat16 --configs 64x4x1,64x4x2,16x2x5 --out bench/results/gpu
 
-On the CPU (`--backend interpret`) it only checks the kernels' results at a
-small size.
+On the CPU, `--backend interpret --mib 1` checks the kernels (the timings
+then mean nothing).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def stream(x, *, kind: str, config: c.Config, interpret: bool = False):
 def measure(kind: str, config: c.Config, dtype, mib: int, repeats: int, interpret: bool) -> dict:
     """Median GB/s of `repeats` runs of 10 back-to-back launches, after a checked first launch."""
     rows = config.block_v * config.tiles
-    programs = max(1, (mib << 20) // (rows * COLS * jnp.dtype(dtype).itemsize))
+    programs = max(1, (mib << 20) // (rows * COLS * jnp.dtype(dtype).itemsize))  # at least one program
     x = jax.random.normal(jax.random.key(0), (programs, rows, COLS), jnp.float32).astype(dtype)
     expected = np.asarray(x, np.float32)
     x, sums = stream(x, kind=kind, config=config, interpret=interpret)
@@ -101,27 +102,49 @@ def measure(kind: str, config: c.Config, dtype, mib: int, repeats: int, interpre
         jax.block_until_ready((x, sums))
         times.append((time.perf_counter() - t0) / 10)
     seconds = statistics.median(times)
-    return dict(kind=kind, config=config.tag(), dtype=jnp.dtype(dtype).name, mib=mib, programs=programs,
-                us=seconds * 1e6, gbps=nbytes / seconds / 1e9)
+    return dict(kind=kind, config=config.tag(), dtype=jnp.dtype(dtype).name, mib=x.nbytes / (1 << 20),
+                programs=programs, us=seconds * 1e6, gbps=nbytes / seconds / 1e9)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, from {', '.join(DTYPES)}")
     p.add_argument("--configs", default="64x4x1,64x4x2,32x4x1,16x2x5,16x2x1,128x4x1",
-                   help="comma-separated BVxWARPSxTILES tilings (bench/kernels.py spec)")
+                   help="comma-separated BVxWARPSxTILES tilings (bench/kernels.py spec, no flush fields)")
     p.add_argument("--kinds", default="read,update")
-    p.add_argument("--mib", type=int, default=512, help="array size (MiB); far above the 50 MiB L2")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--backend", default="pallas", choices=("pallas", "interpret"))
+    p.add_argument("--mib", type=positive_int, default=512, help="array size (MiB); far above the 50 MiB L2")
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--backend", default=None, choices=("pallas", "interpret"),
+                   help="default: pallas, which needs a GPU")
     p.add_argument("--out", default="bench/results/gpu")
     args = p.parse_args(argv)
     try:
         configs = [kb.parse_config(s) for s in args.configs.split(",")]
     except (ValueError, TypeError) as e:
         p.error(f"--configs: {e}")
+    if flush := [cfg.tag() for cfg in configs if cfg.fused_flush or cfg.has_flush_tiling]:
+        p.error(f"--configs: flush fields mean nothing here (no flush); got {', '.join(flush)}")
     if bad := [k for k in args.kinds.split(",") if k not in ("read", "update")]:
         p.error(f"--kinds: unknown {', '.join(bad)}; choose from read, update")
+    if bad := [d for d in args.dtypes.split(",") if d not in DTYPES]:
+        p.error(f"--dtypes: unknown {', '.join(bad)}; choose from {', '.join(DTYPES)}")
+    if args.backend is None:
+        if jax.default_backend() != "gpu":
+            p.error(f"the pallas backend needs a GPU (JAX's default backend is {jax.default_backend()!r}); "
+                    "on the CPU use --backend interpret --mib 1")
+        args.backend = "pallas"
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(device=str(jax.devices()[0]), jax=jax.__version__, command=" ".join(sys.argv))
     rows = []
     for dtype in args.dtypes.split(","):
         for kind in args.kinds.split(","):
@@ -129,15 +152,12 @@ def main(argv=None) -> int:
                 r = measure(kind, config, jnp.dtype(dtype), args.mib, args.repeats, args.backend == "interpret")
                 rows.append(r)
                 print(f"{kind:6s} {r['dtype']:8s} {r['config']:18s} {r['us']:9.1f} us {r['gbps']:7.0f} GB/s", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    meta = dict(device=str(jax.devices()[0]), jax=jax.__version__, command=" ".join(sys.argv))
-    with open(os.path.join(args.out, "roofline.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                with open(os.path.join(args.out, "roofline.json"), "w") as f:  # after every row: a cut run keeps its rows
+                    json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print("\n| kind | dtype | best tiling | GB/s |\n|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         for kind in args.kinds.split(","):
-            best = max((r for r in rows if r["kind"] == kind and r["dtype"] == jnp.dtype(dtype).name),
-                       key=lambda r: r["gbps"])
+            best = max((r for r in rows if r["kind"] == kind and r["dtype"] == dtype), key=lambda r: r["gbps"])
             print(f"| {kind} | {best['dtype']} | {best['config']} | {best['gbps']:.0f} |")
     return 0
 

@@ -3,7 +3,7 @@
 Each check raises before any computation, with a message that names the
 argument, what was expected and what was given, e.g.
 
-    ValueError: `B` must have shape [batch, n_groups, d_state] = (4, 2, 16); got (4, 3, 16)
+    ValueError: `x` must have shape [batch, nheads, head_dim] = (4, 8, 16); got (4, 8, 12)
 
 Checks look only at shapes and dtypes (static under `jax.jit`), except
 :func:`check_int_range`, which also checks values when they are concrete
@@ -121,12 +121,23 @@ def check_negative(name: str, x, what: str) -> None:
 
 
 def check_scale(scale):
-    """None, or a finite real number (Python or NumPy scalar) as a Python float."""
+    """None, or a finite real number as a Python float: a Python or NumPy
+    scalar, or a concrete 0-d array (the kernels take it as a static number)."""
     if scale is None:
         return None
+    if (isinstance(scale, (jax.Array, np.ndarray)) and not isinstance(scale, jax.core.Tracer) and scale.ndim == 0
+            and (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer))):
+        scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) or not math.isfinite(scale):
-        raise TypeError(f"`scale` must be a finite real number or None; got {scale!r}")
+        raise TypeError(f"`scale` must be a finite real number (a concrete scalar) or None; got {scale!r}")
     return float(scale)
+
+
+def check_bool(name: str, x) -> bool:
+    """A Python or NumPy bool (a static switch), as a Python bool."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a bool; got {type(x).__name__} {x!r}")
+    return bool(x)
 
 
 def check_dt_limit(dt_limit) -> tuple[float, float]:

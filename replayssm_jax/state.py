@@ -180,18 +180,25 @@ def check_replay_state(state, kind: type) -> None:
     """Raise TypeError / ValueError unless `state` is a consistent `kind`."""
     if not isinstance(state, kind):
         raise TypeError(f"`state` must be a {kind.__name__}; got {type(state).__name__}")
+    mamba = kind is Mamba2ReplayState
     v.check_float("state.checkpoint", state.checkpoint, v.STATE_DTYPES)
-    records, decays = (("x", "B"), ("dt",)) if kind is Mamba2ReplayState else (("d", "k"), ("g",))
+    v.check_rank("state.checkpoint", state.checkpoint, "batch, nheads, head_dim, d_state" if mamba else "batch, HV, V, K")
+    records, decays = (("x", "B"), ("dt",)) if mamba else (("d", "k"), ("g",))
     for name in records:  # the buffer dtype: any floating dtype
         v.check_float(f"state.{name}", getattr(state, name))
     for name in decays:  # processed dt / log decays: float32, as the init makes them
         v.check_float(f"state.{name}", getattr(state, name), (jnp.float32,))
+    buffers = {name: getattr(state, name) for name in (*records, *decays)}
+    slots = {name: b.shape[2] if b.ndim > 2 else None for name, b in buffers.items()}  # L is axis 2 of each
+    if len(set(slots.values())) > 1:
+        raise ValueError("`state`'s buffers must have the same number of slots L (axis 2); got "
+                         + ", ".join(f"state.{name} {tuple(b.shape)}" for name, b in buffers.items()))
     batch = state.checkpoint.shape[0]
     if not isinstance(state.cursor, (jax.Array, np.ndarray)):
         raise TypeError(f"`state.cursor` must be an int32 array of shape [batch] = ({batch},); "
                         f"got {type(state.cursor).__name__} {state.cursor!r}")
     L = state.buffer_len
-    if kind is Mamba2ReplayState:
+    if mamba:
         _, nheads, head_dim, d_state = state.checkpoint.shape
         v.check_shape("state.x", state.x, "batch, nheads, L, head_dim", (batch, nheads, L, head_dim))
         v.check_shape("state.dt", state.dt, "batch, nheads, L", (batch, nheads, L))

@@ -191,7 +191,7 @@ def test_roofline_checks_its_kernels(tmp_path, capsys):
     rows_per_program = {"bv16_w2_s1_t2": 32, "bv8_w1_s1_t1": 8}
     for r in rows:  # 1 MiB in programs of rows_per_program x 128 elements
         assert r["programs"] == (1 << 20) // (rows_per_program[r["config"]] * 128 * (4 if r["dtype"] == "float32" else 2))
-        assert r["gbps"] > 0
+        assert r["mib"] == 1 and r["gbps"] > 0
     assert "| read | float32 |" in capsys.readouterr().out
 
 
@@ -203,8 +203,25 @@ def test_roofline_catches_a_wrong_kernel(monkeypatch):
         rl.measure("read", rl.c.Config(block_v=8, num_warps=1, tiles=2), rl.jnp.float32, 1, 1, True)
 
 
-@pytest.mark.parametrize("args, message", [(["--configs", "12x2x1"], "--configs"), (["--kinds", "write"], "--kinds")])
-def test_roofline_rejects_bad_arguments(args, message, capsys):
+@pytest.mark.parametrize("args, message", [
+    (["--configs", "12x2x1"], "--configs: "),
+    (["--configs", "16x2x2f"], "--configs: flush fields mean nothing here (no flush); got bv16_w2_s1_t2_fused"),
+    (["--configs", "16x2x2:8x1x1"], "--configs: flush fields mean nothing here"),
+    (["--kinds", "write"], "--kinds: unknown write; choose from read, update"),
+    (["--dtypes", "float32,flaot32"], "--dtypes: unknown flaot32; choose from float32, bfloat16, float16"),
+    (["--dtypes", "int8"], "--dtypes: unknown int8"),
+    (["--repeats", "0"], "--repeats: must be >= 1; got 0"),
+    (["--mib", "-5"], "--mib: must be >= 1; got -5"),
+], ids=["tiling", "fused", "flush", "kinds", "dtype typo", "int8", "repeats", "mib"])
+def test_roofline_rejects_bad_arguments(args, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
-        load("roofline").main(["--backend", "interpret", *args])
+        load("roofline").main(["--backend", "interpret", "--out", str(tmp_path), *args])
     assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_roofline_needs_a_gpu_by_default(capsys):
+    with pytest.raises(SystemExit):
+        load("roofline").main([])
+    assert "the pallas backend needs a GPU (JAX's default backend is 'cpu'); on the CPU use --backend interpret" \
+        in capsys.readouterr().err

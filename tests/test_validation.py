@@ -34,6 +34,7 @@ MAMBA2_STEP_ERRORS = [
     ("x rank", lambda i, r: with_(i, x=i["x"][0]), ValueError, "`x` must have shape [batch, nheads, head_dim] = (2, 4, 8); got (4, 8)"),
     ("B groups", lambda i, r: with_(i, B=r.normal(size=(2, 3, 16)).astype(np.float32)), ValueError, "nheads = 4 must be divisible by n_groups = B.shape[-2] = 3"),
     ("C shape", lambda i, r: with_(i, C=i["C"][:, :, :8]), ValueError, "`C` must have shape [batch, n_groups, d_state] = (2, 2, 16); got (2, 2, 8)"),
+    ("B and C groups", lambda i, r: with_(i, B=r.normal(size=(2, 4, 16)).astype(np.float32)), ValueError, "`B` and `C` must have the same n_groups; got 4 and 2"),
     ("batch mismatch", lambda i, r: with_(i, dt=i["dt"][:1]), ValueError, "`dt` must have shape [batch, nheads] = (2, 4); got (1, 4)"),
     ("integer x", lambda i, r: with_(i, x=i["x"].astype(np.int32)), TypeError, "`x` must have a floating-point dtype; got int32"),
     ("list z", lambda i, r: with_(i, z=i["z"].tolist()), TypeError, "`z` must be an array; got list"),
@@ -62,7 +63,8 @@ def test_mamba2_bad_params(mamba):
 
 GDN_STEP_ERRORS = [
     ("HV not divisible", lambda i, r: with_(i, q=r.normal(size=(2, 3, 16)).astype(np.float32)), ValueError, "HV (value heads) = 4 must be divisible by H (key heads) = q.shape[-2] = 3"),
-    ("k shape", lambda i, r: with_(i, k=i["k"][:, :1]), ValueError, "`k` must have shape [batch, H, K] = (2, 2, 16); got (2, 1, 16)"),
+    ("k heads", lambda i, r: with_(i, k=i["k"][:, :1]), ValueError, "`q` and `k` must have the same H (key heads); got 2 and 1"),
+    ("k shape", lambda i, r: with_(i, k=i["k"][:, :, :8]), ValueError, "`k` must have shape [batch, H, K] = (2, 2, 16); got (2, 2, 8)"),
     ("v rank", lambda i, r: with_(i, v=i["v"][None]), ValueError, "`v` must have shape [batch, HV, V]"),
     ("integer beta", lambda i, r: with_(i, beta=np.ones((2, 4), np.int64)), TypeError, "`beta` must have a floating-point dtype"),
     ("g batch", lambda i, r: with_(i, g=i["g"][:1]), ValueError, "`g` must have shape [batch, HV] = (2, 4); got (1, 4)"),
@@ -122,6 +124,14 @@ def test_replay_errors_leave_state_usable(name, request):
     for cursor, got in (([0, 0], "list [0, 0]"), (0, "int 0")):
         with pytest.raises(TypeError, match=re.escape(f"`state.cursor` must be an int32 array of shape [batch] = (2,); got {got}")):
             case.replay_step(rs.replace(cursor=cursor), inp)
+    # A checkpoint of the wrong rank; buffers that disagree on L (every buffer is named, not one blamed).
+    dims = "batch, nheads, head_dim, d_state" if name == "mamba" else "batch, HV, V, K"
+    with pytest.raises(ValueError, match=re.escape(f"`state.checkpoint` must have rank 4 [{dims}]; got shape")):
+        case.replay_step(rs.replace(checkpoint=rs.checkpoint[0]), inp)
+    longer = jnp.concatenate([getattr(rs, decay), getattr(rs, decay)[:, :, :1]], axis=2)
+    with pytest.raises(ValueError, match=r"`state`'s buffers must have the same number of slots L \(axis 2\); got "
+                                         rf"state\.{record} \(2, 4, 4, \d+\), .*state\.{decay} \(2, \d+, 5\)"):
+        case.replay_step(rs.replace(**{decay: longer}), inp)
 
     # The state that saw all these failures is intact and still decodes.
     np.testing.assert_array_equal(rs.checkpoint, before[0])
@@ -210,5 +220,9 @@ def test_value_checks(mamba, gdn):
         replay_commit(pending, np.array([2**32 + 1, 0], np.int64))
     gcase, gstate, ginp = gdn
     y, _ = ref.gdn_step(gstate, **ginp, scale=np.float32(0.25))  # NumPy scalars are fine
-    with pytest.raises(TypeError, match="`scale` must be a finite real number or None; got 'big'"):
+    with pytest.raises(TypeError, match=re.escape("`scale` must be a finite real number (a concrete scalar) or None; got 'big'")):
         ref.gdn_step(gstate, **ginp, scale="big")
+    for scale in (jnp.float32(0.25), np.asarray(0.25)):  # concrete 0-d arrays are scalars too
+        np.testing.assert_array_equal(ref.gdn_step(gstate, **ginp, scale=scale)[0], y)
+    with pytest.raises(TypeError, match=re.escape("`use_qk_l2norm` must be a bool; got str 'no'")):
+        ref.gdn_step(gstate, **ginp, use_qk_l2norm="no")

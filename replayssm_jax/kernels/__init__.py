@@ -112,12 +112,12 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpr
     the frozen tiling heuristic; `interpret` runs the kernel in interpret mode.
     """
     state = _ref_gdn._check_state(state)
-    _ref_gdn._check_inputs(state.shape, q, k, v, g, beta, scale)
+    _ref_gdn._check_inputs(state.shape, q, k, v, g, beta, scale, use_qk_l2norm)
     _, _, V, K = state.shape
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
     _check_standard_config(config, V, "value dim V")
-    scale = K ** -0.5 if scale is None else float(scale)
+    scale = K ** -0.5 if scale is None else val.check_scale(scale)
     return _gdn.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
                          config=config, interpret=interpret)
 
@@ -132,14 +132,14 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     rounded up to a power of two, or a `config.flush_rows` that does not
     divide the batch; TypeError for a `config` that is not a :class:`Config`.
     """
-    _ref_gdn._check_replay_inputs(state, q, k, v, g, beta, scale)
+    _ref_gdn._check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm)
     _check_route(route)
     _, _, V, K = state.checkpoint.shape
     L = state.buffer_len
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
     _check_replay_tiling(L, config, state.checkpoint.shape[0], V, "value dim V")
-    scale = K ** -0.5 if scale is None else float(scale)
+    scale = K ** -0.5 if scale is None else val.check_scale(scale)
     o, ck, d, kb, gb, cursor = _gdn.gdn_replay_step(
         state.checkpoint, state.d, state.k, state.g, state.cursor, q, k, v, g, beta,
         L=L, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), route=route, config=config, interpret=interpret)

@@ -32,7 +32,7 @@ from replayssm_jax.state import GDNReplayState, check_no_pending_window, check_r
 f32 = jnp.float32
 
 
-def _check_inputs(dims, q, k, vv, g, beta, scale, seq=None, seq_name="seqlen", heads=None):
+def _check_inputs(dims, q, k, vv, g, beta, scale, use_qk_l2norm, seq=None, seq_name="seqlen", heads=None):
     """Validate one step (seq None) or `seq` steps. dims = (batch, HV, V, K);
     heads: the key heads H that q must have (a replay state's), or None (any
     divisor of HV). Returns H."""
@@ -45,11 +45,16 @@ def _check_inputs(dims, q, k, vv, g, beta, scale, seq=None, seq_name="seqlen", h
         raise ValueError(f"`q` and `k` must have H = {heads} key heads (the state's); got {H}")
     val.check_divisible("HV (value heads)", HV, "H (key heads) = q.shape[-2]", H)
     val.check_shape("q", q, f"{names}, H, K", (*lead, H, K))
-    val.float_arg("k", k, f"{names}, H, K", (*lead, H, K))
+    k = val.check_float("k", k)
+    val.check_rank("k", k, f"{names}, H, K")
+    if k.shape[-2] != H:
+        raise ValueError(f"`q` and `k` must have the same H (key heads); got {H} and {k.shape[-2]}")
+    val.check_shape("k", k, f"{names}, H, K", (*lead, H, K))
     val.float_arg("v", vv, f"{names}, HV, V", (*lead, HV, V))
     val.float_arg("g", g, f"{names}, HV", (*lead, HV))
     val.float_arg("beta", beta, f"{names}, HV", (*lead, HV))
     val.check_scale(scale)
+    val.check_bool("use_qk_l2norm", use_qk_l2norm)
     return H
 
 
@@ -87,7 +92,7 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
       ValueError: a shape mismatch, or HV not divisible by H.
     """
     state = _check_state(state)
-    _check_inputs(state.shape, q, k, v, g, beta, scale)
+    _check_inputs(state.shape, q, k, v, g, beta, scale, use_qk_l2norm)
     HV = state.shape[1]
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
@@ -147,7 +152,7 @@ def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_s
         state = jnp.zeros((batch, HV, V, K), f32)
     state = _check_state(state)
     val.check_shape("state", state, "batch, HV, V, K", (batch, HV, V, K))
-    _check_inputs(state.shape, q, k, vv, g, beta, scale, seq=T)
+    _check_inputs(state.shape, q, k, vv, g, beta, scale, use_qk_l2norm, seq=T)
     chunk_size = val.check_positive_int("chunk_size", chunk_size)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=2) for a in (q, k))
@@ -211,10 +216,11 @@ def gdn_replay_flush(state: GDNReplayState) -> GDNReplayState:
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), unify)
 
 
-def _check_replay_inputs(state, q, k, v, g, beta, scale, seq=None):
+def _check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm, seq=None):
     check_replay_state(state, GDNReplayState)
     check_no_pending_window(state)
-    _check_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, seq=seq, seq_name="W", heads=state.k.shape[1])
+    _check_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, use_qk_l2norm, seq=seq, seq_name="W",
+                  heads=state.k.shape[1])
 
 
 def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output"):
@@ -248,7 +254,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
       TypeError, ValueError: as :func:`gdn_step`, for a malformed state, a
       pending verify window, or an unknown route.
     """
-    _check_replay_inputs(state, q, k, v, g, beta, scale)
+    _check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm)
     val.check_route(route)
     HV = state.checkpoint.shape[1]
     entered_full = state.cursor == state.buffer_len
@@ -308,7 +314,7 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
     W = vv.shape[1]
     if not 1 <= W <= state.buffer_len:
         raise ValueError(f"the window length W = v.shape[1] must be in [1, L = {state.buffer_len}]; got {W}")
-    _check_replay_inputs(state, q, k, vv, g, beta, scale, seq=W)
+    _check_replay_inputs(state, q, k, vv, g, beta, scale, use_qk_l2norm, seq=W)
     HV = state.checkpoint.shape[1]
     state = c.make_room(state, W, unify)
     start = c.replay_materialize(state.checkpoint, *unify(state), state.cursor)

@@ -47,7 +47,12 @@ def _check_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_limit, seq=None, seq_n
         raise ValueError(f"`B` must have n_groups = {groups} (the state's); got {G}")
     v.check_divisible("nheads", H, "n_groups = B.shape[-2]", G)
     v.check_shape("B", B, f"{lead_names}, n_groups, d_state", (*lead, G, N))
-    v.float_arg("C", C, f"{lead_names}, n_groups, d_state", (*lead, G, N))
+    C = v.check_float("C", C)
+    v.check_rank("C", C, f"{lead_names}, n_groups, d_state")
+    if C.shape[-2] != G:
+        raise ValueError(f"`C` must have n_groups = {G} (the state's); got {C.shape[-2]}" if groups is not None else
+                         f"`B` and `C` must have the same n_groups; got {G} and {C.shape[-2]}")
+    v.check_shape("C", C, f"{lead_names}, n_groups, d_state", (*lead, G, N))
     v.optional_float_arg("D", D, "nheads", (H,))
     v.optional_float_arg("z", z, f"{lead_names}, nheads, head_dim", (*lead, H, P))
     v.optional_float_arg("dt_bias", dt_bias, "nheads", (H,))
