@@ -96,6 +96,11 @@ def test_replay_errors_leave_state_usable(name, request):
         ("q", "`q` and `k` must have H = 2 key heads (the state's); got 3")
     with pytest.raises(ValueError, match=re.escape(message)):
         case.replay_step(rs, with_(inp, **{grouped: np.ones((2, 3, inp[grouped].shape[-1]), np.float32)}))
+    # Its partner (C, or k) with another count than the state's / q's: named, with both counts.
+    partner, message = ("C", "`C` must have n_groups = 2 (the state's); got 3") if name == "mamba" else \
+        ("k", "`q` and `k` must have the same H (key heads); got 2 and 3")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        case.replay_step(rs, with_(inp, **{partner: np.ones((2, 3, inp[partner].shape[-1]), np.float32)}))
     with pytest.raises(ValueError, match=r"the window length W = .* must be in \[1, L = 4\]; got 5"):
         case.verify(rs, case.draw(5))
     with pytest.raises(ValueError, match="no pending verify window"):
