@@ -225,3 +225,46 @@ def test_roofline_needs_a_gpu_by_default(capsys):
         load("roofline").main([])
     assert "the pallas backend needs a GPU (JAX's default backend is 'cpu'); on the CPU use --backend interpret" \
         in capsys.readouterr().err
+
+
+def test_bounds_table(tmp_path, capsys):
+    """bench/bounds.py: each kernel's bytes at its ceiling, the rest of the step as measured."""
+    bounds = load("bounds")
+    rows = [dict(layer="gdn", state_dtype="float32", batch=2, L=None, cursors=None, seconds=100e-6, passed=True,
+                 kernels_us={"gdn_step_bv32_w4_s1_t1": dict(us=90.0, launches_per_step=1.0)}),
+            dict(layer="gdn", state_dtype="float32", batch=2, L=4, cursors="staggered", seconds=80e-6, passed=True,
+                 kernels_us={"gdn_replay_output_L4_bv64_w4_s1_t2": dict(us=50.0, launches_per_step=1.0),
+                             "gdn_replay_flush_L4_bv64_w4_s1_t1_r2": dict(us=10.0, launches_per_step=1.0),
+                             "memcpy32_post": dict(us=2.0, launches_per_step=2.0)})]
+    roofline = dict(rows=[dict(kind="read", dtype="float32", gbps=g) for g in (100.0, 400.0)]
+                    + [dict(kind="update", dtype="float32", gbps=200.0)])
+    (tmp_path / "k.json").write_text(json.dumps(dict(rows=rows)))
+    (tmp_path / "r.json").write_text(json.dumps(roofline))
+    assert bounds.main([str(tmp_path / "k.json"), str(tmp_path / "r.json")]) == 0
+    bench = bounds.BENCHES["gdn"](2, "float32")
+    read, written = bench.buffer_bytes(4)
+    state = bench.state_bytes()
+    replay_bound = (state + read + written + bench.io_bytes()) / 400.0 / 1e3  # the best read ceiling
+    flush_bound = (2 * state / 4 + read / 4) / 200.0 / 1e3
+    [row] = bounds.bound_rows(dict(rows=rows), bounds.ceilings(roofline))
+    assert row["other_us"] == pytest.approx(20.0)  # 80 - 50 - 10: the memcpys and gaps, as measured
+    assert row["speedup"] == pytest.approx(1.25)
+    assert row["bound"] == pytest.approx(100.0 / (replay_bound + flush_bound + 20.0))
+    assert "| gdn | float32 | 2 | 4 | staggered | 50.0 (" in capsys.readouterr().out
+
+
+def test_bounds_needs_profiles_and_ceilings(tmp_path, capsys):
+    bounds = load("bounds")
+    row = dict(layer="gdn", state_dtype="bfloat16", batch=2, L=None, cursors=None, seconds=1e-4, passed=True,
+               kernels_us=None)
+    (tmp_path / "k.json").write_text(json.dumps(dict(rows=[row])))
+    (tmp_path / "r.json").write_text(json.dumps(dict(rows=[dict(kind="read", dtype="float32", gbps=1.0)])))
+    with pytest.raises(SystemExit):
+        bounds.main([str(tmp_path / "k.json"), str(tmp_path / "r.json")])
+    assert "no replay variant with kernel times (run bench/kernels.py with --profile)" in capsys.readouterr().err
+    replay = dict(row, L=4, cursors="staggered", kernels_us={"x_replay_output": dict(us=1.0, launches_per_step=1.0)})
+    standard = dict(row, kernels_us={"x_step": dict(us=1.0, launches_per_step=1.0)})
+    (tmp_path / "k.json").write_text(json.dumps(dict(rows=[standard, replay])))
+    with pytest.raises(SystemExit):
+        bounds.main([str(tmp_path / "k.json"), str(tmp_path / "r.json")])
+    assert "the roofline JSON has no read row for bfloat16" in capsys.readouterr().err

@@ -1,0 +1,108 @@
+"""How far each measured ReplaySSM step is from its bandwidth bound.
+
+Reads a `bench/kernels.py --profile` JSON (the per-kernel GPU times of each
+variant) and a `bench/roofline.py` JSON (the read and in-place-update
+bandwidth a Pallas kernel attains), and prints, per replay variant:
+
+- the replay kernel's time against its bytes at the read ceiling (it reads
+  the checkpoint and the L-slot buffer tiles, writes one record and the output);
+- the flush launch's time against its bytes at the update ceiling (per
+  step: 1/L of the checkpoint read and written, 1/L of the buffers read);
+- the rest of the step (copies and gaps), kept as measured;
+- the speedup over the standard step now, and the bound: the standard step's
+  time over the step with both kernels at their ceilings.
+
+    python3 bench/bounds.py bench/results/gpu_2026-11-30_session6/call2_kernels.json \\
+        bench/results/gpu_2026-11-30_session7/call1_roofline.json
+
+Byte counts come from bench/kernels.py's traffic model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import kernels as kb  # noqa: E402  (bench/kernels.py: the layer shapes and the traffic model)
+
+BENCHES = {"gdn": lambda b, sd: kb.GDNBench(kb.GDNShape(), b, sd, np.random.default_rng(0)),
+           "mamba2": lambda b, sd: kb.Mamba2Bench(kb.Mamba2Shape(), b, sd, np.random.default_rng(0))}
+
+
+def ceilings(roofline: dict) -> dict:
+    """{(kind, dtype): best GB/s} over the tilings of a roofline.py JSON."""
+    best = {}
+    for r in roofline["rows"]:
+        key = (r["kind"], r["dtype"])
+        best[key] = max(best.get(key, 0.0), r["gbps"])
+    return best
+
+
+def step_bytes(bench, L: int) -> tuple[float, float]:
+    """(replay kernel bytes, flush launch bytes) per step, from the traffic model."""
+    read, written = bench.buffer_bytes(L)
+    state = bench.state_bytes()
+    return state + read + written + bench.io_bytes(), 2 * state / L + read / L
+
+
+def bound_rows(kernels: dict, best: dict) -> list[dict]:
+    """One row per profiled replay variant with a standard step at its shape."""
+    rows = [r for r in kernels["rows"] if r.get("passed") and r.get("kernels_us")]
+    standard = {(r["layer"], r["state_dtype"], r["batch"]): r["seconds"] for r in rows if r["L"] is None}
+    out = []
+    for r in rows:
+        key = (r["layer"], r["state_dtype"], r["batch"])
+        if r["L"] is None or key not in standard:
+            continue
+        for kind in ("read", "update"):
+            if (kind, r["state_dtype"]) not in best:
+                raise ValueError(f"the roofline JSON has no {kind} row for {r['state_dtype']}")
+        times = {name: t["us"] for name, t in r["kernels_us"].items()}  # GPU us per step, all launches
+        replay = sum(t for name, t in times.items() if "_replay_" in name and "_flush" not in name)
+        flush = sum(t for name, t in times.items() if "_flush" in name)
+        step = r["seconds"] * 1e6
+        replay_bytes, flush_bytes = step_bytes(BENCHES[r["layer"]](r["batch"], r["state_dtype"]), r["L"])
+        replay_bound = replay_bytes / best[("read", r["state_dtype"])] / 1e3  # bytes / (GB/s) -> us
+        flush_bound = flush_bytes / best[("update", r["state_dtype"])] / 1e3
+        other = step - replay - flush
+        out.append(dict(layer=r["layer"], state_dtype=r["state_dtype"], batch=r["batch"], L=r["L"],
+                        cursors=r["cursors"], replay_us=replay, replay_bound_us=replay_bound, flush_us=flush,
+                        flush_bound_us=flush_bound, other_us=other, speedup=standard[key] * 1e6 / step,
+                        bound=standard[key] * 1e6 / (replay_bound + flush_bound + other)))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("kernels_json", help="a bench/kernels.py JSON run with --profile")
+    p.add_argument("roofline_json", help="a bench/roofline.py JSON")
+    args = p.parse_args(argv)
+    with open(args.kernels_json) as f:
+        kernels = json.load(f)
+    with open(args.roofline_json) as f:
+        best = ceilings(json.load(f))
+    try:
+        rows = bound_rows(kernels, best)
+    except ValueError as e:
+        p.error(str(e))
+    if not rows:
+        p.error(f"{args.kernels_json}: no replay variant with kernel times (run bench/kernels.py with --profile)")
+    print("| layer | state | batch | L | cursors | replay kernel us (bound) | flush us (bound) | other us "
+          "| speedup | bound |\n|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layer']} | {r['state_dtype']} | {r['batch']} | {r['L']} | {r['cursors']} "
+              f"| {r['replay_us']:.1f} ({r['replay_bound_us']:.1f}: {100 * r['replay_bound_us'] / r['replay_us']:.0f}%) "
+              f"| {r['flush_us']:.1f} ({r['flush_bound_us']:.1f}: "
+              f"{100 * r['flush_bound_us'] / r['flush_us'] if r['flush_us'] else np.nan:.0f}%) "
+              f"| {r['other_us']:.1f} | {r['speedup']:.2f}x | {r['bound']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
