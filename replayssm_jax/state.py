@@ -188,9 +188,12 @@ def check_replay_state(state, kind: type) -> None:
         v.check_float(f"state.{name}", getattr(state, name))
     for name in decays:  # processed dt / log decays: float32, as the init makes them
         v.check_float(f"state.{name}", getattr(state, name), (jnp.float32,))
-    buffers = {name: getattr(state, name) for name in (*records, *decays)}
-    slots = {name: b.shape[2] if b.ndim > 2 else None for name, b in buffers.items()}  # L is axis 2 of each
-    if len(set(slots.values())) > 1:
+    dims = (dict(x="batch, nheads, L, head_dim", B="batch, n_groups, L, d_state", dt="batch, nheads, L") if mamba
+            else dict(d="batch, HV, L, V", k="batch, H, L, K", g="batch, HV, L"))
+    for name, names in dims.items():
+        v.check_rank(f"state.{name}", getattr(state, name), names)
+    buffers = {name: getattr(state, name) for name in dims}
+    if len({b.shape[2] for b in buffers.values()}) > 1:  # L is axis 2 of each
         raise ValueError("`state`'s buffers must have the same number of slots L (axis 2); got "
                          + ", ".join(f"state.{name} {tuple(b.shape)}" for name, b in buffers.items()))
     batch = state.checkpoint.shape[0]

@@ -246,11 +246,39 @@ def test_bounds_table(tmp_path, capsys):
     state = bench.state_bytes()
     replay_bound = (state + read + written + bench.io_bytes()) / 400.0 / 1e3  # the best read ceiling
     flush_bound = (2 * state / 4 + read / 4) / 200.0 / 1e3
-    [row] = bounds.bound_rows(dict(rows=rows), bounds.ceilings(roofline))
+    [row] = bounds.bound_rows(rows, bounds.ceilings(roofline["rows"]))
     assert row["other_us"] == pytest.approx(20.0)  # 80 - 50 - 10: the memcpys and gaps, as measured
     assert row["speedup"] == pytest.approx(1.25)
     assert row["bound"] == pytest.approx(100.0 / (replay_bound + flush_bound + 20.0))
     assert "| gdn | float32 | 2 | 4 | staggered | 50.0 (" in capsys.readouterr().out
+
+
+def test_bounds_leaves_out_fused_flush_steps(tmp_path):
+    """A replay kernel that also flushes (batch 1-4) is latency-bound: no bandwidth bound for it."""
+    bounds = load("bounds")
+    standard = dict(layer="gdn", state_dtype="float32", batch=1, L=None, cursors=None, seconds=4e-6, passed=True,
+                    kernels_us={"gdn_step_bv4_w1_s1_t1": dict(us=3.0, launches_per_step=1.0)})
+    fused = dict(standard, L=16, cursors="staggered", seconds=7e-6,
+                 kernels_us={"gdn_replay_output_L16_bv16_w4_s1_t1_fused": dict(us=4.5, launches_per_step=1.0)})
+    assert bounds.bound_rows([standard, fused], {("read", "float32"): 1.0, ("update", "float32"): 1.0}) == []
+
+
+@pytest.mark.parametrize("files, message", [
+    (("missing.json", "r.json"), "missing.json: cannot read it as JSON"),
+    (("r.json", "k.json"), "r.json: not a bench/kernels.py JSON (rows with L, batch, layer, state_dtype)"),
+    (("k.json", "k.json"), "k.json: not a bench/roofline.py JSON (rows with dtype, gbps, kind)"),
+    (("list.json", "r.json"), "list.json: not a bench/kernels.py JSON"),
+    (("k.json", "zero.json"), "the roofline JSON has no positive bandwidth for read float32"),
+], ids=["missing", "swapped", "not roofline", "a list", "zero bandwidth"])
+def test_bounds_rejects_other_files(files, message, tmp_path, capsys):
+    bounds = load("bounds")
+    (tmp_path / "k.json").write_text(json.dumps(dict(rows=[dict(layer="gdn", state_dtype="float32", batch=2, L=None)])))
+    (tmp_path / "r.json").write_text(json.dumps(dict(rows=[dict(kind="read", dtype="float32", gbps=1.0)])))
+    (tmp_path / "zero.json").write_text(json.dumps(dict(rows=[dict(kind="read", dtype="float32", gbps=0.0)])))
+    (tmp_path / "list.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(SystemExit):
+        bounds.main([str(tmp_path / f) for f in files])
+    assert message in capsys.readouterr().err
 
 
 def test_bounds_needs_profiles_and_ceilings(tmp_path, capsys):
@@ -261,7 +289,8 @@ def test_bounds_needs_profiles_and_ceilings(tmp_path, capsys):
     (tmp_path / "r.json").write_text(json.dumps(dict(rows=[dict(kind="read", dtype="float32", gbps=1.0)])))
     with pytest.raises(SystemExit):
         bounds.main([str(tmp_path / "k.json"), str(tmp_path / "r.json")])
-    assert "no replay variant with kernel times (run bench/kernels.py with --profile)" in capsys.readouterr().err
+    assert "no two-launch replay variant with kernel times (run bench/kernels.py with --profile at a batch above 4)" \
+        in capsys.readouterr().err
     replay = dict(row, L=4, cursors="staggered", kernels_us={"x_replay_output": dict(us=1.0, launches_per_step=1.0)})
     standard = dict(row, kernels_us={"x_step": dict(us=1.0, launches_per_step=1.0)})
     (tmp_path / "k.json").write_text(json.dumps(dict(rows=[standard, replay])))

@@ -137,6 +137,8 @@ def test_replay_errors_leave_state_usable(name, request):
     with pytest.raises(ValueError, match=r"`state`'s buffers must have the same number of slots L \(axis 2\); got "
                                          rf"state\.{record} \(2, 4, 4, \d+\), .*state\.{decay} \(2, \d+, 5\)"):
         case.replay_step(rs.replace(**{decay: longer}), inp)
+    with pytest.raises(ValueError, match=re.escape(f"`state.{decay}` must have rank 3 [batch, ")):
+        case.replay_step(rs.replace(**{decay: getattr(rs, decay)[..., None]}), inp)
 
     # The state that saw all these failures is intact and still decodes.
     np.testing.assert_array_equal(rs.checkpoint, before[0])
