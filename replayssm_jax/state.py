@@ -182,35 +182,27 @@ def check_replay_state(state, kind: type) -> None:
         raise TypeError(f"`state` must be a {kind.__name__}; got {type(state).__name__}")
     mamba = kind is Mamba2ReplayState
     v.check_float("state.checkpoint", state.checkpoint, v.STATE_DTYPES)
-    v.check_rank("state.checkpoint", state.checkpoint, "batch, nheads, head_dim, d_state" if mamba else "batch, HV, V, K")
-    records, decays = (("x", "B"), ("dt",)) if mamba else (("d", "k"), ("g",))
-    for name in records:  # the buffer dtype: any floating dtype
-        v.check_float(f"state.{name}", getattr(state, name))
-    for name in decays:  # processed dt / log decays: float32, as the init makes them
-        v.check_float(f"state.{name}", getattr(state, name), (jnp.float32,))
-    dims = (dict(x="batch, nheads, L, head_dim", B="batch, n_groups, L, d_state", dt="batch, nheads, L") if mamba
-            else dict(d="batch, HV, L, V", k="batch, H, L, K", g="batch, HV, L"))
-    for name, names in dims.items():
-        v.check_rank(f"state.{name}", getattr(state, name), names)
-    buffers = {name: getattr(state, name) for name in dims}
+    v.check_rank("state.checkpoint", state.checkpoint,
+                 "batch, nheads, head_dim, d_state" if mamba else "batch, HV, V, K")
+    batch, heads, rows, cols = state.checkpoint.shape
+    record, key, decay = ("x", "B", "dt") if mamba else ("d", "k", "g")
+    axes = ({record: "batch, nheads, L, head_dim", key: "batch, n_groups, L, d_state", decay: "batch, nheads, L"}
+            if mamba else {record: "batch, HV, L, V", key: "batch, H, L, K", decay: "batch, HV, L"})
+    buffers = {name: getattr(state, name) for name in axes}
+    for name, b in buffers.items():
+        # records: any floating dtype (the buffer dtype); the decays (processed dt, log g): float32, as init makes
+        v.check_float(f"state.{name}", b, (jnp.float32,) if name == decay else None)
+        v.check_rank(f"state.{name}", b, axes[name])
     if len({b.shape[2] for b in buffers.values()}) > 1:  # L is axis 2 of each
         raise ValueError("`state`'s buffers must have the same number of slots L (axis 2); got "
                          + ", ".join(f"state.{name} {tuple(b.shape)}" for name, b in buffers.items()))
-    batch = state.checkpoint.shape[0]
     if not isinstance(state.cursor, (jax.Array, np.ndarray)):
         raise TypeError(f"`state.cursor` must be an int32 array of shape [batch] = ({batch},); "
                         f"got {type(state.cursor).__name__} {state.cursor!r}")
     L = state.buffer_len
-    if mamba:
-        _, nheads, head_dim, d_state = state.checkpoint.shape
-        v.check_shape("state.x", state.x, "batch, nheads, L, head_dim", (batch, nheads, L, head_dim))
-        v.check_shape("state.dt", state.dt, "batch, nheads, L", (batch, nheads, L))
-        v.check_shape("state.B", state.B, "batch, n_groups, L, d_state", (batch, state.B.shape[1], L, d_state))
-    else:
-        _, HV, V, K = state.checkpoint.shape
-        v.check_shape("state.d", state.d, "batch, HV, L, V", (batch, HV, L, V))
-        v.check_shape("state.k", state.k, "batch, H, L, K", (batch, state.k.shape[1], L, K))
-        v.check_shape("state.g", state.g, "batch, HV, L", (batch, HV, L))
+    expected = {record: (batch, heads, L, rows), key: (batch, buffers[key].shape[1], L, cols), decay: (batch, heads, L)}
+    for name, shape in expected.items():
+        v.check_shape(f"state.{name}", buffers[name], axes[name], shape)
     v.check_shape("state.cursor", state.cursor, "batch", (batch,))
     if state.cursor.dtype != jnp.int32:
         raise TypeError(f"`state.cursor` must be int32; got {state.cursor.dtype}")

@@ -117,7 +117,7 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpr
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
     _check_standard_config(config, V, "value dim V")
-    scale = K ** -0.5 if scale is None else val.check_scale(scale)
+    scale = K ** -0.5 if scale is None else float(scale)  # checked above
     return _gdn.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
                          config=config, interpret=interpret)
 
@@ -139,7 +139,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
     _check_replay_tiling(L, config, state.checkpoint.shape[0], V, "value dim V")
-    scale = K ** -0.5 if scale is None else val.check_scale(scale)
+    scale = K ** -0.5 if scale is None else float(scale)  # checked above
     o, ck, d, kb, gb, cursor = _gdn.gdn_replay_step(
         state.checkpoint, state.d, state.k, state.g, state.cursor, q, k, v, g, beta,
         L=L, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), route=route, config=config, interpret=interpret)
