@@ -36,8 +36,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernels as kb  # noqa: E402  (bench/kernels.py: the layer shapes and the traffic model)
 
-BENCHES = {"gdn": lambda b, sd: kb.GDNBench(kb.GDNShape(), b, sd, np.random.default_rng(0)),
-           "mamba2": lambda b, sd: kb.Mamba2Bench(kb.Mamba2Shape(), b, sd, np.random.default_rng(0))}
 
 
 def load_rows(path: str, keys: set, script: str) -> list[dict]:
@@ -92,7 +90,7 @@ def bound_rows(kernel_rows: list[dict], best: dict) -> list[dict]:
             raise ValueError(f"{r['layer']} {r['state_dtype']} batch {r['batch']} L {r['L']}: the profile has no "
                              f"{'replay kernel' if not replay else 'flush launch'} ({', '.join(times)})")
         step = r["seconds"] * 1e6
-        replay_bytes, flush_bytes = step_bytes(BENCHES[r["layer"]](r["batch"], r["state_dtype"]), r["L"])
+        replay_bytes, flush_bytes = step_bytes(kb.make_bench(r["layer"], r["batch"], r["state_dtype"], np.random.default_rng(0)), r["L"])
         replay_bound = replay_bytes / best[("read", r["state_dtype"])] / 1e3  # bytes / (GB/s) -> us
         flush_bound = flush_bytes / best[("update", r["state_dtype"])] / 1e3
         other = step - replay - flush

@@ -46,7 +46,7 @@ def predicted_speedup(bench, L) -> float:
 def study(layer, shape, state_dtype, batches, lengths, repeats, rng, log, rows, save):
     """Append the rows of one layer and state dtype to `rows`; save() after each batch."""
     for batch in batches:
-        bench = (kb.GDNBench if layer == "gdn" else kb.Mamba2Bench)(shape, batch, state_dtype, rng)
+        bench = kb.make_bench(layer, batch, state_dtype, rng, shape)
         check = kb.check(bench, [L for L in lengths if L <= 32] or lengths[:1])
         if not check["ok"]:
             log(f"FAILED correctness {layer} {state_dtype} batch {batch}: {check}")

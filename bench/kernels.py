@@ -267,6 +267,18 @@ def _check(bench, lengths, config_std):
     return out
 
 
+BENCHES = {"gdn": (GDNBench, GDNShape), "mamba2": (Mamba2Bench, Mamba2Shape)}  # layer: (bench, model shape)
+
+
+def make_bench(layer: str, batch: int, state_dtype, rng, shape=None):
+    """The benchmark of one layer ('gdn' or 'mamba2') at `shape` (default: its model shape).
+    Raises ValueError for another layer name."""
+    if layer not in BENCHES:
+        raise ValueError(f"unknown layer {layer!r}; choose from {', '.join(BENCHES)}")
+    bench, default_shape = BENCHES[layer]
+    return bench(shape or default_shape(), batch, state_dtype, rng)
+
+
 def n_sets_for(bench):
     per = bench.state_bytes()
     return int(min(MAX_SETS, max(MIN_SETS, math.ceil(L2_TARGET_BYTES / per))))
@@ -486,12 +498,10 @@ def main():
     rows = []
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.tag}.json")
-    makers = {"gdn": lambda b, sd: GDNBench(GDNShape(), b, sd, rng),
-              "mamba2": lambda b, sd: Mamba2Bench(Mamba2Shape(), b, sd, rng)}
     for layer in args.layers.split(","):
         for sd in args.state_dtypes.split(","):
             for batch in (int(x) for x in args.batches.split(",")):
-                bench = makers[layer](batch, sd)
+                bench = make_bench(layer, batch, sd, rng)
                 shape_name = bench.s.name
                 t0 = time.perf_counter()
                 chk = check(bench, lengths)

@@ -43,13 +43,11 @@ def main(argv=None) -> int:
         extra = [kb.parse_config(spec) for spec in filter(None, args.configs.split(","))]
     except (ValueError, TypeError) as e:
         p.error(f"--configs: {e}")
-    benches = {"gdn": lambda: kb.GDNBench(kb.GDNShape(), args.batch, args.state_dtype, rng),
-               "mamba2": lambda: kb.Mamba2Bench(kb.Mamba2Shape(), args.batch, args.state_dtype, rng)}
     layers = args.layers.split(",")
-    if unknown := [x for x in layers if x not in benches]:
-        p.error(f"--layers: unknown {', '.join(unknown)}; choose from {', '.join(benches)}")
+    if unknown := [x for x in layers if x not in kb.BENCHES]:
+        p.error(f"--layers: unknown {', '.join(unknown)}; choose from {', '.join(kb.BENCHES)}")
     for layer in layers:
-        bench = benches[layer]()
+        bench = kb.make_bench(layer, args.batch, args.state_dtype, rng)
         inp = jax.tree.map(lambda a: a[0], bench.inputs(1))
         state = bench.state()
         runs = [("standard", jax.jit(lambda s, i: bench.step(s, i, args.backend), donate_argnums=0), state)]

@@ -241,7 +241,7 @@ def test_bounds_table(tmp_path, capsys):
     (tmp_path / "k.json").write_text(json.dumps(dict(rows=rows)))
     (tmp_path / "r.json").write_text(json.dumps(roofline))
     assert bounds.main([str(tmp_path / "k.json"), str(tmp_path / "r.json")]) == 0
-    bench = bounds.BENCHES["gdn"](2, "float32")
+    bench = bounds.kb.make_bench("gdn", 2, "float32", bounds.np.random.default_rng(0))
     read, written = bench.buffer_bytes(4)
     state = bench.state_bytes()
     replay_bound = (state + read + written + bench.io_bytes()) / 400.0 / 1e3  # the best read ceiling
