@@ -19,7 +19,7 @@ of SSM layers, over the measured step time. Greedy tokens of every mode are
 compared with the standard state's.
 
 Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
-                             [--modes standard,8,16,32] [--prompt-len 512] [--new-tokens 256]
+                             [--modes standard,8,16,32,16d] [--prompt-len 512] [--new-tokens 256]
                              [--prefill-rows 64] [--profile]
         python3 bench/e2e.py --smoke     (CPU check of the script on a tiny fixture)
 --profile adds, per configuration, a breakdown of a decode step by kernel
@@ -84,8 +84,17 @@ class Row:
     profile: dict | None = None  # ms per decode step by category (step_profile.CATEGORIES), and top kernels
 
 
-def _mode(mode: str) -> tuple[str, int | None]:
-    return ("standard", None) if mode == "standard" else ("replay", int(mode))
+def _mode(mode: str) -> tuple[str, int | None, str]:
+    """(state, L, route) of a --modes entry: 'standard'; 'L', ReplaySSM with
+    buffer length L on the output route; 'Ld', the same on the direct route.
+    Raises ValueError for anything else."""
+    if mode == "standard":
+        return "standard", None, "output"
+    digits = mode.removesuffix("d")
+    if not digits.isdigit() or int(digits) < 1:
+        raise ValueError(f"mode {mode!r}: expected 'standard', a buffer length L >= 1, or L then 'd' (the direct "
+                         "route, e.g. '16d')")
+    return "replay", int(digits), "direct" if mode.endswith("d") else "output"
 
 
 def _peak_gib() -> float:
@@ -98,7 +107,7 @@ def _ssm_layers(config):
     return [i for i, t in enumerate(config.layer_types) if t in ("mamba", "gdn")]
 
 
-def _ssm_op_time(model, batch, state, L, backend, steps=16) -> float:
+def _ssm_op_time(model, batch, state, L, backend, route, steps=16) -> float:
     """Seconds per decode step of one SSM layer's op alone (same batch, state, backend)."""
     c = model.config
     key = jax.random.key(1)
@@ -114,7 +123,7 @@ def _ssm_op_time(model, batch, state, L, backend, steps=16) -> float:
             carry, fn = s, lambda st, i: ops.mamba2_step(st, **i, A=A, backend=backend)
         else:
             carry = ops.mamba2_replay_init(s, L, G, buffer_dtype=bf16)
-            fn = lambda st, i: ops.mamba2_replay_step(st, **i, A=A, backend=backend)  # noqa: E731
+            fn = lambda st, i: ops.mamba2_replay_step(st, **i, A=A, route=route, backend=backend)  # noqa: E731
     else:
         H, HV, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         s = jax.random.normal(k[0], (batch, HV, V, K), jnp.float32) * 0.1
@@ -125,7 +134,7 @@ def _ssm_op_time(model, batch, state, L, backend, steps=16) -> float:
             carry, fn = s, lambda st, i: ops.gdn_step(st, **i, backend=backend)
         else:
             carry = ops.gdn_replay_init(s, L, H, buffer_dtype=bf16)
-            fn = lambda st, i: ops.gdn_replay_step(st, **i, backend=backend)  # noqa: E731
+            fn = lambda st, i: ops.gdn_replay_step(st, **i, route=route, backend=backend)  # noqa: E731
 
     def loop(carry, xs):
         return jax.lax.scan(lambda c, i: fn(c, i)[::-1], carry, xs)[0]
@@ -174,9 +183,9 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
         prompts = rng.integers(3, model.config.vocab_size, size=(batch, prompt_len)).astype(np.int32)
         reference_tokens = None
         for mode in modes:
-            state, L = _mode(mode)
+            state, L, route = _mode(mode)
             gen = Generator(model, state=state, buffer_len=L or 1, backend=backend, block_size=new_tokens,
-                            prefill_rows=prefill_rows)
+                            prefill_rows=prefill_rows, route=route)
             try:
                 out = gen.generate(prompts, new_tokens, progress=False)
                 again = gen.generate(prompts, new_tokens, progress=False)
@@ -189,7 +198,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                 continue
             best = min((out, again), key=lambda o: o.decode_s)
             step_s = best.decode_s / best.decode_steps
-            ssm_share = n_ssm * _ssm_op_time(model, batch, state, L or 1, backend) / step_s
+            ssm_share = n_ssm * _ssm_op_time(model, batch, state, L or 1, backend, route) / step_s
             tokens = np.array(best.sequences)
             if state == "standard":
                 reference_tokens = tokens
@@ -220,7 +229,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="End-to-end decode throughput: standard vs ReplaySSM")
     p.add_argument("--models", default=None, help=f"default: {','.join(MODELS)} (with --smoke: the tiny fixtures)")
     p.add_argument("--batches", default=None, help="default: 1,16,64,128,256,512 (with --smoke: 1,2)")
-    p.add_argument("--modes", default="standard,8,16,32", help="'standard' and ReplaySSM buffer lengths")
+    p.add_argument("--modes", default="standard,8,16,32",
+                   help="'standard' and ReplaySSM buffer lengths; 'Ld' (e.g. '16d'): the direct route")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--backend", default=None)
@@ -244,6 +254,11 @@ def main(argv=None) -> int:
     configs = {m: os.path.join(folder, m) for m in names.split(",")}
     batches = [int(b) for b in batches.split(",")]
     modes = args.modes.split(",")
+    for mode in modes:
+        try:
+            _mode(mode)
+        except ValueError as e:
+            p.error(f"--modes: {e}")
     backend = ops.resolve_backend(args.backend)
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=_commit(), prompt_len=prompt_len,

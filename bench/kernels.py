@@ -242,7 +242,7 @@ def _check(bench, lengths, config_std):
     out, ok = {}, True
     tol_y, tol_s = TOL_REL["y"], TOL_REL[bench.sd.name]
     state = bench.state()
-    xs = bench.inputs(max(lengths) + 2)
+    xs = bench.inputs(max(lengths) + 4)
     s_k, s_r = state, state.astype(f32)
     for t in range(2):
         y_k, s_k = bench.step(s_k, _take(xs, t), BACKEND, config_std)
@@ -263,6 +263,20 @@ def _check(bench, lengths, config_std):
         out[f"replay_L{L}"] = {"y_rel": worst, "checkpoint": e_state,
                                "cursor_zero": bool((np.asarray(rs.cursor) == 0).all())}
         ok &= worst <= tol_y and e_state[1] <= TOL_REL["replay_" + bench.sd.name] and out[f"replay_L{L}"]["cursor_zero"]
+    # The direct route after buffered steps: the first direct step folds the
+    # records, and the checkpoint then follows the standard state.
+    L = max(lengths)
+    rs = bench.replay_init(state, L, np.zeros(bench.b))
+    s_r = state.astype(f32)
+    worst = 0.0
+    for t, route in enumerate(["output"] * (L // 2 + 1) + ["direct"] * 3):
+        y_k, rs = bench.replay_step(rs, _take(xs, t), route, BACKEND)
+        y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
+        worst = max(worst, _err(y_k, y_r)[1])
+    out[f"direct_L{L}"] = {"y_rel": worst, "checkpoint": _err(rs.checkpoint, s_r),
+                          "cursor_zero": bool((np.asarray(rs.cursor) == 0).all())}
+    ok &= worst <= tol_y and out[f"direct_L{L}"]["checkpoint"][1] <= TOL_REL["replay_" + bench.sd.name]
+    ok &= out[f"direct_L{L}"]["cursor_zero"]
     out["ok"] = bool(ok)
     return out
 
@@ -351,11 +365,18 @@ def measure_copy_bandwidth(nbytes=2 << 30, repeats=20):
     return results
 
 
-def variants(lengths):
-    yield ("standard", None, None)
+def variants(bench, lengths):
+    """(name, L, cursors, route) of the variants timed at a shape: the
+    standard step, the replay step at each L (staggered cursors) and at one L
+    in step, and, where the default replay step is one launch (a
+    latency-bound batch), the direct route from empty buffers."""
+    yield ("standard", None, None, None)
     for L in lengths:
-        yield (f"replay-L{L}", L, "staggered")
-    yield (f"replay-L{16 if 16 in lengths else lengths[0]}-in-step", 16 if 16 in lengths else lengths[0], "in-step")
+        yield (f"replay-L{L}", L, "staggered", "output")
+    L = 16 if 16 in lengths else lengths[0]
+    yield (f"replay-L{L}-in-step", L, "in-step", "output")
+    if kernels.default_config(bench.b, *bench.heads_dims(), bench.sd.itemsize, replay_len=L).fused_flush:
+        yield (f"replay-L{L}-direct", L, "empty", "direct")
 
 
 def standard_bytes(bench) -> float:
@@ -380,12 +401,12 @@ def run_variant(bench, kind, L, cursors, repeats, config=None, route="output"):
         steps = STANDARD_STEPS
         bytes_step = standard_bytes(bench)
     else:
-        cur = np.zeros(bench.b) if cursors == "in-step" else np.arange(bench.b) % L
+        cur = np.arange(bench.b) % L if cursors == "staggered" else np.zeros(bench.b)
         carries = tuple(bench.replay_init(bench.state(), L, cur) for _ in range(n))
         xs = bench.inputs(L)
         step = lambda c, inp: bench.replay_step(c, inp, route, BACKEND, config)  # noqa: E731
         steps = L
-        bytes_step = replay_bytes(bench, L)
+        bytes_step = standard_bytes(bench) if route == "direct" else replay_bytes(bench, L)
     t, spread, compile_s, profile = time_cycle(step, carries, xs, steps, repeats)
     return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_step, gbps=bytes_step / t / 1e9,
                 kernels_us=profile)
@@ -514,11 +535,11 @@ def main():
                 if args.sweep:
                     sweep(bench, base, rows, lengths, args.repeats)
                 std = None
-                for kind, L, cursors in [] if args.sweep else variants(lengths):
-                    r = run_variant(bench, kind, L, cursors, args.repeats)
+                for kind, L, cursors, route in [] if args.sweep else variants(bench, lengths):
+                    r = run_variant(bench, kind, L, cursors, args.repeats, route=route)
                     if L is None:
                         std = r["seconds"]
-                    row = dict(base, variant=kind, L=L, cursors=cursors, **r, speedup=std / r["seconds"],
+                    row = dict(base, variant=kind, L=L, cursors=cursors, route=route, **r, speedup=std / r["seconds"],
                                pct_copy=100 * r["gbps"] / copy_bw, passed=True)
                     rows.append(row)
                     print(f"{layer:7s} {sd:9s} b{batch:<4d} {kind:22s} {r['seconds'] * 1e6:9.2f} us "
@@ -550,7 +571,7 @@ def summary(rows, copy_bw):
             keyed.setdefault((r["layer"], r["state_dtype"], r["batch"]), []).append(r)
     for (layer, sd, b), rs in keyed.items():
         std = next((r for r in rs if r["variant"] == "standard"), None)
-        rep = [r for r in rs if r["variant"].startswith("replay") and r.get("cursors") == "staggered"]
+        rep = [r for r in rs if r["variant"].startswith("replay") and r.get("cursors") in ("staggered", "empty")]
         if not std or not rep:
             continue
         best = min(rep, key=lambda r: r["seconds"])

@@ -151,8 +151,11 @@ def check_dt_limit(dt_limit) -> tuple[float, float]:
     return low, high
 
 
+ROUTES = ("output", "state", "direct")
+
+
 def check_route(route: str) -> str:
-    """The replay readout route: 'output' or 'state'."""
-    if route not in ("output", "state"):
-        raise ValueError(f"`route` must be 'output' or 'state'; got {route!r}")
+    """The replay step's route: 'output', 'state' or 'direct'."""
+    if route not in ROUTES:
+        raise ValueError(f"`route` must be one of {', '.join(map(repr, ROUTES))}; got {route!r}")
     return route

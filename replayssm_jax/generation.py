@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx, struct
 
 from replayssm_jax import ops
+from replayssm_jax._validate import check_route
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 
 STATES = ("standard", "replay")
@@ -113,7 +114,10 @@ class Generator:
       buffer_len: L >= 1, for state="replay".
       buffer_dtype: dtype of the ReplaySSM records (default float32).
       backend: SSM op backend (see replayssm_jax.ops); None picks by platform.
-      route: ReplaySSM readout route, "output" or "state".
+      route: the ReplaySSM step's route (replayssm_jax.ops): "output" or
+        "state" (the buffered step, same numbers), or "direct" (the state
+        written every step, the buffer kept for speculative decoding: for
+        latency-bound batches of 1-4 rows).
       block_size: decode steps per compiled block (progress and early stop
         happen between blocks).
       prefill_rows: rows per prefill pass, or None for the whole batch at
@@ -139,8 +143,10 @@ class Generator:
             buffer_len = _check_int("buffer_len", buffer_len, 1)
         block_size = _check_int("block_size", block_size, 1)
         self.prefill_rows = None if prefill_rows is None else _check_int("prefill_rows", prefill_rows, 1)
-        if route not in ("output", "state"):
-            raise GenerationError(f"`route` must be 'output' or 'state'; got {route!r}")
+        try:
+            check_route(route)
+        except ValueError as e:
+            raise GenerationError(str(e)) from None
         try:
             floating = jnp.issubdtype(jnp.dtype(buffer_dtype), jnp.floating)
         except TypeError:

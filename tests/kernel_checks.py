@@ -227,8 +227,11 @@ def check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backen
     """Replay steps from a state with mixed cursors, kernel backend vs reference.
 
     Compared every step: outputs, the materialized state, the cursor rule
-    (cursor + 1, or 0 for a row that flushes: cursor >= L - 1 at entry), and
-    that rows that do not flush keep their checkpoint bit for bit. The
+    (cursor + 1, or 0 for a row that flushes: cursor >= L - 1 at entry; 0
+    for every row on the direct route), and that rows that do not flush keep
+    their checkpoint bit for bit. `route`: one route, or a tuple of routes
+    taken in turn, step by step (a decode loop may switch routes), and
+    `config` then a Config or a {route: Config} (absent: the default). The
     reference runs with float32 matmuls (no TF32 on a GPU). `config` fixes
     the kernel tiling; `poison` fills the dead slots of the initial buffers
     with NaN and inf (as a rejected draft may leave them): they must not reach
@@ -269,12 +272,14 @@ def _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backe
         if t == wipe_at:
             inp = layer.wipe_decay(inp)
         cursor = np.asarray(rs.cursor)
-        y, new = layer.replay_step(rs, inp, route, backend, config)
+        step_route = route[t % len(route)] if isinstance(route, tuple) else route
+        y, new = layer.replay_step(rs, inp, step_route, backend,
+                                   config.get(step_route) if isinstance(config, dict) else config)
         assert np.isfinite(np.asarray(jnp.asarray(y, f32))).all(), f"non-finite output, step {t}"
-        y_ref, rs_ref = layer.replay_step(rs_ref, inp, route, "xla")
+        y_ref, rs_ref = layer.replay_step(rs_ref, inp, step_route, "xla")
         assert_close(y, y_ref, tol, what=f"output, step {t}")
         assert_close(layer.materialize(new), layer.materialize(rs_ref), tol, what=f"materialized state, step {t}")
-        flush = cursor >= L - 1
+        flush = np.ones_like(cursor, bool) if step_route == "direct" else cursor >= L - 1
         np.testing.assert_array_equal(np.asarray(new.cursor), np.where(flush, 0, cursor + 1), err_msg=f"cursor, step {t}")
         np.testing.assert_array_equal(np.asarray(new.cursor), np.asarray(rs_ref.cursor), err_msg=f"cursor vs reference, step {t}")
         kept = np.asarray(jnp.asarray(new.checkpoint, f32))[~flush]

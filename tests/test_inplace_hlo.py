@@ -122,8 +122,10 @@ def test_kernel_aliases_checkpoint_and_buffers(name, fused, rng):
     calls = _custom_calls(name, rs, layer, replay_config(layer, L, jnp.float32, fused_flush=fused))
     assert len(calls) == (1 if fused else 2), calls
     aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
-    # replay: outputs 1..4 (checkpoint, the three buffers) alias operands 0..3; output 5 (the new cursor) is fresh
-    assert sorted((int(o), int(i)) for o, i in aliases) == [(1, 0), (2, 1), (3, 2), (4, 3)], calls[0][:2000]
+    # replay: outputs 1..4 (checkpoint, the three buffers) alias operands 0..3; output 5, the new cursor, aliases
+    # operand 4 in one launch, and is a fresh array when a flush launch follows (which reads the old cursors)
+    expected = [(1, 0), (2, 1), (3, 2), (4, 3)] + ([(5, 4)] if fused else [])
+    assert sorted((int(o), int(i)) for o, i in aliases) == expected, calls[0][:2000]
     if not fused:
         # the flush launch: its one output (the checkpoint) aliases operand 0
         assert re.search(r"output_operand_aliases = \[#stablehlo.output_operand_alias<output_tuple_indices = \[\], "
@@ -143,16 +145,32 @@ def test_pallas_standard_step_in_place(name, state_dtype, rng):
     _check_no_copy(compiled_scan(standard_step(layer, "pallas"), state, _stack(layer, STEPS)), [state])
 
 
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+def test_direct_route_aliases_checkpoint_and_cursor(name, rng):
+    layer = _layers(rng)[name]
+    rs = layer.replay_state(L, jnp.float32, jnp.float32, np.array([0, L - 1]))
+    fn = kernels.gdn_replay_step if name == "gdn" else kernels.mamba2_replay_step
+    extra = {} if name == "gdn" else layer.params
+    text = lower_for_cuda(lambda rs, inp: fn(rs, **inp, **extra, route="direct"), rs, layer.draw())
+    calls = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
+    assert len(calls) == 1, calls
+    # outputs: y, the checkpoint (operand 0), the cursor (the last operand, after the three buffers)
+    last = re.search(r"custom_call @\S+\(([^)]*)\)", calls[0]).group(1).count(",")
+    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
+    assert sorted((int(o), int(i)) for o, i in aliases) == [(1, 0), (2, last)], calls[0][:2000]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gdn", "mamba2"])
-@pytest.mark.parametrize("route", ["output", "state"])
-@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
+@pytest.mark.parametrize(("route", "fused"), [("output", False), ("state", False), ("output", True), ("state", True),
+                                              ("direct", None)])
 def test_pallas_replay_step_in_place(name, route, fused, rng):
+    """No per-step copy of the checkpoint or buffers; nor of the cursor in a one-launch step (fused, direct)."""
     layer = _layers(rng)[name]
     rs = layer.replay_state(L, jnp.float32, jnp.bfloat16, np.array([0, L - 1]))
-    config = replay_config(layer, L, jnp.float32, fused_flush=fused)
+    config = None if route == "direct" else replay_config(layer, L, jnp.float32, fused_flush=fused)
     hlo = compiled_scan(replay_step(layer, "pallas", route, config), rs, _stack(layer, STEPS))
-    _check_no_copy(hlo, _replay_arrays(rs))
+    _check_no_copy(hlo, _replay_arrays(rs) + ([rs.cursor] if route == "direct" or fused else []))
 
 
 @pytest.mark.gpu

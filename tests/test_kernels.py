@@ -95,9 +95,12 @@ def test_step(case, backend, dtypes, rng):
     check_standard(layer(shape, rng, input_dtype), state_dtype, backend)
 
 
+ROUTES = ["output", "state", "direct"]
+
+
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
 @pytest.mark.parametrize("L", [1, 4, 16])
-@pytest.mark.parametrize("route", ["output", "state"])
+@pytest.mark.parametrize("route", ROUTES)
 def test_replay_step_f32(case, L, route, rng):
     layer, shape = case
     check_replay(layer(shape, rng), L, route, *DTYPES["f32"], "interpret")
@@ -105,7 +108,7 @@ def test_replay_step_f32(case, L, route, rng):
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
 @pytest.mark.parametrize("dtypes", ["bf16in-f32state", "bf16in-bf16state"])
-@pytest.mark.parametrize("route", ["output", "state"])
+@pytest.mark.parametrize("route", ROUTES)
 def test_replay_step_bf16(case, dtypes, route, rng):
     layer, shape = case
     input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]
@@ -122,11 +125,33 @@ def test_replay_tilings(case, config, L, route, rng):
 
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
-@pytest.mark.parametrize("route", ["output", "state"])
+@pytest.mark.parametrize("route", ROUTES)
 def test_replay_dead_slots_never_read(case, route, rng):
     """NaN and inf in the dead slots (a rejected draft's records) reach no output or state."""
     layer, shape = case
     check_replay(layer(shape, rng), 8, route, *DTYPES["f32"], "interpret", steps=6, poison=True)
+
+
+# A decode loop may change routes between steps (the direct route for plain
+# decoding, buffered steps after a speculative commit). Tilings per route:
+# the default; a two-launch replay step with a 2-program-per-row direct step;
+# a fused replay step of 3 tiles per program.
+ROUTE_SEQUENCES = [
+    (("output", "direct", "direct", "output", "state", "direct"), {}),
+    (("direct", "output", "output", "output", "direct"),
+     {"output": kernels.Config(block_v=8, num_warps=2, tiles=2), "direct": kernels.Config(block_v=16, num_warps=2)}),
+    (("state", "output", "direct", "output"),
+     {"output": kernels.Config(block_v=8, num_warps=2, tiles=3, fused_flush=True),
+      "state": kernels.Config(block_v=8, num_warps=2, tiles=3, fused_flush=True)}),
+]
+
+
+@pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
+@pytest.mark.parametrize(("routes", "configs"), ROUTE_SEQUENCES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else "")
+def test_replay_routes_mixed_in_one_loop(case, routes, configs, rng):
+    layer, shape = case
+    check_replay(layer(shape, rng, jnp.bfloat16), 4, routes, *DTYPES["bf16in-f32state"], "interpret",
+                 steps=len(routes), config=configs)
 
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
@@ -181,12 +206,17 @@ def test_gdn_errors_before_any_kernel(rng):
                             backend="interpret")
     with pytest.raises(NotImplementedError, match="no Pallas kernel"):
         ops.gdn_replay_materialize(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), backend="interpret")
+    with pytest.raises(ValueError, match=re.escape("`config.tiles` must be 1 for the replay step's direct route "
+                                                   "(one tile per program); got 2")):
+        ops.gdn_replay_step(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), **inp, route="direct",
+                            backend="interpret", config=kernels.Config(block_v=8, tiles=2))
     with pytest.raises(ValueError, match="`config.tiles` must be 1"):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
     with pytest.raises(ValueError, match="`config.fused_flush` must be False"):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, fused_flush=True))
-    with pytest.raises(ValueError, match=re.escape("must be 0 for the standard step (it has no flush); got "
-                                                   "flush_block_v=0, flush_warps=0, flush_rows=2")):
+    with pytest.raises(ValueError, match=re.escape("must be 0 for the standard step (it writes the state at every "
+                                                   "step: no flush); got flush_block_v=0, flush_warps=0, "
+                                                   "flush_rows=2")):
         ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, flush_rows=2))
     # V = 24: tiles of at most 32 rows.
     with pytest.raises(ValueError, match=re.escape("`config.block_v` must be <= 32 (the state's value dim V = 24 "
@@ -244,6 +274,11 @@ def test_mamba2_errors_before_any_kernel(rng):
         ops.mamba2_step(state, **inp, **layer.params, backend="triton")
     with pytest.raises(ValueError, match="`config.tiles` must be 1"):
         ops.mamba2_step(state, **inp, **layer.params, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
+    with pytest.raises(ValueError, match=re.escape("`config.fused_flush` must be False for the replay step's direct "
+                                                   "route (it writes the state at every step: no flush); got True")):
+        ops.mamba2_replay_step(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), **inp, **layer.params,
+                               route="direct", backend="interpret",
+                               config=kernels.Config(block_v=8, fused_flush=True))
     # P = 24: tiles of at most 32 rows; the state stays usable after the refusal.
     replay = layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4))
     with pytest.raises(ValueError, match=re.escape("`config.block_v` must be <= 32 (the state's head_dim P = 24 "
@@ -263,13 +298,18 @@ def test_kernels_lower_for_cuda(case, L, dtypes, rng):
     layer = case[0](case[1], rng, input_dtype)
     rs = layer.replay_state(L, state_dtype, buffer_dtype, np.zeros(case[1].batch))
     inp = layer.draw()
-    text = lower_for_cuda(layer.kernel_step, rs.checkpoint, inp)
+    texts = {"standard": lower_for_cuda(layer.kernel_step, rs.checkpoint, inp)}
     for route in ("output", "state"):
         for fused in (False, True):
             config = replay_config(layer, L, state_dtype, fused_flush=fused)
-            text += lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, route, config), rs, inp)
-    # The standard step, then per route: (replay, flush launch) and the fused replay.
-    assert text.count("__gpu$xla.gpu.triton") == 7
+            texts[route, fused] = lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, route, config), rs, inp)
+    texts["direct", True] = lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, "direct", None), rs, inp)
+    # The standard step, then per route: (replay, flush launch) and the fused
+    # replay; the direct route.
+    assert sum(text.count("__gpu$xla.gpu.triton") for text in texts.values()) == 8
+    # The one-launch steps move the cursor in place, counting the row's programs with an atomic add.
+    for key, text in texts.items():
+        assert ("atomic_rmw" in text) == (key != "standard" and key[1]), key
 
 
 def gpu_tiling_config(tiling):
@@ -379,7 +419,7 @@ GPU_REPLAY_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize(("layer", "shape", "L", "dtypes"), GPU_REPLAY_CASES,
                          ids=lambda v: v.__name__ if isinstance(v, type) else str(v))
-@pytest.mark.parametrize("route", ["output", "state"])
+@pytest.mark.parametrize("route", ROUTES)
 def test_replay_step_gpu(layer, shape, L, route, dtypes, rng):
     input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]
     check_replay(layer(shape, rng, input_dtype), L, route, input_dtype, state_dtype, buffer_dtype, "pallas",

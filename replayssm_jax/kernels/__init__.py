@@ -75,8 +75,10 @@ def _check_tile_rows(config, rows: int, name: str) -> None:
                              f"to a power of two); got {value}")
 
 
-def _check_replay_tiling(L, config, batch: int, rows: int, name: str):
+def _check_replay_tiling(L, config, batch: int, rows: int, name: str, route: str):
     _check_tileable("buffer length", "L", L, MAX_BUFFER_LEN)
+    if route == "direct":  # the standard step's kernel, tiled as that step
+        return _check_standard_config(config, rows, name, "the replay step's direct route")
     _check_config(config)
     if config is None:
         return
@@ -85,18 +87,18 @@ def _check_replay_tiling(L, config, batch: int, rows: int, name: str):
         raise ValueError(f"`config.flush_rows` must divide the batch ({batch}); got {config.flush_rows}")
 
 
-def _check_standard_config(config, rows: int, name: str):
+def _check_standard_config(config, rows: int, name: str, step: str = "the standard step"):
     _check_config(config)
     if config is None:
         return
     _check_tile_rows(config, rows, name)
     if config.tiles != 1:
-        raise ValueError(f"`config.tiles` must be 1 for the standard step (one tile per program); got {config.tiles}")
+        raise ValueError(f"`config.tiles` must be 1 for {step} (one tile per program); got {config.tiles}")
     if config.fused_flush:
-        raise ValueError("`config.fused_flush` must be False for the standard step (it has no flush); got True")
+        raise ValueError(f"`config.fused_flush` must be False for {step} (it writes the state at every step: no flush); got True")
     if config.has_flush_tiling:
-        raise ValueError("`config.flush_block_v`, `flush_warps` and `flush_rows` must be 0 for the standard step "
-                         f"(it has no flush); got flush_block_v={config.flush_block_v}, "
+        raise ValueError(f"`config.flush_block_v`, `flush_warps` and `flush_rows` must be 0 for {step} "
+                         f"(it writes the state at every step: no flush); got flush_block_v={config.flush_block_v}, "
                          f"flush_warps={config.flush_warps}, flush_rows={config.flush_rows}")
 
 
@@ -118,8 +120,9 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpr
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
     _check_standard_config(config, V, "value dim V")
     scale = K ** -0.5 if scale is None else float(scale)  # checked above
-    return _gdn.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-                         config=config, interpret=interpret)
+    o, state, _ = _gdn.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+                                config=config, interpret=interpret)
+    return o, state
 
 
 def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True,
@@ -138,8 +141,13 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     L = state.buffer_len
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
-    _check_replay_tiling(L, config, state.checkpoint.shape[0], V, "value dim V")
+    _check_replay_tiling(L, config, state.checkpoint.shape[0], V, "value dim V", route)
     scale = K ** -0.5 if scale is None else float(scale)  # checked above
+    if route == "direct":
+        o, ck, cursor = _gdn.gdn_step(state.checkpoint, q, k, v, g, beta, (state.d, state.k, state.g, state.cursor),
+                                      scale=scale, use_qk_l2norm=bool(use_qk_l2norm), config=config,
+                                      interpret=interpret)
+        return o, state.replace(checkpoint=ck, cursor=cursor)
     o, ck, d, kb, gb, cursor = _gdn.gdn_replay_step(
         state.checkpoint, state.d, state.k, state.g, state.cursor, q, k, v, g, beta,
         L=L, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), route=route, config=config, interpret=interpret)
@@ -167,8 +175,9 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
     _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
     _check_standard_config(config, P, "head_dim P")
-    return _mamba2.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=bool(dt_softplus),
-                               dt_limit=_dt_limit(dt_limit), config=config, interpret=interpret)
+    y, state, _ = _mamba2.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=bool(dt_softplus),
+                                      dt_limit=_dt_limit(dt_limit), config=config, interpret=interpret)
+    return y, state
 
 
 def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
@@ -189,7 +198,12 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     L = state.buffer_len
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
     _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
-    _check_replay_tiling(L, config, state.checkpoint.shape[0], P, "head_dim P")
+    _check_replay_tiling(L, config, state.checkpoint.shape[0], P, "head_dim P", route)
+    if route == "direct":
+        y, ck, cursor = _mamba2.mamba2_step(state.checkpoint, x, dt, A, B, C, D, z, dt_bias,
+                                            (state.x, state.dt, state.B, state.cursor), dt_softplus=bool(dt_softplus),
+                                            dt_limit=_dt_limit(dt_limit), config=config, interpret=interpret)
+        return y, state.replace(checkpoint=ck, cursor=cursor)
     y, ck, xb, dtb, Bb, cursor = _mamba2.mamba2_replay_step(
         state.checkpoint, state.x, state.dt, state.B, state.cursor, x, dt, A, B, C, D, z, dt_bias,
         L=L, dt_softplus=bool(dt_softplus), dt_limit=_dt_limit(dt_limit), route=route, config=config,

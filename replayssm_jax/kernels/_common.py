@@ -538,11 +538,71 @@ def replay_records(S: jax.Array, L: int, record, records, state_dtype) -> jax.Ar
 
 
 def store_cursor(cursor_out, cursor, L: int, writer) -> None:
-    """Store the row's cursor after this step (see `next_cursor`), from the one program where `writer`."""
+    """Store the row's cursor after this step (see `next_cursor`) into a fresh
+    array, from the one program where `writer` (two-launch replay steps: the
+    flush launch still reads the old cursors)."""
 
     @pl.when(writer)
     def _():
-        cursor_out[()] = next_cursor(cursor, L)
+        cursor_out[0] = next_cursor(cursor, L)
+
+
+# A one-launch replay step (fused flush, direct route) moves the cursor in
+# place, without a copy into the caller's carry. Every program of a row reads
+# the row's cursor, so none may overwrite it before the others have read it.
+# So each program, after its read, adds ARRIVAL to the cursor (an atomic add,
+# which leaves the low bits, the cursor itself, unchanged) and the program
+# whose add completes the count stores the new cursor. Between launches the
+# high bits are zero again: the array holds plain cursors 0..L.
+ARRIVAL = 1 << 16
+MAX_ROW_PROGRAMS = (1 << 15) - 1  # arrivals per row that fit in the int32 above the cursor's 16 bits
+
+
+def cursor_spec(nb=None):
+    """Block spec of the cursor array i32[batch]: nb rows (None: the program's one row, a block of 1)."""
+    return pl.BlockSpec((nb or 1,), lambda b, h, j: (b,))
+
+
+def read_cursor(cur_ref) -> jax.Array:
+    """The row's cursor (i32 scalar) from its block of 1: the low bits, whatever
+    other programs' arrivals added above them."""
+    return cur_ref[0] & (ARRIVAL - 1)
+
+
+def advance_cursor(cur_ref, cursor, new, programs: int) -> None:
+    """Move the row's cursor from `cursor` to `new` in place, once all `programs` programs of the row have read it.
+
+    Every program of the row calls this after its `read_cursor`. Nothing is
+    written where new == cursor (the same in every program of the row).
+    """
+    if programs > MAX_ROW_PROGRAMS:
+        raise ValueError(f"a one-launch replay step counts at most {MAX_ROW_PROGRAMS} programs per batch row; "
+                         f"this tiling has {programs} (use larger row tiles)")
+
+    @pl.when(new != cursor)
+    def _():
+        before = plgpu.atomic_add(cur_ref, (jnp.int32(0),), jnp.int32(ARRIVAL))
+
+        @pl.when(before >> 16 == programs - 1)  # the last of the row's programs to arrive
+        def _():
+            cur_ref[0] = new
+
+
+def fold_buffer(S: jax.Array, count, BL: int, records, state_dtype) -> jax.Array:
+    """S after its row's `count` live buffered steps (S itself when count == 0): a checkpoint tile materialized.
+
+    S f32[BV, BK]; BL: the buffer's padded slot count; records(live) ->
+    (lg f32[BL], U f32[BL, BV], K [BL, BK] as buffered) with the dead slots
+    zeroed, `live` bool[BL] the live slots. The buffer is loaded only for a
+    row that has records (a `lax.cond`).
+    """
+
+    def fold(S):
+        lg, U, K = records(lane_ids(BL) < count)
+        total, w = replay_weights(lg, count)
+        return rank_update(jnp.exp(total) * S, w[:, None] * U, K, state_dtype)
+
+    return jax.lax.cond(count > 0, fold, lambda S: S, S)
 
 
 def next_cursor(cursor, L: int):

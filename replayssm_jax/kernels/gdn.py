@@ -58,27 +58,40 @@ def _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale):
     return kmask, q * scale, k
 
 
-def _step_kernel(s_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s_out_ref, *, V, K, scale, use_qk_l2norm):
+def _step_kernel(s_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, V, K, scale, use_qk_l2norm, L=0, programs=0):
+    """The standard step; with L > 0 the direct route of the replay step: refs
+    then begin with the row's buffers (d, k, g) and cursor, which are first
+    folded into the checkpoint tile, and end with the cursor (in place, 0)."""
+    o_ref, s_out_ref = refs[-3:-1] if L else refs
     BV, BK = s_ref.shape
     vmask = c.row_mask(BV, V)
     kmask, q, k = _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale)
     tile = c.outer(vmask, kmask, (BV, BK))
-    S = c.load(s_ref, tile) * jnp.exp(c.load_scalar(g_ref))
+    S = c.load(s_ref, tile)
+    if L:
+        dbuf_ref, kbuf_ref, gbuf_ref, cur_ref = refs[:4]
+        count = c.read_cursor(cur_ref)
+        S = c.fold_buffer(S, count, gbuf_ref.shape[0], lambda live: (
+            c.load_live(gbuf_ref, live, L), c.load_live(dbuf_ref, live, L, vmask),
+            c.load_live(kbuf_ref, live, L, kmask, kbuf_ref.dtype)), s_ref.dtype)
+    S = S * jnp.exp(c.load_scalar(g_ref))
     v = c.load(v_ref, vmask)
     d = c.load_scalar(beta_ref) * (v - c.matvec(S, k))
     S = S + d[:, None] * k[None, :]
     c.store(o_ref, c.matvec(S, q), vmask)
     c.store(s_out_ref, S, tile)
+    if L:
+        c.advance_cursor(refs[-1], count, jnp.int32(0), programs)
 
 
 def _replay_kernel(
     ck_ref, dbuf_ref, kbuf_ref, gbuf_ref, cur_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
     o_ref, ck_out, dbuf_out, kbuf_out, gbuf_out, cur_out,
-    *, V, K, L, group, scale, use_qk_l2norm, route, config,
+    *, V, K, L, group, scale, use_qk_l2norm, route, config, programs,
 ):
     BL, BK, BV = gbuf_ref.shape[0], q_ref.shape[-1], config.block_v
     kmask, q, k = _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale)
-    count = c.load_scalar(cur_ref, jnp.int32)  # live records; the new one goes to slot `count`
+    count = c.read_cursor(cur_ref)  # live records; the new one goes to slot `count`
     split = pl.program_id(2)
     live = c.lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
 
@@ -129,7 +142,10 @@ def _replay_kernel(
     c.store(gbuf_out, jnp.broadcast_to(c.load_scalar(g_ref), (BL,)), (c.lane_ids(BL) == count) & append & first)
     leader = first & (pl.program_id(1) % group == 0)
     c.store(kbuf_out.at[count], k, c.both(kmask, append & leader, (BK,)))  # k normalized, not scaled
-    c.store_cursor(cur_out, count, L, first & (pl.program_id(1) == 0))
+    if config.fused_flush:  # one launch: the cursor moves in place
+        c.advance_cursor(cur_out, count, c.next_cursor(count, L), programs)
+    else:  # the flush launch reads the old cursors: a fresh array
+        c.store_cursor(cur_out, count, L, first & (pl.program_id(1) == 0))
 
 
 def _flush_kernel(*refs, V, K, L, scale, use_qk_l2norm, config):
@@ -181,31 +197,57 @@ def _specs(batch, H, HV, V, K, cfg):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret"))
-def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, config: Config | None = None, interpret: bool = False):
+def gdn_step(state, q, k, v, g, beta, replay=None, *, scale: float, use_qk_l2norm: bool, config: Config | None = None,
+             interpret: bool = False):
     """One standard GDN decode step; the state is updated in place.
 
     Args: state f32|bf16[batch, HV, V, K]; q, k [batch, H, K]; v [batch, HV, V];
-    g f32[batch, HV] (log decay <= 0); beta [batch, HV]; scale: float.
+    g f32[batch, HV] (log decay <= 0); beta [batch, HV]; scale: float;
+    replay: None, or the replay step's direct route: the buffers (d
+    [batch, HV, L, V], k [batch, H, L, K], g f32[batch, HV, L]) and cursor
+    i32[batch] of a replay state whose checkpoint is `state`. Each row's
+    live records are then folded into the checkpoint before the step, and
+    the cursor is set to 0 in place.
 
-    Returns: (o [batch, HV, V] in v.dtype, new_state like state).
+    Returns: (o [batch, HV, V] in v.dtype, new_state like state, new cursor
+    or None).
     """
     batch, HV, V, K = state.shape
     H = q.shape[1]
     cfg = config or c.default_config(batch, HV, V, K, state.dtype.itemsize)
     grid, sspec, qk, vrow, scal = _specs(batch, H, HV, V, K, cfg)
     kernel = functools.partial(_step_kernel, V=V, K=K, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    o, new_state = c.pallas_call(
+    in_specs, out_specs = [sspec, qk, qk, vrow, scal, scal], [vrow, sspec]
+    outs = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)]
+    aliases, extra = {0: 1}, ()
+    if replay is not None:
+        dbuf, kbuf, gbuf, cursor = extra = replay
+        L = gbuf.shape[-1]
+        kernel = functools.partial(kernel, L=L, programs=HV * grid[2])
+        in_specs += _buffer_specs(H, HV, K, L, cfg.block_v) + [c.cursor_spec()]
+        out_specs.append(c.cursor_spec())
+        outs.append(jax.ShapeDtypeStruct(cursor.shape, cursor.dtype))
+        aliases[len(in_specs) - 1] = 2
+    o, new_state, *new_cursor = c.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[sspec, qk, qk, vrow, scal, scal],
-        out_specs=[vrow, sspec],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        input_output_aliases={0: 1},
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=outs,
+        input_output_aliases=aliases,
         interpret=interpret,
         config=cfg,
-        name=f"gdn_step_{cfg.tag()}",
-    )(state, q, k, v, g.astype(f32), beta)
-    return o, new_state
+        name=f"gdn_{'direct' if replay is not None else 'step'}_{cfg.tag()}",
+    )(state, q, k, v, g.astype(f32), beta, *extra)
+    return o, new_state, (new_cursor[0] if new_cursor else None)
+
+
+def _buffer_specs(H, HV, K, L, R, nb=None):
+    """Block specs of the buffers (d, k, g): R value rows and nb batch rows (None: one, squeezed)."""
+    BK, BL, group = c.next_pow2(K), c.next_pow2(L), HV // H
+    return [pl.BlockSpec((nb, None, BL, R), lambda b, h, j: (b, h, 0, j)),
+            pl.BlockSpec((nb, None, BL, BK), lambda b, h, j: (b, h // group, 0, 0)),
+            pl.BlockSpec((nb, None, BL), lambda b, h, j: (b, h, 0))]
 
 
 @functools.partial(jax.jit, static_argnames=("L", "scale", "use_qk_l2norm", "route", "config", "interpret"))
@@ -230,29 +272,26 @@ def gdn_replay_step(checkpoint, dbuf, kbuf, gbuf, cursor, q, k, v, g, beta, *, L
     def specs(cfg, nb=None):
         """(grid, in_specs, out_specs) for programs of cfg.tiles row tiles and
         nb batch rows (None: one row, the batch axis squeezed)."""
-        BK, BL, R = c.next_pow2(K), c.next_pow2(L), cfg.block_v * cfg.tiles
+        BK, R = c.next_pow2(K), cfg.block_v * cfg.tiles
         state = pl.BlockSpec((nb, None, R, BK), lambda b, h, j: (b, h, j, 0))
         qk = pl.BlockSpec((nb, None, BK), lambda b, h, j: (b, h // group, 0))
         vrow = pl.BlockSpec((nb, None, R), lambda b, h, j: (b, h, j))
         scal = pl.BlockSpec((nb, None), lambda b, h, j: (b, h))
-        buffers = [pl.BlockSpec((nb, None, BL, R), lambda b, h, j: (b, h, 0, j)),
-                   pl.BlockSpec((nb, None, BL, BK), lambda b, h, j: (b, h // group, 0, 0)),
-                   pl.BlockSpec((nb, None, BL), lambda b, h, j: (b, h, 0))]
-        row = pl.BlockSpec((nb,), lambda b, h, j: (b,))
+        buffers, row = _buffer_specs(H, HV, K, L, R, nb), c.cursor_spec(nb)
         grid = (batch // (nb or 1), HV, cfg.splits(V))
         return grid, [state, *buffers, row, qk, qk, vrow, scal, scal], [vrow, state, *buffers, row]
 
     args = (checkpoint, dbuf, kbuf, gbuf, cursor, q, k, v, g.astype(f32), beta)
     grid, in_specs, out_specs = specs(cfg)
     kernel = functools.partial(_replay_kernel, V=V, K=K, L=L, group=group, scale=scale,
-                               use_qk_l2norm=use_qk_l2norm, route=route, config=cfg)
+                               use_qk_l2norm=use_qk_l2norm, route=route, config=cfg, programs=HV * grid[2])
     o, checkpoint, dbuf, kbuf, gbuf, new_cursor = c.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (v, checkpoint, dbuf, kbuf, gbuf, cursor)],
-        input_output_aliases={0: 1, 1: 2, 2: 3, 3: 4},
+        input_output_aliases={0: 1, 1: 2, 2: 3, 3: 4, **({4: 5} if cfg.fused_flush else {})},
         interpret=interpret,
         config=cfg,
         name=f"gdn_replay_{route}_L{L}_{cfg.tag()}",

@@ -76,16 +76,33 @@ def _finish(y, skip, gate):
     return y if gate is None else y * gate
 
 
-def _step_kernel(*refs, P, N, has_z, dt_softplus, dt_limit):
+def _step_kernel(*refs, P, N, has_z, dt_softplus, dt_limit, L=0, programs=0):
+    """The standard step; with L > 0 the direct route of the replay step: the
+    step's inputs are then followed by the row's buffers (x, dt, B) and
+    cursor, which are first folded into the checkpoint tile, and the outputs
+    end with the cursor (in place, 0)."""
     s_ref, x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref = refs[:8]
     z_ref = refs[8] if has_z else None
-    y_ref, s_out = refs[-2:]
+    y_ref, s_out = refs[-3:-1] if L else refs[-2:]
     pmask, nmask, x, dt, A, Bv, Cv, skip, gate = _load_step_inputs(
         x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref, z_ref, P, N, dt_softplus, dt_limit)
     tile = c.outer(pmask, nmask, (x_ref.shape[0], B_ref.shape[0]))
-    S = c.load(s_ref, tile) * jnp.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
+    S = c.load(s_ref, tile)
+    if L:
+        xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref = refs[8 + has_z:12 + has_z]
+        count = c.read_cursor(cur_ref)
+
+        def records(live):
+            dts = c.load_live(dtbuf_ref, live, L)
+            return (dts * A, dts[:, None] * c.load_live(xbuf_ref, live, L, pmask),
+                    c.load_live(Bbuf_ref, live, L, nmask, Bbuf_ref.dtype))
+
+        S = c.fold_buffer(S, count, dtbuf_ref.shape[0], records, s_ref.dtype)
+    S = S * jnp.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
     c.store(y_ref, _finish(c.matvec(S, Cv), skip, gate), pmask)
     c.store(s_out, S, tile)
+    if L:
+        c.advance_cursor(refs[-1], count, jnp.int32(0), programs)
 
 
 def _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N, dt_softplus, dt_limit):
@@ -109,7 +126,7 @@ def _buffer_weights(dtbuf_ref, live, L, count, A):
     return jnp.exp(total), w * dts
 
 
-def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, config):
+def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, config, programs):
     ck_ref, xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref, x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref = refs[:12]
     z_ref = refs[12] if has_z else None
     y_ref, ck_out, xbuf_out, dtbuf_out, Bbuf_out, cur_out = refs[-6:]
@@ -118,7 +135,7 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
                                       dt_limit)
     Cv = c.load(C_ref, nmask)
     D = c.load_scalar(D_ref)
-    count = c.load_scalar(cur_ref, jnp.int32)  # live records; the new one goes to slot `count`
+    count = c.read_cursor(cur_ref)  # live records; the new one goes to slot `count`
     split = pl.program_id(2)
     live = c.lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
 
@@ -167,7 +184,10 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
     c.store(dtbuf_out, jnp.broadcast_to(dt, (BL,)), (c.lane_ids(BL) == count) & append & first)
     leader = first & (pl.program_id(1) % group == 0)
     c.store(Bbuf_out.at[count], Bv, c.both(nmask, append & leader, (BN,)))
-    c.store_cursor(cur_out, count, L, first & (pl.program_id(1) == 0))
+    if config.fused_flush:  # one launch: the cursor moves in place
+        c.advance_cursor(cur_out, count, c.next_cursor(count, L), programs)
+    else:  # the flush launch reads the old cursors: a fresh array
+        c.store_cursor(cur_out, count, L, first & (pl.program_id(1) == 0))
 
 
 def _flush_kernel(*refs, P, N, L, dt_softplus, dt_limit, config):
@@ -236,33 +256,58 @@ def _input_specs(s, has_z):
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret"))
-def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_limit: tuple[float, float],
-                config: Config | None = None, interpret: bool = False):
+def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, replay=None, *, dt_softplus: bool,
+                dt_limit: tuple[float, float], config: Config | None = None, interpret: bool = False):
     """One standard Mamba-2 decode step; the state is updated in place.
 
     Args: state f32|bf16[batch, H, P, N]; x [batch, H, P]; dt [batch, H] raw;
     A f32[H] negative; B, C [batch, G, N]; D [H] or None; z [batch, H, P] or
-    None; dt_bias [H] or None.
+    None; dt_bias [H] or None; replay: None, or the replay step's direct
+    route: the buffers (x [batch, H, L, P], dt f32[batch, H, L], B
+    [batch, G, L, N]) and cursor i32[batch] of a replay state whose
+    checkpoint is `state`. Each row's live records are then folded into
+    the checkpoint before the step, and the cursor is set to 0 in place.
 
-    Returns: (y [batch, H, P] in x.dtype, new_state like state).
+    Returns: (y [batch, H, P] in x.dtype, new_state like state, new cursor
+    or None).
     """
     batch, H, P, N = state.shape
     G = B.shape[1]
     cfg = config or c.default_config(batch, H, P, N, state.dtype.itemsize)
     s = _specs(H, G, cfg.block_v, N)
+    grid = (batch, H, pl.cdiv(P, cfg.block_v))
     kernel = functools.partial(_step_kernel, P=P, N=N, has_z=z is not None, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    y, new_state = c.pallas_call(
+    in_specs, out_specs = [s["state"]] + _input_specs(s, z is not None), [s["row"], s["state"]]
+    outs = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)]
+    aliases, extra = {0: 1}, ()
+    if replay is not None:
+        xbuf, dtbuf, Bbuf, cursor = extra = replay
+        L = dtbuf.shape[-1]
+        kernel = functools.partial(kernel, L=L, programs=H * grid[2])
+        in_specs += _buffer_specs(G, H, L, N, cfg.block_v) + [c.cursor_spec()]
+        out_specs.append(c.cursor_spec())
+        outs.append(jax.ShapeDtypeStruct(cursor.shape, cursor.dtype))
+        aliases[len(in_specs) - 1] = 2
+    y, new_state, *new_cursor = c.pallas_call(
         kernel,
-        grid=(batch, H, pl.cdiv(P, cfg.block_v)),
-        in_specs=[s["state"]] + _input_specs(s, z is not None),
-        out_specs=[s["row"], s["state"]],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        input_output_aliases={0: 1},
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=outs,
+        input_output_aliases=aliases,
         interpret=interpret,
         config=cfg,
-        name=f"mamba2_step_{cfg.tag()}",
-    )(state, *_inputs(x, dt, A, B, C, D, z, dt_bias))
-    return y, new_state
+        name=f"mamba2_{'direct' if replay is not None else 'step'}_{cfg.tag()}",
+    )(state, *_inputs(x, dt, A, B, C, D, z, dt_bias), *extra)
+    return y, new_state, (new_cursor[0] if new_cursor else None)
+
+
+def _buffer_specs(G, H, L, N, R, nb=None):
+    """Block specs of the buffers (x, dt, B): R state rows and nb batch rows (None: one, squeezed)."""
+    BL, BN, group = c.next_pow2(L), c.next_pow2(N), H // G
+    return [pl.BlockSpec((nb, None, BL, R), lambda b, h, j: (b, h, 0, j)),
+            pl.BlockSpec((nb, None, BL), lambda b, h, j: (b, h, 0)),
+            pl.BlockSpec((nb, None, BL, BN), lambda b, h, j: (b, h // group, 0, 0))]
 
 
 @functools.partial(jax.jit, static_argnames=("L", "dt_softplus", "dt_limit", "route", "config", "interpret"))
@@ -288,26 +333,24 @@ def mamba2_replay_step(checkpoint, xbuf, dtbuf, Bbuf, cursor, x, dt, A, B, C, D,
     def specs(cfg, nb=None):
         """(grid, in_specs, out_specs) for programs of cfg.tiles row tiles and
         nb batch rows (None: one row, the batch axis squeezed)."""
-        BL, BN, R = c.next_pow2(L), c.next_pow2(N), cfg.block_v * cfg.tiles
+        R = cfg.block_v * cfg.tiles
         s = _specs(H, G, R, N, nb)
-        buffers = [pl.BlockSpec((nb, None, BL, R), lambda b, h, j: (b, h, 0, j)),
-                   pl.BlockSpec((nb, None, BL), lambda b, h, j: (b, h, 0)),
-                   pl.BlockSpec((nb, None, BL, BN), lambda b, h, j: (b, h // group, 0, 0))]
-        row = pl.BlockSpec((nb,), lambda b, h, j: (b,))
+        buffers, row = _buffer_specs(G, H, L, N, R, nb), c.cursor_spec(nb)
         in_specs = [s["state"], *buffers, row] + _input_specs(s, z is not None)
         return (batch // (nb or 1), H, cfg.splits(P)), in_specs, [s["row"], s["state"], *buffers, row]
 
     args = (checkpoint, xbuf, dtbuf, Bbuf, cursor, *_inputs(x, dt, A, B, C, D, z, dt_bias))
     grid, in_specs, out_specs = specs(cfg)
     kernel = functools.partial(_replay_kernel, P=P, N=N, L=L, group=group, has_z=z is not None,
-                               dt_softplus=dt_softplus, dt_limit=dt_limit, route=route, config=cfg)
+                               dt_softplus=dt_softplus, dt_limit=dt_limit, route=route, config=cfg,
+                               programs=H * grid[2])
     y, checkpoint, xbuf, dtbuf, Bbuf, new_cursor = c.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, checkpoint, xbuf, dtbuf, Bbuf, cursor)],
-        input_output_aliases={0: 1, 1: 2, 2: 3, 3: 4},
+        input_output_aliases={0: 1, 1: 2, 2: 3, 3: 4, **({4: 5} if cfg.fused_flush else {})},
         interpret=interpret,
         config=cfg,
         name=f"mamba2_replay_{route}_L{L}_{cfg.tag()}",

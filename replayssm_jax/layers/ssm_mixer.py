@@ -87,7 +87,7 @@ class SSMMixer(nnx.Module):
         Args:
           u: [batch, hidden], the normalised layer input of the new token.
           state: `SSMLayerState` (standard step) or `ReplayLayerState` (ReplaySSM step).
-          route: ReplaySSM readout route, "output" or "state" (same numbers).
+          route: the ReplaySSM step's route, "output", "state" or "direct" (same numbers; see replayssm_jax.ops).
           backend: passed to replayssm_jax.ops.
 
         Returns:

@@ -175,6 +175,18 @@ def flush_where(state, rows: jax.Array, unify: Callable):
     return state.replace(checkpoint=checkpoint, cursor=jnp.where(rows, 0, state.cursor))
 
 
+def direct_step(state, unify: Callable, step: Callable):
+    """The replay step's direct route: each row's live records folded into
+    its checkpoint (in f32), then one standard step on it; the result is the
+    new checkpoint (in its dtype), cursor 0. The buffers are unchanged.
+
+    `step(S f32[batch, heads, rows, cols]) -> (output, S_new f32)` is the
+    layer's standard step; returns (output, new state).
+    """
+    y, S = step(replay_materialize(state.checkpoint, *unify(state), state.cursor))
+    return y, state.replace(checkpoint=S.astype(state.checkpoint.dtype), cursor=jnp.zeros_like(state.cursor))
+
+
 def make_room(state, W: int, unify: Callable):
     """The early-flush rule: rows whose buffer cannot take W more steps
     (cursor + W > L) flush first, so that a step or window never overruns."""

@@ -244,7 +244,12 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         The flushed checkpoint is the buffer materialized: this step's record
         as stored (rounded to the buffer dtype), as any later step would read
         it; a row that entered full, whose record has no slot, adds it
-        unrounded.
+        unrounded. "direct" folds each row's live records into its
+        checkpoint and takes a standard step on it, written back at once
+        (cursor 0, no record appended): the standard step's traffic, for
+        latency-bound batches, where buffering saves nothing; the buffer
+        then serves speculative decoding (verify writes it, a rollback is a
+        cursor move). Its output is the other routes' up to f32 rounding.
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
@@ -255,7 +260,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
       pending verify window, or an unknown route.
     """
     _check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm)
-    val.check_route(route)
+    if val.check_route(route) == "direct":
+        return c.direct_step(state, unify, lambda S: gdn_step(S, q, k, v, g, beta, scale, use_qk_l2norm))
     HV = state.checkpoint.shape[1]
     entered_full = state.cursor == state.buffer_len
     state = c.make_room(state, 1, unify)

@@ -264,7 +264,11 @@ def mamba2_replay_step(
       x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit: as :func:`mamba2_step`.
       route: "output" computes y = exp(G) S_c C + sum_i w_i (B_i . C) dt_i x_i
         without forming the state; "state" forms S in f32 and reads y = S C.
-        Both give the same numbers up to float32 rounding.
+        "direct" folds each row's live records into its checkpoint and takes
+        a standard step on it, written back at once (cursor 0, no record
+        appended): the standard step's traffic, for latency-bound batches;
+        the buffer then serves speculative decoding. All three give the
+        same numbers up to float32 rounding.
 
     Returns:
       (y [batch, nheads, head_dim] in x.dtype, new Mamba2ReplayState).
@@ -275,7 +279,9 @@ def mamba2_replay_step(
       a pending verify window, or an unknown route.
     """
     _check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit)
-    v.check_route(route)
+    if v.check_route(route) == "direct":
+        return c.direct_step(state, lambda s: unify(s, A),
+                             lambda S: mamba2_step(S, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit))
     H = state.checkpoint.shape[1]
     entered_full = state.cursor == state.buffer_len
     state = c.make_room(state, 1, lambda s: unify(s, A))
