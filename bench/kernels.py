@@ -17,11 +17,14 @@ Method (DESIGN.md section 6, METHOD.md):
     the carry donated. The carry holds `n_sets` independent copies of the
     layer's state ("layers"), each stepped once per scan step, so that the
     states together exceed the L2 (>= 240 MB, at most 64 copies) and every
-    step reads its state from HBM. Wall clock around the call with
+    step reads its state from HBM. Wall clock around CHAINED_CALLS calls
+    dispatched back to back (each on the last one's carry) and
     `block_until_ready`, median of repeats after a compile and warm-up run;
-    per-step time = median / (steps * n_sets).
+    per-step time = median / (CHAINED_CALLS * steps * n_sets).
   * replay rows at staggered cursors (row r starts at r mod L) unless the
-    variant says "in-step" (all rows start at 0 and flush together).
+    variant says "in-step" (all rows start at 0 and flush together); at
+    batches where the default replay step is one launch, also the direct
+    route from empty buffers (plain decoding: the state written every step).
   * bytes per step from a traffic model (each array the kernels touch,
     once: state read (+ write for standard; for replay + the flush launch's
     re-read and write, / L), the full L-slot buffer tiles read, one record
@@ -314,9 +317,18 @@ def kernel_times(f, carries, xs, per):
     return times, out[0][0]
 
 
+# Calls of the jitted cycle per timed repeat, each taking the last one's
+# carry. One call alone also timed the host's dispatch of its arguments
+# (about 1 ms for the 64 sets of replay states at batch 1, over 1.1 us per
+# step: bench/RESULTS.md, eighth session); in a chain that work overlaps the
+# previous call's kernels, as in a decode loop.
+CHAINED_CALLS = 4
+
+
 def time_cycle(step, carries, xs, steps, repeats):
-    """Median seconds per (step x set) of a jitted, donated scan over `steps`,
-    its spread, the compile seconds, and (PROFILE) the kernel times per step."""
+    """Median seconds per (step x set) of a jitted, donated scan over `steps`
+    (CHAINED_CALLS calls per repeat), its spread, the compile seconds, and
+    (PROFILE) the kernel times per step."""
 
     def cycle(carries, xs):
         def body(cs, inp):
@@ -339,9 +351,10 @@ def time_cycle(step, carries, xs, steps, repeats):
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        carries, ys = f(carries, xs)
+        for _ in range(CHAINED_CALLS):  # dispatched back to back: the host's work hides behind the GPU's
+            carries, ys = f(carries, xs)
         jax.block_until_ready((carries, ys))
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / CHAINED_CALLS)
     per = steps * len(carries)
     profile = None
     if PROFILE:

@@ -530,11 +530,26 @@ def replay_records(S: jax.Array, L: int, record, records, state_dtype) -> jax.Ar
         total, w = replay_weights(lg, L)
         return rank_update(jnp.exp(total) * S, w[:, None] * U, K, state_dtype)
 
+    return apply_records(S, L, record)
+
+
+def apply_records(S: jax.Array, count, record) -> jax.Array:
+    """S after buffered steps 0 .. count - 1, S <- exp(lg_i) S + u_i k_i^T, one slot per iteration.
+
+    S f32[BV, BK]; count: static or traced int; record(i) -> (lg_i f32
+    scalar, u_i f32[BV], k_i f32[BK]) loads slot i. Only slots < count are
+    read. The direct route folds a row's live records with it (count = the
+    cursor, 0 but after a speculative commit): its registers are a state
+    tile and one record, where the whole-buffer `rank_update` would set the
+    register budget, hence the occupancy, of every step of that kernel
+    (bench/RESULTS.md, eighth session).
+    """
+
     def body(i, S):
         lg, u, k = record(i)
         return jnp.exp(lg) * S + u[:, None] * k[None, :]
 
-    return jax.lax.fori_loop(0, L, body, S)
+    return jax.lax.fori_loop(0, count, body, S)
 
 
 def store_cursor(cursor_out, cursor, L: int, writer) -> None:
@@ -586,23 +601,6 @@ def advance_cursor(cur_ref, cursor, new, programs: int) -> None:
         @pl.when(before >> 16 == programs - 1)  # the last of the row's programs to arrive
         def _():
             cur_ref[0] = new
-
-
-def fold_buffer(S: jax.Array, count, BL: int, records, state_dtype) -> jax.Array:
-    """S after its row's `count` live buffered steps (S itself when count == 0): a checkpoint tile materialized.
-
-    S f32[BV, BK]; BL: the buffer's padded slot count; records(live) ->
-    (lg f32[BL], U f32[BL, BV], K [BL, BK] as buffered) with the dead slots
-    zeroed, `live` bool[BL] the live slots. The buffer is loaded only for a
-    row that has records (a `lax.cond`).
-    """
-
-    def fold(S):
-        lg, U, K = records(lane_ids(BL) < count)
-        total, w = replay_weights(lg, count)
-        return rank_update(jnp.exp(total) * S, w[:, None] * U, K, state_dtype)
-
-    return jax.lax.cond(count > 0, fold, lambda S: S, S)
 
 
 def next_cursor(cursor, L: int):

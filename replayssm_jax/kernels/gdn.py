@@ -71,9 +71,8 @@ def _step_kernel(s_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, V, K, scale
     if L:
         dbuf_ref, kbuf_ref, gbuf_ref, cur_ref = refs[:4]
         count = c.read_cursor(cur_ref)
-        S = c.fold_buffer(S, count, gbuf_ref.shape[0], lambda live: (
-            c.load_live(gbuf_ref, live, L), c.load_live(dbuf_ref, live, L, vmask),
-            c.load_live(kbuf_ref, live, L, kmask, kbuf_ref.dtype)), s_ref.dtype)
+        S = c.apply_records(S, count, lambda i: (gbuf_ref[i], c.load(dbuf_ref.at[i], vmask),
+                                                 c.load(kbuf_ref.at[i], kmask)))
     S = S * jnp.exp(c.load_scalar(g_ref))
     v = c.load(v_ref, vmask)
     d = c.load_scalar(beta_ref) * (v - c.matvec(S, k))

@@ -92,12 +92,11 @@ def _step_kernel(*refs, P, N, has_z, dt_softplus, dt_limit, L=0, programs=0):
         xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref = refs[8 + has_z:12 + has_z]
         count = c.read_cursor(cur_ref)
 
-        def records(live):
-            dts = c.load_live(dtbuf_ref, live, L)
-            return (dts * A, dts[:, None] * c.load_live(xbuf_ref, live, L, pmask),
-                    c.load_live(Bbuf_ref, live, L, nmask, Bbuf_ref.dtype))
+        def record(i):
+            dt_i = dtbuf_ref[i]
+            return dt_i * A, dt_i * c.load(xbuf_ref.at[i], pmask), c.load(Bbuf_ref.at[i], nmask)
 
-        S = c.fold_buffer(S, count, dtbuf_ref.shape[0], records, s_ref.dtype)
+        S = c.apply_records(S, count, record)
     S = S * jnp.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
     c.store(y_ref, _finish(c.matvec(S, Cv), skip, gate), pmask)
     c.store(s_out, S, tile)
