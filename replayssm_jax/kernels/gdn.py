@@ -63,14 +63,15 @@ def _step_kernel(s_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, V, K, scale
     then begin with the row's buffers (d, k, g) and cursor, which are first
     folded into the checkpoint tile, and end with the cursor (in place, 0)."""
     o_ref, s_out_ref = refs[-3:-1] if L else refs
+    if L:
+        dbuf_ref, kbuf_ref, gbuf_ref, cur_ref = refs[:4]
+        count = c.read_cursor(cur_ref)  # first: the fold's trip count waits on it
     BV, BK = s_ref.shape
     vmask = c.row_mask(BV, V)
     kmask, q, k = _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale)
     tile = c.outer(vmask, kmask, (BV, BK))
     S = c.load(s_ref, tile)
     if L:
-        dbuf_ref, kbuf_ref, gbuf_ref, cur_ref = refs[:4]
-        count = c.read_cursor(cur_ref)
         S = c.apply_records(S, count, lambda i: (gbuf_ref[i], c.load(dbuf_ref.at[i], vmask),
                                                  c.load(kbuf_ref.at[i], kmask)))
     S = S * jnp.exp(c.load_scalar(g_ref))

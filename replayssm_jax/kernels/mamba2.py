@@ -84,13 +84,14 @@ def _step_kernel(*refs, P, N, has_z, dt_softplus, dt_limit, L=0, programs=0):
     s_ref, x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref = refs[:8]
     z_ref = refs[8] if has_z else None
     y_ref, s_out = refs[-3:-1] if L else refs[-2:]
+    if L:
+        xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref = refs[8 + has_z:12 + has_z]
+        count = c.read_cursor(cur_ref)  # first: the fold's trip count waits on it
     pmask, nmask, x, dt, A, Bv, Cv, skip, gate = _load_step_inputs(
         x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref, z_ref, P, N, dt_softplus, dt_limit)
     tile = c.outer(pmask, nmask, (x_ref.shape[0], B_ref.shape[0]))
     S = c.load(s_ref, tile)
     if L:
-        xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref = refs[8 + has_z:12 + has_z]
-        count = c.read_cursor(cur_ref)
 
         def record(i):
             dt_i = dtbuf_ref[i]
