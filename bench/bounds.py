@@ -76,8 +76,8 @@ def bound_rows(kernel_rows: list[dict], best: dict) -> list[dict]:
     out = []
     for r in rows:
         key = (r["layer"], r["state_dtype"], r["batch"])
-        if r["L"] is None or key not in standard:
-            continue
+        if r["L"] is None or key not in standard or r.get("route") == "direct":
+            continue  # the direct route writes the state every step: the standard step's traffic
         for kind in ("read", "update"):
             if (kind, r["state_dtype"]) not in best:
                 raise ValueError(f"the roofline JSON has no {kind} row for {r['state_dtype']}")

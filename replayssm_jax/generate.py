@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from replayssm_jax import ops
+from replayssm_jax._validate import ROUTES
 from replayssm_jax.generation import STATES, GenerationError, Generator
 from replayssm_jax.sampling import SamplingParams
 
@@ -53,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--state", choices=STATES, default="replay")
     p.add_argument("--buffer-len", type=int, default=16, help="ReplaySSM buffer length L")
+    p.add_argument("--route", choices=ROUTES, default="output",
+                   help="ReplaySSM step route: output or state (buffered steps, same numbers), or direct (the state "
+                        "written every step; for batches of 1-4 rows, where buffering saves nothing)")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (weights and activations)")
     p.add_argument("--backend", default=None, help="SSM op backend: pallas, interpret or xla (default: pallas on GPU, else xla)")
     p.add_argument("--seed", type=int, default=0)
@@ -140,7 +144,7 @@ def _check_args(args):
 
 
 def _run(model, prompts, args, state, sampling, stop, backend):
-    gen = Generator(model, state=state, buffer_len=args.buffer_len, backend=backend)
+    gen = Generator(model, state=state, buffer_len=args.buffer_len, backend=backend, route=args.route)
     out = gen.generate(prompts, args.max_new_tokens, sampling=sampling, seed=args.seed, stop_tokens=stop,
                        progress=False if args.no_progress or args.json else None)
     return out
@@ -150,6 +154,7 @@ def _summary(out, state, args, backend, tokenizer):
     result = {
         "state": state,
         "buffer_len": args.buffer_len if state == "replay" else None,
+        "route": args.route if state == "replay" else None,
         "backend": backend,
         "generated_ids": out.sequences,
         "num_generated": out.num_generated,

@@ -34,6 +34,37 @@ def test_e2e_smoke(tmp_path, capsys):
     assert "nemotron_h_tiny" in capsys.readouterr().out
 
 
+def test_e2e_direct_route_mode(tmp_path):
+    """--modes 'Ld': ReplaySSM on the direct route, same greedy tokens as the standard state."""
+    out = tmp_path / "e2e.json"
+    assert load("e2e").main(["--smoke", "--models", "qwen3_next_tiny", "--batches", "1", "--modes", "standard,3d",
+                             "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["standard", "3d"] and all(r["identical_to_standard"] for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["16x", "d", "0", "-4", "16dd"])
+def test_e2e_rejects_bad_modes(mode, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load("e2e").main(["--smoke", "--modes", f"standard,{mode}", "--out", str(tmp_path / "e2e.json")])
+    assert f"--modes: mode {mode!r}: expected 'standard', a buffer length L >= 1, or L then 'd'" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_kernels_direct_variant_and_check(monkeypatch):
+    """bench/kernels.py times the direct route where the default replay step is one launch (small batches), and
+    its correctness check covers it: buffered steps, then direct steps that fold them (interpret mode, small shape)."""
+    kb = load("kernels")
+    small = kb.GDNShape(H=2, HV=4, K=16, V=32)
+    bench = kb.make_bench("gdn", 2, "float32", kb.np.random.default_rng(0), shape=small)
+    assert [v[0] for v in kb.variants(bench, (4, 8))] == ["standard", "replay-L4", "replay-L8", "replay-L4-in-step",
+                                                          "replay-L4-direct"]
+    assert "direct" not in [v[3] for v in kb.variants(kb.make_bench("gdn", 256, "float32", None), (16,))]
+    monkeypatch.setattr(kb, "BACKEND", "interpret")
+    out = kb.check(bench, (4,))
+    assert out["ok"] and out["direct_L4"]["cursor_zero"] and out["direct_L4"]["y_rel"] < 1e-5
+
+
 def test_e2e_profile_table(tmp_path, capsys, monkeypatch):
     """--profile: traced runs per configuration (with and without decode), broken
     down per decode step (on the CPU the trace has no GPU plane; fixed
@@ -254,13 +285,16 @@ def test_bounds_table(tmp_path, capsys):
 
 
 def test_bounds_leaves_out_fused_flush_steps(tmp_path):
-    """A replay kernel that also flushes (batch 1-4) is latency-bound: no bandwidth bound for it."""
+    """A replay kernel that also flushes (batch 1-4) is latency-bound: no bandwidth bound for it; nor for
+    the direct route (the standard step's traffic)."""
     bounds = load("bounds")
     standard = dict(layer="gdn", state_dtype="float32", batch=1, L=None, cursors=None, seconds=4e-6, passed=True,
                     kernels_us={"gdn_step_bv4_w1_s1_t1": dict(us=3.0, launches_per_step=1.0)})
     fused = dict(standard, L=16, cursors="staggered", seconds=7e-6,
                  kernels_us={"gdn_replay_output_L16_bv16_w4_s1_t1_fused": dict(us=4.5, launches_per_step=1.0)})
-    assert bounds.bound_rows([standard, fused], {("read", "float32"): 1.0, ("update", "float32"): 1.0}) == []
+    direct = dict(standard, L=16, cursors="empty", route="direct", seconds=3.5e-6,
+                  kernels_us={"gdn_direct_bv4_w1_s1_t1": dict(us=3.3, launches_per_step=1.0)})
+    assert bounds.bound_rows([standard, fused, direct], {("read", "float32"): 1.0, ("update", "float32"): 1.0}) == []
 
 
 @pytest.mark.parametrize("files, message", [

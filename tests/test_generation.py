@@ -46,6 +46,17 @@ def test_greedy_tokens_match_transformers(name, state, L):
     np.testing.assert_array_equal(np.array(out.sequences), expected)
 
 
+@pytest.mark.parametrize("name", FIXTURES)
+def test_direct_route_tokens_match_transformers(name):
+    """The direct route (the state written every step, the buffer left to speculative decoding) decodes the
+    reference's greedy tokens."""
+    ref = reference(name)
+    prompts, expected = ref["prompt_ids"], ref["generated_ids"]
+    out = Generator(model(name), state="replay", buffer_len=4, route="direct").generate(
+        prompts, expected.shape[1] - prompts.shape[1])
+    np.testing.assert_array_equal(np.array(out.sequences), expected)
+
+
 @pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_5_tiny"])
 def test_ragged_batch_equals_each_prompt_alone(name, rng):
     vocab = model(name).config.vocab_size
@@ -216,10 +227,11 @@ def test_command_prompt_ids_on_fixture(capsys):
     n = ref["generated_ids"].shape[1] - ref["prompt_ids"].shape[1]
     argv = ["--checkpoint", str(DATA / "qwen3_next_tiny"), "--prompt-ids", ids, "--max-new-tokens", str(n),
             "--state", "replay", "--buffer-len", "3", "--stop", "", "--json"]
-    assert main(argv) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["generated_ids"] == ref["generated_ids"].tolist()
-    assert report["state"] == "replay" and report["buffer_len"] == 3
+    for route in ("output", "direct"):
+        assert main(argv + ["--route", route]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["generated_ids"] == ref["generated_ids"].tolist()
+        assert report["state"] == "replay" and report["buffer_len"] == 3 and report["route"] == route
 
 
 BAD_COMMANDS = [
@@ -240,6 +252,7 @@ BAD_COMMANDS = [
     (["--seed", "-3"], "--seed must be in [0, 2**32); got -3"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--state", "fast"], "argument --state: invalid choice: 'fast'"),
+    (["--route", "fast"], "argument --route: invalid choice: 'fast'"),
 ]
 
 
