@@ -47,7 +47,8 @@ def test_e2e_direct_route_mode(tmp_path):
 def test_e2e_rejects_bad_modes(mode, tmp_path, capsys):
     with pytest.raises(SystemExit):
         load("e2e").main(["--smoke", "--modes", f"standard,{mode}", "--out", str(tmp_path / "e2e.json")])
-    assert f"--modes: mode {mode!r}: expected 'standard', a buffer length L >= 1, or L then 'd'" in capsys.readouterr().err
+    expected = f"--modes: mode {mode!r}: expected 'standard', a buffer length L >= 1, or L then 'd'"
+    assert expected in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before anything ran
 
 
@@ -62,7 +63,12 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     assert "direct" not in [v[3] for v in kb.variants(kb.make_bench("gdn", 256, "float32", None), (16,))]
     monkeypatch.setattr(kb, "BACKEND", "interpret")
     out = kb.check(bench, (4,))
-    assert out["ok"] and out["direct_L4"]["cursor_zero"] and out["direct_L4"]["y_rel"] < 1e-5
+    assert out["ok"] and out["direct_L4"]["cursor_zero"] and out["direct_L4"]["y_rel"] <= kb.TOL_REL["y"]
+    # the check is live: a "direct" step that buffers instead (cursor not 0) fails it
+    step = bench.replay_step
+    monkeypatch.setattr(bench, "replay_step", lambda rs, inp, route, backend, config=None: step(
+        rs, inp, "output" if route == "direct" else route, backend, config))
+    assert not kb.check(bench, (4,))["ok"]
 
 
 def test_e2e_profile_table(tmp_path, capsys, monkeypatch):

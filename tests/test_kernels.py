@@ -147,7 +147,8 @@ ROUTE_SEQUENCES = [
 
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
-@pytest.mark.parametrize(("routes", "configs"), ROUTE_SEQUENCES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else "")
+@pytest.mark.parametrize(("routes", "configs"), ROUTE_SEQUENCES,
+                         ids=lambda v: "-".join(v) if isinstance(v, tuple) else "")
 def test_replay_routes_mixed_in_one_loop(case, routes, configs, rng):
     layer, shape = case
     check_replay(layer(shape, rng, jnp.bfloat16), 4, routes, *DTYPES["bf16in-f32state"], "interpret",

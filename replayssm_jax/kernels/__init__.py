@@ -24,6 +24,17 @@ flushing rows' state itself. A row that enters with a full buffer (cursor
 record: the flush absorbs the L records and this step at once (cursor 0
 afterwards), as the reference does. No program reads a slot that another
 rewrites in the same launch.
+
+The new cursor: a one-launch step moves it in place, each program of a row
+counting its arrival with an atomic add above the cursor's bits, the last
+to arrive writing the new value (no copy into a decode loop's carry); a
+two-launch step writes it to a fresh array, as its flush launch still reads
+the old cursors.
+
+The direct route (`route="direct"`) runs the standard step's kernel, tiled
+as that step, with each row's live records folded into its checkpoint tile
+first (a loop over the live slots, none in plain decoding), and sets the
+cursor to 0 in place.
 """
 
 from __future__ import annotations
@@ -95,7 +106,8 @@ def _check_standard_config(config, rows: int, name: str, step: str = "the standa
     if config.tiles != 1:
         raise ValueError(f"`config.tiles` must be 1 for {step} (one tile per program); got {config.tiles}")
     if config.fused_flush:
-        raise ValueError(f"`config.fused_flush` must be False for {step} (it writes the state at every step: no flush); got True")
+        raise ValueError(f"`config.fused_flush` must be False for {step} (it writes the state at every step: "
+                         "no flush); got True")
     if config.has_flush_tiling:
         raise ValueError(f"`config.flush_block_v`, `flush_warps` and `flush_rows` must be 0 for {step} "
                          f"(it writes the state at every step: no flush); got flush_block_v={config.flush_block_v}, "
@@ -132,8 +144,10 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     Arguments, returns and errors as :func:`replayssm_jax.reference.gdn_replay_step`
     (see the module note on rows entering with cursor == L); also ValueError
     for K or V > 256, L > 64, a `config.block_v` or `flush_block_v` above V
-    rounded up to a power of two, or a `config.flush_rows` that does not
-    divide the batch; TypeError for a `config` that is not a :class:`Config`.
+    rounded up to a power of two, a `config.flush_rows` that does not
+    divide the batch, or, with route="direct", a `config` that is not one
+    of the standard step (tiles != 1, fused_flush, a flush field set);
+    TypeError for a `config` that is not a :class:`Config`.
     """
     _ref_gdn._check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm)
     _check_route(route)
@@ -188,9 +202,11 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     Arguments, returns and errors as :func:`replayssm_jax.reference.mamba2_replay_step`
     (see the module note on rows entering with cursor == L); also ValueError
     for head_dim or d_state > 256, L > 64, a `config.block_v` or
-    `flush_block_v` above P rounded up to a power of two, or a
-    `config.flush_rows` that does not divide the batch; TypeError for a
-    `config` that is not a :class:`Config`.
+    `flush_block_v` above P rounded up to a power of two, a
+    `config.flush_rows` that does not divide the batch, or, with
+    route="direct", a `config` that is not one of the standard step
+    (tiles != 1, fused_flush, a flush field set); TypeError for a `config`
+    that is not a :class:`Config`.
     """
     _ref_mamba2._check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit)
     _check_route(route)

@@ -14,22 +14,27 @@ V, all K columns), so S k and S q are local row sums and no two programs
 touch the same state element.
 
 - :func:`gdn_step`: the standard step, grid (batch, HV, cdiv(V, block_v)),
-  one tile per program; reads S, writes S in place (aliased).
+  one tile per program; reads S, writes S in place (aliased). Given a
+  replay state's buffers and cursor, it is the replay step's direct route:
+  each row's live records are folded into its checkpoint tile first, and
+  the cursor is set to 0 in place.
 - :func:`gdn_replay_step`: the ReplaySSM step. The replay kernel, grid
   (batch, HV, splits): a program forms the per-head terms once (decay
   weights of the live slots, the buffered keys' scores against k and q),
   then loops over its row tiles; one read of each checkpoint tile gives both
   exp(g) S_{j-1} k_j (for d_j) and S_j q_j through the buffered records,
   without forming S; the new record (d_j, k_j, g_j) goes to the row's
-  cursor, and the first program of the row writes its next cursor (a fresh
-  array: the other programs still read the old one). The flush: with
+  cursor. The flush: with
   `config.fused_flush` the replay kernel itself writes S_j over the
-  checkpoint tiles of rows whose buffer is now full (one launch per step);
+  checkpoint tiles of rows whose buffer is now full (one launch per step,
+  the cursor moved in place by the row's last program, `advance_cursor`);
   otherwise a second launch, grid (batch / rows, HV, tiles), one tile and a
   block of batch rows per program, materializes S_j of each flushing row
   (the L buffered steps applied to its checkpoint tile, plus this step for a
-  row that entered full) and writes it in place. `route="state"` makes the
-  replay kernel form S_{j-1} in every step and read o from S_j instead.
+  row that entered full) and writes it in place; the replay kernel's first
+  program of the row then writes the next cursor to a fresh array (the
+  flush launch reads the old one). `route="state"` makes the replay kernel
+  form S_{j-1} in every step and read o from S_j instead.
 
 These functions take validated arrays; the public, validated entry points
 are :mod:`replayssm_jax.ops`.

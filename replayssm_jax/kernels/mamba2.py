@@ -12,20 +12,25 @@ Tiles: a program works on [block_v, N] tiles of one head's state (rows of
 P, all N columns).
 
 - :func:`mamba2_step`: the standard step, grid (batch, H, cdiv(P, block_v)),
-  one tile per program; S read and written in place.
+  one tile per program; S read and written in place. Given a replay
+  state's buffers and cursor, it is the replay step's direct route: each
+  row's live records are folded into its checkpoint tile first, and the
+  cursor is set to 0 in place.
 - :func:`mamba2_replay_step`: the ReplaySSM step. The replay kernel, grid
   (batch, H, splits): a program forms the per-head terms once (decay
   weights of the live slots, the buffered B's scores against C) and loops
   over its row tiles, reading each checkpoint tile once:
   y = exp(dt A) (exp(G) S_c C + sum_i w_i dt_i (B_i . C) x_i) + (B . C) dt x;
-  the new record (x, dt, B) goes to the row's cursor, and the first program
-  of the row writes its next cursor (a fresh array). The flush: with
+  the new record (x, dt, B) goes to the row's cursor. The flush: with
   `config.fused_flush` the replay kernel itself writes S over the
-  checkpoint tiles of rows whose buffer is now full; otherwise a second
-  launch, grid (batch / rows, H, tiles), one tile and a block of batch rows
-  per program, applies the L buffered steps (plus this step for a row that
-  entered full) to each flushing row's checkpoint tile and writes it in
-  place. `route="state"` makes the replay kernel form S in every step.
+  checkpoint tiles of rows whose buffer is now full (one launch, the
+  cursor moved in place by the row's last program, `advance_cursor`);
+  otherwise a second launch, grid (batch / rows, H, tiles), one tile and a
+  block of batch rows per program, applies the L buffered steps (plus this
+  step for a row that entered full) to each flushing row's checkpoint tile
+  and writes it in place, and the first program of the row writes its next
+  cursor to a fresh array (the flush launch reads the old one).
+  `route="state"` makes the replay kernel form S in every step.
 
 These functions take validated arrays; the public entry points are
 :mod:`replayssm_jax.ops`.
