@@ -91,7 +91,7 @@ def _mode(mode: str) -> tuple[str, int | None, str]:
     if mode == "standard":
         return "standard", None, "output"
     digits = mode.removesuffix("d")
-    if not digits.isdigit() or int(digits) < 1:
+    if not (digits.isascii() and digits.isdigit()) or int(digits) < 1:
         raise ValueError(f"mode {mode!r}: expected 'standard', a buffer length L >= 1, or L then 'd' (the direct "
                          "route, e.g. '16d')")
     return "replay", int(digits), "direct" if mode.endswith("d") else "output"
@@ -254,12 +254,14 @@ def main(argv=None) -> int:
     configs = {m: os.path.join(folder, m) for m in names.split(",")}
     batches = [int(b) for b in batches.split(",")]
     modes = args.modes.split(",")
+    backend = ops.resolve_backend(args.backend)
     for mode in modes:
         try:
-            _mode(mode)
+            L = _mode(mode)[1]
+            if L is not None:
+                ops.check_buffer_len(L, backend)
         except ValueError as e:
             p.error(f"--modes: {e}")
-    backend = ops.resolve_backend(args.backend)
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=_commit(), prompt_len=prompt_len,
                 new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, command=" ".join(sys.argv))

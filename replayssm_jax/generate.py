@@ -232,7 +232,7 @@ def _print_human(report):
     runs = report.get("runs") or {report["state"]: report}
     print(f"checkpoint: {report['checkpoint']} ({report['model_type']}, {report['dtype']}, {report['device']})")
     for state, r in runs.items():
-        label = f"{state}" + (f" L={r['buffer_len']}" if r["buffer_len"] else "")
+        label = f"{state}" + (f" L={r['buffer_len']} route={r['route']}" if r["buffer_len"] else "")
         speed = "no decode step" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f} tokens/s decode"
         print(f"\n[{label}] backend={r['backend']}: {speed}, "
               f"prefill {r['prefill_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s")

@@ -43,13 +43,21 @@ def test_e2e_direct_route_mode(tmp_path):
     assert [r["mode"] for r in rows] == ["standard", "3d"] and all(r["identical_to_standard"] for r in rows)
 
 
-@pytest.mark.parametrize("mode", ["16x", "d", "0", "-4", "16dd"])
+@pytest.mark.parametrize("mode", ["16x", "d", "0", "-4", "16dd", "\u00b2"])
 def test_e2e_rejects_bad_modes(mode, tmp_path, capsys):
     with pytest.raises(SystemExit):
         load("e2e").main(["--smoke", "--modes", f"standard,{mode}", "--out", str(tmp_path / "e2e.json")])
     expected = f"--modes: mode {mode!r}: expected 'standard', a buffer length L >= 1, or L then 'd'"
     assert expected in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_e2e_rejects_a_buffer_above_the_kernels_limit(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load("e2e").main(["--smoke", "--modes", "standard,65d", "--backend", "interpret",
+                          "--out", str(tmp_path / "e2e.json")])
+    assert "--modes: `buffer_len` must be <= 64 with backend 'interpret'" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_kernels_direct_variant_and_check(monkeypatch):

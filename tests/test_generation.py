@@ -206,6 +206,13 @@ def test_command_default_checkpoint_json(capsys):
         assert len(r["generated_ids"]) == 1 and r["text"][0].startswith("ReplaySSM")
 
 
+def test_command_text_output_names_state_and_route(capsys):
+    assert main(["--max-new-tokens", "3", "--compare", "--buffer-len", "4", "--route", "direct", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "[standard] backend=xla" in out and "[replay L=4 route=direct] backend=xla" in out
+    assert "identical" in out
+
+
 def test_command_with_a_single_new_token_reports_no_speed(capsys):
     assert main(["--max-new-tokens", "1", "--compare", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

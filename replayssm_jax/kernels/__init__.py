@@ -146,8 +146,10 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     for K or V > 256, L > 64, a `config.block_v` or `flush_block_v` above V
     rounded up to a power of two, a `config.flush_rows` that does not
     divide the batch, or, with route="direct", a `config` that is not one
-    of the standard step (tiles != 1, fused_flush, a flush field set);
-    TypeError for a `config` that is not a :class:`Config`.
+    of the standard step (tiles != 1, fused_flush, a flush field set), or
+    a one-launch step (fused flush, direct route) of more than 32767
+    programs per batch row; TypeError for a `config` that is not a
+    :class:`Config`.
     """
     _ref_gdn._check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm)
     _check_route(route)
@@ -205,8 +207,9 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     `flush_block_v` above P rounded up to a power of two, a
     `config.flush_rows` that does not divide the batch, or, with
     route="direct", a `config` that is not one of the standard step
-    (tiles != 1, fused_flush, a flush field set); TypeError for a `config`
-    that is not a :class:`Config`.
+    (tiles != 1, fused_flush, a flush field set), or a one-launch step
+    (fused flush, direct route) of more than 32767 programs per batch row;
+    TypeError for a `config` that is not a :class:`Config`.
     """
     _ref_mamba2._check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit)
     _check_route(route)

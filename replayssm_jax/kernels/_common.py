@@ -60,7 +60,8 @@ class Config:
         per-head quantities (buffer scores, decay weights) once and then
         loops over its `tiles` row tiles, so the grid is
         (batch, heads, cdiv(cdiv(V, block_v), tiles)).
-      fused_flush: ReplaySSM kernels only. True: the replay kernel also
+      fused_flush: ReplaySSM kernels only (not the direct route, which
+        runs the standard step's kernel and takes its config). True: the replay kernel also
         writes the state of its flushing rows (one launch per step; the
         flush's registers then set the occupancy of every program, which
         only small grids can afford). False: the flush is a second launch,
