@@ -553,17 +553,6 @@ def apply_records(S: jax.Array, count, record) -> jax.Array:
     return jax.lax.fori_loop(0, count, body, S)
 
 
-def fold_records(S: jax.Array, count, record) -> jax.Array:
-    """`apply_records(S, count, record)` under a branch taken only where count > 0.
-
-    The direct route's fold: plain decoding (count 0) then skips the loop and
-    the layout its loop-carried tile needs. On the H200 a bare loop of no
-    iteration cost the direct kernel about 0.28 us per launch at batch 1
-    (bench/RESULTS.md, eighth session).
-    """
-    return jax.lax.cond(count > 0, lambda S: apply_records(S, count, record), lambda S: S, S)
-
-
 def store_cursor(cursor_out, cursor, L: int, writer) -> None:
     """Store the row's cursor after this step (see `next_cursor`) into a fresh
     array, from the one program where `writer` (two-launch replay steps: the

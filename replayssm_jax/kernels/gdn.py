@@ -77,7 +77,7 @@ def _step_kernel(s_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, V, K, scale
     tile = c.outer(vmask, kmask, (BV, BK))
     S = c.load(s_ref, tile)
     if L:
-        S = c.fold_records(S, count, lambda i: (gbuf_ref[i], c.load(dbuf_ref.at[i], vmask),
+        S = c.apply_records(S, count, lambda i: (gbuf_ref[i], c.load(dbuf_ref.at[i], vmask),
                                                  c.load(kbuf_ref.at[i], kmask)))
     S = S * jnp.exp(c.load_scalar(g_ref))
     v = c.load(v_ref, vmask)

@@ -102,7 +102,7 @@ def _step_kernel(*refs, P, N, has_z, dt_softplus, dt_limit, L=0, programs=0):
             dt_i = dtbuf_ref[i]
             return dt_i * A, dt_i * c.load(xbuf_ref.at[i], pmask), c.load(Bbuf_ref.at[i], nmask)
 
-        S = c.fold_records(S, count, record)
+        S = c.apply_records(S, count, record)
     S = S * jnp.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
     c.store(y_ref, _finish(c.matvec(S, Cv), skip, gate), pmask)
     c.store(s_out, S, tile)
