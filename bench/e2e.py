@@ -54,7 +54,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # last: an importable replayssm_jax (installed, or a tree first on PYTHONPATH) wins
 
 from models.random_init import init_model  # noqa: E402
 from replayssm_jax import ops  # noqa: E402

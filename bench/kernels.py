@@ -64,7 +64,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# This checkout's package comes last on the path: a replayssm_jax importable
+# already (installed, or another code tree put first on PYTHONPATH to compare
+# with this one) is the one measured. (Inserted first, it silently replaced
+# such a tree: bench/RESULTS.md, eighth session.)
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import step_profile  # noqa: E402  (bench/step_profile.py)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -22,6 +25,19 @@ def load(name):
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.parametrize("script", ["kernels", "e2e"])
+def test_bench_scripts_measure_the_tree_on_pythonpath(script, tmp_path):
+    """A code tree put first on PYTHONPATH (to compare with this checkout) is the one the bench scripts
+    import: they add the checkout at the end of sys.path, not in front of the tree."""
+    shutil.copytree(BENCH.parent / "replayssm_jax", tmp_path / "tree" / "replayssm_jax")
+    code = (f"import sys; sys.path.insert(0, {str(BENCH)!r}); import {script}, replayssm_jax; "
+            "print(replayssm_jax.__file__)")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "tree"), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == str(tmp_path / "tree" / "replayssm_jax" / "__init__.py")
 
 
 def test_e2e_smoke(tmp_path, capsys):
