@@ -280,6 +280,41 @@ def flush_launch(kernel, specs, config: Config, checkpoint, operands, *, interpr
     )(checkpoint, *operands)
 
 
+def step_launch(kernel, layer: str, *, grid, in_specs, out_specs, out_shape, operands, config: Config,
+                interpret: bool, replay=None, buffer_specs=None):
+    """Launch a layer's standard step kernel: its state (operand 0) updated in place (output 1).
+
+    With `replay` = (three buffers, cursor) of a replay state whose
+    checkpoint is that state, the direct route: the buffers (block specs
+    `buffer_specs(L)`, L = replay[0].shape[2]) and the cursor follow the
+    step's operands, the kernel gets `L` and `programs` (per batch row:
+    grid[1] * grid[2]), and the cursor is an output in place.
+
+    Returns (output, state, new cursor or None).
+    """
+    aliases, extra = {0: 1}, ()
+    in_specs, out_specs, out_shape = list(in_specs), list(out_specs), list(out_shape)
+    if replay is not None:
+        extra, cursor, L = replay, replay[3], replay[0].shape[2]
+        kernel = functools.partial(kernel, L=L, programs=grid[1] * grid[2])
+        in_specs += buffer_specs(L) + [cursor_spec()]
+        out_specs.append(cursor_spec())
+        out_shape.append(jax.ShapeDtypeStruct(cursor.shape, cursor.dtype))
+        aliases[len(in_specs) - 1] = 2
+    out, state, *cursor = pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        config=config,
+        name=f"{layer}_{'step' if replay is None else 'direct'}_{config.tag()}",
+    )(*operands, *extra)
+    return out, state, (cursor[0] if cursor else None)
+
+
 def pallas_call(kernel, *, interpret: bool, config: Config, **kwargs):
     """`pl.pallas_call` with the Triton compiler params of `config`."""
     call = pl.pallas_call(

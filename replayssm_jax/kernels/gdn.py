@@ -222,29 +222,11 @@ def gdn_step(state, q, k, v, g, beta, replay=None, *, scale: float, use_qk_l2nor
     cfg = config or c.default_config(batch, HV, V, K, state.dtype.itemsize)
     grid, sspec, qk, vrow, scal = _specs(batch, H, HV, V, K, cfg)
     kernel = functools.partial(_step_kernel, V=V, K=K, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    in_specs, out_specs = [sspec, qk, qk, vrow, scal, scal], [vrow, sspec]
-    outs = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)]
-    aliases, extra = {0: 1}, ()
-    if replay is not None:
-        dbuf, kbuf, gbuf, cursor = extra = replay
-        L = gbuf.shape[-1]
-        kernel = functools.partial(kernel, L=L, programs=HV * grid[2])
-        in_specs += _buffer_specs(H, HV, K, L, cfg.block_v) + [c.cursor_spec()]
-        out_specs.append(c.cursor_spec())
-        outs.append(jax.ShapeDtypeStruct(cursor.shape, cursor.dtype))
-        aliases[len(in_specs) - 1] = 2
-    o, new_state, *new_cursor = c.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=outs,
-        input_output_aliases=aliases,
-        interpret=interpret,
-        config=cfg,
-        name=f"gdn_{'direct' if replay is not None else 'step'}_{cfg.tag()}",
-    )(state, q, k, v, g.astype(f32), beta, *extra)
-    return o, new_state, (new_cursor[0] if new_cursor else None)
+    return c.step_launch(
+        kernel, "gdn", grid=grid, in_specs=[sspec, qk, qk, vrow, scal, scal], out_specs=[vrow, sspec],
+        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
+        operands=(state, q, k, v, g.astype(f32), beta), config=cfg, interpret=interpret, replay=replay,
+        buffer_specs=lambda L: _buffer_specs(H, HV, K, L, cfg.block_v))
 
 
 def _buffer_specs(H, HV, K, L, R, nb=None):

@@ -282,29 +282,12 @@ def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, replay=None, *, dt_softplu
     s = _specs(H, G, cfg.block_v, N)
     grid = (batch, H, pl.cdiv(P, cfg.block_v))
     kernel = functools.partial(_step_kernel, P=P, N=N, has_z=z is not None, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    in_specs, out_specs = [s["state"]] + _input_specs(s, z is not None), [s["row"], s["state"]]
-    outs = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)]
-    aliases, extra = {0: 1}, ()
-    if replay is not None:
-        xbuf, dtbuf, Bbuf, cursor = extra = replay
-        L = dtbuf.shape[-1]
-        kernel = functools.partial(kernel, L=L, programs=H * grid[2])
-        in_specs += _buffer_specs(G, H, L, N, cfg.block_v) + [c.cursor_spec()]
-        out_specs.append(c.cursor_spec())
-        outs.append(jax.ShapeDtypeStruct(cursor.shape, cursor.dtype))
-        aliases[len(in_specs) - 1] = 2
-    y, new_state, *new_cursor = c.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=outs,
-        input_output_aliases=aliases,
-        interpret=interpret,
-        config=cfg,
-        name=f"mamba2_{'direct' if replay is not None else 'step'}_{cfg.tag()}",
-    )(state, *_inputs(x, dt, A, B, C, D, z, dt_bias), *extra)
-    return y, new_state, (new_cursor[0] if new_cursor else None)
+    return c.step_launch(
+        kernel, "mamba2", grid=grid, in_specs=[s["state"]] + _input_specs(s, z is not None),
+        out_specs=[s["row"], s["state"]],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
+        operands=(state, *_inputs(x, dt, A, B, C, D, z, dt_bias)), config=cfg, interpret=interpret, replay=replay,
+        buffer_specs=lambda L: _buffer_specs(G, H, L, N, cfg.block_v))
 
 
 def _buffer_specs(G, H, L, N, R, nb=None):
