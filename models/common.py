@@ -149,7 +149,7 @@ class HybridCausalLM(nnx.Module):
         Args:
           tokens: int[batch], the newest token of each sequence.
           cache: from `prefill` or a previous `decode`.
-          route: ReplaySSM readout route ("output" or "state").
+          route: the ReplaySSM step's route, "output", "state" or "direct" (replayssm_jax.ops).
           backend: SSM op backend.
 
         Returns:
