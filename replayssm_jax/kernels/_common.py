@@ -238,10 +238,16 @@ def flush_rows_of_program(refs, L: int, flush, shared=()) -> None:
     refs[0] is the checkpoint block (its first axis: the program's batch
     rows), refs[4] the cursor block. views[i] = RowRef(refs[i], r), or
     refs[i] itself for i in `shared` (per-head parameters, no batch axis).
+    The block's cursors are read in one load, so a program waits for one
+    load before it knows its rows (a load per row made every program wait
+    for each in turn), and a program with no flushing row stops there.
     """
+    rows = refs[0].shape[0]
+    cursors = load(refs[4], None, jnp.int32)
+    full = cursors >= L - 1
 
     def row(r, carry):
-        cursor = refs[4][r].astype(jnp.int32)
+        cursor = jnp.sum(jnp.where(lane_ids(rows) == r, cursors, 0))
 
         @pl.when(cursor >= L - 1)
         def _():
@@ -249,7 +255,9 @@ def flush_rows_of_program(refs, L: int, flush, shared=()) -> None:
 
         return carry
 
-    jax.lax.fori_loop(0, refs[0].shape[0], row, 0)
+    @pl.when(jnp.max(full.astype(jnp.int32)) > 0)
+    def _():
+        jax.lax.fori_loop(0, rows, row, 0)
 
 
 def flush_launch(kernel, specs, config: Config, checkpoint, operands, *, interpret: bool, name: str):
