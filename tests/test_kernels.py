@@ -49,8 +49,10 @@ GPU_SHAPES = {
 # Replay tilings compiled at the model shape: (block_v, num_warps, tiles,
 # fused_flush[, (flush_block_v, flush_warps, flush_rows)]).
 GPU_TILINGS = {
-    GDN: [(32, 4, 4, False), (64, 8, 2, True), (16, 2, 3, False), (4, 1, 1, True), (64, 4, 2, False, (16, 2, 1))],
-    Mamba2: [(16, 2, 5, False), (32, 4, 3, True), (16, 2, 2, False), (8, 1, 1, True), (16, 2, 5, False, (8, 1, 2))],
+    GDN: [(32, 4, 4, False), (64, 8, 2, True), (16, 2, 3, False), (4, 1, 1, True), (64, 4, 2, False, (16, 2, 1)),
+          (64, 4, 2, True, (32, 0, 0))],
+    Mamba2: [(16, 2, 5, False), (32, 4, 3, True), (16, 2, 2, False), (8, 1, 1, True), (16, 2, 5, False, (8, 1, 2)),
+             (16, 2, 5, True, (8, 0, 0))],
 }
 # Tilings the heuristic picks only at other shapes, interpreted: several row
 # tiles per program (a static and a dynamic trip count, rows padded past V).
@@ -61,6 +63,9 @@ TILINGS = [
     (kernels.Config(block_v=16, num_warps=4, tiles=1), 4),
     (kernels.Config(block_v=8, num_warps=2, tiles=3, fused_flush=True), 4),
     (kernels.Config(block_v=16, num_warps=4, tiles=1, fused_flush=True), 16),
+    # The fused flush in sub-tiles of its program's rows: rank-1 steps, and the rank-L dot.
+    (kernels.Config(block_v=16, num_warps=4, tiles=2, fused_flush=True, flush_block_v=4), 4),
+    (kernels.Config(block_v=32, num_warps=4, tiles=1, fused_flush=True, flush_block_v=16), 16),
     # The flush launch on its own tiling: smaller and larger tiles than the
     # replay kernel's, one row and a block of rows per program.
     (kernels.Config(block_v=16, num_warps=4, tiles=2, flush_block_v=4, flush_warps=1, flush_rows=1), 4),
@@ -246,6 +251,8 @@ def test_gdn_errors_before_any_kernel(rng):
     (dict(block_v=8, flush_warps=3), ValueError, "`config.flush_warps` must be 0 (default) or one of 1, 2, 4, 8, 16; got 3"),
     (dict(block_v=8, flush_rows=2.0), TypeError, "`config.flush_rows` must be an int; got float 2.0"),
     (dict(block_v=8, fused_flush=True, flush_warps=2), ValueError, "which a `fused_flush=True` step does not have"),
+    (dict(block_v=8, fused_flush=True, flush_block_v=16), ValueError, "sub-tiles the program's block_v = 8 rows, "
+     "so must be <= it; got 16"),
 ])
 def test_config_rejects_bad_fields(fields, error, message):
     with pytest.raises(error, match=re.escape(message)):
@@ -323,13 +330,18 @@ def gpu_tiling_config(tiling):
 
 @pytest.mark.parametrize("case", [c for c in cases(GPU_TILINGS) if len(c[1]) == 5], ids=case_id)
 def test_flush_tilings_lower_for_cuda(case, rng):
-    """The flush launch on its own tiling (GPU_TILINGS), lowered for Triton on the CPU."""
+    """The flush on its own tiling (GPU_TILINGS: the flush launch's, or the
+    fused flush's sub-tiles), lowered for Triton on the CPU."""
     layer = case[0](GPU_SHAPES[case[0]][0], rng, jnp.bfloat16)
     rs = layer.replay_state(8, jnp.float32, jnp.bfloat16, np.zeros(layer.s.batch))
     config = gpu_tiling_config(case[1])
     text = lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, "output", config), rs, layer.draw())
-    assert text.count("__gpu$xla.gpu.triton") == 2
-    assert f"flush_L8_bv{config.flush_block_v}_w{config.flush_warps}_s1_t1_r{config.flush_rows}" in text
+    if config.fused_flush:  # one launch, its flush in sub-tiles of flush_block_v rows
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        assert f"output_L8_{config.tag()}" in text and config.tag().endswith(f"_fused_f{config.flush_block_v}x0x0")
+    else:
+        assert text.count("__gpu$xla.gpu.triton") == 2
+        assert f"flush_L8_bv{config.flush_block_v}_w{config.flush_warps}_s1_t1_r{config.flush_rows}" in text
 
 
 @pytest.mark.parametrize("case", cases(GPU_SHAPES, first_only=True), ids=case_id)

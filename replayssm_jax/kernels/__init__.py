@@ -19,7 +19,10 @@ in place: keeping the flush out of the replay kernel keeps that kernel's
 register budget (so its occupancy) that of the readout alone, at the price
 of a second read of the flushing rows' checkpoint (|S| / L per step on
 average). At small grids (latency-bound) the replay kernel writes the
-flushing rows' state itself. A row that enters with a full buffer (cursor
+flushing rows' state itself, after its readout, re-reading their
+checkpoint rows in sub-tiles. Both flushes apply a row's buffered records
+and then this step from its inputs, so neither reads the slot this launch
+writes. A row that enters with a full buffer (cursor
 == L, possible only after a speculative commit) has no slot for this step's
 record: the flush absorbs the L records and this step at once (cursor 0
 afterwards), as the reference does. No program reads a slot that another

@@ -61,25 +61,32 @@ class Config:
         loops over its `tiles` row tiles, so the grid is
         (batch, heads, cdiv(cdiv(V, block_v), tiles)).
       fused_flush: ReplaySSM kernels only (not the direct route, which
-        runs the standard step's kernel and takes its config). True: the replay kernel also
-        writes the state of its flushing rows (one launch per step; the
-        flush's registers then set the occupancy of every program, which
-        only small grids can afford). False: the flush is a second launch,
-        one tile and a block of batch rows per program, that skips rows
-        which do not flush (the checkpoint tiles of flushing rows are read
-        twice per flush cycle).
+        runs the standard step's kernel and takes its config). True: the
+        replay kernel also writes the state of its flushing rows: after
+        its readout, a program of such a row re-reads its checkpoint rows
+        in sub-tiles (`fused_flush_config`) and writes them (one launch
+        per step). The flush's code still sets the register budget, hence
+        the occupancy, of every program, which only small grids can
+        afford (bench/RESULTS.md, ninth session). False: the flush is a
+        second launch, one tile and a block of batch rows per program,
+        that skips rows which do not flush (the checkpoint tiles of
+        flushing rows are read twice per flush cycle). Both run the same
+        flush: the row's buffered records, then this step.
       flush_block_v, flush_warps, flush_rows: the flush launch's own tiling
-        (two-launch replay steps only; 0: its default, the replay kernel's
+        (two-launch replay steps; 0: its default, the replay kernel's
         block_v and num_warps and `flush_rows(batch)` batch rows per
         program). flush_block_v a power of two, flush_warps as num_warps,
-        flush_rows a power of two that must divide the batch.
+        flush_rows a power of two that must divide the batch. With
+        fused_flush only flush_block_v may be set: the rows of the fused
+        flush's sub-tiles, at most block_v (0: `fused_flush_config`).
 
     Raises:
       TypeError: a field of the wrong type (ints, numpy ints included;
         fused_flush a bool).
       ValueError: block_v not a power of two, num_warps not in {1, 2, 4,
-        8, 16}, num_stages or tiles < 1, a flush field out of range, or
-        a flush field set with fused_flush (that step has no flush launch).
+        8, 16}, num_stages or tiles < 1, a flush field out of range, or,
+        with fused_flush, flush_warps or flush_rows set (that step has no
+        flush launch) or flush_block_v above block_v.
     """
 
     block_v: int
@@ -114,10 +121,12 @@ class Config:
         if self.flush_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"`config.flush_warps` must be 0 (default) or one of 1, 2, 4, 8, 16; "
                              f"got {self.flush_warps}")
-        if self.fused_flush and (self.flush_block_v or self.flush_warps or self.flush_rows):
-            raise ValueError("`config.flush_block_v`, `flush_warps` and `flush_rows` tile the flush launch, "
-                             "which a `fused_flush=True` step does not have; got "
-                             f"{self.flush_block_v}, {self.flush_warps}, {self.flush_rows}")
+        if self.fused_flush and (self.flush_warps or self.flush_rows):
+            raise ValueError("`config.flush_warps` and `flush_rows` tile the flush launch, which a "
+                             f"`fused_flush=True` step does not have; got {self.flush_warps}, {self.flush_rows}")
+        if self.fused_flush and self.flush_block_v > self.block_v:
+            raise ValueError("`config.flush_block_v` of a `fused_flush=True` step sub-tiles the program's "
+                             f"block_v = {self.block_v} rows, so must be <= it; got {self.flush_block_v}")
 
     @property
     def has_flush_tiling(self) -> bool:
@@ -258,6 +267,23 @@ def flush_rows_of_program(refs, L: int, flush, shared=()) -> None:
     @pl.when(jnp.max(full.astype(jnp.int32)) > 0)
     def _():
         jax.lax.fori_loop(0, rows, row, 0)
+
+
+# Rows of the fused flush's sub-tiles (at most): a flushing program
+# re-reads its checkpoint rows in tiles this small (an L2 hit, it has just
+# read them), so the rank-L update's registers stay below the readout's and
+# the flush costs the replay kernel no occupancy.
+FUSED_FLUSH_ROWS = 16
+
+
+def fused_flush_config(config: Config) -> Config:
+    """The tiling of the fused flush inside a replay program of `config`: the
+    same rows in sub-tiles of `config.flush_block_v` rows (default
+    min(block_v, FUSED_FLUSH_ROWS); at most block_v, checked by the public
+    wrappers)."""
+    fbv = config.flush_block_v or min(config.block_v, FUSED_FLUSH_ROWS)
+    return Config(block_v=fbv, num_warps=config.num_warps, num_stages=config.num_stages,
+                  tiles=config.tiles * config.block_v // fbv)
 
 
 def flush_launch(kernel, specs, config: Config, checkpoint, operands, *, interpret: bool, name: str):
@@ -554,27 +580,29 @@ def replay_tiles(V: int, config: Config, split, tile) -> None:
         jax.lax.fori_loop(0, count, body, 0)
 
 
-def replay_records(S: jax.Array, L: int, record, records, state_dtype) -> jax.Array:
-    """S after the L buffered steps S <- exp(lg_i) S + u_i k_i^T, i = 0 .. L - 1.
+def replay_records(S: jax.Array, count, L: int, record, records, state_dtype) -> jax.Array:
+    """S after buffered steps 0 .. count - 1, S <- exp(lg_i) S + u_i k_i^T.
 
-    S f32[BV, BK], a tile of a state of `state_dtype`. With BL =
-    next_pow2(L), BV and BK all >= DOT_MIN, the whole buffer is loaded at
-    once, records() -> (lg f32[BL], U f32[BL, BV], K [BL, BK] as buffered) with slots
-    >= L zero, and applied as one decay and one rank-L update
-    (`rank_update`, on the tensor cores):
-    S_L = exp(sum_i lg_i) S + sum_i w_i u_i k_i^T, w_i = exp(sum_{j > i} lg_j).
+    S f32[BV, BK], a tile of a state of `state_dtype`; count: int scalar
+    (static or traced) <= L. With BL = next_pow2(L), BV and BK all >=
+    DOT_MIN, the whole buffer is loaded at once, records(live) -> (lg
+    f32[BL], U f32[BL, BV], K [BL, BK] as buffered) with the slots where
+    `live` (bool[BL]) is false zeroed (`load_live`), and applied as one
+    decay and one rank-L update (`rank_update`, on the tensor cores):
+    S_n = exp(sum_i lg_i) S + sum_i w_i u_i k_i^T, w_i = exp(sum_{i < j < n} lg_j).
     Otherwise one buffered step per iteration of a loop, record(i) ->
     (lg_i f32 scalar, u_i f32[BV], k_i f32[BK]) loading slot i (a traced
     index). (In the fourth session a 4-deep prefetch of the loop's records,
     and the whole buffer applied by the masked-sum rank update, both made
     the flush launch slower: bench/RESULTS.md.)
     """
-    if fits_dot(next_pow2(L), *S.shape):  # then rank_update takes its dot too
-        lg, U, K = records()
-        total, w = replay_weights(lg, L)
+    BL = next_pow2(L)
+    if fits_dot(BL, *S.shape):  # then rank_update takes its dot too
+        lg, U, K = records(lane_ids(BL) < count)
+        total, w = replay_weights(lg, count)
         return rank_update(jnp.exp(total) * S, w[:, None] * U, K, state_dtype)
 
-    return apply_records(S, L, record)
+    return apply_records(S, count, record)
 
 
 def apply_records(S: jax.Array, count, record) -> jax.Array:

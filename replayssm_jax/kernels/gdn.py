@@ -24,16 +24,15 @@ touch the same state element.
   then loops over its row tiles; one read of each checkpoint tile gives both
   exp(g) S_{j-1} k_j (for d_j) and S_j q_j through the buffered records,
   without forming S; the new record (d_j, k_j, g_j) goes to the row's
-  cursor. The flush: with
-  `config.fused_flush` the replay kernel itself writes S_j over the
-  checkpoint tiles of rows whose buffer is now full (one launch per step,
-  the cursor moved in place by the row's last program, `advance_cursor`);
+  cursor. The flush materializes S_j of each row whose buffer is now full
+  (its buffered records applied to its checkpoint tile, then this step)
+  and writes it in place: with `config.fused_flush` the replay kernel does
+  it after its readout, on sub-tiles of its rows (one launch per step, the
+  cursor moved in place by the row's last program, `advance_cursor`);
   otherwise a second launch, grid (batch / rows, HV, tiles), one tile and a
-  block of batch rows per program, materializes S_j of each flushing row
-  (the L buffered steps applied to its checkpoint tile, plus this step for a
-  row that entered full) and writes it in place; the replay kernel's first
-  program of the row then writes the next cursor to a fresh array (the
-  flush launch reads the old one). `route="state"` makes the replay kernel
+  block of batch rows per program; the replay kernel's first program of
+  the row then writes the next cursor to a fresh array (the flush launch
+  reads the old one). `route="state"` makes the replay kernel
   form S_{j-1} in every step and read o from S_j instead.
 
 These functions take validated arrays; the public, validated entry points
@@ -117,7 +116,6 @@ def _replay_kernel(
         S_c = c.load(ck_ref.at[rows, :], tmask)  # the one read of the checkpoint
         U = c.load_live(dbuf_ref.at[:, rows], live, L, vmask)
         v = c.load(v_ref.at[rows], vmask)
-        S = None  # exp(g) S_{j-1}, formed only where needed
         if route == "output":
             # exp(g) S_{j-1} k and exp(g) S_{j-1} q without forming S_{j-1}.
             Sk = decay * (carried * c.matvec(S_c, k) + jnp.sum(a_k[:, None] * U, axis=0))
@@ -129,17 +127,15 @@ def _replay_kernel(
             o = c.matvec(S + d[:, None] * k[None, :], q)
         c.store(o_ref.at[rows], o, vmask)
         c.store(dbuf_out.at[count, rows], d, c.both(vmask, append, (BV,)))  # the d rows are this program's
-        if config.fused_flush:
-            # This step's record as buffered (rounded to the buffers' dtypes), as the flush launch reads it.
-            d_rec = jnp.where(append, d.astype(dbuf_out.dtype).astype(f32), d)
-            k_rec = jnp.where(append, k.astype(kbuf_out.dtype).astype(f32), k)
-
-            @pl.when(count >= L - 1)
-            def _():
-                S_prev = decay * c.rank_update(carried * S_c, w[:, None] * U, Kb, ck_ref.dtype) if S is None else S
-                c.store(ck_out.at[rows, :], S_prev + d_rec[:, None] * k_rec[None, :], tmask)
 
     c.replay_tiles(V, config, split, tile)
+    if config.fused_flush:
+
+        @pl.when(count >= L - 1)
+        def _():
+            _flush_row(ck_ref, dbuf_ref, kbuf_ref, gbuf_ref, cur_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, ck_out,
+                       cursor=count, split=split, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                       config=c.fused_flush_config(config))
 
     # The shared records: g by the first program of the head, k by the first
     # value head of the group, so no element has two writers.
@@ -164,14 +160,18 @@ def _flush_row(
     ck_ref, dbuf_ref, kbuf_ref, gbuf_ref, cur_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, ck_out,
     *, cursor, split, V, K, L, scale, use_qk_l2norm, config,
 ):
-    """Write S after this step into the checkpoint of one flushing row (refs: the row's blocks)."""
+    """Write S after this step into the checkpoint of one flushing row (refs:
+    the row's blocks; cursor at entry L - 1 or L): its `cursor` buffered
+    records, then this step, S <- exp(g) S + d k^T with d from the
+    materialized S, its d and k rounded to the buffers' dtypes when the step
+    has a slot (cursor < L), as the buffer holds them. Slot `cursor` is
+    never read: the fused flush runs in the launch that writes it."""
     BK, BV = q_ref.shape[-1], config.block_v
     kmask, _, k = _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale)
-    # A row that entered full still has this step to absorb (its record has
-    # no slot): S <- exp(g) S + d k^T with d from the materialized S.
-    extra = cursor >= L
-    decay = jnp.where(extra, jnp.exp(c.load_scalar(g_ref)), 1.0)
-    beta = jnp.where(extra, c.load_scalar(beta_ref), 0.0)
+    append = cursor < L
+    k_rec = jnp.where(append, k.astype(kbuf_ref.dtype).astype(f32), k)
+    decay = jnp.exp(c.load_scalar(g_ref))
+    beta = c.load_scalar(beta_ref)
 
     def tile(rows, vmask):
         tmask = c.outer(vmask, kmask, (BV, BK))
@@ -179,13 +179,14 @@ def _flush_row(
         def record(i):
             return gbuf_ref[i], c.load(dbuf_ref.at[i, rows], vmask), c.load(kbuf_ref.at[i], kmask)
 
-        def records():
-            return (c.load_slots(gbuf_ref, L), c.load_slots(dbuf_ref.at[:, rows], L, vmask),
-                    c.load_slots(kbuf_ref, L, kmask, kbuf_ref.dtype))
+        def records(live):
+            return (c.load_live(gbuf_ref, live, L), c.load_live(dbuf_ref.at[:, rows], live, L, vmask),
+                    c.load_live(kbuf_ref, live, L, kmask, kbuf_ref.dtype))
 
-        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record, records, ck_ref.dtype)
+        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), cursor, L, record, records, ck_ref.dtype)
         d = beta * (c.load(v_ref.at[rows], vmask) - c.matvec(S, k))
-        c.store(ck_out.at[rows, :], S + d[:, None] * k[None, :], tmask)
+        d_rec = jnp.where(append, d.astype(dbuf_ref.dtype).astype(f32), d)
+        c.store(ck_out.at[rows, :], S + d_rec[:, None] * k_rec[None, :], tmask)
 
     c.replay_tiles(V, config, split, tile)
 

@@ -21,15 +21,15 @@ P, all N columns).
   weights of the live slots, the buffered B's scores against C) and loops
   over its row tiles, reading each checkpoint tile once:
   y = exp(dt A) (exp(G) S_c C + sum_i w_i dt_i (B_i . C) x_i) + (B . C) dt x;
-  the new record (x, dt, B) goes to the row's cursor. The flush: with
-  `config.fused_flush` the replay kernel itself writes S over the
-  checkpoint tiles of rows whose buffer is now full (one launch, the
-  cursor moved in place by the row's last program, `advance_cursor`);
-  otherwise a second launch, grid (batch / rows, H, tiles), one tile and a
-  block of batch rows per program, applies the L buffered steps (plus this
-  step for a row that entered full) to each flushing row's checkpoint tile
-  and writes it in place, and the first program of the row writes its next
-  cursor to a fresh array (the flush launch reads the old one).
+  the new record (x, dt, B) goes to the row's cursor. The flush applies
+  the buffered records, then this step, to the checkpoint tiles of each
+  row whose buffer is now full and writes them in place: with
+  `config.fused_flush` the replay kernel does it after its readout, on
+  sub-tiles of its rows (one launch, the cursor moved in place by the
+  row's last program, `advance_cursor`); otherwise a second launch, grid
+  (batch / rows, H, tiles), one tile and a block of batch rows per
+  program, and the first program of the row writes its next cursor to a
+  fresh array (the flush launch reads the old one).
   `route="state"` makes the replay kernel form S in every step.
 
 These functions take validated arrays; the public entry points are
@@ -159,7 +159,6 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
         X = c.load_live(xbuf_ref.at[:, rows], live, L, pmask)
         x, x_rec = _load_x_record(x_ref, xbuf_ref, rows, pmask)
         u = dt * x_rec
-        S = None  # S after this step, formed only where needed
         if route == "output":
             y = decay * (carried * c.matvec(S_c, Cv) + jnp.sum(a_c[:, None] * X, axis=0)) + bc * u
         else:
@@ -171,17 +170,14 @@ def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, c
             y = y * (z * jax.nn.sigmoid(z))
         c.store(y_ref.at[rows], y, pmask)
         c.store(xbuf_out.at[count, rows], x_rec, c.both(pmask, append, (BP,)))  # the x rows are this program's
-        if config.fused_flush:
-
-            @pl.when(count >= L - 1)
-            def _():
-                S_new = S
-                if S_new is None:
-                    S_new = decay * c.rank_update(carried * S_c, w[:, None] * X, Bb, ck_ref.dtype)
-                    S_new = S_new + u[:, None] * Bv[None, :]
-                c.store(ck_out.at[rows, :], S_new, tmask)
 
     c.replay_tiles(P, config, split, tile)
+    if config.fused_flush:
+
+        @pl.when(count >= L - 1)
+        def _():
+            _flush_row(*refs[:12], ck_out, cursor=count, split=split, P=P, N=N, L=L, dt_softplus=dt_softplus,
+                       dt_limit=dt_limit, config=c.fused_flush_config(config))
 
     # The shared records: dt by the first program of the head, B by the
     # first head of the group, so no element has two writers.
@@ -204,17 +200,17 @@ def _flush_kernel(*refs, P, N, L, dt_softplus, dt_limit, config):
 
 
 def _flush_row(*refs, cursor, split, P, N, L, dt_softplus, dt_limit, config):
-    """Write S after this step into the checkpoint of one flushing row (refs: the row's blocks)."""
+    """Write S after this step into the checkpoint of one flushing row (refs:
+    the row's blocks, the checkpoint's output last; cursor at entry L - 1 or
+    L): its `cursor` buffered records, then this step, S <- exp(dt A) S +
+    dt x B^T with x and B as buffered. Slot `cursor` is never read: the
+    fused flush runs in the launch that writes it."""
     ck_ref, xbuf_ref, dtbuf_ref, Bbuf_ref, _, x_ref, dt_ref, A_ref, B_ref, _, _, bias_ref = refs[:12]
     ck_out = refs[-1]
     BN, BP = B_ref.shape[0], config.block_v
     nmask, dt, A, Bv = _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N,
                                       dt_softplus, dt_limit)
-    # A row that entered full still has this step to absorb (its record has
-    # no slot): S <- exp(dt A) S + dt x B^T.
-    extra = cursor >= L
-    decay = jnp.where(extra, jnp.exp(dt * A), 1.0)
-    dt_extra = jnp.where(extra, dt, 0.0)
+    decay = jnp.exp(dt * A)
 
     def tile(rows, pmask):
         tmask = c.outer(pmask, nmask, (BP, BN))
@@ -223,13 +219,13 @@ def _flush_row(*refs, cursor, split, P, N, L, dt_softplus, dt_limit, config):
             dt_i = dtbuf_ref[i]
             return dt_i * A, dt_i * c.load(xbuf_ref.at[i, rows], pmask), c.load(Bbuf_ref.at[i], nmask)
 
-        def records():
-            dts = c.load_slots(dtbuf_ref, L)
-            return (dts * A, dts[:, None] * c.load_slots(xbuf_ref.at[:, rows], L, pmask),
-                    c.load_slots(Bbuf_ref, L, nmask, Bbuf_ref.dtype))
+        def records(live):
+            dts = c.load_live(dtbuf_ref, live, L)
+            return (dts * A, dts[:, None] * c.load_live(xbuf_ref.at[:, rows], live, L, pmask),
+                    c.load_live(Bbuf_ref, live, L, nmask, Bbuf_ref.dtype))
 
-        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), L, record, records, ck_ref.dtype)
-        u = dt_extra * _load_x_record(x_ref, xbuf_ref, rows, pmask)[1]
+        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), cursor, L, record, records, ck_ref.dtype)
+        u = dt * _load_x_record(x_ref, xbuf_ref, rows, pmask)[1]
         c.store(ck_out.at[rows, :], S + u[:, None] * Bv[None, :], tmask)
 
     c.replay_tiles(P, config, split, tile)
