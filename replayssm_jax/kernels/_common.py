@@ -624,6 +624,25 @@ def apply_records(S: jax.Array, count, record) -> jax.Array:
     return jax.lax.fori_loop(0, count, body, S)
 
 
+def fold_then(S: jax.Array, count, record, finish) -> None:
+    """finish(S after the row's `count` live records), the direct route's fold (`apply_records`).
+
+    A row without records (count == 0: plain decoding) runs finish on the
+    loaded tile in a branch of its own, so no state tile leaves a loop or a
+    branch: one that does cost the launch ~0.3 us even when the loop ran no
+    iteration (bench/RESULTS.md, eighth and ninth sessions). finish stores
+    its results; it is traced twice.
+    """
+
+    @pl.when(count == 0)
+    def _():
+        finish(S)
+
+    @pl.when(count > 0)
+    def _():
+        finish(apply_records(S, count, record))
+
+
 def store_cursor(cursor_out, cursor, L: int, writer) -> None:
     """Store the row's cursor after this step (see `next_cursor`) into a fresh
     array, from the one program where `writer` (two-launch replay steps: the

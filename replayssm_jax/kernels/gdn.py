@@ -75,17 +75,20 @@ def _step_kernel(s_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, V, K, scale
     kmask, q, k = _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale)
     tile = c.outer(vmask, kmask, (BV, BK))
     S = c.load(s_ref, tile)
-    if L:
-        S = c.apply_records(S, count, lambda i: (gbuf_ref[i], c.load(dbuf_ref.at[i], vmask),
-                                                 c.load(kbuf_ref.at[i], kmask)))
-    S = S * jnp.exp(c.load_scalar(g_ref))
-    v = c.load(v_ref, vmask)
-    d = c.load_scalar(beta_ref) * (v - c.matvec(S, k))
-    S = S + d[:, None] * k[None, :]
-    c.store(o_ref, c.matvec(S, q), vmask)
-    c.store(s_out_ref, S, tile)
-    if L:
-        c.advance_cursor(refs[-1], count, jnp.int32(0), programs)
+    decay, v, beta = jnp.exp(c.load_scalar(g_ref)), c.load(v_ref, vmask), c.load_scalar(beta_ref)
+
+    def finish(S):
+        S = S * decay
+        d = beta * (v - c.matvec(S, k))
+        S = S + d[:, None] * k[None, :]
+        c.store(o_ref, c.matvec(S, q), vmask)
+        c.store(s_out_ref, S, tile)
+
+    if not L:
+        return finish(S)
+    c.fold_then(S, count, lambda i: (gbuf_ref[i], c.load(dbuf_ref.at[i], vmask), c.load(kbuf_ref.at[i], kmask)),
+                finish)
+    c.advance_cursor(refs[-1], count, jnp.int32(0), programs)
 
 
 def _replay_kernel(

@@ -96,18 +96,21 @@ def _step_kernel(*refs, P, N, has_z, dt_softplus, dt_limit, L=0, programs=0):
         x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref, z_ref, P, N, dt_softplus, dt_limit)
     tile = c.outer(pmask, nmask, (x_ref.shape[0], B_ref.shape[0]))
     S = c.load(s_ref, tile)
-    if L:
 
-        def record(i):
-            dt_i = dtbuf_ref[i]
-            return dt_i * A, dt_i * c.load(xbuf_ref.at[i], pmask), c.load(Bbuf_ref.at[i], nmask)
+    def finish(S):
+        S = S * jnp.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
+        c.store(y_ref, _finish(c.matvec(S, Cv), skip, gate), pmask)
+        c.store(s_out, S, tile)
 
-        S = c.apply_records(S, count, record)
-    S = S * jnp.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
-    c.store(y_ref, _finish(c.matvec(S, Cv), skip, gate), pmask)
-    c.store(s_out, S, tile)
-    if L:
-        c.advance_cursor(refs[-1], count, jnp.int32(0), programs)
+    if not L:
+        return finish(S)
+
+    def record(i):
+        dt_i = dtbuf_ref[i]
+        return dt_i * A, dt_i * c.load(xbuf_ref.at[i], pmask), c.load(Bbuf_ref.at[i], nmask)
+
+    c.fold_then(S, count, record, finish)
+    c.advance_cursor(refs[-1], count, jnp.int32(0), programs)
 
 
 def _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N, dt_softplus, dt_limit):
