@@ -4,7 +4,7 @@ A model is a Flax NNX module with
 
 - ``__call__(input_ids) -> logits``: full causal forward, no cache;
 - ``prefill(input_ids, max_len, *, replay_buffer_len=None, ...) -> (logits, HybridCache)``;
-- ``decode(tokens, cache, *, route="output") -> (logits, HybridCache)``.
+- ``decode(tokens, cache, *, route="auto") -> (logits, HybridCache)``.
 
 `make_prefill` / `make_decode_step` wrap these as pure functions of
 ``(params, ...)`` (via ``nnx.split`` / ``nnx.merge``) compiled with ``jax.jit``,
@@ -142,14 +142,16 @@ class HybridCausalLM(nnx.Module):
         logits = self._logits(h[:, -1]) if last_logits_only else self._logits(h)
         return logits, HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32))
 
-    def decode(self, tokens: jax.Array, cache: HybridCache, *, route: str = "output",
+    def decode(self, tokens: jax.Array, cache: HybridCache, *, route: str = "auto",
                backend: str | None = None) -> tuple[jax.Array, HybridCache]:
         """One decode step for every sequence.
 
         Args:
           tokens: int[batch], the newest token of each sequence.
           cache: from `prefill` or a previous `decode`.
-          route: the ReplaySSM step's route, "output", "state" or "direct" (replayssm_jax.ops).
+          route: the ReplaySSM step's route, "output", "state", "direct" (replayssm_jax.ops) or
+            "auto": each layer's kernels pick by shape (replayssm_jax.kernels.pick_route: the direct
+            route at latency-bound batches, else the output route; the reference takes "output").
           backend: SSM op backend.
 
         Returns:
@@ -234,7 +236,7 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
     return prefill
 
 
-def make_decode_step(graphdef, *, route: str = "output", backend: str | None = None, donate_cache: bool = False):
+def make_decode_step(graphdef, *, route: str = "auto", backend: str | None = None, donate_cache: bool = False):
     """A jitted ``decode_step(params, cache, tokens) -> (logits [batch, vocab], HybridCache)``.
 
     ``donate_cache=True`` donates the cache argument (in-place state updates on GPU).

@@ -99,7 +99,7 @@ class NemotronHBlock(nnx.Module):
             out, state = self.mixer(u), None
         return self._residual(h, out), state
 
-    def decode(self, h: jax.Array, state, *, route: str = "output", backend: str | None = None):
+    def decode(self, h: jax.Array, state, *, route: str = "auto", backend: str | None = None):
         """One token. h: [batch, hidden] -> (h [batch, hidden], new state)."""
         u = self._normed(h)
         if self.block_type == "mamba":

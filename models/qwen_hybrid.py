@@ -95,7 +95,7 @@ class QwenDecoderLayer(nnx.Module):
             out, state = self.self_attn.prefill(u, max_len)
         return self._ffn(h + out), state
 
-    def decode(self, h: jax.Array, state, *, route: str = "output", backend: str | None = None):
+    def decode(self, h: jax.Array, state, *, route: str = "auto", backend: str | None = None):
         """One token. h: [batch, hidden] -> (h [batch, hidden], new state)."""
         u = self.input_layernorm(h)
         if self.layer_type == "gdn":

@@ -151,11 +151,12 @@ def check_dt_limit(dt_limit) -> tuple[float, float]:
     return low, high
 
 
-ROUTES = ("output", "state", "direct")
+ROUTES = ("output", "state", "direct", "auto")
 
 
 def check_route(route: str) -> str:
-    """The replay step's route: 'output', 'state' or 'direct'."""
+    """The replay step's route: 'output', 'state', 'direct' or 'auto' (the
+    kernels pick the route by shape; the reference takes 'output')."""
     if route not in ROUTES:
         raise ValueError(f"`route` must be one of {', '.join(map(repr, ROUTES))}; got {route!r}")
     return route

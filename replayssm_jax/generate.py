@@ -54,9 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--state", choices=STATES, default="replay")
     p.add_argument("--buffer-len", type=int, default=16, help="ReplaySSM buffer length L")
-    p.add_argument("--route", choices=ROUTES, default="output",
-                   help="ReplaySSM step route: output or state (buffered steps, same numbers), or direct (the state "
-                        "written every step; for batches of 1-4 rows, where buffering saves nothing)")
+    p.add_argument("--route", choices=ROUTES, default="auto",
+                   help="ReplaySSM step route: output or state (buffered steps, same numbers), direct (the state "
+                        "written every step; for batches of 1-4 rows, where buffering saves nothing), or auto "
+                        "(default: the kernels pick direct where their grid is latency-bound, else output)")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (weights and activations)")
     p.add_argument("--backend", default=None, help="SSM op backend: pallas, interpret or xla (default: pallas on GPU, else xla)")
     p.add_argument("--seed", type=int, default=0)

@@ -115,9 +115,12 @@ class Generator:
       buffer_dtype: dtype of the ReplaySSM records (default float32).
       backend: SSM op backend (see replayssm_jax.ops); None picks by platform.
       route: the ReplaySSM step's route (replayssm_jax.ops): "output" or
-        "state" (the buffered step, same numbers), or "direct" (the state
+        "state" (the buffered step, same numbers), "direct" (the state
         written every step, the buffer kept for speculative decoding: for
-        latency-bound batches of 1-4 rows).
+        latency-bound batches of 1-4 rows), or "auto" (default: each
+        layer's kernels pick the direct route where their grid is
+        latency-bound, else the output route; the reference takes
+        "output"; replayssm_jax.kernels.pick_route).
       block_size: decode steps per compiled block (progress and early stop
         happen between blocks).
       prefill_rows: rows per prefill pass, or None for the whole batch at
@@ -133,7 +136,7 @@ class Generator:
     """
 
     def __init__(self, model, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32, backend=None,
-                 route="output", block_size=64, prefill_rows=None):
+                 route="auto", block_size=64, prefill_rows=None):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise GenerationError(f"`model` must be a model of this package (an nnx.Module with a `config`, e.g. "
                                   f"from models.load_model); got {type(model).__name__}")

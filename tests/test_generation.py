@@ -55,6 +55,12 @@ def test_direct_route_tokens_match_transformers(name):
     out = Generator(model(name), state="replay", buffer_len=4, route="direct").generate(
         prompts, expected.shape[1] - prompts.shape[1])
     np.testing.assert_array_equal(np.array(out.sequences), expected)
+    # The default route, "auto", on the kernels (interpreted; at this batch their grids are latency-bound,
+    # so it is the direct route: test_kernels.py) decodes the same tokens.
+    gen = Generator(model(name), state="replay", buffer_len=4, backend="interpret")
+    assert gen.route == "auto"
+    out = gen.generate(prompts, expected.shape[1] - prompts.shape[1])
+    np.testing.assert_array_equal(np.array(out.sequences), expected)
 
 
 @pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_5_tiny"])
@@ -170,7 +176,7 @@ def test_generator_errors():
         gen.generate([[1, 2, 3], [4]], 3_000_000_000)  # refused before any array is allocated
     with pytest.raises(GenerationError, match="`buffer_len` must be >= 1; got 0"):
         Generator(model("mamba2_tiny"), state="replay", buffer_len=0)
-    with pytest.raises(GenerationError, match="`route` must be one of 'output', 'state', 'direct'; got 'fast'"):
+    with pytest.raises(GenerationError, match="`route` must be one of 'output', 'state', 'direct', 'auto'; got 'fast'"):
         Generator(model("mamba2_tiny"), route="fast")
     with pytest.raises(GenerationError, match="`buffer_dtype` must be a floating dtype"):
         Generator(model("mamba2_tiny"), buffer_dtype=jnp.int32)
@@ -234,8 +240,8 @@ def test_command_prompt_ids_on_fixture(capsys):
     n = ref["generated_ids"].shape[1] - ref["prompt_ids"].shape[1]
     argv = ["--checkpoint", str(DATA / "qwen3_next_tiny"), "--prompt-ids", ids, "--max-new-tokens", str(n),
             "--state", "replay", "--buffer-len", "3", "--stop", "", "--json"]
-    for route in ("output", "direct"):
-        assert main(argv + ["--route", route]) == 0
+    for route in ("output", "direct", "auto"):
+        assert main(argv + (["--route", route] if route != "auto" else [])) == 0  # auto: the default
         report = json.loads(capsys.readouterr().out)
         assert report["generated_ids"] == ref["generated_ids"].tolist()
         assert report["state"] == "replay" and report["buffer_len"] == 3 and report["route"] == route

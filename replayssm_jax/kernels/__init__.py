@@ -36,8 +36,9 @@ the old cursors.
 
 The direct route (`route="direct"`) runs the standard step's kernel, tiled
 as that step, with each row's live records folded into its checkpoint tile
-first (a loop over the live slots, none in plain decoding), and sets the
-cursor to 0 in place.
+first (a loop over the live slots, in a branch that plain decoding never
+takes), and sets the cursor to 0 in place. `route="auto"` takes it where
+the grid is latency-bound (:func:`pick_route`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ __all__ = [
     "gdn_step",
     "mamba2_replay_step",
     "mamba2_step",
+    "pick_route",
 ]
 
 MAX_HEAD_DIM = 256  # K and N (the full row of a state tile) and V, P
@@ -70,8 +72,27 @@ def _check_tileable(what: str, name: str, size: int, limit: int) -> None:
         raise ValueError(f"the Pallas kernels support {what} `{name}` <= {limit}; got {size} (use backend='xla')")
 
 
-def _check_route(route):
-    return val.check_route(route)
+def pick_route(route: str, state: GDNReplayState | Mamba2ReplayState, config: Config | None = None) -> str:
+    """The route the kernels' replay step takes for `route` on `state`.
+
+    "output", "state" and "direct" are taken as given. "auto" is the direct
+    route where the default replay step would be one launch (a latency-bound
+    grid, batch x heads <= 132: the Qwen3.5-4B GDN layer at batch 1-4, the
+    Nemotron-3-Nano-4B Mamba-2 layer at batch 1) and `config` is None, and
+    the output route otherwise (large grids, where the buffered step saves
+    state traffic, or a given replay `config`). On the H200 the direct step
+    ran at 0.88-0.99x of the standard step at those batches and the buffered
+    one at 0.53-0.77x (bench/RESULTS.md, ninth session).
+
+    Raises:
+      ValueError: an unknown route.
+    """
+    if val.check_route(route) != "auto":
+        return route
+    batch, heads, rows, cols = state.checkpoint.shape
+    one_launch = default_config(batch, heads, rows, cols, state.checkpoint.dtype.itemsize,
+                                replay_len=state.buffer_len).fused_flush
+    return "direct" if config is None and one_launch else "output"
 
 
 def _check_config(config):
@@ -145,7 +166,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     """One ReplaySSM Gated DeltaNet decode step (Pallas kernel, in place).
 
     Arguments, returns and errors as :func:`replayssm_jax.reference.gdn_replay_step`
-    (see the module note on rows entering with cursor == L); also ValueError
+    (see the module note on rows entering with cursor == L), but
+    route="auto" picks by shape (:func:`pick_route`); also ValueError
     for K or V > 256, L > 64, a `config.block_v` or `flush_block_v` above V
     rounded up to a power of two, a `config.flush_rows` that does not
     divide the batch, or, with route="direct", a `config` that is not one
@@ -155,7 +177,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     :class:`Config`.
     """
     _ref_gdn._check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm)
-    _check_route(route)
+    route = pick_route(route, state, config)
     _, _, V, K = state.checkpoint.shape
     L = state.buffer_len
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
@@ -205,7 +227,8 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     """One ReplaySSM Mamba-2 decode step (Pallas kernel, in place).
 
     Arguments, returns and errors as :func:`replayssm_jax.reference.mamba2_replay_step`
-    (see the module note on rows entering with cursor == L); also ValueError
+    (see the module note on rows entering with cursor == L), but
+    route="auto" picks by shape (:func:`pick_route`); also ValueError
     for head_dim or d_state > 256, L > 64, a `config.block_v` or
     `flush_block_v` above P rounded up to a power of two, a
     `config.flush_rows` that does not divide the batch, or, with
@@ -215,7 +238,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     TypeError for a `config` that is not a :class:`Config`.
     """
     _ref_mamba2._check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit)
-    _check_route(route)
+    route = pick_route(route, state, config)
     _, _, P, N = state.checkpoint.shape
     L = state.buffer_len
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)

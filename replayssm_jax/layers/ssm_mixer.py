@@ -80,14 +80,15 @@ class SSMMixer(nnx.Module):
         return ReplayLayerState(conv_state=state.conv_state,
                                 replay=self._replay_init(state.ssm_state, buffer_len, buffer_dtype))
 
-    def decode(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, route: str = "output",
+    def decode(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, route: str = "auto",
                backend: str | None = None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
         """One decode step.
 
         Args:
           u: [batch, hidden], the normalised layer input of the new token.
           state: `SSMLayerState` (standard step) or `ReplayLayerState` (ReplaySSM step).
-          route: the ReplaySSM step's route, "output", "state" or "direct" (same numbers; see replayssm_jax.ops).
+          route: the ReplaySSM step's route, "output", "state", "direct" (same numbers; see
+            replayssm_jax.ops) or "auto" (the kernels pick by shape: replayssm_jax.kernels.pick_route).
           backend: passed to replayssm_jax.ops.
 
         Returns:

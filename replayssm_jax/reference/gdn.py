@@ -250,6 +250,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         latency-bound batches, where buffering saves nothing; the buffer
         then serves speculative decoding (verify writes it, a rollback is a
         cursor move). Its output is the other routes' up to f32 rounding.
+        "auto" is "output" here; the kernels pick by shape
+        (:func:`replayssm_jax.kernels.pick_route`).
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
@@ -260,7 +262,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
       pending verify window, or an unknown route.
     """
     _check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm)
-    if val.check_route(route) == "direct":
+    route = "output" if val.check_route(route) == "auto" else route
+    if route == "direct":
         return c.direct_step(state, unify, lambda S: gdn_step(S, q, k, v, g, beta, scale, use_qk_l2norm))
     HV = state.checkpoint.shape[1]
     entered_full = state.cursor == state.buffer_len

@@ -268,7 +268,8 @@ def mamba2_replay_step(
         a standard step on it, written back at once (cursor 0, no record
         appended): the standard step's traffic, for latency-bound batches;
         the buffer then serves speculative decoding. All three give the
-        same numbers up to float32 rounding.
+        same numbers up to float32 rounding. "auto" is "output" here; the
+        kernels pick by shape (:func:`replayssm_jax.kernels.pick_route`).
 
     Returns:
       (y [batch, nheads, head_dim] in x.dtype, new Mamba2ReplayState).
@@ -279,7 +280,8 @@ def mamba2_replay_step(
       a pending verify window, or an unknown route.
     """
     _check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit)
-    if v.check_route(route) == "direct":
+    route = "output" if v.check_route(route) == "auto" else route
+    if route == "direct":
         return c.direct_step(state, lambda s: unify(s, A),
                              lambda S: mamba2_step(S, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit))
     H = state.checkpoint.shape[1]
