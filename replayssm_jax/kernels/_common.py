@@ -146,10 +146,12 @@ class Config:
 def default_config(batch: int, heads: int, V: int, K: int, state_bytes: int, replay_len: int = 0) -> Config:
     """The frozen heuristic: tile rows, warps and (replay) tiles per program.
 
-    Standard step: a tile holds about 16 KiB of state (32 elements per
-    thread), preferring a row count that divides V (V = 80 -> 16), on at
-    most 4 warps (8 warps on a 64-row bf16 tile ran 16% slower); one tile
-    per program, shrunk until there are at least ~8 programs per SM.
+    Standard step: a tile holds about 4096 state elements (32 per thread:
+    16 KiB in f32, 8 KiB in bf16), preferring a row count that divides V
+    (V = 80 -> 16), on at most 4 warps (8 warps on a 64-row bf16 tile ran
+    16% slower); one tile per program, shrunk until there are at least ~8
+    programs per SM. (A bf16 tile of 16 KiB, 64 rows of K = 128, ran 2-4%
+    slower than 32 rows at batch 64-256 and equal at 512: ninth session.)
 
     Replay step: tiles of up to 64 rows (again preferring a divisor of V) on
     at most 4 warps, and one program loops over all tiles of a head, so the
@@ -174,7 +176,7 @@ def default_config(batch: int, heads: int, V: int, K: int, state_bytes: int, rep
         # divisor rule below takes 16).
         bv = min(BVmax, max(64, 32768 // state_bytes // BK)) if V == BVmax else min(BVmax, 64)
     else:
-        bv = min(BVmax, next_pow2(max(1, (16384 // state_bytes) // BK)))
+        bv = min(BVmax, next_pow2(max(1, 4096 // BK)))
     # Prefer a block that divides V (no padded rows; V = 80 -> 16) if one
     # within a factor 4 exists.
     if V % bv:
