@@ -273,16 +273,17 @@ def flush_rows_of_program(refs, L: int, flush, shared=()) -> None:
 
 # Rows of the fused flush's sub-tiles (at most): a flushing program
 # re-reads its checkpoint rows in tiles this small (an L2 hit, it has just
-# read them), so the rank-L update's registers stay below the readout's and
-# the flush costs the replay kernel no occupancy.
+# read them), so its rank-L update holds a small tile (at batch 1-4 the
+# default replay tile has 16 rows anyway). At large grids the fused step
+# stays slower than two launches all the same (bench/RESULTS.md, ninth
+# session), so the heuristic fuses only small grids.
 FUSED_FLUSH_ROWS = 16
 
 
 def fused_flush_config(config: Config) -> Config:
     """The tiling of the fused flush inside a replay program of `config`: the
     same rows in sub-tiles of `config.flush_block_v` rows (default
-    min(block_v, FUSED_FLUSH_ROWS); at most block_v, checked by the public
-    wrappers)."""
+    min(block_v, FUSED_FLUSH_ROWS); `Config` refuses more than block_v)."""
     fbv = config.flush_block_v or min(config.block_v, FUSED_FLUSH_ROWS)
     return Config(block_v=fbv, num_warps=config.num_warps, num_stages=config.num_stages,
                   tiles=config.tiles * config.block_v // fbv)
@@ -590,8 +591,9 @@ def replay_records(S: jax.Array, count, L: int, record, records, state_dtype) ->
     DOT_MIN, the whole buffer is loaded at once, records(live) -> (lg
     f32[BL], U f32[BL, BV], K [BL, BK] as buffered) with the slots where
     `live` (bool[BL]) is false zeroed (`load_live`), and applied as one
-    decay and one rank-L update (`rank_update`, on the tensor cores):
-    S_n = exp(sum_i lg_i) S + sum_i w_i u_i k_i^T, w_i = exp(sum_{i < j < n} lg_j).
+    decay and one rank-L update (`rank_update`, on the tensor cores), with
+    n = count: S_n = exp(sum_i lg_i) S + sum_i w_i u_i k_i^T,
+    w_i = exp(sum_{i < j < n} lg_j).
     Otherwise one buffered step per iteration of a loop, record(i) ->
     (lg_i f32 scalar, u_i f32[BV], k_i f32[BK]) loading slot i (a traced
     index). (In the fourth session a 4-deep prefetch of the loop's records,
