@@ -402,7 +402,7 @@ class _progress:
 
 
 def generate(model, prompts, max_new_tokens: int, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32,
-             backend=None, route="output", sampling=SamplingParams(), seed=0, stop_tokens=(),
+             backend=None, route="auto", sampling=SamplingParams(), seed=0, stop_tokens=(),
              progress=None) -> GenerationOutput:
     """One-call generation: `Generator(model, ...).generate(prompts, ...)`; see both."""
     generator = Generator(model, state=state, buffer_len=buffer_len, buffer_dtype=buffer_dtype, backend=backend,

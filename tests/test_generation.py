@@ -5,6 +5,7 @@ place, and the command line reports bad input in one line."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import pathlib
 
@@ -16,7 +17,7 @@ import pytest
 from hlo_checks import per_step_copies
 from models import load_model
 from replayssm_jax.generate import main
-from replayssm_jax.generation import GenerationError, Generator
+from replayssm_jax.generation import GenerationError, Generator, generate
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
@@ -44,6 +45,15 @@ def test_greedy_tokens_match_transformers(name, state, L):
     gen = Generator(model(name), state=state, buffer_len=L or 1)
     out = gen.generate(prompts, expected.shape[1] - prompts.shape[1])
     np.testing.assert_array_equal(np.array(out.sequences), expected)
+
+
+def test_generate_has_the_generator_defaults():
+    """The one-call `generate` passes its options to `Generator`: the same defaults (route "auto" included)."""
+    ours, theirs = inspect.signature(generate).parameters, inspect.signature(Generator).parameters
+    shared = ours.keys() & theirs.keys()
+    assert {"state", "buffer_len", "buffer_dtype", "backend", "route"} <= shared
+    for name in shared - {"model"}:
+        assert ours[name].default == theirs[name].default, name
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -301,6 +301,8 @@ def test_config_takes_numpy_ints():
     assert all(type(getattr(config, name)) is int for name in ("block_v", "num_warps", "flush_rows"))
     with pytest.raises(TypeError, match="`config.tiles` must be an int; got bool"):
         kernels.Config(block_v=16, tiles=np.bool_(True))
+    fused = kernels.Config(block_v=16, fused_flush=np.bool_(True))
+    assert fused == kernels.Config(block_v=16, fused_flush=True) and type(fused.fused_flush) is bool
 
 
 def test_mamba2_errors_before_any_kernel(rng):

@@ -82,7 +82,7 @@ class Config:
 
     Raises:
       TypeError: a field of the wrong type (ints, numpy ints included;
-        fused_flush a bool).
+        fused_flush a bool, numpy bools included).
       ValueError: block_v not a power of two, num_warps not in {1, 2, 4,
         8, 16}, num_stages or tiles < 1, a flush field out of range, or,
         with fused_flush, flush_warps or flush_rows set (that step has no
@@ -104,8 +104,9 @@ class Config:
             if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"`config.{name}` must be an int; got {type(value).__name__} {value!r}")
             object.__setattr__(self, name, int(value))  # a numpy int (from a sweep) is stored as an int
-        if not isinstance(self.fused_flush, bool):
+        if not isinstance(self.fused_flush, (bool, np.bool_)):
             raise TypeError(f"`config.fused_flush` must be a bool; got {type(self.fused_flush).__name__}")
+        object.__setattr__(self, "fused_flush", bool(self.fused_flush))  # a numpy bool is stored as a bool
         if self.block_v < 1 or self.block_v & (self.block_v - 1):
             raise ValueError(f"`config.block_v` must be a power of two; got {self.block_v}")
         if self.num_warps not in (1, 2, 4, 8, 16):
