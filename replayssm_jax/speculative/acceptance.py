@@ -5,9 +5,9 @@ the target verifies W = K + 1 positions in one call, the last accepted token
 followed by the K drafts, and returns logits [batch, W, vocab]. Position i
 holds the target's next-token logits after draft i - 1 (position 0: after
 the last accepted token), so draft i is judged by position i and position K
-gives the bonus token after all drafts. A rule keeps the longest acceptable
-prefix of a drafts and one more token from the target, m = a + 1 in 1..W new
-tokens per row; every layer then commits m.
+gives the bonus token after all drafts. A rule keeps the first a drafts (the
+longest prefix it accepts) and one more token from the target: m = a + 1 in
+1..W new tokens per row; every layer then commits m.
 
 - :func:`greedy_acceptance`: a draft is acceptable if it is the target's
   argmax; the extra token is the argmax at the first mismatch. The output is
@@ -28,6 +28,8 @@ computation, shapes and dtypes always, num_drafts' values when concrete.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -78,9 +80,9 @@ def _check_round(logits, drafts, num_drafts, q_probs=None):
 
 
 def _check_fill_id(fill_id) -> int:
-    if isinstance(fill_id, bool) or not isinstance(fill_id, int):
+    if isinstance(fill_id, bool) or not isinstance(fill_id, numbers.Integral):
         raise TypeError(f"`fill_id` must be an int; got {type(fill_id).__name__} {fill_id!r}")
-    return fill_id
+    return int(fill_id)
 
 
 def _emit(drafts: jax.Array, accepted: jax.Array, token: jax.Array, fill_id: int) -> Accepted:
