@@ -46,6 +46,60 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """The logits that :func:`sample_tokens` draws from, after temperature,
+    top-k and top-p: log-probabilities up to a per-row constant.
+
+    Softmax over the last axis gives the distribution p that plain sampling
+    draws from; speculative sampling needs the same p (DESIGN.md section 7),
+    so both call this function.
+
+    Args:
+      logits: f32 | bf16[..., vocab], any leading axes (e.g. [batch, vocab]
+        or [batch, W, vocab]).
+      params: SamplingParams (static).
+
+    Returns:
+      f32[..., vocab]: for greedy params, 0 at the argmax and -inf elsewhere
+      (a point mass); otherwise (logits - row max) / temperature with -inf
+      at the tokens that top-k and top-p remove. Top-p (Holtzman et al.,
+      2020) keeps the most likely tokens while the mass of the more likely
+      ones is < top_p, after top-k.
+    """
+    logits = logits.astype(jnp.float32)
+    if params.greedy:
+        best = jnp.argmax(logits, axis=-1)[..., None]
+        return jnp.where(jnp.arange(logits.shape[-1]) == best, 0.0, -jnp.inf)
+    # Shift by the row maximum before dividing, so that a tiny temperature
+    # cannot overflow to inf (the largest logit maps to 0).
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if params.top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        kept = jnp.where(before < params.top_p, ordered, jnp.inf)
+        cutoff = jnp.min(kept, axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return logits
+
+
+def token_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """log p, the normalised log-probabilities that :func:`sample_tokens`
+    samples from: log_softmax of :func:`processed_logits`.
+
+    Args:
+      logits: f32 | bf16[..., vocab].
+      params: SamplingParams (static).
+
+    Returns:
+      f32[..., vocab]; -inf at the tokens that greedy, top-k or top-p remove.
+    """
+    return jax.nn.log_softmax(processed_logits(logits, params), axis=-1)
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
     """Choose one token per row.
 
@@ -56,23 +110,11 @@ def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> 
       params: SamplingParams (static).
 
     Returns:
-      i32[batch] token ids.
+      i32[batch] token ids: the argmax when greedy, else a draw from
+      softmax(processed_logits(logits, params)).
     """
-    logits = logits.astype(jnp.float32)
     if params.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # Shift by the row maximum before dividing, so that a tiny temperature
-    # cannot overflow to inf (the largest logit maps to 0).
-    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, params.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if params.top_p < 1.0:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-        kept = jnp.where(before < params.top_p, ordered, jnp.inf)
-        cutoff = jnp.min(kept, axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+        return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    logits = processed_logits(logits, params)
     keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(logits.shape[0]))
     return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)

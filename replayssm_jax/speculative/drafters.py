@@ -1,0 +1,266 @@
+"""Drafters for speculative decoding: what proposes the K tokens of a round.
+
+A round (DESIGN.md section 7): the drafter proposes up to K tokens per row;
+the target verifies W = K + 1 positions in one call; the acceptance rules of
+:mod:`replayssm_jax.speculative.acceptance` keep a prefix of the drafts plus
+one token from the target. Shapes are fixed every round: a row with fewer
+than K drafts pads its tokens (with 0) and says how many are real in
+`num_drafts`; a padded position is always rejected.
+
+The drafters here have no weights; they read the token history that the
+generation loop keeps, `history` i32[batch, max_len] with `lengths`
+i32[batch]: row b's tokens so far (prompt and generated) are
+history[b, :lengths[b]]; the entries at and after lengths[b] are ignored.
+
+- :class:`NgramDrafter`: prompt-lookup decoding (transformers'
+  `prompt_lookup_num_tokens`, vLLM's n-gram proposer): continue the row as it
+  continued after the latest earlier occurrence of its last n tokens.
+- :class:`OracleDrafter`: for benchmarks and tests, proposes a known
+  reference continuation, each token right with probability `alpha`.
+
+Both are pytrees (they can be arguments of a jitted function) whose
+configuration is static, and `propose` runs under `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from replayssm_jax import _validate as v
+from replayssm_jax.speculative import _checks
+
+
+@struct.dataclass
+class Drafts:
+    """The tokens a drafter proposes for one round.
+
+    Attributes:
+      tokens: i32[batch, K], the drafts; positions >= num_drafts are padding
+        (any id; the acceptance rules reject them).
+      num_drafts: i32[batch], 0..K, how many drafts of each row are real.
+      q_probs: f32[batch, K, vocab] or None. The drafter's distribution at
+        each position, from which tokens[:, j] was drawn (Leviathan et al.,
+        2023, "q"); None for a deterministic drafter (q is then the point mass
+        at the draft).
+    """
+
+    tokens: jax.Array
+    num_drafts: jax.Array
+    q_probs: jax.Array | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """K, the number of draft positions (static)."""
+        return self.tokens.shape[-1]
+
+
+class Drafter(Protocol):
+    """What the speculative loop needs of a drafter.
+
+    Attributes:
+      num_speculative_tokens: K >= 1 (static), draft positions per round.
+
+    `propose(history, lengths, key)` takes history i32[batch, max_len],
+    lengths i32[batch] and a PRNG key and returns :class:`Drafts` with
+    tokens of shape [batch, K]. It must run under `jax.jit` with fixed
+    shapes and raise before any computation on bad arguments.
+    """
+
+    num_speculative_tokens: int
+
+    def propose(self, history: jax.Array, lengths: jax.Array, key: jax.Array) -> Drafts: ...
+
+
+def check_history(history, lengths) -> tuple[jax.Array, jax.Array]:
+    """The token history of every row, checked.
+
+    Args:
+      history: integer[batch, max_len], row b's tokens in history[b, :lengths[b]].
+      lengths: integer[batch], 0..max_len (values checked when concrete).
+
+    Returns:
+      (history i32[batch, max_len], lengths i32[batch]).
+
+    Raises:
+      TypeError: a non-integer dtype or a non-array.
+      ValueError: history not of rank 2 (or with an empty axis), lengths not
+        of shape [batch], or a concrete length outside [0, max_len].
+    """
+    history = _checks.int_array("history", history, "batch, max_len")
+    batch, max_len = history.shape
+    lengths = v.check_int_range("lengths", lengths, "batch", (batch,), 0, max_len)
+    return history, lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDrafter:
+    """Prompt-lookup (n-gram) drafter.
+
+    For each row, with n = max_ngram down to min_ngram: find the most recent
+    earlier occurrence of the row's last n tokens in its history and propose
+    the up to K tokens that followed it (stopping at the end of the history:
+    fewer than K when the occurrence is near the end). The first n that has
+    an occurrence wins; a row with none (or with fewer than min_ngram tokens)
+    proposes 0 drafts. This is prompt-lookup decoding (Saxena, 2023;
+    transformers' `prompt_lookup_num_tokens`, vLLM's n-gram speculator),
+    taking the latest occurrence.
+
+    One vectorised compare of every position with the last max_ngram tokens,
+    O(batch x max_len x max_ngram), no loop over positions.
+
+    Attributes:
+      num_speculative_tokens: K >= 1, drafts per round.
+      max_ngram: the longest n-gram matched, >= min_ngram.
+      min_ngram: the shortest n-gram matched, >= 1.
+
+    Raises:
+      TypeError: a count that is not an int.
+      ValueError: K < 1, min_ngram < 1 or max_ngram < min_ngram.
+    """
+
+    num_speculative_tokens: int
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        v.check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        v.check_positive_int("min_ngram", self.min_ngram)
+        v.check_positive_int("max_ngram", self.max_ngram)
+        if self.max_ngram < self.min_ngram:
+            raise ValueError(f"`max_ngram` must be >= `min_ngram` = {self.min_ngram}; got {self.max_ngram}")
+
+    def propose(self, history, lengths, key=None) -> Drafts:
+        """Drafts from the rows' own histories.
+
+        Args:
+          history: integer[batch, max_len]; lengths: integer[batch] (see
+            :func:`check_history`).
+          key: unused (the drafter is deterministic); accepted so that all
+            drafters share one call.
+
+        Returns:
+          Drafts with tokens i32[batch, K] (0 at padded positions),
+          num_drafts i32[batch] and q_probs None.
+
+        Raises:
+          TypeError, ValueError: as :func:`check_history`.
+        """
+        history, lengths = check_history(history, lengths)
+        return _ngram_propose(history, lengths, self.num_speculative_tokens, self.max_ngram, self.min_ngram)
+
+
+jax.tree_util.register_dataclass(
+    NgramDrafter, data_fields=[], meta_fields=["num_speculative_tokens", "max_ngram", "min_ngram"]
+)
+
+
+def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[b, index[b, ...]] for x [batch, n] and index [batch, ...], index clipped to [0, n)."""
+    flat = jnp.clip(index, 0, x.shape[1] - 1).reshape(index.shape[0], -1)
+    return jnp.take_along_axis(x, flat, axis=1).reshape(index.shape)
+
+
+def _ngram_propose(history, lengths, num_speculative_tokens, max_ngram, min_ngram) -> Drafts:
+    max_len = history.shape[1]
+    end = jnp.arange(max_len)  # the last position of a candidate earlier occurrence
+    back = jnp.arange(max_ngram)  # offsets from the end of an n-gram
+    # same[b, e, j]: history[b, e - j] == history[b, lengths[b] - 1 - j], both positions real.
+    earlier = end[:, None] - back[None, :]  # [max_len, max_ngram]
+    last = lengths[:, None] - 1 - back[None, :]  # [batch, max_ngram]
+    same = jnp.take(history, jnp.clip(earlier, 0), axis=1) == _gather_rows(history, last)[:, None, :]
+    same &= (earlier >= 0)[None] & (last >= 0)[:, None, :]
+    # The longest common suffix (capped at max_ngram) of history[:e + 1] and
+    # of the row's history, for every e that leaves a next token to propose.
+    matched = jnp.where(end[None, :] < lengths[:, None] - 1, _checks.prefix_length(same), 0)
+    ngram = jnp.max(matched, axis=1)  # the longest n with an occurrence
+    latest = jnp.max(jnp.where(matched >= ngram[:, None], end[None, :], -1), axis=1)
+    start = latest + 1  # the first token that followed the occurrence
+    found = ngram >= min_ngram
+    num_drafts = jnp.where(found, jnp.minimum(num_speculative_tokens, lengths - start), 0).astype(jnp.int32)
+    offsets = jnp.arange(num_speculative_tokens)
+    tokens = _gather_rows(history, start[:, None] + offsets[None, :])
+    tokens = jnp.where(offsets[None, :] < num_drafts[:, None], tokens, 0)
+    return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None)
+
+
+@struct.dataclass
+class OracleDrafter:
+    """A drafter for benchmarks and tests that knows each row's continuation.
+
+    At history length n, draft j (0 <= j < K) is reference[b, n + j] with
+    probability alpha and otherwise a different token, uniform over the
+    vocab_size - 1 others; the choices are independent per position and row
+    (row b draws from fold_in(key, b)) and reproducible from the key. alpha
+    = 1 proposes the reference exactly, alpha = 0 never. With a greedy
+    target whose greedy output is `reference`, alpha is the per-position
+    probability that a draft matches. Draft positions at or past the
+    reference's end are padding (fewer than K drafts).
+
+    Attributes:
+      reference: integer[batch, ref_len], row b's full token sequence
+        (prompt included), aligned with the history: position t of the
+        reference is position t of the history (e.g. the target's own greedy
+        output from an earlier run). Checked in :meth:`propose`.
+      alpha: float in [0, 1] (static), the probability a draft is right.
+      num_speculative_tokens: K >= 1 (static).
+      vocab_size: the vocabulary size >= 2 (static), for the wrong drafts.
+
+    Raises:
+      TypeError, ValueError: alpha not a real number in [0, 1], K < 1,
+        vocab_size < 2 (at construction).
+    """
+
+    reference: jax.Array
+    alpha: float = struct.field(pytree_node=False)
+    num_speculative_tokens: int = struct.field(pytree_node=False)
+    vocab_size: int = struct.field(pytree_node=False)
+
+    def __post_init__(self):
+        alpha = self.alpha
+        if not (isinstance(alpha, numbers.Real) and not isinstance(alpha, bool) and math.isfinite(alpha)
+                and 0.0 <= alpha <= 1.0):
+            raise ValueError(f"`alpha` must be a float in [0, 1]; got {alpha!r}")
+        v.check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        v.check_positive_int("vocab_size", self.vocab_size, minimum=2)
+        object.__setattr__(self, "alpha", float(alpha))
+
+    def propose(self, history, lengths, key) -> Drafts:
+        """Drafts of the reference continuation, each right with probability alpha.
+
+        Args:
+          history: integer[batch, max_len] (only its shape is used);
+            lengths: integer[batch] (see :func:`check_history`).
+          key: a PRNG key.
+
+        Returns:
+          Drafts with tokens i32[batch, K] (0 at padded positions), num_drafts
+          = min(K, ref_len - lengths) (>= 0) and q_probs None.
+
+        Raises:
+          TypeError, ValueError: as :func:`check_history`; `reference` not an
+            integer array of shape [batch, ref_len]; concrete reference ids
+            outside [0, vocab_size); a bad key.
+        """
+        history, lengths = check_history(history, lengths)
+        batch = history.shape[0]
+        ref_len = _checks.int_array("reference", self.reference, "batch, ref_len").shape[1]
+        reference = v.check_int_range("reference", self.reference, "batch, ref_len", (batch, ref_len),
+                                      0, self.vocab_size - 1)
+        key = _checks.check_key(key)
+        k = self.num_speculative_tokens
+        position = lengths[:, None] + jnp.arange(k)[None, :]
+        truth = _gather_rows(reference, position)
+        choose_key, wrong_key = _checks.row_keys(key, batch, 2)
+        right = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(choose_key) < self.alpha
+        shift = jax.vmap(lambda kk: jax.random.randint(kk, (k,), 1, self.vocab_size))(wrong_key)
+        tokens = jnp.where(right, truth, (truth + shift) % self.vocab_size)
+        num_drafts = jnp.clip(ref_len - lengths, 0, k).astype(jnp.int32)
+        tokens = jnp.where(jnp.arange(k)[None, :] < num_drafts[:, None], tokens, 0).astype(jnp.int32)
+        return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None)
