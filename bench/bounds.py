@@ -12,7 +12,7 @@ bandwidth a Pallas kernel attains), and prints, per replay variant:
 - the speedup over the standard step now, and the bound: the standard step's
   time over the step with both kernels at their ceilings.
 
-    python3 bench/bounds.py bench/results/2026-11-30-direct-route/kernels-b256.json \\
+    python3 bench/bounds.py bench/results/2026-11-30-direct-route/kernels_b256.json \\
         bench/results/2026-11-30-roofline-bounds/roofline.json
 
 Byte counts come from bench/kernels.py's traffic model. The bound is a
