@@ -158,7 +158,7 @@ class Mamba2Shape:
 
 class _LayerBench:
     """One layer at one batch and state dtype: its random states and inputs
-    (drawn on the device from the bench's own key, fast at 1 GB), steps and
+    (drawn by jax.random from the bench's own key, fast at 1 GB), steps and
     byte counts. `shape` is a GDNShape or Mamba2Shape; `rng` a numpy
     Generator for the layer's parameters (or None where they are not drawn)."""
 
