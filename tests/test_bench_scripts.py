@@ -410,3 +410,29 @@ def test_bounds_needs_profiles_and_ceilings(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bounds.main([str(tmp_path / "k.json"), str(tmp_path / "r.json")])
     assert "the roofline JSON has no read row for bfloat16" in capsys.readouterr().err
+
+
+def _heading_anchors(markdown: str) -> set[str]:
+    """The #anchors GitHub gives the headings of a Markdown text (code blocks left out)."""
+    anchors, seen = set(), {}
+    for line in re.sub(r"```.*?```", "", markdown, flags=re.S).splitlines():
+        if m := re.match(r"#{1,6}\s+(.*)", line):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).replace("`", "").strip().lower()).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+@pytest.mark.parametrize("doc", ["README.md", "ARCHITECTURE.md", "bench/RESULTS.md"])
+def test_doc_links_resolve(doc):
+    """Every relative link of the docs names a file of this tree, and its #anchor a heading there."""
+    path = BENCH.parent / doc
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+://", t)]
+    broken = []
+    for link in links:
+        target, _, anchor = link.partition("#")
+        file = (path.parent / target).resolve() if target else path
+        if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _heading_anchors(file.read_text())):
+            broken.append(link)
+    assert not broken, f"{doc}: {len(broken)} of {len(links)} links do not resolve: {broken}"
