@@ -12,8 +12,8 @@ bandwidth a Pallas kernel attains), and prints, per replay variant:
 - the speedup over the standard step now, and the bound: the standard step's
   time over the step with both kernels at their ceilings.
 
-    python3 bench/bounds.py bench/results/gpu_2026-11-30_session6/call2_kernels.json \\
-        bench/results/gpu_2026-11-30_session7/call1_roofline.json
+    python3 bench/bounds.py bench/results/2026-11-30-direct-route/kernels_b256.json \\
+        bench/results/2026-11-30-roofline-bounds/roofline.json
 
 Byte counts come from bench/kernels.py's traffic model. The bound is a
 bandwidth bound: it fits large batches, where the kernels stream hundreds of
@@ -27,15 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
+import kernels as kb  # bench/kernels.py: the layer shapes and the traffic model
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import kernels as kb  # noqa: E402  (bench/kernels.py: the layer shapes and the traffic model)
-
 
 
 def load_rows(path: str, keys: set, script: str) -> list[dict]:

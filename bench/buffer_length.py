@@ -16,13 +16,15 @@ line per batch) and speedup against batch (a line per L).
 Usage (GPU):  python3 bench/buffer_length.py [--layers gdn,mamba2] [--batches 1,64,256]
                   [--lengths 1,2,4,8,16,32,64] [--state-dtypes float32,bfloat16]
 CPU check of the script: python3 bench/buffer_length.py --dry-run
-Writes bench/results/buffer_length.json and buffer_length_{vs_L,vs_batch}.png,
-again after every batch, so a run cut short keeps what it measured.
+Writes buffer_length.json and buffer_length_{vs_L,vs_batch}.png to --out
+(default bench/results/DATE-buffer-length), again after every batch, so a run
+cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -32,10 +34,7 @@ import tempfile
 import jax
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import kernels as kb  # noqa: E402  (bench/kernels.py: shapes, traffic model, timing)
+import kernels as kb  # bench/kernels.py: shapes, traffic model, timing
 
 
 def predicted_speedup(bench, L) -> float:
@@ -43,19 +42,20 @@ def predicted_speedup(bench, L) -> float:
     return kb.standard_bytes(bench) / kb.replay_bytes(bench, L)
 
 
-def study(layer, shape, state_dtype, batches, lengths, repeats, rng, log, rows, save):
-    """Append the rows of one layer and state dtype to `rows`; save() after each batch."""
+def study(layer, shape, state_dtype, batches, lengths, options, rng, log, rows, save):
+    """Append the rows of one layer and state dtype to `rows`, timed with `options` (a
+    kb.TimingOptions); save() after each batch."""
     for batch in batches:
         bench = kb.make_bench(layer, batch, state_dtype, rng, shape)
-        check = kb.check(bench, [L for L in lengths if L <= 32] or lengths[:1])
+        check = kb.check(bench, [L for L in lengths if L <= 32] or lengths[:1], options.backend)
         if not check["ok"]:
             log(f"FAILED correctness {layer} {state_dtype} batch {batch}: {check}")
             rows.append(dict(layer=layer, state_dtype=state_dtype, batch=batch, passed=False, check=check))
             save()
             continue
-        std = kb.run_variant(bench, "standard", None, None, repeats)
+        std = kb.run_variant(bench, None, None, options)
         for L in lengths:
-            r = kb.run_variant(bench, f"replay-L{L}", L, "staggered", repeats)
+            r = kb.run_variant(bench, L, "staggered", options)
             row = dict(layer=layer, state_dtype=state_dtype, batch=batch, L=L, passed=True,
                        standard_s=std["seconds"], replay_s=r["seconds"], speedup=std["seconds"] / r["seconds"],
                        predicted=predicted_speedup(bench, L), replay_bytes=r["bytes"], standard_bytes=std["bytes"],
@@ -112,26 +112,32 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="1,2,4,8,16,32,64")
     p.add_argument("--state-dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=None, help="default: bench/results (with --dry-run: a new temporary folder)")
+    p.add_argument("--out", default=None,
+                   help="default: bench/results/DATE-buffer-length (with --dry-run: a new temporary folder)")
     p.add_argument("--dry-run", action="store_true", help="interpret mode on any device, tiny settings")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     lengths = [int(L) for L in args.lengths.split(",")]
     shapes = {"gdn": kb.GDNShape(), "mamba2": kb.Mamba2Shape()}
     if args.out is None:
-        args.out = tempfile.mkdtemp(prefix="buffer_length_dry_run_") if args.dry_run else os.path.join(HERE, "results")
+        args.out = tempfile.mkdtemp(prefix="buffer_length_dry_run_") if args.dry_run else kb.results_folder("buffer-length")
+    try:
+        options = kb.TimingOptions(repeats=args.repeats)
+    except ValueError as e:
+        p.error(f"--repeats: {e}")
     if args.dry_run:
-        kb.BACKEND, kb.MAX_SETS, kb.MIN_SETS, kb.STANDARD_STEPS = "interpret", 1, 1, 2
+        options = kb.TimingOptions.dry_run(standard_steps=2)
         shapes = {"gdn": kb.GDNShape(name="tiny-gdn", H=1, HV=2, K=16, V=16),
                   "mamba2": kb.Mamba2Shape(name="tiny-mamba2", H=2, P=8, N=16, G=1)}
-        batches, lengths, args.repeats = [1, 2], [1, 2], 1
+        batches, lengths = [1, 2], [1, 2]
     elif jax.default_backend() != "gpu":
         sys.exit(f"bench/buffer_length.py needs a GPU (JAX default backend is {jax.default_backend()!r}); try --dry-run")
     rng = np.random.default_rng(0)
     rows = []
     os.makedirs(args.out, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__,
-                argv=sys.argv[1:], backend=kb.BACKEND)
+                argv=sys.argv[1:] if argv is None else list(argv), backend=options.backend,
+                timing=dataclasses.asdict(options))
 
     def save():
         """JSON and plots of the rows so far: a run cut short keeps what it measured."""
@@ -141,7 +147,7 @@ def main(argv=None) -> int:
 
     for layer in args.layers.split(","):
         for sd in args.state_dtypes.split(","):
-            study(layer, shapes[layer], sd, batches, lengths, args.repeats, rng, lambda s: print(s, flush=True),
+            study(layer, shapes[layer], sd, batches, lengths, options, rng, lambda s: print(s, flush=True),
                   rows, save)
     paths = save()
     print(f"\n{meta['date']} {meta['device']}: best L per shape (measured speedup; traffic model's at that L)")

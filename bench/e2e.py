@@ -25,7 +25,7 @@ Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
 --profile adds, per configuration, a breakdown of a decode step by kernel
 category (SSM kernels, GEMMs, other kernels, idle): the profiler trace of a
 third run less that of a prefill-only run (bench/step_profile.py).
-Prints a table; writes JSON to --out (default bench/results/e2e.json) after every
+Prints a table; writes JSON to --out (default bench/results/DATE-e2e/e2e.json) after every
 configuration, so a run cut short keeps what it measured; a configuration that
 runs out of device memory is logged and skipped.
 """
@@ -45,8 +45,9 @@ import tempfile
 import time
 
 # JAX takes 75% of the GPU by default (104 GiB of the H200's 139): batch 512
-# needs more (the prefill's temporaries beside the finished cache; ReplaySSM
-# ran out of memory there in the third session). An explicit setting wins.
+# needs more (the prefill's temporaries beside the finished cache: ReplaySSM
+# at batch 512 ran out of memory at 75%, bench/RESULTS.md, 2026-11-30). An
+# explicit setting wins.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
 import jax  # noqa: E402
@@ -56,12 +57,10 @@ import numpy as np  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.append(ROOT)  # last: an importable replayssm_jax (installed, or a tree first on PYTHONPATH) wins
 
+import step_profile  # noqa: E402  (bench/step_profile.py; this folder leads sys.path)
 from models.random_init import init_model  # noqa: E402
 from replayssm_jax import ops  # noqa: E402
 from replayssm_jax.generation import Generator  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step_profile  # noqa: E402  (bench/step_profile.py)
 
 CONFIGS = os.path.join(ROOT, "bench", "configs")
 MODELS = ("nemotron3_nano_4b_like", "qwen3_5_4b_like")
@@ -239,11 +238,12 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also break one decode step down by kernel category (a third, traced run per configuration)")
     p.add_argument("--out", default=None,
-                   help="JSON path; default: bench/results/e2e.json (with --smoke: in a new temporary folder)")
+                   help="JSON path; default: bench/results/DATE-e2e/e2e.json (with --smoke: in a new temporary folder)")
     p.add_argument("--smoke", action="store_true", help="tiny fixture on any device, to check the script")
     args = p.parse_args(argv)
     if args.out is None:
-        folder = tempfile.mkdtemp(prefix="e2e_smoke_") if args.smoke else os.path.join(ROOT, "bench", "results")
+        folder = (tempfile.mkdtemp(prefix="e2e_smoke_") if args.smoke else
+                  os.path.join(ROOT, "bench", "results", f"{datetime.date.today().isoformat()}-e2e"))
         args.out = os.path.join(folder, "e2e.json")
     if args.smoke:
         folder, names = os.path.join(ROOT, "tests", "data"), args.models or "qwen3_next_tiny,nemotron_h_tiny"

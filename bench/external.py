@@ -1,6 +1,6 @@
 """The standard decode step of other projects, timed at our benchmark's shapes (GPU, PyTorch).
 
-Baselines for issue #3's question "is our standard kernel a good one?":
+Baselines for the question "is our standard kernel a good one?":
   gdn     flash-linear-attention's `fused_recurrent_gated_delta_rule` (package fla-core), one
           token with an initial state and `output_final_state=True` (it writes a new f32 state:
           the same traffic as an in-place update), q/k L2-normalised in the kernel.
@@ -16,8 +16,8 @@ call's share. With `--ours kernels.json` (a bench/kernels.py result of the same 
 table adds our standard step's time and the ratio (theirs / ours: > 1 means ours is faster),
 both for our wall-clock step and for our kernel alone (`--profile` runs).
 
-Getting the two packages (here, where pip can reach PyPI; `.whl/` is git-ignored and travels to
-the GPU machine with `carry`):
+Getting the two packages (on a machine where pip can reach PyPI; `.whl/` is git-ignored: copy it
+to the GPU machine):
   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl fla-core==0.6.0
   mamba_ssm-2.3.2.post1.tar.gz, the sdist from https://pypi.org/project/mamba-ssm/#files (a pip
   download of it builds the package to read its requirements, which needs CUDA)
@@ -30,6 +30,7 @@ Usage (on the GPU machine, where PyTorch and Triton are installed):
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import math
@@ -62,7 +63,7 @@ def load_mamba_ssm(sdist: str, root: Path):
     """Load mamba_ssm/ops/triton/selective_state_update.py alone from the source archive.
 
     The package's __init__ imports its compiled extensions; registering bare parent packages
-    lets the Triton module (and the softplus helper it imports) load without them."""
+    lets the Triton module (and the softplus function it imports) load without them."""
     with tarfile.open(sdist) as tf:
         tf.extractall(root / "mamba", filter="data")
     pkg = next((root / "mamba").glob("mamba_ssm-*")) / "mamba_ssm"
@@ -175,7 +176,7 @@ def main(argv=None) -> None:
     p.add_argument("--state-dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--ours", help="a bench/kernels.py JSON of the same machine")
-    p.add_argument("--out", default="bench/results/external.json")
+    p.add_argument("--out", default=None, help="JSON path; default: bench/results/DATE-external/external.json")
     p.add_argument("--workdir", default="/tmp/external_baselines")
     args = p.parse_args(argv)
     for dtype in args.state_dtypes.split(","):
@@ -211,6 +212,7 @@ def main(argv=None) -> None:
                       f"{row['gbps']:6.0f} GB/s{vs}")
                 del calls
                 torch.cuda.empty_cache()
+    args.out = args.out or f"bench/results/{datetime.date.today().isoformat()}-external/external.json"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 fla_wheel=Path(args.fla_wheel).name, mamba_sdist=Path(args.mamba_sdist).name)

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks of a session, in one device call (see bench/RESULTS.md):
+# The GPU checks, in one command (results in bench/RESULTS.md):
 #   1. the kernel tests at realistic shapes (pytest -m gpu),
 #   2. replayssm-generate --backend pallas --compare on a fixture (tokens vs transformers)
 #      and on a random-weight Nemotron-3-Nano-4B-shaped model,
 #   3. the kernel benchmark at the batches given in $KERNEL_BATCHES (default 256).
-# Logs and JSON go to $OUT (or bench/results/gpu when unset).
+# Logs and JSON go to $OUT (or bench/results/DATE-gpu-checks when unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-out=${OUT:-bench/results/gpu}
+out=${OUT:-bench/results/$(date -u +%F)-gpu-checks}
 mkdir -p "$out"
 
 # 14 pytest workers share the GPU (no preallocation): compiling the kernels is the slow part
-# (16 cores on the H200 machine; 97 tests took 130 s in the fourth session).
+# (16 cores on the H200 machine; the 139 tests took 167 s on 2026-11-30).
 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -m gpu tests/test_kernels.py tests/test_inplace_hlo.py \
   -q -n 14 -p no:benchmark -W ignore::DeprecationWarning 2>&1 | tee "$out/gpu_tests.log" | tail -3
 

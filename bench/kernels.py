@@ -5,7 +5,7 @@ Shapes (one layer each):
   nemotron3-nano-4b    Mamba-2, 96 heads, head_dim P = 80, d_state N = 128, 8 groups
 Activations bf16, buffers bf16 (the activation dtype), state f32 or bf16.
 
-Method (DESIGN.md section 6, METHOD.md):
+Method (the settings are a TimingOptions):
   * correctness first, in the same run, at the same shape: 2 standard steps
     against the reference, and for each L one full flush cycle of replay
     steps (all rows in step, cursor 0 -> L) whose outputs are compared with
@@ -17,10 +17,10 @@ Method (DESIGN.md section 6, METHOD.md):
     the carry donated. The carry holds `n_sets` independent copies of the
     layer's state ("layers"), each stepped once per scan step, so that the
     states together exceed the L2 (>= 240 MB, at most 64 copies) and every
-    step reads its state from HBM. Wall clock around CHAINED_CALLS calls
+    step reads its state from HBM. Wall clock around `chained_calls` calls
     dispatched back to back (each on the last one's carry) and
     `block_until_ready`, median of repeats after a compile and warm-up run;
-    per-step time = median / (CHAINED_CALLS * steps * n_sets).
+    per-step time = median / (chained_calls * steps * n_sets).
   * replay rows at staggered cursors (row r starts at r mod L) unless the
     variant says "in-step" (all rows start at 0 and flush together); at
     batches where the default replay step is one launch, also the direct
@@ -42,8 +42,8 @@ Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
               and report the GPU time per step of each kernel (replay, flush
               launch, standard step, XLA fusions): where a step's time goes.
   --dry-run   run the script on the CPU in interpret mode (numbers meaningless).
-Prints a table; writes JSON to DIR/NAME.json (default bench/results/kernels.json).
-Results and their discussion: bench/RESULTS.md.
+Prints a table; writes JSON to DIR/NAME.json (default DIR: bench/results/DATE-NAME).
+Results: bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ import numpy as np
 
 # This checkout's package comes last on the path: a replayssm_jax importable
 # already (installed, or another code tree put first on PYTHONPATH to compare
-# with this one) is the one measured. (Inserted first, it silently replaced
-# such a tree: bench/RESULTS.md, eighth session.)
+# with this one) is the one measured; put first, the checkout would shadow
+# such a tree. (Run as `python3 bench/kernels.py`, this folder is already
+# first on the path, for step_profile.)
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import step_profile  # noqa: E402  (bench/step_profile.py)
 
@@ -81,10 +81,61 @@ f32, bf16 = jnp.float32, jnp.bfloat16
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BATCHES = (1, 8, 32, 64, 128, 256, 512)
 LENGTHS = (8, 16, 32)
-STANDARD_STEPS = 16
-L2_TARGET_BYTES = 240e6
-MAX_SETS = 64
-MIN_SETS = 2
+BACKENDS = ("pallas", "interpret")
+
+
+def results_folder(name: str) -> str:
+    """bench/results/DATE-NAME, today's date (UTC): the default folder of a run's raw files."""
+    return os.path.join(RESULTS, f"{datetime.datetime.now(datetime.UTC).date().isoformat()}-{name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingOptions:
+    """How a variant is run and timed (the method in this module's docstring).
+
+    backend: "pallas" (the compiled kernels, on a GPU) or "interpret" (Pallas
+        interpret mode: a CPU check of a script, whose times mean nothing).
+    repeats: timed repeats of a cycle; the median counts.
+    min_sets, max_sets, l2_target_bytes: a scan step steps n_sets_for(bench)
+        copies of the layer's state, as many as hold l2_target_bytes together
+        (far above the H200's 50 MiB L2, so every step reads its state from
+        HBM), within [min_sets, max_sets].
+    standard_steps: scan steps of a timed standard cycle (a replay cycle is a
+        flush cycle: L steps).
+    chained_calls: calls of the jitted cycle per repeat, each on the last
+        one's carry. One call alone also times the host's dispatch of its
+        arguments (about 1 ms for the 64 sets of replay states at batch 1,
+        over 1.1 us per step: bench/RESULTS.md, 2026-11-30); in a chain that
+        work overlaps the previous call's kernels, as in a decode loop.
+    profile: also trace one more run of each variant and report the GPU time
+        per step of each kernel (bench/step_profile.py).
+
+    Raises ValueError for another backend, a count below 1, or min_sets
+    above max_sets.
+    """
+
+    backend: str = "pallas"
+    repeats: int = 7
+    min_sets: int = 2
+    max_sets: int = 64
+    l2_target_bytes: float = 240e6
+    standard_steps: int = 16
+    chained_calls: int = 4
+    profile: bool = False
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"`backend` must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        for name in ("repeats", "min_sets", "max_sets", "standard_steps", "chained_calls"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"`{name}` must be an int >= 1; got {getattr(self, name)!r}")
+        if self.min_sets > self.max_sets:
+            raise ValueError(f"`min_sets` must be <= `max_sets` = {self.max_sets}; got {self.min_sets}")
+
+    @classmethod
+    def dry_run(cls, **changes) -> TimingOptions:
+        """Interpret mode, one state set, one repeat: a CPU check of a script (numbers meaningless)."""
+        return cls(**{**dict(backend="interpret", repeats=1, min_sets=1, max_sets=1), **changes})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,34 +156,40 @@ class Mamba2Shape:
     G: int = 8
 
 
-_KEY = [jax.random.key(0)]
+class _LayerBench:
+    """One layer at one batch and state dtype: its random states and inputs
+    (drawn by jax.random from the bench's own key, fast at 1 GB), steps and
+    byte counts. `shape` is a GDNShape or Mamba2Shape; `rng` a numpy
+    Generator for the layer's parameters (or None where they are not drawn)."""
 
+    layer: str
 
-def _normal(shape, dtype=f32, scale=1.0, mean=0.0):
-    """Fresh N(mean, scale^2) draws, made on the device (fast at 1 GB)."""
-    _KEY[0], key = jax.random.split(_KEY[0])
-    return (mean + scale * jax.random.normal(key, shape, f32)).astype(dtype)
-
-
-class GDNBench:
-    layer = "gdn"
-
-    def __init__(self, shape: GDNShape, batch: int, state_dtype, rng):
+    def __init__(self, shape, batch: int, state_dtype, rng):
         self.s, self.b, self.sd, self.rng = shape, batch, jnp.dtype(state_dtype), rng
+        self._key = jax.random.key(0)
+
+    def _normal(self, shape, dtype=f32, scale=1.0, mean=0.0):
+        """Fresh N(mean, scale^2) draws of `shape`, cast to `dtype`."""
+        self._key, key = jax.random.split(self._key)
+        return (mean + scale * jax.random.normal(key, shape, f32)).astype(dtype)
 
     def _n(self, *shape, dtype=bf16):
-        return _normal(shape, dtype)
+        return self._normal(shape, dtype)
+
+
+class GDNBench(_LayerBench):
+    layer = "gdn"
 
     def state(self):
         s = self.s
-        return _normal((self.b, s.HV, s.V, s.K), self.sd, 0.5)
+        return self._normal((self.b, s.HV, s.V, s.K), self.sd, 0.5)
 
     def inputs(self, T):
         s, b = self.s, self.b
         return dict(
             q=self._n(T, b, s.H, s.K), k=self._n(T, b, s.H, s.K), v=self._n(T, b, s.HV, s.V),
-            g=-jnp.exp(_normal((T, b, s.HV), f32, 1.0, -3.0)),
-            beta=jax.nn.sigmoid(_normal((T, b, s.HV))).astype(bf16),
+            g=-jnp.exp(self._normal((T, b, s.HV), f32, 1.0, -3.0)),
+            beta=jax.nn.sigmoid(self._normal((T, b, s.HV))).astype(bf16),
         )
 
     def replay_init(self, state, L, cursor):
@@ -165,11 +222,11 @@ class GDNBench:
         return L * rec, rec
 
 
-class Mamba2Bench:
+class Mamba2Bench(_LayerBench):
     layer = "mamba2"
 
     def __init__(self, shape: Mamba2Shape, batch: int, state_dtype, rng):
-        self.s, self.b, self.sd, self.rng = shape, batch, jnp.dtype(state_dtype), rng
+        super().__init__(shape, batch, state_dtype, rng)
         H = shape.H
         self.params = dict(
             A=jnp.asarray(-np.exp(rng.uniform(-1.0, 1.0, H)), f32),
@@ -177,12 +234,9 @@ class Mamba2Bench:
             dt_bias=jnp.asarray(rng.normal(-2.0, 0.5, H), f32),
         )
 
-    def _n(self, *shape, dtype=bf16):
-        return _normal(shape, dtype)
-
     def state(self):
         s = self.s
-        return _normal((self.b, s.H, s.P, s.N), self.sd, 0.5)
+        return self._normal((self.b, s.H, s.P, s.N), self.sd, 0.5)
 
     def inputs(self, T):
         s, b = self.s, self.b
@@ -236,23 +290,23 @@ def _err(a, b):
 # also carries the bf16 rounding of the buffered records (GDN's d is computed
 # in f32 and stored in bf16: about 5e-4 relative after a cycle).
 TOL_REL = {"y": 1e-2, "float32": 1e-4, "bfloat16": 2e-2, "replay_float32": 5e-3, "replay_bfloat16": 2e-2}
-BACKEND = "pallas"
 
 
-def check(bench, lengths, config_std=None):
-    """Correctness at this shape (reference in float32, no TF32). Returns a dict of errors and `ok`."""
+def check(bench, lengths, backend="pallas", config_std=None):
+    """Correctness at this shape of the kernels run on `backend` ("pallas" or "interpret") against the
+    reference in float32 (no TF32). Returns a dict of errors and `ok`."""
     with jax.default_matmul_precision("highest"):
-        return _check(bench, lengths, config_std)
+        return _check(bench, lengths, backend, config_std)
 
 
-def _check(bench, lengths, config_std):
+def _check(bench, lengths, backend, config_std):
     out, ok = {}, True
     tol_y, tol_s = TOL_REL["y"], TOL_REL[bench.sd.name]
     state = bench.state()
     xs = bench.inputs(max(lengths) + 4)
     s_k, s_r = state, state.astype(f32)
     for t in range(2):
-        y_k, s_k = bench.step(s_k, _take(xs, t), BACKEND, config_std)
+        y_k, s_k = bench.step(s_k, _take(xs, t), backend, config_std)
         y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
         for what, a, b, tol in (("y", y_k, y_r, tol_y), ("state", s_k, s_r, tol_s)):
             e = _err(a, b)
@@ -263,7 +317,7 @@ def _check(bench, lengths, config_std):
         s_r = state.astype(f32)
         worst = 0.0
         for t in range(L):
-            y_k, rs = bench.replay_step(rs, _take(xs, t), "output", BACKEND)
+            y_k, rs = bench.replay_step(rs, _take(xs, t), "output", backend)
             y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
             worst = max(worst, _err(y_k, y_r)[1])
         e_state = _err(rs.checkpoint, s_r)
@@ -277,7 +331,7 @@ def _check(bench, lengths, config_std):
     s_r = state.astype(f32)
     worst = 0.0
     for t, route in enumerate(["output"] * (L // 2 + 1) + ["direct"] * 3):
-        y_k, rs = bench.replay_step(rs, _take(xs, t), route, BACKEND)
+        y_k, rs = bench.replay_step(rs, _take(xs, t), route, backend)
         y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
         worst = max(worst, _err(y_k, y_r)[1])
     out[f"direct_L{L}"] = {"y_rel": worst, "checkpoint": _err(rs.checkpoint, s_r),
@@ -300,13 +354,10 @@ def make_bench(layer: str, batch: int, state_dtype, rng, shape=None):
     return bench(shape or default_shape(), batch, state_dtype, rng)
 
 
-def n_sets_for(bench):
+def n_sets_for(bench, options: TimingOptions) -> int:
+    """Copies of the bench's state that together hold `options.l2_target_bytes`, within the options' bounds."""
     per = bench.state_bytes()
-    return int(min(MAX_SETS, max(MIN_SETS, math.ceil(L2_TARGET_BYTES / per))))
-
-
-PROFILE = False
-SWEEP_OVERRIDE: dict[str, list[Config]] = {}  # --standard-configs / --replay-configs
+    return int(min(options.max_sets, max(options.min_sets, math.ceil(options.l2_target_bytes / per))))
 
 
 def kernel_times(f, carries, xs, per):
@@ -321,18 +372,10 @@ def kernel_times(f, carries, xs, per):
     return times, out[0][0]
 
 
-# Calls of the jitted cycle per timed repeat, each taking the last one's
-# carry. One call alone also timed the host's dispatch of its arguments
-# (about 1 ms for the 64 sets of replay states at batch 1, over 1.1 us per
-# step: bench/RESULTS.md, eighth session); in a chain that work overlaps the
-# previous call's kernels, as in a decode loop.
-CHAINED_CALLS = 4
-
-
-def time_cycle(step, carries, xs, steps, repeats):
+def time_cycle(step, carries, xs, steps, options: TimingOptions):
     """Median seconds per (step x set) of a jitted, donated scan over `steps`
-    (CHAINED_CALLS calls per repeat), its spread, the compile seconds, and
-    (PROFILE) the kernel times per step."""
+    (`options.chained_calls` calls per repeat), its spread, the compile
+    seconds, and (`options.profile`) the kernel times per step."""
 
     def cycle(carries, xs):
         def body(cs, inp):
@@ -353,15 +396,15 @@ def time_cycle(step, carries, xs, steps, repeats):
     carries, ys = f(carries, xs)
     jax.block_until_ready((carries, ys))
     times = []
-    for _ in range(repeats):
+    for _ in range(options.repeats):
         t0 = time.perf_counter()
-        for _ in range(CHAINED_CALLS):  # dispatched back to back: the host's work hides behind the GPU's
+        for _ in range(options.chained_calls):  # dispatched back to back: the host's work hides behind the GPU's
             carries, ys = f(carries, xs)
         jax.block_until_ready((carries, ys))
-        times.append((time.perf_counter() - t0) / CHAINED_CALLS)
+        times.append((time.perf_counter() - t0) / options.chained_calls)
     per = steps * len(carries)
     profile = None
-    if PROFILE:
+    if options.profile:
         profile, carries = kernel_times(f, carries, xs, per)
     return statistics.median(times) / per, (max(times) - min(times)) / per, compile_s, profile
 
@@ -409,22 +452,28 @@ def replay_bytes(bench, L) -> float:
     return bench.state_bytes() * (1 + 2 / L) + read + written + bench.io_bytes()
 
 
-def run_variant(bench, kind, L, cursors, repeats, config=None, route="output"):
-    n = n_sets_for(bench)
+def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="output"):
+    """Time one variant: the standard step (L None) or the replay step with
+    buffer length L from `cursors` ("staggered": row r at r mod L; "in-step"
+    or "empty": all at 0) on `route`, with the kernels' `config` (None: the
+    heuristic). Returns seconds per step, spread, compile seconds, the number
+    of state sets, bytes per step and GB/s from the traffic model, and the
+    kernel times per step (None unless `options.profile`)."""
+    n = n_sets_for(bench, options)
     if L is None:
         carries = tuple(bench.state() for _ in range(n))
-        xs = bench.inputs(STANDARD_STEPS)
-        step = lambda c, inp: bench.step(c, inp, BACKEND, config)  # noqa: E731
-        steps = STANDARD_STEPS
+        xs = bench.inputs(options.standard_steps)
+        step = lambda c, inp: bench.step(c, inp, options.backend, config)  # noqa: E731
+        steps = options.standard_steps
         bytes_step = standard_bytes(bench)
     else:
         cur = np.arange(bench.b) % L if cursors == "staggered" else np.zeros(bench.b)
         carries = tuple(bench.replay_init(bench.state(), L, cur) for _ in range(n))
         xs = bench.inputs(L)
-        step = lambda c, inp: bench.replay_step(c, inp, route, BACKEND, config)  # noqa: E731
+        step = lambda c, inp: bench.replay_step(c, inp, route, options.backend, config)  # noqa: E731
         steps = L
         bytes_step = standard_bytes(bench) if route == "direct" else replay_bytes(bench, L)
-    t, spread, compile_s, profile = time_cycle(step, carries, xs, steps, repeats)
+    t, spread, compile_s, profile = time_cycle(step, carries, xs, steps, options)
     return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_step, gbps=bytes_step / t / 1e9,
                 kernels_us=profile)
 
@@ -462,10 +511,13 @@ def _spec_ints(spec: str, part: str, most: int) -> list[int]:
     return [int(f) for f in fields]
 
 
-def sweep_configs(bench, L):
+def sweep_configs(bench, L, overrides=None):
+    """(default config, configs to time) of the standard step (L None) or the replay step: the tilings of
+    `overrides` ({"standard" or "replay": [Config, ...]}, from --standard-configs / --replay-configs) or
+    else SWEEP_CONFIGS, after the default (and, for the replay step, the default with fused_flush flipped)."""
     default = kernels.default_config(bench.b, *bench.heads_dims(), bench.sd.itemsize, replay_len=L or 0)
     kind = "standard" if L is None else "replay"
-    override = SWEEP_OVERRIDE.get(kind)
+    override = (overrides or {}).get(kind)
     if L is None:
         fixed = override or [Config(bv, warps) for bv, warps in SWEEP_CONFIGS[(bench.layer, "standard")]]
         return default, list(dict.fromkeys([default] + fixed))
@@ -474,12 +526,12 @@ def sweep_configs(bench, L):
     return default, list(dict.fromkeys([default, flipped] + fixed))
 
 
-def sweep(bench, base, rows, lengths, repeats):
-    """Time the standard and replay kernels over the SWEEP_CONFIGS tilings."""
+def sweep(bench, base, rows, lengths, options: TimingOptions, overrides=None):
+    """Time the standard and replay kernels over the tilings of sweep_configs; append a row each to `rows`."""
     for kind, L in [("standard", None)] + [(f"replay-L{L}", L) for L in lengths]:
-        default, configs = sweep_configs(bench, L)
+        default, configs = sweep_configs(bench, L, overrides)
         for cfg in configs:
-            r = run_variant(bench, kind, L, "staggered", repeats, cfg)
+            r = run_variant(bench, L, "staggered", options, cfg)
             is_default = cfg == default
             rows.append(dict(base, variant=kind, L=L, config=dataclasses.asdict(cfg), default=is_default, **r))
             print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} {cfg.tag():24s}"
@@ -488,14 +540,15 @@ def sweep(bench, base, rows, lengths, repeats):
             print_kernel_times(r["kernels_us"])
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", default="gdn,mamba2")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--state-dtypes", default="float32,bfloat16")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default=None, help="default: bench/results (with --dry-run: a new temporary folder)")
+    p.add_argument("--out", default=None,
+                   help="default: bench/results/DATE-TAG (with --dry-run: a new temporary folder)")
     p.add_argument("--tag", default="kernels")
     p.add_argument("--sweep", action="store_true", help="time block_v x num_warps at each shape instead")
     p.add_argument("--standard-configs", default="",
@@ -507,26 +560,30 @@ def main():
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test of this script: interpret mode, 1 state set, 1 repeat, the real shapes "
                         "(minutes per layer and state dtype; numbers meaningless)")
-    args = p.parse_args()
-    global BACKEND, MAX_SETS, MIN_SETS, PROFILE
-    PROFILE = args.profile
+    args = p.parse_args(argv)
+    overrides = {}  # --standard-configs / --replay-configs
     for kind, specs in (("standard", args.standard_configs), ("replay", args.replay_configs)):
         if specs:
             try:
-                SWEEP_OVERRIDE[kind] = [parse_config(x) for x in specs.split(",")]
+                overrides[kind] = [parse_config(x) for x in specs.split(",")]
             except (ValueError, TypeError) as e:
                 p.error(f"--{kind}-configs: {e}")
     if args.out is None:
-        args.out = tempfile.mkdtemp(prefix="kernels_dry_run_") if args.dry_run else RESULTS
+        args.out = tempfile.mkdtemp(prefix="kernels_dry_run_") if args.dry_run else results_folder(args.tag)
+    try:
+        options = TimingOptions(repeats=args.repeats, profile=args.profile)
+    except ValueError as e:
+        p.error(f"--repeats: {e}")
     if args.dry_run:  # the real shapes in interpret mode: minutes per layer and state dtype
-        BACKEND, MAX_SETS, MIN_SETS, args.repeats = "interpret", 1, 1, 1
+        options = TimingOptions.dry_run(profile=args.profile)
     elif jax.default_backend() != "gpu":
         sys.exit("bench/kernels.py needs a GPU (JAX default backend is %r)" % jax.default_backend())
     rng = np.random.default_rng(0)
     lengths = tuple(int(x) for x in args.lengths.split(","))
     dev = jax.devices()[0]
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), device=dev.device_kind,
-                jax=jax.__version__, python=platform.python_version(), argv=sys.argv[1:])
+                jax=jax.__version__, python=platform.python_version(),
+                argv=sys.argv[1:] if argv is None else list(argv), timing=dataclasses.asdict(options))
     meta["bandwidth_gbps"] = measure_copy_bandwidth(nbytes=(1 << 20) if args.dry_run else (2 << 30))
     # Reference bandwidth: the faster of a device copy and a fused elementwise
     # pass (XLA's copy of 2 GiB ran slower than the elementwise pass on the H200).
@@ -542,7 +599,7 @@ def main():
                 bench = make_bench(layer, batch, sd, rng)
                 shape_name = bench.s.name
                 t0 = time.perf_counter()
-                chk = check(bench, lengths)
+                chk = check(bench, lengths, options.backend)
                 check_s = time.perf_counter() - t0
                 base = dict(layer=layer, shape=shape_name, batch=batch, state_dtype=sd, check=chk, check_s=check_s)
                 if not chk["ok"]:
@@ -550,10 +607,10 @@ def main():
                     rows.append(dict(base, variant="check", passed=False))
                     continue
                 if args.sweep:
-                    sweep(bench, base, rows, lengths, args.repeats)
+                    sweep(bench, base, rows, lengths, options, overrides)
                 std = None
                 for kind, L, cursors, route in [] if args.sweep else variants(bench, lengths):
-                    r = run_variant(bench, kind, L, cursors, args.repeats, route=route)
+                    r = run_variant(bench, L, cursors, options, route=route)
                     if L is None:
                         std = r["seconds"]
                     row = dict(base, variant=kind, L=L, cursors=cursors, route=route, **r, speedup=std / r["seconds"],
@@ -572,6 +629,7 @@ def main():
     else:
         summary(rows, copy_bw)
     print(f"JSON: {path}")
+    return 0
 
 
 def print_kernel_times(times):
@@ -618,4 +676,4 @@ def sweep_summary(rows):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

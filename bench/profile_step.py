@@ -15,16 +15,12 @@ Without a profiler it prints each launch's wall time (one launch, not a benchmar
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import jax
+import kernels as kb  # bench/kernels.py
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import kernels as kb  # noqa: E402  (bench/kernels.py)
 
 
 def main(argv=None) -> int:

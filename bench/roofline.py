@@ -12,7 +12,7 @@ elements, one after the other):
 Every kernel's result is checked against NumPy first. It prints GB/s per
 kernel and tiling, the best of each kind, and writes JSON (after every row):
 
-    python3 bench/roofline.py --dtypes float32,bfloat16 --configs 64x4x1,64x4x2,16x2x5 --out bench/results/gpu
+    python3 bench/roofline.py --dtypes float32,bfloat16 --configs 64x4x1,64x4x2,16x2x5
 
 On the CPU, `--backend interpret --mib 1` checks the kernels (the timings
 then mean nothing).
@@ -32,8 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernels as kb  # noqa: E402  (bench/kernels.py: parse_config)
 from replayssm_jax.kernels import _common as c  # noqa: E402
@@ -126,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--backend", default=None, choices=("pallas", "interpret"),
                    help="default: pallas, which needs a GPU")
-    p.add_argument("--out", default="bench/results/gpu")
+    p.add_argument("--out", default=None, help="folder of roofline.json; default: bench/results/DATE-roofline")
     args = p.parse_args(argv)
     try:
         configs = [kb.parse_config(s) for s in args.configs.split(",")]
@@ -143,6 +141,7 @@ def main(argv=None) -> int:
             p.error(f"the pallas backend needs a GPU (JAX's default backend is {jax.default_backend()!r}); "
                     "on the CPU use --backend interpret --mib 1")
         args.backend = "pallas"
+    args.out = args.out or kb.results_folder("roofline")
     os.makedirs(args.out, exist_ok=True)
     meta = dict(device=str(jax.devices()[0]), jax=jax.__version__, command=" ".join(sys.argv))
     rows = []

@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end on the CPU in their check modes
 (tiny shapes, interpret mode): their numbers mean nothing here, but a script
-that no longer runs is caught before a GPU session finds out."""
+that no longer runs is caught before a GPU run finds out. Each script is
+loaded with bench/ first on sys.path, as `python3 bench/x.py` runs it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,13 @@ import pytest
 BENCH = pathlib.Path(__file__).parent.parent / "bench"
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+SCRIPTS_IMPORTING_THE_PACKAGE = ["kernels", "e2e", "buffer_length", "bounds", "profile_step", "roofline"]
+
+
+@pytest.fixture(autouse=True)
+def bench_first_on_path(monkeypatch):
+    """bench/ leads sys.path, as for a script run as `python3 bench/x.py` (its imports of each other need it)."""
+    monkeypatch.syspath_prepend(str(BENCH))
 
 
 def load(name):
@@ -27,7 +36,7 @@ def load(name):
     return module
 
 
-@pytest.mark.parametrize("script", ["kernels", "e2e"])
+@pytest.mark.parametrize("script", SCRIPTS_IMPORTING_THE_PACKAGE)
 def test_bench_scripts_measure_the_tree_on_pythonpath(script, tmp_path):
     """A code tree put first on PYTHONPATH (to compare with this checkout) is the one the bench scripts
     import: they add the checkout at the end of sys.path, not in front of the tree."""
@@ -85,14 +94,52 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     assert [v[0] for v in kb.variants(bench, (4, 8))] == ["standard", "replay-L4", "replay-L8", "replay-L4-in-step",
                                                           "replay-L4-direct"]
     assert "direct" not in [v[3] for v in kb.variants(kb.make_bench("gdn", 256, "float32", None), (16,))]
-    monkeypatch.setattr(kb, "BACKEND", "interpret")
-    out = kb.check(bench, (4,))
+    out = kb.check(bench, (4,), "interpret")
     assert out["ok"] and out["direct_L4"]["cursor_zero"] and out["direct_L4"]["y_rel"] <= kb.TOL_REL["y"]
     # the check is live: a "direct" step that buffers instead (cursor not 0) fails it
     step = bench.replay_step
     monkeypatch.setattr(bench, "replay_step", lambda rs, inp, route, backend, config=None: step(
         rs, inp, "output" if route == "direct" else route, backend, config))
-    assert not kb.check(bench, (4,))["ok"]
+    assert not kb.check(bench, (4,), "interpret")["ok"]
+
+
+def test_kernels_timing_options(monkeypatch):
+    """How a variant is timed is a TimingOptions passed down to the cycle: its state sets, its standard
+    cycle's length, its backend (interpret mode here, tiny shape)."""
+    kb = load("kernels")
+    bench = kb.make_bench("gdn", 2, "float32", None, shape=kb.GDNShape(H=1, HV=2, K=16, V=16))
+    per = bench.state_bytes()
+    assert kb.n_sets_for(bench, kb.TimingOptions()) == 64  # 240 MB of 4 KiB states: max_sets
+    assert kb.n_sets_for(bench, kb.TimingOptions(l2_target_bytes=3 * per, max_sets=8)) == 3
+    assert kb.n_sets_for(bench, kb.TimingOptions(l2_target_bytes=1.0)) == 2  # min_sets
+    seen, cycle = [], kb.time_cycle
+    monkeypatch.setattr(kb, "time_cycle", lambda step, carries, xs, steps, options: seen.append(
+        (steps, len(carries), options)) or cycle(step, carries, xs, steps, options))
+    options = kb.TimingOptions.dry_run(standard_steps=3)
+    std = kb.run_variant(bench, None, None, options)
+    replay = kb.run_variant(bench, 4, "staggered", options)
+    assert seen == [(3, 1, options), (4, 1, options)]
+    assert std["bytes"] == kb.standard_bytes(bench) and replay["bytes"] == kb.replay_bytes(bench, 4)
+    assert std["seconds"] > 0 and replay["seconds"] > 0 and std["kernels_us"] is None  # no profile asked
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(backend="xla"), "`backend` must be one of pallas, interpret; got 'xla'"),
+    (dict(repeats=0), "`repeats` must be an int >= 1; got 0"),
+    (dict(chained_calls=1.5), "`chained_calls` must be an int >= 1; got 1.5"),
+    (dict(min_sets=8, max_sets=4), "`min_sets` must be <= `max_sets` = 4; got 8"),
+], ids=["backend", "repeats", "chained calls", "sets"])
+def test_kernels_timing_options_errors(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load("kernels").TimingOptions(**fields)
+
+
+@pytest.mark.parametrize("script", ["kernels", "buffer_length"])
+def test_timed_scripts_reject_bad_repeats_before_running(script, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load(script).main(["--repeats", "0", "--out", str(tmp_path)])
+    assert "--repeats: `repeats` must be an int >= 1; got 0" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything ran
 
 
 def test_e2e_profile_table(tmp_path, capsys, monkeypatch):
@@ -151,6 +198,8 @@ def test_buffer_length_dry_run(tmp_path, capsys):
     assert {r["L"] for r in rows} == {1, 2} and all(r["passed"] for r in rows)
     assert (tmp_path / "buffer_length_vs_L.png").stat().st_size > 0
     assert "best L per shape" in capsys.readouterr().out
+    timing = json.loads((tmp_path / "buffer_length.json").read_text())["meta"]["timing"]
+    assert (timing["backend"], timing["repeats"], timing["max_sets"], timing["standard_steps"]) == ("interpret", 1, 1, 2)
 
 
 @pytest.mark.parametrize(("spec", "fields"), [
@@ -361,3 +410,29 @@ def test_bounds_needs_profiles_and_ceilings(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bounds.main([str(tmp_path / "k.json"), str(tmp_path / "r.json")])
     assert "the roofline JSON has no read row for bfloat16" in capsys.readouterr().err
+
+
+def _heading_anchors(markdown: str) -> set[str]:
+    """The #anchors GitHub gives the headings of a Markdown text (code blocks left out)."""
+    anchors, seen = set(), {}
+    for line in re.sub(r"```.*?```", "", markdown, flags=re.S).splitlines():
+        if m := re.match(r"#{1,6}\s+(.*)", line):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).replace("`", "").strip().lower()).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+@pytest.mark.parametrize("doc", ["README.md", "ARCHITECTURE.md", "bench/RESULTS.md"])
+def test_doc_links_resolve(doc):
+    """Every relative link of the docs names a file of this tree, and its #anchor a heading there."""
+    path = BENCH.parent / doc
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+://", t)]
+    broken = []
+    for link in links:
+        target, _, anchor = link.partition("#")
+        file = (path.parent / target).resolve() if target else path
+        if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _heading_anchors(file.read_text())):
+            broken.append(link)
+    assert not broken, f"{doc}: {len(broken)} of {len(links)} links do not resolve: {broken}"
