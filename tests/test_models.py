@@ -34,6 +34,7 @@ from models import (
     make_prefill,
     split_params,
 )
+from models.random_init import init_model
 from replayssm_jax.layers import KVCache, ReplayLayerState, SSMLayerState
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -327,6 +328,57 @@ def test_bad_dtypes_are_rejected():
         load_model(fixture_dir("mamba2_tiny"), dtype=jnp.int8)
     with pytest.raises(TypeError, match="`ssm_state_dtype` must be float32 or bfloat16; got"):
         load_model(fixture_dir("mamba2_tiny"), ssm_state_dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, "float16", jnp.float64])
+def test_float16_and_float64_weights_are_refused(dtype):
+    """Only float32 and bfloat16 are supported: float16 overflows in the SSM ops (inf outputs)."""
+    with pytest.raises(TypeError, match=r"`dtype` must be None or a floating dtype \(float32, bfloat16\); got float"):
+        load_model(fixture_dir("mamba2_tiny"), dtype=dtype)
+    with pytest.raises(TypeError, match=r"`dtype` must be None or a floating dtype \(float32, bfloat16\); got float"):
+        init_model(fixture_dir("qwen3_5_tiny"), dtype=dtype)
+    with pytest.raises(TypeError, match="`ssm_state_dtype` must be float32 or bfloat16; got float"):
+        init_model(fixture_dir("qwen3_5_tiny"), ssm_state_dtype=dtype)
+
+
+def test_float16_message_says_why():
+    with pytest.raises(TypeError, match="got float16 \\(float16 is not supported: the SSM ops overflow its range"):
+        load_model(fixture_dir("mamba2_tiny"), dtype=jnp.float16)
+
+
+def test_float16_checkpoint_needs_an_explicit_dtype(tmp_path):
+    """A float16 checkpoint is not kept as stored (dtype=None); dtype=float32 casts it and loads."""
+    dst = copy_fixture("mamba2_tiny", tmp_path)
+    _rewrite(dst, lambda t: t.__setitem__("backbone.norm_f.weight", t["backbone.norm_f.weight"].astype(np.float16)))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'backbone.norm_f.weight' has dtype F16, "
+                                              r"which the models do not run in \(supported: F32, BF16\); pass "
+                                              r"dtype=jnp.float32"):
+        load_model(dst)
+    model = load_model(dst, dtype=jnp.float32)
+    assert model.backbone.norm_f.weight[...].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weights_are_a_checkpoint_error(tmp_path, bad):
+    dst = copy_fixture("nemotron_h_tiny", tmp_path)
+
+    def poison(t):
+        t["backbone.layers.4.mixer.in_proj.weight"][3, 5] = bad
+
+    _rewrite(dst, poison)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'backbone.layers.4.mixer.in_proj.weight' "
+                                              r"holds 1 non-finite value\(s\) \(NaN or inf\), the first "
+                                              rf"{bad} at index \(3, 5\)"):
+        load_model(dst)
+
+
+def test_non_finite_expert_weight_is_named(tmp_path):
+    """Per-expert tensors are checked one by one as they are stacked."""
+    dst = copy_fixture("qwen3_next_tiny", tmp_path)
+    _rewrite(dst, lambda t: t["model.layers.1.mlp.experts.3.down_proj.weight"].__setitem__((0, 0), np.nan))
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.mlp.experts.3.down_proj.weight' holds 1 "
+                                              r"non-finite"):
+        load_model(dst, dtype=jnp.bfloat16)
 
 
 def test_out_of_vocabulary_ids_and_a_full_kv_cache_are_errors():
