@@ -394,6 +394,36 @@ def test_out_of_vocabulary_ids_and_a_full_kv_cache_are_errors():
         model.decode(np.array([1, 2]), cache)
 
 
+@pytest.mark.parametrize("mode", ["call", "prefill"])
+def test_bad_input_ids_are_named_at_the_model_boundary(mode):
+    """Empty, ragged, mis-ranked or float ids fail with `input_ids` named, before any op runs."""
+    model = get_model("qwen3_5_tiny")
+    run = model if mode == "call" else (lambda ids: model.prefill(ids, max_len=8))
+    with pytest.raises(ValueError, match=r"`input_ids` must not be empty: shape \[batch, seqlen\] with batch >= 1 "
+                                         r"and seqlen >= 1; got \(2, 0\)"):
+        run(np.zeros((2, 0), np.int32))
+    with pytest.raises(ValueError, match=r"`input_ids` must not be empty.*got \(0, 3\)"):
+        run(np.zeros((0, 3), np.int32))
+    with pytest.raises(ValueError, match=r"`input_ids` must be a rectangular integer array \[batch, seqlen\]; "
+                                         r"got a list"):
+        run([[1, 2, 3], [4]])
+    with pytest.raises(ValueError, match=r"`input_ids` must have shape \[batch, seqlen\]; got \(3,\)"):
+        run(np.array([1, 2, 3]))
+    with pytest.raises(TypeError, match="`input_ids` must be an integer array; got dtype float32"):
+        run(np.ones((1, 3), np.float32))
+
+
+def test_bad_decode_tokens_are_named():
+    model = get_model("qwen3_5_tiny")
+    _, cache = model.prefill(np.array([[1, 2, 3], [4, 5, 6]]), max_len=8)
+    with pytest.raises(ValueError, match=r"`tokens` must not be empty: shape \[batch\] with batch >= 1; got \(0,\)"):
+        model.decode(np.zeros((0,), np.int32), cache)
+    with pytest.raises(TypeError, match="`tokens` must be an integer array; got dtype bool"):
+        model.decode(np.array([True, False]), cache)
+    logits, _ = model.decode([7, 8], cache)  # a list of ints is an int array
+    assert logits.shape == (2, 256)
+
+
 def test_missing_config_and_weights(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
         load_model(tmp_path / "nowhere")
