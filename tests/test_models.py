@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -505,6 +506,60 @@ def test_nemotron_config_validation():
         NemotronHConfig.from_hf_config(dict(base, num_experts_per_tok=5))
     with pytest.raises(ConfigError, match=r"key 'hidden_size' must be int"):
         NemotronHConfig.from_hf_config(dict(base, hidden_size="32"))
+
+
+REQUIRED_KEYS = [  # (fixture, the key and its aliases): each fixes shapes no default would match
+    ("nemotron_h_tiny", ("ssm_state_size",)),
+    ("nemotron_h_tiny", ("mamba_num_heads",)),
+    ("nemotron_h_tiny", ("mamba_head_dim",)),
+    ("nemotron_h_tiny", ("n_groups", "mamba_n_groups")),
+    ("nemotron_h_tiny", ("num_key_value_heads",)),
+    ("nemotron_h_tiny", ("head_dim", "attention_head_dim")),
+    ("nemotron_h_tiny", ("moe_shared_expert_intermediate_size",)),
+    ("nemotron_h_tiny", ("layers_block_type", "layer_types", "hybrid_override_pattern")),
+    ("mamba2_tiny", ("state_size",)),
+    ("mamba2_tiny", ("n_groups",)),
+    ("qwen3_5_tiny", ("num_key_value_heads",)),
+    ("qwen3_5_tiny", ("head_dim",)),
+    ("qwen3_5_tiny", ("intermediate_size",)),
+    ("qwen3_5_tiny", ("layer_types", "full_attention_interval")),
+    ("qwen3_next_tiny", ("num_experts",)),
+    ("qwen3_next_tiny", ("shared_expert_intermediate_size",)),
+]
+
+
+@pytest.mark.parametrize("name, keys", REQUIRED_KEYS, ids=[f"{n}-{k[0]}" for n, k in REQUIRED_KEYS])
+def test_missing_required_key_is_named(tmp_path, name, keys):
+    """A config without a required key names the file, the key and its aliases (no silent default)."""
+    cfg = {k: v for k, v in fixture_config(name).items() if k not in keys}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    aliases = ""
+    if len(keys) > 1:
+        aliases = rf" \(or its alias{'es' if len(keys) > 2 else ''} " + ", ".join(f"'{k}'" for k in keys[1:]) + r"\)"
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(tmp_path / 'config.json'))}: missing key '{keys[0]}'"
+                                          rf"{aliases}, which is required"):
+        load_model(tmp_path)
+
+
+def test_nemotron_without_ssm_state_size_is_a_config_error(tmp_path):
+    """The reported case: the whole checkpoint, config.json lacking ssm_state_size."""
+    dst = copy_fixture("nemotron_h_tiny", tmp_path)
+    _edit_config(dst, lambda c: c.pop("ssm_state_size"))
+    with pytest.raises(ConfigError, match=r"config.json: missing key 'ssm_state_size', which is required"):
+        load_model(dst)
+
+
+def test_optional_keys_keep_transformers_defaults():
+    base = fixture_config("nemotron_h_tiny")
+    optional = ("conv_kernel", "chunk_size", "use_conv_bias", "use_bias", "time_step_limit", "layer_norm_epsilon",
+                "mamba_hidden_act", "attention_bias", "mlp_hidden_act", "mlp_bias", "n_group", "topk_group")
+    cfg = NemotronHConfig.from_hf_config({k: v for k, v in base.items() if k not in optional})
+    assert (cfg.conv_kernel, cfg.chunk_size, cfg.use_conv_bias, cfg.use_bias) == (4, 128, True, False)
+    assert cfg.dt_limit == (0.0, float("inf")) and cfg.layer_norm_epsilon == 1e-5
+    # Qwen: partial_rotary_factor defaults to 0.25, as in transformers' Qwen3-Next / Qwen3.5 configs
+    qwen = {k: v for k, v in fixture_config("qwen3_5_tiny").items() if k not in ("rope_parameters",
+                                                                                "partial_rotary_factor")}
+    assert QwenHybridConfig.from_hf_config(qwen).rotary_dim == 4  # head_dim 16 * 0.25
 
 
 def test_mamba2_config():
