@@ -14,6 +14,7 @@ module is imported; this package imports every family, so `load_model` and
 from models import nemotron_h, qwen_hybrid  # noqa: F401  (registers the families)
 from models.common import HybridCache, make_decode_step, make_prefill, split_params
 from models.config import ConfigError, NemotronHConfig, QwenHybridConfig
+from models.generation_config import GenerationConfig, load_generation_config
 from models.loading import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -31,6 +32,7 @@ MODEL_TYPES = model_types()
 __all__ = [
     "HybridCache", "make_decode_step", "make_prefill", "split_params",
     "ConfigError", "NemotronHConfig", "QwenHybridConfig",
+    "GenerationConfig", "load_generation_config",
     "MODEL_TYPES", "CheckpointError", "CheckpointNotFoundError", "TensorSource", "load_model", "read_config",
     "NemotronHForCausalLM", "QwenHybridForCausalLM",
 ]
