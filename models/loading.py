@@ -41,7 +41,7 @@ KEEP_FP32 = frozenset({"A_log", "dt_bias", "D", "e_score_correction_bias"})
 #: recurrences, whose outputs and states then hold inf.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 #: The safetensors names of SUPPORTED_DTYPES (a tensor kept as stored, `dtype=None`, must be one).
-_SUPPORTED_TENSOR_DTYPES = {"F32": "float32", "BF16": "bfloat16"}
+_SUPPORTED_TENSOR_DTYPES = ("F32", "BF16")
 
 
 class CheckpointError(ValueError):
@@ -230,8 +230,9 @@ def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
         finite = np.isfinite(arr)
         if not finite.all():
             bad = np.argwhere(~finite)
+            first = tuple(int(i) for i in bad[0])
             raise CheckpointError(f"{src.file_of(key)}: tensor {key!r} holds {len(bad)} non-finite value(s) "
-                                  f"(NaN or inf), the first {arr[tuple(bad[0])]} at index {tuple(int(i) for i in bad[0])}")
+                                  f"(NaN or inf), the first {arr[first]} at index {first}")
         used.add(name)
         return arr
 
