@@ -92,11 +92,16 @@ class HybridCausalLM(nnx.Module):
         """Full causal forward, no cache.
 
         Args:
-          input_ids: int[batch, T].
+          input_ids: int[batch, T], batch >= 1, T >= 1, ids in [0, vocab_size).
           backend: SSM op backend (replayssm_jax.ops).
 
         Returns:
           logits f32[batch, T, vocab_size].
+
+        Raises:
+          TypeError: `input_ids` not integers.
+          ValueError: `input_ids` not of shape [batch, seqlen], with an empty axis,
+            or with an id outside the vocabulary (checked before any op runs).
         """
         h = self._embed(check_input_ids(input_ids, self.config.vocab_size))
         for block in self._blocks:
@@ -109,7 +114,7 @@ class HybridCausalLM(nnx.Module):
         """Prompt forward that builds the decode cache.
 
         Args:
-          input_ids: int[batch, T], prompts without padding.
+          input_ids: int[batch, T], prompts without padding; batch >= 1, T >= 1.
           max_len: KV cache length (>= T + tokens to generate), static.
           replay_buffer_len: None: standard SSM states (`SSMLayerState`); an int L:
             ReplaySSM states (`ReplayLayerState`, checkpoint = the prefill's final
@@ -125,7 +130,9 @@ class HybridCausalLM(nnx.Module):
           last_logits_only), HybridCache with position = T).
 
         Raises:
-          ValueError: bad `input_ids`, max_len < T, an unknown backend, or a
+          TypeError: `input_ids` not integers.
+          ValueError: `input_ids` not of shape [batch, seqlen], with an empty axis
+            or an id outside the vocabulary; max_len < T, an unknown backend, or a
             replay_buffer_len the kernels of `backend` cannot take.
           RuntimeError: backend "pallas" without a GPU.
         """
@@ -160,8 +167,8 @@ class HybridCausalLM(nnx.Module):
         Raises:
           TypeError: `cache` not a HybridCache; `tokens` not integers.
           ValueError: a cache whose layers do not match the model's, `tokens`
-            not of shape [batch] with the cache's batch, or an id outside the
-            vocabulary.
+            not of shape [batch] with the cache's batch (batch >= 1), or an id
+            outside the vocabulary.
         """
         tokens = check_tokens(tokens, self.config.vocab_size)
         check_cache(cache, self.config.layer_types, tokens.shape[0])
@@ -173,40 +180,51 @@ class HybridCausalLM(nnx.Module):
         return self._logits(h), HybridCache(layers=tuple(states), position=cache.position + 1)
 
 
-def _check_vocab(ids, vocab_size: int, name: str) -> None:
-    """Token ids must lie in [0, vocab_size); checked when concrete (inside jit, ids are clipped)."""
-    if isinstance(ids, jax.core.Tracer):
-        return
-    values = np.asarray(ids)
-    bad = values[(values < 0) | (values >= vocab_size)]
-    if bad.size:
-        raise ValueError(f"`{name}` has token id {int(bad[0])} outside the vocabulary [0, {vocab_size})")
+def _check_ids(ids, vocab_size: int, name: str, axes: tuple[str, ...]) -> jax.Array:
+    """`ids` as int32 with one axis per name in `axes`, none empty, values in [0, vocab_size).
 
+    The values are checked where concrete (inside jit they are traced, and the
+    embedding clips them).
 
-def check_input_ids(input_ids, vocab_size: int, name: str = "input_ids") -> jax.Array:
-    """`input_ids` as int32[batch, T] with ids in [0, vocab_size).
-
-    Raises ValueError / TypeError on other ranks or dtypes, and ValueError on an
-    id outside the vocabulary (when the ids are concrete).
+    Raises:
+      TypeError: a non-integer dtype.
+      ValueError: not a rectangular array, the wrong rank, an empty axis, or an
+        id outside the vocabulary; the message names `name`.
     """
-    ids = input_ids if isinstance(input_ids, jax.core.Tracer) else np.asarray(input_ids)
-    if ids.ndim != 2:
-        raise ValueError(f"`{name}` must have shape [batch, seqlen]; got {ids.shape}")
+    layout = f"[{', '.join(axes)}]"
+    if not isinstance(ids, jax.core.Tracer):
+        try:
+            ids = np.asarray(ids)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"`{name}` must be a rectangular integer array {layout}; got a "
+                             f"{type(ids).__name__} numpy cannot read as one ({e})") from None
+    if ids.ndim != len(axes):
+        raise ValueError(f"`{name}` must have shape {layout}; got {ids.shape}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"`{name}` must be an integer array; got dtype {ids.dtype}")
-    _check_vocab(ids, vocab_size, name)
+    if 0 in ids.shape:
+        sizes = " and ".join(f"{axis} >= 1" for axis in axes)
+        raise ValueError(f"`{name}` must not be empty: shape {layout} with {sizes}; got {ids.shape}")
+    if not isinstance(ids, jax.core.Tracer):
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"`{name}` has token id {int(bad[0])} outside the vocabulary [0, {vocab_size})")
     return jnp.asarray(ids).astype(jnp.int32)
 
 
+def check_input_ids(input_ids, vocab_size: int, name: str = "input_ids") -> jax.Array:
+    """`input_ids` as int32[batch, seqlen], batch >= 1, seqlen >= 1, ids in [0, vocab_size).
+
+    Raises TypeError on a non-integer dtype, ValueError on another rank, an
+    empty axis, a ragged nested list, or an id outside the vocabulary (when the
+    ids are concrete); the message names `name`.
+    """
+    return _check_ids(input_ids, vocab_size, name, ("batch", "seqlen"))
+
+
 def check_tokens(tokens, vocab_size: int) -> jax.Array:
-    """`tokens` as int32[batch] with ids in [0, vocab_size); raises as check_input_ids."""
-    tokens = tokens if isinstance(tokens, jax.core.Tracer) else np.asarray(tokens)
-    if tokens.ndim != 1:
-        raise ValueError(f"`tokens` must have shape [batch]; got {tokens.shape}")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"`tokens` must be an integer array; got dtype {tokens.dtype}")
-    _check_vocab(tokens, vocab_size, "tokens")
-    return jnp.asarray(tokens).astype(jnp.int32)
+    """`tokens` as int32[batch], batch >= 1, ids in [0, vocab_size); raises as check_input_ids."""
+    return _check_ids(tokens, vocab_size, "tokens", ("batch",))
 
 
 def split_params(model: nnx.Module):

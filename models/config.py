@@ -4,6 +4,15 @@ Each family config reads the keys of ``config.json`` verbatim (new names and the
 legacy aliases that transformers still accepts), validates them up front and
 raises `ConfigError` naming the file, the key, and the expected and found values.
 
+Required keys are those that fix the checkpoint's tensor shapes or layer
+pattern (sizes, head counts, head dims, state sizes, expert counts, the layer
+types), where transformers' default is a particular model's value that another
+checkpoint would not match: a config without one raises `ConfigError` naming
+the key and its aliases, rather than building a model whose shapes then clash
+with the checkpoint. The other keys (norm epsilons, biases, activations, the
+conv width, the chunk size, the time-step limit, RoPE theta and fraction,
+routing options) keep transformers' defaults, as listed per config class.
+
 - `NemotronHConfig`: model_type "nemotron_h" (Nemotron-H / Nemotron-3, Mamba-2 +
   attention + MLP/MoE) and "mamba2" (plain Mamba2ForCausalLM: Mamba-2 layers only).
 - `QwenHybridConfig`: model_type "qwen3_next" (Qwen3-Next: GDN + gated attention,
@@ -35,6 +44,15 @@ def parse_float(value: Any, *, where: str) -> float:
         raise ConfigError(f"{where}: expected a number; found {value!r}") from None
 
 
+def missing_key(source: str, keys: tuple[str, ...]) -> ConfigError:
+    """The error for a required key absent from `source` under each of its names (first the key, then aliases)."""
+    aliases = ""
+    if len(keys) > 1:
+        aliases = f" (or its alias{'es' if len(keys) > 2 else ''} {', '.join(repr(k) for k in keys[1:])})"
+    return ConfigError(f"{source}: missing key {keys[0]!r}{aliases}, which is required: it fixes the model's "
+                       f"shapes, and no default would match the checkpoint")
+
+
 class _Reader:
     """Reads keys of a config dict with aliases, defaults and type checks."""
 
@@ -59,9 +77,12 @@ class _Reader:
                                       f"found {value!r}")
                 return value
         if default is dataclasses.MISSING:
-            names = " or ".join(repr(k) for k in keys)
-            raise ConfigError(f"{self.source}: missing key {names}")
+            raise missing_key(self.source, keys)
         return default
+
+    def size(self, *keys: str) -> int:
+        """A required positive int under `keys` (a key and its aliases)."""
+        return self.positive(self.get(*keys, kind=int), keys[0])
 
     def positive(self, value: int, key: str) -> int:
         if value <= 0:
@@ -103,6 +124,25 @@ class NemotronHConfig:
 
     ``mamba_norm_group_size``: transformers' Nemotron-H normalises the gated
     RMSNorm per group (d_inner // n_groups); its plain Mamba2 over all of d_inner.
+
+    Required config.json keys (aliases in parentheses), read where the layer
+    types use them. Nemotron-H: ``vocab_size``, ``hidden_size``, the layer
+    pattern (``layers_block_type``, ``layer_types``, ``hybrid_override_pattern``);
+    Mamba-2 layers: ``mamba_num_heads``, ``mamba_head_dim``, ``ssm_state_size``,
+    ``n_groups`` (``mamba_n_groups``); attention: ``num_attention_heads``,
+    ``num_key_value_heads``, ``head_dim`` (``attention_head_dim``); MLP:
+    ``intermediate_size``; MoE: ``n_routed_experts`` (``num_local_experts``),
+    ``num_experts_per_tok``, ``moe_intermediate_size``,
+    ``moe_shared_expert_intermediate_size`` (0: no shared expert). Mamba2:
+    ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_heads``,
+    ``head_dim``, ``state_size``, ``n_groups``. Every other key has transformers'
+    default: ``layer_norm_epsilon`` 1e-5, ``tie_word_embeddings`` False (Mamba2:
+    True), ``residual_in_fp32`` False (Mamba2: True), ``conv_kernel`` 4,
+    ``use_conv_bias`` True, ``use_bias`` False, ``chunk_size`` 128 (Mamba2: 256),
+    ``time_step_limit`` (0, inf), ``mamba_hidden_act`` "silu", ``attention_bias``
+    False, ``mlp_hidden_act`` "relu2", ``mlp_bias`` False, ``moe_latent_size``
+    None, ``n_group`` 1, ``topk_group`` 1, ``norm_topk_prob`` True,
+    ``routed_scaling_factor`` 1.0 (Mamba2: ``expand`` 2).
     """
 
     model_type: str
@@ -153,7 +193,8 @@ class NemotronHConfig:
         """Build and validate from a config.json dict (model_type "nemotron_h" or "mamba2").
 
         Raises:
-          ConfigError: a missing or malformed key, an unknown layer type, or sizes that do not divide.
+          ConfigError: a missing required key (named with its aliases), a malformed key, an unknown
+            layer type, or sizes that do not divide.
         """
         r = _Reader(d, source)
         model_type = r.get("model_type", kind=str)
@@ -162,7 +203,7 @@ class NemotronHConfig:
         if model_type != "nemotron_h":
             raise ConfigError(f"{source}: NemotronHConfig reads model_type 'nemotron_h' or 'mamba2'; "
                               f"found {model_type!r}")
-        hidden = r.positive(r.get("hidden_size", kind=int), "hidden_size")
+        hidden = r.size("hidden_size")
         if r.has("layers_block_type", "layer_types"):
             raw = r.get("layers_block_type", "layer_types", kind=list)
             key = "layers_block_type"
@@ -170,7 +211,7 @@ class NemotronHConfig:
             raw = list(r.get("hybrid_override_pattern", kind=str))
             key = "hybrid_override_pattern"
         else:
-            raise ConfigError(f"{source}: missing key 'layers_block_type' (or legacy 'hybrid_override_pattern')")
+            raise missing_key(source, ("layers_block_type", "layer_types", "hybrid_override_pattern"))
         layer_types = []
         for i, name in enumerate(raw):
             if name not in _NEMOTRON_TYPE_NAMES:
@@ -183,17 +224,22 @@ class NemotronHConfig:
             raise ConfigError(f"{source}: 'num_hidden_layers' = {d['num_hidden_layers']} does not match the "
                               f"{len(layer_types)} layers of {key!r}")
         kinds = set(layer_types)
-        heads = r.get("mamba_num_heads", kind=int, default=128)
-        head_dim = r.get("mamba_head_dim", kind=int, default=64)
-        n_groups = r.get("n_groups", "mamba_n_groups", kind=int, default=8)
+        mamba = "mamba" in kinds
+
+        def mamba_size(*keys):  # required with Mamba-2 layers; unused (0) without
+            return r.size(*keys) if mamba else r.get(*keys, kind=int, default=0)
+
+        heads = mamba_size("mamba_num_heads")
+        head_dim = mamba_size("mamba_head_dim")
+        n_groups = mamba_size("n_groups", "mamba_n_groups")
         fields = dict(
-            model_type=model_type, vocab_size=r.positive(r.get("vocab_size", kind=int), "vocab_size"),
+            model_type=model_type, vocab_size=r.size("vocab_size"),
             hidden_size=hidden, layer_types=tuple(layer_types),
             layer_norm_epsilon=r.get("layer_norm_epsilon", kind=float, default=1e-5),
             tie_word_embeddings=r.get("tie_word_embeddings", kind=bool, default=False),
             residual_in_fp32=r.get("residual_in_fp32", kind=bool, default=False),
             mamba_num_heads=heads, mamba_head_dim=head_dim,
-            ssm_state_size=r.get("ssm_state_size", kind=int, default=128), n_groups=n_groups,
+            ssm_state_size=mamba_size("ssm_state_size"), n_groups=n_groups,
             conv_kernel=r.get("conv_kernel", "mamba_d_conv", kind=int, default=4),
             use_conv_bias=r.get("use_conv_bias", "mamba_conv_bias", kind=bool, default=True),
             use_bias=r.get("use_bias", "mamba_proj_bias", kind=bool, default=False),
@@ -202,24 +248,23 @@ class NemotronHConfig:
             mamba_norm_group_size=0,
             mamba_hidden_act=r.get("mamba_hidden_act", kind=str, default="silu"),
         )
-        if "mamba" in kinds:
-            r.positive(heads, "mamba_num_heads")
+        if mamba:
             r.divides(n_groups, "n_groups", heads, "mamba_num_heads")
             fields["mamba_norm_group_size"] = heads * head_dim // n_groups
         if "attention" in kinds:
-            nh = r.positive(r.get("num_attention_heads", kind=int), "num_attention_heads")
-            kvh = r.get("num_key_value_heads", kind=int, default=nh)
+            nh = r.size("num_attention_heads")
+            kvh = r.size("num_key_value_heads")
             r.divides(kvh, "num_key_value_heads", nh, "num_attention_heads")
             fields.update(num_attention_heads=nh, num_key_value_heads=kvh,
-                          head_dim=r.get("head_dim", "attention_head_dim", kind=int, default=hidden // nh),
+                          head_dim=r.size("head_dim", "attention_head_dim"),
                           attention_bias=r.get("attention_bias", kind=bool, default=False))
         if kinds & {"mlp", "moe"}:
             fields.update(mlp_hidden_act=r.get("mlp_hidden_act", kind=str, default="relu2"),
                           mlp_bias=r.get("mlp_bias", kind=bool, default=False))
         if "mlp" in kinds:
-            fields["intermediate_size"] = r.positive(r.get("intermediate_size", kind=int), "intermediate_size")
+            fields["intermediate_size"] = r.size("intermediate_size")
         if "moe" in kinds:
-            n_exp = r.positive(r.get("n_routed_experts", "num_local_experts", kind=int), "n_routed_experts")
+            n_exp = r.size("n_routed_experts", "num_local_experts")
             top_k = r.get("num_experts_per_tok", kind=int)
             if not 1 <= top_k <= n_exp:
                 raise ConfigError(f"{source}: 'num_experts_per_tok' must be in [1, n_routed_experts = {n_exp}]; "
@@ -231,8 +276,8 @@ class NemotronHConfig:
                 raise ConfigError(f"{source}: 'topk_group' must be in [1, n_group = {n_group}]; found {topk_group}")
             fields.update(
                 n_routed_experts=n_exp, num_experts_per_tok=top_k,
-                moe_intermediate_size=r.positive(r.get("moe_intermediate_size", kind=int), "moe_intermediate_size"),
-                moe_shared_expert_intermediate_size=r.get("moe_shared_expert_intermediate_size", kind=int, default=0),
+                moe_intermediate_size=r.size("moe_intermediate_size"),
+                moe_shared_expert_intermediate_size=r.get("moe_shared_expert_intermediate_size", kind=int),
                 moe_latent_size=r.get("moe_latent_size", kind=int, default=None), n_group=n_group,
                 topk_group=topk_group, norm_topk_prob=r.get("norm_topk_prob", kind=bool, default=True),
                 routed_scaling_factor=r.get("routed_scaling_factor", kind=float, default=1.0))
@@ -251,24 +296,24 @@ class NemotronHConfig:
 
     @classmethod
     def _from_mamba2(cls, r: _Reader) -> "NemotronHConfig":
-        hidden = r.positive(r.get("hidden_size", kind=int), "hidden_size")
+        hidden = r.size("hidden_size")
         expand = r.get("expand", kind=int, default=2)
-        heads = r.positive(r.get("num_heads", kind=int), "num_heads")
-        head_dim = r.positive(r.get("head_dim", kind=int), "head_dim")
+        heads = r.size("num_heads")
+        head_dim = r.size("head_dim")
         if heads * head_dim != expand * hidden:
             raise ConfigError(f"{r.source}: 'num_heads' * 'head_dim' = {heads * head_dim} must equal "
                               f"'expand' * 'hidden_size' = {expand * hidden} (the mixer's intermediate size)")
-        n_groups = r.get("n_groups", kind=int, default=1)
+        n_groups = r.size("n_groups")
         r.divides(n_groups, "n_groups", heads, "num_heads")
-        n_layers = r.positive(r.get("num_hidden_layers", kind=int), "num_hidden_layers")
+        n_layers = r.size("num_hidden_layers")
         return cls(
-            model_type="mamba2", vocab_size=r.positive(r.get("vocab_size", kind=int), "vocab_size"),
+            model_type="mamba2", vocab_size=r.size("vocab_size"),
             hidden_size=hidden, layer_types=("mamba",) * n_layers,
             layer_norm_epsilon=r.get("layer_norm_epsilon", kind=float, default=1e-5),
             tie_word_embeddings=r.get("tie_word_embeddings", "tie_embedding_weights", kind=bool, default=True),
             residual_in_fp32=r.get("residual_in_fp32", kind=bool, default=True),
             mamba_num_heads=heads, mamba_head_dim=head_dim,
-            ssm_state_size=r.get("state_size", kind=int, default=128), n_groups=n_groups,
+            ssm_state_size=r.size("state_size"), n_groups=n_groups,
             conv_kernel=r.get("conv_kernel", kind=int, default=4),
             use_conv_bias=r.get("use_conv_bias", kind=bool, default=True),
             use_bias=r.get("use_bias", kind=bool, default=False),
@@ -298,6 +343,19 @@ class QwenHybridConfig:
     partial_rotary_factor); only the "default" RoPE type is supported (Qwen3.5's
     multimodal RoPE sections coincide with it for text-only positions).
     ``attn_output_gate``: q_proj also yields the sigmoid output gate (default True).
+
+    Required config.json keys: ``vocab_size``, ``hidden_size``,
+    ``num_hidden_layers``, the layer pattern (``layer_types``, or
+    ``full_attention_interval``), ``num_attention_heads``, ``num_key_value_heads``,
+    ``head_dim``, ``linear_num_key_heads``, ``linear_num_value_heads``,
+    ``linear_key_head_dim``, ``linear_value_head_dim``, ``intermediate_size``
+    (where a layer has a dense MLP); Qwen3-Next also ``num_experts`` (0: no MoE)
+    and, with MoE layers, ``num_experts_per_tok``, ``moe_intermediate_size``,
+    ``shared_expert_intermediate_size``. Every other key has transformers'
+    default: ``rms_norm_eps`` 1e-6, ``tie_word_embeddings`` False, ``hidden_act``
+    "silu", ``attention_bias`` False, ``attn_output_gate`` True,
+    ``linear_conv_kernel_dim`` 4, ``rope_theta`` 10000, ``partial_rotary_factor``
+    0.25, ``decoder_sparse_step`` 1, ``mlp_only_layers`` [], ``norm_topk_prob`` True.
     """
 
     model_type: str
@@ -340,7 +398,8 @@ class QwenHybridConfig:
         """Build and validate from a config.json dict (model_type "qwen3_next", "qwen3_5_text" or "qwen3_5").
 
         Raises:
-          ConfigError: a missing or malformed key, an unknown layer or RoPE type, or sizes that do not divide.
+          ConfigError: a missing required key (named with its aliases), a malformed key, an unknown
+            layer or RoPE type, or sizes that do not divide.
         """
         r = _Reader(d, source)
         model_type = r.get("model_type", kind=str)
@@ -353,8 +412,8 @@ class QwenHybridConfig:
         if model_type not in ("qwen3_next", "qwen3_5_text"):
             raise ConfigError(f"{source}: QwenHybridConfig reads model_type 'qwen3_next', 'qwen3_5_text' or "
                               f"'qwen3_5'; found {model_type!r}")
-        hidden = r.positive(r.get("hidden_size", kind=int), "hidden_size")
-        n_layers = r.positive(r.get("num_hidden_layers", kind=int), "num_hidden_layers")
+        hidden = r.size("hidden_size")
+        n_layers = r.size("num_hidden_layers")
         if r.has("layer_types"):
             raw = r.get("layer_types", kind=list)
             layer_types = []
@@ -366,13 +425,15 @@ class QwenHybridConfig:
             if len(layer_types) != n_layers:
                 raise ConfigError(f"{source}: 'layer_types' has {len(layer_types)} entries; "
                                   f"'num_hidden_layers' = {n_layers}")
-        else:
-            interval = r.positive(r.get("full_attention_interval", kind=int, default=4), "full_attention_interval")
+        elif r.has("full_attention_interval"):
+            interval = r.size("full_attention_interval")
             layer_types = ["attention" if (i + 1) % interval == 0 else "gdn" for i in range(n_layers)]
-        nh = r.positive(r.get("num_attention_heads", kind=int), "num_attention_heads")
-        kvh = r.get("num_key_value_heads", kind=int, default=nh)
+        else:
+            raise missing_key(source, ("layer_types", "full_attention_interval"))
+        nh = r.size("num_attention_heads")
+        kvh = r.size("num_key_value_heads")
         r.divides(kvh, "num_key_value_heads", nh, "num_attention_heads")
-        head_dim = r.get("head_dim", kind=int, default=hidden // nh)
+        head_dim = r.size("head_dim")
         rope = r.get("rope_parameters", kind=dict, default=None) or {}
         legacy = r.get("rope_scaling", kind=dict, default=None) or {}
         rope_type = rope.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
@@ -380,17 +441,17 @@ class QwenHybridConfig:
             raise ConfigError(f"{source}: key 'rope_parameters': rope_type {rope_type!r} is not supported "
                               f"(supported: 'default')")
         theta = parse_float(rope.get("rope_theta", d.get("rope_theta", 10000.0)), where=f"{source}: 'rope_theta'")
-        factor = parse_float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)),
+        factor = parse_float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)),
                              where=f"{source}: 'partial_rotary_factor'")
         rotary_dim = int(head_dim * factor)
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ConfigError(f"{source}: 'partial_rotary_factor' = {factor} gives rotary dim {rotary_dim}; "
                               f"expected an even number in (0, head_dim = {head_dim}]")
-        lk = r.positive(r.get("linear_num_key_heads", kind=int), "linear_num_key_heads")
-        lv = r.positive(r.get("linear_num_value_heads", kind=int), "linear_num_value_heads")
+        lk = r.size("linear_num_key_heads")
+        lv = r.size("linear_num_value_heads")
         r.divides(lk, "linear_num_key_heads", lv, "linear_num_value_heads")
         fields = dict(
-            model_type=model_type, vocab_size=r.positive(r.get("vocab_size", kind=int), "vocab_size"),
+            model_type=model_type, vocab_size=r.size("vocab_size"),
             hidden_size=hidden, layer_types=tuple(layer_types), mlp_types=("mlp",) * n_layers,
             rms_norm_eps=r.get("rms_norm_eps", kind=float, default=1e-6),
             tie_word_embeddings=r.get("tie_word_embeddings", kind=bool, default=False),
@@ -399,15 +460,15 @@ class QwenHybridConfig:
             attention_bias=r.get("attention_bias", kind=bool, default=False), rope_theta=theta,
             rotary_dim=rotary_dim, attn_output_gate=r.get("attn_output_gate", kind=bool, default=True),
             linear_num_key_heads=lk, linear_num_value_heads=lv,
-            linear_key_head_dim=r.positive(r.get("linear_key_head_dim", kind=int), "linear_key_head_dim"),
-            linear_value_head_dim=r.positive(r.get("linear_value_head_dim", kind=int), "linear_value_head_dim"),
+            linear_key_head_dim=r.size("linear_key_head_dim"),
+            linear_value_head_dim=r.size("linear_value_head_dim"),
             linear_conv_kernel_dim=r.positive(r.get("linear_conv_kernel_dim", kind=int, default=4),
                                               "linear_conv_kernel_dim"),
             gdn_packed=(model_type == "qwen3_next"),
-            intermediate_size=r.get("intermediate_size", kind=int, default=0),
+            intermediate_size=0,
         )
         if model_type == "qwen3_next":
-            n_exp = r.get("num_experts", kind=int, default=0)
+            n_exp = r.get("num_experts", kind=int)
             step = r.get("decoder_sparse_step", kind=int, default=1)
             mlp_only = set(r.get("mlp_only_layers", kind=list, default=[]))
             mlp_types = tuple("moe" if (i not in mlp_only and n_exp > 0 and (i + 1) % step == 0) else "mlp"
@@ -420,10 +481,9 @@ class QwenHybridConfig:
                                       f"found {top_k}")
                 fields.update(
                     num_experts=n_exp, num_experts_per_tok=top_k,
-                    moe_intermediate_size=r.positive(r.get("moe_intermediate_size", kind=int),
-                                                     "moe_intermediate_size"),
-                    shared_expert_intermediate_size=r.get("shared_expert_intermediate_size", kind=int, default=0),
+                    moe_intermediate_size=r.size("moe_intermediate_size"),
+                    shared_expert_intermediate_size=r.get("shared_expert_intermediate_size", kind=int),
                     norm_topk_prob=r.get("norm_topk_prob", kind=bool, default=True))
         if "mlp" in fields["mlp_types"]:
-            r.positive(fields["intermediate_size"], "intermediate_size")
+            fields["intermediate_size"] = r.size("intermediate_size")
         return cls(**fields)

@@ -2,14 +2,15 @@
 
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or a
 sharded ``model.safetensors.index.json`` with its shards. `load_model` reads
-the config, picks the model family from ``model_type``, builds the module
-abstractly (``nnx.eval_shape``: no weights allocated twice) and fills every
-parameter from the checkpoint by name.
+the config, looks the model family up by ``model_type`` in `models.registry`,
+builds the module abstractly (``nnx.eval_shape``: no weights allocated twice)
+and fills every parameter from the checkpoint by name.
 
 The name mapping is strict: a parameter without a tensor, a tensor that no
 parameter takes (beyond the documented ignores, e.g. ``mtp.*`` multi-token
 prediction heads that transformers also skips) and a tensor of the wrong shape
-each raise `CheckpointError` naming the file, the key and the shapes.
+each raise `CheckpointError` naming the file, the key and the shapes; so does a
+tensor holding NaN or inf (checked as each tensor is read).
 
 Per-expert checkpoint tensors (``...experts.{e}.up_proj.weight``) are stacked
 into the model's [E, out, in] expert parameters.
@@ -27,13 +28,20 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
+from models import registry
 from models.config import ConfigError
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "TensorSource", "read_config", "load_params",
-           "load_model", "MODEL_TYPES"]
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "TensorSource", "read_config", "read_json_object",
+           "check_folder", "load_params", "load_model", "check_dtypes", "SUPPORTED_DTYPES"]
 
 #: Parameters kept in float32 when a lower `dtype` is requested (the SSM dynamics and router bias).
 KEEP_FP32 = frozenset({"A_log", "dt_bias", "D", "e_score_correction_bias"})
+
+#: Weight dtypes the models run in. float16 is refused: its range (max 65504) overflows in the SSM
+#: recurrences, whose outputs and states then hold inf.
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+#: The safetensors names of SUPPORTED_DTYPES (a tensor kept as stored, `dtype=None`, must be one).
+_SUPPORTED_TENSOR_DTYPES = ("F32", "BF16")
 
 
 class CheckpointError(ValueError):
@@ -44,6 +52,34 @@ class CheckpointNotFoundError(FileNotFoundError):
     """A checkpoint folder without config.json or safetensors weights."""
 
 
+def read_json_object(file: str) -> dict:
+    """The JSON object in `file` (a config.json or generation_config.json).
+
+    Raises:
+      ConfigError: `file` is not UTF-8 JSON or holds something other than an object (naming `file`).
+    """
+    with open(file, "rb") as f:
+        try:
+            d = json.loads(f.read().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{file}: expected a JSON object; found {type(d).__name__}")
+    return d
+
+
+def check_folder(path: str | os.PathLike) -> str:
+    """`path` as a str, if it is a folder.
+
+    Raises:
+      CheckpointNotFoundError: `path` is not a folder.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"checkpoint folder {path!r} does not exist")
+    return path
+
+
 def read_config(path: str | os.PathLike) -> dict:
     """The parsed ``config.json`` of checkpoint folder `path`.
 
@@ -51,20 +87,10 @@ def read_config(path: str | os.PathLike) -> dict:
       CheckpointNotFoundError: `path` is not a folder or has no config.json.
       ConfigError: config.json is not a JSON object.
     """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"checkpoint folder {path!r} does not exist")
-    cfg_path = os.path.join(path, "config.json")
+    cfg_path = os.path.join(check_folder(path), "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointNotFoundError(f"{cfg_path}: no such file (a Hugging Face checkpoint folder needs config.json)")
-    with open(cfg_path, "rb") as f:
-        try:
-            d = json.loads(f.read().decode("utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{cfg_path}: expected a JSON object; found {type(d).__name__}")
-    return d
+    return read_json_object(cfg_path)
 
 
 class TensorSource:
@@ -157,16 +183,18 @@ def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
       src: the checkpoint tensors.
       checkpoint_key: maps a checkpoint tensor name to the model's name for it
         (e.g. a prefix rename), or None to skip the tensor on purpose.
-      dtype: None keeps each tensor's dtype; else floating tensors are cast to it
-        (except `KEEP_FP32` parameters, kept in float32).
+      dtype: None keeps each tensor's dtype (which must then be F32 or BF16); else
+        floating tensors are cast to it (except `KEEP_FP32` parameters, kept in float32).
       model_name: used in error messages.
 
     Returns:
       The model, every parameter filled.
 
     Raises:
-      CheckpointError: a missing tensor, an unexpected tensor, or a shape mismatch
-        (naming the file, the key, and the expected and found shapes).
+      CheckpointError: a missing tensor, an unexpected tensor, a shape mismatch
+        (naming the file, the key, and the expected and found shapes), a
+        non-floating tensor, a tensor holding NaN or inf, or with `dtype=None`
+        a tensor stored in a dtype other than F32 / BF16.
     """
     abstract = nnx.eval_shape(model_factory)
     graphdef, state = nnx.split(abstract)
@@ -194,8 +222,19 @@ def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
         if not (kind.startswith("F") or kind.startswith("BF")):
             raise CheckpointError(f"{src.file_of(key)}: tensor {key!r} has dtype {kind}; {model_name} expects a "
                                   f"floating dtype (F16, BF16, F32, F64)")
+        if dtype is None and kind not in _SUPPORTED_TENSOR_DTYPES:
+            raise CheckpointError(f"{src.file_of(key)}: tensor {key!r} has dtype {kind}, which the models do not "
+                                  f"run in (supported: {', '.join(_SUPPORTED_TENSOR_DTYPES)}); pass "
+                                  f"dtype=jnp.float32 or dtype=jnp.bfloat16 to cast the weights")
+        arr = src.get(key)
+        finite = np.isfinite(arr)
+        if not finite.all():
+            bad = np.argwhere(~finite)
+            first = tuple(int(i) for i in bad[0])
+            raise CheckpointError(f"{src.file_of(key)}: tensor {key!r} holds {len(bad)} non-finite value(s) "
+                                  f"(NaN or inf), the first {arr[first]} at index {first}")
         used.add(name)
-        return src.get(key)
+        return arr
 
     leaves = []
     for path, var in nnx.to_flat_state(state):
@@ -220,44 +259,42 @@ def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
 
 
 def check_dtypes(dtype, ssm_state_dtype) -> None:
-    """Raise TypeError unless `dtype` is None or floating and `ssm_state_dtype` is float32 or bfloat16."""
+    """Raise TypeError unless `dtype` is None, float32 or bfloat16 and `ssm_state_dtype` is float32 or bfloat16.
+
+    float16 is refused for both: the SSM recurrences overflow its range (outputs and states turn inf).
+    """
+    for name, value, allow_none in (("dtype", dtype, True), ("ssm_state_dtype", ssm_state_dtype, False)):
+        if allow_none and value is None:
+            continue
+        given = _dtype_or_none(value)
+        if given not in SUPPORTED_DTYPES:
+            allowed = "None or a floating dtype (float32, bfloat16)" if allow_none else "float32 or bfloat16"
+            why = (" (float16 is not supported: the SSM ops overflow its range, max 65504, and return inf)"
+                   if given == jnp.dtype(jnp.float16) else "")
+            raise TypeError(f"`{name}` must be {allowed}; got {given.name if given is not None else repr(value)}{why}")
+
+
+def _dtype_or_none(value):
     try:
-        ok = dtype is None or jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        return jnp.dtype(value)
     except TypeError:
-        ok = False
-    if not ok:
-        raise TypeError(f"`dtype` must be None or a floating dtype (float32, bfloat16); got {dtype!r}")
-    try:
-        ok = jnp.dtype(ssm_state_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-    except TypeError:
-        ok = False
-    if not ok:
-        raise TypeError(f"`ssm_state_dtype` must be float32 or bfloat16; got {ssm_state_dtype!r}")
-
-
-def _families():
-    from models import nemotron_h, qwen_hybrid
-
-    return {
-        "mamba2": nemotron_h.load,
-        "nemotron_h": nemotron_h.load,
-        "qwen3_next": qwen_hybrid.load,
-        "qwen3_5_text": qwen_hybrid.load,
-        "qwen3_5": qwen_hybrid.load,
-    }
-
-
-MODEL_TYPES = ("mamba2", "nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5")
+        return None
 
 
 def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float32) -> nnx.Module:
     """Load a Hugging Face checkpoint folder as a Flax NNX model.
 
+    The model family is the one registered for config.json's ``model_type``
+    (`models.registry`); its config parser, model class and checkpoint name
+    mapping build the model.
+
     Args:
       path: folder with config.json and model.safetensors (or a sharded index).
-      dtype: None keeps the checkpoint dtype; else cast floating weights to it
-        (A_log, dt_bias, D and the router bias stay float32).
-      ssm_state_dtype: dtype of the SSM states / checkpoints kept between decode steps.
+      dtype: None keeps the checkpoint dtype (each tensor must then be float32
+        or bfloat16); float32 or bfloat16 casts floating weights to it (A_log,
+        dt_bias, D and the router bias stay float32). float16 is refused.
+      ssm_state_dtype: dtype of the SSM states / checkpoints kept between decode
+        steps: float32 or bfloat16.
 
     Returns:
       `models.nemotron_h.NemotronHForCausalLM` (model_type "nemotron_h", "mamba2") or
@@ -265,16 +302,19 @@ def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float
 
     Raises:
       CheckpointNotFoundError: no folder, no config.json, or no safetensors weights.
-      ConfigError: unknown model_type or layer type, missing / malformed config keys.
+      ConfigError: unknown model_type or layer type, a missing required key (named
+        with its aliases), a malformed key.
       CheckpointError: missing or unexpected tensors, shape or dtype mismatches,
-        unreadable safetensors files.
-      TypeError: a non-floating `dtype` or an `ssm_state_dtype` other than f32 / bf16.
+        NaN or inf in a tensor, unreadable safetensors files.
+      TypeError: a `dtype` other than None, float32, bfloat16, or an
+        `ssm_state_dtype` other than float32, bfloat16.
     """
     check_dtypes(dtype, ssm_state_dtype)
     cfg = read_config(path)
-    source = os.path.join(os.fspath(path), "config.json")
     model_type = cfg.get("model_type")
-    families = _families()
-    if model_type not in families:
-        raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
-    return families[model_type](path, cfg, dtype=dtype, ssm_state_dtype=ssm_state_dtype, source=source)
+    family, config = registry.parse(cfg, source=os.path.join(os.fspath(path), "config.json"))
+    src = TensorSource(path)
+    return load_params(
+        lambda: family.model_class(config, ssm_state_dtype=ssm_state_dtype, param_dtype=dtype or jnp.float32),
+        src, checkpoint_key=family.weight_map(config, model_type), dtype=dtype,
+        model_name=family.class_names[model_type])

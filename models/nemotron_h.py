@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import registry
 from models.common import HybridCausalLM
 from models.config import NemotronHConfig
-from models.loading import TensorSource, load_params
 from replayssm_jax.layers import MLP, Attention, Embedding, Linear, Mamba2Mixer, MoE, RMSNorm
 from replayssm_jax.layers.linear import default_rngs
 
-__all__ = ["NemotronHBlock", "NemotronHForCausalLM", "load"]
+__all__ = ["NemotronHBlock", "NemotronHForCausalLM", "weight_map"]
 
 
 class NemotronHBlock(nnx.Module):
@@ -158,19 +158,16 @@ class NemotronHForCausalLM(HybridCausalLM):
         return self.backbone.layers
 
 
-def load(path, config_dict: dict, *, dtype=None, ssm_state_dtype=jnp.float32,
-         source: str = "config.json") -> NemotronHForCausalLM:
-    """Load a Nemotron-H or Mamba2ForCausalLM checkpoint (see models.loading.load_model).
+def weight_map(config: NemotronHConfig, model_type: str):
+    """The checkpoint tensor name -> parameter name mapping of a Nemotron-H or Mamba2ForCausalLM checkpoint.
 
     Checkpoint names: ``backbone.*`` (``model.*`` is accepted as an alias),
     ``lm_head.weight``; ``mtp.*`` (multi-token prediction) is skipped, as is
     ``lm_head.weight`` of a tied model; Mamba2's legacy ``backbone.embedding.weight``
     is read as ``backbone.embeddings.weight``.
     """
-    config = NemotronHConfig.from_hf_config(config_dict, source=source)
-    src = TensorSource(path)
 
-    def checkpoint_key(key: str):
+    def checkpoint_key(key: str) -> str | None:
         if key.startswith("mtp."):
             return None
         if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -181,7 +178,9 @@ def load(path, config_dict: dict, *, dtype=None, ssm_state_dtype=jnp.float32,
             key = "backbone.embeddings.weight"
         return key
 
-    name = "Mamba2ForCausalLM" if config.model_type == "mamba2" else "NemotronHForCausalLM"
-    return load_params(
-        lambda: NemotronHForCausalLM(config, ssm_state_dtype=ssm_state_dtype, param_dtype=dtype or jnp.float32),
-        src, checkpoint_key=checkpoint_key, dtype=dtype, model_name=name)
+    return checkpoint_key
+
+
+registry.register(registry.Family(
+    class_names={"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"},
+    parse_config=NemotronHConfig.from_hf_config, model_class=NemotronHForCausalLM, weight_map=weight_map))

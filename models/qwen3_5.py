@@ -8,6 +8,5 @@ The implementation is shared with Qwen3-Next in `models.qwen_hybrid`.
 
 from models.config import QwenHybridConfig as Qwen3_5Config
 from models.qwen_hybrid import QwenHybridForCausalLM as Qwen3_5ForCausalLM
-from models.qwen_hybrid import load
 
-__all__ = ["Qwen3_5Config", "Qwen3_5ForCausalLM", "load"]
+__all__ = ["Qwen3_5Config", "Qwen3_5ForCausalLM"]

@@ -7,6 +7,5 @@ shared expert. The implementation is shared with Qwen3.5 in `models.qwen_hybrid`
 
 from models.config import QwenHybridConfig as Qwen3NextConfig
 from models.qwen_hybrid import QwenHybridForCausalLM as Qwen3NextForCausalLM
-from models.qwen_hybrid import load
 
-__all__ = ["Qwen3NextConfig", "Qwen3NextForCausalLM", "load"]
+__all__ = ["Qwen3NextConfig", "Qwen3NextForCausalLM"]

@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import registry
 from models.common import HybridCausalLM
 from models.config import QwenHybridConfig
-from models.loading import TensorSource, load_params
 from replayssm_jax.layers import MLP, Attention, Embedding, GatedDeltaNet, Linear, MoE, RMSNorm
 from replayssm_jax.layers.linear import default_rngs
 
-__all__ = ["QwenDecoderLayer", "QwenHybridForCausalLM", "load"]
+__all__ = ["QwenDecoderLayer", "QwenHybridForCausalLM", "weight_map"]
 
 
 class QwenDecoderLayer(nnx.Module):
@@ -151,20 +151,17 @@ class QwenHybridForCausalLM(HybridCausalLM):
         return self.model.layers
 
 
-def load(path, config_dict: dict, *, dtype=None, ssm_state_dtype=jnp.float32,
-         source: str = "config.json") -> QwenHybridForCausalLM:
-    """Load a Qwen3-Next or Qwen3.5 checkpoint (see models.loading.load_model).
+def weight_map(config: QwenHybridConfig, model_type: str):
+    """The checkpoint tensor name -> parameter name mapping of a Qwen3-Next or Qwen3.5 checkpoint.
 
     Checkpoint names: ``model.*``, ``lm_head.weight``. Skipped on purpose: ``mtp.*``
     (multi-token prediction), ``lm_head.weight`` of a tied model, and for the
     multimodal Qwen3.5 wrapper (model_type "qwen3_5") the vision tower
     ``model.visual.*``; its ``model.language_model.*`` is read as ``model.*``.
     """
-    config = QwenHybridConfig.from_hf_config(config_dict, source=source)
-    src = TensorSource(path)
-    multimodal = config_dict.get("model_type") == "qwen3_5"
+    multimodal = model_type == "qwen3_5"
 
-    def checkpoint_key(key: str):
+    def checkpoint_key(key: str) -> str | None:
         if key.startswith("mtp.") or (key == "lm_head.weight" and config.tie_word_embeddings):
             return None
         if multimodal:
@@ -174,7 +171,10 @@ def load(path, config_dict: dict, *, dtype=None, ssm_state_dtype=jnp.float32,
                 return "model." + key[len("model.language_model."):]
         return key
 
-    names = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
-    return load_params(
-        lambda: QwenHybridForCausalLM(config, ssm_state_dtype=ssm_state_dtype, param_dtype=dtype or jnp.float32),
-        src, checkpoint_key=checkpoint_key, dtype=dtype, model_name=names[config.model_type])
+    return checkpoint_key
+
+
+registry.register(registry.Family(
+    class_names={"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                 "qwen3_5": "Qwen3_5ForCausalLM"},
+    parse_config=QwenHybridConfig.from_hf_config, model_class=QwenHybridForCausalLM, weight_map=weight_map))

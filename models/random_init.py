@@ -8,40 +8,29 @@ import os
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ConfigError, NemotronHConfig, QwenHybridConfig
+from models import registry
 from models.loading import check_dtypes, read_config
-from models.nemotron_h import NemotronHForCausalLM
-from models.qwen_hybrid import QwenHybridForCausalLM
-
-_FAMILIES = {
-    "mamba2": (NemotronHConfig, NemotronHForCausalLM),
-    "nemotron_h": (NemotronHConfig, NemotronHForCausalLM),
-    "qwen3_next": (QwenHybridConfig, QwenHybridForCausalLM),
-    "qwen3_5_text": (QwenHybridConfig, QwenHybridForCausalLM),
-    "qwen3_5": (QwenHybridConfig, QwenHybridForCausalLM),
-}
 
 
 def init_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, seed: int = 0, ssm_state_dtype=jnp.float32):
     """A model with the architecture of `path`/config.json and random weights.
 
+    The model family is the one registered for config.json's ``model_type``
+    (`models.registry`), as in `models.load_model`.
+
     Args:
       path: a folder holding config.json (no weights needed).
-      dtype: parameter dtype.
+      dtype: parameter dtype: float32 or bfloat16 (None: float32). float16 is refused.
       seed: PRNG seed of the weights.
-      ssm_state_dtype: dtype of the SSM states between decode steps.
+      ssm_state_dtype: dtype of the SSM states between decode steps: float32 or bfloat16.
 
     Raises:
       CheckpointNotFoundError: no folder or no config.json.
-      ConfigError: an unknown model_type or a malformed config.
-      TypeError: a non-floating `dtype` or an `ssm_state_dtype` other than f32 / bf16.
+      ConfigError: an unknown model_type, a missing required key, or a malformed config.
+      TypeError: a `dtype` other than None, float32, bfloat16, or an `ssm_state_dtype`
+        other than float32, bfloat16.
     """
     check_dtypes(dtype, ssm_state_dtype)
-    cfg = read_config(path)
-    source = os.path.join(os.fspath(path), "config.json")
-    family = _FAMILIES.get(cfg.get("model_type"))
-    if family is None:
-        raise ConfigError(f"{source}: unknown model_type {cfg.get('model_type')!r}; supported: {', '.join(_FAMILIES)}")
-    config_cls, model_cls = family
-    config = config_cls.from_hf_config(cfg, source=source)
-    return model_cls(config, ssm_state_dtype=ssm_state_dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))
+    family, config = registry.parse(read_config(path), source=os.path.join(os.fspath(path), "config.json"))
+    return family.model_class(config, ssm_state_dtype=ssm_state_dtype, param_dtype=dtype or jnp.float32,
+                              rngs=nnx.Rngs(seed))

@@ -3,7 +3,12 @@
 Decodes random inputs through one Mamba-2 and one Gated DeltaNet layer with
 the standard state and with ReplaySSM (several buffer lengths, both routes),
 runs a speculative verify / commit round, and prints, for each check, the
-largest difference from the standard recurrence. Exits 1 if a check fails.
+largest difference from the standard recurrence. Exits 1 if a check fails,
+2 on a bad argument (one line on stderr).
+
+`--backend` applies to the ops that have a Pallas kernel
+(`replayssm_jax.ops.KERNEL_OPS`); the others (verify, materialize) run the
+"xla" reference on every backend, and the output says which ran where.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ def _mamba2_layer(key, batch, nheads=8, head_dim=24, d_state=16, n_groups=2):
 
     return dict(
         name=f"Mamba-2 (H={nheads}, P={head_dim}, N={d_state}, G={n_groups})",
+        ops=dict(step="mamba2_step", replay_step="mamba2_replay_step", verify="mamba2_replay_verify",
+                 materialize="mamba2_replay_materialize"),
         state=state,
         draw=draw,
         step=lambda s, inp, **kw: ops.mamba2_step(s, **inp, **params, **kw),
@@ -66,6 +73,8 @@ def _gdn_layer(key, batch, num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_d
 
     return dict(
         name=f"Gated DeltaNet (H={num_k_heads}, HV={num_v_heads}, K={head_k_dim}, V={head_v_dim})",
+        ops=dict(step="gdn_step", replay_step="gdn_replay_step", verify="gdn_replay_verify",
+                 materialize="gdn_replay_materialize"),
         state=state,
         draw=draw,
         step=lambda s, inp, **kw: ops.gdn_step(s, **inp, **kw),
@@ -91,43 +100,100 @@ def _rel_err(a, b) -> float:
     return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
 
 
-def check_layer(layer, key, backend):
+def op_backends(layer, backend: str) -> dict[str, str]:
+    """role -> the backend its op runs on: `backend` for an op with a Pallas kernel, else "xla"."""
+    return {role: backend if name in ops.KERNEL_OPS else "xla" for role, name in layer["ops"].items()}
+
+
+def check_layer(layer, key, backend, buffer_lens=(1, 4, 16)):
     """Yield (check, relative error) pairs for one layer type."""
-    kw = dict(backend=backend)
-    for L in (1, 4, 16):
+    kw = {role: dict(backend=b) for role, b in op_backends(layer, backend).items()}
+    step, replay_step, verify, materialize = layer["step"], layer["replay_step"], layer["verify"], layer["materialize"]
+    for L in buffer_lens:
         steps = 3 * L + 1
         seq = layer["draw"](jax.random.fold_in(key, L), steps)
-        y_std, s_std = jax.jit(lambda s, q: _scan(lambda c, i: layer["step"](c, i, **kw), s, q))(layer["state"], seq)
+        y_std, s_std = jax.jit(lambda s, q: _scan(lambda c, i: step(c, i, **kw["step"]), s, q))(layer["state"], seq)
         for route in ("output", "state"):
-            run = jax.jit(lambda rs, q, route=route: _scan(lambda c, i: layer["replay_step"](c, i, route=route, **kw), rs, q))
+            run = jax.jit(lambda rs, q, route=route: _scan(
+                lambda c, i: replay_step(c, i, route=route, **kw["replay_step"]), rs, q))
             y_rep, rs = run(layer["init"](layer["state"], L), seq)
             yield f"L={L:2d} route={route:6s} {steps:2d} steps: outputs", _rel_err(y_rep, y_std)
-            yield f"L={L:2d} route={route:6s} {steps:2d} steps: state", _rel_err(layer["materialize"](rs, **kw), s_std)
+            s_rep = jax.jit(lambda rs: materialize(rs, **kw["materialize"]))(rs)
+            yield f"L={L:2d} route={route:6s} {steps:2d} steps: state", _rel_err(s_rep, s_std)
     L, W = 8, 5
-    seq = layer["draw"](jax.random.fold_in(key, 99), 3 + W)
-    y_std, _ = _scan(lambda c, i: layer["step"](c, i, **kw), layer["state"], seq)
-    rs = layer["init"](layer["state"], L)
-    _, rs = _scan(lambda c, i: layer["replay_step"](c, i, **kw), rs, {k: v[:, :3] for k, v in seq.items()})
-    y_win, rs = layer["verify"](rs, {k: v[:, 3:] for k, v in seq.items()}, **kw)
-    yield f"verify W={W} after 3 steps: outputs", _rel_err(y_win, y_std[:, 3:])
-    rs = ops.replay_commit(rs, jnp.full((rs.batch,), 2, jnp.int32))
-    _, s_two = _scan(lambda c, i: layer["step"](c, i, **kw), layer["state"], {k: v[:, :5] for k, v in seq.items()})
-    yield "commit 2 of 5: state", _rel_err(layer["materialize"](rs, **kw), s_two)
+
+    @jax.jit
+    def speculate(state, seq):
+        """3 replay steps, a verify window of W, commit 2 of them; and the standard recurrence to compare."""
+        y_std, _ = _scan(lambda c, i: step(c, i, **kw["step"]), state, seq)
+        rs = layer["init"](state, L)
+        _, rs = _scan(lambda c, i: replay_step(c, i, **kw["replay_step"]), rs, {k: v[:, :3] for k, v in seq.items()})
+        y_win, rs = verify(rs, {k: v[:, 3:] for k, v in seq.items()}, **kw["verify"])
+        rs = ops.replay_commit(rs, jnp.full((rs.batch,), 2, jnp.int32))
+        _, s_two = _scan(lambda c, i: step(c, i, **kw["step"]), state, {k: v[:, :5] for k, v in seq.items()})
+        return y_win, y_std[:, 3:], materialize(rs, **kw["materialize"]), s_two
+
+    y_win, y_ref, s_commit, s_two = speculate(layer["state"], layer["draw"](jax.random.fold_in(key, 99), 3 + W))
+    yield f"verify W={W} after 3 steps: outputs", _rel_err(y_win, y_ref)
+    yield "commit 2 of 5: state", _rel_err(s_commit, s_two)
+
+
+class UsageError(Exception):
+    """A bad command-line argument: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers; got {text!r}")
+    return values
+
+
+def _parse(argv):
+    parser = _Parser(prog="replayssm-demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=ops.BACKENDS, default=None,
+                        help="backend of the ops with a Pallas kernel (the others run 'xla'); "
+                             "default: pallas on GPU, xla on CPU")
+    parser.add_argument("--batch", type=int, default=3, help="sequences per check (>= 1)")
+    parser.add_argument("--buffer-lens", type=_positive_ints, default=(1, 4, 16), metavar="L,L,...",
+                        help="ReplaySSM buffer lengths to check (default: 1,4,16)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.batch < 1:
+        raise UsageError(f"--batch must be a positive integer; got {args.batch}")
+    try:
+        args.backend = ops.resolve_backend(args.backend)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(f"--backend {args.backend}: {e}") from None
+    return args
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=ops.BACKENDS, default=None, help="default: pallas on GPU, xla on CPU")
-    parser.add_argument("--batch", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    backend = ops.resolve_backend(args.backend)
+    """Run the self-check; returns the exit status (0 passed, 1 a check failed, 2 a bad argument)."""
+    try:
+        args = _parse(argv)
+    except UsageError as e:
+        print(f"replayssm-demo: error: {e}", file=sys.stderr)
+        return 2
+    backend = args.backend
     key = jax.random.key(args.seed)
     print(f"replayssm-jax self-check: backend={backend}, device={jax.devices()[0].device_kind}, batch={args.batch}")
     failures = 0
     for layer in (_mamba2_layer(key, args.batch), _gdn_layer(jax.random.fold_in(key, 1), args.batch)):
         print(f"\n{layer['name']}: ReplaySSM vs the standard recurrence (max relative difference)")
-        for check, err in check_layer(layer, key, backend):
+        placed = op_backends(layer, backend)
+        on_xla = [layer["ops"][role] for role, b in placed.items() if b != backend]
+        if on_xla:
+            print(f"  ({', '.join(on_xla)}: no Pallas kernel, run on the 'xla' reference)")
+        for check, err in check_layer(layer, key, backend, args.buffer_lens):
             ok = np.isfinite(err) and err <= TOLERANCE
             failures += not ok
             print(f"  {check:42s} {err:9.2e}  {'ok' if ok else 'FAIL'}")

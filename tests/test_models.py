@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -34,6 +35,7 @@ from models import (
     make_prefill,
     split_params,
 )
+from models.random_init import init_model
 from replayssm_jax.layers import KVCache, ReplayLayerState, SSMLayerState
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -329,6 +331,57 @@ def test_bad_dtypes_are_rejected():
         load_model(fixture_dir("mamba2_tiny"), ssm_state_dtype=jnp.int32)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, "float16", jnp.float64])
+def test_float16_and_float64_weights_are_refused(dtype):
+    """Only float32 and bfloat16 are supported: float16 overflows in the SSM ops (inf outputs)."""
+    with pytest.raises(TypeError, match=r"`dtype` must be None or a floating dtype \(float32, bfloat16\); got float"):
+        load_model(fixture_dir("mamba2_tiny"), dtype=dtype)
+    with pytest.raises(TypeError, match=r"`dtype` must be None or a floating dtype \(float32, bfloat16\); got float"):
+        init_model(fixture_dir("qwen3_5_tiny"), dtype=dtype)
+    with pytest.raises(TypeError, match="`ssm_state_dtype` must be float32 or bfloat16; got float"):
+        init_model(fixture_dir("qwen3_5_tiny"), ssm_state_dtype=dtype)
+
+
+def test_float16_message_says_why():
+    with pytest.raises(TypeError, match="got float16 \\(float16 is not supported: the SSM ops overflow its range"):
+        load_model(fixture_dir("mamba2_tiny"), dtype=jnp.float16)
+
+
+def test_float16_checkpoint_needs_an_explicit_dtype(tmp_path):
+    """A float16 checkpoint is not kept as stored (dtype=None); dtype=float32 casts it and loads."""
+    dst = copy_fixture("mamba2_tiny", tmp_path)
+    _rewrite(dst, lambda t: t.__setitem__("backbone.norm_f.weight", t["backbone.norm_f.weight"].astype(np.float16)))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'backbone.norm_f.weight' has dtype F16, "
+                                              r"which the models do not run in \(supported: F32, BF16\); pass "
+                                              r"dtype=jnp.float32"):
+        load_model(dst)
+    model = load_model(dst, dtype=jnp.float32)
+    assert model.backbone.norm_f.weight[...].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weights_are_a_checkpoint_error(tmp_path, bad):
+    dst = copy_fixture("nemotron_h_tiny", tmp_path)
+
+    def poison(t):
+        t["backbone.layers.4.mixer.in_proj.weight"][3, 5] = bad
+
+    _rewrite(dst, poison)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'backbone.layers.4.mixer.in_proj.weight' "
+                                              r"holds 1 non-finite value\(s\) \(NaN or inf\), the first "
+                                              rf"{bad} at index \(3, 5\)"):
+        load_model(dst)
+
+
+def test_non_finite_expert_weight_is_named(tmp_path):
+    """Per-expert tensors are checked one by one as they are stacked."""
+    dst = copy_fixture("qwen3_next_tiny", tmp_path)
+    _rewrite(dst, lambda t: t["model.layers.1.mlp.experts.3.down_proj.weight"].__setitem__((0, 0), np.nan))
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.mlp.experts.3.down_proj.weight' holds 1 "
+                                              r"non-finite"):
+        load_model(dst, dtype=jnp.bfloat16)
+
+
 def test_out_of_vocabulary_ids_and_a_full_kv_cache_are_errors():
     model = load_model(fixture_dir("qwen3_5_tiny"))
     ids = reference("qwen3_5_tiny")["prompt_ids"]
@@ -340,6 +393,36 @@ def test_out_of_vocabulary_ids_and_a_full_kv_cache_are_errors():
     _, cache = model.decode(np.array([1, 2]), cache)
     with pytest.raises(ValueError, match="the KV cache is full: a row holds 5 of max_len = 5 positions"):
         model.decode(np.array([1, 2]), cache)
+
+
+@pytest.mark.parametrize("mode", ["call", "prefill"])
+def test_bad_input_ids_are_named_at_the_model_boundary(mode):
+    """Empty, ragged, mis-ranked or float ids fail with `input_ids` named, before any op runs."""
+    model = get_model("qwen3_5_tiny")
+    run = model if mode == "call" else (lambda ids: model.prefill(ids, max_len=8))
+    with pytest.raises(ValueError, match=r"`input_ids` must not be empty: shape \[batch, seqlen\] with batch >= 1 "
+                                         r"and seqlen >= 1; got \(2, 0\)"):
+        run(np.zeros((2, 0), np.int32))
+    with pytest.raises(ValueError, match=r"`input_ids` must not be empty.*got \(0, 3\)"):
+        run(np.zeros((0, 3), np.int32))
+    with pytest.raises(ValueError, match=r"`input_ids` must be a rectangular integer array \[batch, seqlen\]; "
+                                         r"got a list"):
+        run([[1, 2, 3], [4]])
+    with pytest.raises(ValueError, match=r"`input_ids` must have shape \[batch, seqlen\]; got \(3,\)"):
+        run(np.array([1, 2, 3]))
+    with pytest.raises(TypeError, match="`input_ids` must be an integer array; got dtype float32"):
+        run(np.ones((1, 3), np.float32))
+
+
+def test_bad_decode_tokens_are_named():
+    model = get_model("qwen3_5_tiny")
+    _, cache = model.prefill(np.array([[1, 2, 3], [4, 5, 6]]), max_len=8)
+    with pytest.raises(ValueError, match=r"`tokens` must not be empty: shape \[batch\] with batch >= 1; got \(0,\)"):
+        model.decode(np.zeros((0,), np.int32), cache)
+    with pytest.raises(TypeError, match="`tokens` must be an integer array; got dtype bool"):
+        model.decode(np.array([True, False]), cache)
+    logits, _ = model.decode([7, 8], cache)  # a list of ints is an int array
+    assert logits.shape == (2, 256)
 
 
 def test_missing_config_and_weights(tmp_path):
@@ -423,6 +506,60 @@ def test_nemotron_config_validation():
         NemotronHConfig.from_hf_config(dict(base, num_experts_per_tok=5))
     with pytest.raises(ConfigError, match=r"key 'hidden_size' must be int"):
         NemotronHConfig.from_hf_config(dict(base, hidden_size="32"))
+
+
+REQUIRED_KEYS = [  # (fixture, the key and its aliases): each fixes shapes no default would match
+    ("nemotron_h_tiny", ("ssm_state_size",)),
+    ("nemotron_h_tiny", ("mamba_num_heads",)),
+    ("nemotron_h_tiny", ("mamba_head_dim",)),
+    ("nemotron_h_tiny", ("n_groups", "mamba_n_groups")),
+    ("nemotron_h_tiny", ("num_key_value_heads",)),
+    ("nemotron_h_tiny", ("head_dim", "attention_head_dim")),
+    ("nemotron_h_tiny", ("moe_shared_expert_intermediate_size",)),
+    ("nemotron_h_tiny", ("layers_block_type", "layer_types", "hybrid_override_pattern")),
+    ("mamba2_tiny", ("state_size",)),
+    ("mamba2_tiny", ("n_groups",)),
+    ("qwen3_5_tiny", ("num_key_value_heads",)),
+    ("qwen3_5_tiny", ("head_dim",)),
+    ("qwen3_5_tiny", ("intermediate_size",)),
+    ("qwen3_5_tiny", ("layer_types", "full_attention_interval")),
+    ("qwen3_next_tiny", ("num_experts",)),
+    ("qwen3_next_tiny", ("shared_expert_intermediate_size",)),
+]
+
+
+@pytest.mark.parametrize("name, keys", REQUIRED_KEYS, ids=[f"{n}-{k[0]}" for n, k in REQUIRED_KEYS])
+def test_missing_required_key_is_named(tmp_path, name, keys):
+    """A config without a required key names the file, the key and its aliases (no silent default)."""
+    cfg = {k: v for k, v in fixture_config(name).items() if k not in keys}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    aliases = ""
+    if len(keys) > 1:
+        aliases = rf" \(or its alias{'es' if len(keys) > 2 else ''} " + ", ".join(f"'{k}'" for k in keys[1:]) + r"\)"
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(tmp_path / 'config.json'))}: missing key '{keys[0]}'"
+                                          rf"{aliases}, which is required"):
+        load_model(tmp_path)
+
+
+def test_nemotron_without_ssm_state_size_is_a_config_error(tmp_path):
+    """The reported case: the whole checkpoint, config.json lacking ssm_state_size."""
+    dst = copy_fixture("nemotron_h_tiny", tmp_path)
+    _edit_config(dst, lambda c: c.pop("ssm_state_size"))
+    with pytest.raises(ConfigError, match=r"config.json: missing key 'ssm_state_size', which is required"):
+        load_model(dst)
+
+
+def test_optional_keys_keep_transformers_defaults():
+    base = fixture_config("nemotron_h_tiny")
+    optional = ("conv_kernel", "chunk_size", "use_conv_bias", "use_bias", "time_step_limit", "layer_norm_epsilon",
+                "mamba_hidden_act", "attention_bias", "mlp_hidden_act", "mlp_bias", "n_group", "topk_group")
+    cfg = NemotronHConfig.from_hf_config({k: v for k, v in base.items() if k not in optional})
+    assert (cfg.conv_kernel, cfg.chunk_size, cfg.use_conv_bias, cfg.use_bias) == (4, 128, True, False)
+    assert cfg.dt_limit == (0.0, float("inf")) and cfg.layer_norm_epsilon == 1e-5
+    # Qwen: partial_rotary_factor defaults to 0.25, as in transformers' Qwen3-Next / Qwen3.5 configs
+    qwen = {k: v for k, v in fixture_config("qwen3_5_tiny").items() if k not in ("rope_parameters",
+                                                                                "partial_rotary_factor")}
+    assert QwenHybridConfig.from_hf_config(qwen).rotary_dim == 4  # head_dim 16 * 0.25
 
 
 def test_mamba2_config():
