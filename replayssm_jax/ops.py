@@ -12,17 +12,23 @@ plus a keyword-only `backend`:
 
 An explicitly requested backend that cannot run raises (no GPU for
 "pallas"; no kernel for the op); nothing falls back silently. The kernel
-backends accept a keyword-only `config=` (:class:`replayssm_jax.kernels.Config`)
-that overrides the frozen tiling heuristic.
+backends accept a keyword-only `config=` (:class:`replayssm_jax.kernels.StepConfig`
+for the standard step and the replay step's direct route,
+:class:`replayssm_jax.kernels.ReplayConfig` for its output and state
+routes) that overrides the frozen tiling heuristic.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 
+from replayssm_jax import _validate as val
 from replayssm_jax import reference
+from replayssm_jax.reference import gdn as _ref_gdn
+from replayssm_jax.reference import mamba2 as _ref_mamba2
 from replayssm_jax.state import (  # noqa: F401  (re-exported)
     GDNReplayState,
     Mamba2ReplayState,
@@ -77,14 +83,77 @@ def check_buffer_len(buffer_len: int, backend: str | None, name: str = "buffer_l
                          f"got {buffer_len} (use backend='xla')")
 
 
-def _kernel(name: str, backend: str):
-    """The Pallas implementation of op `name`, bound to compiled or interpret mode."""
+def _replay_route(route: str, state, config) -> str:
+    """`route`, with "auto" resolved: the direct route where the kernels'
+    default replay step is one launch (a latency-bound grid) and no `config`
+    is given, else the output route."""
     from replayssm_jax import kernels
 
+    if val.check_route(route) != "auto":
+        return route
+    batch, heads, V, K = state.checkpoint.shape
+    one_launch = kernels.replay_is_one_launch(batch, heads, V, K, state.checkpoint.dtype, state.buffer_len)
+    return "direct" if config is None and one_launch else "output"
+
+
+def _gdn_scale(scale, state_shape) -> float:
+    return state_shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def _kernel_gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpret, config=None):
+    from replayssm_jax import kernels
+
+    state = _ref_gdn._check_state(state)
+    _ref_gdn._check_inputs(state.shape, q, k, v, g, beta, scale, use_qk_l2norm)
+    return kernels.gdn_step(state, q, k, v, g, beta, scale=_gdn_scale(scale, state.shape),
+                            use_qk_l2norm=bool(use_qk_l2norm), config=config, interpret=interpret)
+
+
+def _kernel_gdn_replay_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route="output", *, interpret,
+                            config=None):
+    from replayssm_jax import kernels
+
+    _ref_gdn._check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm)
+    return kernels.gdn_replay_step(state, q, k, v, g, beta, scale=_gdn_scale(scale, state.checkpoint.shape),
+                                   use_qk_l2norm=bool(use_qk_l2norm), route=_replay_route(route, state, config),
+                                   config=config, interpret=interpret)
+
+
+def _kernel_mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
+                        dt_limit=(0.0, math.inf), *, interpret, config=None):
+    from replayssm_jax import kernels
+
+    state = _ref_mamba2._check_state(state)
+    _ref_mamba2._check_inputs(state.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
+    return kernels.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=bool(dt_softplus),
+                               dt_limit=val.check_dt_limit(dt_limit), config=config, interpret=interpret)
+
+
+def _kernel_mamba2_replay_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
+                               dt_limit=(0.0, math.inf), route="output", *, interpret, config=None):
+    from replayssm_jax import kernels
+
+    _ref_mamba2._check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit)
+    return kernels.mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=bool(dt_softplus),
+                                      dt_limit=val.check_dt_limit(dt_limit), route=_replay_route(route, state, config),
+                                      config=config, interpret=interpret)
+
+
+# The kernels take validated arguments in keyword form: these check them as
+# the reference does, resolve the defaults (scale) and route="auto", and call them.
+_KERNEL_CALLS = {
+    "gdn_step": _kernel_gdn_step,
+    "gdn_replay_step": _kernel_gdn_replay_step,
+    "mamba2_step": _kernel_mamba2_step,
+    "mamba2_replay_step": _kernel_mamba2_replay_step,
+}
+
+
+def _kernel(name: str, backend: str):
+    """The Pallas implementation of op `name`, bound to compiled or interpret mode."""
     if name not in KERNEL_OPS:
         raise NotImplementedError(f"op {name!r} has no Pallas kernel; use backend='xla' (or None)")
-    impl = getattr(kernels, name)
-    return functools.partial(impl, interpret=backend == "interpret")
+    return functools.partial(_KERNEL_CALLS[name], interpret=backend == "interpret")
 
 
 def _op(name: str):

@@ -185,11 +185,12 @@ def test_unknown_backend(mamba):
 
 def test_config_needs_a_kernel_backend(mamba):
     case, state, inp = mamba
-    from replayssm_jax.kernels import Config
+    from replayssm_jax.kernels import StepConfig
 
     with pytest.raises(TypeError, match="`config` tunes the Pallas kernels; the 'xla' backend takes none"):
-        ops.mamba2_step(state, **inp, A=case.A, backend="xla", config=Config(block_v=8))
-    with pytest.raises(TypeError, match="`config` must be a replayssm_jax.kernels.Config or None; got dict"):
+        ops.mamba2_step(state, **inp, A=case.A, backend="xla", config=StepConfig(block_v=8))
+    with pytest.raises(TypeError, match="`config` must be a replayssm_jax.kernels.StepConfig or None for the "
+                                        "standard step; got dict"):
         ops.mamba2_step(state, **inp, A=case.A, backend="interpret", config={"block_v": 8})
     # config=None (the default) is accepted by every backend, also said explicitly
     y_default, _ = ops.mamba2_step(state, **inp, A=case.A, backend="xla")
