@@ -1,10 +1,11 @@
-"""Pallas GPU kernels of the decode ops, with the reference's signatures.
+"""Pallas GPU kernels of the decode ops.
 
-Each function here validates its arguments exactly as its
-:mod:`replayssm_jax.reference` namesake (same errors, raised before any
-kernel runs), rejects shapes the kernels cannot tile, and runs the Pallas
-kernel of :mod:`replayssm_jax.kernels.mamba2` / :mod:`~.gdn`, compiled for the
-GPU or, with `interpret=True`, interpreted on any platform.
+Each function here takes arguments validated by its
+:mod:`replayssm_jax.ops` namesake (shapes, dtypes; `scale` a float, the
+static switches bools, a replay step's route resolved), rejects shapes and
+configs the kernels cannot tile (raised before any kernel runs), and runs
+the Pallas kernel of :mod:`replayssm_jax.kernels.mamba2` / :mod:`~.gdn`,
+compiled for the GPU or, with `interpret=True`, interpreted on any platform.
 
 Ops without a kernel (chunked prefill, verify, materialize, flush) are not
 defined here; :mod:`replayssm_jax.ops` says so when asked for them.
@@ -37,20 +38,18 @@ the old cursors.
 The direct route (`route="direct"`) runs the standard step's kernel, tiled
 as that step, with each row's live records folded into its checkpoint tile
 first (a loop over the live slots, in a branch that plain decoding never
-takes), and sets the cursor to 0 in place. `route="auto"` takes it where
-the grid is latency-bound (:func:`pick_route`).
+takes), and sets the cursor to 0 in place. :mod:`replayssm_jax.ops` resolves
+`route="auto"` to it where the default replay step is one launch
+(:func:`replay_is_one_launch`).
 """
 
 from __future__ import annotations
 
-import math
+import jax.numpy as jnp
 
-from replayssm_jax import _validate as val
 from replayssm_jax.kernels import gdn as _gdn
 from replayssm_jax.kernels import mamba2 as _mamba2
 from replayssm_jax.kernels._common import Config, default_config, next_pow2
-from replayssm_jax.reference import gdn as _ref_gdn
-from replayssm_jax.reference import mamba2 as _ref_mamba2
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
 __all__ = [
@@ -60,7 +59,7 @@ __all__ = [
     "gdn_step",
     "mamba2_replay_step",
     "mamba2_step",
-    "pick_route",
+    "replay_is_one_launch",
 ]
 
 MAX_HEAD_DIM = 256  # K and N (the full row of a state tile) and V, P
@@ -72,27 +71,21 @@ def _check_tileable(what: str, name: str, size: int, limit: int) -> None:
         raise ValueError(f"the Pallas kernels support {what} `{name}` <= {limit}; got {size} (use backend='xla')")
 
 
-def pick_route(route: str, state: GDNReplayState | Mamba2ReplayState, config: Config | None = None) -> str:
-    """The route the kernels' replay step takes for `route` on `state`.
+def replay_is_one_launch(batch: int, heads: int, V: int, K: int, state_dtype, buffer_len: int) -> bool:
+    """Whether the default replay step (:func:`default_config`) at this shape
+    is one launch, its flush fused into the replay kernel: where one wave
+    holds every head (batch x heads <= 132 programs), e.g. the Qwen3.5-4B
+    GDN layer at batch 1-4 and the Nemotron-3-Nano-4B Mamba-2 layer at
+    batch 1.
 
-    "output", "state" and "direct" are taken as given. "auto" is the direct
-    route where the default replay step would be one launch (a latency-bound
-    grid, batch x heads <= 132: the Qwen3.5-4B GDN layer at batch 1-4, the
-    Nemotron-3-Nano-4B Mamba-2 layer at batch 1) and `config` is None, and
-    the output route otherwise (large grids, where the buffered step saves
-    state traffic, or a given replay `config`). On the H200 the direct step
-    ran at 0.88-0.99x of the standard step at those batches and the buffered
-    one at 0.53-0.77x (bench/RESULTS.md, ninth session).
-
-    Raises:
-      ValueError: an unknown route.
+    Args:
+      batch, heads: the checkpoint's batch and heads (HV or nheads).
+      V, K: its rows and columns (GDN: V, K; Mamba-2: head_dim, d_state).
+      state_dtype: the checkpoint's dtype (float32 or bfloat16).
+      buffer_len: L.
     """
-    if val.check_route(route) != "auto":
-        return route
-    batch, heads, rows, cols = state.checkpoint.shape
-    one_launch = default_config(batch, heads, rows, cols, state.checkpoint.dtype.itemsize,
-                                replay_len=state.buffer_len).fused_flush
-    return "direct" if config is None and one_launch else "output"
+    config = default_config(batch, heads, V, K, jnp.dtype(state_dtype).itemsize, replay_len=buffer_len)
+    return config.fused_flush
 
 
 def _check_config(config):
@@ -138,98 +131,85 @@ def _check_standard_config(config, rows: int, name: str, step: str = "the standa
                          f"flush_warps={config.flush_warps}, flush_rows={config.flush_rows}")
 
 
-def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, interpret: bool = False,
-             config: Config | None = None):
+def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, config: Config | None = None,
+             interpret: bool = False):
     """One standard Gated DeltaNet decode step (Pallas kernel, state updated in place).
 
-    Arguments, returns and errors as :func:`replayssm_jax.reference.gdn_step`;
-    also ValueError for K or V > 256 (not tiled), or a `config` with
-    tiles != 1, fused_flush, a flush field set, or block_v above V rounded
-    up to a power of two; TypeError for a `config` that is not a
-    :class:`Config`. `config` overrides
-    the frozen tiling heuristic; `interpret` runs the kernel in interpret mode.
+    Arguments and returns as :func:`replayssm_jax.ops.gdn_step`, validated
+    there; `scale` a float. Raises ValueError for K or V > 256 (not tiled),
+    or a `config` with tiles != 1, fused_flush, a flush field set, or
+    block_v above V rounded up to a power of two; TypeError for a `config`
+    that is not a :class:`Config`. `config` overrides the frozen tiling
+    heuristic; `interpret` runs the kernel in interpret mode.
     """
-    state = _ref_gdn._check_state(state)
-    _ref_gdn._check_inputs(state.shape, q, k, v, g, beta, scale, use_qk_l2norm)
     _, _, V, K = state.shape
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
     _check_standard_config(config, V, "value dim V")
-    scale = K ** -0.5 if scale is None else float(scale)  # checked above
-    o, state, _ = _gdn.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+    o, state, _ = _gdn.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                 config=config, interpret=interpret)
     return o, state
 
 
-def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True,
-                    route: str = "output", *, interpret: bool = False, config: Config | None = None):
+def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, route: str,
+                    config: Config | None = None, interpret: bool = False):
     """One ReplaySSM Gated DeltaNet decode step (Pallas kernel, in place).
 
-    Arguments, returns and errors as :func:`replayssm_jax.reference.gdn_replay_step`
-    (see the module note on rows entering with cursor == L), but
-    route="auto" picks by shape (:func:`pick_route`); also ValueError
-    for K or V > 256, L > 64, a `config.block_v` or `flush_block_v` above V
-    rounded up to a power of two, a `config.flush_rows` that does not
-    divide the batch, or, with route="direct", a `config` that is not one
-    of the standard step (tiles != 1, fused_flush, a flush field set), or
-    a one-launch step (fused flush, direct route) of more than 32767
-    programs per batch row; TypeError for a `config` that is not a
-    :class:`Config`.
+    Arguments and returns as :func:`replayssm_jax.ops.gdn_replay_step`,
+    validated there (see the module note on rows entering with cursor ==
+    L); `scale` a float, `route` "output", "state" or "direct". Raises
+    ValueError for K or V > 256, L > 64, a `config.block_v` or
+    `flush_block_v` above V rounded up to a power of two, a
+    `config.flush_rows` that does not divide the batch, or, with
+    route="direct", a `config` that is not one of the standard step
+    (tiles != 1, fused_flush, a flush field set), or a one-launch step
+    (fused flush, direct route) of more than 32767 programs per batch row;
+    TypeError for a `config` that is not a :class:`Config`.
     """
-    _ref_gdn._check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm)
-    route = pick_route(route, state, config)
     _, _, V, K = state.checkpoint.shape
     L = state.buffer_len
     _check_tileable("value dim", "V", V, MAX_HEAD_DIM)
     _check_tileable("key dim", "K", K, MAX_HEAD_DIM)
     _check_replay_tiling(L, config, state.checkpoint.shape[0], V, "value dim V", route)
-    scale = K ** -0.5 if scale is None else float(scale)  # checked above
     if route == "direct":
         o, ck, cursor = _gdn.gdn_step(state.checkpoint, q, k, v, g, beta, (state.d, state.k, state.g, state.cursor),
-                                      scale=scale, use_qk_l2norm=bool(use_qk_l2norm), config=config,
-                                      interpret=interpret)
+                                      scale=scale, use_qk_l2norm=use_qk_l2norm, config=config, interpret=interpret)
         return o, state.replace(checkpoint=ck, cursor=cursor)
     o, ck, d, kb, gb, cursor = _gdn.gdn_replay_step(
         state.checkpoint, state.d, state.k, state.g, state.cursor, q, k, v, g, beta,
-        L=L, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), route=route, config=config, interpret=interpret)
+        L=L, scale=scale, use_qk_l2norm=use_qk_l2norm, route=route, config=config, interpret=interpret)
     return o, state.replace(checkpoint=ck, d=d, k=kb, g=gb, cursor=cursor)
 
 
-def _dt_limit(dt_limit):
-    low, high = val.check_dt_limit(dt_limit)
-    return (low, high if high < math.inf else math.inf)
-
-
-def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, math.inf),
-                *, interpret: bool = False, config: Config | None = None):
+def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_limit: tuple[float, float],
+                config: Config | None = None, interpret: bool = False):
     """One standard Mamba-2 decode step (Pallas kernel, state updated in place).
 
-    Arguments, returns and errors as :func:`replayssm_jax.reference.mamba2_step`;
-    also ValueError for head_dim or d_state > 256, or a `config` with
-    tiles != 1, fused_flush, a flush field set, or block_v above P rounded
-    up to a power of two; TypeError for a `config` that is not a
-    :class:`Config`.
+    Arguments and returns as :func:`replayssm_jax.ops.mamba2_step`,
+    validated there (D, z, dt_bias may be None); `dt_limit` a (low, high)
+    pair of floats. Raises ValueError for head_dim or d_state > 256, or a
+    `config` with tiles != 1, fused_flush, a flush field set, or block_v
+    above P rounded up to a power of two; TypeError for a `config` that is
+    not a :class:`Config`.
     """
-    state = _ref_mamba2._check_state(state)
-    _ref_mamba2._check_inputs(state.shape, x, dt, A, B, C, D, z, dt_bias, dt_limit)
     _, _, P, N = state.shape
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
     _check_tileable("d_state", "N", N, MAX_HEAD_DIM)
     _check_standard_config(config, P, "head_dim P")
-    y, state, _ = _mamba2.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=bool(dt_softplus),
-                                      dt_limit=_dt_limit(dt_limit), config=config, interpret=interpret)
+    y, state, _ = _mamba2.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
+                                      dt_limit=dt_limit, config=config, interpret=interpret)
     return y, state
 
 
-def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
-                       dt_limit=(0.0, math.inf), route: str = "output", *, interpret: bool = False,
-                       config: Config | None = None):
+def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool,
+                       dt_limit: tuple[float, float], route: str, config: Config | None = None,
+                       interpret: bool = False):
     """One ReplaySSM Mamba-2 decode step (Pallas kernel, in place).
 
-    Arguments, returns and errors as :func:`replayssm_jax.reference.mamba2_replay_step`
-    (see the module note on rows entering with cursor == L), but
-    route="auto" picks by shape (:func:`pick_route`); also ValueError
-    for head_dim or d_state > 256, L > 64, a `config.block_v` or
+    Arguments and returns as :func:`replayssm_jax.ops.mamba2_replay_step`,
+    validated there (see the module note on rows entering with cursor ==
+    L); `route` "output", "state" or "direct". Raises ValueError for
+    head_dim or d_state > 256, L > 64, a `config.block_v` or
     `flush_block_v` above P rounded up to a power of two, a
     `config.flush_rows` that does not divide the batch, or, with
     route="direct", a `config` that is not one of the standard step
@@ -237,8 +217,6 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     (fused flush, direct route) of more than 32767 programs per batch row;
     TypeError for a `config` that is not a :class:`Config`.
     """
-    _ref_mamba2._check_replay_inputs(state, x, dt, A, B, C, D, z, dt_bias, dt_limit)
-    route = pick_route(route, state, config)
     _, _, P, N = state.checkpoint.shape
     L = state.buffer_len
     _check_tileable("head_dim", "P", P, MAX_HEAD_DIM)
@@ -246,11 +224,10 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     _check_replay_tiling(L, config, state.checkpoint.shape[0], P, "head_dim P", route)
     if route == "direct":
         y, ck, cursor = _mamba2.mamba2_step(state.checkpoint, x, dt, A, B, C, D, z, dt_bias,
-                                            (state.x, state.dt, state.B, state.cursor), dt_softplus=bool(dt_softplus),
-                                            dt_limit=_dt_limit(dt_limit), config=config, interpret=interpret)
+                                            (state.x, state.dt, state.B, state.cursor), dt_softplus=dt_softplus,
+                                            dt_limit=dt_limit, config=config, interpret=interpret)
         return y, state.replace(checkpoint=ck, cursor=cursor)
     y, ck, xb, dtb, Bb, cursor = _mamba2.mamba2_replay_step(
         state.checkpoint, state.x, state.dt, state.B, state.cursor, x, dt, A, B, C, D, z, dt_bias,
-        L=L, dt_softplus=bool(dt_softplus), dt_limit=_dt_limit(dt_limit), route=route, config=config,
-        interpret=interpret)
+        L=L, dt_softplus=dt_softplus, dt_limit=dt_limit, route=route, config=config, interpret=interpret)
     return y, state.replace(checkpoint=ck, x=xb, dt=dtb, B=Bb, cursor=cursor)
