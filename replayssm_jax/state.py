@@ -18,7 +18,9 @@ tree structure): 0, or the length W of a verified speculative window that
 
 The functions here hold the data and its bookkeeping only; their arguments
 are validated by their namesakes in :mod:`replayssm_jax.ops` (also exported
-as `replayssm_jax.mamba2_replay_init`, ...), which call them.
+as `replayssm_jax.mamba2_replay_init`, ...), which call them. Called
+directly with bad arguments they may fail with JAX's own errors, or not at
+all; use the ops' versions.
 """
 
 from __future__ import annotations

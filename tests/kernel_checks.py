@@ -116,10 +116,15 @@ class GDN:
 
     def kernel_step(self, state, inp):
         """The standard step's kernel entry point (replayssm_jax.kernels), no dispatch."""
-        return kernels.gdn_step(state, **inp)
+        return kernels.gdn_step(state, **inp, **self.kernel_params)
 
     def kernel_replay_step(self, rs, inp, route, config=None):
-        return kernels.gdn_replay_step(rs, **inp, route=route, config=config)
+        return kernels.gdn_replay_step(rs, **inp, **self.kernel_params, route=route, config=config)
+
+    @property
+    def kernel_params(self):
+        """The static arguments the kernels take resolved (replayssm_jax.ops resolves them)."""
+        return dict(scale=self.s.K ** -0.5, use_qk_l2norm=True)
 
 
 class Mamba2:
@@ -182,10 +187,14 @@ class Mamba2:
 
     def kernel_step(self, state, inp):
         """The standard step's kernel entry point (replayssm_jax.kernels), no dispatch."""
-        return kernels.mamba2_step(state, **inp, **self.params)
+        return kernels.mamba2_step(state, **self.kernel_inputs(inp))
 
     def kernel_replay_step(self, rs, inp, route, config=None):
-        return kernels.mamba2_replay_step(rs, **inp, **self.params, route=route, config=config)
+        return kernels.mamba2_replay_step(rs, **self.kernel_inputs(inp), route=route, config=config)
+
+    def kernel_inputs(self, inp):
+        """The inputs and parameters as the kernels take them (z None when ungated, dt_softplus given)."""
+        return dict(inp, z=inp.get("z"), **self.params, dt_softplus=True)
 
 
 def replay_config(layer, L: int, state_dtype, **changes):
