@@ -53,7 +53,8 @@ def test_backend_for_a_model():
         assert ops.backend_for("gdn_chunked", backend) == "xla"
     assert ops.backend_for("gdn_step", None) == ops.default_backend()
     assert ops.backend_for("gdn_chunked", None) == "xla"
-    with pytest.raises(ValueError, match=r"`backend` must be one of \('pallas', 'interpret', 'xla'\) or None; got 'cuda'"):
+    with pytest.raises(ValueError, match=r"`backend` must be one of \('pallas', 'interpret', 'xla'\) or None; "
+                                         r"got 'cuda'"):
         ops.backend_for("gdn_chunked", "cuda")
     if jax.default_backend() != "gpu":
         with pytest.raises(RuntimeError, match="`backend='pallas'` needs a CUDA GPU"):

@@ -160,7 +160,6 @@ def check_dt_limit(dt_limit) -> tuple[float, float]:
     return low, high
 
 
-
 # --------------------------------------------------------------------------
 # States
 
