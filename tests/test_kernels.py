@@ -31,7 +31,6 @@ from kernel_checks import (
     replay_config,
 )
 from replayssm_jax import kernels, ops
-from replayssm_jax.state import gdn_replay_init, mamba2_replay_init
 
 CPU_SHAPES = {
     GDN: [GDNShape(batch=4, H=2, HV=4, K=20, V=24), GDNShape(batch=4, H=1, HV=1, K=100, V=16)],
