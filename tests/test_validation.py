@@ -199,7 +199,7 @@ def test_config_needs_a_kernel_backend(mamba):
     rs = case.replay_init(state, 4)
     ops.mamba2_replay_materialize(rs, case.A, config=None)
     with pytest.raises(TypeError, match="has no Pallas kernel: it runs the reference on every backend"):
-        ops.mamba2_replay_materialize(rs, case.A, config=Config(block_v=8))
+        ops.mamba2_replay_materialize(rs, case.A, config=StepConfig(block_v=8))
 
 
 def test_flush_with_pending_window_is_refused(mamba, gdn):
