@@ -37,7 +37,7 @@ Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
               SWEEP_CONFIGS (or --standard-configs / --replay-configs) instead
               of the table (after the same check), then print the default and
               the fastest tiling of each variant;
-              its results are how the frozen heuristic in kernels/_common.py is chosen.
+              its results are how the frozen heuristics in kernels/config.py are chosen.
   --profile   also trace one more run of each variant (bench/step_profile.py)
               and report the GPU time per step of each kernel (replay, flush
               launch, standard step, XLA fusions): where a step's time goes.
@@ -75,7 +75,7 @@ import step_profile  # noqa: E402  (bench/step_profile.py)
 
 from replayssm_jax import kernels, ops  # noqa: E402
 from replayssm_jax import reference as ref  # noqa: E402
-from replayssm_jax.kernels import Config  # noqa: E402
+from replayssm_jax.kernels import ReplayConfig, StepConfig  # noqa: E402
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -435,7 +435,7 @@ def variants(bench, lengths):
         yield (f"replay-L{L}", L, "staggered", "output")
     L = 16 if 16 in lengths else lengths[0]
     yield (f"replay-L{L}-in-step", L, "in-step", "output")
-    if kernels.default_config(bench.b, *bench.heads_dims(), bench.sd.itemsize, replay_len=L).fused_flush:
+    if kernels.replay_is_one_launch(bench.b, *bench.heads_dims(), bench.sd, L):
         yield (f"replay-L{L}-direct", L, "empty", "direct")
 
 
@@ -489,18 +489,26 @@ SWEEP_CONFIGS = {
 }
 
 
-def parse_config(spec: str) -> Config:
-    """'BVxWxT', 'BVxWxTxS' (S: num_stages), 'BVxWxTf' (f: fused flush) or
+def parse_config(spec: str, kind: str = "replay") -> StepConfig | ReplayConfig:
+    """A tiling spec -> the config of `kind`'s launch. "replay": 'BVxWxT',
+    'BVxWxTxS' (S: num_stages), 'BVxWxTf' (f: fused flush) or
     'BVxWxT:FBVxFWxFR' (the flush launch's block_v, warps and batch rows per
-    program, 0 for the default) -> Config. Missing trailing fields take their
-    defaults. Raises ValueError for a spec that does not parse."""
+    program, 0 for the default) -> ReplayConfig. "standard": 'BVxW' or
+    'BVxWx1xS' (one tile per program, no flush) -> StepConfig. Missing
+    trailing fields take their defaults. Raises ValueError for a spec that
+    does not parse or (standard) has tiles or flush fields."""
     head, colon, flush = spec.partition(":")
     fused = head.endswith("f")
     main = _spec_ints(spec, head.removesuffix("f"), 4)
-    bv, warps, tiles, stages = main + [None, 4, 1, 1][len(main):]  # Config's defaults
+    bv, warps, tiles, stages = main + [None, 4, 1, 1][len(main):]  # the configs' defaults
     fbv, fwarps, frows = (_spec_ints(spec, flush, 3) + [0, 0, 0])[:3] if colon else (0, 0, 0)
-    return Config(block_v=bv, num_warps=warps, num_stages=stages, tiles=tiles, fused_flush=fused,
-                  flush_block_v=fbv, flush_warps=fwarps, flush_rows=frows)
+    if kind == "standard":
+        if tiles != 1 or fused or colon:
+            raise ValueError(f"config spec {spec!r}: the standard step takes one tile per program and no flush "
+                             "('BVxW' or 'BVxWx1xSTAGES')")
+        return StepConfig(block_v=bv, num_warps=warps, num_stages=stages)
+    return ReplayConfig(block_v=bv, num_warps=warps, num_stages=stages, tiles=tiles, fused_flush=fused,
+                        flush_block_v=fbv, flush_warps=fwarps, flush_rows=frows)
 
 
 def _spec_ints(spec: str, part: str, most: int) -> list[int]:
@@ -513,15 +521,18 @@ def _spec_ints(spec: str, part: str, most: int) -> list[int]:
 
 def sweep_configs(bench, L, overrides=None):
     """(default config, configs to time) of the standard step (L None) or the replay step: the tilings of
-    `overrides` ({"standard" or "replay": [Config, ...]}, from --standard-configs / --replay-configs) or
-    else SWEEP_CONFIGS, after the default (and, for the replay step, the default with fused_flush flipped)."""
-    default = kernels.default_config(bench.b, *bench.heads_dims(), bench.sd.itemsize, replay_len=L or 0)
+    `overrides` ({"standard": [StepConfig, ...], "replay": [ReplayConfig, ...]}, from --standard-configs /
+    --replay-configs) or else SWEEP_CONFIGS, after the default (and, for the replay step, the default with
+    fused_flush flipped)."""
     kind = "standard" if L is None else "replay"
     override = (overrides or {}).get(kind)
     if L is None:
-        fixed = override or [Config(bv, warps) for bv, warps in SWEEP_CONFIGS[(bench.layer, "standard")]]
+        default = kernels.default_step_config(bench.b, *bench.heads_dims(), bench.sd)
+        fixed = override or [StepConfig(bv, warps) for bv, warps in SWEEP_CONFIGS[(bench.layer, "standard")]]
         return default, list(dict.fromkeys([default] + fixed))
-    fixed = override or [Config(bv, warps, tiles=tiles) for bv, warps, tiles in SWEEP_CONFIGS[(bench.layer, "replay")]]
+    default = kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L)
+    fixed = override or [ReplayConfig(bv, warps, tiles=tiles)
+                         for bv, warps, tiles in SWEEP_CONFIGS[(bench.layer, "replay")]]
     flipped = dataclasses.replace(default, fused_flush=not default.fused_flush)
     return default, list(dict.fromkeys([default, flipped] + fixed))
 
@@ -552,7 +563,8 @@ def main(argv=None):
     p.add_argument("--tag", default="kernels")
     p.add_argument("--sweep", action="store_true", help="time block_v x num_warps at each shape instead")
     p.add_argument("--standard-configs", default="",
-                   help="with --sweep: standard tilings to time instead of SWEEP_CONFIGS, e.g. '64x8,128x8' (BVxW)")
+                   help="with --sweep: standard tilings to time instead of SWEEP_CONFIGS, e.g. '64x8,128x8' "
+                        "(BVxW or BVxWx1xSTAGES)")
     p.add_argument("--replay-configs", default="",
                    help="with --sweep: replay tilings instead of SWEEP_CONFIGS, e.g. '16x4x1f,64x4x2,64x4x2:32x2x4' "
                         "(BVxWxT or BVxWxTxSTAGES, f: fused; after ':' the flush launch's BVxWxROWS)")
@@ -565,7 +577,7 @@ def main(argv=None):
     for kind, specs in (("standard", args.standard_configs), ("replay", args.replay_configs)):
         if specs:
             try:
-                overrides[kind] = [parse_config(x) for x in specs.split(",")]
+                overrides[kind] = [parse_config(x, kind) for x in specs.split(",")]
             except (ValueError, TypeError) as e:
                 p.error(f"--{kind}-configs: {e}")
     if args.out is None:
@@ -664,7 +676,7 @@ def sweep_summary(rows):
             keyed.setdefault((r["layer"], r["state_dtype"], r["batch"], r["variant"]), []).append(r)
 
     def tag(r):
-        return Config(**r["config"]).tag()
+        return (StepConfig if r["variant"] == "standard" else ReplayConfig)(**r["config"]).tag()
 
     for (layer, sd, b, variant), rs in keyed.items():
         default = next((r for r in rs if r["default"]), None)

@@ -34,7 +34,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 import kernels as kb  # noqa: E402  (bench/kernels.py: parse_config)
-from replayssm_jax.kernels import _common as c  # noqa: E402
+from replayssm_jax.kernels import ReplayConfig  # noqa: E402
+from replayssm_jax.kernels.launch import pallas_call  # noqa: E402
+from replayssm_jax.kernels.tiles import load, store  # noqa: E402
 
 COLS = 128  # a state row: K (GDN) or d_state (Mamba-2)
 
@@ -49,24 +51,24 @@ def _tiles(x_ref, config, fn):
 
 
 def _read_kernel(x_ref, o_ref, *, config):
-    o_ref[()] = _tiles(x_ref, config, lambda rows: jnp.sum(c.load(x_ref.at[rows, :], None)))
+    o_ref[()] = _tiles(x_ref, config, lambda rows: jnp.sum(load(x_ref.at[rows, :], None)))
 
 
 def _update_kernel(x_ref, o_ref, *, config):
     def scale(rows):
-        c.store(o_ref.at[rows, :], c.load(x_ref.at[rows, :], None) * 1.0001, None)
+        store(o_ref.at[rows, :], load(x_ref.at[rows, :], None) * 1.0001, None)
         return jnp.zeros((), jnp.float32)
 
     _tiles(x_ref, config, scale)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "config", "interpret"), donate_argnums=0)
-def stream(x, *, kind: str, config: c.Config, interpret: bool = False):
+def stream(x, *, kind: str, config: ReplayConfig, interpret: bool = False):
     """One launch over x [programs, block_v * tiles, COLS]: 'read' -> (x, sums f32[programs]),
     'update' -> (x * 1.0001 in place, None)."""
     programs, rows, _ = x.shape
     block = pl.BlockSpec((None, rows, COLS), lambda i: (i, 0, 0))
-    call = functools.partial(c.pallas_call, grid=(programs,), in_specs=[block], interpret=interpret, config=config)
+    call = functools.partial(pallas_call, grid=(programs,), in_specs=[block], interpret=interpret, config=config)
     if kind == "read":
         sums = call(functools.partial(_read_kernel, config=config), out_specs=pl.BlockSpec((None,), lambda i: (i,)),
                     out_shape=jax.ShapeDtypeStruct((programs,), jnp.float32), name=f"read_{config.tag()}")(x)
@@ -77,7 +79,7 @@ def stream(x, *, kind: str, config: c.Config, interpret: bool = False):
     return x, None
 
 
-def measure(kind: str, config: c.Config, dtype, mib: int, repeats: int, interpret: bool) -> dict:
+def measure(kind: str, config: ReplayConfig, dtype, mib: int, repeats: int, interpret: bool) -> dict:
     """Median GB/s of `repeats` runs of 10 back-to-back launches, after a checked first launch."""
     rows = config.block_v * config.tiles
     programs = max(1, (mib << 20) // (rows * COLS * jnp.dtype(dtype).itemsize))  # at least one program

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from replayssm_jax import ops
-from replayssm_jax._validate import ROUTES
+from replayssm_jax.ops import ROUTES
 from replayssm_jax.generation import STATES, GenerationError, Generator
 from replayssm_jax.sampling import SamplingParams
 

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx, struct
 
 from replayssm_jax import ops
-from replayssm_jax._validate import check_route
+from replayssm_jax.ops import check_route
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 
 STATES = ("standard", "replay")
@@ -117,10 +117,10 @@ class Generator:
       route: the ReplaySSM step's route (replayssm_jax.ops): "output" or
         "state" (the buffered step, same numbers), "direct" (the state
         written every step, the buffer kept for speculative decoding: for
-        latency-bound batches of 1-4 rows), or "auto" (default: each
-        layer's kernels pick the direct route where their grid is
-        latency-bound, else the output route; the reference takes
-        "output"; replayssm_jax.kernels.pick_route).
+        latency-bound batches of 1-4 rows), or "auto" (default: on the
+        kernel backends each layer takes the direct route where its grid
+        is latency-bound, else the output route; on "xla" the output
+        route; replayssm_jax.ops.resolve_route).
       block_size: decode steps per compiled block (progress and early stop
         happen between blocks).
       prefill_rows: rows per prefill pass, or None for the whole batch at

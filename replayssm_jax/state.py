@@ -15,16 +15,19 @@ Both states are `flax.struct` dataclasses: they go through `jax.jit`,
 `jax.lax.scan` and donation as they are. `window` is static (part of the
 tree structure): 0, or the length W of a verified speculative window that
 :func:`replay_commit` has not yet resolved.
+
+The functions here hold the data and its bookkeeping only; their arguments
+are validated by their namesakes in :mod:`replayssm_jax.ops` (also exported
+as `replayssm_jax.mamba2_replay_init`, ...), which call them. Called
+directly with bad arguments they may fail with JAX's own errors, or not at
+all; use the ops' versions.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
-
-from replayssm_jax import _validate as v
 
 
 @struct.dataclass
@@ -94,160 +97,45 @@ class GDNReplayState:
 ReplayState = Mamba2ReplayState | GDNReplayState
 
 
-def _check_checkpoint(checkpoint, dims: str) -> jax.Array:
-    checkpoint = v.check_float("checkpoint", checkpoint, v.STATE_DTYPES)
-    v.check_rank("checkpoint", checkpoint, dims)
-    return checkpoint
-
-
-def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=jnp.float32) -> Mamba2ReplayState:
-    """A Mamba-2 ReplaySSM state with an empty buffer.
-
-    Args:
-      checkpoint: f32 | bf16[batch, nheads, head_dim, d_state], the SSM state
-        to start from (zeros for an empty prefix, or a prefill's final state).
-      buffer_len: L >= 1, the number of buffered steps between flushes.
-      n_groups: G, the number of B/C groups; must divide nheads.
-      buffer_dtype: dtype of the x and B records (dt is always float32).
-        Use the activation dtype (e.g. bfloat16) to halve buffer traffic;
-        records of bf16 activations are then stored exactly.
-
-    Returns:
-      Mamba2ReplayState with cursor 0 for every row.
-
-    Raises:
-      TypeError: non-float checkpoint or buffer_dtype, or non-int sizes.
-      ValueError: wrong rank, L < 1, or nheads not divisible by n_groups.
-    """
-    checkpoint = _check_checkpoint(checkpoint, "batch, nheads, head_dim, d_state")
-    L = v.check_positive_int("buffer_len", buffer_len)
-    G = v.check_positive_int("n_groups", n_groups)
+def mamba2_replay_init(checkpoint: jax.Array, buffer_len: int, n_groups: int,
+                       buffer_dtype=jnp.float32) -> Mamba2ReplayState:
+    """A Mamba-2 ReplaySSM state with an empty buffer (cursor 0 in every row):
+    `checkpoint` f32 | bf16[batch, nheads, head_dim, d_state], L = buffer_len
+    slots of x and B records in `buffer_dtype` (dt in float32), `n_groups`
+    groups of B. Arguments as validated by :func:`replayssm_jax.ops.mamba2_replay_init`."""
     batch, nheads, head_dim, d_state = checkpoint.shape
-    v.check_divisible("nheads", nheads, "n_groups", G)
-    buffer_dtype = _check_buffer_dtype(buffer_dtype)
     return Mamba2ReplayState(
         checkpoint=checkpoint,
-        x=jnp.zeros((batch, nheads, L, head_dim), buffer_dtype),
-        dt=jnp.zeros((batch, nheads, L), jnp.float32),
-        B=jnp.zeros((batch, G, L, d_state), buffer_dtype),
+        x=jnp.zeros((batch, nheads, buffer_len, head_dim), buffer_dtype),
+        dt=jnp.zeros((batch, nheads, buffer_len), jnp.float32),
+        B=jnp.zeros((batch, n_groups, buffer_len, d_state), buffer_dtype),
         cursor=jnp.zeros((batch,), jnp.int32),
     )
 
 
-def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=jnp.float32) -> GDNReplayState:
-    """A Gated DeltaNet ReplaySSM state with an empty buffer.
-
-    Args:
-      checkpoint: f32 | bf16[batch, HV, V, K], the value-major state to start
-        from (transpose the last two axes of a transformers cache).
-      buffer_len: L >= 1, the number of buffered steps between flushes.
-      num_k_heads: H, the number of key heads; must divide HV.
-      buffer_dtype: dtype of the d and k records (g is always float32).
-
-    Returns:
-      GDNReplayState with cursor 0 for every row.
-
-    Raises:
-      TypeError: non-float checkpoint or buffer_dtype, or non-int sizes.
-      ValueError: wrong rank, L < 1, or HV not divisible by H.
-    """
-    checkpoint = _check_checkpoint(checkpoint, "batch, HV, V, K")
-    L = v.check_positive_int("buffer_len", buffer_len)
-    H = v.check_positive_int("num_k_heads", num_k_heads)
+def gdn_replay_init(checkpoint: jax.Array, buffer_len: int, num_k_heads: int,
+                    buffer_dtype=jnp.float32) -> GDNReplayState:
+    """A Gated DeltaNet ReplaySSM state with an empty buffer (cursor 0 in every
+    row): `checkpoint` f32 | bf16[batch, HV, V, K] (value-major), L =
+    buffer_len slots of d and k records in `buffer_dtype` (g in float32),
+    `num_k_heads` key heads. Arguments as validated by
+    :func:`replayssm_jax.ops.gdn_replay_init`."""
     batch, HV, V, K = checkpoint.shape
-    v.check_divisible("HV (value heads)", HV, "H (key heads)", H)
-    buffer_dtype = _check_buffer_dtype(buffer_dtype)
     return GDNReplayState(
         checkpoint=checkpoint,
-        d=jnp.zeros((batch, HV, L, V), buffer_dtype),
-        k=jnp.zeros((batch, H, L, K), buffer_dtype),
-        g=jnp.zeros((batch, HV, L), jnp.float32),
+        d=jnp.zeros((batch, HV, buffer_len, V), buffer_dtype),
+        k=jnp.zeros((batch, num_k_heads, buffer_len, K), buffer_dtype),
+        g=jnp.zeros((batch, HV, buffer_len), jnp.float32),
         cursor=jnp.zeros((batch,), jnp.int32),
     )
 
 
-def _check_buffer_dtype(buffer_dtype):
-    try:
-        dtype = jnp.dtype(buffer_dtype)
-    except TypeError:
-        raise TypeError(f"`buffer_dtype` must be a floating dtype; got {buffer_dtype!r}") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"`buffer_dtype` must be a floating dtype; got {dtype}")
-    return dtype
-
-
-def check_replay_state(state, kind: type) -> None:
-    """Raise TypeError / ValueError unless `state` is a consistent `kind`."""
-    if not isinstance(state, kind):
-        raise TypeError(f"`state` must be a {kind.__name__}; got {type(state).__name__}")
-    mamba = kind is Mamba2ReplayState
-    v.check_float("state.checkpoint", state.checkpoint, v.STATE_DTYPES)
-    v.check_rank("state.checkpoint", state.checkpoint,
-                 "batch, nheads, head_dim, d_state" if mamba else "batch, HV, V, K")
-    batch, heads, rows, cols = state.checkpoint.shape
-    record, key, decay = ("x", "B", "dt") if mamba else ("d", "k", "g")
-    axes = ({record: "batch, nheads, L, head_dim", key: "batch, n_groups, L, d_state", decay: "batch, nheads, L"}
-            if mamba else {record: "batch, HV, L, V", key: "batch, H, L, K", decay: "batch, HV, L"})
-    buffers = {name: getattr(state, name) for name in axes}
-    for name, b in buffers.items():
-        # records: any floating dtype (the buffer dtype); the decays (processed dt, log g): float32, as init makes
-        v.check_float(f"state.{name}", b, (jnp.float32,) if name == decay else None)
-        v.check_rank(f"state.{name}", b, axes[name])
-    if len({b.shape[2] for b in buffers.values()}) > 1:  # L is axis 2 of each
-        raise ValueError("`state`'s buffers must have the same number of slots L (axis 2); got "
-                         + ", ".join(f"state.{name} {tuple(b.shape)}" for name, b in buffers.items()))
-    if not isinstance(state.cursor, (jax.Array, np.ndarray)):
-        raise TypeError(f"`state.cursor` must be an int32 array of shape [batch] = ({batch},); "
-                        f"got {type(state.cursor).__name__} {state.cursor!r}")
-    L = state.buffer_len
-    expected = {record: (batch, heads, L, rows), key: (batch, buffers[key].shape[1], L, cols), decay: (batch, heads, L)}
-    for name, shape in expected.items():
-        v.check_shape(f"state.{name}", buffers[name], axes[name], shape)
-    v.check_shape("state.cursor", state.cursor, "batch", (batch,))
-    if state.cursor.dtype != jnp.int32:
-        raise TypeError(f"`state.cursor` must be int32; got {state.cursor.dtype}")
-    if not isinstance(state.cursor, jax.core.Tracer):  # concrete values are checked; traced ones cannot be
-        cursor = np.asarray(state.cursor)
-        if ((cursor < 0) | (cursor > L)).any():
-            raise ValueError(f"`state.cursor` must be in [0, {L}] (the buffer length) for every row; "
-                             f"got {cursor.tolist()}")
-
-
-def check_no_pending_window(state) -> None:
-    """Raise ValueError if `state` holds a verified window not yet committed
-    (a step, verify or flush then would drop or double-count its records)."""
-    if state.window:
-        raise ValueError(f"`state` has a pending verify window (W = {state.window}); call replay_commit first")
-
-
-def replay_commit(state: ReplayState, num_accepted) -> ReplayState:
-    """Accept the first `num_accepted` steps of the pending verify window.
-
-    Commit is a cursor move (DESIGN.md section 3): `cursor += num_accepted`;
-    the rejected records stay in their slots as dead entries and are
-    overwritten later. The checkpoint is not touched. A row whose cursor
-    reaches L is flushed by its next step or verify.
-
-    Args:
-      state: a Mamba2ReplayState or GDNReplayState returned by a verify
-        (`state.window = W > 0`).
-      num_accepted: int[batch], per-sequence counts in 0..W.
-
-    Returns:
-      The state with the cursor moved and `window = 0`.
-
-    Raises:
-      TypeError: not a replay state, or non-integer counts.
-      ValueError: no pending window, counts of the wrong shape, or (when
-        the counts are concrete) a count outside 0..W. Inside jit, counts
-        are clipped to 0..W.
-    """
-    if not isinstance(state, (Mamba2ReplayState, GDNReplayState)):
-        raise TypeError(f"`state` must be a Mamba2ReplayState or GDNReplayState; got {type(state).__name__}")
-    if state.window == 0:
-        raise ValueError("`state` has no pending verify window (window = 0); call a replay verify op before replay_commit")
-    num_accepted = v.check_int_range("num_accepted", num_accepted, "batch", (state.batch,), 0, state.window)
-    # Inside jit the counts cannot be checked; clipping keeps the cursor in 0..L.
+def replay_commit(state: ReplayState, num_accepted: jax.Array) -> ReplayState:
+    """Accept the first `num_accepted` (int[batch]) steps of the pending
+    verify window: `cursor += num_accepted`, `window = 0` (DESIGN.md section 3).
+    The counts are clipped to 0..W, which keeps the cursor in 0..L where
+    they cannot be checked (inside jit). Arguments as validated by
+    :func:`replayssm_jax.ops.replay_commit`."""
     num_accepted = jnp.clip(num_accepted, 0, state.window)
     return state.replace(cursor=state.cursor + num_accepted, window=0)
 

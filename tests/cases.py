@@ -2,18 +2,22 @@
 
 A case holds the layer's shapes and parameters, draws fresh random inputs,
 and calls the ops under test and the NumPy float64 oracle with the same
-inputs. Per-step inputs are dicts of arrays with a leading batch axis;
-sequences carry a seqlen axis after batch (the ops' layout).
+inputs. The ops under test are `api`'s: "ops" (replayssm_jax.ops, every
+argument validated, backend "xla") or "reference" (replayssm_jax.reference,
+the math alone). Per-step inputs are dicts of arrays with a leading batch
+axis; sequences carry a seqlen axis after batch (the ops' layout).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 
 import numpy_loops
+from replayssm_jax import ops
 from replayssm_jax import reference as ref
 
 # (atol, rtol) per dtype of the compared arrays: |a - e| <= atol + rtol * max|e|.
@@ -39,8 +43,21 @@ def assert_close(actual, expected, dtype=jnp.float32, what="value"):
 
 
 @dataclasses.dataclass
-class Mamba2Case:
+class Case:
     rng: np.random.Generator
+    api: str = "ops"  # "ops" or "reference"
+
+    def op(self, name):
+        """The function `name` of the api under test."""
+        if self.api == "reference":
+            return getattr(ref, name)
+        if name.endswith("_init"):
+            return getattr(ops, name)
+        return functools.partial(getattr(ops, name), backend="xla")
+
+
+@dataclasses.dataclass
+class Mamba2Case(Case):
     batch: int = 3
     nheads: int = 4
     head_dim: int = 24
@@ -76,33 +93,32 @@ class Mamba2Case:
         return dict(inp, A=self.A, D=self.D, dt_bias=self.dt_bias, dt_limit=self.dt_limit)
 
     def step(self, state, inp):
-        return ref.mamba2_step(state, **self._kw(inp))
+        return self.op("mamba2_step")(state, **self._kw(inp))
 
     def chunked(self, state, seq, chunk_size):
-        return ref.mamba2_chunked(state, **self._kw(seq), chunk_size=chunk_size)
+        return self.op("mamba2_chunked")(state, **self._kw(seq), chunk_size=chunk_size)
 
     def replay_init(self, checkpoint, L, buffer_dtype=jnp.float32):
-        return ref.mamba2_replay_init(checkpoint, L, self.n_groups, buffer_dtype)
+        return self.op("mamba2_replay_init")(checkpoint, L, self.n_groups, buffer_dtype)
 
     def replay_step(self, rs, inp, route="output"):
-        return ref.mamba2_replay_step(rs, **self._kw(inp), route=route)
+        return self.op("mamba2_replay_step")(rs, **self._kw(inp), route=route)
 
     def verify(self, rs, window):
-        return ref.mamba2_replay_verify(rs, **self._kw(window))
+        return self.op("mamba2_replay_verify")(rs, **self._kw(window))
 
     def materialize(self, rs):
-        return ref.mamba2_replay_materialize(rs, self.A)
+        return self.op("mamba2_replay_materialize")(rs, self.A)
 
     def flush(self, rs):
-        return ref.mamba2_replay_flush(rs, self.A)
+        return self.op("mamba2_replay_flush")(rs, self.A)
 
     def oracle_step(self, state, inp):
         return numpy_loops.mamba2_step(state, **self._kw(inp))
 
 
 @dataclasses.dataclass
-class GDNCase:
-    rng: np.random.Generator
+class GDNCase(Case):
     batch: int = 3
     num_k_heads: int = 2
     num_v_heads: int = 4
@@ -129,25 +145,25 @@ class GDNCase:
         )
 
     def step(self, state, inp):
-        return ref.gdn_step(state, **inp)
+        return self.op("gdn_step")(state, **inp)
 
     def chunked(self, state, seq, chunk_size):
-        return ref.gdn_chunked(state, **seq, chunk_size=chunk_size)
+        return self.op("gdn_chunked")(state, **seq, chunk_size=chunk_size)
 
     def replay_init(self, checkpoint, L, buffer_dtype=jnp.float32):
-        return ref.gdn_replay_init(checkpoint, L, self.num_k_heads, buffer_dtype)
+        return self.op("gdn_replay_init")(checkpoint, L, self.num_k_heads, buffer_dtype)
 
     def replay_step(self, rs, inp, route="output"):
-        return ref.gdn_replay_step(rs, **inp, route=route)
+        return self.op("gdn_replay_step")(rs, **inp, route=route)
 
     def verify(self, rs, window):
-        return ref.gdn_replay_verify(rs, **window)
+        return self.op("gdn_replay_verify")(rs, **window)
 
     def materialize(self, rs):
-        return ref.gdn_replay_materialize(rs)
+        return self.op("gdn_replay_materialize")(rs)
 
     def flush(self, rs):
-        return ref.gdn_replay_flush(rs)
+        return self.op("gdn_replay_flush")(rs)
 
     def oracle_step(self, state, inp):
         return numpy_loops.gdn_step(state, **inp)

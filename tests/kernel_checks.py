@@ -115,11 +115,13 @@ class GDN:
         return ref.gdn_replay_materialize(rs)
 
     def kernel_step(self, state, inp):
-        """The standard step's kernel entry point (replayssm_jax.kernels), no dispatch."""
-        return kernels.gdn_step(state, **inp)
+        """The standard step's kernel entry point (replayssm_jax.kernels), no dispatch: the
+        reference's defaults (scale K ** -0.5, L2-normalized q and k) given explicitly."""
+        return kernels.gdn_step(state, **inp, scale=self.s.K ** -0.5, use_qk_l2norm=True)
 
     def kernel_replay_step(self, rs, inp, route, config=None):
-        return kernels.gdn_replay_step(rs, **inp, route=route, config=config)
+        return kernels.gdn_replay_step(rs, **inp, scale=self.s.K ** -0.5, use_qk_l2norm=True, route=route,
+                                       config=config)
 
 
 class Mamba2:
@@ -180,19 +182,23 @@ class Mamba2:
     def materialize(self, rs):
         return ref.mamba2_replay_materialize(rs, self.A)
 
+    def _kernel_args(self, inp):
+        """The keyword arguments of the kernels' entry points: every input named (z None without the gate)."""
+        return dict(inp, z=inp.get("z"), **self.params, dt_softplus=True)
+
     def kernel_step(self, state, inp):
         """The standard step's kernel entry point (replayssm_jax.kernels), no dispatch."""
-        return kernels.mamba2_step(state, **inp, **self.params)
+        return kernels.mamba2_step(state, **self._kernel_args(inp))
 
     def kernel_replay_step(self, rs, inp, route, config=None):
-        return kernels.mamba2_replay_step(rs, **inp, **self.params, route=route, config=config)
+        return kernels.mamba2_replay_step(rs, **self._kernel_args(inp), route=route, config=config)
 
 
 def replay_config(layer, L: int, state_dtype, **changes):
-    """The kernels' default replay Config at the layer's shape, with `changes` (e.g. fused_flush)."""
+    """The kernels' default ReplayConfig at the layer's shape, with `changes` (e.g. fused_flush)."""
     s = layer.s
     heads, V, K = (s.HV, s.V, s.K) if isinstance(layer, GDN) else (s.H, s.P, s.N)
-    base = kernels.default_config(s.batch, heads, V, K, jnp.dtype(state_dtype).itemsize, replay_len=L)
+    base = kernels.default_replay_config(s.batch, heads, V, K, state_dtype, L)
     return dataclasses.replace(base, **changes)
 
 
@@ -231,7 +237,7 @@ def check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backen
     for every row on the direct route), and that rows that do not flush keep
     their checkpoint bit for bit. `route`: one route, or a tuple of routes
     taken in turn, step by step (a decode loop may switch routes), and
-    `config` then a Config or a {route: Config} (absent: the default). The
+    `config` then a config or a {route: config} (absent: the default). The
     reference runs with float32 matmuls (no TF32 on a GPU). `config` fixes
     the kernel tiling; `poison` fills the dead slots of the initial buffers
     with NaN and inf (as a rejected draft may leave them): they must not reach

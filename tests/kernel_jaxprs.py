@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import sys
 
@@ -25,7 +26,13 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from replayssm_jax import ops
+# The checkout this script is in comes after the path's own entries: run as
+# `python tests/kernel_jaxprs.py`, it measures its own tree (and not an
+# installed package found only by its import hook, such as an editable
+# install of another checkout); a tree put first on PYTHONPATH still wins.
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from replayssm_jax import ops  # noqa: E402
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 S = jax.ShapeDtypeStruct
@@ -125,6 +132,7 @@ def main(argv=None) -> int:
     g.add_argument("--out", help="write the snapshot (JSON) here")
     g.add_argument("--compare", help="compare with this snapshot; exit 1 on a difference")
     args = p.parse_args(argv)
+    print(f"replayssm_jax of {os.path.dirname(os.path.dirname(os.path.abspath(ops.__file__)))}")
     snap = snapshot()
     if args.out:
         with open(args.out, "w") as f:

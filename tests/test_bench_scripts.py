@@ -214,9 +214,21 @@ def test_buffer_length_dry_run(tmp_path, capsys):
 def test_kernels_sweep_config_spec(spec, fields):
     """`bench/kernels.py --standard-configs / --replay-configs` specs (f: fused flush; the flush
     launch's tiling after ':')."""
-    from replayssm_jax.kernels import Config
+    from replayssm_jax.kernels import ReplayConfig
 
-    assert load("kernels").parse_config(spec) == Config(**fields)
+    assert load("kernels").parse_config(spec) == ReplayConfig(**fields)
+
+
+def test_kernels_sweep_standard_config_spec():
+    """`--standard-configs` specs give StepConfigs: one tile per program, no flush."""
+    from replayssm_jax.kernels import StepConfig
+
+    kb = load("kernels")
+    assert kb.parse_config("64x8", "standard") == StepConfig(block_v=64, num_warps=8)
+    assert kb.parse_config("32x4x1x2", "standard") == StepConfig(block_v=32, num_warps=4, num_stages=2)
+    for spec in ("64x4x2", "16x4x1f", "64x4x1:32x2x4"):
+        with pytest.raises(ValueError, match="the standard step takes one tile per program and no flush"):
+            kb.parse_config(spec, "standard")
 
 
 @pytest.mark.parametrize("spec", ["16x2x5x2x9", "16x2x5x", "", "axb", "16x2:1x2x3x4", "16x2:"])
@@ -227,14 +239,15 @@ def test_kernels_sweep_config_spec_errors(spec):
 
 def test_kernels_sweep_summary(capsys):
     """--sweep ends with the default and the fastest tiling of each variant."""
-    from replayssm_jax.kernels import Config
+    from replayssm_jax.kernels import ReplayConfig, StepConfig
 
     kb = load("kernels")
     base = dict(layer="mamba2", state_dtype="float32", batch=256)
-    rows = [dict(base, variant="replay-L16", config=Config(16, 2, tiles=5).__dict__, default=True, seconds=429e-6),
-            dict(base, variant="replay-L16", config=Config(16, 2, tiles=5, flush_block_v=16, flush_warps=1,
-                                                           flush_rows=8).__dict__, default=False, seconds=422e-6),
-            dict(base, variant="standard", config=Config(16, 2).__dict__, default=True, seconds=594e-6)]
+    rows = [dict(base, variant="replay-L16", config=ReplayConfig(16, 2, tiles=5).__dict__, default=True,
+                 seconds=429e-6),
+            dict(base, variant="replay-L16", config=ReplayConfig(16, 2, tiles=5, flush_block_v=16, flush_warps=1,
+                                                                 flush_rows=8).__dict__, default=False, seconds=422e-6),
+            dict(base, variant="standard", config=StepConfig(16, 2).__dict__, default=True, seconds=594e-6)]
     kb.sweep_summary(rows)
     lines = capsys.readouterr().out.splitlines()
     assert "| mamba2 | float32 | 256 | replay-L16 | bv16_w2_s1_t5 | 429.00 | bv16_w2_s1_t5_f16x1x8 | 422.00 | 1.02 |" in lines
@@ -310,7 +323,7 @@ def test_roofline_catches_a_wrong_kernel(monkeypatch):
     rl = load("roofline")
     monkeypatch.setattr(rl, "_read_kernel", lambda x_ref, o_ref, *, config: o_ref.__setitem__((), 0.0))
     with pytest.raises(AssertionError, match="wrong result"):
-        rl.measure("read", rl.c.Config(block_v=8, num_warps=1, tiles=2), rl.jnp.float32, 1, 1, True)
+        rl.measure("read", rl.ReplayConfig(block_v=8, num_warps=1, tiles=2), rl.jnp.float32, 1, 1, True)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -26,7 +26,6 @@ import pytest
 
 from hlo_checks import per_step_copies
 from kernel_checks import GDN, GDNShape, Mamba2, Mamba2Shape, lower_for_cuda, replay_config
-from replayssm_jax import kernels
 
 STEPS = 32
 L = 4
@@ -106,11 +105,9 @@ def test_xla_replay_step_checkpoint_in_place(name, rng):
     _check_no_copy(compiled_scan(replay_step(layer, "xla"), rs, _stack(layer, STEPS)), [rs.checkpoint])
 
 
-def _custom_calls(name, rs, layer, config):
+def _custom_calls(rs, layer, config):
     """The replay step's Triton custom calls, lowered for CUDA (see kernel_checks.lower_for_cuda)."""
-    fn = kernels.gdn_replay_step if name == "gdn" else kernels.mamba2_replay_step
-    extra = {} if name == "gdn" else layer.params
-    text = lower_for_cuda(lambda rs, inp: fn(rs, **inp, **extra, config=config), rs, layer.draw())
+    text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "output", config), rs, layer.draw())
     return [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
 
 
@@ -119,7 +116,7 @@ def _custom_calls(name, rs, layer, config):
 def test_kernel_aliases_checkpoint_and_buffers(name, fused, rng):
     layer = _layers(rng)[name]
     rs = layer.replay_state(L, jnp.float32, jnp.float32, np.array([0, L - 1]))
-    calls = _custom_calls(name, rs, layer, replay_config(layer, L, jnp.float32, fused_flush=fused))
+    calls = _custom_calls(rs, layer, replay_config(layer, L, jnp.float32, fused_flush=fused))
     assert len(calls) == (1 if fused else 2), calls
     aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
     # replay: outputs 1..4 (checkpoint, the three buffers) alias operands 0..3; output 5, the new cursor, aliases
@@ -149,9 +146,7 @@ def test_pallas_standard_step_in_place(name, state_dtype, rng):
 def test_direct_route_aliases_checkpoint_and_cursor(name, rng):
     layer = _layers(rng)[name]
     rs = layer.replay_state(L, jnp.float32, jnp.float32, np.array([0, L - 1]))
-    fn = kernels.gdn_replay_step if name == "gdn" else kernels.mamba2_replay_step
-    extra = {} if name == "gdn" else layer.params
-    text = lower_for_cuda(lambda rs, inp: fn(rs, **inp, **extra, route="direct"), rs, layer.draw())
+    text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "direct"), rs, layer.draw())
     calls = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
     assert len(calls) == 1, calls
     # outputs: y, the checkpoint (operand 0), the cursor (the last operand, after the three buffers)

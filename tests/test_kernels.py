@@ -31,7 +31,6 @@ from kernel_checks import (
     replay_config,
 )
 from replayssm_jax import kernels, ops
-from replayssm_jax.state import gdn_replay_init, mamba2_replay_init
 
 CPU_SHAPES = {
     GDN: [GDNShape(batch=4, H=2, HV=4, K=20, V=24), GDNShape(batch=4, H=1, HV=1, K=100, V=16)],
@@ -59,19 +58,19 @@ GPU_TILINGS = {
 # Tilings the heuristic picks only at other shapes, interpreted: several row
 # tiles per program (a static and a dynamic trip count, rows padded past V).
 TILINGS = [
-    (kernels.Config(block_v=8, num_warps=2, tiles=3), 4),
-    (kernels.Config(block_v=8, num_warps=2, tiles=2), 16),
-    (kernels.Config(block_v=16, num_warps=4, tiles=2), 16),
-    (kernels.Config(block_v=16, num_warps=4, tiles=1), 4),
-    (kernels.Config(block_v=8, num_warps=2, tiles=3, fused_flush=True), 4),
-    (kernels.Config(block_v=16, num_warps=4, tiles=1, fused_flush=True), 16),
+    (kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3), 4),
+    (kernels.ReplayConfig(block_v=8, num_warps=2, tiles=2), 16),
+    (kernels.ReplayConfig(block_v=16, num_warps=4, tiles=2), 16),
+    (kernels.ReplayConfig(block_v=16, num_warps=4, tiles=1), 4),
+    (kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, fused_flush=True), 4),
+    (kernels.ReplayConfig(block_v=16, num_warps=4, tiles=1, fused_flush=True), 16),
     # The fused flush in sub-tiles of its program's rows: rank-1 steps, and the rank-L dot.
-    (kernels.Config(block_v=16, num_warps=4, tiles=2, fused_flush=True, flush_block_v=4), 4),
-    (kernels.Config(block_v=32, num_warps=4, tiles=1, fused_flush=True, flush_block_v=16), 16),
+    (kernels.ReplayConfig(block_v=16, num_warps=4, tiles=2, fused_flush=True, flush_block_v=4), 4),
+    (kernels.ReplayConfig(block_v=32, num_warps=4, tiles=1, fused_flush=True, flush_block_v=16), 16),
     # The flush launch on its own tiling: smaller and larger tiles than the
     # replay kernel's, one row and a block of rows per program.
-    (kernels.Config(block_v=16, num_warps=4, tiles=2, flush_block_v=4, flush_warps=1, flush_rows=1), 4),
-    (kernels.Config(block_v=8, num_warps=2, tiles=3, flush_block_v=32, flush_rows=2), 16),
+    (kernels.ReplayConfig(block_v=16, num_warps=4, tiles=2, flush_block_v=4, flush_warps=1, flush_rows=1), 4),
+    (kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, flush_block_v=32, flush_rows=2), 16),
 ]
 
 
@@ -146,10 +145,11 @@ def test_replay_dead_slots_never_read(case, route, rng):
 ROUTE_SEQUENCES = [
     (("output", "direct", "direct", "output", "state", "direct"), {}),
     (("direct", "output", "output", "output", "direct"),
-     {"output": kernels.Config(block_v=8, num_warps=2, tiles=2), "direct": kernels.Config(block_v=16, num_warps=2)}),
+     {"output": kernels.ReplayConfig(block_v=8, num_warps=2, tiles=2),
+      "direct": kernels.StepConfig(block_v=16, num_warps=2)}),
     (("state", "output", "direct", "output"),
-     {"output": kernels.Config(block_v=8, num_warps=2, tiles=3, fused_flush=True),
-      "state": kernels.Config(block_v=8, num_warps=2, tiles=3, fused_flush=True)}),
+     {"output": kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, fused_flush=True),
+      "state": kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, fused_flush=True)}),
 ]
 
 
@@ -176,6 +176,27 @@ def test_auto_route_is_the_picked_route(case, rng):
         jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+def launched_kernels(fn, *args) -> list[str]:
+    """The `name=` of each pallas_call that fn(*args) launches (traced on abstract inputs: nothing runs)."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return [e.params["name"] for e in _equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+
+
+def model_replay_step(layer: str, batch: int):
+    """(replay step through replayssm_jax.ops on the "interpret" backend, abstract replay state, abstract inputs)
+    of Qwen3.5-4B's GDN layer or Nemotron-3-Nano-4B's Mamba-2 layer, L = 16."""
+    S = jax.ShapeDtypeStruct
+    if layer == "gdn":
+        rs = jax.eval_shape(lambda: gdn_replay_init(jnp.zeros((batch, 32, 128, 128)), 16, 16))
+        inp = dict(q=S((batch, 16, 128), jnp.bfloat16), k=S((batch, 16, 128), jnp.bfloat16),
+                   v=S((batch, 32, 128), jnp.bfloat16), g=S((batch, 32), jnp.float32), beta=S((batch, 32), jnp.float32))
+        return (lambda rs, inp, **kw: ops.gdn_replay_step(rs, **inp, backend="interpret", **kw)), rs, inp
+    rs = jax.eval_shape(lambda: mamba2_replay_init(jnp.zeros((batch, 96, 80, 128)), 16, 8))
+    inp = dict(x=S((batch, 96, 80), jnp.bfloat16), dt=S((batch, 96), jnp.bfloat16), A=S((96,), jnp.float32),
+               B=S((batch, 8, 128), jnp.bfloat16), C=S((batch, 8, 128), jnp.bfloat16))
+    return (lambda rs, inp, **kw: ops.mamba2_replay_step(rs, **inp, backend="interpret", **kw)), rs, inp
+
+
 @pytest.mark.parametrize(("layer", "batch", "picked"), [
     ("gdn", 1, "direct"), ("gdn", 4, "direct"), ("gdn", 8, "output"), ("gdn", 256, "output"),
     ("mamba2", 1, "direct"), ("mamba2", 2, "output"),
@@ -183,17 +204,23 @@ def test_auto_route_is_the_picked_route(case, rng):
 def test_auto_route_at_model_shapes(layer, batch, picked):
     """The direct route where the default replay step is one launch (batch x
     heads <= 132): Qwen3.5-4B's GDN layer (32 value heads) at batch 1-4,
-    Nemotron-3-Nano-4B's Mamba-2 layer (96 heads) at batch 1."""
-    if layer == "gdn":
-        rs = jax.eval_shape(lambda: gdn_replay_init(jnp.zeros((batch, 32, 128, 128)), 16, 16))
-    else:
-        rs = jax.eval_shape(lambda: mamba2_replay_init(jnp.zeros((batch, 96, 80, 128)), 16, 8))
-    assert kernels.pick_route("auto", rs) == picked
-    assert kernels.pick_route("auto", rs, kernels.Config(block_v=16)) == "output"
+    Nemotron-3-Nano-4B's Mamba-2 layer (96 heads) at batch 1; the output
+    route elsewhere and wherever a replay config is given."""
+    heads, V, K = (32, 128, 128) if layer == "gdn" else (96, 80, 128)
+    assert kernels.replay_is_one_launch(batch, heads, V, K, jnp.float32, 16) == (picked == "direct")
+    step, rs, inp = model_replay_step(layer, batch)
+
+    def route_of(route, **kw):
+        first = launched_kernels(lambda rs, inp: step(rs, inp, route=route, **kw), rs, inp)[0]
+        return next(r for r in ("direct", "output", "state") if first.startswith(f"{layer}_{r}_")
+                    or first.startswith(f"{layer}_replay_{r}_"))
+
+    assert route_of("auto") == picked
+    assert route_of("auto", config=kernels.ReplayConfig(block_v=16)) == "output"
     for route in ("output", "state", "direct"):
-        assert kernels.pick_route(route, rs) == route
+        assert route_of(route) == route
     with pytest.raises(ValueError, match="`route` must be one of 'output', 'state', 'direct', 'auto'; got 'fast'"):
-        kernels.pick_route("fast", rs)
+        route_of("fast")
 
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
@@ -248,37 +275,66 @@ def test_gdn_errors_before_any_kernel(rng):
                             backend="interpret")
     with pytest.raises(NotImplementedError, match="no Pallas kernel"):
         ops.gdn_replay_materialize(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), backend="interpret")
-    with pytest.raises(ValueError, match=re.escape("`config.tiles` must be 1 for the replay step's direct route "
-                                                   "(one tile per program); got 2")):
+    # The standard step and the direct route take a StepConfig (one tile per
+    # program, no flush): a ReplayConfig's tiles, fused flush or flush fields
+    # are refused with its class; the output and state routes take a ReplayConfig.
+    with pytest.raises(TypeError, match=re.escape("`config` must be a replayssm_jax.kernels.StepConfig or None for "
+                                                  "the replay step's direct route (the standard step's kernel); "
+                                                  "got ReplayConfig")):
         ops.gdn_replay_step(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), **inp, route="direct",
-                            backend="interpret", config=kernels.Config(block_v=8, tiles=2))
-    with pytest.raises(ValueError, match="`config.tiles` must be 1"):
-        ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
-    with pytest.raises(ValueError, match="`config.fused_flush` must be False"):
-        ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, fused_flush=True))
-    with pytest.raises(ValueError, match=re.escape("must be 0 for the standard step (it writes the state at every "
-                                                   "step: no flush); got flush_block_v=0, flush_warps=0, "
-                                                   "flush_rows=2")):
-        ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=8, flush_rows=2))
+                            backend="interpret", config=kernels.ReplayConfig(block_v=8, tiles=2))
+    for config in (kernels.ReplayConfig(block_v=8, tiles=2), kernels.ReplayConfig(block_v=8, fused_flush=True),
+                   kernels.ReplayConfig(block_v=8, flush_rows=2)):
+        with pytest.raises(TypeError, match=re.escape("`config` must be a replayssm_jax.kernels.StepConfig or None "
+                                                      "for the standard step; got ReplayConfig")):
+            ops.gdn_step(state, **inp, backend="interpret", config=config)
+    with pytest.raises(TypeError, match=re.escape("`config` must be a replayssm_jax.kernels.ReplayConfig or None for "
+                                                  "the replay step's state route; got StepConfig")):
+        ops.gdn_replay_step(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), **inp, route="state",
+                            backend="interpret", config=kernels.StepConfig(block_v=8))
     # V = 24: tiles of at most 32 rows.
     with pytest.raises(ValueError, match=re.escape("`config.block_v` must be <= 32 (the state's value dim V = 24 "
                                                    "rows, rounded up to a power of two); got 64")):
-        ops.gdn_step(state, **inp, backend="interpret", config=kernels.Config(block_v=64))
+        ops.gdn_step(state, **inp, backend="interpret", config=kernels.StepConfig(block_v=64))
     replay = layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4))
     too_many = 2 * replay.checkpoint.shape[0]
     with pytest.raises(ValueError, match=rf"`config.flush_rows` must divide the batch \(\d+\); got {too_many}"):
-        ops.gdn_replay_step(replay, **inp, backend="interpret", config=kernels.Config(block_v=8, flush_rows=too_many))
+        ops.gdn_replay_step(replay, **inp, backend="interpret",
+                            config=kernels.ReplayConfig(block_v=8, flush_rows=too_many))
     with pytest.raises(ValueError, match=re.escape("`config.flush_block_v` must be <= 32 (the state's value dim "
                                                    "V = 24 rows, rounded up to a power of two); got 4096")):
-        ops.gdn_replay_step(replay, **inp, backend="interpret", config=kernels.Config(block_v=8, flush_block_v=4096))
+        ops.gdn_replay_step(replay, **inp, backend="interpret",
+                            config=kernels.ReplayConfig(block_v=8, flush_block_v=4096))
 
 
-@pytest.mark.parametrize(("fields", "error", "message"), [
+# Fields of both configs: block_v, num_warps, num_stages.
+TILING_FIELD_ERRORS = [
     (dict(block_v=12), ValueError, "`config.block_v` must be a power of two; got 12"),
+    (dict(block_v=0), ValueError, "`config.block_v` must be a power of two; got 0"),
     (dict(block_v=4.0), TypeError, "`config.block_v` must be an int; got float 4.0"),
     (dict(block_v=True), TypeError, "`config.block_v` must be an int; got bool True"),
     (dict(block_v=8, num_warps=3), ValueError, "`config.num_warps` must be one of 1, 2, 4, 8, 16; got 3"),
     (dict(block_v=8, num_stages=2.5), TypeError, "`config.num_stages` must be an int; got float 2.5"),
+    (dict(block_v=8, num_stages=0), ValueError, "`config.num_stages` must be >= 1; got 0"),
+]
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), TILING_FIELD_ERRORS)
+def test_step_config_rejects_bad_fields(fields, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        kernels.StepConfig(**fields)
+
+
+def test_step_config_has_no_replay_fields():
+    """The standard step has one tile per program and no flush: a StepConfig takes no such field."""
+    for field, value in (("tiles", 2), ("fused_flush", True), ("flush_block_v", 8), ("flush_warps", 2),
+                         ("flush_rows", 2)):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{field}'"):
+            kernels.StepConfig(block_v=8, **{field: value})
+    assert kernels.StepConfig(block_v=32).tag() == "bv32_w4_s1_t1"  # the name profiles show (t1: one tile)
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), TILING_FIELD_ERRORS + [
     (dict(block_v=8, tiles=0), ValueError, "`config.tiles` must be >= 1; got 0"),
     (dict(block_v=8, tiles=1.5), TypeError, "`config.tiles` must be an int; got float 1.5"),
     (dict(block_v=8, fused_flush="yes"), TypeError, "`config.fused_flush` must be a bool; got str"),
@@ -290,19 +346,41 @@ def test_gdn_errors_before_any_kernel(rng):
     (dict(block_v=8, fused_flush=True, flush_block_v=16), ValueError, "sub-tiles the program's block_v = 8 rows, "
      "so must be <= it; got 16"),
 ])
-def test_config_rejects_bad_fields(fields, error, message):
+def test_replay_config_rejects_bad_fields(fields, error, message):
     with pytest.raises(error, match=re.escape(message)):
-        kernels.Config(**fields)
+        kernels.ReplayConfig(**fields)
 
 
-def test_config_takes_numpy_ints():
-    config = kernels.Config(block_v=np.int64(16), num_warps=np.int32(2), flush_rows=np.int64(4))
-    assert config == kernels.Config(block_v=16, num_warps=2, flush_rows=4)
+def test_configs_take_numpy_ints():
+    config = kernels.ReplayConfig(block_v=np.int64(16), num_warps=np.int32(2), flush_rows=np.int64(4))
+    assert config == kernels.ReplayConfig(block_v=16, num_warps=2, flush_rows=4)
     assert all(type(getattr(config, name)) is int for name in ("block_v", "num_warps", "flush_rows"))
     with pytest.raises(TypeError, match="`config.tiles` must be an int; got bool"):
-        kernels.Config(block_v=16, tiles=np.bool_(True))
-    fused = kernels.Config(block_v=16, fused_flush=np.bool_(True))
-    assert fused == kernels.Config(block_v=16, fused_flush=True) and type(fused.fused_flush) is bool
+        kernels.ReplayConfig(block_v=16, tiles=np.bool_(True))
+    fused = kernels.ReplayConfig(block_v=16, fused_flush=np.bool_(True))
+    assert fused == kernels.ReplayConfig(block_v=16, fused_flush=True) and type(fused.fused_flush) is bool
+    step = kernels.StepConfig(block_v=np.int64(16), num_stages=np.int32(2))
+    assert step == kernels.StepConfig(block_v=16, num_stages=2) and type(step.block_v) is int
+    with pytest.raises(TypeError, match="`config.num_warps` must be an int; got bool"):
+        kernels.StepConfig(block_v=16, num_warps=np.bool_(True))
+    assert kernels.StepConfig(block_v=16) != kernels.ReplayConfig(block_v=16)  # one config class per launch kind
+
+
+def test_heuristics_plan_for_132_sms_without_a_gpu():
+    """On the CPU the heuristics build the H100 / H200 configs (132 SMs); the
+    fused flush where batch x heads <= 132, in 16-row tiles."""
+    from replayssm_jax.kernels import config
+
+    assert jax.default_backend() != "gpu" or config.num_sms() >= 1
+    if jax.default_backend() != "gpu":
+        assert config.num_sms() == config.DEFAULT_NUM_SMS == 132
+    assert kernels.default_replay_config(4, 32, 128, 128, jnp.float32, 16) == kernels.ReplayConfig(
+        block_v=16, num_warps=4, fused_flush=True)
+    assert kernels.default_replay_config(256, 32, 128, 128, jnp.float32, 16) == kernels.ReplayConfig(
+        block_v=64, num_warps=4, tiles=2)
+    assert kernels.default_replay_config(256, 32, 128, 128, jnp.bfloat16, 16).block_v == 128
+    assert kernels.default_step_config(64, 32, 128, 128, jnp.float32) == kernels.StepConfig(block_v=32, num_warps=4)
+    assert kernels.default_step_config(8, 96, 80, 128, jnp.bfloat16) == kernels.StepConfig(block_v=16, num_warps=2)
 
 
 def test_mamba2_errors_before_any_kernel(rng):
@@ -318,21 +396,51 @@ def test_mamba2_errors_before_any_kernel(rng):
                                route="x", backend="interpret")
     with pytest.raises(ValueError, match="`backend`"):
         ops.mamba2_step(state, **inp, **layer.params, backend="triton")
-    with pytest.raises(ValueError, match="`config.tiles` must be 1"):
-        ops.mamba2_step(state, **inp, **layer.params, backend="interpret", config=kernels.Config(block_v=8, tiles=2))
-    with pytest.raises(ValueError, match=re.escape("`config.fused_flush` must be False for the replay step's direct "
-                                                   "route (it writes the state at every step: no flush); got True")):
+    with pytest.raises(TypeError, match="`config` must be a replayssm_jax.kernels.StepConfig or None for the "
+                                        "standard step; got ReplayConfig"):
+        ops.mamba2_step(state, **inp, **layer.params, backend="interpret",
+                        config=kernels.ReplayConfig(block_v=8, tiles=2))
+    with pytest.raises(TypeError, match=re.escape("`config` must be a replayssm_jax.kernels.StepConfig or None for "
+                                                  "the replay step's direct route (the standard step's kernel); "
+                                                  "got ReplayConfig")):
         ops.mamba2_replay_step(layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4)), **inp, **layer.params,
                                route="direct", backend="interpret",
-                               config=kernels.Config(block_v=8, fused_flush=True))
+                               config=kernels.ReplayConfig(block_v=8, fused_flush=True))
     # P = 24: tiles of at most 32 rows; the state stays usable after the refusal.
     replay = layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(4))
     with pytest.raises(ValueError, match=re.escape("`config.block_v` must be <= 32 (the state's head_dim P = 24 "
                                                    "rows, rounded up to a power of two); got 128")):
-        ops.mamba2_replay_step(replay, **inp, **layer.params, backend="interpret", config=kernels.Config(block_v=128))
+        ops.mamba2_replay_step(replay, **inp, **layer.params, backend="interpret",
+                               config=kernels.ReplayConfig(block_v=128))
     y, _ = ops.mamba2_replay_step(replay, **inp, **layer.params, backend="interpret")
     y_ref, _ = ops.mamba2_replay_step(replay, **inp, **layer.params, backend="xla")
     assert_close(y, y_ref, jnp.float32, what="output after a refused call")
+
+
+def test_kernel_limits_before_any_launch(rng):
+    """The limits of the kernels themselves, which their entry points
+    (replayssm_jax.kernels, given validated arguments) check before any
+    launch: a resolved route, L <= MAX_BUFFER_LEN, and at most 32767
+    programs per batch row in a one-launch step (fused flush, direct route)."""
+    layer = GDN(GDNShape(batch=1, H=1, HV=1024, K=4, V=64), rng)
+    rs, inp = layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(1)), layer.draw()
+    kw = dict(scale=0.5, use_qk_l2norm=True)
+    with pytest.raises(ValueError, match=re.escape("`route` must be one of 'output', 'state', 'direct' (the kernels "
+                                                   "take a resolved route); got 'auto'")):
+        kernels.gdn_replay_step(rs, **inp, **kw, route="auto")
+    # 1024 heads x 64 one-row tiles: 65536 programs per row
+    for route, config in (("direct", kernels.StepConfig(block_v=1, num_warps=1)),
+                          ("output", kernels.ReplayConfig(block_v=1, num_warps=1, fused_flush=True))):
+        with pytest.raises(ValueError, match=re.escape("a one-launch replay step counts at most 32767 programs per "
+                                                       f"batch row; the tiling {config.tag()} has 65536")):
+            kernels.gdn_replay_step(rs, **inp, **kw, route=route, config=config)
+    # two launches: the replay kernel's cursor is a fresh array, no count
+    o, _ = kernels.gdn_replay_step(rs, **inp, **kw, route="output", config=kernels.ReplayConfig(block_v=16, tiles=4),
+                                   interpret=True)
+    assert o.shape == inp["v"].shape
+    long = layer.replay_state(kernels.MAX_BUFFER_LEN + 1, jnp.float32, jnp.float32, np.zeros(1))
+    with pytest.raises(ValueError, match="the Pallas kernels support buffer length `L` <= 64; got 65"):
+        kernels.gdn_replay_step(long, **inp, **kw, route="output")
 
 
 @pytest.mark.parametrize("case", cases(GPU_SHAPES), ids=case_id)
@@ -359,10 +467,10 @@ def test_kernels_lower_for_cuda(case, L, dtypes, rng):
 
 
 def gpu_tiling_config(tiling):
-    """kernels.Config of a GPU_TILINGS entry."""
+    """kernels.ReplayConfig of a GPU_TILINGS entry."""
     block_v, warps, tiles, fused, *flush = tiling
     flush_block_v, flush_warps, flush_rows = flush[0] if flush else (0, 0, 0)
-    return kernels.Config(block_v=block_v, num_warps=warps, tiles=tiles, fused_flush=fused,
+    return kernels.ReplayConfig(block_v=block_v, num_warps=warps, tiles=tiles, fused_flush=fused,
                           flush_block_v=flush_block_v, flush_warps=flush_warps, flush_rows=flush_rows)
 
 
@@ -437,11 +545,11 @@ def _equations(jaxpr):
     (jnp.float32, jnp.float16, 1e-6),  # f16 keys: the same dot
 ], ids=["f32state-bf16keys", "bf16state-bf16keys", "f32state-f32keys", "f32state-f16keys"])
 def test_rank_update_accuracy(backend, state_dtype, key_dtype, rtol, rng):
-    """The rank-L update's dots (`kernels._common.rank_update`, as both layers'
+    """The rank-L update's dots (`kernels.replay_math.rank_update`, as both layers'
     flushes call it) in a kernel, against a float64 product: an f32 state
     keeps f32 accuracy (relative to the largest element; one bf16 part of the
     weighted records is off by about 2e-3, two by 2-5e-6)."""
-    from replayssm_jax.kernels import _common
+    from replayssm_jax.kernels import launch, replay_math
 
     BL, BV, BK = 32, 64, 128
     S = jnp.asarray(rng.normal(size=(BV, BK)), jnp.float32)
@@ -449,10 +557,10 @@ def test_rank_update_accuracy(backend, state_dtype, key_dtype, rtol, rng):
     Kb = jnp.asarray(rng.normal(size=(BL, BK)), key_dtype)
 
     def kernel(s_ref, u_ref, k_ref, o_ref):
-        o_ref[...] = _common.rank_update(s_ref[...], u_ref[...], k_ref[...], state_dtype)
+        o_ref[...] = replay_math.rank_update(s_ref[...], u_ref[...], k_ref[...], state_dtype)
 
-    out = _common.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((BV, BK), jnp.float32),
-                              interpret=backend == "interpret", config=kernels.Config(block_v=BV))(S, Uw, Kb)
+    out = launch.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((BV, BK), jnp.float32),
+                             interpret=backend == "interpret", config=kernels.StepConfig(block_v=BV))(S, Uw, Kb)
     f64 = [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (S, Uw, Kb)]
     expected = f64[0] + f64[1].T @ f64[2]
     err = np.abs(np.asarray(out, np.float64) - expected).max() / np.abs(expected).max()

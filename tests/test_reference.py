@@ -2,7 +2,8 @@
 
 Every test runs for Mamba-2 and for Gated DeltaNet through the adapters in
 cases.py, at awkward sizes: head dims 24 and 100, n_groups < nheads, and
-HV = 2H and 3H.
+HV = 2H and 3H. The adapters call replayssm_jax.reference itself (the math,
+no argument checks); replay_commit is replayssm_jax's (validated).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from cases import GDNCase, Mamba2Case, assert_close, take_rows, take_step
 from replayssm_jax import replay_commit
 
 CASES = {
-    "mamba2": lambda rng: Mamba2Case(rng),
+    "mamba2": lambda rng: Mamba2Case(rng, api="reference"),
     "mamba2-P100-G1-ungated-dtlimit": lambda rng: Mamba2Case(
-        rng, nheads=3, head_dim=100, n_groups=1, gated=False, dt_limit=(0.05, 0.8)
+        rng, api="reference", nheads=3, head_dim=100, n_groups=1, gated=False, dt_limit=(0.05, 0.8)
     ),
-    "gdn-HV2H": lambda rng: GDNCase(rng),
-    "gdn-HV3H-K100": lambda rng: GDNCase(rng, num_k_heads=2, num_v_heads=6, head_k_dim=100, head_v_dim=24),
+    "gdn-HV2H": lambda rng: GDNCase(rng, api="reference"),
+    "gdn-HV3H-K100": lambda rng: GDNCase(rng, api="reference", num_k_heads=2, num_v_heads=6, head_k_dim=100,
+                                         head_v_dim=24),
 }
 TWO_CASES = ["mamba2", "gdn-HV2H"]
 

@@ -11,7 +11,6 @@ import pytest
 
 from cases import GDNCase, Mamba2Case, assert_close
 from replayssm_jax import ops, replay_commit
-from replayssm_jax import reference as ref
 
 
 def with_(inp, **changes):
@@ -52,11 +51,11 @@ def test_mamba2_step_errors(mamba, rng, what, change, error, message):
 def test_mamba2_bad_params(mamba):
     case, state, inp = mamba
     with pytest.raises(ValueError, match=r"`A` must have shape \[nheads\] = \(4,\); got \(3,\)"):
-        ref.mamba2_step(state, **inp, A=case.A[:3])
+        ops.mamba2_step(state, **inp, A=case.A[:3])
     with pytest.raises(ValueError, match="`dt_limit` must satisfy 0 <= low <= high"):
-        ref.mamba2_step(state, **inp, A=case.A, dt_limit=(1.0, 0.5))
+        ops.mamba2_step(state, **inp, A=case.A, dt_limit=(1.0, 0.5))
     with pytest.raises(TypeError, match=r"`state` must have dtype in \(float32, bfloat16\); got float16"):
-        ref.mamba2_step(state.astype(np.float16), **inp, A=case.A)
+        ops.mamba2_step(state.astype(np.float16), **inp, A=case.A)
     with pytest.raises(ValueError, match="`chunk_size` must be >= 1; got 0"):
         case.chunked(state, case.draw(5), chunk_size=0)
 
@@ -166,9 +165,9 @@ def test_init_errors(name, request):
 
 def test_init_divisibility(rng):
     with pytest.raises(ValueError, match="nheads = 4 must be divisible by n_groups = 3"):
-        ref.mamba2_replay_init(np.ones((1, 4, 8, 16), np.float32), 4, n_groups=3)
+        ops.mamba2_replay_init(np.ones((1, 4, 8, 16), np.float32), 4, n_groups=3)
     with pytest.raises(ValueError, match=r"HV \(value heads\) = 4 must be divisible by H \(key heads\) = 3"):
-        ref.gdn_replay_init(np.ones((1, 4, 8, 16), np.float32), 4, num_k_heads=3)
+        ops.gdn_replay_init(np.ones((1, 4, 8, 16), np.float32), 4, num_k_heads=3)
 
 
 def test_state_type_is_checked(mamba, gdn):
@@ -185,11 +184,12 @@ def test_unknown_backend(mamba):
 
 def test_config_needs_a_kernel_backend(mamba):
     case, state, inp = mamba
-    from replayssm_jax.kernels import Config
+    from replayssm_jax.kernels import StepConfig
 
     with pytest.raises(TypeError, match="`config` tunes the Pallas kernels; the 'xla' backend takes none"):
-        ops.mamba2_step(state, **inp, A=case.A, backend="xla", config=Config(block_v=8))
-    with pytest.raises(TypeError, match="`config` must be a replayssm_jax.kernels.Config or None; got dict"):
+        ops.mamba2_step(state, **inp, A=case.A, backend="xla", config=StepConfig(block_v=8))
+    with pytest.raises(TypeError, match="`config` must be a replayssm_jax.kernels.StepConfig or None for the "
+                                        "standard step; got dict"):
         ops.mamba2_step(state, **inp, A=case.A, backend="interpret", config={"block_v": 8})
     # config=None (the default) is accepted by every backend, also said explicitly
     y_default, _ = ops.mamba2_step(state, **inp, A=case.A, backend="xla")
@@ -198,7 +198,7 @@ def test_config_needs_a_kernel_backend(mamba):
     rs = case.replay_init(state, 4)
     ops.mamba2_replay_materialize(rs, case.A, config=None)
     with pytest.raises(TypeError, match="has no Pallas kernel: it runs the reference on every backend"):
-        ops.mamba2_replay_materialize(rs, case.A, config=Config(block_v=8))
+        ops.mamba2_replay_materialize(rs, case.A, config=StepConfig(block_v=8))
 
 
 def test_flush_with_pending_window_is_refused(mamba, gdn):
@@ -215,21 +215,62 @@ def test_value_checks(mamba, gdn):
     case, state, inp = mamba
     positive = np.full(4, 0.5, np.float32)
     with pytest.raises(ValueError, match=r"`A` must be negative \(A = -exp\(A_log\)\); got max 0.5"):
-        ref.mamba2_step(state, **inp, A=positive)
+        ops.mamba2_step(state, **inp, A=positive)
     for op in (ops.mamba2_replay_materialize, ops.mamba2_replay_flush):
         with pytest.raises(ValueError, match=r"`A` must be negative \(A = -exp\(A_log\)\); got max 0.5"):
             op(case.replay_init(state, 4), positive)
     with pytest.raises(ValueError, match=r"`state` must have no empty axis \[batch, nheads, head_dim, d_state\]; got shape \(2, 4, 0, 16\)"):
-        ref.mamba2_step(state[:, :, :0], **{**inp, "x": inp["x"][:, :, :0], "z": inp["z"][:, :, :0]}, A=case.A)
+        ops.mamba2_step(state[:, :, :0], **{**inp, "x": inp["x"][:, :, :0], "z": inp["z"][:, :, :0]}, A=case.A)
     rs = case.replay_init(state, 4)
     _, pending = case.verify(rs, case.draw(3))
     with pytest.raises(ValueError, match=r"`num_accepted` must be in \[0, 3\] for every row; got \[4294967297, 0\]"):
         replay_commit(pending, np.array([2**32 + 1, 0], np.int64))
     gcase, gstate, ginp = gdn
-    y, _ = ref.gdn_step(gstate, **ginp, scale=np.float32(0.25))  # NumPy scalars are fine
+    y, _ = ops.gdn_step(gstate, **ginp, scale=np.float32(0.25))  # NumPy scalars are fine
     with pytest.raises(TypeError, match=re.escape("`scale` must be a finite real number (a concrete scalar) or None; got 'big'")):
-        ref.gdn_step(gstate, **ginp, scale="big")
+        ops.gdn_step(gstate, **ginp, scale="big")
     for scale in (jnp.float32(0.25), np.asarray(0.25)):  # concrete 0-d arrays are scalars too
-        np.testing.assert_array_equal(ref.gdn_step(gstate, **ginp, scale=scale)[0], y)
+        np.testing.assert_array_equal(ops.gdn_step(gstate, **ginp, scale=scale)[0], y)
     with pytest.raises(TypeError, match=re.escape("`use_qk_l2norm` must be a bool; got str 'no'")):
-        ref.gdn_step(gstate, **ginp, use_qk_l2norm="no")
+        ops.gdn_step(gstate, **ginp, use_qk_l2norm="no")
+
+
+def test_transposed_states_are_named(rng):
+    """A state with its last two axes swapped (K != V): transformers' GDN
+    cache is [batch, HV, K, V]. The error names the state, its expected
+    value-major layout and the transpose, not `q` (or `x`) for a shape the
+    state implies."""
+    gcase = GDNCase(rng, batch=2)  # K = 16, V = 24
+    inp = gcase.draw()
+    cache = np.swapaxes(gcase.initial_state(), -1, -2)  # [batch, HV, K, V]
+    expected = ("`state` must have shape [batch, HV, V, K] = (2, 4, 24, 16) (V of `v`, K of `q`); got (2, 4, 16, 24), "
+                "its last two axes swapped")
+    with pytest.raises(ValueError, match=re.escape(expected)) as info:
+        ops.gdn_step(cache, **inp)
+    assert "transformers' cache is [batch, HV, K, V]: transpose its last two axes" in str(info.value)
+    with pytest.raises(ValueError, match=re.escape("`state` must have shape [batch, HV, V, K] = (2, 4, 24, 16) "
+                                                   "(V of `v`, K of `k`); got (2, 4, 16, 24)")):
+        ops.gdn_chunked(cache, **gcase.draw(3))
+    # gdn_replay_init cannot tell K from V; the first op that sees q and v names the checkpoint.
+    rs = ops.gdn_replay_init(cache, 4, gcase.num_k_heads)
+    checkpoint = "`state.checkpoint` must have shape [batch, HV, V, K] = (2, 4, 24, 16) (V of `v`, K of `q`)"
+    with pytest.raises(ValueError, match=re.escape(checkpoint)):
+        ops.gdn_replay_step(rs, **inp)
+    with pytest.raises(ValueError, match=re.escape(checkpoint)):
+        ops.gdn_replay_verify(rs, **gcase.draw(2))
+
+    mcase = Mamba2Case(rng, batch=2, nheads=4, head_dim=8, d_state=16, n_groups=2)
+    minp = dict(mcase.draw(), A=mcase.A)
+    swapped = np.swapaxes(mcase.initial_state(), -1, -2)  # [batch, nheads, d_state, head_dim]
+    expected = ("`state` must have shape [batch, nheads, head_dim, d_state] = (2, 4, 8, 16) (head_dim of `x`, "
+                "d_state of `B`); got (2, 4, 16, 8), its last two axes swapped")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        ops.mamba2_step(swapped, **minp)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        ops.mamba2_chunked(swapped, **mcase.draw(3), A=mcase.A)
+    with pytest.raises(ValueError, match=re.escape("`state.checkpoint` must have shape [batch, nheads, head_dim, "
+                                                   "d_state] = (2, 4, 8, 16)")):
+        ops.mamba2_replay_step(ops.mamba2_replay_init(swapped, 4, 2), **minp)
+    # A square head (K == V) cannot be told from its transpose: no layout error, the math runs.
+    square = GDNCase(rng, batch=2, head_k_dim=8, head_v_dim=8)
+    ops.gdn_step(np.swapaxes(square.initial_state(), -1, -2), **square.draw())

@@ -12,338 +12,357 @@ Tiles: a program works on [block_v, N] tiles of one head's state (rows of
 P, all N columns).
 
 - :func:`mamba2_step`: the standard step, grid (batch, H, cdiv(P, block_v)),
-  one tile per program; S read and written in place. Given a replay
-  state's buffers and cursor, it is the replay step's direct route: each
-  row's live records are folded into its checkpoint tile first, and the
-  cursor is set to 0 in place.
-- :func:`mamba2_replay_step`: the ReplaySSM step. The replay kernel, grid
-  (batch, H, splits): a program forms the per-head terms once (decay
-  weights of the live slots, the buffered B's scores against C) and loops
-  over its row tiles, reading each checkpoint tile once:
+  one tile per program; S read and written in place. The replay step's
+  direct route runs the same kernel with the row's buffered records and
+  cursor: its live records are folded into its checkpoint tile first, and
+  the cursor is set to 0 in place.
+- :func:`mamba2_replay_step` on the output and state routes: the replay
+  kernel, grid (batch, H, splits): a program forms the per-head terms once
+  (decay weights of the live slots, the buffered B's scores against C) and
+  loops over its row tiles, reading each checkpoint tile once:
   y = exp(dt A) (exp(G) S_c C + sum_i w_i dt_i (B_i . C) x_i) + (B . C) dt x;
   the new record (x, dt, B) goes to the row's cursor. The flush applies
   the buffered records, then this step, to the checkpoint tiles of each
-  row whose buffer is now full and writes them in place: with
-  `config.fused_flush` the replay kernel does it after its readout, on
-  sub-tiles of its rows (one launch, the cursor moved in place by the
-  row's last program, `advance_cursor`); otherwise a second launch, grid
-  (batch / rows, H, tiles), one tile and a block of batch rows per
-  program, and the first program of the row writes its next cursor to a
-  fresh array (the flush launch reads the old one).
-  `route="state"` makes the replay kernel form S in every step.
+  row whose buffer is now full and writes them in place, fused into the
+  replay kernel or as a second launch
+  (:func:`replayssm_jax.kernels.launch.replay_launch`). `route="state"`
+  makes the replay kernel form S in every step.
 
-These functions take validated arrays; the public entry points are
-:mod:`replayssm_jax.ops`.
+The z gate is optional (a None ref: no gate); D and dt_bias, when None,
+are passed as zeros.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from replayssm_jax.kernels import _common as c
-from replayssm_jax.kernels._common import Config, f32
+from replayssm_jax.kernels.config import ReplayConfig, StepConfig, next_pow2, replay_config_for, step_config_for
+from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
+from replayssm_jax.kernels.launch import BlockSpecs, replay_launch, replay_step, run_replay_program, step_launch
+from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
+from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
+from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, tile_mask
+from replayssm_jax.state import Mamba2ReplayState
+
+# The state's rows and columns, as the size errors name them.
+DIMS = (("head_dim", "P"), ("d_state", "N"))
+
+# The inputs without a batch axis (one value per head).
+PER_HEAD = ("A", "D", "dt_bias")
+
+
+class Inputs(NamedTuple):
+    """A step's inputs (arrays, their block specs, or their refs in a kernel):
+    x [batch, H, P]; dt [batch, H] raw; A f32[H] negative; B, C [batch, G, N];
+    D [H]; dt_bias [H]; z [batch, H, P] or None (no gate)."""
+
+    x: Any
+    dt: Any
+    A: Any
+    B: Any
+    C: Any
+    D: Any
+    dt_bias: Any
+    z: Any
+
+
+class Records(NamedTuple):
+    """The buffered records of a Mamba2ReplayState (fields named as its own):
+    x [batch, H, L, P], dt f32[batch, H, L] (processed), B [batch, G, L, N]."""
+
+    x: Any
+    dt: Any
+    B: Any
+
+
+def softplus(x: jax.Array) -> jax.Array:
+    """log(1 + exp(x)), exact to f32 rounding, linear above 20 (mamba_ssm's threshold)."""
+    return jnp.where(x <= 20.0, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))), x)
 
 
 def _process_dt(dt_raw, dt_bias, dt_softplus, dt_limit):
     dt = dt_raw + dt_bias
     if dt_softplus:
-        dt = c.softplus(dt)
+        dt = softplus(dt)
     low, high = dt_limit
     if low > 0.0 or high < math.inf:
         dt = jnp.clip(dt, low, high)
     return dt
 
 
-def _load_step_inputs(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref, z_ref, P, N, dt_softplus, dt_limit):
-    BP, BN = x_ref.shape[0], B_ref.shape[0]
-    pmask = c.row_mask(BP, P)
-    nmask = c.lane_mask(BN, N)
-    x = c.load(x_ref, pmask)
-    dt = _process_dt(c.load_scalar(dt_ref), c.load_scalar(bias_ref), dt_softplus, dt_limit)
-    A = c.load_scalar(A_ref)
-    Bv = c.load(B_ref, nmask)
-    Cv = c.load(C_ref, nmask)
-    skip = c.load_scalar(D_ref) * x
+def _load_step_inputs(inputs: Inputs, P, N, dt_softplus, dt_limit):
+    BP, BN = inputs.x.shape[0], inputs.B.shape[0]
+    pmask = row_mask(BP, P)
+    nmask = lane_mask(BN, N)
+    x = load(inputs.x, pmask)
+    dt = _process_dt(load_scalar(inputs.dt), load_scalar(inputs.dt_bias), dt_softplus, dt_limit)
+    A = load_scalar(inputs.A)
+    Bv = load(inputs.B, nmask)
+    Cv = load(inputs.C, nmask)
+    skip = load_scalar(inputs.D) * x
     gate = None
-    if z_ref is not None:
-        z = c.load(z_ref, pmask)
+    if inputs.z is not None:
+        z = load(inputs.z, pmask)
         gate = z * jax.nn.sigmoid(z)
     return pmask, nmask, x, dt, A, Bv, Cv, skip, gate
 
 
-def _finish(y, skip, gate):
+def _skip_and_gate(y, skip, gate):
     y = y + skip
     return y if gate is None else y * gate
 
 
-def _step_kernel(*refs, P, N, has_z, dt_softplus, dt_limit, L=0, programs=0):
-    """The standard step; with L > 0 the direct route of the replay step: the
-    step's inputs are then followed by the row's buffers (x, dt, B) and
-    cursor, which are first folded into the checkpoint tile, and the outputs
-    end with the cursor (in place, 0)."""
-    s_ref, x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref = refs[:8]
-    z_ref = refs[8] if has_z else None
-    y_ref, s_out = refs[-3:-1] if L else refs[-2:]
-    if L:
-        xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref = refs[8 + has_z:12 + has_z]
-        count = c.read_cursor(cur_ref)  # first: the fold's trip count waits on it
-    pmask, nmask, x, dt, A, Bv, Cv, skip, gate = _load_step_inputs(
-        x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref, z_ref, P, N, dt_softplus, dt_limit)
-    tile = c.outer(pmask, nmask, (x_ref.shape[0], B_ref.shape[0]))
-    S = c.load(s_ref, tile)
+def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref, y_ref, state_out_ref,
+                 cursor_out_ref, *, P, N, dt_softplus, dt_limit, programs):
+    """The standard step on one state tile. Given the row's records and cursor
+    (not None), the replay step's direct route: the live records are first
+    folded into the checkpoint tile, and the cursor is set to 0 in place."""
+    direct = records is not None
+    if direct:
+        count = read_cursor(cursor_ref)  # first: the fold's trip count waits on it
+    pmask, nmask, x, dt, A, Bv, Cv, skip, gate = _load_step_inputs(inputs, P, N, dt_softplus, dt_limit)
+    tmask = tile_mask(pmask, nmask, (inputs.x.shape[0], inputs.B.shape[0]))
+    S = load(state_ref, tmask)
 
     def finish(S):
         S = S * jnp.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
-        c.store(y_ref, _finish(c.matvec(S, Cv), skip, gate), pmask)
-        c.store(s_out, S, tile)
+        store(y_ref, _skip_and_gate(matvec(S, Cv), skip, gate), pmask)
+        store(state_out_ref, S, tmask)
 
-    if not L:
+    if not direct:
         return finish(S)
 
     def record(i):
-        dt_i = dtbuf_ref[i]
-        return dt_i * A, dt_i * c.load(xbuf_ref.at[i], pmask), c.load(Bbuf_ref.at[i], nmask)
+        dt_i = records.dt[i]
+        return dt_i * A, dt_i * load(records.x.at[i], pmask), load(records.B.at[i], nmask)
 
-    c.fold_then(S, count, record, finish)
-    c.advance_cursor(refs[-1], count, jnp.int32(0), programs)
-
-
-def _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N, dt_softplus, dt_limit):
-    """This step's dt, A, the nmask and B as buffered (rounded to the buffer dtype)."""
-    nmask = c.lane_mask(B_ref.shape[0], N)
-    dt = _process_dt(c.load_scalar(dt_ref), c.load_scalar(bias_ref), dt_softplus, dt_limit)
-    Bv = c.load(B_ref, nmask).astype(Bbuf_ref.dtype).astype(f32)
-    return nmask, dt, c.load_scalar(A_ref), Bv
+    fold_live_records(S, count, record, finish)
+    advance_cursor(cursor_out_ref, count, jnp.int32(0), programs)
 
 
-def _load_x_record(x_ref, xbuf_ref, rows, pmask):
+def _record_inputs(inputs: Inputs, B_dtype, N, dt_softplus, dt_limit):
+    """This step's nmask, dt, A and B as buffered (rounded to the buffer's dtype)."""
+    nmask = lane_mask(inputs.B.shape[0], N)
+    dt = _process_dt(load_scalar(inputs.dt), load_scalar(inputs.dt_bias), dt_softplus, dt_limit)
+    Bv = load(inputs.B, nmask).astype(B_dtype).astype(f32)
+    return nmask, dt, load_scalar(inputs.A), Bv
+
+
+def _load_x_record(x_ref, x_dtype, rows, pmask):
     """(x f32[BP], x as buffered) for the rows of a tile."""
-    x = c.load(x_ref.at[rows], pmask)
-    return x, x.astype(xbuf_ref.dtype).astype(f32)
+    x = load(x_ref.at[rows], pmask)
+    return x, x.astype(x_dtype).astype(f32)
 
 
-def _buffer_weights(dtbuf_ref, live, L, count, A):
+def _buffer_weights(dt_ref, live, L, count, A):
     """(carried decay, w f32[BL]) of the live slots, dt_i folded into w (u_i = dt_i x_i)."""
-    dts = c.load_live(dtbuf_ref, live, L)
-    total, w = c.replay_weights(dts * A, count)
+    dts = load_live(dt_ref, live, L)
+    total, w = replay_weights(dts * A, count)
     return jnp.exp(total), w * dts
 
 
-def _replay_kernel(*refs, P, N, L, group, has_z, dt_softplus, dt_limit, route, config, programs):
-    ck_ref, xbuf_ref, dtbuf_ref, Bbuf_ref, cur_ref, x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, bias_ref = refs[:12]
-    z_ref = refs[12] if has_z else None
-    y_ref, ck_out, xbuf_out, dtbuf_out, Bbuf_out, cur_out = refs[-6:]
-    BL, BN, BP = dtbuf_ref.shape[0], B_ref.shape[0], config.block_v
-    nmask, dt, A, Bv = _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N, dt_softplus,
-                                      dt_limit)
-    Cv = c.load(C_ref, nmask)
-    D = c.load_scalar(D_ref)
-    count = c.read_cursor(cur_ref)  # live records; the new one goes to slot `count`
+def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, checkpoint_out,
+                   records_out: Records, cursor_out, *, P, N, L, group, dt_softplus, dt_limit, route, config,
+                   programs):
+    """The replay kernel (output and state routes) on a program's row tiles of one head and batch row."""
+    BL, BN, BP = records.dt.shape[0], inputs.B.shape[0], config.block_v
+    nmask, dt, A, Bv = _record_inputs(inputs, records.B.dtype, N, dt_softplus, dt_limit)
+    Cv = load(inputs.C, nmask)
+    D = load_scalar(inputs.D)
+    count = read_cursor(cursor_ref)  # live records; the new one goes to slot `count`
     split = pl.program_id(2)
-    live = c.lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
+    live = lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
 
     # Per-head work, once per program: decay weights of the live slots and
     # the buffered B's scores against C.
-    carried, w = _buffer_weights(dtbuf_ref, live, L, count, A)
-    Bb = c.load_live(Bbuf_ref, live, L, nmask, Bbuf_ref.dtype)  # as buffered (the rank update's keys)
+    carried, w = _buffer_weights(records.dt, live, L, count, A)
+    Bb = load_live(records.B, live, L, nmask, records.B.dtype)  # as buffered (the rank update's keys)
     a_c = w * jnp.sum(Bb * Cv[None, :], axis=1)
     bc = jnp.sum(Bv * Cv)
     decay = jnp.exp(dt * A)
     append = count < L  # a row that entered full has no free slot (the flush absorbs this step)
 
     def tile(rows, pmask):
-        tmask = c.outer(pmask, nmask, (BP, BN))
-        S_c = c.load(ck_ref.at[rows, :], tmask)  # the one read of the checkpoint
-        X = c.load_live(xbuf_ref.at[:, rows], live, L, pmask)
-        x, x_rec = _load_x_record(x_ref, xbuf_ref, rows, pmask)
+        tmask = tile_mask(pmask, nmask, (BP, BN))
+        S_c = load(checkpoint_ref.at[rows, :], tmask)  # the one read of the checkpoint
+        X = load_live(records.x.at[:, rows], live, L, pmask)
+        x, x_rec = _load_x_record(inputs.x, records.x.dtype, rows, pmask)
         u = dt * x_rec
         if route == "output":
-            y = decay * (carried * c.matvec(S_c, Cv) + jnp.sum(a_c[:, None] * X, axis=0)) + bc * u
+            y = decay * (carried * matvec(S_c, Cv) + jnp.sum(a_c[:, None] * X, axis=0)) + bc * u
         else:
-            S = decay * c.rank_update(carried * S_c, w[:, None] * X, Bb, ck_ref.dtype) + u[:, None] * Bv[None, :]
-            y = c.matvec(S, Cv)
+            S = decay * rank_update(carried * S_c, w[:, None] * X, Bb, checkpoint_ref.dtype) + u[:, None] * Bv[None, :]
+            y = matvec(S, Cv)
         y = y + D * x
-        if has_z:
-            z = c.load(z_ref.at[rows], pmask)
+        if inputs.z is not None:
+            z = load(inputs.z.at[rows], pmask)
             y = y * (z * jax.nn.sigmoid(z))
-        c.store(y_ref.at[rows], y, pmask)
-        c.store(xbuf_out.at[count, rows], x_rec, c.both(pmask, append, (BP,)))  # the x rows are this program's
+        store(y_ref.at[rows], y, pmask)
+        store(records_out.x.at[count, rows], x_rec, mask_and(pmask, append, (BP,)))  # the x rows are this program's
 
-    c.replay_tiles(P, config, split, tile)
-    if config.fused_flush:
-
-        @pl.when(count >= L - 1)
-        def _():
-            _flush_row(*refs[:12], ck_out, cursor=count, split=split, P=P, N=N, L=L, dt_softplus=dt_softplus,
-                       dt_limit=dt_limit, config=c.fused_flush_config(config))
-
-    # The shared records: dt by the first program of the head, B by the
-    # first head of the group, so no element has two writers.
-    first = split == 0
-    c.store(dtbuf_out, jnp.broadcast_to(dt, (BL,)), (c.lane_ids(BL) == count) & append & first)
-    leader = first & (pl.program_id(1) % group == 0)
-    c.store(Bbuf_out.at[count], Bv, c.both(nmask, append & leader, (BN,)))
-    if config.fused_flush:  # one launch: the cursor moves in place
-        c.advance_cursor(cur_out, count, c.next_cursor(count, L), programs)
-    else:  # the flush launch reads the old cursors: a fresh array
-        c.store_cursor(cur_out, count, L, first & (pl.program_id(1) == 0))
+    flush_row = functools.partial(_flush_row, checkpoint_ref, records, inputs, checkpoint_out, cursor=count,
+                                  split=split, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    # The shared records: the step's processed dt, and B as buffered.
+    run_replay_program(tile, flush_row, V=P, L=L, config=config, split=split, count=count, append=append,
+                       group=group, decay_record=lambda: dt, decay_out=records_out.dt, key=Bv, key_out=records_out.B,
+                       key_mask=nmask, cursor_out=cursor_out, programs=programs)
 
 
-def _flush_kernel(*refs, P, N, L, dt_softplus, dt_limit, config):
-    """The flush launch: a program holds one row tile of one head for a block of batch rows."""
-    split = pl.program_id(2)  # read here: interpret mode cannot read it inside a branch
-    c.flush_rows_of_program(refs, L, functools.partial(
-        _flush_row, split=split, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit, config=config),
-        shared=(7, 10, 11))  # A, D, dt_bias: per head
-
-
-def _flush_row(*refs, cursor, split, P, N, L, dt_softplus, dt_limit, config):
+def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out, *, cursor, split, config, P, N, L,
+               dt_softplus, dt_limit):
     """Write S after this step into the checkpoint of one flushing row (refs:
-    the row's blocks, the checkpoint's output last; cursor at entry L - 1 or
-    L): its `cursor` buffered records, then this step, S <- exp(dt A) S +
-    dt x B^T with x and B as buffered. Slot `cursor` is never read: the
-    fused flush runs in the launch that writes it."""
-    ck_ref, xbuf_ref, dtbuf_ref, Bbuf_ref, _, x_ref, dt_ref, A_ref, B_ref, _, _, bias_ref = refs[:12]
-    ck_out = refs[-1]
-    BN, BP = B_ref.shape[0], config.block_v
-    nmask, dt, A, Bv = _record_inputs(x_ref, dt_ref, A_ref, B_ref, bias_ref, xbuf_ref, Bbuf_ref, N,
-                                      dt_softplus, dt_limit)
+    the row's blocks; cursor at entry L - 1 or L): its `cursor` buffered
+    records, then this step, S <- exp(dt A) S + dt x B^T with x and B as
+    buffered. Slot `cursor` is never read: the fused flush runs in the
+    launch that writes it."""
+    BN, BP = inputs.B.shape[0], config.block_v
+    nmask, dt, A, Bv = _record_inputs(inputs, records.B.dtype, N, dt_softplus, dt_limit)
     decay = jnp.exp(dt * A)
 
     def tile(rows, pmask):
-        tmask = c.outer(pmask, nmask, (BP, BN))
+        tmask = tile_mask(pmask, nmask, (BP, BN))
 
         def record(i):
-            dt_i = dtbuf_ref[i]
-            return dt_i * A, dt_i * c.load(xbuf_ref.at[i, rows], pmask), c.load(Bbuf_ref.at[i], nmask)
+            dt_i = records.dt[i]
+            return dt_i * A, dt_i * load(records.x.at[i, rows], pmask), load(records.B.at[i], nmask)
 
-        def records(live):
-            dts = c.load_live(dtbuf_ref, live, L)
-            return (dts * A, dts[:, None] * c.load_live(xbuf_ref.at[:, rows], live, L, pmask),
-                    c.load_live(Bbuf_ref, live, L, nmask, Bbuf_ref.dtype))
+        def all_records(live):
+            dts = load_live(records.dt, live, L)
+            return (dts * A, dts[:, None] * load_live(records.x.at[:, rows], live, L, pmask),
+                    load_live(records.B, live, L, nmask, records.B.dtype))
 
-        S = decay * c.replay_records(c.load(ck_ref.at[rows, :], tmask), cursor, L, record, records, ck_ref.dtype)
-        u = dt * _load_x_record(x_ref, xbuf_ref, rows, pmask)[1]
-        c.store(ck_out.at[rows, :], S + u[:, None] * Bv[None, :], tmask)
+        S = decay * replay_records(load(checkpoint_ref.at[rows, :], tmask), cursor, L, record, all_records,
+                                   checkpoint_ref.dtype)
+        u = dt * _load_x_record(inputs.x, records.x.dtype, rows, pmask)[1]
+        store(checkpoint_out.at[rows, :], S + u[:, None] * Bv[None, :], tmask)
 
-    c.replay_tiles(P, config, split, tile)
-
-
-def _specs(H, G, BP, N, nb=None):
-    """Block specs of programs of BP state rows and nb batch rows (None: one, the batch axis squeezed)."""
-    BN = c.next_pow2(N)
-    group = H // G
-    return dict(
-        state=pl.BlockSpec((nb, None, BP, BN), lambda b, h, j: (b, h, j, 0)),
-        row=pl.BlockSpec((nb, None, BP), lambda b, h, j: (b, h, j)),
-        scal=pl.BlockSpec((nb, None), lambda b, h, j: (b, h)),
-        head=pl.BlockSpec((None,), lambda b, h, j: (h,)),
-        grp=pl.BlockSpec((nb, None, BN), lambda b, h, j: (b, h // group, 0)),
-    )
+    for_each_row_tile(P, config, split, tile)
 
 
-def _inputs(x, dt, A, B, C, D, z, dt_bias):
-    H = x.shape[1]
-    D = jnp.zeros((H,), f32) if D is None else D
-    dt_bias = jnp.zeros((H,), f32) if dt_bias is None else dt_bias
-    args = [x, dt, A, B, C, D, dt_bias] + ([] if z is None else [z])
-    return args
+def _block_specs(H, G, N, L, gated, rows, nb=None) -> BlockSpecs:
+    """Block specs of programs of `rows` state rows and nb batch rows (None:
+    one, the batch axis squeezed); z's None without the gate; records None
+    where L is None."""
+    BN, group = next_pow2(N), H // G
+    state = pl.BlockSpec((nb, None, rows, BN), lambda b, h, j: (b, h, j, 0))
+    row = pl.BlockSpec((nb, None, rows), lambda b, h, j: (b, h, j))
+    scal = pl.BlockSpec((nb, None), lambda b, h, j: (b, h))
+    head = pl.BlockSpec((None,), lambda b, h, j: (h,))
+    grp = pl.BlockSpec((nb, None, BN), lambda b, h, j: (b, h // group, 0))
+    records = None
+    if L is not None:
+        BL = next_pow2(L)
+        records = Records(x=pl.BlockSpec((nb, None, BL, rows), lambda b, h, j: (b, h, 0, j)),
+                          dt=pl.BlockSpec((nb, None, BL), lambda b, h, j: (b, h, 0)),
+                          B=pl.BlockSpec((nb, None, BL, BN), lambda b, h, j: (b, h // group, 0, 0)))
+    inputs = Inputs(x=row, dt=scal, A=head, B=grp, C=grp, D=head, dt_bias=head, z=row if gated else None)
+    return BlockSpecs(state=state, inputs=inputs, out=row, records=records)
 
 
-def _input_specs(s, has_z):
-    return [s["row"], s["scal"], s["head"], s["grp"], s["grp"], s["head"], s["head"]] + ([s["row"]] if has_z else [])
+def _with_defaults(inputs: Inputs) -> Inputs:
+    """D and dt_bias as zeros where None."""
+    H = inputs.x.shape[1]
+    zeros = jnp.zeros((H,), f32)
+    return inputs._replace(D=zeros if inputs.D is None else inputs.D,
+                           dt_bias=zeros if inputs.dt_bias is None else inputs.dt_bias)
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret"))
-def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, replay=None, *, dt_softplus: bool,
-                dt_limit: tuple[float, float], config: Config | None = None, interpret: bool = False):
-    """One standard Mamba-2 decode step; the state is updated in place.
+def _step(state, inputs: Inputs, records: Records | None, cursor, *, dt_softplus: bool,
+          dt_limit: tuple[float, float], config: StepConfig, interpret: bool):
+    """The standard step's launch; with records and cursor, the direct route's. Returns (y, state, cursor or None)."""
+    _, H, P, N = state.shape
+    L = None if records is None else records.x.shape[2]
+    kernel = functools.partial(_step_kernel, P=P, N=N, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    specs = functools.partial(_block_specs, H, inputs.B.shape[1], N, L, inputs.z is not None)
+    return step_launch("mamba2", kernel, specs, state, _with_defaults(inputs),
+                       jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), records, cursor, config=config,
+                       interpret=interpret)
 
-    Args: state f32|bf16[batch, H, P, N]; x [batch, H, P]; dt [batch, H] raw;
-    A f32[H] negative; B, C [batch, G, N]; D [H] or None; z [batch, H, P] or
-    None; dt_bias [H] or None; replay: None, or the replay step's direct
-    route: the buffers (x [batch, H, L, P], dt f32[batch, H, L], B
-    [batch, G, L, N]) and cursor i32[batch] of a replay state whose
-    checkpoint is `state`. Each row's live records are then folded into
-    the checkpoint before the step, and the cursor is set to 0 in place.
 
-    Returns: (y [batch, H, P] in x.dtype, new_state like state, new cursor
-    or None).
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "route", "config", "interpret"))
+def _replay(checkpoint, records: Records, cursor, inputs: Inputs, *, dt_softplus: bool,
+            dt_limit: tuple[float, float], route: str, config: ReplayConfig, interpret: bool):
+    """The replay step's launches (output and state routes). Returns (y, checkpoint, records, cursor)."""
+    _, H, P, N = checkpoint.shape
+    G, L = inputs.B.shape[1], records.x.shape[2]
+    kernel = functools.partial(_replay_kernel, P=P, N=N, L=L, group=H // G, dt_softplus=dt_softplus,
+                               dt_limit=dt_limit, route=route)
+    flush_row = functools.partial(_flush_row, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None)
+    return replay_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, _with_defaults(inputs),
+                         jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), per_head=PER_HEAD, route=route,
+                         config=config, interpret=interpret)
+
+
+def _step_options(dt_softplus, dt_limit, interpret) -> dict:
+    low, high = dt_limit
+    return dict(dt_softplus=bool(dt_softplus), dt_limit=(float(low), float(high)), interpret=interpret)
+
+
+def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_limit: tuple[float, float],
+                config: StepConfig | None = None, interpret: bool = False):
+    """One standard Mamba-2 decode step (Pallas kernel); the state is updated in place.
+
+    Takes validated arguments (:func:`replayssm_jax.ops.mamba2_step`
+    validates them) and checks only the kernels' own limits, before any launch.
+
+    Args:
+      state: f32 | bf16[batch, H, P, N] (mamba_ssm's ssm_state).
+      x: [batch, H, P]; dt: [batch, H], raw (before dt_bias and softplus).
+      A: f32[H], negative, A = -exp(A_log).
+      B, C: [batch, G, N] (G divides H).
+      D: [H] or None (no skip); z: [batch, H, P] or None (no gate,
+        y *= silu(z) otherwise); dt_bias: [H] or None.
+      dt_softplus: dt = softplus(dt + dt_bias) (else dt + dt_bias).
+      dt_limit: (low, high), 0 <= low <= high: dt is clamped to it (the
+        model's time_step_limit; (0, inf): no clamp).
+      config, interpret: as :func:`replayssm_jax.kernels.gdn_step`.
+
+    Returns (y [batch, H, P] in x.dtype, new_state like state); raises
+    ValueError for P or N above MAX_HEAD_DIM (256) or a `config.block_v`
+    above P rounded up to a power of two, TypeError for a `config` that is
+    not a StepConfig. Math: Dao & Gu, "Transformers are SSMs" (ICML 2024),
+    as mamba_ssm's selective_state_update.
     """
-    batch, H, P, N = state.shape
-    G = B.shape[1]
-    cfg = config or c.default_config(batch, H, P, N, state.dtype.itemsize)
-    s = _specs(H, G, cfg.block_v, N)
-    grid = (batch, H, pl.cdiv(P, cfg.block_v))
-    kernel = functools.partial(_step_kernel, P=P, N=N, has_z=z is not None, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    return c.step_launch(
-        kernel, "mamba2", grid=grid, in_specs=[s["state"]] + _input_specs(s, z is not None),
-        out_specs=[s["row"], s["state"]],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        operands=(state, *_inputs(x, dt, A, B, C, D, z, dt_bias)), config=cfg, interpret=interpret, replay=replay,
-        buffer_specs=lambda L: _buffer_specs(G, H, L, N, cfg.block_v))
+    config = step_config_for(config, state, DIMS)
+    y, state, _ = _step(state, Inputs(x, dt, A, B, C, D, dt_bias, z), None, None, config=config,
+                        **_step_options(dt_softplus, dt_limit, interpret))
+    return y, state
 
 
-def _buffer_specs(G, H, L, N, R, nb=None):
-    """Block specs of the buffers (x, dt, B): R state rows and nb batch rows (None: one, squeezed)."""
-    BL, BN, group = c.next_pow2(L), c.next_pow2(N), H // G
-    return [pl.BlockSpec((nb, None, BL, R), lambda b, h, j: (b, h, 0, j)),
-            pl.BlockSpec((nb, None, BL), lambda b, h, j: (b, h, 0)),
-            pl.BlockSpec((nb, None, BL, BN), lambda b, h, j: (b, h // group, 0, 0))]
+def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool,
+                       dt_limit: tuple[float, float], route: str, config: StepConfig | ReplayConfig | None = None,
+                       interpret: bool = False):
+    """One ReplaySSM Mamba-2 decode step (Pallas kernels); checkpoint, buffers and cursor in place.
 
+    Takes validated arguments (:func:`replayssm_jax.ops.mamba2_replay_step`
+    validates them and resolves route="auto"); the flush rule, `route`,
+    `config`, `interpret` and the kernels' own limits (checked before any
+    launch) are those of :func:`replayssm_jax.kernels.gdn_replay_step`,
+    with head_dim P and d_state N for V and K.
 
-@functools.partial(jax.jit, static_argnames=("L", "dt_softplus", "dt_limit", "route", "config", "interpret"))
-def mamba2_replay_step(checkpoint, xbuf, dtbuf, Bbuf, cursor, x, dt, A, B, C, D, z, dt_bias, *, L: int,
-                       dt_softplus: bool, dt_limit: tuple[float, float], route: str,
-                       config: Config | None = None, interpret: bool = False):
-    """One ReplaySSM Mamba-2 decode step on the raw state arrays (in place).
+    Args:
+      state: a Mamba2ReplayState: checkpoint f32 | bf16[batch, H, P, N];
+        records x [batch, H, L, P], dt f32[batch, H, L] (processed dt),
+        B [batch, G, L, N]; cursor i32[batch] in 0..L.
+      x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit: as
+        :func:`mamba2_step`.
 
-    Args: checkpoint f32|bf16[batch, H, P, N]; xbuf [batch, H, L, P];
-    dtbuf f32[batch, H, L] (processed dt); Bbuf [batch, G, L, N];
-    cursor i32[batch] in 0..L; the step inputs as :func:`mamba2_step`.
+    Returns:
+      (y [batch, H, P] in x.dtype, new Mamba2ReplayState).
 
-    Returns: (y [batch, H, P] in x.dtype, checkpoint, xbuf, dtbuf, Bbuf,
-    new cursor); checkpoint and buffers are updated in place (aliased). A
-    row flushes (checkpoint = S after this step, cursor 0) when its cursor
-    reaches L with this step or entered at L.
+    Raises:
+      ValueError, TypeError: as :func:`replayssm_jax.kernels.gdn_replay_step`.
     """
-    batch, H, P, N = checkpoint.shape
-    G = B.shape[1]
-    cfg = config or c.default_config(batch, H, P, N, checkpoint.dtype.itemsize, replay_len=L)
-    group = H // G
-
-    def specs(cfg, nb=None):
-        """(grid, in_specs, out_specs) for programs of cfg.tiles row tiles and
-        nb batch rows (None: one row, the batch axis squeezed)."""
-        R = cfg.block_v * cfg.tiles
-        s = _specs(H, G, R, N, nb)
-        buffers, row = _buffer_specs(G, H, L, N, R, nb), c.cursor_spec(nb)
-        in_specs = [s["state"], *buffers, row] + _input_specs(s, z is not None)
-        return (batch // (nb or 1), H, cfg.splits(P)), in_specs, [s["row"], s["state"], *buffers, row]
-
-    args = (checkpoint, xbuf, dtbuf, Bbuf, cursor, *_inputs(x, dt, A, B, C, D, z, dt_bias))
-    grid, in_specs, out_specs = specs(cfg)
-    kernel = functools.partial(_replay_kernel, P=P, N=N, L=L, group=group, has_z=z is not None,
-                               dt_softplus=dt_softplus, dt_limit=dt_limit, route=route, config=cfg,
-                               programs=H * grid[2])
-    y, checkpoint, xbuf, dtbuf, Bbuf, new_cursor = c.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, checkpoint, xbuf, dtbuf, Bbuf, cursor)],
-        input_output_aliases={0: 1, 1: 2, 2: 3, 3: 4, **({4: 5} if cfg.fused_flush else {})},
-        interpret=interpret,
-        config=cfg,
-        name=f"mamba2_replay_{route}_L{L}_{cfg.tag()}",
-    )(*args)
-    if not cfg.fused_flush:
-        flush = functools.partial(_flush_kernel, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit)
-        checkpoint = c.flush_launch(flush, specs, cfg, checkpoint, (xbuf, dtbuf, Bbuf, *args[4:]),
-                                    interpret=interpret, name=f"mamba2_replay_flush_L{L}")
-    return y, checkpoint, xbuf, dtbuf, Bbuf, new_cursor
+    config = replay_config_for(config, state.checkpoint, state.buffer_len, DIMS, route=route)
+    kw = _step_options(dt_softplus, dt_limit, interpret)
+    return replay_step(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),
+                       route=route, config=config, step=functools.partial(_step, **kw),
+                       replay=functools.partial(_replay, **kw))

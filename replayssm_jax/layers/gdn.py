@@ -34,12 +34,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from replayssm_jax import ops
 from replayssm_jax.layers.cache import SSMLayerState
 from replayssm_jax.layers.conv import CausalConv1d
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import GatedRMSNorm
 from replayssm_jax.layers.ssm_mixer import SSMMixer
-from replayssm_jax.state import gdn_replay_init
 
 __all__ = ["GatedDeltaNet"]
 
@@ -64,7 +64,10 @@ class GatedDeltaNet(SSMMixer):
       ValueError: H does not divide HV.
     """
 
-    _op = "gdn"
+    chunked_op = staticmethod(ops.gdn_chunked)
+    step_op = staticmethod(ops.gdn_step)
+    replay_step_op = staticmethod(ops.gdn_replay_step)
+    replay_init_op = staticmethod(ops.gdn_replay_init)
 
     def __init__(self, hidden_size: int, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int = 4, packed: bool, norm_eps: float = 1e-6, chunk_size: int = 64,
@@ -150,8 +153,8 @@ class GatedDeltaNet(SSMMixer):
     def _op_params(self):
         return dict(use_qk_l2norm=True)
 
-    def _replay_init(self, ssm_state, buffer_len, buffer_dtype):
-        return gdn_replay_init(ssm_state, buffer_len, self.num_k_heads, buffer_dtype=buffer_dtype)
+    def _replay_init_params(self):
+        return dict(num_k_heads=self.num_k_heads)
 
     def _finish(self, o, z):
         o = self.norm(o.astype(z.dtype), z)

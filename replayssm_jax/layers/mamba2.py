@@ -26,12 +26,12 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
+from replayssm_jax import ops
 from replayssm_jax.layers.cache import SSMLayerState
 from replayssm_jax.layers.conv import CausalConv1d
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import GatedRMSNorm
 from replayssm_jax.layers.ssm_mixer import SSMMixer
-from replayssm_jax.state import mamba2_replay_init
 
 __all__ = ["Mamba2Mixer"]
 
@@ -61,7 +61,10 @@ class Mamba2Mixer(SSMMixer):
       ValueError: G does not divide H, or norm_group_size does not divide d_inner.
     """
 
-    _op = "mamba2"
+    chunked_op = staticmethod(ops.mamba2_chunked)
+    step_op = staticmethod(ops.mamba2_step)
+    replay_step_op = staticmethod(ops.mamba2_replay_step)
+    replay_init_op = staticmethod(ops.mamba2_replay_init)
 
     def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, state_size: int, n_groups: int,
                  conv_kernel: int = 4, use_conv_bias: bool = True, use_bias: bool = False, chunk_size: int = 128,
@@ -115,8 +118,8 @@ class Mamba2Mixer(SSMMixer):
         x, B, C = self._split_xbc(xbc)
         return dict(x=x, dt=dt, B=B, C=C), z, conv_state
 
-    def _replay_init(self, ssm_state, buffer_len, buffer_dtype):
-        return mamba2_replay_init(ssm_state, buffer_len, self.n_groups, buffer_dtype=buffer_dtype)
+    def _replay_init_params(self):
+        return dict(n_groups=self.n_groups)
 
     def _finish(self, y, z):
         y = y.reshape(*z.shape[:-1], self.d_inner)

@@ -26,6 +26,14 @@ States are value-major, [batch, heads, V, K], as mamba_ssm's ssm_state and
 FLA's recurrent state; transformers' GDN cache is [batch, HV, K, V].
 Everything runs under jax.jit and is batched over batch and heads; all
 arithmetic is float32, clear rather than fast.
+
+This package holds the math only. Its functions take arguments as
+:mod:`replayssm_jax.ops` validates them (the same names and signatures,
+less `backend` and `config`; a replay step's route is "output", "state" or
+"direct", with "auto" resolved by the ops) and check nothing themselves:
+called with bad shapes or dtypes they may fail with JAX's own errors, or
+return garbage. Call :mod:`replayssm_jax.ops` with backend="xla" for the
+same math with every argument checked.
 """
 
 from replayssm_jax.reference.gdn import (

@@ -4,7 +4,7 @@ Both layers are instances of one recurrence per head (DESIGN.md section 2):
 
     S_t = exp(lg_t) S_{t-1} + u_t k_t^T,    y_t = S_t q_t,
 
-S f32[V, K], u f32[V], k, q f32[K], lg a log decay <= 0. The helpers below
+S f32[V, K], u f32[V], k, q f32[K], lg a log decay <= 0. The functions below
 compute it three ways: over the L slots of a ReplaySSM buffer (readout and
 materialisation from a checkpoint), and over a chunk of T steps at once
 (the quadratic "attention" form of the SSD paper, used by the chunked
@@ -95,6 +95,16 @@ def replay_materialize(checkpoint, u, k, lg, count) -> jax.Array:
     u, k = live_records(u, k, count)
     update = einsum("bhl,bhlv,bhlk->bhvk", w, u, k)
     return jnp.exp(total)[..., None, None] * checkpoint.astype(f32) + update
+
+
+def state_readout(checkpoint, u, k, lg, count, q) -> jax.Array:
+    """y = S_count q with S_count formed in f32 (the state route); arguments
+    and result as :func:`replay_readout`."""
+    return einsum("bhvk,bhk->bhv", replay_materialize(checkpoint, u, k, lg, count), q.astype(f32))
+
+
+# The replay step's readout per route ("direct" takes a standard step instead).
+READOUTS = {"output": replay_readout, "state": state_readout}
 
 
 def causal_decay(lg: jax.Array, strict: bool = False) -> tuple[jax.Array, jax.Array]:

@@ -17,6 +17,10 @@ transform of the WY representation): with cum the within-chunk cumulative
 log decay, A_ij = beta_i exp(cum_i - cum_j) (k_i . k_j) for i > j and
 R_i = beta_i (v_i - exp(cum_i) S_0 k_i), the update vectors are
 D = (I + A)^-1 R, found by unit lower-triangular forward substitution.
+
+All arithmetic is float32; outputs have v's dtype and states keep their dtype.
+The arguments are validated by :mod:`replayssm_jax.ops` (its namesakes of
+these functions); this module holds the math only.
 """
 
 from __future__ import annotations
@@ -25,43 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
-from replayssm_jax import _validate as val
 from replayssm_jax.reference import _common as c
-from replayssm_jax.state import GDNReplayState, check_no_pending_window, check_replay_state, write_slots
+from replayssm_jax.state import GDNReplayState, write_slots
 
 f32 = jnp.float32
-
-
-def _check_inputs(dims, q, k, vv, g, beta, scale, use_qk_l2norm, seq=None, seq_name="seqlen", heads=None):
-    """Validate one step (seq None) or `seq` steps. dims = (batch, HV, V, K);
-    heads: the key heads H that q must have (a replay state's), or None (any
-    divisor of HV). Returns H."""
-    batch, HV, V, K = dims
-    lead, names = ((batch,), "batch") if seq is None else ((batch, seq), f"batch, {seq_name}")
-    q = val.check_float("q", q)
-    val.check_rank("q", q, f"{names}, H, K")
-    H = q.shape[-2]
-    if heads is not None and H != heads:
-        raise ValueError(f"`q` and `k` must have H = {heads} key heads (the state's); got {H}")
-    val.check_divisible("HV (value heads)", HV, "H (key heads) = q.shape[-2]", H)
-    val.check_shape("q", q, f"{names}, H, K", (*lead, H, K))
-    k = val.check_float("k", k)
-    val.check_rank("k", k, f"{names}, H, K")
-    if k.shape[-2] != H:
-        raise ValueError(f"`q` and `k` must have the same H (key heads); got {H} and {k.shape[-2]}")
-    val.check_shape("k", k, f"{names}, H, K", (*lead, H, K))
-    val.float_arg("v", vv, f"{names}, HV, V", (*lead, HV, V))
-    val.float_arg("g", g, f"{names}, HV", (*lead, HV))
-    val.float_arg("beta", beta, f"{names}, HV", (*lead, HV))
-    val.check_scale(scale)
-    val.check_bool("use_qk_l2norm", use_qk_l2norm)
-    return H
-
-
-def _check_state(state):
-    state = val.check_float("state", state, val.STATE_DTYPES)
-    val.check_rank("state", state, "batch, HV, V, K")
-    return state
 
 
 def _prepare_qk(q, k, scale, use_qk_l2norm):
@@ -77,22 +48,13 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
 
     Args:
       state: f32 | bf16[batch, HV, V, K], value-major recurrent state.
-      q, k: [batch, H, K], query and key (before L2 norm).
-      v: [batch, HV, V], value.
-      g: [batch, HV], log decay <= 0 (g = -exp(A_log) * softplus(a + dt_bias)).
-      beta: [batch, HV], write strength in (0, 1) (sigmoid(b)).
-      scale: query scale, default K ** -0.5.
-      use_qk_l2norm: L2-normalise q and k over K (eps 1e-6), as the models do.
+      q, k: [batch, H, K]; v: [batch, HV, V]; g: [batch, HV], log decay <= 0;
+      beta: [batch, HV] in (0, 1); scale: float or None (K ** -0.5);
+      use_qk_l2norm: bool. Their meaning: :func:`replayssm_jax.ops.gdn_step`.
 
     Returns:
       (o [batch, HV, V] in v.dtype, new_state in state.dtype).
-
-    Raises:
-      TypeError: a non-floating argument, or a state that is not f32/bf16.
-      ValueError: a shape mismatch, or HV not divisible by H.
     """
-    state = _check_state(state)
-    _check_inputs(state.shape, q, k, v, g, beta, scale, use_qk_l2norm)
     HV = state.shape[1]
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
@@ -133,27 +95,15 @@ def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_s
       state: None (zeros) or f32 | bf16[batch, HV, V, K].
       q, k: [batch, seqlen, H, K]; v: [batch, seqlen, HV, V];
       g, beta: [batch, seqlen, HV]; scale, use_qk_l2norm: as :func:`gdn_step`.
-      chunk_size: steps per chunk (any int >= 1; need not divide seqlen).
+      chunk_size: steps per chunk (an int >= 1; need not divide seqlen).
 
     Returns:
       (o [batch, seqlen, HV, V] in v.dtype, final state in state.dtype, or
       float32 if state is None).
-
-    Raises:
-      TypeError, ValueError: as :func:`gdn_step`; also chunk_size < 1.
     """
-    vv = val.check_float("v", v)
-    val.check_rank("v", vv, "batch, seqlen, HV, V")
-    kk = val.check_float("k", k)
-    val.check_rank("k", kk, "batch, seqlen, H, K")
-    batch, T, HV, V = vv.shape
-    K = kk.shape[-1]
+    batch, T, HV, V = v.shape
     if state is None:
-        state = jnp.zeros((batch, HV, V, K), f32)
-    state = _check_state(state)
-    val.check_shape("state", state, "batch, HV, V, K", (batch, HV, V, K))
-    _check_inputs(state.shape, q, k, vv, g, beta, scale, use_qk_l2norm, seq=T)
-    chunk_size = val.check_positive_int("chunk_size", chunk_size)
+        state = jnp.zeros((batch, HV, V, k.shape[-1]), f32)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=2) for a in (q, k))
 
@@ -161,8 +111,9 @@ def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_s
         o, final, _ = gdn_chunk(S, *inputs)
         return o, final
 
-    o, final = c.scan_chunks(chunk, state.astype(f32), (qh, kh, vv.astype(f32), g.astype(f32), beta.astype(f32)), chunk_size)
-    return o.astype(vv.dtype), final.astype(state.dtype)
+    inputs = (qh, kh, v.astype(f32), g.astype(f32), beta.astype(f32))
+    o, final = c.scan_chunks(chunk, state.astype(f32), inputs, chunk_size)
+    return o.astype(v.dtype), final.astype(state.dtype)
 
 
 # --------------------------------------------------------------------------
@@ -176,51 +127,20 @@ def unify(state: GDNReplayState) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def gdn_replay_materialize(state: GDNReplayState) -> jax.Array:
-    """The current full state from checkpoint plus buffer.
-
-    Args:
-      state: a GDNReplayState.
-
-    Raises:
-      TypeError, ValueError: a malformed state (see replayssm_jax.state).
-
-    Returns:
-      f32[batch, HV, V, K]: the state after `cursor` buffered steps, equal to
-      the state a standard decode would hold now. With a pending verify
-      window: the state at the window's start.
+    """The state after `cursor` buffered steps, f32[batch, HV, V, K]:
+    S = exp(G) S_c + sum_i w_i d_i k_i^T over the live slots (with a pending
+    verify window: the state at the window's start). Arguments as
+    :func:`replayssm_jax.ops.gdn_replay_materialize`.
     """
-    check_replay_state(state, GDNReplayState)
     return c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
 
 
 def gdn_replay_flush(state: GDNReplayState) -> GDNReplayState:
-    """Write the materialised state of every row as its checkpoint; cursor <- 0.
-
-    Use it to hand a replay state to code that reads only the checkpoint
-    (e.g. a standard decode step or a cache export); decoding itself
-    flushes a row when its buffer fills.
-
-    Args:
-      state: a GDNReplayState without a pending verify window.
-
-    Returns:
-      GDNReplayState: checkpoint = the materialised state (in the
-      checkpoint's dtype), cursor 0 in every row; the buffers keep their
-      contents (dead slots, never read).
-
-    Raises:
-      TypeError, ValueError: a malformed state, or a pending verify window.
+    """Every row's materialised state written as its checkpoint (in the
+    checkpoint's dtype), cursor 0; the buffers keep their contents, now dead
+    slots. Arguments as :func:`replayssm_jax.ops.gdn_replay_flush`.
     """
-    check_replay_state(state, GDNReplayState)
-    check_no_pending_window(state)
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), unify)
-
-
-def _check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm, seq=None):
-    check_replay_state(state, GDNReplayState)
-    check_no_pending_window(state)
-    _check_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, use_qk_l2norm, seq=seq, seq_name="W",
-                  heads=state.k.shape[1])
 
 
 def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output"):
@@ -246,23 +166,14 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         it; a row that entered full, whose record has no slot, adds it
         unrounded. "direct" folds each row's live records into its
         checkpoint and takes a standard step on it, written back at once
-        (cursor 0, no record appended): the standard step's traffic, for
-        latency-bound batches, where buffering saves nothing; the buffer
-        then serves speculative decoding (verify writes it, a rollback is a
-        cursor move). Its output is the other routes' up to f32 rounding.
-        "auto" is "output" here; the kernels pick by shape
-        (:func:`replayssm_jax.kernels.pick_route`).
+        (cursor 0, no record appended); its output is the other routes' up
+        to f32 rounding. ("auto" is resolved by
+        :func:`replayssm_jax.ops.gdn_replay_step`.)
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
       :func:`gdn_step`'s output on the same step sequence.
-
-    Raises:
-      TypeError, ValueError: as :func:`gdn_step`, for a malformed state, a
-      pending verify window, or an unknown route.
     """
-    _check_replay_inputs(state, q, k, v, g, beta, scale, use_qk_l2norm)
-    route = "output" if val.check_route(route) == "auto" else route
     if route == "direct":
         return c.direct_step(state, unify, lambda S: gdn_step(S, q, k, v, g, beta, scale, use_qk_l2norm))
     HV = state.checkpoint.shape[1]
@@ -272,11 +183,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
     g = g.astype(f32)
     buffered = (state.checkpoint, *unify(state), state.cursor)  # S_{j-1} = checkpoint + buffer
-    prev = c.replay_materialize(*buffered)  # f32, formed for the flush (and the "state" route)
-    if route == "output":
-        prev_k, prev_q = (c.replay_readout(*buffered, x) for x in (kh, qh))
-    else:
-        prev_k, prev_q = (c.einsum("bhvk,bhk->bhv", prev, x) for x in (kh, qh))
+    prev = c.replay_materialize(*buffered)  # f32, formed for the flush
+    prev_k, prev_q = (c.READOUTS[route](*buffered, x) for x in (kh, qh))
     decay = jnp.exp(g)[..., None]
     d = beta.astype(f32)[..., None] * (v.astype(f32) - decay * prev_k)
     # o = S_j q with S_j = exp(g) S_{j-1} + d k^T; this step enters through the
@@ -303,7 +211,8 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
     they are solved in closed form from the state at the window start
     (checkpoint plus buffer), as one chunk of the chunked delta rule. The W
     records (d, k, g) are written at slots cursor .. cursor + W - 1; the
-    cursor and the checkpoint are not moved. Follow with :func:`replay_commit`.
+    cursor and the checkpoint are not moved. Follow with
+    :func:`replayssm_jax.state.replay_commit`.
 
     Args:
       state: GDNReplayState with no pending window.
@@ -313,27 +222,18 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
     Returns:
       (o [batch, W, HV, V] in v.dtype, new state with window = W): o[:, t]
       is the output of step t assuming steps 0..t-1 of the window are accepted.
-
-    Raises:
-      TypeError, ValueError: as :func:`gdn_replay_step`, and W > L.
     """
-    check_replay_state(state, GDNReplayState)
-    vv = val.check_float("v", v)
-    val.check_rank("v", vv, "batch, W, HV, V")
-    W = vv.shape[1]
-    if not 1 <= W <= state.buffer_len:
-        raise ValueError(f"the window length W = v.shape[1] must be in [1, L = {state.buffer_len}]; got {W}")
-    _check_replay_inputs(state, q, k, vv, g, beta, scale, use_qk_l2norm, seq=W)
+    W = v.shape[1]
     HV = state.checkpoint.shape[1]
     state = c.make_room(state, W, unify)
     start = c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=2) for a in (q, k))
-    o, _, d = gdn_chunk(start, qh, kh, vv, g, beta)
+    o, _, d = gdn_chunk(start, qh, kh, v, g, beta)
     state = state.replace(
         d=write_slots(state.d, jnp.swapaxes(d, 1, 2), state.cursor),
         k=write_slots(state.k, jnp.swapaxes(k, 1, 2), state.cursor),
         g=write_slots(state.g, jnp.swapaxes(g.astype(f32), 1, 2), state.cursor),
         window=W,
     )
-    return o.astype(vv.dtype), state
+    return o.astype(v.dtype), state

@@ -1,0 +1,426 @@
+"""Tiling configs of the kernel launches, their default heuristics, and the kernels' size limits.
+
+One frozen config per launch kind:
+
+- :class:`StepConfig`: the standard step's kernel (also the replay step's
+  direct route, which runs that kernel): one [block_v, K] state tile per
+  program.
+- :class:`ReplayConfig`: the replay kernel (`tiles` row tiles per program)
+  and its flush: fused into the replay kernel, or a second launch with
+  tiling fields of its own.
+
+The heuristics plan for the streaming multiprocessors of JAX's first
+device (:func:`num_sms`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from replayssm_jax.kernels.cursor import MAX_ROW_PROGRAMS
+
+# Sizes the kernels tile: K and N (the full row of a state tile), V and P;
+# the buffer's slots.
+MAX_HEAD_DIM = 256
+MAX_BUFFER_LEN = 64
+
+# Streaming multiprocessors planned for where JAX's first device is not a
+# GPU that reports its count (H100 / H200: 132), so that interpret runs on
+# the CPU build the configs of those GPUs.
+DEFAULT_NUM_SMS = 132
+
+NUM_WARPS = (1, 2, 4, 8, 16)
+
+# The routes of a replay step in the kernels ("auto" is resolved by replayssm_jax.ops).
+ROUTES = ("output", "state", "direct")
+
+# Batch rows per program of the flush launch (at most; a power of two that
+# divides the batch). A flush program returns at once for a row that does not
+# flush, but a launch of one program per row and tile spent ~30 us per step
+# on those programs alone at batch 256 (bench/RESULTS.md, 2026-11-30).
+MAX_FLUSH_ROWS = 8
+
+# Rows of the fused flush's sub-tiles (at most): a flushing program
+# re-reads its checkpoint rows in tiles this small (an L2 hit, it has just
+# read them), so its rank-L update holds a small tile (at batch 1-4 the
+# default replay tile has 16 rows anyway). At large grids the fused step
+# stays slower than two launches all the same (bench/RESULTS.md,
+# 2026-11-30), so the heuristic fuses only small grids.
+FUSED_FLUSH_ROWS = 16
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints."""
+    return -(-a // b)
+
+
+@functools.cache
+def num_sms() -> int:
+    """Streaming multiprocessors of JAX's first device: its `core_count` on a
+    GPU, DEFAULT_NUM_SMS (132) elsewhere or where the device does not say."""
+    device = jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else DEFAULT_NUM_SMS
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    """Fields and checks shared by the configs: the tile rows and the Triton launch parameters."""
+
+    block_v: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    _FLAGS: ClassVar[tuple[str, ...]] = ()  # bool fields; every other field is an int
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in self._FLAGS:
+                if not isinstance(value, (bool, np.bool_)):
+                    raise TypeError(f"`config.{field.name}` must be a bool; got {type(value).__name__}")
+                object.__setattr__(self, field.name, bool(value))  # a numpy bool is stored as a bool
+            else:
+                if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+                    raise TypeError(f"`config.{field.name}` must be an int; got {type(value).__name__} {value!r}")
+                object.__setattr__(self, field.name, int(value))  # a numpy int (from a sweep) is stored as an int
+        if not _is_power_of_two(self.block_v):
+            raise ValueError(f"`config.block_v` must be a power of two; got {self.block_v}")
+        if self.num_warps not in NUM_WARPS:
+            raise ValueError(f"`config.num_warps` must be one of 1, 2, 4, 8, 16; got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"`config.num_stages` must be >= 1; got {self.num_stages}")
+
+    def _launch_tag(self, tiles: int) -> str:
+        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}_t{tiles}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig(_Tiling):
+    """Static tiling of the standard step's kernel (and of the replay step's
+    direct route, which runs it): grid (batch, heads, cdiv(V, block_v)), one
+    state tile per program.
+
+    Attributes:
+      block_v: rows of a state tile (V for GDN, P = head_dim for Mamba-2); a
+        power of two.
+      num_warps: Triton warps per program, one of 1, 2, 4, 8, 16.
+      num_stages: Triton software-pipelining stages, >= 1.
+
+    Raises:
+      TypeError: a field that is not an int (numpy ints are taken).
+      ValueError: block_v not a power of two, num_warps not in {1, 2, 4, 8,
+        16}, or num_stages < 1.
+    """
+
+    def tag(self) -> str:
+        """The tiling in a kernel's name, e.g. "bv32_w4_s1_t1" (t1: one tile per program)."""
+        return self._launch_tag(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig(_Tiling):
+    """Static tiling of the replay step's output and state routes: the
+    replay kernel and its flush.
+
+    Attributes:
+      block_v, num_warps, num_stages: the replay kernel's tile rows (a power
+        of two), Triton warps and pipelining stages, as :class:`StepConfig`.
+      tiles: row tiles per program, >= 1. A replay program forms the
+        per-head quantities (buffer scores, decay weights) once and then
+        loops over its `tiles` row tiles, so the grid is
+        (batch, heads, cdiv(cdiv(V, block_v), tiles)).
+      fused_flush: True: the replay kernel also writes the state of its
+        flushing rows: after its readout, a program of such a row re-reads
+        its checkpoint rows in sub-tiles (:meth:`fused_flush_tiling`) and
+        writes them (one launch per step). The flush's code still sets the
+        register budget, hence the occupancy, of every program, which only
+        small grids can afford (bench/RESULTS.md, 2026-11-30). False: the
+        flush is a second launch, one tile and a block of batch rows per
+        program, that skips rows which do not flush (the checkpoint tiles of
+        flushing rows are read twice per flush cycle). Both run the same
+        flush: the row's buffered records, then this step.
+      flush_block_v, flush_warps, flush_rows: the flush launch's own tiling
+        (0: its default, the replay kernel's block_v and num_warps and
+        `default_flush_rows(batch)` batch rows per program). flush_block_v
+        a power of two, flush_warps as num_warps, flush_rows a power of two
+        that must divide the batch. With fused_flush only flush_block_v may
+        be set: the rows of the fused flush's sub-tiles, at most block_v
+        (0: min(block_v, FUSED_FLUSH_ROWS)).
+
+    Raises:
+      TypeError: a field of the wrong type (ints, numpy ints included;
+        fused_flush a bool, numpy bools included).
+      ValueError: block_v not a power of two, num_warps not in {1, 2, 4,
+        8, 16}, num_stages or tiles < 1, a flush field out of range, or,
+        with fused_flush, flush_warps or flush_rows set (that step has no
+        flush launch) or flush_block_v above block_v.
+    """
+
+    tiles: int = 1
+    fused_flush: bool = False
+    flush_block_v: int = 0
+    flush_warps: int = 0
+    flush_rows: int = 0
+
+    _FLAGS: ClassVar[tuple[str, ...]] = ("fused_flush",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.tiles < 1:
+            raise ValueError(f"`config.tiles` must be >= 1; got {self.tiles}")
+        for name in ("flush_block_v", "flush_rows"):
+            value = getattr(self, name)
+            if value and not _is_power_of_two(value):
+                raise ValueError(f"`config.{name}` must be 0 (default) or a power of two; got {value}")
+        if self.flush_warps and self.flush_warps not in NUM_WARPS:
+            raise ValueError(f"`config.flush_warps` must be 0 (default) or one of 1, 2, 4, 8, 16; "
+                             f"got {self.flush_warps}")
+        if self.fused_flush and (self.flush_warps or self.flush_rows):
+            raise ValueError("`config.flush_warps` and `flush_rows` tile the flush launch, which a "
+                             f"`fused_flush=True` step does not have; got {self.flush_warps}, {self.flush_rows}")
+        if self.fused_flush and self.flush_block_v > self.block_v:
+            raise ValueError("`config.flush_block_v` of a `fused_flush=True` step sub-tiles the program's "
+                             f"block_v = {self.block_v} rows, so must be <= it; got {self.flush_block_v}")
+
+    @property
+    def has_flush_tiling(self) -> bool:
+        """Whether a flush field is set (not 0)."""
+        return bool(self.flush_block_v or self.flush_warps or self.flush_rows)
+
+    def tag(self) -> str:
+        """The tiling in a kernel's name, e.g. "bv64_w4_s1_t2", "bv16_w4_s1_t1_fused_f8x0x0"."""
+        fused = "_fused" if self.fused_flush else ""
+        flush = f"_f{self.flush_block_v}x{self.flush_warps}x{self.flush_rows}" if self.has_flush_tiling else ""
+        return f"{self._launch_tag(self.tiles)}{fused}{flush}"
+
+    def splits(self, V: int) -> int:
+        """Programs per head along the rows: cdiv(cdiv(V, block_v), tiles)."""
+        return cdiv(cdiv(V, self.block_v), self.tiles)
+
+    def fused_flush_tiling(self) -> ReplayConfig:
+        """The tiling of the fused flush inside a replay program: the program's
+        block_v * tiles rows in sub-tiles of flush_block_v rows (0:
+        min(block_v, FUSED_FLUSH_ROWS))."""
+        rows = self.flush_block_v or min(self.block_v, FUSED_FLUSH_ROWS)
+        return ReplayConfig(block_v=rows, num_warps=self.num_warps, num_stages=self.num_stages,
+                            tiles=self.tiles * self.block_v // rows)
+
+    def flush_launch_tiling(self) -> ReplayConfig:
+        """The tiling of the flush launch: one tile per program, of flush_block_v
+        rows on flush_warps warps (0: the replay kernel's)."""
+        return ReplayConfig(block_v=self.flush_block_v or self.block_v, num_warps=self.flush_warps or self.num_warps,
+                            num_stages=self.num_stages)
+
+
+def default_flush_rows(batch: int) -> int:
+    """Batch rows per flush program: the largest power of two <= MAX_FLUSH_ROWS dividing `batch`."""
+    return min(MAX_FLUSH_ROWS, batch & -batch)
+
+
+def _divisor_rows(rows: int, V: int) -> int:
+    """`rows`, or a smaller power of two that divides V (no padded rows: V =
+    80 -> 16) if one within a factor 4 exists."""
+    if V % rows == 0:
+        return rows
+    divides = next_pow2(V & -V) if V & -V < rows else rows
+    return divides if divides * 4 >= rows else rows
+
+
+def _fill_rows(rows: int, programs_per_row: int, V: int) -> int:
+    """`rows` halved (down to 4) until one tile per program gives at least ~8
+    programs per SM; programs_per_row = batch x heads."""
+    while rows > 4 and programs_per_row * cdiv(V, rows) < 8 * num_sms():
+        rows //= 2
+    return rows
+
+
+def _warps(rows: int, K: int) -> int:
+    """Warps for a [rows, next_pow2(K)] tile: about 32 elements per thread, 1 to 4 warps."""
+    return max(1, min(4, next_pow2(max(1, rows * next_pow2(K) // (32 * 32)))))
+
+
+def default_step_config(batch: int, heads: int, V: int, K: int, state_dtype) -> StepConfig:
+    """The frozen heuristic of the standard step (and the direct route).
+
+    A tile holds about 4096 state elements (32 per thread: 16 KiB in f32,
+    8 KiB in bf16), preferring a row count that divides V (V = 80 -> 16), on
+    at most 4 warps (8 warps on a 64-row bf16 tile ran 16% slower); one tile
+    per program, shrunk until there are at least ~8 programs per SM. (A bf16
+    tile of 16 KiB, 64 rows of K = 128, ran 2-4% slower than 32 rows at
+    batch 64-256 and equal at 512: bench/RESULTS.md, 2026-11-30.)
+
+    Args: batch, heads (GDN: HV), V (rows: GDN V, Mamba-2 P) and K (columns:
+    GDN K, Mamba-2 N) of the state; state_dtype: its dtype (the same tiling
+    for f32 and bf16).
+    """
+    del state_dtype  # the rule is the same for both state dtypes
+    rows = _divisor_rows(min(next_pow2(V), next_pow2(max(1, 4096 // next_pow2(K)))), V)
+    rows = _fill_rows(rows, batch * heads, V)
+    return StepConfig(block_v=rows, num_warps=_warps(rows, K), num_stages=1)
+
+
+def default_replay_config(batch: int, heads: int, V: int, K: int, state_dtype, buffer_len: int) -> ReplayConfig:
+    """The frozen heuristic of the replay step (output and state routes).
+
+    Tiles of up to 64 rows (again preferring a divisor of V) on at most 4
+    warps, and one program loops over all tiles of a head, so the per-head
+    work on the buffer (the buffered keys' scores, the decay weights) is
+    done once per head, as long as that leaves at least ~4 programs per SM;
+    otherwise the head is split over more programs, and with one tile per
+    program the tile shrinks as in the standard rule. When one wave holds
+    every head (batch x heads <= the number of SMs: batch 1 to 4 at the
+    models' shapes), the step is bound by latency, not by occupancy: the
+    flush is fused into the replay kernel, on 16-row tiles and 4 warps.
+    The sweeps in bench/RESULTS.md chose these numbers.
+
+    Args: as :func:`default_step_config`, and buffer_len (L; the rule does
+    not depend on it).
+    """
+    del buffer_len  # the same tiling for every buffer length
+    BK, rows_pow2 = next_pow2(K), next_pow2(V)
+    if batch * heads <= num_sms():
+        return ReplayConfig(block_v=_divisor_rows(min(rows_pow2, 16), V), num_warps=4, num_stages=1, tiles=1,
+                            fused_flush=True)
+    # About 32 KiB of state per tile when V is a power of two (f32: 64 rows,
+    # bf16: 128; GDN bf16 at batch 256 ran 174 us on 128 rows against 183 us
+    # on 64); 64 rows otherwise (Mamba-2's P = 80: the divisor rule takes 16).
+    itemsize = jnp.dtype(state_dtype).itemsize
+    rows = min(rows_pow2, max(64, 32768 // itemsize // BK)) if V == rows_pow2 else min(rows_pow2, 64)
+    rows = _divisor_rows(rows, V)
+    n_tiles = tiles = cdiv(V, rows)
+    while tiles > 1 and batch * heads * cdiv(n_tiles, tiles) < 4 * num_sms():
+        tiles = cdiv(tiles, 2)
+    if tiles == 1:
+        rows = _fill_rows(rows, batch * heads, V)
+    return ReplayConfig(block_v=rows, num_warps=_warps(rows, K), num_stages=1, tiles=tiles)
+
+
+def replay_is_one_launch(batch: int, heads: int, V: int, K: int, state_dtype, buffer_len: int) -> bool:
+    """Whether the default replay step at this shape is one launch (its flush
+    fused: a latency-bound grid, batch x heads <= the number of SMs).
+
+    Args: as :func:`default_replay_config`. With the H200's 132 SMs: the
+    Qwen3.5-4B GDN layer (32 value heads) at batch 1-4, the
+    Nemotron-3-Nano-4B Mamba-2 layer (96 heads) at batch 1.
+    """
+    return default_replay_config(batch, heads, V, K, state_dtype, buffer_len).fused_flush
+
+
+# ----------------------------------------------------------------------------
+# The kernels' limits and a config's fit to a shape, checked before any launch.
+
+
+def _check_tileable(what: str, name: str, size: int, limit: int) -> None:
+    """Raise ValueError if `size` (the `name` dimension, e.g. "value dim" `V`) is above `limit`."""
+    if size > limit:
+        raise ValueError(f"the Pallas kernels support {what} `{name}` <= {limit}; got {size} (use backend='xla')")
+
+
+def _check_type(config, cls: type, step: str) -> None:
+    if config is not None and type(config) is not cls:
+        raise TypeError(f"`config` must be a replayssm_jax.kernels.{cls.__name__} or None for {step}; "
+                        f"got {type(config).__name__}")
+
+
+def _check_tile_rows(config, fields: tuple[str, ...], rows: int, rows_name: str) -> None:
+    """A tile (the `fields` of config) of at most the state's rows, rounded up to a power of two."""
+    limit = next_pow2(rows)
+    for field in fields:
+        value = getattr(config, field)
+        if value > limit:
+            raise ValueError(f"`config.{field}` must be <= {limit} (the state's {rows_name} = {rows} rows, rounded "
+                             f"up to a power of two); got {value}")
+
+
+def _check_row_programs(config, programs: int) -> None:
+    """A one-launch step counts its programs per batch row above the cursor's bits (`cursor.advance_cursor`)."""
+    if programs > MAX_ROW_PROGRAMS:
+        raise ValueError(f"a one-launch replay step counts at most {MAX_ROW_PROGRAMS} programs per batch row; "
+                         f"the tiling {config.tag()} has {programs} (pass a `config` with larger row tiles)")
+
+
+def _check_dims(state, dims) -> str:
+    """Check the state's rows and columns against MAX_HEAD_DIM; returns the rows' name, e.g. "value dim V"."""
+    (rows_what, rows_name), (cols_what, cols_name) = dims
+    _, _, V, K = state.shape
+    _check_tileable(rows_what, rows_name, V, MAX_HEAD_DIM)
+    _check_tileable(cols_what, cols_name, K, MAX_HEAD_DIM)
+    return f"{rows_what} {rows_name}"
+
+
+def step_config_for(config: StepConfig | None, state, dims, *, direct: bool = False) -> StepConfig:
+    """The standard step's tiling (direct=True: the replay step's direct route)
+    for `state` [batch, heads, V, K]: `config`, checked against the shape, or
+    the default.
+
+    dims: ((what, letter) of the rows, (what, letter) of the columns), e.g.
+    (("value dim", "V"), ("key dim", "K")), for the messages.
+
+    Raises:
+      ValueError: V or K above MAX_HEAD_DIM; block_v above V rounded up to a
+        power of two; or (direct route, a one-launch step) more than
+        MAX_ROW_PROGRAMS programs per batch row.
+      TypeError: a `config` that is not a StepConfig.
+    """
+    return _fit_step_config(config, state, _check_dims(state, dims), direct)
+
+
+def _fit_step_config(config, state, rows_name: str, direct: bool) -> StepConfig:
+    _check_type(config, StepConfig, "the replay step's direct route (the standard step's kernel)" if direct
+                else "the standard step")
+    batch, heads, V, K = state.shape
+    config = config or default_step_config(batch, heads, V, K, state.dtype)
+    _check_tile_rows(config, ("block_v",), V, rows_name)
+    if direct:
+        _check_row_programs(config, heads * cdiv(V, config.block_v))
+    return config
+
+
+def replay_config_for(config: StepConfig | ReplayConfig | None, checkpoint, buffer_len: int, dims, *,
+                      route: str) -> StepConfig | ReplayConfig:
+    """The replay step's tiling for `route` on a replay state with this
+    `checkpoint` [batch, heads, V, K] and buffer length: `config`, checked
+    against the shape, or the default. The direct route takes a StepConfig
+    (:func:`step_config_for`), the output and state routes a ReplayConfig.
+
+    Raises:
+      ValueError: a route not in ROUTES ("auto" is resolved before the
+        kernels); V or K above MAX_HEAD_DIM; L above MAX_BUFFER_LEN;
+        block_v or flush_block_v above V rounded up to a power of two;
+        flush_rows not dividing the batch; or (fused flush, direct route:
+        one-launch steps) more than MAX_ROW_PROGRAMS programs per batch row.
+      TypeError: a `config` of the other class.
+    """
+    if route not in ROUTES:
+        raise ValueError(f"`route` must be one of {', '.join(map(repr, ROUTES))} (the kernels take a resolved "
+                         f"route); got {route!r}")
+    rows_name = _check_dims(checkpoint, dims)
+    _check_tileable("buffer length", "L", buffer_len, MAX_BUFFER_LEN)
+    if route == "direct":
+        return _fit_step_config(config, checkpoint, rows_name, direct=True)
+    _check_type(config, ReplayConfig, f"the replay step's {route} route")
+    batch, heads, V, K = checkpoint.shape
+    config = config or default_replay_config(batch, heads, V, K, checkpoint.dtype, buffer_len)
+    _check_tile_rows(config, ("block_v", "flush_block_v"), V, rows_name)
+    if config.flush_rows and batch % config.flush_rows:
+        raise ValueError(f"`config.flush_rows` must divide the batch ({batch}); got {config.flush_rows}")
+    if config.fused_flush:
+        _check_row_programs(config, heads * config.splits(V))
+    return config

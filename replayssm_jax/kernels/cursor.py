@@ -1,0 +1,105 @@
+"""The cursor of a replay step in the kernels: which rows flush, and the cursor after the step.
+
+A row's cursor (i32, 0..L) counts its buffered records. A replay step
+appends its record at slot `cursor` and moves the cursor to cursor + 1, or
+to 0 where the step flushes (`next_cursor`).
+
+A one-launch replay step (fused flush, direct route) moves the cursor in
+place, without a copy into the caller's carry. Every program of a row reads
+the row's cursor, so none may overwrite it before the others have read it.
+So each program, after its read, adds ARRIVAL to the cursor (an atomic add,
+which leaves the low bits, the cursor itself, unchanged) and the program
+whose add completes the count stores the new cursor (`advance_cursor`).
+Between launches the high bits are zero again: the array holds plain
+cursors 0..L. A two-launch step writes the new cursors to a fresh array
+(`store_cursor`), as its flush launch still reads the old ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from replayssm_jax.kernels.tiles import RowRef, lane_ids, load
+
+ARRIVAL = 1 << 16
+MAX_ROW_PROGRAMS = (1 << 15) - 1  # arrivals per row that fit in the int32 above the cursor's 16 bits
+
+
+def cursor_spec(nb=None):
+    """Block spec of the cursor array i32[batch]: nb rows (None: the program's one row, a block of 1)."""
+    return pl.BlockSpec((nb or 1,), lambda b, h, j: (b,))
+
+
+def read_cursor(cursor_ref) -> jax.Array:
+    """The row's cursor (i32 scalar) from its block of 1: the low bits, whatever
+    other programs' arrivals added above them."""
+    return cursor_ref[0] & (ARRIVAL - 1)
+
+
+def next_cursor(cursor, L: int):
+    """The cursor after one replay step: cursor + 1, or 0 where the step flushes.
+
+    A row flushes when its cursor reaches L with this step (cursor == L - 1)
+    or when it entered full (cursor == L, possible only after a speculative
+    commit): then the flush absorbs the L buffered steps and this one.
+    """
+    return jnp.where(cursor >= L - 1, 0, cursor + 1).astype(jnp.int32)
+
+
+def advance_cursor(cursor_ref, cursor, new, programs: int) -> None:
+    """Move the row's cursor from `cursor` to `new` in place, once all `programs`
+    programs of the row (at most MAX_ROW_PROGRAMS, checked by the entry
+    points) have read it.
+
+    Every program of the row calls this after its `read_cursor`. Nothing is
+    written where new == cursor (the same in every program of the row).
+    """
+
+    @pl.when(new != cursor)
+    def _():
+        before = plgpu.atomic_add(cursor_ref, (jnp.int32(0),), jnp.int32(ARRIVAL))
+
+        @pl.when(before >> 16 == programs - 1)  # the last of the row's programs to arrive
+        def _():
+            cursor_ref[0] = new
+
+
+def store_cursor(cursor_out_ref, cursor, L: int, writer) -> None:
+    """Store the row's cursor after this step (`next_cursor`) into a fresh
+    array, from the one program where `writer` (two-launch replay steps: the
+    flush launch still reads the old cursors)."""
+
+    @pl.when(writer)
+    def _():
+        cursor_out_ref[0] = next_cursor(cursor, L)
+
+
+def for_each_flushing_row(cursor_ref, L: int, flush) -> None:
+    """Run flush(row, cursor) for each batch row of the program's block whose
+    buffer is full after this step (cursor at entry >= L - 1).
+
+    cursor_ref: the block's cursors, i32[nb]. row(ref) -> RowRef(ref, r), the
+    flushing row r of a block whose first axis is the block's batch rows.
+    The block's cursors are read in one load, so a program waits for one
+    load before it knows its rows (a load per row made every program wait
+    for each in turn), and a program with no flushing row stops there.
+    """
+    rows = cursor_ref.shape[0]
+    cursors = load(cursor_ref, None, jnp.int32)
+    full = cursors >= L - 1
+
+    def row(r, carry):
+        cursor = jnp.sum(jnp.where(lane_ids(rows) == r, cursors, 0))
+
+        @pl.when(cursor >= L - 1)
+        def _():
+            flush(lambda ref: RowRef(ref, r), cursor)
+
+        return carry
+
+    @pl.when(jnp.max(full.astype(jnp.int32)) > 0)
+    def _():
+        jax.lax.fori_loop(0, rows, row, 0)

@@ -1,0 +1,256 @@
+"""pallas_call plumbing shared by both layers' kernels: the Triton compiler
+parameters, the standard step's launch (also the direct route's) and the
+replay step's launches (replay kernel, flush launch), with their aliasing
+and the kernel names that profiles show.
+
+A layer describes its launches by its block specs (:class:`BlockSpecs`,
+for programs of a given number of state rows and batch rows) and its
+kernel bodies; the operands are grouped as the kernels take their refs:
+the state (or checkpoint), the step's inputs and the buffered records as
+named tuples (an absent optional input: None), and the cursor.
+
+The lowering (Pallas on Triton) is private to this package. Pallas warns
+that its Triton backend is deprecated; this module silences exactly that
+message (a Mosaic GPU port is expected, DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows
+from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, next_cursor,
+                                          store_cursor)
+from replayssm_jax.kernels.tiles import for_each_row_tile, lane_ids, mask_and, store
+
+# Pallas warns, when it lowers a Triton kernel (at the outermost jit's
+# lowering, not at the call), that the Triton backend is deprecated. Silence
+# exactly that message; every other warning stays.
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
+
+
+class BlockSpecs(NamedTuple):
+    """A layer's block specs for programs of R state rows and nb batch rows.
+
+    state: the state / checkpoint [batch, heads, V, K]; inputs: the step's
+    inputs (the layer's named tuple, None for an absent optional input);
+    out: the output [batch, heads, V]; records: the buffers (the layer's
+    named tuple; None where the launch has none).
+    """
+
+    state: pl.BlockSpec
+    inputs: Any
+    out: pl.BlockSpec
+    records: Any
+
+
+def pallas_call(kernel, *, interpret: bool, config: StepConfig | ReplayConfig, **kwargs):
+    """`pl.pallas_call` with the Triton compiler params (num_warps, num_stages) of `config`."""
+    return pl.pallas_call(
+        kernel,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        **kwargs,
+    )
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def _num_leaves(tree) -> int:
+    return len(jax.tree.leaves(tree))
+
+
+def step_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], state, inputs, out_shape, records=None,
+                cursor=None, *, config: StepConfig, interpret: bool):
+    """Launch a layer's standard step kernel; its state (operand 0) is updated in place (output 1).
+
+    Grid (batch, heads, cdiv(V, block_v)), one state tile per program.
+    kernel(state_ref, inputs, records, cursor_ref, out_ref, state_out_ref,
+    cursor_out_ref, *, programs), programs = heads x row tiles (the row's
+    programs). With the buffered `records` and `cursor` i32[batch] of a
+    replay state whose checkpoint is `state`, the direct route: they follow
+    the inputs, and the cursor is an output in place; otherwise their refs
+    are None. block_specs(rows, nb) -> BlockSpecs (records None without a
+    buffer).
+
+    Returns (output, state, new cursor or None).
+    """
+    direct = records is not None
+    specs = block_specs(config.block_v, None)
+    row_cursor = cursor_spec() if direct else None
+    aliases = {0: 1}
+    if direct:
+        aliases[_num_leaves((state, inputs, records))] = 2  # the cursor, after the state, inputs and records
+    batch, heads, V, _ = state.shape
+    grid = (batch, heads, pl.cdiv(V, config.block_v))
+    return pallas_call(
+        functools.partial(kernel, programs=grid[1] * grid[2]),
+        grid=grid,
+        in_specs=(specs.state, specs.inputs, specs.records, row_cursor),
+        out_specs=(specs.out, specs.state, row_cursor),
+        out_shape=(out_shape, _shapes(state), _shapes(cursor)),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        config=config,
+        name=f"{layer}_{'direct' if direct else 'step'}_{config.tag()}",
+    )(state, inputs, records, cursor)
+
+
+def _replay_specs(block_specs, tiling: ReplayConfig, checkpoint, nb=None):
+    """(grid, in_specs, out_specs) of the replay kernel's operands for programs of
+    tiling.tiles row tiles and nb batch rows (None: one row, the batch axis squeezed)."""
+    batch, heads, V, _ = checkpoint.shape
+    specs = block_specs(tiling.block_v * tiling.tiles, nb)
+    row_cursor = cursor_spec(nb)
+    grid = (batch // (nb or 1), heads, tiling.splits(V))
+    return (grid, (specs.state, specs.records, row_cursor, specs.inputs),
+            (specs.out, specs.state, specs.records, row_cursor))
+
+
+def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..., BlockSpecs], checkpoint, records,
+                  cursor, inputs, out_shape, *, per_head: tuple[str, ...], route: str, config: ReplayConfig,
+                  interpret: bool):
+    """The replay step's launches: the replay kernel, then (config.fused_flush
+    False) the flush launch. Checkpoint and records are updated in place.
+
+    replay_kernel(checkpoint_ref, records, cursor_ref, inputs, out_ref,
+    checkpoint_out, records_out, cursor_out, *, config, programs): grid
+    (batch, heads, config.splits(V)); programs = the row's programs. The
+    cursor is moved in place by a one-launch step (fused flush); a
+    two-launch step writes it to a fresh array, as its flush launch reads
+    the old one.
+
+    flush_row(checkpoint_ref, records, inputs, checkpoint_out, *, cursor,
+    split, config): writes one flushing row's state (the refs: that row's,
+    as RowRef views in the flush launch). The flush launch runs it with
+    one row tile per program (a flushing row's tiles run in parallel) and
+    a block of batch rows: the config's flush fields, or by default the
+    replay kernel's tile and `default_flush_rows(batch)` rows (the entry
+    points have checked that config.flush_rows divides the batch).
+    per_head: the fields of `inputs` without a batch axis, which the flush
+    launch reads whole.
+
+    Returns (output, checkpoint, records, new cursor).
+    """
+    grid, in_specs, out_specs = _replay_specs(block_specs, config, checkpoint)
+    n_records = _num_leaves(records)
+    aliases = {0: 1, **{1 + i: 2 + i for i in range(n_records)}}  # checkpoint and records in place
+    if config.fused_flush:
+        aliases[1 + n_records] = 2 + n_records  # one launch: the cursor in place
+    out, checkpoint, records, new_cursor = pallas_call(
+        functools.partial(replay_kernel, config=config, programs=grid[1] * grid[2]),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=(out_shape, _shapes(checkpoint), _shapes(records), _shapes(cursor)),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        config=config,
+        name=f"{layer}_replay_{route}_L{records[0].shape[2]}_{config.tag()}",
+    )(checkpoint, records, cursor, inputs)
+    if not config.fused_flush:
+        checkpoint = _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, inputs,
+                                   per_head=per_head, config=config, interpret=interpret)
+    return out, checkpoint, records, new_cursor
+
+
+def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig, split, count, append, group: int,
+                       decay_record, decay_out, key, key_out, key_mask, cursor_out, programs: int) -> None:
+    """The replay kernel's program after its per-head work (see `replay_launch`).
+
+    Runs tile(rows, row_mask) over the program's row tiles (the readout,
+    which also stores the program's rows of the new update record); with
+    config.fused_flush, then flush_row(config=its sub-tiling) where the
+    row's buffer is full after this step (count >= L - 1). Then the row's
+    shared records at slot `count` where `append` (the row has a free slot):
+    the log decay decay_record() (f32 scalar, formed here) into decay_out
+    f32[BL] by the head's first program, the key f32[BK] (valid lanes
+    key_mask) into key_out by the first program of the first head of each
+    key group of `group` heads, so that no element has two writers. Last,
+    the cursor: moved in place by a one-launch step (`advance_cursor`,
+    `programs` programs per row), written to a fresh array by the head's
+    first program of head 0 otherwise (the flush launch reads the old one).
+    split: `pl.program_id(2)`, read at the kernel's top level.
+    """
+    for_each_row_tile(V, config, split, tile)
+    if config.fused_flush:
+
+        @pl.when(count >= L - 1)
+        def _():
+            flush_row(config=config.fused_flush_tiling())
+
+    first = split == 0
+    BL = decay_out.shape[0]
+    store(decay_out, jnp.broadcast_to(decay_record(), (BL,)), (lane_ids(BL) == count) & append & first)
+    leader = first & (pl.program_id(1) % group == 0)
+    store(key_out.at[count], key, mask_and(key_mask, append & leader, key.shape))
+    if config.fused_flush:  # one launch: the cursor moves in place
+        advance_cursor(cursor_out, count, next_cursor(count, L), programs)
+    else:  # the flush launch reads the old cursors: a fresh array
+        store_cursor(cursor_out, count, L, first & (pl.program_id(1) == 0))
+
+
+def _row_views(refs, row, per_head=()):
+    """The named tuple `refs` with each ref but those named in `per_head` (and None) replaced by row(ref)."""
+    return refs._replace(**{name: row(ref) for name, ref in refs._asdict().items()
+                            if ref is not None and name not in per_head})
+
+
+def _flush_kernel(checkpoint_ref, records, cursor_ref, inputs, checkpoint_out, *, L, flush_row, per_head):
+    """The flush launch: a program holds one row tile of one head for a block of batch rows."""
+    split = pl.program_id(2)  # read here: interpret mode cannot read it inside a branch
+
+    def flush(row, cursor):
+        flush_row(row(checkpoint_ref), _row_views(records, row), _row_views(inputs, row, per_head),
+                  row(checkpoint_out), cursor=cursor, split=split)
+
+    for_each_flushing_row(cursor_ref, L, flush)
+
+
+def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, inputs, *, per_head, config, interpret):
+    """The flush launch of a two-launch replay step (see `replay_launch`); returns the checkpoint, updated in place."""
+    L = records[0].shape[2]
+    rows = config.flush_rows or default_flush_rows(checkpoint.shape[0])
+    tiling = config.flush_launch_tiling()
+    grid, in_specs, out_specs = _replay_specs(block_specs, tiling, checkpoint, rows)
+    kernel = functools.partial(_flush_kernel, L=L, flush_row=functools.partial(flush_row, config=tiling),
+                               per_head=per_head)
+    return pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs[1],
+        out_shape=_shapes(checkpoint),
+        input_output_aliases={0: 0},
+        interpret=interpret,
+        config=tiling,
+        name=f"{layer}_replay_flush_L{L}_{tiling.tag()}_r{rows}",
+    )(checkpoint, records, cursor, inputs)
+
+
+def replay_step(state, records, inputs, *, route: str, config: StepConfig | ReplayConfig, step, replay):
+    """One replay step of a layer's replay state on the route's launches.
+
+    records: the state's buffers as the layer's named tuple (its fields
+    named as the state's). step(checkpoint, inputs, records, cursor, *,
+    config) -> (y, checkpoint, cursor): the standard step's kernel, the
+    direct route. replay(checkpoint, records, cursor, inputs, *, route,
+    config) -> (y, checkpoint, records, cursor): the replay launches.
+
+    Returns (y, new state).
+    """
+    if route == "direct":
+        y, checkpoint, cursor = step(state.checkpoint, inputs, records, state.cursor, config=config)
+        return y, state.replace(checkpoint=checkpoint, cursor=cursor)
+    y, checkpoint, records, cursor = replay(state.checkpoint, records, state.cursor, inputs, route=route,
+                                            config=config)
+    return y, state.replace(checkpoint=checkpoint, cursor=cursor, **records._asdict())

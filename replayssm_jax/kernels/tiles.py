@@ -1,0 +1,164 @@
+"""In-kernel views, masks, loads and mat-vecs of state tiles (traced inside a Pallas kernel body).
+
+A state tile S f32[BV, BK] holds rows v0 .. v0 + BV - 1 of one head's V x K
+state and all of its K columns (BK = K rounded up to a power of two: the
+Triton lowering needs power-of-two tensors). Padded rows and columns are
+masked on every load and store; a mask of None stands for all true, so a
+statically full tile is loaded without one. Mat-vecs are elementwise
+products and reductions (a dot needs >= 16 in every dimension on Triton,
+and a mat-vec is memory-bound anyway).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+f32 = jnp.float32
+
+
+class RowRef:
+    """Row r of a ref's first axis, indexed as a ref of the remaining axes.
+
+    `view.at[idx]` is `ref.at[(r, *idx)]` and `view[idx]` is `ref[(r, *idx)]`:
+    one indexing step, not `ref.at[r].at[idx]` (interpret mode mis-shapes a
+    branch that stores through such a chain of dynamic views).
+    """
+
+    def __init__(self, ref, r):
+        self.ref, self.r = ref, r
+        self.shape, self.dtype = tuple(ref.shape[1:]), ref.dtype
+
+    def _index(self, idx):
+        return (self.r, *(idx if isinstance(idx, tuple) else (idx,)))
+
+    @property
+    def at(self):
+        return _RowAt(self)
+
+    def __getitem__(self, idx):
+        return self.ref[self._index(idx)]
+
+    def whole(self):
+        """The row as a ref (for a load or store of all of it)."""
+        return self.ref.at[self.r]
+
+
+class _RowAt:
+    def __init__(self, view: RowRef):
+        self.view = view
+
+    def __getitem__(self, idx):
+        return self.view.ref.at[self.view._index(idx)]
+
+
+def row_ids(BV: int) -> jax.Array:
+    """Global state-row indices of this program's tile (grid axis 2 = row block)."""
+    return pl.program_id(2) * BV + jax.lax.broadcasted_iota(jnp.int32, (BV,), 0)
+
+
+def lane_ids(n: int) -> jax.Array:
+    """i32[n], 0 .. n - 1."""
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def row_mask(BV: int, V: int):
+    """bool[BV], rows of this program's tile inside [0, V); None if statically all true."""
+    return None if V % BV == 0 else row_ids(BV) < V
+
+
+def lane_mask(B: int, n: int):
+    """bool[B], lanes < n; None if B == n (statically all true)."""
+    return None if B == n else lane_ids(B) < n
+
+
+def tile_mask(rows, cols, shape):
+    """The 2-D mask rows[:, None] & cols[None, :] of `shape`; None stands for all true."""
+    if rows is None and cols is None:
+        return None
+    if rows is None:
+        return jnp.broadcast_to(cols[None, :], shape)
+    if cols is None:
+        return jnp.broadcast_to(rows[:, None], shape)
+    return rows[:, None] & cols[None, :]
+
+
+def mask_and(mask, cond, shape):
+    """mask & cond (cond a bool scalar or array), as an array of `shape`; mask None stands for all true."""
+    cond = jnp.broadcast_to(cond, shape)
+    return cond if mask is None else mask & cond
+
+
+def load(ref, mask, dtype=f32):
+    """Load (zeros where `mask` is false; None: no mask), cast to `dtype`."""
+    if isinstance(ref, RowRef):
+        ref = ref.whole()
+    if mask is None:
+        return plgpu.load(ref).astype(dtype)
+    return plgpu.load(ref, mask=mask, other=0).astype(dtype)
+
+
+def store(ref, value, mask):
+    """Store `value`, cast to the ref's dtype, where `mask` (None: everywhere)."""
+    plgpu.store(ref, value.astype(ref.dtype), mask=mask)
+
+
+def load_scalar(ref, dtype=f32):
+    """A 0-d block's value in `dtype`."""
+    return ref[()].astype(dtype)
+
+
+def load_slots(ref, L: int, cols=None, dtype=f32):
+    """All slots of a buffer tile, [BL] or [BL, n] in `dtype`; the padded slots (>= L) zero.
+
+    cols: bool[n] or None, the valid columns of a 2-D tile.
+    """
+    slots = lane_mask(ref.shape[0], L)
+    return load(ref, slots if len(ref.shape) == 1 else tile_mask(slots, cols, tuple(ref.shape)), dtype)
+
+
+def load_live(ref, live, L: int, cols=None, dtype=f32):
+    """A buffer tile [BL] or [BL, n] in `dtype` with its dead slots zeroed.
+
+    live: bool[BL], the live slots. The load itself is masked only by what
+    is static (slots < L, and `cols`, bool[n] or None), so it need not wait
+    for the cursor; the dead slots are then zeroed by a select, not a
+    product, so a NaN or inf left there (a rejected draft's record) never
+    reaches the math.
+    """
+    return jnp.where(live if len(ref.shape) == 1 else live[:, None], load_slots(ref, L, cols, dtype),
+                     jnp.zeros((), dtype))
+
+
+def matvec(S: jax.Array, vec: jax.Array) -> jax.Array:
+    """S f32[BV, BK] times vec f32[BK] -> f32[BV]."""
+    return jnp.sum(S * vec[None, :], axis=1)
+
+
+def for_each_row_tile(V: int, tiling, split, tile) -> None:
+    """Run `tile(rows, row_mask)` over this program's row tiles.
+
+    tiling: a ReplayConfig (its block_v rows per tile, `tiles` tiles per
+    program). split: the program's index along the rows (`pl.program_id(2)`,
+    read at the kernel's top level: interpret mode cannot read it inside a
+    branch). rows: a `pl.ds` of block_v rows, relative to the program's block
+    of block_v * tiles rows; row_mask: bool[block_v] (rows < V), None when V
+    is a multiple of block_v.
+    """
+    BV, tiles = tiling.block_v, tiling.tiles
+    n_tiles = -(-V // BV)
+    first = split * tiles
+
+    def body(r, carry):
+        mask = None if V % BV == 0 else (first + r) * BV + lane_ids(BV) < V
+        start = r * BV if isinstance(r, int) else pl.multiple_of(r * BV, BV)
+        tile(pl.ds(start, BV), mask)
+        return carry
+
+    if tiles == 1:
+        body(0, 0)
+    else:
+        count = tiles if n_tiles % tiles == 0 else jnp.minimum(tiles, n_tiles - first)
+        jax.lax.fori_loop(0, count, body, 0)

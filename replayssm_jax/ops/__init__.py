@@ -1,0 +1,564 @@
+"""Public SSM ops with a choice of backend.
+
+Every op validates its arguments once (:mod:`replayssm_jax.ops.validate`),
+resolves its backend and, for a replay step, its route
+(:mod:`replayssm_jax.ops.dispatch`), and calls the pure-JAX reference
+(:mod:`replayssm_jax.reference`, the math) or the Pallas kernel
+(:mod:`replayssm_jax.kernels`). Keyword-only arguments of every op:
+
+  backend  "xla" (the reference, any platform), "pallas" (the Pallas GPU
+           kernels, compiled; needs a CUDA GPU), "interpret" (the same
+           kernels in interpret mode, any platform; slow, for tests), or None:
+           "pallas" on a GPU for an op with a kernel (:data:`KERNEL_OPS`),
+           else "xla".
+  config   a :class:`replayssm_jax.kernels.StepConfig` (standard steps, the
+           replay step's direct route) or :class:`~replayssm_jax.kernels.ReplayConfig`
+           (the replay step's output and state routes) overriding the kernels'
+           frozen tiling heuristic, or None; only the kernel backends take one.
+
+An explicitly requested backend that cannot run raises (no GPU for
+"pallas"; no kernel for the op); nothing falls back silently. Every error
+is raised before any computation, so a failed call leaves the caller's
+state usable. Inside `jax.jit` only shapes and dtypes are checked; checks
+of values (A < 0, cursors in [0, L], commit counts) need concrete arrays.
+
+Dimension letters (glossary in :mod:`replayssm_jax.reference`): Mamba-2
+batch, H = nheads, P = head_dim, N = d_state, G = n_groups; Gated DeltaNet
+batch, H key heads, HV value heads, K key dim, V value dim; L the buffer
+length, W a verify window. States are value-major: Mamba-2 [batch, nheads,
+head_dim, d_state] (mamba_ssm's and transformers' ssm_state), GDN [batch,
+HV, V, K] (FLA's; transformers' cache is [batch, HV, K, V]: transpose it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from replayssm_jax import kernels, reference
+from replayssm_jax import state as _state
+from replayssm_jax.ops import validate as val
+from replayssm_jax.ops.dispatch import (
+    BACKENDS,
+    KERNEL_OPS,
+    ROUTES,
+    backend_for,
+    check_buffer_len,
+    check_route,
+    choose_backend,
+    default_backend,
+    resolve_backend,
+    resolve_route,
+)
+from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
+
+__all__ = [
+    "BACKENDS",
+    "GDNReplayState",
+    "KERNEL_OPS",
+    "Mamba2ReplayState",
+    "ROUTES",
+    "backend_for",
+    "check_buffer_len",
+    "check_route",
+    "default_backend",
+    "gdn_chunked",
+    "gdn_replay_flush",
+    "gdn_replay_init",
+    "gdn_replay_materialize",
+    "gdn_replay_step",
+    "gdn_replay_verify",
+    "gdn_step",
+    "mamba2_chunked",
+    "mamba2_replay_flush",
+    "mamba2_replay_init",
+    "mamba2_replay_materialize",
+    "mamba2_replay_step",
+    "mamba2_replay_verify",
+    "mamba2_step",
+    "replay_commit",
+    "resolve_backend",
+    "resolve_route",
+]
+
+INF = math.inf
+
+# The `config` a kernel op takes (None: the heuristic).
+KernelConfig = kernels.StepConfig | kernels.ReplayConfig
+
+
+# --------------------------------------------------------------------------
+# Replay states
+
+
+def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=jnp.float32) -> Mamba2ReplayState:
+    """A Mamba-2 ReplaySSM state with an empty buffer.
+
+    Args:
+      checkpoint: f32 | bf16[batch, nheads, head_dim, d_state], the SSM state
+        to start from (zeros for an empty prefix, or a prefill's final state).
+      buffer_len: L >= 1, the number of buffered steps between flushes.
+      n_groups: G, the number of B/C groups; must divide nheads.
+      buffer_dtype: dtype of the x and B records (dt is always float32).
+        Use the activation dtype (e.g. bfloat16) to halve buffer traffic;
+        records of bf16 activations are then stored exactly.
+
+    Returns:
+      Mamba2ReplayState with cursor 0 for every row.
+
+    Raises:
+      TypeError: non-float checkpoint or buffer_dtype, or non-int sizes.
+      ValueError: wrong rank, L < 1, or nheads not divisible by n_groups.
+    """
+    return _state.mamba2_replay_init(*val.check_mamba2_replay_init(checkpoint, buffer_len, n_groups, buffer_dtype))
+
+
+def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=jnp.float32) -> GDNReplayState:
+    """A Gated DeltaNet ReplaySSM state with an empty buffer.
+
+    Args:
+      checkpoint: f32 | bf16[batch, HV, V, K], the value-major state to start
+        from (transformers' cache is [batch, HV, K, V]: transpose its last
+        two axes first; a transposed checkpoint with K != V is reported by
+        the first replay op that sees q or v).
+      buffer_len: L >= 1, the number of buffered steps between flushes.
+      num_k_heads: H, the number of key heads; must divide HV.
+      buffer_dtype: dtype of the d and k records (g is always float32).
+
+    Returns:
+      GDNReplayState with cursor 0 for every row.
+
+    Raises:
+      TypeError: non-float checkpoint or buffer_dtype, or non-int sizes.
+      ValueError: wrong rank, L < 1, or HV not divisible by H.
+    """
+    return _state.gdn_replay_init(*val.check_gdn_replay_init(checkpoint, buffer_len, num_k_heads, buffer_dtype))
+
+
+def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted):
+    """Accept the first `num_accepted` steps of the pending verify window.
+
+    Commit is a cursor move (DESIGN.md section 3): `cursor += num_accepted`;
+    the rejected records stay in their slots as dead entries and are
+    overwritten later. The checkpoint is not touched. A row whose cursor
+    reaches L is flushed by its next step or verify.
+
+    Args:
+      state: a Mamba2ReplayState or GDNReplayState returned by a verify
+        (`state.window = W > 0`).
+      num_accepted: int[batch], per-sequence counts in 0..W.
+
+    Returns:
+      The state with the cursor moved and `window = 0`.
+
+    Raises:
+      TypeError: not a replay state, or non-integer counts.
+      ValueError: no pending window, counts of the wrong shape, or (when
+        the counts are concrete) a count outside 0..W. Inside jit, counts
+        are clipped to 0..W.
+    """
+    return _state.replay_commit(state, val.check_replay_commit(state, num_accepted))
+
+
+# --------------------------------------------------------------------------
+# Mamba-2
+
+
+def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF), *,
+                backend: str | None = None, config: KernelConfig | None = None):
+    """One standard Mamba-2 decode step (the selective state update).
+
+    Per head h with group g = h // (nheads // n_groups):
+    dt' = clamp(softplus(dt + dt_bias), dt_limit), S <- exp(dt' A) S +
+    (dt' x) B_g^T, y = S C_g + D x, then y *= silu(z) (Dao & Gu 2024;
+    mamba_ssm's `selective_state_update`; :func:`replayssm_jax.reference.mamba2_step`).
+
+    Args:
+      state: f32 | bf16[batch, nheads, head_dim, d_state], ssm_state before the step.
+      x: [batch, nheads, head_dim], the SSM input (after conv1d and silu).
+      dt: [batch, nheads], raw time step (before dt_bias and softplus).
+      A: f32[nheads], negative, A = -exp(A_log).
+      B, C: [batch, n_groups, d_state]; n_groups divides nheads.
+      D: optional [nheads], skip connection y += D * x.
+      z: optional [batch, nheads, head_dim], gate: y *= silu(z).
+      dt_bias: optional [nheads], added to dt before softplus.
+      dt_softplus: bool, apply softplus to dt (+ dt_bias).
+      dt_limit: (low, high) with 0 <= low <= high, clamp of the processed dt
+        (the model's time_step_limit).
+      backend, config: see the module docstring (a kernel op).
+
+    Returns:
+      (y [batch, nheads, head_dim] in x.dtype, new_state in state.dtype);
+      the kernels update the state in place.
+
+    Raises:
+      TypeError: an argument is not a floating array, the state is not
+        f32 / bf16, dt_softplus is not a bool, or a `config` on "xla".
+      ValueError: a shape does not match (a state with its last two axes
+        swapped is named as such), nheads % n_groups != 0, a bad dt_limit,
+        a concrete A with an entry >= 0, an unknown backend; on the kernel
+        backends also the kernels' limits (:func:`replayssm_jax.kernels.mamba2_step`).
+      RuntimeError: backend "pallas" without a GPU.
+    """
+    state, dt_softplus, dt_limit = val.check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+    chosen = choose_backend("mamba2_step", backend, config)
+    if chosen == "xla":
+        return reference.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+    return kernels.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                               config=config, interpret=chosen == "interpret")
+
+
+def mamba2_chunked(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
+                   chunk_size=64, *, backend: str | None = None, config: KernelConfig | None = None):
+    """T Mamba-2 steps at once in the chunked SSD form (the prefill path).
+
+    Within a chunk of `chunk_size` steps the outputs are one masked
+    "attention" product C B^T * decay; the state passes between chunks (the
+    SSD form of Dao & Gu 2024, mamba_ssm's `ssd_minimal`;
+    :func:`replayssm_jax.reference.mamba2_chunked`). Equal to seqlen
+    :func:`mamba2_step` calls up to float32 rounding.
+
+    Args:
+      state: None (zeros) or f32 | bf16[batch, nheads, head_dim, d_state].
+      x: [batch, seqlen, nheads, head_dim]; dt: [batch, seqlen, nheads] (raw);
+      A: f32[nheads] < 0; B, C: [batch, seqlen, n_groups, d_state];
+      D: optional [nheads]; z: optional like x; dt_bias: optional [nheads];
+      dt_softplus, dt_limit: as :func:`mamba2_step`.
+      chunk_size: steps per chunk (an int >= 1; need not divide seqlen).
+      backend, config: see the module docstring; this op has no kernel, so
+        "pallas", "interpret" and a config raise.
+
+    Returns:
+      (y [batch, seqlen, nheads, head_dim] in x.dtype, final state in
+      state.dtype, or float32 if state is None).
+
+    Raises:
+      TypeError, ValueError: as :func:`mamba2_step`; also chunk_size < 1.
+      NotImplementedError: backend "pallas" or "interpret".
+    """
+    state, dt_softplus, dt_limit, chunk_size = val.check_mamba2_chunked(
+        state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size)
+    choose_backend("mamba2_chunked", backend, config)
+    return reference.mamba2_chunked(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size)
+
+
+def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
+                       dt_limit=(0.0, INF), route: str = "output", *, backend: str | None = None,
+                       config: KernelConfig | None = None):
+    """One ReplaySSM decode step of a Mamba-2 layer (DESIGN.md section 2).
+
+    Appends this step's record (x, dt, B) at each row's cursor, computes y
+    from one read of the checkpoint plus the buffer, and flushes the rows whose
+    buffer it fills, as the reference does
+    (:func:`replayssm_jax.reference.mamba2_replay_step`, which gives the math).
+
+    Args:
+      state: Mamba2ReplayState with no pending verify window.
+      x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit: as
+        :func:`mamba2_step`; B and C with the state's n_groups.
+      route: "output" (y from the checkpoint plus the buffer, no state
+        formed), "state" (the state formed for the readout), "direct" (the
+        live records folded into the checkpoint, then a standard step
+        written back at once: cursor 0, no record appended; the standard
+        step's traffic, for latency-bound batches, the buffer kept for
+        speculative decoding), or "auto" (:func:`resolve_route`). All give
+        the same numbers up to float32 rounding.
+      backend, config: see the module docstring (a kernel op).
+
+    Returns:
+      (y [batch, nheads, head_dim] in x.dtype, new Mamba2ReplayState); y
+      equals :func:`mamba2_step`'s output on the same step sequence.
+
+    Raises:
+      TypeError, ValueError, RuntimeError: as :func:`mamba2_step`; also a
+        malformed state, a pending verify window, an unknown route, or B /
+        C with another n_groups than the state's; on the kernel backends the
+        kernels' limits (:func:`replayssm_jax.kernels.mamba2_replay_step`).
+    """
+    dt_softplus, dt_limit = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+    chosen = choose_backend("mamba2_replay_step", backend, config)
+    route = resolve_route(route, chosen, state, config)
+    if chosen == "xla":
+        return reference.mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, route)
+    return kernels.mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
+                                      dt_limit=dt_limit, route=route, config=config,
+                                      interpret=chosen == "interpret")
+
+
+def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
+                         dt_limit=(0.0, INF), *, backend: str | None = None, config: KernelConfig | None = None):
+    """Verify a window of W speculative steps of a Mamba-2 layer (DESIGN.md section 3).
+
+    Writes the W records after each row's cursor (flushing first the rows
+    that lack room) and returns the W outputs; neither the cursor nor the
+    checkpoint moves until :func:`replay_commit` accepts some of the steps.
+    Math: :func:`replayssm_jax.reference.mamba2_replay_verify`.
+
+    Args:
+      state: Mamba2ReplayState with no pending window.
+      x: [batch, W, nheads, head_dim], 1 <= W <= L; dt: [batch, W, nheads]
+        (raw); B, C: [batch, W, n_groups, d_state]; z: optional like x;
+        A, D, dt_bias, dt_softplus, dt_limit: as :func:`mamba2_step`.
+      backend, config: see the module docstring; this op has no kernel.
+
+    Returns:
+      (y [batch, W, nheads, head_dim] in x.dtype, new state with window = W):
+      y[:, t] is the output of step t assuming steps 0..t-1 of the window
+      are accepted.
+
+    Raises:
+      TypeError, ValueError: as :func:`mamba2_replay_step`, and W outside [1, L].
+      NotImplementedError: backend "pallas" or "interpret".
+    """
+    dt_softplus, dt_limit = val.check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                                           dt_limit)
+    choose_backend("mamba2_replay_verify", backend, config)
+    return reference.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+
+
+def mamba2_replay_materialize(state: Mamba2ReplayState, A, *, backend: str | None = None,
+                              config: KernelConfig | None = None) -> jax.Array:
+    """The current full SSM state from checkpoint plus buffer,
+    S = exp(G) S_c + sum_i w_i (dt_i x_i) B_i^T over the live slots (DESIGN.md
+    section 2; :func:`replayssm_jax.reference.mamba2_replay_materialize`).
+
+    Args:
+      state: a Mamba2ReplayState; A: f32[nheads], negative.
+      backend, config: see the module docstring; this op has no kernel.
+
+    Returns:
+      f32[batch, nheads, head_dim, d_state]: the state after `cursor` buffered
+      steps, equal to the state a standard decode would hold now. With a
+      pending verify window: the state at the window's start.
+
+    Raises:
+      TypeError, ValueError: a malformed state, a wrong shape or dtype of
+        `A`, or a concrete `A` with an entry >= 0.
+      NotImplementedError: backend "pallas" or "interpret".
+    """
+    val.check_mamba2_replay_materialize(state, A)
+    choose_backend("mamba2_replay_materialize", backend, config)
+    return reference.mamba2_replay_materialize(state, A)
+
+
+def mamba2_replay_flush(state: Mamba2ReplayState, A, *, backend: str | None = None,
+                        config: KernelConfig | None = None) -> Mamba2ReplayState:
+    """Write the materialised state of every row as its checkpoint; cursor <- 0.
+
+    Use it to hand a replay state to code that reads only the checkpoint
+    (e.g. a standard decode step or a cache export); decoding itself
+    flushes a row when its buffer fills. Math:
+    :func:`replayssm_jax.reference.mamba2_replay_flush` (with
+    :func:`mamba2_replay_materialize`).
+
+    Args:
+      state: a Mamba2ReplayState without a pending verify window.
+      A: f32[nheads], negative (A = -exp(A_log)).
+      backend, config: see the module docstring; this op has no kernel.
+
+    Returns:
+      Mamba2ReplayState: checkpoint = the materialised state (in the
+      checkpoint's dtype), cursor 0 in every row; the buffers keep their
+      contents (dead slots, never read).
+
+    Raises:
+      TypeError, ValueError: as :func:`mamba2_replay_materialize`, or a
+        pending verify window.
+      NotImplementedError: backend "pallas" or "interpret".
+    """
+    val.check_mamba2_replay_flush(state, A)
+    choose_backend("mamba2_replay_flush", backend, config)
+    return reference.mamba2_replay_flush(state, A)
+
+
+# --------------------------------------------------------------------------
+# Gated DeltaNet
+
+
+def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend: str | None = None,
+             config: KernelConfig | None = None):
+    """One standard Gated DeltaNet decode step (the gated delta rule).
+
+    Per value head h with key head h // (HV // H): q, k <- l2norm(q, k) (if
+    use_qk_l2norm), S <- exp(g) S, d = beta (v - S k), S <- S + d k^T,
+    o = S (scale q) (Yang, Kautz & Hatamizadeh, ICLR 2025; FLA's
+    `fused_recurrent_gated_delta_rule`; :func:`replayssm_jax.reference.gdn_step`).
+
+    Args:
+      state: f32 | bf16[batch, HV, V, K], value-major recurrent state
+        (transformers' cache is [batch, HV, K, V]: transpose it).
+      q, k: [batch, H, K], query and key (before L2 norm); H divides HV.
+      v: [batch, HV, V], value.
+      g: [batch, HV], log decay <= 0 (g = -exp(A_log) * softplus(a + dt_bias)).
+      beta: [batch, HV], write strength in (0, 1) (sigmoid(b)).
+      scale: query scale, a finite real number (a concrete scalar) or None
+        for K ** -0.5.
+      use_qk_l2norm: bool, L2-normalise q and k over K (eps 1e-6), as the models do.
+      backend, config: see the module docstring (a kernel op).
+
+    Returns:
+      (o [batch, HV, V] in v.dtype, new_state in state.dtype); the kernels
+      update the state in place.
+
+    Raises:
+      TypeError: a non-floating argument, a state that is not f32 / bf16, a
+        bad scale or use_qk_l2norm, or a `config` on "xla".
+      ValueError: a shape mismatch (a state in transformers' [batch, HV, K,
+        V] layout, K != V, is named as such), HV not divisible by H, an
+        unknown backend; on the kernel backends also the kernels' limits
+        (:func:`replayssm_jax.kernels.gdn_step`).
+      RuntimeError: backend "pallas" without a GPU.
+    """
+    state, scale, use_qk_l2norm = val.check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm)
+    chosen = choose_backend("gdn_step", backend, config)
+    if chosen == "xla":
+        return reference.gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm)
+    return kernels.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, config=config,
+                            interpret=chosen == "interpret")
+
+
+def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64, *,
+                backend: str | None = None, config: KernelConfig | None = None):
+    """T Gated DeltaNet steps in the chunk-parallel WY / UT-transform form.
+
+    Each chunk's update vectors are solved in closed form, D = (I + A)^-1 R
+    by forward substitution (FLA's chunked gated delta rule;
+    :func:`replayssm_jax.reference.gdn_chunked`). Equal to seqlen
+    :func:`gdn_step` calls up to float32 rounding.
+
+    Args:
+      state: None (zeros) or f32 | bf16[batch, HV, V, K].
+      q, k: [batch, seqlen, H, K]; v: [batch, seqlen, HV, V];
+      g, beta: [batch, seqlen, HV]; scale, use_qk_l2norm: as :func:`gdn_step`.
+      chunk_size: steps per chunk (an int >= 1; need not divide seqlen).
+      backend, config: see the module docstring; this op has no kernel, so
+        "pallas", "interpret" and a config raise.
+
+    Returns:
+      (o [batch, seqlen, HV, V] in v.dtype, final state in state.dtype, or
+      float32 if state is None).
+
+    Raises:
+      TypeError, ValueError: as :func:`gdn_step`; also chunk_size < 1.
+      NotImplementedError: backend "pallas" or "interpret".
+    """
+    state, scale, use_qk_l2norm, chunk_size = val.check_gdn_chunked(state, q, k, v, g, beta, scale, use_qk_l2norm,
+                                                                    chunk_size)
+    choose_backend("gdn_chunked", backend, config)
+    return reference.gdn_chunked(state, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size)
+
+
+def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output",
+                    *, backend: str | None = None, config: KernelConfig | None = None):
+    """One ReplaySSM decode step of a Gated DeltaNet layer (DESIGN.md section 2).
+
+    Forms the delta-rule update vector d from one read of the checkpoint
+    plus the buffer, appends the record (d, k, g) at each row's cursor,
+    reads o the same way, and flushes the rows whose buffer it fills, as the
+    reference does (:func:`replayssm_jax.reference.gdn_replay_step`, which
+    gives the math).
+
+    Args:
+      state: GDNReplayState with no pending verify window.
+      q, k, v, g, beta, scale, use_qk_l2norm: as :func:`gdn_step`; q and k
+        with the state's H.
+      route: "output", "state", "direct" or "auto", as
+        :func:`mamba2_replay_step`.
+      backend, config: see the module docstring (a kernel op).
+
+    Returns:
+      (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
+      :func:`gdn_step`'s output on the same step sequence.
+
+    Raises:
+      TypeError, ValueError, RuntimeError: as :func:`gdn_step`; also a
+        malformed state (a checkpoint in transformers' layout is named as
+        such), a pending verify window, an unknown route, or q / k with
+        another H than the state's; on the kernel backends the kernels'
+        limits (:func:`replayssm_jax.kernels.gdn_replay_step`).
+    """
+    scale, use_qk_l2norm = val.check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm)
+    chosen = choose_backend("gdn_replay_step", backend, config)
+    route = resolve_route(route, chosen, state, config)
+    if chosen == "xla":
+        return reference.gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, route)
+    return kernels.gdn_replay_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, route=route,
+                                   config=config, interpret=chosen == "interpret")
+
+
+def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *,
+                      backend: str | None = None, config: KernelConfig | None = None):
+    """Verify a window of W speculative steps of a Gated DeltaNet layer (DESIGN.md section 3).
+
+    As :func:`mamba2_replay_verify`; the window's update vectors, which
+    depend on one another, are solved in closed form as one chunk of the
+    chunked delta rule (:func:`replayssm_jax.reference.gdn_replay_verify`).
+
+    Args:
+      state: GDNReplayState with no pending window.
+      q, k: [batch, W, H, K]; v: [batch, W, HV, V], 1 <= W <= L;
+      g, beta: [batch, W, HV]; scale, use_qk_l2norm: as :func:`gdn_step`.
+      backend, config: see the module docstring; this op has no kernel.
+
+    Returns:
+      (o [batch, W, HV, V] in v.dtype, new state with window = W): o[:, t]
+      is the output of step t assuming steps 0..t-1 of the window are accepted.
+
+    Raises:
+      TypeError, ValueError: as :func:`gdn_replay_step`, and W outside [1, L].
+      NotImplementedError: backend "pallas" or "interpret".
+    """
+    scale, use_qk_l2norm = val.check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm)
+    choose_backend("gdn_replay_verify", backend, config)
+    return reference.gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm)
+
+
+def gdn_replay_materialize(state: GDNReplayState, *, backend: str | None = None,
+                           config: KernelConfig | None = None) -> jax.Array:
+    """The current full state from checkpoint plus buffer,
+    S = exp(G) S_c + sum_i w_i d_i k_i^T over the live slots (DESIGN.md
+    section 2; :func:`replayssm_jax.reference.gdn_replay_materialize`).
+
+    Args:
+      state: a GDNReplayState.
+      backend, config: see the module docstring; this op has no kernel.
+
+    Returns:
+      f32[batch, HV, V, K]: the state after `cursor` buffered steps, equal to
+      the state a standard decode would hold now. With a pending verify
+      window: the state at the window's start.
+
+    Raises:
+      TypeError, ValueError: a malformed state.
+      NotImplementedError: backend "pallas" or "interpret".
+    """
+    val.check_gdn_replay_materialize(state)
+    choose_backend("gdn_replay_materialize", backend, config)
+    return reference.gdn_replay_materialize(state)
+
+
+def gdn_replay_flush(state: GDNReplayState, *, backend: str | None = None,
+                     config: KernelConfig | None = None) -> GDNReplayState:
+    """Write the materialised state of every row as its checkpoint; cursor <- 0.
+
+    As :func:`mamba2_replay_flush`, for a Gated DeltaNet layer. Math:
+    :func:`replayssm_jax.reference.gdn_replay_flush`.
+
+    Args:
+      state: a GDNReplayState without a pending verify window.
+      backend, config: see the module docstring; this op has no kernel.
+
+    Returns:
+      GDNReplayState: checkpoint = the materialised state (in the
+      checkpoint's dtype), cursor 0 in every row; the buffers keep their
+      contents (dead slots, never read).
+
+    Raises:
+      TypeError, ValueError: a malformed state, or a pending verify window.
+      NotImplementedError: backend "pallas" or "interpret".
+    """
+    val.check_gdn_replay_flush(state)
+    choose_backend("gdn_replay_flush", backend, config)
+    return reference.gdn_replay_flush(state)

@@ -1,0 +1,187 @@
+"""Backend and route resolution of the public ops.
+
+Backends (keyword-only `backend` of every op):
+
+  "xla"        the pure-JAX reference (any platform),
+  "pallas"     the Pallas GPU kernels, compiled (needs a CUDA GPU),
+  "interpret"  the same Pallas kernels in interpret mode (any platform; slow,
+               for tests),
+  None         "pallas" when JAX's default backend is a GPU and the op has a
+               Pallas kernel (:data:`KERNEL_OPS`), else "xla".
+
+An explicitly requested backend that cannot run raises (no GPU for
+"pallas"; no kernel for the op); nothing falls back silently.
+
+Routes of a replay step (`route`): "output" (the output from the
+checkpoint plus the buffer, no state formed), "state" (the state formed for
+the readout), "direct" (the buffered records folded into the checkpoint,
+then a standard step written back at once) and "auto", resolved here by
+:func:`resolve_route`. All three routes give the same numbers up to float32
+rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from replayssm_jax import kernels
+
+BACKENDS = ("pallas", "interpret", "xla")
+ROUTES = ("output", "state", "direct", "auto")
+
+# Ops with a Pallas kernel; the others run the reference on every backend
+# choice of None and raise for an explicit "pallas" / "interpret".
+KERNEL_OPS = frozenset({"mamba2_step", "mamba2_replay_step", "gdn_step", "gdn_replay_step"})
+
+
+def default_backend() -> str:
+    """"pallas" on a GPU, "xla" elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def resolve_backend(backend: str | None, op: str | None = None) -> str:
+    """The backend that runs op `op` (any op if None) for the choice `backend`.
+
+    Args:
+      backend: "pallas", "interpret", "xla" or None (:func:`default_backend`
+        where `op` is None or has a kernel, else "xla").
+      op: the name of a public op, e.g. "gdn_step", or None.
+
+    Returns:
+      "pallas", "interpret" or "xla".
+
+    Raises:
+      ValueError: an unknown backend name.
+      RuntimeError: "pallas" requested where JAX has no GPU.
+    """
+    if backend is None:
+        return default_backend() if op is None or op in KERNEL_OPS else "xla"
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {BACKENDS} or None; got {backend!r}")
+    if backend == "pallas" and jax.default_backend() != "gpu":
+        raise RuntimeError(
+            f"`backend='pallas'` needs a CUDA GPU; JAX's default backend is {jax.default_backend()!r}"
+            " (use backend='interpret' to run the kernels on the CPU, or 'xla')"
+        )
+    return backend
+
+
+def choose_backend(op: str, backend: str | None, config) -> str:
+    """The backend of one call of op `op`: :func:`resolve_backend`, checked
+    against the op's kernels and against `config`.
+
+    Args:
+      op: the name of a public op.
+      backend: the caller's choice (see the module docstring).
+      config: the caller's kernel `config` (None: the heuristic).
+
+    Returns:
+      "pallas", "interpret" or "xla".
+
+    Raises:
+      ValueError, RuntimeError: as :func:`resolve_backend`.
+      NotImplementedError: "pallas" or "interpret" for an op without a kernel.
+      TypeError: a `config` where the "xla" backend runs the op (it has no
+        tiling to tune).
+    """
+    chosen = resolve_backend(backend, op)
+    if chosen != "xla":
+        if op not in KERNEL_OPS:
+            raise NotImplementedError(f"op {op!r} has no Pallas kernel; use backend='xla' (or None)")
+        return chosen
+    if config is not None:
+        if op not in KERNEL_OPS:
+            why = f" ({op} has no Pallas kernel: it runs the reference on every backend)"
+        elif backend is None:
+            why = f" (backend=None picked it: JAX's default backend is {jax.default_backend()!r})"
+        else:
+            why = ""
+        raise TypeError(f"`config` tunes the Pallas kernels; the 'xla' backend{why} takes none")
+    return chosen
+
+
+def backend_for(op: str, backend: str | None) -> str:
+    """The backend of op `op` inside a model whose ops run on `backend`.
+
+    A model's `backend` selects the implementation of its decode ops. Ops
+    without a Pallas kernel (the chunked prefill forms: :data:`KERNEL_OPS`)
+    run their XLA form under every choice, so that "pallas" or "interpret"
+    apply to a whole model. The model's choice is validated first, also for
+    an op without a kernel (a prefill then fails as early as a decode).
+
+    Returns:
+      "pallas", "interpret" or "xla".
+
+    Raises:
+      ValueError: an unknown backend name.
+      RuntimeError: "pallas" where JAX has no GPU.
+    """
+    chosen = resolve_backend(backend)
+    return chosen if op in KERNEL_OPS else "xla"
+
+
+def check_route(route: str) -> str:
+    """`route` if it is one of :data:`ROUTES`.
+
+    Raises:
+      ValueError: an unknown route.
+    """
+    if route not in ROUTES:
+        raise ValueError(f"`route` must be one of {', '.join(map(repr, ROUTES))}; got {route!r}")
+    return route
+
+
+def resolve_route(route: str, backend: str, state, config=None) -> str:
+    """The route a replay step on `backend` takes for `route` on `state`.
+
+    "output", "state" and "direct" are taken as given. "auto" is, on the
+    kernel backends ("pallas", "interpret"), the direct route where the
+    default replay step is one launch
+    (:func:`replayssm_jax.kernels.replay_is_one_launch`: a latency-bound
+    grid, batch x heads <= 132, e.g. the Qwen3.5-4B GDN layer at batch 1-4
+    and the Nemotron-3-Nano-4B Mamba-2 layer at batch 1) and `config` is
+    None, else the output route (large grids, where the buffered step saves
+    state traffic). With a `config` given, "auto" follows its kind: a
+    :class:`~replayssm_jax.kernels.StepConfig` tiles the direct route, a
+    :class:`~replayssm_jax.kernels.ReplayConfig` the output route. On the H200 the direct step
+    ran at 0.88-0.99x of the standard step's speed at those batches and the
+    buffered one at 0.53-0.74x (bench/RESULTS.md, 2026-11-30). On "xla",
+    "auto" is the output route.
+
+    Args:
+      route: one of :data:`ROUTES`.
+      backend: a resolved backend, "pallas", "interpret" or "xla".
+      state: the Mamba2ReplayState or GDNReplayState of the step (only its
+        shapes and dtypes are read).
+      config: the caller's kernel config, or None.
+
+    Returns:
+      "output", "state" or "direct".
+
+    Raises:
+      ValueError: an unknown route.
+    """
+    if check_route(route) != "auto":
+        return route
+    if backend == "xla":
+        return "output"
+    if config is not None:
+        return "direct" if isinstance(config, kernels.StepConfig) else "output"
+    batch, heads, rows, cols = state.checkpoint.shape
+    one_launch = kernels.replay_is_one_launch(batch, heads, rows, cols, state.checkpoint.dtype, state.buffer_len)
+    return "direct" if one_launch else "output"
+
+
+def check_buffer_len(buffer_len: int, backend: str | None, name: str = "buffer_len") -> None:
+    """Raise ValueError if the replay-step kernels that `backend` selects cannot
+    take a buffer of `buffer_len` slots (:data:`replayssm_jax.kernels.MAX_BUFFER_LEN`;
+    the "xla" backend has no limit). `name` is the caller's argument name.
+
+    Raises:
+      ValueError: `buffer_len` above the kernels' limit, or an unknown backend.
+      RuntimeError: "pallas" where JAX has no GPU.
+    """
+    chosen = resolve_backend(backend, "mamba2_replay_step")
+    if chosen != "xla" and buffer_len > kernels.MAX_BUFFER_LEN:
+        raise ValueError(f"`{name}` must be <= {kernels.MAX_BUFFER_LEN} with backend {chosen!r} (the kernels' "
+                         f"limit); got {buffer_len} (use backend='xla')")

@@ -1,0 +1,524 @@
+"""Argument checks of the public ops (:mod:`replayssm_jax.ops`), shared by every backend.
+
+Each check raises before any computation, with a message that names the
+argument, what was expected and what was given, e.g.
+
+    ValueError: `x` must have shape [batch, nheads, head_dim] = (4, 8, 16); got (4, 8, 12)
+
+Checks look only at shapes and dtypes (static under `jax.jit`), except
+where values are concrete (outside a trace): :func:`check_int_range`,
+:func:`check_negative` and the replay state's cursor also check values.
+
+Three parts: the generic checks (an argument's dtype, shape, range); the
+replay state's checks; and one check per op (`check_mamba2_step`, ...,
+`check_replay_commit`), which checks every argument of the op of that name
+and returns them in the form the reference and the kernels take (Python
+floats and bools for the static arguments, the state as a JAX array).
+Dimension letters as in :mod:`replayssm_jax.reference`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
+
+STATE_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def as_array(name: str, x):
+    """Return `x` as a JAX array; raise TypeError if it is not array-like."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return jnp.asarray(x)
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return jnp.asarray(x)
+    raise TypeError(f"`{name}` must be an array; got {type(x).__name__}")
+
+
+def check_float(name: str, x, dtypes: Sequence | None = None) -> jax.Array:
+    """`x` as an array with a floating dtype (one of `dtypes` if given)."""
+    x = as_array(name, x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"`{name}` must have a floating-point dtype; got {x.dtype}")
+    if dtypes is not None and x.dtype not in [jnp.dtype(d) for d in dtypes]:
+        names = ", ".join(jnp.dtype(d).name for d in dtypes)
+        raise TypeError(f"`{name}` must have dtype in ({names}); got {x.dtype}")
+    return x
+
+
+def check_shape(name: str, x, dims: str, expected: Sequence[int]) -> None:
+    """Raise ValueError unless `x.shape == expected`; `dims` names the axes."""
+    expected = tuple(int(e) for e in expected)
+    if tuple(x.shape) != expected:
+        raise ValueError(f"`{name}` must have shape [{dims}] = {expected}; got {tuple(x.shape)}")
+
+
+def check_rank(name: str, x, dims: str) -> None:
+    """Raise ValueError unless `x` has as many axes as `dims` names, none empty."""
+    rank = len(dims.split(","))
+    if x.ndim != rank:
+        raise ValueError(f"`{name}` must have rank {rank} [{dims}]; got shape {tuple(x.shape)}")
+    if 0 in x.shape:
+        raise ValueError(f"`{name}` must have no empty axis [{dims}]; got shape {tuple(x.shape)}")
+
+
+def float_arg(name: str, x, dims: str, expected: Sequence[int]) -> jax.Array:
+    """A floating array argument of an exact shape."""
+    x = check_float(name, x)
+    check_shape(name, x, dims, expected)
+    return x
+
+
+def optional_float_arg(name: str, x, dims: str, expected: Sequence[int]):
+    """Like :func:`float_arg`, passing `None` through."""
+    return None if x is None else float_arg(name, x, dims, expected)
+
+
+def check_divisible(what: str, numerator: int, denominator_name: str, denominator: int) -> None:
+    """Raise ValueError unless `denominator` divides `numerator`."""
+    if denominator < 1 or numerator % denominator != 0:
+        raise ValueError(f"{what} = {numerator} must be divisible by {denominator_name} = {denominator}")
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> int:
+    """A Python int >= minimum (static configuration such as L, W, chunk_size)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an int; got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}; got {value}")
+    return int(value)
+
+
+def check_int_range(name: str, x, dims: str, expected: Sequence[int], low: int, high) -> jax.Array:
+    """An integer array of an exact shape with values in [low, high].
+
+    `high` may be an int or an int array broadcastable to the shape. Values
+    are checked only when `x` is concrete; inside `jax.jit` only the shape
+    and dtype are.
+    """
+    concrete = not isinstance(x, jax.core.Tracer) and not isinstance(high, jax.core.Tracer)
+    values = np.asarray(x) if concrete and isinstance(x, (np.ndarray, np.generic, list, tuple)) else None
+    x = as_array(name, np.asarray(x) if isinstance(x, (list, tuple)) else x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"`{name}` must have an integer dtype; got {x.dtype}")
+    check_shape(name, x, dims, expected)
+    if concrete:
+        values = np.asarray(x) if values is None else values  # the caller's values, before any int32 cast
+        bound = np.broadcast_to(np.asarray(high), values.shape)
+        bad = (values < low) | (values > bound)
+        if bad.any():
+            row = int(np.argwhere(bad)[0][0])
+            raise ValueError(
+                f"`{name}` must be in [{low}, {int(bound.flat[row]) if bound.ndim else int(bound)}]"
+                f" for every row; got {values.tolist()}"
+            )
+    return x.astype(jnp.int32)
+
+
+def check_negative(name: str, x, what: str) -> None:
+    """Raise ValueError if a concrete `x` has an entry >= 0 (traced values pass)."""
+    if isinstance(x, jax.core.Tracer):
+        return
+    values = np.asarray(x, np.float64)
+    if not np.all(values < 0):
+        raise ValueError(f"`{name}` must be negative ({what}); got max {values.max():g}")
+
+
+def check_scale(scale):
+    """None, or a finite real number as a Python float: a Python or NumPy
+    scalar, or a concrete 0-d array (the kernels take it as a static number)."""
+    if scale is None:
+        return None
+    if (isinstance(scale, (jax.Array, np.ndarray)) and not isinstance(scale, jax.core.Tracer) and scale.ndim == 0
+            and (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer))):
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) or not math.isfinite(scale):
+        raise TypeError(f"`scale` must be a finite real number (a concrete scalar) or None; got {scale!r}")
+    return float(scale)
+
+
+def check_bool(name: str, x) -> bool:
+    """A Python or NumPy bool (a static switch), as a Python bool."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a bool; got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def check_dt_limit(dt_limit) -> tuple[float, float]:
+    """`dt_limit` as a (low, high) pair of floats with 0 <= low <= high."""
+    try:
+        low, high = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise TypeError(f"`dt_limit` must be a pair of floats (low, high); got {dt_limit!r}") from None
+    if not (0.0 <= low <= high) or math.isnan(high):
+        raise ValueError(f"`dt_limit` must satisfy 0 <= low <= high; got {dt_limit!r}")
+    return low, high
+
+
+# --------------------------------------------------------------------------
+# States
+
+MAMBA2_DIMS = "batch, nheads, head_dim, d_state"
+GDN_DIMS = "batch, HV, V, K"
+MAMBA2_LAYOUT = "mamba_ssm's and transformers' ssm_state is [batch, nheads, head_dim, d_state] as well"
+GDN_LAYOUT = ("the state is value-major, as FLA's; transformers' cache is [batch, HV, K, V]: transpose its last two "
+              "axes (jnp.swapaxes(cache, -1, -2)), also before gdn_replay_init")
+
+
+def check_state_array(name: str, x, dims: str) -> jax.Array:
+    """A recurrent state or checkpoint: an f32 | bf16 array of rank 4, none of its axes empty."""
+    x = check_float(name, x, STATE_DTYPES)
+    check_rank(name, x, dims)
+    return x
+
+
+def check_layout(name: str, shape, dims: str, rows: int, cols: int, given_by: str, hint: str) -> None:
+    """Raise ValueError if a state of `shape` [..., rows, cols] holds its last
+    two axes swapped: [..., cols, rows], with rows != cols. `rows` and `cols`
+    are the sizes the other inputs give (`given_by` says which); `hint` says
+    where the swapped layout comes from."""
+    if rows != cols and tuple(shape[-2:]) == (cols, rows):
+        expected = (*shape[:-2], rows, cols)
+        raise ValueError(f"`{name}` must have shape [{dims}] = {expected} ({given_by}); got {tuple(shape)}, "
+                         f"its last two axes swapped: {hint}")
+
+
+def check_buffer_dtype(buffer_dtype) -> np.dtype:
+    """`buffer_dtype` as a floating dtype."""
+    try:
+        dtype = jnp.dtype(buffer_dtype)
+    except TypeError:
+        raise TypeError(f"`buffer_dtype` must be a floating dtype; got {buffer_dtype!r}") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"`buffer_dtype` must be a floating dtype; got {dtype}")
+    return dtype
+
+
+def _sequence_dims(rows_name: str, rows, rows_axes: str, cols_name: str, cols, cols_axes: str):
+    """(seqlen, state shape (batch, heads, rows, cols)) of a chunked op, read
+    off its row input (x or v, [batch, seqlen, heads, rows]) and its column
+    input (B or k, [batch, seqlen, groups, cols])."""
+    rows = check_float(rows_name, rows)
+    check_rank(rows_name, rows, rows_axes)
+    cols = check_float(cols_name, cols)
+    check_rank(cols_name, cols, cols_axes)
+    batch, T, heads, R = rows.shape
+    return T, (batch, heads, R, cols.shape[-1])
+
+
+def _check_initial_state(state, dims, names: str, given_by: str, hint: str):
+    """None, or the state at a sequence's start as a JAX array of shape `dims`
+    (a swapped layout named by :func:`check_layout`)."""
+    if state is None:
+        return None
+    state = check_state_array("state", state, names)
+    check_layout("state", state.shape, names, dims[2], dims[3], given_by, hint)
+    check_shape("state", state, names, dims)
+    return state
+
+
+def check_replay_state(state, kind: type) -> None:
+    """Raise TypeError / ValueError unless `state` is a consistent `kind`
+    (:class:`Mamba2ReplayState` or :class:`GDNReplayState`): a checkpoint of
+    rank 4, buffers of the shapes it implies with one L, float32 decays, an
+    int32 cursor [batch] with concrete values in [0, L]."""
+    if not isinstance(state, kind):
+        raise TypeError(f"`state` must be a {kind.__name__}; got {type(state).__name__}")
+    mamba = kind is Mamba2ReplayState
+    check_state_array("state.checkpoint", state.checkpoint, MAMBA2_DIMS if mamba else GDN_DIMS)
+    batch, heads, rows, cols = state.checkpoint.shape
+    record, key, decay = ("x", "B", "dt") if mamba else ("d", "k", "g")
+    axes = ({record: "batch, nheads, L, head_dim", key: "batch, n_groups, L, d_state", decay: "batch, nheads, L"}
+            if mamba else {record: "batch, HV, L, V", key: "batch, H, L, K", decay: "batch, HV, L"})
+    buffers = {name: getattr(state, name) for name in axes}
+    for name, b in buffers.items():
+        # records: any floating dtype (the buffer dtype); the decays (processed dt, log g): float32, as init makes
+        check_float(f"state.{name}", b, (jnp.float32,) if name == decay else None)
+        check_rank(f"state.{name}", b, axes[name])
+    if len({b.shape[2] for b in buffers.values()}) > 1:  # L is axis 2 of each
+        raise ValueError("`state`'s buffers must have the same number of slots L (axis 2); got "
+                         + ", ".join(f"state.{name} {tuple(b.shape)}" for name, b in buffers.items()))
+    if not isinstance(state.cursor, (jax.Array, np.ndarray)):
+        raise TypeError(f"`state.cursor` must be an int32 array of shape [batch] = ({batch},); "
+                        f"got {type(state.cursor).__name__} {state.cursor!r}")
+    L = state.buffer_len
+    expected = {record: (batch, heads, L, rows), key: (batch, buffers[key].shape[1], L, cols), decay: (batch, heads, L)}
+    for name, shape in expected.items():
+        check_shape(f"state.{name}", buffers[name], axes[name], shape)
+    check_shape("state.cursor", state.cursor, "batch", (batch,))
+    if state.cursor.dtype != jnp.int32:
+        raise TypeError(f"`state.cursor` must be int32; got {state.cursor.dtype}")
+    if not isinstance(state.cursor, jax.core.Tracer):  # concrete values are checked; traced ones cannot be
+        cursor = np.asarray(state.cursor)
+        if ((cursor < 0) | (cursor > L)).any():
+            raise ValueError(f"`state.cursor` must be in [0, {L}] (the buffer length) for every row; "
+                             f"got {cursor.tolist()}")
+
+
+def check_no_pending_window(state) -> None:
+    """Raise ValueError if `state` holds a verified window not yet committed
+    (a step, verify or flush then would drop or double-count its records)."""
+    if state.window:
+        raise ValueError(f"`state` has a pending verify window (W = {state.window}); call replay_commit first")
+
+
+def check_window(W: int, L: int, name: str) -> None:
+    """Raise ValueError unless 1 <= W <= L (`name`: where W was read)."""
+    if not 1 <= W <= L:
+        raise ValueError(f"the window length W = {name} must be in [1, L = {L}]; got {W}")
+
+
+def _check_replay_init(checkpoint, buffer_len, shared, buffer_dtype, dims, shared_name, heads, shared_heads):
+    checkpoint = check_state_array("checkpoint", checkpoint, dims)
+    L = check_positive_int("buffer_len", buffer_len)
+    shared = check_positive_int(shared_name, shared)
+    check_divisible(heads, checkpoint.shape[1], shared_heads, shared)
+    return checkpoint, L, shared, check_buffer_dtype(buffer_dtype)
+
+
+def check_mamba2_replay_init(checkpoint, buffer_len, n_groups, buffer_dtype):
+    """Checks of :func:`replayssm_jax.ops.mamba2_replay_init`.
+
+    Returns:
+      (checkpoint as a JAX array, L, n_groups, buffer_dtype as a dtype).
+    """
+    return _check_replay_init(checkpoint, buffer_len, n_groups, buffer_dtype, MAMBA2_DIMS, "n_groups", "nheads",
+                              "n_groups")
+
+
+def check_gdn_replay_init(checkpoint, buffer_len, num_k_heads, buffer_dtype):
+    """Checks of :func:`replayssm_jax.ops.gdn_replay_init`.
+
+    Returns:
+      (checkpoint as a JAX array, L, num_k_heads, buffer_dtype as a dtype).
+    """
+    return _check_replay_init(checkpoint, buffer_len, num_k_heads, buffer_dtype, GDN_DIMS, "num_k_heads",
+                              "HV (value heads)", "H (key heads)")
+
+
+def check_replay_commit(state, num_accepted) -> jax.Array:
+    """Checks of :func:`replayssm_jax.ops.replay_commit`; returns `num_accepted` as i32[batch]."""
+    if not isinstance(state, (Mamba2ReplayState, GDNReplayState)):
+        raise TypeError(f"`state` must be a Mamba2ReplayState or GDNReplayState; got {type(state).__name__}")
+    if state.window == 0:
+        raise ValueError("`state` has no pending verify window (window = 0); call a replay verify op before "
+                         "replay_commit")
+    return check_int_range("num_accepted", num_accepted, "batch", (state.batch,), 0, state.window)
+
+
+# --------------------------------------------------------------------------
+# Mamba-2 ops
+
+
+def check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, *, seq=None,
+                        seq_name="seqlen", groups=None, state_name="state") -> tuple[bool, tuple[float, float]]:
+    """The inputs of one Mamba-2 step (seq None) or of `seq` steps.
+
+    Args:
+      dims: (batch, nheads, head_dim, d_state), the shape of the state
+        `state_name` (whose last two axes are blamed if swapped).
+      x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit: as
+        :func:`replayssm_jax.ops.mamba2_step`, with a `seq` axis after batch
+        if `seq` is given (named `seq_name`).
+      groups: the n_groups that B and C must have (a replay state's), or
+        None (any divisor of nheads).
+
+    Returns:
+      (dt_softplus as a bool, dt_limit as a (low, high) pair of floats).
+    """
+    batch, H, P, N = dims
+    lead, lead_names = ((batch,), "batch") if seq is None else ((batch, seq), f"batch, {seq_name}")
+    x = check_float("x", x)
+    B = check_float("B", B)
+    if x.ndim and B.ndim:
+        check_layout(state_name, dims, MAMBA2_DIMS, x.shape[-1], B.shape[-1], "head_dim of `x`, d_state of `B`",
+                     MAMBA2_LAYOUT)
+    check_shape("x", x, f"{lead_names}, nheads, head_dim", (*lead, H, P))
+    float_arg("dt", dt, f"{lead_names}, nheads", (*lead, H))
+    float_arg("A", A, "nheads", (H,))
+    check_negative("A", A, "A = -exp(A_log)")
+    check_rank("B", B, f"{lead_names}, n_groups, d_state")
+    G = B.shape[-2]
+    if groups is not None and G != groups:
+        raise ValueError(f"`B` must have n_groups = {groups} (the state's); got {G}")
+    check_divisible("nheads", H, "n_groups = B.shape[-2]", G)
+    check_shape("B", B, f"{lead_names}, n_groups, d_state", (*lead, G, N))
+    C = check_float("C", C)
+    check_rank("C", C, f"{lead_names}, n_groups, d_state")
+    if C.shape[-2] != G:
+        raise ValueError(f"`C` must have n_groups = {G} (the state's); got {C.shape[-2]}" if groups is not None else
+                         f"`B` and `C` must have the same n_groups; got {G} and {C.shape[-2]}")
+    check_shape("C", C, f"{lead_names}, n_groups, d_state", (*lead, G, N))
+    optional_float_arg("D", D, "nheads", (H,))
+    optional_float_arg("z", z, f"{lead_names}, nheads, head_dim", (*lead, H, P))
+    optional_float_arg("dt_bias", dt_bias, "nheads", (H,))
+    return check_bool("dt_softplus", dt_softplus), check_dt_limit(dt_limit)
+
+
+def check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+    """Checks of :func:`replayssm_jax.ops.mamba2_step`.
+
+    Returns:
+      (state as a JAX array, dt_softplus, dt_limit) as :func:`check_mamba2_inputs`.
+    """
+    state = check_state_array("state", state, MAMBA2_DIMS)
+    return (state, *check_mamba2_inputs(state.shape, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit))
+
+
+def check_mamba2_chunked(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size):
+    """Checks of :func:`replayssm_jax.ops.mamba2_chunked`.
+
+    Returns:
+      (state: None or a JAX array, dt_softplus, dt_limit, chunk_size as an int).
+    """
+    T, dims = _sequence_dims("x", x, "batch, seqlen, nheads, head_dim", "B", B, "batch, seqlen, n_groups, d_state")
+    state = _check_initial_state(state, dims, MAMBA2_DIMS, "head_dim of `x`, d_state of `B`", MAMBA2_LAYOUT)
+    dt_softplus, dt_limit = check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=T)
+    return state, dt_softplus, dt_limit, check_positive_int("chunk_size", chunk_size)
+
+
+def check_mamba2_replay_materialize(state, A) -> None:
+    """Checks of :func:`replayssm_jax.ops.mamba2_replay_materialize`: the state and `A`."""
+    check_replay_state(state, Mamba2ReplayState)
+    float_arg("A", A, "nheads", (state.checkpoint.shape[1],))
+    check_negative("A", A, "A = -exp(A_log)")
+
+
+def check_mamba2_replay_flush(state, A) -> None:
+    """Checks of :func:`replayssm_jax.ops.mamba2_replay_flush`: the state and `A`, no pending window."""
+    check_mamba2_replay_materialize(state, A)
+    check_no_pending_window(state)
+
+
+def check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+    """Checks of :func:`replayssm_jax.ops.mamba2_replay_step` (but `route`).
+
+    Returns:
+      (dt_softplus, dt_limit) as :func:`check_mamba2_inputs`.
+    """
+    check_mamba2_replay_flush(state, A)
+    return check_mamba2_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit,
+                               groups=state.B.shape[1], state_name="state.checkpoint")
+
+
+def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+    """Checks of :func:`replayssm_jax.ops.mamba2_replay_verify`: also 1 <= W <= L.
+
+    Returns:
+      (dt_softplus, dt_limit) as :func:`check_mamba2_inputs`.
+    """
+    check_mamba2_replay_flush(state, A)
+    x = check_float("x", x)
+    check_rank("x", x, "batch, W, nheads, head_dim")
+    W = x.shape[1]
+    check_window(W, state.buffer_len, "x.shape[1]")
+    return check_mamba2_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=W,
+                               seq_name="W", groups=state.B.shape[1], state_name="state.checkpoint")
+
+
+# --------------------------------------------------------------------------
+# Gated DeltaNet ops
+
+
+def check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, *, seq=None, seq_name="seqlen", heads=None,
+                     state_name="state") -> tuple[float, bool]:
+    """The inputs of one Gated DeltaNet step (seq None) or of `seq` steps.
+
+    Args:
+      dims: (batch, HV, V, K), the shape of the state `state_name` (whose
+        last two axes are blamed if swapped).
+      q, k, v, g, beta, scale, use_qk_l2norm: as
+        :func:`replayssm_jax.ops.gdn_step`, with a `seq` axis after batch if
+        `seq` is given (named `seq_name`).
+      heads: the key heads H that q and k must have (a replay state's), or
+        None (any divisor of HV).
+
+    Returns:
+      (scale as a float, K ** -0.5 if None; use_qk_l2norm as a bool).
+    """
+    batch, HV, V, K = dims
+    lead, names = ((batch,), "batch") if seq is None else ((batch, seq), f"batch, {seq_name}")
+    q = check_float("q", q)
+    v = check_float("v", v)
+    if q.ndim and v.ndim:
+        check_layout(state_name, dims, GDN_DIMS, v.shape[-1], q.shape[-1], "V of `v`, K of `q`", GDN_LAYOUT)
+    check_rank("q", q, f"{names}, H, K")
+    H = q.shape[-2]
+    if heads is not None and H != heads:
+        raise ValueError(f"`q` and `k` must have H = {heads} key heads (the state's); got {H}")
+    check_divisible("HV (value heads)", HV, "H (key heads) = q.shape[-2]", H)
+    check_shape("q", q, f"{names}, H, K", (*lead, H, K))
+    k = check_float("k", k)
+    check_rank("k", k, f"{names}, H, K")
+    if k.shape[-2] != H:
+        raise ValueError(f"`q` and `k` must have the same H (key heads); got {H} and {k.shape[-2]}")
+    check_shape("k", k, f"{names}, H, K", (*lead, H, K))
+    check_shape("v", v, f"{names}, HV, V", (*lead, HV, V))
+    float_arg("g", g, f"{names}, HV", (*lead, HV))
+    float_arg("beta", beta, f"{names}, HV", (*lead, HV))
+    scale = check_scale(scale)
+    return (K ** -0.5 if scale is None else scale), check_bool("use_qk_l2norm", use_qk_l2norm)
+
+
+def check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm):
+    """Checks of :func:`replayssm_jax.ops.gdn_step`.
+
+    Returns:
+      (state as a JAX array, scale, use_qk_l2norm) as :func:`check_gdn_inputs`.
+    """
+    state = check_state_array("state", state, GDN_DIMS)
+    return (state, *check_gdn_inputs(state.shape, q, k, v, g, beta, scale, use_qk_l2norm))
+
+
+def check_gdn_chunked(state, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size):
+    """Checks of :func:`replayssm_jax.ops.gdn_chunked`.
+
+    Returns:
+      (state: None or a JAX array, scale, use_qk_l2norm, chunk_size as an int).
+    """
+    T, dims = _sequence_dims("v", v, "batch, seqlen, HV, V", "k", k, "batch, seqlen, H, K")
+    state = _check_initial_state(state, dims, GDN_DIMS, "V of `v`, K of `k`", GDN_LAYOUT)
+    scale, use_qk_l2norm = check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, seq=T)
+    return state, scale, use_qk_l2norm, check_positive_int("chunk_size", chunk_size)
+
+
+def check_gdn_replay_materialize(state) -> None:
+    """Checks of :func:`replayssm_jax.ops.gdn_replay_materialize`: the state."""
+    check_replay_state(state, GDNReplayState)
+
+
+def check_gdn_replay_flush(state) -> None:
+    """Checks of :func:`replayssm_jax.ops.gdn_replay_flush`: the state, no pending window."""
+    check_replay_state(state, GDNReplayState)
+    check_no_pending_window(state)
+
+
+def check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm) -> tuple[float, bool]:
+    """Checks of :func:`replayssm_jax.ops.gdn_replay_step` (but `route`).
+
+    Returns:
+      (scale, use_qk_l2norm) as :func:`check_gdn_inputs`.
+    """
+    check_gdn_replay_flush(state)
+    return check_gdn_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, use_qk_l2norm, heads=state.k.shape[1],
+                            state_name="state.checkpoint")
+
+
+def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm) -> tuple[float, bool]:
+    """Checks of :func:`replayssm_jax.ops.gdn_replay_verify`: also 1 <= W <= L.
+
+    Returns:
+      (scale, use_qk_l2norm) as :func:`check_gdn_inputs`.
+    """
+    check_gdn_replay_flush(state)
+    v = check_float("v", v)
+    check_rank("v", v, "batch, W, HV, V")
+    W = v.shape[1]
+    check_window(W, state.buffer_len, "v.shape[1]")
+    return check_gdn_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W",
+                            heads=state.k.shape[1], state_name="state.checkpoint")
