@@ -157,7 +157,7 @@ class HybridCausalLM(nnx.Module):
           tokens: int[batch], the newest token of each sequence.
           cache: from `prefill` or a previous `decode`.
           route: the ReplaySSM step's route, "output", "state", "direct" (replayssm_jax.ops) or
-            "auto": each layer's kernels pick by shape (replayssm_jax.kernels.pick_route: the direct
+            "auto": resolved per layer by shape (replayssm_jax.ops.resolve_route: the direct
             route at latency-bound batches, else the output route; the reference takes "output").
           backend: SSM op backend.
 

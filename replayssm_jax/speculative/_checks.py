@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replayssm_jax import _validate as v
+from replayssm_jax.ops import validate as v
 
 
 def int_array(name: str, x, dims: str, expected: Sequence[int] | None = None) -> jax.Array:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from replayssm_jax import _validate as v
+from replayssm_jax.ops import validate as v
 from replayssm_jax.sampling import SamplingParams, token_log_probs
 from replayssm_jax.speculative import _checks
 from replayssm_jax.speculative.drafters import Drafts

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from replayssm_jax import _validate as v
+from replayssm_jax.ops import validate as v
 from replayssm_jax.speculative import _checks
 
 
