@@ -9,6 +9,7 @@
 
 from models.common import HybridCache, make_decode_step, make_prefill, split_params
 from models.config import ConfigError, NemotronHConfig, QwenHybridConfig
+from models.generation_config import GenerationConfig, load_generation_config
 from models.loading import (
     MODEL_TYPES,
     CheckpointError,
@@ -22,7 +23,7 @@ from models.qwen_hybrid import QwenHybridForCausalLM
 
 __all__ = [
     "HybridCache", "make_decode_step", "make_prefill", "split_params",
-    "ConfigError", "NemotronHConfig", "QwenHybridConfig",
+    "ConfigError", "NemotronHConfig", "QwenHybridConfig", "GenerationConfig", "load_generation_config",
     "MODEL_TYPES", "CheckpointError", "CheckpointNotFoundError", "TensorSource", "load_model", "read_config",
     "NemotronHForCausalLM", "QwenHybridForCausalLM",
 ]
