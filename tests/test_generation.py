@@ -1,12 +1,11 @@
 """Generation on the real fixture checkpoints: greedy tokens equal transformers'
 with the standard state and with ReplaySSM, ragged batches equal each prompt
 alone, stop tokens and sampling behave, the decode loop updates its states in
-place, and the command line reports bad input in one line."""
+place. The command line is tested in test_cli.py."""
 
 from __future__ import annotations
 
 import inspect
-import json
 import pathlib
 
 import jax
@@ -16,7 +15,6 @@ import pytest
 
 from hlo_checks import per_step_copies
 from models import load_model
-from replayssm_jax.generate import main
 from replayssm_jax.generation import GenerationError, Generator, generate
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
@@ -205,83 +203,3 @@ def test_generator_errors():
     assert gen.generate([[5, 6, 7]], 0).sequences == [[5, 6, 7]]
     # stop_tokens=None: no stop tokens, as ()
     assert gen.generate([[5, 6]], 3, stop_tokens=None).sequences == gen.generate([[5, 6]], 3).sequences
-
-
-# --------------------------------------------------------------------------
-# The command
-
-
-def test_command_default_checkpoint_json(capsys):
-    assert main(["--max-new-tokens", "6", "--compare", "--json", "--buffer-len", "4"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["identical"] is True
-    runs = report["runs"]
-    assert runs["replay"]["buffer_len"] == 4 and runs["standard"]["buffer_len"] is None
-    for r in runs.values():
-        assert r["backend"] == "xla" and r["tokens_per_s"] > 0 and r["compile_s"] > 0
-        assert len(r["generated_ids"]) == 1 and r["text"][0].startswith("ReplaySSM")
-
-
-def test_command_text_output_names_state_and_route(capsys):
-    assert main(["--max-new-tokens", "3", "--compare", "--buffer-len", "4", "--route", "direct", "--no-progress"]) == 0
-    out = capsys.readouterr().out
-    assert "[standard] backend=xla" in out and "[replay L=4 route=direct] backend=xla" in out
-    assert "identical" in out
-
-
-def test_command_with_a_single_new_token_reports_no_speed(capsys):
-    assert main(["--max-new-tokens", "1", "--compare", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["speedup"] is None and report["runs"]["replay"]["tokens_per_s"] is None
-    assert all(len(r["generated_ids"][0]) == len(report["runs"]["standard"]["generated_ids"][0])
-               for r in report["runs"].values())
-
-
-def test_command_standard_state_ignores_buffer_len(capsys):
-    """--buffer-len only matters to the replay state (checked when it runs)."""
-    assert main(["--max-new-tokens", "2", "--state", "standard", "--buffer-len", "0", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["state"] == "standard" and report["buffer_len"] is None and report["num_generated"] == [2]
-
-
-def test_command_prompt_ids_on_fixture(capsys):
-    ref = reference("qwen3_next_tiny")
-    ids = ";".join(",".join(map(str, row)) for row in ref["prompt_ids"])
-    n = ref["generated_ids"].shape[1] - ref["prompt_ids"].shape[1]
-    argv = ["--checkpoint", str(DATA / "qwen3_next_tiny"), "--prompt-ids", ids, "--max-new-tokens", str(n),
-            "--state", "replay", "--buffer-len", "3", "--stop", "", "--json"]
-    for route in ("output", "direct", "auto"):
-        assert main(argv + (["--route", route] if route != "auto" else [])) == 0  # auto: the default
-        report = json.loads(capsys.readouterr().out)
-        assert report["generated_ids"] == ref["generated_ids"].tolist()
-        assert report["state"] == "replay" and report["buffer_len"] == 3 and report["route"] == route
-
-
-BAD_COMMANDS = [
-    (["--checkpoint", "/nonexistent/folder"], "cannot load checkpoint '/nonexistent/folder'"),
-    (["--prompt-ids", "1,2,999"], "token id 999 outside the vocabulary [0, 256)"),
-    (["--prompt", ""], "--prompt is empty"),
-    (["--prompt-ids", "1,2;;3"], "--prompt-ids: row 1 is empty"),
-    (["--prompt-ids", "1,x"], "--prompt-ids: row 0 ('1,x') is not a comma-separated list of integers"),
-    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0; got -1"),
-    (["--buffer-len", "0"], "--buffer-len must be >= 1; got 0"),
-    (["--buffer-len", "65", "--backend", "interpret"], "--buffer-len must be <= 64 with backend 'interpret'"),
-    (["--stop", "999999"], "--stop has token id 999999 outside the vocabulary"),
-    (["--prompt-ids", "1,999999"], "`--prompt-ids row 0` has token id 999999 outside the vocabulary"),
-    (["--backend", "cuda"], "--backend must be one of pallas, interpret, xla; got 'cuda'"),
-    (["--dtype", "float64"], "--dtype must be one of float32, bfloat16; got 'float64'"),
-    (["--top-p", "0", "--temperature", "1"], "--top-p must be in (0, 1]; got 0.0"),
-    (["--top-k", "5"], "--top-k and --top-p apply to sampling: give --temperature > 0 with them"),
-    (["--seed", "-3"], "--seed must be in [0, 2**32); got -3"),
-    (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--state", "fast"], "argument --state: invalid choice: 'fast'"),
-    (["--route", "fast"], "argument --route: invalid choice: 'fast'"),
-]
-
-
-@pytest.mark.parametrize("argv, message", BAD_COMMANDS, ids=[m[:24] for _, m in BAD_COMMANDS])
-def test_command_bad_input_is_one_line(argv, message, capsys):
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert message in err, err
