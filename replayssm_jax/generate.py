@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", default=None, help='token ids, rows separated by ";" and ids by ",": "1,2,3;4,5"')
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the checkpoint's chat template (tokenizer_config.json)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     p.add_argument("--state", choices=STATES, default=None, help="default: replay")
     p.add_argument("--buffer-len", type=int, default=None, help=f"ReplaySSM buffer length L (default {DEFAULT_BUFFER_LEN})")
     p.add_argument("--route", choices=ROUTES, default=None,
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the kernels pick direct where their grid is latency-bound, else output)")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (weights and activations)")
     p.add_argument("--backend", default=None, help="SSM op backend: pallas, interpret or xla (default: pallas on GPU, else xla)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (and of --random-weights)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0: greedy (default: generation_config.json's, greedy without one)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
@@ -240,8 +240,7 @@ def _check_memory(abstract, states, args, prompts, backend) -> None:
     if weights >= free:
         raise UsageError(f"{head}; the weights alone do not fit" + ("" if args.dtype == "bfloat16" else
                                                                    " (--dtype bfloat16 halves them)"))
-    fits = estimate.fits(free - weights, batch=len(prompts), longest_prompt=max(map(len, prompts)),
-                         block_size=args.block_size)
+    fits = estimate.fits(free - weights, longest_prompt=max(map(len, prompts)), block_size=args.block_size)
     raise UsageError(_flag_names(f"{head}; {fits}"))
 
 

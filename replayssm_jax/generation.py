@@ -17,15 +17,18 @@ of decoding, not prefilling, the ragged part of the prompts.
 
 Shape buckets: compiled code is specialised to its shapes, so every shape
 that depends on the request is rounded to a bucket (`bucket`: exact below
-8, then 4 sizes per power of two, at most 25% above the size asked for):
-the batch is padded up with rows that are marked done from the start, the
-prefill length is rounded down (the rest of each prompt is fed as above),
-the prompt array and the KV cache length are rounded up, and the decode
-runs whole blocks of `block_size` steps plus one power-of-two block for the
-rest, whose extra steps are dropped. Requests that differ only within one
-bucket reuse the compiled prefill and decode blocks; greedy tokens are
-those of the request alone (the fed prompt tokens, the padded rows and the
-unused KV slots do not reach a real row's logits).
+8, then 4 sizes per power of two, at most 25% above the size asked for).
+The batch is padded up (to a power of two up to 8) with rows that are
+marked done from the start; the prefill length is rounded down (the rest
+of each prompt is fed by decode steps, as above); the prompt array and the
+KV cache length are rounded up; the decode runs whole blocks of
+`block_size` steps plus one power-of-two block for the rest, whose extra
+steps are dropped. Requests that differ only within one bucket reuse the
+compiled prefill and decode blocks. A row's tokens do not depend on the
+padding: padded rows and unused KV slots never reach a real row's logits,
+and a prompt token fed by a decode step goes through the same recurrence
+as in the prefill (equal to rounding; tests/test_generation.py checks the
+greedy tokens against transformers').
 
 Memory: before compiling, the cache's shapes come from tracing the prefill
 (`jax.jit(...).trace`: shapes and dtypes, nothing allocated); a cache that
@@ -197,7 +200,9 @@ def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int) -> _Plan:
     max_len = bucket(max(needed, _MIN_POSITIONS))
     max_len = max_len if max_len <= _MAX_POSITIONS else needed
     width = bucket(max(longest, _MIN_POSITIONS))
-    return _Plan(len(lengths), bucket(len(lengths)), prefix_len, width, max_len, tuple(blocks))
+    batch = len(lengths)
+    rows = _pow2_at_least(batch) if batch <= 8 else bucket(batch)
+    return _Plan(batch, rows, prefix_len, width, max_len, tuple(blocks))
 
 
 # -- memory ---------------------------------------------------------------------------------------
@@ -269,7 +274,7 @@ class MemoryEstimate:
         return (f"{format_bytes(self.total_bytes)} (KV caches {format_bytes(self.kv_bytes)}, SSM states, buffers and conv states "
                 f"{format_bytes(self.state_bytes)}, prompt ids {format_bytes(self.input_bytes)})")
 
-    def fits(self, free: int, *, batch: int, longest_prompt: int, block_size: int) -> str:
+    def fits(self, free: int, *, longest_prompt: int, block_size: int) -> str:
         """What would fit in `free` bytes: the largest batch at this length and
         the largest max_new_tokens at this batch (about: the shapes are rounded
         to buckets)."""
@@ -278,8 +283,6 @@ class MemoryEstimate:
         rows = int(free // per_row) if per_row else 0
         batch_fits = (f"a batch of up to {bucket(rows, up=False)} fits at this length" if rows >= 1
                       else "no batch fits at this length")
-        if batch > 1 and rows < 1:
-            batch_fits = "not even one row fits at this length"
         if kv_per_position == 0:
             return f"{batch_fits}; the cache does not grow with `max_new_tokens` (no attention layer)"
         fixed = (self.state_bytes + self.input_bytes) / self.rows
@@ -431,7 +434,7 @@ class Generator:
     """
 
     def __init__(self, model, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32, backend=None,
-                 route="auto", block_size=64, prefill_rows=None, generation_config=None):
+                 route="auto", block_size=16, prefill_rows=None, generation_config=None):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise GenerationError(f"`model` must be a model of this package (an nnx.Module with a `config`, e.g. "
                                   f"from models.load_model); got {type(model).__name__}")
@@ -655,7 +658,7 @@ class Generator:
         raise InsufficientMemoryError(
             f"`prompts` ({plan.batch} rows, padded to {plan.rows}) with `max_new_tokens` do not fit: the decode cache "
             f"of {plan.max_len} positions needs {estimate.describe()}, and the {where} is {format_bytes(free)}; "
-            + estimate.fits(free, batch=plan.batch, longest_prompt=int(lengths.max()), block_size=self.block_size))
+            + estimate.fits(free, longest_prompt=int(lengths.max()), block_size=self.block_size))
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -727,9 +730,11 @@ class Generator:
         inputs = self._inputs(plan, prompts, lengths, stop_ids)
         key = jax.random.key(seed)
         start_key = ("start", plan.rows, plan.prefix_len, plan.width, plan.max_len, sampling)
-        t0 = time.perf_counter()
-        traced = None if start_key in self._compiled else self._trace_start(plan, sampling, inputs, key)
-        trace_s = time.perf_counter() - t0
+        traced, trace_s = None, 0.0
+        if start_key not in self._compiled:
+            t0 = time.perf_counter()
+            traced = self._trace_start(plan, sampling, inputs, key)
+            trace_s = time.perf_counter() - t0
         self._check_fits(self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)], plan, lengths)
 
         what = f"prefill ({plan.rows} rows x {plan.prefix_len} tokens, cache of {plan.max_len} positions)"

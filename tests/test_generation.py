@@ -5,17 +5,22 @@ place. The command line is tested in test_cli.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
 from hlo_checks import per_step_copies
-from models import load_model
-from replayssm_jax.generation import GenerationError, Generator, generate
+from models import GenerationConfig, load_generation_config, load_model
+from models.random_init import init_model
+from replayssm_jax import generation
+from replayssm_jax.generation import GenerationError, Generator, InsufficientMemoryError, free_memory, generate
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
@@ -203,3 +208,132 @@ def test_generator_errors():
     assert gen.generate([[5, 6, 7]], 0).sequences == [[5, 6, 7]]
     # stop_tokens=None: no stop tokens, as ()
     assert gen.generate([[5, 6]], 3, stop_tokens=None).sequences == gen.generate([[5, 6]], 3).sequences
+
+
+@pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_next_tiny"])
+def test_prompt_beyond_its_prefill_bucket_decodes_the_reference(name):
+    """A 19-token prompt is prefilled over 16 tokens and its last 3 are fed by decode steps: the greedy tokens
+    are still transformers'."""
+    expected = reference(name)["generated_ids"]
+    prompts = expected[:, :19]
+    out = Generator(model(name), state="replay", buffer_len=4).generate(prompts, expected.shape[1] - 19)
+    np.testing.assert_array_equal(np.array(out.sequences), expected)
+
+
+def test_requests_in_one_bucket_compile_once(rng):
+    """Prompt lengths 17-19 (prefill bucket 16), batches 3 and 4 (padded to 4) and max_new_tokens 9-12 (one
+    block of 8 and one of 4, a KV cache of 32 positions) reuse the compiled prefill and decode blocks."""
+    gen = Generator(model("nemotron_h_tiny"), state="replay", buffer_len=4, block_size=8)
+    ids = lambda n: rng.integers(3, 256, size=n).tolist()  # noqa: E731
+    first = gen.generate([ids(17)], 11)
+    compiled = gen.compilations
+    assert compiled == 3 and first.compile_s > 0  # the prefill and blocks of 8 and 4 steps
+    out = gen.generate([ids(19)], 9)
+    assert gen.compilations == compiled and out.compile_s == 0
+    gen.generate([ids(18), ids(17), ids(19)], 9)
+    assert gen.compilations == 2 * compiled  # a new batch bucket
+    out = gen.generate([ids(16)] * 4, 12)
+    assert gen.compilations == 2 * compiled and out.compile_s == 0 and out.num_generated == [12] * 4
+
+
+def test_generation_config_gives_the_default_stop_token_and_sampling():
+    """The issue's case: sampled rows that emit generation_config.json's eos (2) end there; explicit arguments
+    win over the checkpoint's defaults."""
+    gc = load_generation_config(DATA / "nemotron_h_tiny")
+    assert gc.eos_token_id == (2,) and gc.pad_token_id == 0 and gc.do_sample is None
+    m = model("nemotron_h_tiny")
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+    sampling = SamplingParams(1.0, top_k=5)
+    plain = Generator(m, state="replay", buffer_len=4).generate(prompts, 50, sampling=sampling)
+    gen = Generator(m, state="replay", buffer_len=4, generation_config=gc)
+    stopped = gen.generate(prompts, 50, sampling=sampling)
+    assert any(2 in new[:-1] for new in plain.new_ids)  # without the checkpoint's eos, rows go on past it
+    for new, cut in zip(plain.new_ids, stopped.new_ids):
+        assert cut == new[: new.index(2) + 1 if 2 in new else len(new)]
+    assert gen.generate(prompts, 50, sampling=sampling, stop_tokens=()).sequences == plain.sequences
+    sampled = Generator(m, state="replay", buffer_len=4,
+                        generation_config=dataclasses.replace(gc, do_sample=True, temperature=1.0, top_k=5))
+    assert sampled.generate(prompts, 50).sequences == stopped.sequences
+
+
+def test_sampling_from_generation_config():
+    gc = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95)
+    assert SamplingParams.from_generation_config(gc) == SamplingParams(0.6, top_k=50, top_p=0.95)
+    assert SamplingParams.from_generation_config(GenerationConfig(do_sample=True)) == SamplingParams(1.0, 50, 1.0)
+    assert SamplingParams.from_generation_config(GenerationConfig(temperature=0.6, top_k=3)) == SamplingParams()
+    assert SamplingParams.from_generation_config(None) == SamplingParams()
+    assert SamplingParams.from_generation_config(gc, temperature=0) == SamplingParams()  # its filters dropped
+    assert SamplingParams.from_generation_config(gc, top_k=0) == SamplingParams(0.6, top_k=0, top_p=0.95)
+    assert SamplingParams.from_generation_config(None, temperature=0.5) == SamplingParams(0.5)
+    with pytest.raises(ValueError, match=r"`top_k` and `top_p` apply to sampling: give `temperature` > 0"):
+        SamplingParams.from_generation_config(gc, temperature=0, top_p=0.5)
+    for kwargs in (dict(top_p=0.5), dict(top_k=3)):  # the command line refuses the same
+        with pytest.raises(ValueError, match=r"`top_k` and `top_p` apply to sampling: give `temperature` > 0"):
+            SamplingParams(**kwargs)
+
+
+def test_route_with_the_standard_state_warns():
+    with pytest.warns(UserWarning, match="`route` 'direct' applies to state 'replay' only"):
+        Generator(model("mamba2_tiny"), state="standard", route="direct")
+
+
+def test_on_token_streams_the_new_tokens():
+    """on_token gets every row's new tokens in order, block after block, with the pad token after a stop."""
+    ref = reference("qwen3_5_tiny")
+    prompts = [ref["prompt_ids"][0].tolist(), ref["prompt_ids"][1, :7].tolist()]
+    stop = int(ref["generated_ids"][0, 12 + 9])
+    calls = []
+    gen = Generator(model("qwen3_5_tiny"), state="replay", buffer_len=4, block_size=4)
+    out = gen.generate(prompts, 20, stop_tokens=[stop], on_token=lambda step, t: calls.append((step, t.copy())))
+    assert len(calls) > 2 and all(t.dtype == np.int32 and t.shape[1] == 2 for _, t in calls)
+    assert [step for step, _ in calls] == np.cumsum([0] + [len(t) for _, t in calls[:-1]]).tolist()
+    streamed = np.concatenate([t for _, t in calls])
+    assert len(streamed) == max(out.num_generated) and out.num_generated[0] == 10
+    for row, new in enumerate(out.new_ids):
+        assert streamed[: len(new), row].tolist() == new
+        assert (streamed[len(new):, row] == 0).all()  # the pad token
+    with pytest.raises(GenerationError, match="`on_token` must be callable or None; got int"):
+        gen.generate(prompts, 2, on_token=3)
+
+
+def test_oversized_prompt_id_is_named():
+    with pytest.raises(GenerationError, match=r"`prompt 1` has token id 99999999999999999999 outside the "
+                                              r"vocabulary \[0, 256\)"):
+        Generator(model("mamba2_tiny"), state="replay", buffer_len=4).generate([[1], [99999999999999999999]], 2)
+
+
+def test_a_cache_that_does_not_fit_is_refused_before_allocating(monkeypatch):
+    """In 64 MiB, 4 rows of 1e6 new tokens (a KV cache of 256 B per row and position) do not fit: the error says
+    so before anything is compiled or allocated, its suggestions fit, and the Generator stays usable."""
+    gen = Generator(model("nemotron_h_tiny"), state="replay", buffer_len=4)
+    monkeypatch.setattr(generation, "free_memory", lambda device=None: (64 * 2**20, "test memory"))
+    prompts = [[5, 6, 7]] * 4
+    with pytest.raises(InsufficientMemoryError, match=r"`prompts` \(4 rows, padded to 4\) with `max_new_tokens` "
+                                                      r"do not fit: the decode cache of 1048576 positions needs "
+                                                      r"1.0 GiB \(KV caches 1.0 GiB") as info:
+        gen.generate(prompts, 1_000_000)
+    assert isinstance(info.value, MemoryError) and gen.compilations == 0
+    message = str(info.value)
+    assert "the test memory is 64.0 MiB" in message and "not even one row fits" not in message
+    new = int(re.search(r"`max_new_tokens` up to about (\d+) fits at this batch", message).group(1))
+    assert gen.memory_estimate(prompts, new).total_bytes <= 64 * 2**20 < gen.memory_estimate(prompts, 2 * new).total_bytes
+    assert "no batch fits at this length" in message
+    with pytest.raises(InsufficientMemoryError, match="a batch of up to 2 fits at this length"):
+        gen.generate(prompts, 100_000)
+    assert gen.memory_estimate(prompts[:2], 100_000).total_bytes <= 64 * 2**20
+    assert gen.generate([[5, 6, 7]], 3).num_generated == [3]
+    free, where = free_memory()
+    assert free > 0 and where in ("available host memory", "free host memory")
+
+
+def test_memory_estimate_of_an_abstract_model_equals_the_loaded_ones():
+    """The command estimates before loading, from nnx.eval_shape of the model: same numbers, nothing allocated."""
+    abstract = nnx.eval_shape(lambda: init_model(DATA / "nemotron_h_tiny", jnp.float32))
+    estimate = Generator(abstract, state="replay", buffer_len=4).memory_estimate([[1, 2, 3]] * 3, 40)
+    loaded = Generator(model("nemotron_h_tiny"), state="replay", buffer_len=4)
+    assert estimate == loaded.memory_estimate([[1, 2, 3]] * 3, 40) and estimate.rows == 4 and estimate.kv_bytes > 0
+    assert Generator(abstract).weights_bytes == loaded.weights_bytes == sum(
+        a.nbytes for a in jax.tree.leaves(loaded.params))
+    out = loaded.generate([[1, 2, 3]] * 3, 40)
+    carried = estimate.kv_bytes + estimate.state_bytes
+    assert 0 < carried - out.cache_bytes <= 64  # the loop's token, position, done flags and key come on top
