@@ -218,8 +218,11 @@ def _prompts(args, checkpoint, vocab) -> tuple[list[list[int]], Tokenizer | None
         ids = tokenizer.encode(text, what="--chat's rendered prompt", add_special_tokens=False)
     else:
         ids = tokenizer.encode(text, what="--prompt")
-    what = "--chat" if args.chat else "--prompt"
-    _check_ids([ids], vocab, lambda i: f"{what}: {tokenizer.kind} (model vocab_size {vocab}) gives a prompt that")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise UsageError(f"{'--chat' if args.chat else '--prompt'}: the checkpoint's {tokenizer.kind} gives token id "
+                         f"{bad}, outside the model's vocabulary [0, {vocab}) (config.json's vocab_size): the "
+                         f"tokenizer does not belong to this model")
     return [ids], tokenizer
 
 
@@ -234,8 +237,9 @@ def _check_memory(abstract, states, args, prompts, backend) -> None:
     free, where = free_memory()
     if weights + estimate.total_bytes <= free:
         return
-    head = (f"the model does not fit: the weights need {format_bytes(weights)} ({args.dtype}) and the decode cache of "
-            f"{len(prompts)} prompt{'s' if len(prompts) > 1 else ''} x {estimate.max_len} positions needs {estimate.describe()}; the {where} is "
+    rows = f"{len(prompts)} prompt{'s' if len(prompts) > 1 else ''}"
+    head = (f"the model does not fit: the weights need {format_bytes(weights)} ({args.dtype}) and the decode cache "
+            f"of {rows} x {estimate.max_len} positions needs {estimate.describe()}; the {where} is "
             f"{format_bytes(free)}")
     if weights >= free:
         raise UsageError(f"{head}; the weights alone do not fit" + ("" if args.dtype == "bfloat16" else

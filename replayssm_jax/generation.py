@@ -33,13 +33,15 @@ greedy tokens against transformers').
 Memory: before compiling, the cache's shapes come from tracing the prefill
 (`jax.jit(...).trace`: shapes and dtypes, nothing allocated); a cache that
 does not fit the device's free memory raises `InsufficientMemoryError`
-with the batch and length that would fit.
+with the batch and length that would fit. After compiling, before running,
+the prefill's temporaries (XLA's `memory_analysis`) are checked too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import numbers
 import os
@@ -174,8 +176,9 @@ class _Plan:
     """The bucketed shapes of one request.
 
     batch: the rows given; rows: the padded batch; prefix_len: prefill length;
-    width: prompt array width; max_len: KV cache positions; blocks: decode
-    block sizes in order.
+    width: prompt array width; max_len: KV cache positions; the decode runs
+    `full_blocks` blocks of `block_size` steps, then one of `last_block`
+    steps (0: none).
     """
 
     batch: int
@@ -183,7 +186,24 @@ class _Plan:
     prefix_len: int
     width: int
     max_len: int
-    blocks: tuple[int, ...]
+    block_size: int
+    full_blocks: int
+    last_block: int
+
+    @property
+    def steps(self) -> int:
+        return self.full_blocks * self.block_size + self.last_block
+
+    @property
+    def block_sizes(self) -> list[int]:
+        """The distinct block sizes (each one compiled program)."""
+        return [n for n in {self.block_size if self.full_blocks else 0, self.last_block} if n]
+
+    def blocks(self):
+        """The block sizes in order."""
+        yield from itertools.repeat(self.block_size, self.full_blocks)
+        if self.last_block:
+            yield self.last_block
 
 
 def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int) -> _Plan:
@@ -191,21 +211,29 @@ def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int) -> _Plan:
     prefix_len = bucket(shortest, up=False)
     # The start chooses the token at position prefix_len; each decode step the next one.
     steps = longest + max_new_tokens - 1 - prefix_len
-    blocks = [block_size] * (steps // block_size)
-    if steps % block_size:
-        blocks.append(min(block_size, _pow2_at_least(steps % block_size)))
-    if prefix_len + sum(blocks) > _MAX_POSITIONS:  # no room to round the last block up
-        blocks[-1] = steps % block_size or block_size
-    needed = prefix_len + sum(blocks)  # the KV cache holds every position fed
+    full, rest = divmod(steps, block_size)
+    last = min(block_size, _pow2_at_least(rest)) if rest else 0
+    if prefix_len + full * block_size + last > _MAX_POSITIONS:  # no room to round the last block up
+        last = rest
+    needed = prefix_len + full * block_size + last  # the KV cache holds every position fed
     max_len = bucket(max(needed, _MIN_POSITIONS))
     max_len = max_len if max_len <= _MAX_POSITIONS else needed
     width = bucket(max(longest, _MIN_POSITIONS))
     batch = len(lengths)
     rows = _pow2_at_least(batch) if batch <= 8 else bucket(batch)
-    return _Plan(batch, rows, prefix_len, width, max_len, tuple(blocks))
+    return _Plan(batch, rows, prefix_len, width, max_len, block_size, full, last)
 
 
 # -- memory ---------------------------------------------------------------------------------------
+
+
+def _temp_bytes(executable) -> int:
+    """The temporaries of a compiled program (XLA's buffer assignment); 0 where the backend does not say."""
+    try:
+        stats = executable.memory_analysis()
+    except (NotImplementedError, RuntimeError):
+        return 0
+    return int(getattr(stats, "temp_size_in_bytes", 0) or 0)
 
 
 def _nbytes(tree) -> int:
@@ -651,16 +679,19 @@ class Generator:
             self._trace_start(plan, SamplingParams(), inputs, jax.random.key(0))
         return self._estimates[shapes]
 
-    def _check_fits(self, estimate: MemoryEstimate, plan: _Plan, lengths, extra_bytes=0):
+    def _check_fits(self, estimate: MemoryEstimate, plan: _Plan, lengths, temp_bytes: int = 0):
+        """Raise InsufficientMemoryError unless the cache (and the prefill's `temp_bytes`
+        of temporaries, from the compiled program) fit the free memory."""
         free, where = free_memory()
-        if estimate.total_bytes + extra_bytes <= free:
+        if estimate.total_bytes + temp_bytes <= free:
             return
+        temporaries = (f" and the prefill {format_bytes(temp_bytes)} of temporaries (`prefill_rows` lowers them)"
+                       if temp_bytes else "")
         raise InsufficientMemoryError(
             f"`prompts` ({plan.batch} rows, padded to {plan.rows}) with `max_new_tokens` do not fit: the decode cache "
-            f"of {plan.max_len} positions needs {estimate.describe()}, and the {where} is {format_bytes(free)}; "
-            + estimate.fits(free, longest_prompt=int(lengths.max()), block_size=self.block_size))
-
-    # -- public -----------------------------------------------------------------------------------
+            f"of {plan.max_len} positions needs {estimate.describe()}{temporaries}, and the {where} is "
+            f"{format_bytes(free)}; " + estimate.fits(free - temp_bytes, longest_prompt=int(lengths.max()),
+                                                      block_size=self.block_size))
 
     def _compile(self, key, traced, what, progress):
         """The executable for `key`, compiled from `traced` (a `jax.jit(...).trace`) on first use;
@@ -671,6 +702,8 @@ class Generator:
         with status(f"compiling {what}", progress):
             self._compiled[key] = traced().lower().compile()
         return self._compiled[key], time.perf_counter() - t0
+
+    # -- public -----------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: SamplingParams = FROM_CONFIG, seed: int = 0,
@@ -689,8 +722,9 @@ class Generator:
           stop_tokens: ids that end a sequence (kept in its output); by default
             (FROM_CONFIG) the `generation_config`'s eos_token_id (none without
             one); None or (): none.
-          progress: show the compile status and a decode progress bar on
-            stderr (None: only on a terminal).
+          progress: show the compile status and, without `on_token` (whose
+            caller shows its own progress), a decode progress bar on stderr
+            (None: only on a terminal).
           on_token: called as ``on_token(step, tokens)`` after the prefill and
             after each decode block that completes new tokens of every row:
             `tokens` is a NumPy int32[n, batch] array whose row i holds new
@@ -735,14 +769,16 @@ class Generator:
             t0 = time.perf_counter()
             traced = self._trace_start(plan, sampling, inputs, key)
             trace_s = time.perf_counter() - t0
-        self._check_fits(self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)], plan, lengths)
+        estimate = self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)]
+        self._check_fits(estimate, plan, lengths)
 
         what = f"prefill ({plan.rows} rows x {plan.prefix_len} tokens, cache of {plan.max_len} positions)"
         start, compile_s = self._compile(start_key, lambda: traced, what, progress)
         compile_s += trace_s
+        self._check_fits(estimate, plan, lengths, _temp_bytes(start))
         carry_info = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), start.out_info)
         blocks = {}
-        for n in sorted(set(plan.blocks)):
+        for n in plan.block_sizes:
             block_key = ("block", n, sampling, plan.rows, plan.width, plan.max_len)
             make = lambda n=n: self._block_fn(n, sampling).trace(  # noqa: E731
                 self.params, carry_info, inputs[0], inputs[1], inputs[3])
@@ -758,8 +794,8 @@ class Generator:
         stream.add(first[None])
         sync = on_token is not None or stop_ids.size > 0
         pending, steps, t0 = [], 0, time.perf_counter()
-        with _progress(sum(plan.blocks), progress) as bar:
-            for n in plan.blocks:
+        with _progress(plan.steps, False if on_token is not None else progress) as bar:
+            for n in plan.blocks():
                 carry, tokens = blocks[n](self.params, carry, inputs[0], inputs[1], inputs[3])
                 steps += n
                 bar.update(n)

@@ -201,14 +201,13 @@ def test_status_line_only_where_asked(capsys):
 
 def test_compile_cache_makes_a_second_run_compile_nothing_new(tmp_path, capsys):
     cache = tmp_path / "jax"
-    argv = ["--compile-cache", str(cache), "--max-new-tokens", "3", "--compare"]
+    argv = ["--compile-cache", str(cache), "--max-new-tokens", "3"]
     first = run_json(argv, capsys)
     entries = sorted(p.name for p in cache.iterdir())
     assert entries and first["compile_cache"] == str(cache)
     second = run_json(argv, capsys)
     assert sorted(p.name for p in cache.iterdir()) == entries  # every program came from the cache
-    assert second["runs"]["replay"]["generated_ids"] == first["runs"]["replay"]["generated_ids"]
-    assert all(second["runs"][s]["compile_s"] < first["runs"][s]["compile_s"] for s in ("standard", "replay"))
+    assert second["generated_ids"] == first["generated_ids"] and second["compile_s"] < first["compile_s"]
     assert run_json(["--no-compile-cache", "--max-new-tokens", "0"], capsys)["compile_cache"] is None
     assert jax.config.jax_compilation_cache_dir is None
 
@@ -250,8 +249,9 @@ def test_tokenizer_ids_outside_the_vocabulary_name_the_prompt(tmp_path, capsys):
     tokenizer.save(f"{ckpt}/tokenizer.json")
     assert main(["--checkpoint", ckpt, "--prompt", "world hello"]) == 2
     err = capsys.readouterr().err
-    assert err == ("replayssm-generate: error: --prompt: tokenizer.json (model vocab_size 256) gives a prompt that "
-                   "has token id 300 outside the vocabulary [0, 256)\n")
+    assert err == ("replayssm-generate: error: --prompt: the checkpoint's tokenizer.json gives token id 300, "
+                   "outside the model's vocabulary [0, 256) (config.json's vocab_size): the tokenizer does not "
+                   "belong to this model\n")
 
 
 def test_memory_that_does_not_fit_is_one_line(monkeypatch, capsys):
