@@ -22,8 +22,9 @@ The batch is padded up (to a power of two up to 8) with rows that are
 marked done from the start; the prefill length is rounded down (the rest
 of each prompt is fed by decode steps, as above); the prompt array and the
 KV cache length are rounded up; the decode runs whole blocks of
-`block_size` steps plus one power-of-two block for the rest, whose extra
-steps are dropped. Requests that differ only within one bucket reuse the
+`block_size` steps, then the rest in a block of the next power of two
+steps (the rest itself where that exceeds block_size), whose extra steps
+are dropped. Requests that differ only within one bucket reuse the
 compiled prefill and decode blocks. A row's tokens do not depend on the
 padding: padded rows and unused KV slots never reach a real row's logits,
 and a prompt token fed by a decode step goes through the same recurrence
@@ -212,9 +213,9 @@ def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int) -> _Plan:
     # The start chooses the token at position prefix_len; each decode step the next one.
     steps = longest + max_new_tokens - 1 - prefix_len
     full, rest = divmod(steps, block_size)
-    last = min(block_size, _pow2_at_least(rest)) if rest else 0
-    if prefix_len + full * block_size + last > _MAX_POSITIONS:  # no room to round the last block up
-        last = rest
+    last = _pow2_at_least(rest) if rest else 0
+    if last > block_size or prefix_len + full * block_size + last > _MAX_POSITIONS:
+        last = rest  # no rounding past block_size (or past the int32 positions)
     needed = prefix_len + full * block_size + last  # the KV cache holds every position fed
     max_len = bucket(max(needed, _MIN_POSITIONS))
     max_len = max_len if max_len <= _MAX_POSITIONS else needed
@@ -441,8 +442,8 @@ class Generator:
         "output"; replayssm_jax.kernels.pick_route). The standard state has
         no route: another value than "auto" with it warns (UserWarning).
       block_size: decode steps per compiled block (progress, `on_token` and
-        early stop happen between blocks; the last block runs a power of two
-        of steps, at most block_size).
+        early stop happen between blocks; the last block runs the rest
+        rounded up to a power of two where that stays <= block_size).
       prefill_rows: rows per prefill pass, or None for the whole batch at
         once. Prefill memory grows with batch x prompt length (attention
         scores, chunked-scan intermediates); passes of `prefill_rows` rows
