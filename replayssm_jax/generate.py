@@ -346,11 +346,9 @@ def run(args, stream: bool = False) -> dict:
     except (ValueError, RuntimeError) as e:
         raise UsageError(str(e)) from None
     try:
-        cache_dir = None if args.no_compile_cache else set_compile_cache(args.compile_cache or default_compile_cache())
+        cache_dir = set_compile_cache(None if args.no_compile_cache else args.compile_cache or default_compile_cache())
     except GenerationError as e:
         raise UsageError(f"--compile-cache: {e}") from None
-    if args.no_compile_cache:
-        set_compile_cache(None)
     checkpoint = args.checkpoint or default_checkpoint()
     dtype = DTYPES[args.dtype]
     progress = False if args.no_progress or args.json else None
