@@ -226,6 +226,9 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
     Returns:
       (o [batch, W, HV, V] in v.dtype, new state with window = W): o[:, t]
       is the output of step t assuming steps 0..t-1 of the window are accepted.
+      It depends on those steps only: a NaN or inf in a later draft (a
+      padded or garbage draft) cannot reach it; from the first draft with a
+      non-finite input that enters the state on, the outputs are NaN.
     """
     W = v.shape[1]
     HV = state.checkpoint.shape[1]
