@@ -65,3 +65,20 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
             new[b, h] = s
             o[b, h] = s @ (scale * qq)
     return o, new
+
+
+def run_steps(step, state, seq):
+    """The steps of a sequence or a verify window, one after the other.
+
+    step(state, inputs) -> (output, new state) is one of the steps above
+    with its parameters bound; `seq` maps each input's name to an array
+    [batch, T, ...]. Returns (outputs [batch, T, ...], the state after the
+    T steps). For a verify window from state S0, output t is the output of
+    draft t given drafts 0..t-1 accepted.
+    """
+    T = len(next(iter(seq.values()))[0])
+    ys = []
+    for t in range(T):
+        y, state = step(state, {name: np.asarray(a[:, t], np.float64) for name, a in seq.items()})
+        ys.append(y)
+    return np.stack(ys, axis=1), state

@@ -62,9 +62,9 @@ def split_parts(state_dtype) -> int:
 
 def dot_precision(state_dtype):
     """The algorithm of the rank-L update's dot for a state of `state_dtype`
-    when the buffered keys are not bf16 (f32 or f16 buffers): both operands
-    split into `split_parts` bf16 parts on the tensor cores, f32
-    accumulation (6 products for an f32 state, 3 for a bf16 state). On the
+    when the buffered keys are f32: both operands split into
+    `split_parts` bf16 parts on the tensor cores, f32 accumulation (6
+    products for an f32 state, 3 for a bf16 state). On the
     H200 an IEEE f32 dot (FMAs) made the flush of an f32 state up to 12x
     slower than the record loop, while these dots made it faster
     (bench/RESULTS.md, 2026-11-30).
@@ -86,15 +86,15 @@ def rank_update(S: jax.Array, Uw: jax.Array, Kb: jax.Array, state_dtype) -> jax.
     """S + sum_i Uw[i]^T Kb[i], f32[BV, BK]: the buffered records' rank-BL update.
 
     Uw f32[BL, BV] (records already scaled by their decay weights, dead
-    slots zero); Kb [BL, BK], the buffered keys as stored (bf16, or f32 /
-    f16 buffers); state_dtype: the state's dtype (the dot's accuracy).
+    slots zero); Kb [BL, BK], the buffered keys as stored (bf16 or f32);
+    state_dtype: the state's dtype (the dot's accuracy).
 
     When BL, BV and BK are all >= DOT_MIN, dots on the tensor cores with
     f32 accumulation. With bf16 keys, only Uw is split into bf16 parts
     (`split_parts`: 3 for an f32 state, 2 for a bf16 one) and each part is
     one bf16 dot against the keys as stored: every product is exact, and
     the big key tile is neither split nor widened (registers: occupancy).
-    Other key dtypes take one dot of f32 operands with `dot_precision`.
+    f32 keys take one dot of f32 operands with `dot_precision`.
     Otherwise a rolled loop over the slots that picks row i out of the
     register tiles (a masked sum): no reloads, and a register budget of
     about one state tile.

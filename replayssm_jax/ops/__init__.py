@@ -28,6 +28,8 @@ batch, H key heads, HV value heads, K key dim, V value dim; L the buffer
 length, W a verify window. States are value-major: Mamba-2 [batch, nheads,
 head_dim, d_state] (mamba_ssm's and transformers' ssm_state), GDN [batch,
 HV, V, K] (FLA's; transformers' cache is [batch, HV, K, V]: transpose it).
+float16 arrays (activations, parameters, states, buffers) raise TypeError:
+float16 overflows in these recurrences; use bfloat16 or float32.
 """
 
 from __future__ import annotations

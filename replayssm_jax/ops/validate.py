@@ -5,6 +5,13 @@ argument, what was expected and what was given, e.g.
 
     ValueError: `x` must have shape [batch, nheads, head_dim] = (4, 8, 16); got (4, 8, 12)
 
+Arrays of the SSM ops (activations, parameters, states, buffers) must not
+be float16: a state entry or an update vector of these recurrences exceeds
+float16's largest value (65504) where bfloat16 and float32 hold it, so
+:func:`check_ssm_float` raises TypeError for float16 (use bfloat16 or
+float32); states must be float32 or bfloat16. The arithmetic is float32
+whatever the input dtype.
+
 Checks look only at shapes and dtypes (static under `jax.jit`), except
 where values are concrete (outside a trace): :func:`check_int_range`,
 :func:`check_negative` and the replay state's cursor also check values.
@@ -29,6 +36,7 @@ import numpy as np
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
 STATE_DTYPES = (jnp.float32, jnp.bfloat16)
+FLOAT16_OVERFLOWS = "float16 overflows in these recurrences (its largest value is 65504): use bfloat16 or float32"
 
 
 def as_array(name: str, x):
@@ -67,16 +75,35 @@ def check_rank(name: str, x, dims: str) -> None:
         raise ValueError(f"`{name}` must have no empty axis [{dims}]; got shape {tuple(x.shape)}")
 
 
-def float_arg(name: str, x, dims: str, expected: Sequence[int]) -> jax.Array:
-    """A floating array argument of an exact shape."""
-    x = check_float(name, x)
+def check_ssm_float(name: str, x, dtypes: Sequence | None = None) -> jax.Array:
+    """:func:`check_float` for an array of an SSM op, which must not be float16
+    (TypeError naming `name` and :data:`FLOAT16_OVERFLOWS`)."""
+    x = check_float(name, x, dtypes)
+    if x.dtype == jnp.float16:
+        raise TypeError(f"`{name}` must not be float16: {FLOAT16_OVERFLOWS}; got {x.dtype}")
+    return x
+
+
+def float_arg(name: str, x, dims: str, expected: Sequence[int], check=check_float) -> jax.Array:
+    """A floating array argument of an exact shape (its dtype checked by `check`)."""
+    x = check(name, x)
     check_shape(name, x, dims, expected)
     return x
 
 
-def optional_float_arg(name: str, x, dims: str, expected: Sequence[int]):
+def optional_float_arg(name: str, x, dims: str, expected: Sequence[int], check=check_float):
     """Like :func:`float_arg`, passing `None` through."""
-    return None if x is None else float_arg(name, x, dims, expected)
+    return None if x is None else float_arg(name, x, dims, expected, check)
+
+
+def ssm_arg(name: str, x, dims: str, expected: Sequence[int]) -> jax.Array:
+    """An array argument of an SSM op of an exact shape, not float16."""
+    return float_arg(name, x, dims, expected, check_ssm_float)
+
+
+def optional_ssm_arg(name: str, x, dims: str, expected: Sequence[int]):
+    """Like :func:`ssm_arg`, passing `None` through."""
+    return optional_float_arg(name, x, dims, expected, check_ssm_float)
 
 
 def check_divisible(what: str, numerator: int, denominator_name: str, denominator: int) -> None:
@@ -172,7 +199,7 @@ GDN_LAYOUT = ("the state is value-major, as FLA's; transformers' cache is [batch
 
 def check_state_array(name: str, x, dims: str) -> jax.Array:
     """A recurrent state or checkpoint: an f32 | bf16 array of rank 4, none of its axes empty."""
-    x = check_float(name, x, STATE_DTYPES)
+    x = check_float(name, x, STATE_DTYPES)  # float16 is not among them
     check_rank(name, x, dims)
     return x
 
@@ -189,13 +216,15 @@ def check_layout(name: str, shape, dims: str, rows: int, cols: int, given_by: st
 
 
 def check_buffer_dtype(buffer_dtype) -> np.dtype:
-    """`buffer_dtype` as a floating dtype."""
+    """`buffer_dtype` as a floating dtype other than float16."""
     try:
         dtype = jnp.dtype(buffer_dtype)
     except TypeError:
         raise TypeError(f"`buffer_dtype` must be a floating dtype; got {buffer_dtype!r}") from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"`buffer_dtype` must be a floating dtype; got {dtype}")
+    if dtype == jnp.float16:
+        raise TypeError(f"`buffer_dtype` must not be float16: {FLOAT16_OVERFLOWS}; got {dtype}")
     return dtype
 
 
@@ -203,9 +232,9 @@ def _sequence_dims(rows_name: str, rows, rows_axes: str, cols_name: str, cols, c
     """(seqlen, state shape (batch, heads, rows, cols)) of a chunked op, read
     off its row input (x or v, [batch, seqlen, heads, rows]) and its column
     input (B or k, [batch, seqlen, groups, cols])."""
-    rows = check_float(rows_name, rows)
+    rows = check_ssm_float(rows_name, rows)
     check_rank(rows_name, rows, rows_axes)
-    cols = check_float(cols_name, cols)
+    cols = check_ssm_float(cols_name, cols)
     check_rank(cols_name, cols, cols_axes)
     batch, T, heads, R = rows.shape
     return T, (batch, heads, R, cols.shape[-1])
@@ -237,8 +266,8 @@ def check_replay_state(state, kind: type) -> None:
             if mamba else {record: "batch, HV, L, V", key: "batch, H, L, K", decay: "batch, HV, L"})
     buffers = {name: getattr(state, name) for name in axes}
     for name, b in buffers.items():
-        # records: any floating dtype (the buffer dtype); the decays (processed dt, log g): float32, as init makes
-        check_float(f"state.{name}", b, (jnp.float32,) if name == decay else None)
+        # records: the buffer dtype (not float16); the decays (processed dt, log g): float32, as init makes
+        check_ssm_float(f"state.{name}", b, (jnp.float32,) if name == decay else None)
         check_rank(f"state.{name}", b, axes[name])
     if len({b.shape[2] for b in buffers.values()}) > 1:  # L is axis 2 of each
         raise ValueError("`state`'s buffers must have the same number of slots L (axis 2); got "
@@ -333,14 +362,14 @@ def check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_lim
     """
     batch, H, P, N = dims
     lead, lead_names = ((batch,), "batch") if seq is None else ((batch, seq), f"batch, {seq_name}")
-    x = check_float("x", x)
-    B = check_float("B", B)
+    x = check_ssm_float("x", x)
+    B = check_ssm_float("B", B)
     if x.ndim and B.ndim:
         check_layout(state_name, dims, MAMBA2_DIMS, x.shape[-1], B.shape[-1], "head_dim of `x`, d_state of `B`",
                      MAMBA2_LAYOUT)
     check_shape("x", x, f"{lead_names}, nheads, head_dim", (*lead, H, P))
-    float_arg("dt", dt, f"{lead_names}, nheads", (*lead, H))
-    float_arg("A", A, "nheads", (H,))
+    ssm_arg("dt", dt, f"{lead_names}, nheads", (*lead, H))
+    ssm_arg("A", A, "nheads", (H,))
     check_negative("A", A, "A = -exp(A_log)")
     check_rank("B", B, f"{lead_names}, n_groups, d_state")
     G = B.shape[-2]
@@ -348,15 +377,15 @@ def check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_lim
         raise ValueError(f"`B` must have n_groups = {groups} (the state's); got {G}")
     check_divisible("nheads", H, "n_groups = B.shape[-2]", G)
     check_shape("B", B, f"{lead_names}, n_groups, d_state", (*lead, G, N))
-    C = check_float("C", C)
+    C = check_ssm_float("C", C)
     check_rank("C", C, f"{lead_names}, n_groups, d_state")
     if C.shape[-2] != G:
         raise ValueError(f"`C` must have n_groups = {G} (the state's); got {C.shape[-2]}" if groups is not None else
                          f"`B` and `C` must have the same n_groups; got {G} and {C.shape[-2]}")
     check_shape("C", C, f"{lead_names}, n_groups, d_state", (*lead, G, N))
-    optional_float_arg("D", D, "nheads", (H,))
-    optional_float_arg("z", z, f"{lead_names}, nheads, head_dim", (*lead, H, P))
-    optional_float_arg("dt_bias", dt_bias, "nheads", (H,))
+    optional_ssm_arg("D", D, "nheads", (H,))
+    optional_ssm_arg("z", z, f"{lead_names}, nheads, head_dim", (*lead, H, P))
+    optional_ssm_arg("dt_bias", dt_bias, "nheads", (H,))
     return check_bool("dt_softplus", dt_softplus), check_dt_limit(dt_limit)
 
 
@@ -385,7 +414,7 @@ def check_mamba2_chunked(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_l
 def check_mamba2_replay_materialize(state, A) -> None:
     """Checks of :func:`replayssm_jax.ops.mamba2_replay_materialize`: the state and `A`."""
     check_replay_state(state, Mamba2ReplayState)
-    float_arg("A", A, "nheads", (state.checkpoint.shape[1],))
+    ssm_arg("A", A, "nheads", (state.checkpoint.shape[1],))
     check_negative("A", A, "A = -exp(A_log)")
 
 
@@ -413,7 +442,7 @@ def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus
       (dt_softplus, dt_limit) as :func:`check_mamba2_inputs`.
     """
     check_mamba2_replay_flush(state, A)
-    x = check_float("x", x)
+    x = check_ssm_float("x", x)
     check_rank("x", x, "batch, W, nheads, head_dim")
     W = x.shape[1]
     check_window(W, state.buffer_len, "x.shape[1]")
@@ -443,8 +472,8 @@ def check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, *, seq=None, 
     """
     batch, HV, V, K = dims
     lead, names = ((batch,), "batch") if seq is None else ((batch, seq), f"batch, {seq_name}")
-    q = check_float("q", q)
-    v = check_float("v", v)
+    q = check_ssm_float("q", q)
+    v = check_ssm_float("v", v)
     if q.ndim and v.ndim:
         check_layout(state_name, dims, GDN_DIMS, v.shape[-1], q.shape[-1], "V of `v`, K of `q`", GDN_LAYOUT)
     check_rank("q", q, f"{names}, H, K")
@@ -453,14 +482,14 @@ def check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, *, seq=None, 
         raise ValueError(f"`q` and `k` must have H = {heads} key heads (the state's); got {H}")
     check_divisible("HV (value heads)", HV, "H (key heads) = q.shape[-2]", H)
     check_shape("q", q, f"{names}, H, K", (*lead, H, K))
-    k = check_float("k", k)
+    k = check_ssm_float("k", k)
     check_rank("k", k, f"{names}, H, K")
     if k.shape[-2] != H:
         raise ValueError(f"`q` and `k` must have the same H (key heads); got {H} and {k.shape[-2]}")
     check_shape("k", k, f"{names}, H, K", (*lead, H, K))
     check_shape("v", v, f"{names}, HV, V", (*lead, HV, V))
-    float_arg("g", g, f"{names}, HV", (*lead, HV))
-    float_arg("beta", beta, f"{names}, HV", (*lead, HV))
+    ssm_arg("g", g, f"{names}, HV", (*lead, HV))
+    ssm_arg("beta", beta, f"{names}, HV", (*lead, HV))
     scale = check_scale(scale)
     return (K ** -0.5 if scale is None else scale), check_bool("use_qk_l2norm", use_qk_l2norm)
 
@@ -516,7 +545,7 @@ def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm) -> tu
       (scale, use_qk_l2norm) as :func:`check_gdn_inputs`.
     """
     check_gdn_replay_flush(state)
-    v = check_float("v", v)
+    v = check_ssm_float("v", v)
     check_rank("v", v, "batch, W, HV, V")
     W = v.shape[1]
     check_window(W, state.buffer_len, "v.shape[1]")

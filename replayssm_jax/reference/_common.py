@@ -112,15 +112,60 @@ def causal_decay(lg: jax.Array, strict: bool = False) -> tuple[jax.Array, jax.Ar
 
     Returns:
       (cum f32[batch, T, heads], decay f32[batch, heads, T, T]) with
-      cum_t = lg_1 + ... + lg_t and decay[t, s] = exp(cum_t - cum_s) for
-      s <= t (s < t if strict), else 0. Masked before the exp, so no inf.
+      cum_t = lg_0 + ... + lg_t and decay[t, s] = exp(lg_{s+1} + ... + lg_t)
+      for s <= t (s < t if strict), exactly 0 elsewhere (selected, not
+      multiplied). The exponent is a segment sum of the log decays (as
+      mamba_ssm's `ssd_minimal.segsum`), not cum_t - cum_s: the difference
+      is inf - inf = NaN once a step has lg = -inf, where the segment sum is
+      -inf, an exact zero decay.
     """
-    cum = jnp.cumsum(lg, axis=1)
-    c = jnp.moveaxis(cum, 1, -1)  # [batch, heads, T]
-    T = lg.shape[1]
-    mask = jnp.tril(jnp.ones((T, T), bool), k=-1 if strict else 0)
-    diff = jnp.where(mask, c[..., :, None] - c[..., None, :], -jnp.inf)
-    return cum, jnp.exp(diff)
+    c = jnp.moveaxis(lg, 1, -1)  # [batch, heads, T]
+    T = c.shape[-1]
+    t = jnp.arange(T)
+    later = t[:, None] > t[None, :]  # [t, s]: step t after step s
+    segment = jnp.cumsum(jnp.where(later, c[..., :, None], 0.0), axis=-2)  # [t, s]: lg_{s+1} + ... + lg_t
+    mask = later if strict else later | (t[:, None] == t[None, :])
+    return jnp.cumsum(lg, axis=1), jnp.where(mask, jnp.exp(segment), 0.0)
+
+
+def finite_steps(lg: jax.Array, *inputs: jax.Array) -> tuple[jax.Array, ...]:
+    """Mask the steps of a chunk from its first non-finite input on.
+
+    Args:
+      lg: f32[batch, T, heads], the log decays (-inf, a step that forgets
+        the state, is allowed; NaN and +inf are not).
+      inputs: the other per-step inputs that enter the state, each
+        [batch, T, heads] or [batch, T, heads, n].
+
+    Returns:
+      (valid bool[batch, T, heads], lg, *inputs): valid_t is true where
+      steps 0..t are all finite; lg and the inputs with every step from the
+      first invalid one on replaced by an identity step (zeros, selected
+      with `jnp.where`). The chunked forms contract over all steps of a
+      chunk at once, where a later step's NaN would reach an earlier output
+      through a product by zero; with the identity steps the outputs of the
+      valid steps are those of the steps before them alone, and
+      :func:`poison_invalid` makes the others NaN.
+    """
+    ok = ~jnp.isnan(lg) & (lg < jnp.inf)
+    for x in inputs:
+        finite = jnp.isfinite(x)
+        ok &= finite if x.ndim == 3 else jnp.all(finite, axis=-1)
+    valid = jnp.cumsum(~ok, axis=1) == 0
+
+    def select(x):
+        return jnp.where(valid if x.ndim == 3 else valid[..., None], x, 0.0)
+
+    return (valid, select(lg), *(select(x) for x in inputs))
+
+
+def poison_invalid(valid: jax.Array, y: jax.Array, final: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(y, final) with NaN at the steps `valid` (bool[batch, T, heads], from
+    :func:`finite_steps`) marks invalid, and a NaN final state
+    f32[batch, heads, V, K] if the last step is invalid: a non-finite input
+    makes the outputs from its step on NaN, as in the per-step recurrence."""
+    y = jnp.where(valid[..., None], y, jnp.nan)
+    return y, jnp.where(valid[:, -1, :, None, None], final, jnp.nan)
 
 
 def chunk_readout(state, u, k, q, lg) -> tuple[jax.Array, jax.Array]:
@@ -133,16 +178,20 @@ def chunk_readout(state, u, k, q, lg) -> tuple[jax.Array, jax.Array]:
     Returns:
       (y f32[batch, T, heads, V], final state f32[batch, heads, V, K]):
       y_t = exp(cum_t) S q_t + sum_{s <= t} exp(cum_t - cum_s) (k_s . q_t) u_s,
-      S_T = exp(cum_T) S + sum_s exp(cum_T - cum_s) u_s k_s^T.
+      S_T = exp(cum_T) S + sum_s exp(cum_T - cum_s) u_s k_s^T, the decays
+      from :func:`causal_decay`. y_t depends on steps 0..t only, also when
+      a later step's u, k or lg is NaN or inf (:func:`finite_steps`); from
+      such a step on, y and the final state are NaN.
     """
-    u, k, q = (a.astype(f32) for a in (u, k, q))
+    valid, lg, u, k = finite_steps(lg.astype(f32), u.astype(f32), k.astype(f32))
+    q = q.astype(f32)
     cum, decay = causal_decay(lg)
     scores = einsum("bthk,bshk->bhts", q, k) * decay
     y = einsum("bhts,bshv->bthv", scores, u)
     y = y + jnp.exp(cum)[..., None] * einsum("bhvk,bthk->bthv", state, q)
-    to_end = jnp.exp(cum[:, -1:, :] - cum)  # [batch, T, heads]
+    to_end = jnp.moveaxis(decay[..., -1, :], -1, 1)  # [batch, T, heads]: exp(lg_{s+1} + ... + lg_{T-1})
     final = jnp.exp(cum[:, -1])[..., None, None] * state + einsum("bth,bthv,bthk->bhvk", to_end, u, k)
-    return y, final
+    return poison_invalid(valid, y, final)
 
 
 def scan_chunks(chunk_fn: Callable, state: jax.Array, inputs: tuple, chunk_size: int):

@@ -74,18 +74,22 @@ def gdn_chunk(state, q, k, v, g, beta):
 
     Returns:
       (o f32[batch, T, HV, V], final state f32[batch, HV, V, K],
-      d f32[batch, T, HV, V] the update vectors of the T steps).
+      d f32[batch, T, HV, V] the update vectors of the T steps). Step t's o
+      and d depend on steps 0..t only: from the first step with a
+      non-finite k, v, beta or g (other than g = -inf) on, o and d are NaN,
+      and so is the final state (:func:`replayssm_jax.reference._common.finite_steps`).
     """
-    g, beta = g.astype(f32), beta.astype(f32)
+    valid, g, k, v, beta = c.finite_steps(g.astype(f32), k, v.astype(f32), beta.astype(f32))
     cum, decay = c.causal_decay(g, strict=True)
     A = c.einsum("bihk,bjhk->bhij", k, k) * decay * jnp.moveaxis(beta, 1, -1)[..., :, None]
     from_state = jnp.exp(cum)[..., None] * c.einsum("bhvk,bihk->bihv", state, k)
-    R = jnp.moveaxis(beta[..., None] * (v.astype(f32) - from_state), 1, 2)  # [batch, HV, T, V]
+    R = jnp.moveaxis(beta[..., None] * (v - from_state), 1, 2)  # [batch, HV, T, V]
     eye = jnp.eye(A.shape[-1], dtype=f32)
     d = solve_triangular(eye + A, R, lower=True, unit_diagonal=True)
     d = jnp.moveaxis(d, 2, 1)
     o, final = c.chunk_readout(state, d, k, q, g)
-    return o, final, d
+    o, final = c.poison_invalid(valid, o, final)
+    return o, final, jnp.where(valid[..., None], d, jnp.nan)
 
 
 def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64):
@@ -222,6 +226,9 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
     Returns:
       (o [batch, W, HV, V] in v.dtype, new state with window = W): o[:, t]
       is the output of step t assuming steps 0..t-1 of the window are accepted.
+      It depends on those steps only: a NaN or inf in a later draft (a
+      padded or garbage draft) cannot reach it; from the first draft with a
+      non-finite input that enters the state on, the outputs are NaN.
     """
     W = v.shape[1]
     HV = state.checkpoint.shape[1]

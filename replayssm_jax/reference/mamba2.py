@@ -225,6 +225,9 @@ def mamba2_replay_verify(
       (y [batch, W, nheads, head_dim] in x.dtype, new state with window = W):
       y[:, t] is the output of step t assuming steps 0..t-1 of the window
       are accepted.
+      It depends on those steps only: a NaN or inf in a later draft (a
+      padded or garbage draft) cannot reach it; from the first draft with a
+      non-finite input that enters the state on, the outputs are NaN.
     """
     W = x.shape[1]
     H = state.checkpoint.shape[1]
