@@ -30,6 +30,13 @@ touch the same state element.
   second launch (:func:`replayssm_jax.kernels.launch.replay_launch`).
   `route="state"` makes the replay kernel form S_{j-1} in every step and
   read o from S_j instead.
+- :func:`gdn_replay_verify`: a verify window of W steps. The rows whose
+  window does not fit behind the cursor flush their buffered records first
+  (the flush launch); then the verify kernel, grid (batch, HV, splits),
+  reads each checkpoint tile once for S_0 k_t and S_0 q_t, solves the
+  window's update vectors in closed form (one chunk of the chunked delta
+  rule, forward substitution over the W rows), and writes the W outputs
+  and the W records at the cursor.
 """
 
 from __future__ import annotations

@@ -28,6 +28,13 @@ P, all N columns).
   (:func:`replayssm_jax.kernels.launch.replay_launch`). `route="state"`
   makes the replay kernel form S in every step.
 
+- :func:`mamba2_replay_verify`: a verify window of W steps. The rows whose
+  window does not fit behind the cursor flush their buffered records first
+  (the flush launch); then the verify kernel, grid (batch, H, splits),
+  reads each checkpoint tile once for the W outputs (the window's steps are
+  independent given the state at its start) and writes the W records at
+  the cursor.
+
 The z gate is optional (a None ref: no gate); D and dt_bias, when None,
 are passed as zeros.
 """
@@ -476,11 +483,8 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
       with :func:`replayssm_jax.state.replay_commit`.
 
     Raises:
-      ValueError: P or N above MAX_HEAD_DIM (256), L above MAX_BUFFER_LEN
-        (64), W outside [1, L]; a `config.block_v` or `flush_block_v` above
-        P rounded up to a power of two, a `config.flush_rows` that does not
-        divide the batch, `config.fused_flush` True.
-      TypeError: a `config` that is not a ReplayConfig.
+      ValueError, TypeError: as :func:`replayssm_jax.kernels.gdn_replay_verify`,
+        with head_dim P and d_state N for V and K.
     """
     W = x.shape[1]
     config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS)
