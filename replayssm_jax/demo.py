@@ -7,7 +7,7 @@ largest difference from the standard recurrence. Exits 1 if a check fails,
 2 on a bad argument (one line on stderr).
 
 `--backend` applies to the ops that have a Pallas kernel
-(`replayssm_jax.ops.KERNEL_OPS`); the others (verify, materialize) run the
+(`replayssm_jax.ops.KERNEL_OPS`); the others (materialize) run the
 "xla" reference on every backend, and the output says which ran where.
 """
 

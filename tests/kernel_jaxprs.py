@@ -4,13 +4,17 @@ before/after comparison of a refactoring that must not change the kernels.
     python tests/kernel_jaxprs.py --out jaxprs.json          # write
     python tests/kernel_jaxprs.py --compare jaxprs.json      # exit 1 on any difference
 
+A variant that the compared snapshot lacks is reported as new, not as a
+difference; one that it has and this tree lacks is missing (a difference).
+
 Variants: both layers; the standard step; the replay step on the output,
-state and direct routes; f32 and bf16 states (f32 and bf16 buffers);
-L = 4 and 16; batch 1 (one launch: fused flush) and 64 (replay kernel plus
-flush launch); the realistic head shapes of the benchmarks and a small
-awkward one. Only the public ops (backend="interpret") are called, so the
-same script runs on any tree that has them. Inputs are abstract
-(`jax.ShapeDtypeStruct`): nothing is computed or allocated.
+state and direct routes; the verify window (W = 2 and 4); f32 and bf16
+states (f32 and bf16 buffers); L = 4 and 16; batch 1 (one launch: fused
+flush) and 64 (replay kernel plus flush launch); the realistic head shapes
+of the benchmarks and a small awkward one. Only the public ops
+(backend="interpret") are called, so the same script runs on any tree that
+has them. Inputs are abstract (`jax.ShapeDtypeStruct`): nothing is computed
+or allocated.
 """
 
 from __future__ import annotations
@@ -43,15 +47,17 @@ MAMBA2_SHAPES = {"nemotron": (96, 80, 128, 8), "awkward": (4, 24, 16, 2)}
 BATCHES = (1, 64)
 LENGTHS = (4, 16)
 ROUTES = ("output", "state", "direct")
+WINDOWS = (2, 4)  # verify windows
 STATE_DTYPES = {"f32": (f32, f32), "bf16": (bf16, bf16)}  # (state, buffer)
 
 
-def _gdn(batch, shape, state_dtype, buffer_dtype, L, route):
+def _gdn(batch, shape, state_dtype, buffer_dtype, L, route, W=None):
     H, HV, K, V = shape
     x = bf16
-    q = S((batch, H, K), x)
-    v = S((batch, HV, V), x)
-    gb = S((batch, HV), f32)
+    lead = (batch,) if W is None else (batch, W)
+    q = S((*lead, H, K), x)
+    v = S((*lead, HV, V), x)
+    gb = S((*lead, HV), f32)
     state = S((batch, HV, V, K), state_dtype)
     if L is None:
         return jax.make_jaxpr(lambda s, q, k, v, g, b: ops.gdn_step(s, q, k, v, g, b, backend="interpret"))(
@@ -59,16 +65,19 @@ def _gdn(batch, shape, state_dtype, buffer_dtype, L, route):
 
     def step(ck, q, k, v, g, b):
         rs = ops.gdn_replay_init(ck, L, H, buffer_dtype=buffer_dtype)
+        if W is not None:
+            return ops.gdn_replay_verify(rs, q, k, v, g, b, backend="interpret")
         return ops.gdn_replay_step(rs, q, k, v, g, b, route=route, backend="interpret")
 
     return jax.make_jaxpr(step)(state, q, q, v, gb, gb)
 
 
-def _mamba2(batch, shape, state_dtype, buffer_dtype, L, route):
+def _mamba2(batch, shape, state_dtype, buffer_dtype, L, route, W=None):
     H, P, N, G = shape
-    x = S((batch, H, P), bf16)
-    dt = S((batch, H), bf16)
-    B = S((batch, G, N), bf16)
+    lead = (batch,) if W is None else (batch, W)
+    x = S((*lead, H, P), bf16)
+    dt = S((*lead, H), bf16)
+    B = S((*lead, G, N), bf16)
     A = S((H,), f32)
     state = S((batch, H, P, N), state_dtype)
     if L is None:
@@ -77,6 +86,8 @@ def _mamba2(batch, shape, state_dtype, buffer_dtype, L, route):
 
     def step(ck, x, dt, A, B, C, D, z, db):
         rs = ops.mamba2_replay_init(ck, L, G, buffer_dtype=buffer_dtype)
+        if W is not None:
+            return ops.mamba2_replay_verify(rs, x, dt, A, B, C, D=D, z=z, dt_bias=db, backend="interpret")
         return ops.mamba2_replay_step(rs, x, dt, A, B, C, D=D, z=z, dt_bias=db, route=route, backend="interpret")
 
     return jax.make_jaxpr(step)(state, x, dt, A, B, B, A, x, A)
@@ -94,6 +105,9 @@ def variants():
                         for route in ROUTES:
                             yield (f"{layer}-{sname}-b{batch}-{dname}-L{L}-{route}",
                                    build, (batch, shape, sd, bd, L, route))
+                        for W in WINDOWS:
+                            yield (f"{layer}-{sname}-b{batch}-{dname}-L{L}-verify-W{W}",
+                                   build, (batch, shape, sd, bd, L, None, W))
 
 
 def _pallas_texts(jaxpr) -> list[str]:
@@ -141,11 +155,15 @@ def main(argv=None) -> int:
         return 0
     with open(args.compare) as f:
         base = json.load(f)
+    new = sorted(set(snap) - set(base))  # variants the snapshot predates: reported, not a difference
     bad = [n for n in sorted(set(base) | set(snap))
-           if n not in base or n not in snap or base[n]["sha256"] != snap[n]["sha256"]]
+           if n not in new and (n not in snap or base[n]["sha256"] != snap[n]["sha256"])]
+    for n in new:
+        print(f"NEW: {n}")
     for n in bad:
-        print(f"DIFFERS: {n}")
-    print(f"{len(snap)} variants compared, {len(bad)} differ")
+        print(f"DIFFERS: {n}" if n in snap else f"MISSING: {n}")
+    print(f"{len(new)} new variants (not in the snapshot)")
+    print(f"{len(snap) - len(new)} variants compared, {len(bad)} differ")
     return 1 if bad else 0
 
 

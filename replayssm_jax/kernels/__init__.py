@@ -34,6 +34,16 @@ Launches and their configs:
   afterwards), as the reference does. No program reads a slot that another
   rewrites in the same launch.
 
+- verify window (:func:`gdn_replay_verify`, :func:`mamba2_replay_verify`):
+  :class:`ReplayConfig` (:func:`default_verify_config`). The rows whose
+  window does not fit behind the cursor (cursor + W > L) flush first, in
+  the replay step's flush launch (their buffered records only); then one
+  verify launch reads each checkpoint tile once for the window's W outputs
+  and writes the W records at slots cursor .. cursor + W - 1 (0 .. W - 1
+  for the flushed rows, whose cursor becomes 0). The checkpoint of the
+  other rows and every cursor are left as they are until
+  :func:`replayssm_jax.state.replay_commit`.
+
 A one-launch step (fused flush, direct route) moves the cursor in place
 (:mod:`replayssm_jax.kernels.cursor`); a two-launch step writes it to a
 fresh array, as its flush launch still reads the old cursors.
@@ -54,10 +64,11 @@ from replayssm_jax.kernels.config import (
     StepConfig,
     default_replay_config,
     default_step_config,
+    default_verify_config,
     replay_is_one_launch,
 )
-from replayssm_jax.kernels.gdn import gdn_replay_step, gdn_step
-from replayssm_jax.kernels.mamba2 import mamba2_replay_step, mamba2_step
+from replayssm_jax.kernels.gdn import gdn_replay_step, gdn_replay_verify, gdn_step
+from replayssm_jax.kernels.mamba2 import mamba2_replay_step, mamba2_replay_verify, mamba2_step
 
 __all__ = [
     "MAX_BUFFER_LEN",
@@ -66,9 +77,12 @@ __all__ = [
     "StepConfig",
     "default_replay_config",
     "default_step_config",
+    "default_verify_config",
     "gdn_replay_step",
+    "gdn_replay_verify",
     "gdn_step",
     "mamba2_replay_step",
+    "mamba2_replay_verify",
     "mamba2_step",
     "replay_is_one_launch",
 ]

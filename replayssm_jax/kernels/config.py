@@ -356,6 +356,13 @@ def _check_row_programs(config, programs: int) -> None:
                          f"the tiling {config.tag()} has {programs} (pass a `config` with larger row tiles)")
 
 
+def _check_replay_fit(config, batch: int, V: int, rows_name: str) -> None:
+    """A ReplayConfig's tiles (block_v, flush_block_v) within the state's rows, its flush_rows dividing the batch."""
+    _check_tile_rows(config, ("block_v", "flush_block_v"), V, rows_name)
+    if config.flush_rows and batch % config.flush_rows:
+        raise ValueError(f"`config.flush_rows` must divide the batch ({batch}); got {config.flush_rows}")
+
+
 def _check_dims(state, dims) -> str:
     """Check the state's rows and columns against MAX_HEAD_DIM; returns the rows' name, e.g. "value dim V"."""
     (rows_what, rows_name), (cols_what, cols_name) = dims
@@ -418,9 +425,59 @@ def replay_config_for(config: StepConfig | ReplayConfig | None, checkpoint, buff
     _check_type(config, ReplayConfig, f"the replay step's {route} route")
     batch, heads, V, K = checkpoint.shape
     config = config or default_replay_config(batch, heads, V, K, checkpoint.dtype, buffer_len)
-    _check_tile_rows(config, ("block_v", "flush_block_v"), V, rows_name)
-    if config.flush_rows and batch % config.flush_rows:
-        raise ValueError(f"`config.flush_rows` must divide the batch ({batch}); got {config.flush_rows}")
+    _check_replay_fit(config, batch, V, rows_name)
     if config.fused_flush:
         _check_row_programs(config, heads * config.splits(V))
+    return config
+
+
+# State elements x window steps of a verify program's [W, block_v, K]
+# products (its S_c q_t terms): 64 KiB of f32, as the replay step's largest
+# tile. A first rule, not yet swept on a GPU.
+VERIFY_TILE_ELEMENTS = 16384
+
+
+def default_verify_config(batch: int, heads: int, V: int, K: int, state_dtype, buffer_len: int,
+                          window: int) -> ReplayConfig:
+    """The frozen heuristic of the verify launch (a ReplayConfig; its flush
+    fields tile the early-flush launch, `fused_flush` is False).
+
+    A program reads each checkpoint tile once for the W steps of the window,
+    holding [W, block_v, K] products: block_v is the power of two that keeps
+    them near VERIFY_TILE_ELEMENTS (again preferring a divisor of V), shrunk
+    as in the standard rule until there are ~8 programs per SM; one tile per
+    program.
+
+    Args: as :func:`default_replay_config`, and window (W, 1 <= W <= L).
+    """
+    del state_dtype, buffer_len  # the same tiling for both state dtypes and every buffer length
+    width = next_pow2(window) * next_pow2(K)
+    rows = _divisor_rows(min(next_pow2(V), next_pow2(max(1, VERIFY_TILE_ELEMENTS // width))), V)
+    rows = _fill_rows(rows, batch * heads, V)
+    return ReplayConfig(block_v=rows, num_warps=_warps(rows * next_pow2(window), K), num_stages=1)
+
+
+def verify_config_for(config: ReplayConfig | None, checkpoint, buffer_len: int, window: int, dims) -> ReplayConfig:
+    """The verify launch's tiling for a window of `window` steps on a replay
+    state with this `checkpoint` [batch, heads, V, K] and buffer length:
+    `config`, checked against the shape, or :func:`default_verify_config`.
+
+    Raises:
+      ValueError: V or K above MAX_HEAD_DIM; L above MAX_BUFFER_LEN; W
+        outside [1, L]; block_v or flush_block_v above V rounded up to a
+        power of two; flush_rows not dividing the batch; fused_flush True
+        (the verify's early flush is a launch of its own).
+      TypeError: a `config` that is not a ReplayConfig.
+    """
+    rows_name = _check_dims(checkpoint, dims)
+    _check_tileable("buffer length", "L", buffer_len, MAX_BUFFER_LEN)
+    if not 1 <= window <= buffer_len:
+        raise ValueError(f"the verify window `W` must be in [1, L = {buffer_len}]; got {window}")
+    _check_type(config, ReplayConfig, "the verify window")
+    batch, heads, V, K = checkpoint.shape
+    config = config or default_verify_config(batch, heads, V, K, checkpoint.dtype, buffer_len, window)
+    if config.fused_flush:
+        raise ValueError("`config.fused_flush` must be False for the verify window (its early flush is a launch "
+                         "of its own); got True")
+    _check_replay_fit(config, batch, V, rows_name)
     return config

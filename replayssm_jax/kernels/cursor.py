@@ -77,9 +77,11 @@ def store_cursor(cursor_out_ref, cursor, L: int, writer) -> None:
         cursor_out_ref[0] = next_cursor(cursor, L)
 
 
-def for_each_flushing_row(cursor_ref, L: int, flush) -> None:
+def for_each_flushing_row(cursor_ref, L: int, flush, first: int | None = None) -> None:
     """Run flush(row, cursor) for each batch row of the program's block whose
-    buffer is full after this step (cursor at entry >= L - 1).
+    buffer is full after this step (cursor at entry >= L - 1), or, given
+    `first`, whose cursor at entry is >= first (a verify window of W steps:
+    first = L - W + 1, the rows with cursor + W > L).
 
     cursor_ref: the block's cursors, i32[nb]. row(ref) -> RowRef(ref, r), the
     flushing row r of a block whose first axis is the block's batch rows.
@@ -88,13 +90,14 @@ def for_each_flushing_row(cursor_ref, L: int, flush) -> None:
     for each in turn), and a program with no flushing row stops there.
     """
     rows = cursor_ref.shape[0]
+    first = L - 1 if first is None else first
     cursors = load(cursor_ref, None, jnp.int32)
-    full = cursors >= L - 1
+    full = cursors >= first
 
     def row(r, carry):
         cursor = jnp.sum(jnp.where(lane_ids(rows) == r, cursors, 0))
 
-        @pl.when(cursor >= L - 1)
+        @pl.when(cursor >= first)
         def _():
             flush(lambda ref: RowRef(ref, r), cursor)
 

@@ -30,6 +30,13 @@ touch the same state element.
   second launch (:func:`replayssm_jax.kernels.launch.replay_launch`).
   `route="state"` makes the replay kernel form S_{j-1} in every step and
   read o from S_j instead.
+- :func:`gdn_replay_verify`: a verify window of W steps. The rows whose
+  window does not fit behind the cursor flush their buffered records first
+  (the flush launch); then the verify kernel, grid (batch, HV, splits),
+  reads each checkpoint tile once for S_0 k_t and S_0 q_t, solves the
+  window's update vectors in closed form (one chunk of the chunked delta
+  rule, forward substitution over the W rows), and writes the W outputs
+  and the W records at the cursor.
 """
 
 from __future__ import annotations
@@ -41,12 +48,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from replayssm_jax.kernels.config import ReplayConfig, StepConfig, next_pow2, replay_config_for, step_config_for
+from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, replay_config_for, step_config_for,
+                                          verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
-from replayssm_jax.kernels.launch import BlockSpecs, replay_launch, replay_step, run_replay_program, step_launch
-from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
+from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step, run_replay_program,
+                                          run_verify_program, step_launch, verify_launch, verify_window, window_start)
+from replayssm_jax.kernels.replay_math import (buffer_scores, fold_live_records, forward_substitution, pair_scores,
+                                               rank_update, replay_records, replay_weights, start_readout,
+                                               window_decays, window_readout)
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
-from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, tile_mask
+from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, store_window, tile_mask
 from replayssm_jax.state import GDNReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -76,16 +87,22 @@ class Records(NamedTuple):
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x * rsqrt(sum(x^2) + eps); padded lanes must be zero."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x) + eps)
+    """x * rsqrt(sum(x^2) + eps) over the last axis (a vector [BK] or each row of [BW, BK]); padded lanes must
+    be zero."""
+    if x.ndim == 1:
+        return x * jax.lax.rsqrt(jnp.sum(x * x) + eps)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale):
-    """(kmask, scale * q, k) in f32, L2-normalized if use_qk_l2norm."""
+def _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale, wmask=None):
+    """(kmask, scale * q, k) in f32, L2-normalized if use_qk_l2norm. With
+    `wmask` (bool[BW] or None), a verify window's [BW, BK] tiles, each row
+    normalized."""
     BK = q_ref.shape[-1]
     kmask = lane_mask(BK, K)
-    q = load(q_ref, kmask)
-    k = load(k_ref, kmask)
+    mask = kmask if len(q_ref.shape) == 1 else tile_mask(wmask, kmask, tuple(q_ref.shape))
+    q = load(q_ref, mask)
+    k = load(k_ref, mask)
     if use_qk_l2norm:
         q = l2norm(q)
         k = l2norm(k)
@@ -168,19 +185,24 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
 
 
 def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out, *, cursor, split, config, V, K, L,
-               scale, use_qk_l2norm):
+               scale, use_qk_l2norm, step=True):
     """Write S after this step into the checkpoint of one flushing row (refs:
     the row's blocks; cursor at entry L - 1 or L): its `cursor` buffered
     records, then this step, S <- exp(g) S + d k^T with d from the
     materialized S, its d and k rounded to the buffers' dtypes when the step
     has a slot (cursor < L), as the buffer holds them. Slot `cursor` is
-    never read: the fused flush runs in the launch that writes it."""
-    BK, BV = inputs.q.shape[-1], config.block_v
-    kmask, _, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
-    append = cursor < L
-    k_rec = jnp.where(append, k.astype(records.k.dtype).astype(f32), k)
-    decay = jnp.exp(load_scalar(inputs.g))
-    beta = load_scalar(inputs.beta)
+    never read: the fused flush runs in the launch that writes it.
+    step=False (a verify window's early flush): the buffered records only;
+    `inputs` is not read."""
+    BK, BV = records.k.shape[-1], config.block_v
+    if step:
+        kmask, _, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
+        append = cursor < L
+        k_rec = jnp.where(append, k.astype(records.k.dtype).astype(f32), k)
+        decay = jnp.exp(load_scalar(inputs.g))
+        beta = load_scalar(inputs.beta)
+    else:
+        kmask = lane_mask(BK, K)
 
     def tile(rows, vmask):
         tmask = tile_mask(vmask, kmask, (BV, BK))
@@ -192,23 +214,70 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
             return (load_live(records.g, live, L), load_live(records.d.at[:, rows], live, L, vmask),
                     load_live(records.k, live, L, kmask, records.k.dtype))
 
-        S = decay * replay_records(load(checkpoint_ref.at[rows, :], tmask), cursor, L, record, all_records,
-                                   checkpoint_ref.dtype)
-        d = beta * (load(inputs.v.at[rows], vmask) - matvec(S, k))
-        d_rec = jnp.where(append, d.astype(records.d.dtype).astype(f32), d)
-        store(checkpoint_out.at[rows, :], S + d_rec[:, None] * k_rec[None, :], tmask)
+        S = replay_records(load(checkpoint_ref.at[rows, :], tmask), cursor, L, record, all_records,
+                           checkpoint_ref.dtype)
+        if step:
+            S = decay * S
+            d = beta * (load(inputs.v.at[rows], vmask) - matvec(S, k))
+            d_rec = jnp.where(append, d.astype(records.d.dtype).astype(f32), d)
+            S = S + d_rec[:, None] * k_rec[None, :]
+        store(checkpoint_out.at[rows, :], S, tmask)
 
     for_each_row_tile(V, config, split, tile)
 
 
-def _block_specs(H, HV, K, L, rows, nb=None) -> BlockSpecs:
+def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, o_ref, records_out: Records, *, V,
+                   K, L, W, group, scale, use_qk_l2norm, config):
+    """The verify kernel on a program's row tiles of one value head and batch
+    row: the window's update vectors and W outputs from one read of each
+    checkpoint tile, and the W records."""
+    BL, BW, BK, BV = records.g.shape[0], inputs.g.shape[0], inputs.q.shape[-1], config.block_v
+    wmask = lane_mask(BW, W)
+    kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale, wmask)  # [BW, BK] each
+    count = read_cursor(cursor_ref)
+    start = window_start(count, L, W)  # the early flush emptied the rows whose window does not fit
+    split = pl.program_id(2)
+    live = lane_ids(BL) < start
+
+    # Per-head work, once per program: the buffer's weights and its keys'
+    # scores against the window's k and q; the window's decays, A and k . q.
+    total, w = replay_weights(load_live(records.g, live, L), start)
+    carried = jnp.exp(total)
+    Kb = load_live(records.k, live, L, kmask, records.k.dtype)
+    a_k, a_q = buffer_scores(w, Kb, k), buffer_scores(w, Kb, q)
+    beta = load(inputs.beta, wmask)
+    from_start, decay = window_decays(load(inputs.g, wmask), W)
+    A = beta[:, None] * decay * pair_scores(k, k)  # A_ij = beta_i exp(G_i - G_j) (k_i . k_j), read for j < i
+    qk = pair_scores(q, k)
+
+    def tile(rows, vmask):
+        S_c = load(checkpoint_ref.at[rows, :], tile_mask(vmask, kmask, (BV, BK)))  # the one read of the checkpoint
+        U = load_live(records.d.at[:, rows], live, L, vmask)
+        vtile = tile_mask(wmask, vmask, (BW, BV))
+        v = load(inputs.v.at[:, rows], vtile)
+        R = beta[:, None] * (v - from_start[:, None] * start_readout(S_c, carried, k, a_k, U))
+        d = forward_substitution(A, R, W)  # the window's update vectors, D = (I + A)^-1 R
+        o = window_readout(start_readout(S_c, carried, q, a_q, U), from_start, decay, qk, d)
+        store(o_ref.at[:, rows], o, vtile)
+        store_window(lambda t: records_out.d.at[start + t, rows], d, W, vmask)  # the d rows are this program's
+
+    # The shared records: the window's g, and its k normalized, not scaled.
+    run_verify_program(tile, V=V, W=W, config=config, split=split, start=start, group=group,
+                       decay_window=load(inputs.g, wmask), decay_out=records_out.g, keys=k, key_out=records_out.k,
+                       key_mask=kmask)
+
+
+def _block_specs(H, HV, K, L, rows, nb=None, window=None) -> BlockSpecs:
     """Block specs of programs of `rows` state rows and nb batch rows (None:
-    one, the batch axis squeezed); records None where L is None."""
+    one, the batch axis squeezed); records None where L is None. window:
+    BW, the block of a verify window's axis (after batch) on the inputs and
+    the output; None: one step, no window axis."""
     BK, group = next_pow2(K), HV // H
+    lead, at = ((nb,), ()) if window is None else ((nb, window), (0,))
     state = pl.BlockSpec((nb, None, rows, BK), lambda b, h, j: (b, h, j, 0))
-    qk = pl.BlockSpec((nb, None, BK), lambda b, h, j: (b, h // group, 0))
-    vrow = pl.BlockSpec((nb, None, rows), lambda b, h, j: (b, h, j))
-    scal = pl.BlockSpec((nb, None), lambda b, h, j: (b, h))
+    qk = pl.BlockSpec((*lead, None, BK), lambda b, h, j: (b, *at, h // group, 0))
+    vrow = pl.BlockSpec((*lead, None, rows), lambda b, h, j: (b, *at, h, j))
+    scal = pl.BlockSpec((*lead, None), lambda b, h, j: (b, *at, h))
     records = None
     if L is not None:
         BL = next_pow2(L)
@@ -246,6 +315,21 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, *, scale: floa
     return replay_launch("gdn", kernel, flush_row, functools.partial(_block_specs, H, HV, K, L), checkpoint, records,
                          cursor, _f32_decay(inputs), jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype),
                          per_head=(), route=route, config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret"))
+def _verify(checkpoint, records: Records, cursor, inputs: Inputs, *, scale: float, use_qk_l2norm: bool,
+            config: ReplayConfig, interpret: bool):
+    """A verify window's launches (early flush, verify kernel). Returns (o, checkpoint, records, cursor)."""
+    _, HV, V, K = checkpoint.shape
+    H, L, W = inputs.q.shape[2], records.d.shape[2], inputs.v.shape[1]
+    kernel = functools.partial(_verify_kernel, V=V, K=K, L=L, W=W, group=HV // H, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm)
+    flush_row = functools.partial(_flush_row, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm, step=False)
+    return verify_launch("gdn", kernel, flush_row, functools.partial(_block_specs, H, HV, K, L, window=next_pow2(W)),
+                         checkpoint, records, cursor, _f32_decay(inputs), None,
+                         jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype), window=W, per_head=(), config=config,
+                         interpret=interpret)
 
 
 def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, config: StepConfig | None = None,
@@ -322,3 +406,56 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
     kw = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), interpret=interpret)
     return replay_step(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), route=route,
                        config=config, step=functools.partial(_step, **kw), replay=functools.partial(_replay, **kw))
+
+
+def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
+                      config: ReplayConfig | None = None, interpret: bool = False):
+    """Verify a window of W speculative Gated DeltaNet steps (Pallas kernels); checkpoint and buffers in place.
+
+    Takes validated arguments (:func:`replayssm_jax.ops.gdn_replay_verify`
+    validates them). Rows with cursor + W > L flush first, as in
+    :func:`replayssm_jax.kernels.mamba2_replay_verify`. Then one launch,
+    grid (batch, HV, splits), reads each checkpoint tile once: S_0 k_t and
+    S_0 q_t (S_0 the state at the window's start) from the checkpoint plus
+    the live buffer (the readout form, S_0 x = exp(G) (S_c x) + sum_i w_i
+    (k_i . x) d_i), then the window's update vectors as one chunk of the
+    chunked delta rule (DESIGN.md section 3; Yang, Kautz & Hatamizadeh,
+    "Gated Delta Networks", ICLR 2025), with G_t = g_0 + ... + g_t over
+    the window:
+
+        D = (I + A)^-1 R,  A_ij = beta_i exp(G_i - G_j) (k_i . k_j) (i > j),
+        R_i = beta_i (v_i - exp(G_i) S_0 k_i)   (forward substitution),
+        o_t = exp(G_t) (S_0 q_t) + sum_{s <= t} exp(G_t - G_s) (k_s . q_t) d_s,
+
+    and writes the W records (d, normalized k, g), as the buffers' dtypes,
+    at slots cursor .. cursor + W - 1. Output t reads nothing of steps
+    s > t (NaN and inf included), nor of dead slots.
+
+    Args:
+      state: a GDNReplayState with no pending window (as
+        :func:`gdn_replay_step`).
+      q, k: [batch, W, H, K]; v: [batch, W, HV, V]; g: f32[batch, W, HV],
+        log decay <= 0; beta: [batch, W, HV]; scale, use_qk_l2norm: as
+        :func:`gdn_step`.
+      config: a ReplayConfig (fused_flush False; its flush fields tile the
+        early flush); None: :func:`default_verify_config`.
+      interpret: run the kernels in Pallas interpret mode.
+
+    Returns:
+      (o [batch, W, HV, V] in v.dtype, new GDNReplayState with window = W):
+      o[:, t] assumes steps 0 .. t - 1 of the window accepted; commit with
+      :func:`replayssm_jax.state.replay_commit`.
+
+    Raises:
+      ValueError: V or K above MAX_HEAD_DIM (256), L above MAX_BUFFER_LEN
+        (64), W outside [1, L]; a `config.block_v` or `flush_block_v` above
+        V rounded up to a power of two, a `config.flush_rows` that does not
+        divide the batch, `config.fused_flush` True.
+      TypeError: a `config` that is not a ReplayConfig.
+    """
+    W = v.shape[1]
+    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS)
+    verify = functools.partial(_verify, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), config=config,
+                               interpret=interpret)
+    return verify_window(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), window=W,
+                         verify=verify)

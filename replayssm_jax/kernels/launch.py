@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows
 from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, next_cursor,
                                           store_cursor)
-from replayssm_jax.kernels.tiles import for_each_row_tile, lane_ids, mask_and, store
+from replayssm_jax.kernels.tiles import for_each_row_tile, lane_ids, mask_and, store, store_window
 
 # Pallas warns, when it lowers a Triton kernel (at the outermost jit's
 # lowering, not at the call), that the Triton backend is deprecated. Silence
@@ -199,13 +199,40 @@ def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig,
         store_cursor(cursor_out, count, L, first & (pl.program_id(1) == 0))
 
 
+def run_verify_program(tile, *, V: int, W: int, config: ReplayConfig, split, start, group: int, decay_window,
+                       decay_out, keys, key_out, key_mask) -> None:
+    """The verify kernel's program after its per-head work (see `verify_launch`).
+
+    Runs tile(rows, row_mask) over the program's row tiles (the W outputs,
+    and the program's rows of the W update records). Then the row's shared
+    records at slots start .. start + W - 1 (start: the window's first slot,
+    `window_start`): the log decays decay_window f32[BW] (window step t in
+    lane t) into decay_out f32[BL] by the head's first program, the keys
+    f32[BW, BK] (valid lanes key_mask) into key_out [BL, BK] by the first
+    program of the first head of each key group of `group` heads, so that
+    no element has two writers. split: `pl.program_id(2)`, read at the
+    kernel's top level.
+    """
+    for_each_row_tile(V, config, split, tile)
+    first = split == 0
+    step = lane_ids(decay_out.shape[0]) - start  # the window step of each slot
+    steps = lane_ids(decay_window.shape[0])
+    decays = jnp.sum(jnp.where(step[:, None] == steps[None, :], decay_window[None, :], 0.0), axis=1)
+    store(decay_out, decays, (step >= 0) & (step < W) & first)
+    leader = first & (pl.program_id(1) % group == 0)
+    store_window(lambda t: key_out.at[start + t], keys, W, mask_and(key_mask, leader, keys.shape[1:]))
+
+
 def _row_views(refs, row, per_head=()):
-    """The named tuple `refs` with each ref but those named in `per_head` (and None) replaced by row(ref)."""
+    """The named tuple `refs` with each ref but those named in `per_head` (and None) replaced by row(ref);
+    None for None."""
+    if refs is None:
+        return None
     return refs._replace(**{name: row(ref) for name, ref in refs._asdict().items()
                             if ref is not None and name not in per_head})
 
 
-def _flush_kernel(checkpoint_ref, records, cursor_ref, inputs, checkpoint_out, *, L, flush_row, per_head):
+def _flush_kernel(checkpoint_ref, records, cursor_ref, inputs, checkpoint_out, *, L, flush_row, per_head, first):
     """The flush launch: a program holds one row tile of one head for a block of batch rows."""
     split = pl.program_id(2)  # read here: interpret mode cannot read it inside a branch
 
@@ -213,17 +240,31 @@ def _flush_kernel(checkpoint_ref, records, cursor_ref, inputs, checkpoint_out, *
         flush_row(row(checkpoint_ref), _row_views(records, row), _row_views(inputs, row, per_head),
                   row(checkpoint_out), cursor=cursor, split=split)
 
-    for_each_flushing_row(cursor_ref, L, flush)
+    for_each_flushing_row(cursor_ref, L, flush, first)
 
 
-def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, inputs, *, per_head, config, interpret):
-    """The flush launch of a two-launch replay step (see `replay_launch`); returns the checkpoint, updated in place."""
+def _present(specs, operands):
+    """The named tuple of block specs `specs` with None where `operands` has None (None for None)."""
+    if operands is None:
+        return None
+    return specs._replace(**{name: None for name, operand in operands._asdict().items() if operand is None})
+
+
+def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, inputs, *, per_head, config, interpret,
+                  window=None):
+    """The flush launch of a two-launch replay step (see `replay_launch`), or
+    (window W given) the early flush of a verify window (see
+    `verify_launch`); returns the checkpoint, updated in place."""
     L = records[0].shape[2]
     rows = config.flush_rows or default_flush_rows(checkpoint.shape[0])
     tiling = config.flush_launch_tiling()
     grid, in_specs, out_specs = _replay_specs(block_specs, tiling, checkpoint, rows)
+    first, name = None, f"{layer}_replay_flush_L{L}_{tiling.tag()}_r{rows}"
+    if window is not None:  # rows with cursor + W > L; the inputs this flush reads (absent ones None)
+        first, name = L - window + 1, f"{layer}_verify_flush_W{window}_L{L}_{tiling.tag()}_r{rows}"
+        in_specs = (*in_specs[:3], _present(in_specs[3], inputs))
     kernel = functools.partial(_flush_kernel, L=L, flush_row=functools.partial(flush_row, config=tiling),
-                               per_head=per_head)
+                               per_head=per_head, first=first)
     return pallas_call(
         kernel,
         grid=grid,
@@ -233,8 +274,68 @@ def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, in
         input_output_aliases={0: 0},
         interpret=interpret,
         config=tiling,
-        name=f"{layer}_replay_flush_L{L}_{tiling.tag()}_r{rows}",
+        name=name,
     )(checkpoint, records, cursor, inputs)
+
+
+def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..., BlockSpecs], checkpoint, records,
+                  cursor, inputs, flush_inputs, out_shape, *, window: int, per_head: tuple[str, ...],
+                  config: ReplayConfig, interpret: bool):
+    """A verify window's launches: the early flush, then the verify kernel.
+    Checkpoint and records are updated in place.
+
+    The early flush is the replay step's flush launch (`_flush_launch`) for
+    the rows with cursor + W > L, its flush_row(..., step=False) applying
+    a row's `cursor` buffered records only (no step of its own): it writes
+    their checkpoint (their state after the buffered records) and skips the
+    other rows. flush_inputs: the layer's inputs that flush reads (e.g.
+    Mamba-2's A; the others None), or None.
+
+    verify_kernel(checkpoint_ref, records, cursor_ref, inputs, out_ref,
+    records_out, *, config): grid (batch, heads, config.splits(V)); it
+    reads the checkpoint (after the flush: the flushed rows then verify from
+    it with an empty buffer, cursor 0) and writes the W outputs and the W
+    records at slots cursor .. cursor + W - 1. block_specs(rows, nb): the
+    layer's block specs with the window axis on the inputs and the output.
+
+    Returns (output, checkpoint, records, new cursor: 0 for the flushed
+    rows, the cursor otherwise).
+    """
+    L = records[0].shape[2]
+    checkpoint = _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, flush_inputs,
+                               per_head=per_head, config=config, interpret=interpret, window=window)
+    grid, in_specs, out_specs = _replay_specs(block_specs, config, checkpoint)
+    n_records = _num_leaves(records)
+    out, records = pallas_call(
+        functools.partial(verify_kernel, config=config),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=(out_specs[0], out_specs[2]),
+        out_shape=(out_shape, _shapes(records)),
+        input_output_aliases={1 + i: 1 + i for i in range(n_records)},  # the records in place
+        interpret=interpret,
+        config=config,
+        name=f"{layer}_verify_W{window}_L{L}_{config.tag()}",
+    )(checkpoint, records, cursor, inputs)
+    return out, checkpoint, records, window_start(cursor, L, window)
+
+
+def window_start(cursor, L: int, W: int):
+    """The slot of a verify window's first step, i32 (array or scalar): 0
+    where the window does not fit behind the cursor (cursor + W > L: the
+    early flush), the cursor otherwise."""
+    return jnp.where(cursor + W > L, 0, cursor).astype(jnp.int32)
+
+
+def verify_window(state, records, inputs, *, window: int, verify):
+    """A verify window of `window` steps on a layer's replay state.
+
+    records: the state's buffers as the layer's named tuple. verify(
+    checkpoint, records, cursor, inputs) -> (y, checkpoint, records,
+    cursor): the verify launches. Returns (y, new state with window = W).
+    """
+    y, checkpoint, records, cursor = verify(state.checkpoint, records, state.cursor, inputs)
+    return y, state.replace(checkpoint=checkpoint, cursor=cursor, window=window, **records._asdict())
 
 
 def replay_step(state, records, inputs, *, route: str, config: StepConfig | ReplayConfig, step, replay):

@@ -28,6 +28,13 @@ P, all N columns).
   (:func:`replayssm_jax.kernels.launch.replay_launch`). `route="state"`
   makes the replay kernel form S in every step.
 
+- :func:`mamba2_replay_verify`: a verify window of W steps. The rows whose
+  window does not fit behind the cursor flush their buffered records first
+  (the flush launch); then the verify kernel, grid (batch, H, splits),
+  reads each checkpoint tile once for the W outputs (the window's steps are
+  independent given the state at its start) and writes the W records at
+  the cursor.
+
 The z gate is optional (a None ref: no gate); D and dt_bias, when None,
 are passed as zeros.
 """
@@ -42,12 +49,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from replayssm_jax.kernels.config import ReplayConfig, StepConfig, next_pow2, replay_config_for, step_config_for
+from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, replay_config_for, step_config_for,
+                                          verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
-from replayssm_jax.kernels.launch import BlockSpecs, replay_launch, replay_step, run_replay_program, step_launch
-from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
+from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step, run_replay_program,
+                                          run_verify_program, step_launch, verify_launch, verify_window, window_start)
+from replayssm_jax.kernels.replay_math import (buffer_scores, fold_live_records, pair_scores, rank_update,
+                                               replay_records, replay_weights, start_readout, window_decays,
+                                               window_readout)
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
-from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, tile_mask
+from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, store_window, tile_mask
 from replayssm_jax.state import Mamba2ReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -215,15 +226,19 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
 
 
 def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out, *, cursor, split, config, P, N, L,
-               dt_softplus, dt_limit):
+               dt_softplus, dt_limit, step=True):
     """Write S after this step into the checkpoint of one flushing row (refs:
     the row's blocks; cursor at entry L - 1 or L): its `cursor` buffered
     records, then this step, S <- exp(dt A) S + dt x B^T with x and B as
     buffered. Slot `cursor` is never read: the fused flush runs in the
-    launch that writes it."""
-    BN, BP = inputs.B.shape[0], config.block_v
-    nmask, dt, A, Bv = _record_inputs(inputs, records.B.dtype, N, dt_softplus, dt_limit)
-    decay = jnp.exp(dt * A)
+    launch that writes it. step=False (a verify window's early flush): the
+    buffered records only, of which `inputs` holds A alone."""
+    BN, BP = records.B.shape[-1], config.block_v
+    if step:
+        nmask, dt, A, Bv = _record_inputs(inputs, records.B.dtype, N, dt_softplus, dt_limit)
+        decay = jnp.exp(dt * A)
+    else:
+        nmask, A = lane_mask(BN, N), load_scalar(inputs.A)
 
     def tile(rows, pmask):
         tmask = tile_mask(pmask, nmask, (BP, BN))
@@ -237,24 +252,70 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
             return (dts * A, dts[:, None] * load_live(records.x.at[:, rows], live, L, pmask),
                     load_live(records.B, live, L, nmask, records.B.dtype))
 
-        S = decay * replay_records(load(checkpoint_ref.at[rows, :], tmask), cursor, L, record, all_records,
-                                   checkpoint_ref.dtype)
-        u = dt * _load_x_record(inputs.x, records.x.dtype, rows, pmask)[1]
-        store(checkpoint_out.at[rows, :], S + u[:, None] * Bv[None, :], tmask)
+        S = replay_records(load(checkpoint_ref.at[rows, :], tmask), cursor, L, record, all_records,
+                           checkpoint_ref.dtype)
+        if step:
+            S = decay * S
+            u = dt * _load_x_record(inputs.x, records.x.dtype, rows, pmask)[1]
+            S = S + u[:, None] * Bv[None, :]
+        store(checkpoint_out.at[rows, :], S, tmask)
 
     for_each_row_tile(P, config, split, tile)
 
 
-def _block_specs(H, G, N, L, gated, rows, nb=None) -> BlockSpecs:
+def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, records_out: Records, *, P,
+                   N, L, W, group, dt_softplus, dt_limit, config):
+    """The verify kernel on a program's row tiles of one head and batch row:
+    the W outputs from one read of each checkpoint tile, and the W records."""
+    BL, BW, BN, BP = records.dt.shape[0], inputs.dt.shape[0], inputs.B.shape[-1], config.block_v
+    nmask, wmask = lane_mask(BN, N), lane_mask(BW, W)
+    count = read_cursor(cursor_ref)
+    start = window_start(count, L, W)  # the early flush emptied the rows whose window does not fit
+    split = pl.program_id(2)
+    live = lane_ids(BL) < start
+    A = load_scalar(inputs.A)
+    D = load_scalar(inputs.D)
+
+    # Per-head work, once per program: the buffer's weights and its B's
+    # scores against the window's C; the window's decays and C . B scores.
+    dts = _process_dt(load(inputs.dt, wmask), load_scalar(inputs.dt_bias), dt_softplus, dt_limit)
+    carried, w = _buffer_weights(records.dt, live, L, start, A)
+    Bb = load_live(records.B, live, L, nmask, records.B.dtype)
+    wtile = tile_mask(wmask, nmask, (BW, BN))
+    Bw, Cw = load(inputs.B, wtile), load(inputs.C, wtile)
+    a_c = buffer_scores(w, Bb, Cw)
+    from_start, decay = window_decays(dts * A, W)
+    cb = pair_scores(Cw, Bw) * dts[None, :]  # u_s = dt_s x_s: dt_s folded into the scores
+
+    def tile(rows, pmask):
+        S_c = load(checkpoint_ref.at[rows, :], tile_mask(pmask, nmask, (BP, BN)))  # the one read of the checkpoint
+        X = load_live(records.x.at[:, rows], live, L, pmask)
+        xtile = tile_mask(wmask, pmask, (BW, BP))
+        x = load(inputs.x.at[:, rows], xtile)
+        y = window_readout(start_readout(S_c, carried, Cw, a_c, X), from_start, decay, cb, x) + D * x
+        if inputs.z is not None:
+            z = load(inputs.z.at[:, rows], xtile)
+            y = y * (z * jax.nn.sigmoid(z))
+        store(y_ref.at[:, rows], y, xtile)
+        store_window(lambda t: records_out.x.at[start + t, rows], x, W, pmask)  # the x rows are this program's
+
+    # The shared records: the window's processed dt, and its B.
+    run_verify_program(tile, V=P, W=W, config=config, split=split, start=start, group=group, decay_window=dts,
+                       decay_out=records_out.dt, keys=Bw, key_out=records_out.B, key_mask=nmask)
+
+
+def _block_specs(H, G, N, L, gated, rows, nb=None, window=None) -> BlockSpecs:
     """Block specs of programs of `rows` state rows and nb batch rows (None:
     one, the batch axis squeezed); z's None without the gate; records None
-    where L is None."""
+    where L is None. window: BW, the block of a verify window's axis (after
+    batch) on the inputs and the output; None: one step, no window axis."""
     BN, group = next_pow2(N), H // G
+    lead, at = ((nb,), ()) if window is None else ((nb, window), (0,))
     state = pl.BlockSpec((nb, None, rows, BN), lambda b, h, j: (b, h, j, 0))
-    row = pl.BlockSpec((nb, None, rows), lambda b, h, j: (b, h, j))
-    scal = pl.BlockSpec((nb, None), lambda b, h, j: (b, h))
+    row = pl.BlockSpec((*lead, None, rows), lambda b, h, j: (b, *at, h, j))
+    scal = pl.BlockSpec((*lead, None), lambda b, h, j: (b, *at, h))
     head = pl.BlockSpec((None,), lambda b, h, j: (h,))
-    grp = pl.BlockSpec((nb, None, BN), lambda b, h, j: (b, h // group, 0))
+    grp = pl.BlockSpec((*lead, None, BN), lambda b, h, j: (b, *at, h // group, 0))
     records = None
     if L is not None:
         BL = next_pow2(L)
@@ -267,7 +328,7 @@ def _block_specs(H, G, N, L, gated, rows, nb=None) -> BlockSpecs:
 
 def _with_defaults(inputs: Inputs) -> Inputs:
     """D and dt_bias as zeros where None."""
-    H = inputs.x.shape[1]
+    H = inputs.A.shape[0]
     zeros = jnp.zeros((H,), f32)
     return inputs._replace(D=zeros if inputs.D is None else inputs.D,
                            dt_bias=zeros if inputs.dt_bias is None else inputs.dt_bias)
@@ -298,6 +359,23 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, *, dt_softplus
     specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None)
     return replay_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, _with_defaults(inputs),
                          jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), per_head=PER_HEAD, route=route,
+                         config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret"))
+def _verify(checkpoint, records: Records, cursor, inputs: Inputs, *, dt_softplus: bool,
+            dt_limit: tuple[float, float], config: ReplayConfig, interpret: bool):
+    """A verify window's launches (early flush, verify kernel). Returns (y, checkpoint, records, cursor)."""
+    _, H, P, N = checkpoint.shape
+    G, L, W = inputs.B.shape[2], records.x.shape[2], inputs.x.shape[1]
+    kernel = functools.partial(_verify_kernel, P=P, N=N, L=L, W=W, group=H // G, dt_softplus=dt_softplus,
+                               dt_limit=dt_limit)
+    flush_row = functools.partial(_flush_row, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit, step=False)
+    specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None, window=next_pow2(W))
+    inputs = _with_defaults(inputs)
+    only_A = Inputs(*(None,) * len(Inputs._fields))._replace(A=inputs.A)
+    return verify_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, inputs, only_A,
+                         jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), window=W, per_head=PER_HEAD,
                          config=config, interpret=interpret)
 
 
@@ -366,3 +444,50 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
     return replay_step(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),
                        route=route, config=config, step=functools.partial(_step, **kw),
                        replay=functools.partial(_replay, **kw))
+
+
+def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool,
+                         dt_limit: tuple[float, float], config: ReplayConfig | None = None, interpret: bool = False):
+    """Verify a window of W speculative Mamba-2 steps (Pallas kernels); checkpoint and buffers in place.
+
+    Takes validated arguments (:func:`replayssm_jax.ops.mamba2_replay_verify`
+    validates them). Rows with cursor + W > L flush first (a launch that
+    writes their checkpoint, the state after their buffered records, and
+    skips the other rows); such rows then verify from it with an empty
+    buffer, at slots 0 .. W - 1, and their cursor becomes 0. Then one
+    launch, grid (batch, H, splits), reads each checkpoint tile once for
+    the W outputs (DESIGN.md section 3; the chunked SSD form of Dao & Gu,
+    "Transformers are SSMs", ICML 2024, for one chunk), with G_t = sum_{s
+    <= t} dt_s A over the window and S_0 the state at the window's start:
+
+        y_t = exp(G_t) (S_0 C_t) + sum_{s <= t} exp(G_t - G_s) (B_s . C_t) dt_s x_s + D x_t,
+        S_0 C_t = exp(G) (S_c C_t) + sum_i w_i (B_i . C_t) dt_i x_i  (the live buffer),
+
+    then y_t *= silu(z_t), and writes the W records (x, processed dt, B),
+    as the buffers' dtypes, at slots cursor .. cursor + W - 1. Output t
+    reads nothing of steps s > t (NaN and inf included), nor of dead slots.
+
+    Args:
+      state: a Mamba2ReplayState with no pending window (as
+        :func:`mamba2_replay_step`).
+      x: [batch, W, H, P]; dt: [batch, W, H], raw; B, C: [batch, W, G, N];
+        z: [batch, W, H, P] or None; A, D, dt_bias, dt_softplus, dt_limit:
+        as :func:`mamba2_step`.
+      config: a ReplayConfig (fused_flush False; its flush fields tile the
+        early flush); None: :func:`default_verify_config`.
+      interpret: run the kernels in Pallas interpret mode.
+
+    Returns:
+      (y [batch, W, H, P] in x.dtype, new Mamba2ReplayState with window =
+      W): y[:, t] assumes steps 0 .. t - 1 of the window accepted; commit
+      with :func:`replayssm_jax.state.replay_commit`.
+
+    Raises:
+      ValueError, TypeError: as :func:`replayssm_jax.kernels.gdn_replay_verify`,
+        with head_dim P and d_state N for V and K.
+    """
+    W = x.shape[1]
+    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS)
+    verify = functools.partial(_verify, config=config, **_step_options(dt_softplus, dt_limit, interpret))
+    return verify_window(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),
+                         window=W, verify=verify)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from replayssm_jax.kernels.config import next_pow2
-from replayssm_jax.kernels.tiles import f32, lane_ids
+from replayssm_jax.kernels.tiles import f32, lane_ids, pick_row
 
 # The smallest extent of every dimension of a dot on the Triton lowering.
 DOT_MIN = 16
@@ -180,3 +180,110 @@ def fold_live_records(S: jax.Array, count, record, finish) -> None:
     @pl.when(count > 0)
     def _():
         finish(apply_records(S, count, record))
+
+
+# ----------------------------------------------------------------------------
+# The verify window (DESIGN.md section 3): W steps t = 0 .. W - 1 read from the
+# state S_0 at the window's start (the checkpoint plus the live buffer) and
+# from the window's own earlier steps,
+#
+#     y_t = exp(G_t) (S_0 q_t) + sum_{s <= t} exp(G_t - G_s) (k_s . q_t) u_s,
+#
+# G_t = lg_0 + ... + lg_t. Step t reads only steps s <= t: every term of a
+# later step is selected away (`jnp.where`), never multiplied by zero, so a
+# NaN or inf in a later (padded or garbage) draft cannot reach y_t.
+
+
+def _causal(BW: int) -> jax.Array:
+    """bool[BW, BW], [t, s]: s <= t."""
+    idx = lane_ids(BW)
+    return idx[None, :] <= idx[:, None]
+
+
+def window_decays(lg: jax.Array, W: int) -> tuple[jax.Array, jax.Array]:
+    """Decays inside a verify window from its steps' log decays.
+
+    Args:
+      lg: f32[BW], log decay of window step t (lanes >= W: any value).
+      W: the window's steps (static).
+
+    Returns:
+      (from_start f32[BW], decay f32[BW, BW]): from_start_t = exp(lg_0 + ...
+      + lg_t) and decay[t, s] = exp(lg_{s+1} + ... + lg_t) for s <= t, 0
+      for s > t. Each exponent is a sum over its own steps (a rolled loop
+      over the W steps), not a difference of two prefix sums: no cancellation,
+      and g = -inf gives a zero weight, not NaN.
+    """
+    BW = lg.shape[0]
+    idx = lane_ids(BW)
+    t, s = idx[:, None], idx[None, :]
+
+    def body(j, acc):
+        through, segment = acc
+        lg_j = jnp.sum(jnp.where(idx == j, lg, 0.0))
+        through = through + jnp.where(idx >= j, lg_j, 0.0)
+        segment = segment + jnp.where((s < j) & (j <= t), lg_j, 0.0)
+        return through, segment
+
+    through, segment = jax.lax.fori_loop(0, W, body, (jnp.zeros((BW,), f32), jnp.zeros((BW, BW), f32)))
+    return jnp.exp(through), jnp.where(_causal(BW), jnp.exp(segment), 0.0)
+
+
+def pair_scores(Q: jax.Array, Kw: jax.Array) -> jax.Array:
+    """f32[BW, BW], [t, s] = Q_t . Kw_s, for Q f32[BW, BK] and Kw f32[BW, BK]
+    (the window's queries against its keys; Mamba-2: C against B)."""
+    return jnp.sum(Q[:, None, :] * Kw[None, :, :], axis=2)
+
+
+def buffer_scores(w: jax.Array, Kb: jax.Array, Q: jax.Array) -> jax.Array:
+    """f32[BL, BW], [i, t] = w_i (k_i . q_t): the live buffered keys Kb [BL,
+    BK] (dead slots zero) against the window's queries Q f32[BW, BK], times
+    the slots' weights w f32[BL] (`replay_weights`, dead slots 0)."""
+    return w[:, None] * jnp.sum(Kb.astype(f32)[:, None, :] * Q[None, :, :], axis=2)
+
+
+def start_readout(S_c: jax.Array, carried, Q: jax.Array, scores: jax.Array, U: jax.Array) -> jax.Array:
+    """S_0 q_t for each window query, f32[BW, BV], without forming S_0:
+
+        S_0 q_t = exp(G) (S_c q_t) + sum_i w_i (k_i . q_t) u_i
+
+    S_c f32[BV, BK] a checkpoint tile (the one read); carried = exp(G), the
+    checkpoint's decay over the live slots; Q f32[BW, BK]; scores f32[BL,
+    BW] (`buffer_scores`); U f32[BL, BV] the live slots' update rows (dead
+    slots zero). Row t reads only Q_t."""
+    from_checkpoint = jnp.sum(Q[:, None, :] * S_c[None, :, :], axis=2)
+    return carried * from_checkpoint + jnp.sum(scores[:, :, None] * U[:, None, :], axis=0)
+
+
+def window_readout(Y0: jax.Array, from_start: jax.Array, decay: jax.Array, scores: jax.Array,
+                   U: jax.Array) -> jax.Array:
+    """y_t = from_start_t Y0_t + sum_{s <= t} decay[t, s] scores[t, s] U_s, f32[BW, BV].
+
+    Y0 f32[BW, BV]: S_0 q_t (`start_readout`); from_start, decay: as
+    `window_decays`; scores f32[BW, BW]: k_s . q_t (and any factor of step
+    s, e.g. Mamba-2's dt_s); U f32[BW, BV]: the window's update rows. The
+    terms of steps s > t are selected away."""
+    causal = _causal(U.shape[0])
+    coef = jnp.where(causal, decay * scores, 0.0)
+    terms = jnp.where(causal[:, :, None], coef[:, :, None] * U[None, :, :], 0.0)
+    return from_start[:, None] * Y0 + jnp.sum(terms, axis=1)
+
+
+def forward_substitution(A: jax.Array, R: jax.Array, W: int) -> jax.Array:
+    """D = (I + A)^-1 R for a strictly lower triangular A, f32[BW, n].
+
+    A f32[BW, BW] (entries on and above the diagonal are not read); R
+    f32[BW, n]; W: the rows solved (static). D_0 = R_0 and D_i = R_i -
+    sum_{j < i} A_ij D_j, one row per iteration of a static loop; row i
+    reads rows j < i of D and row i of A and R only, all by selects, so a
+    NaN in a later row stays there. Rows >= W keep R's.
+    """
+    BW = R.shape[0]
+    idx = lane_ids(BW)
+    D = R
+    for i in range(1, W):
+        earlier = idx < i
+        a_i = jnp.where(earlier, pick_row(A, i), 0.0)
+        terms = jnp.where(earlier[:, None], a_i[:, None] * D, 0.0)
+        D = jnp.where((idx == i)[:, None], (pick_row(R, i) - jnp.sum(terms, axis=0))[None, :], D)
+    return D

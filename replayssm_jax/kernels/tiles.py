@@ -162,3 +162,18 @@ def for_each_row_tile(V: int, tiling, split, tile) -> None:
     else:
         count = tiles if n_tiles % tiles == 0 else jnp.minimum(tiles, n_tiles - first)
         jax.lax.fori_loop(0, count, body, 0)
+
+
+def pick_row(tile: jax.Array, t: int) -> jax.Array:
+    """Row t (static) of a register tile f32[n, m] -> f32[m]: a select and a
+    sum over the rows (Triton has no static slice of a register tile), so
+    a NaN or inf in another row never reaches the result."""
+    return jnp.sum(jnp.where(lane_ids(tile.shape[0])[:, None] == t, tile, jnp.zeros((), tile.dtype)), axis=0)
+
+
+def store_window(slot_ref, window: jax.Array, W: int, mask) -> None:
+    """Store rows 0 .. W - 1 of a window's register tile [BW, n], row t
+    through slot_ref(t) (the [n] ref of window step t's buffer slot), where
+    `mask` (bool[n] or None: everywhere). A static loop over the W steps."""
+    for t in range(W):
+        store(slot_ref(t), pick_row(window, t), mask)

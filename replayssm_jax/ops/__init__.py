@@ -13,8 +13,9 @@ resolves its backend and, for a replay step, its route
            else "xla".
   config   a :class:`replayssm_jax.kernels.StepConfig` (standard steps, the
            replay step's direct route) or :class:`~replayssm_jax.kernels.ReplayConfig`
-           (the replay step's output and state routes) overriding the kernels'
-           frozen tiling heuristic, or None; only the kernel backends take one.
+           (the replay step's output and state routes, the verify window)
+           overriding the kernels' frozen tiling heuristic, or None; only the
+           kernel backends take one.
 
 An explicitly requested backend that cannot run raises (no GPU for
 "pallas"; no kernel for the op); nothing falls back silently. Every error
@@ -303,7 +304,8 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
       x: [batch, W, nheads, head_dim], 1 <= W <= L; dt: [batch, W, nheads]
         (raw); B, C: [batch, W, n_groups, d_state]; z: optional like x;
         A, D, dt_bias, dt_softplus, dt_limit: as :func:`mamba2_step`.
-      backend, config: see the module docstring; this op has no kernel.
+      backend, config: see the module docstring (a kernel op; config a
+        :class:`~replayssm_jax.kernels.ReplayConfig`).
 
     Returns:
       (y [batch, W, nheads, head_dim] in x.dtype, new state with window = W):
@@ -311,13 +313,17 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
       are accepted.
 
     Raises:
-      TypeError, ValueError: as :func:`mamba2_replay_step`, and W outside [1, L].
-      NotImplementedError: backend "pallas" or "interpret".
+      TypeError, ValueError, RuntimeError: as :func:`mamba2_replay_step`, and
+        W outside [1, L]; on the kernel backends the kernels' limits
+        (:func:`replayssm_jax.kernels.mamba2_replay_verify`).
     """
     dt_softplus, dt_limit = val.check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                                            dt_limit)
-    choose_backend("mamba2_replay_verify", backend, config)
-    return reference.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+    chosen = choose_backend("mamba2_replay_verify", backend, config)
+    if chosen == "xla":
+        return reference.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+    return kernels.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
+                                        dt_limit=dt_limit, config=config, interpret=chosen == "interpret")
 
 
 def mamba2_replay_materialize(state: Mamba2ReplayState, A, *, backend: str | None = None,
@@ -502,19 +508,24 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
       state: GDNReplayState with no pending window.
       q, k: [batch, W, H, K]; v: [batch, W, HV, V], 1 <= W <= L;
       g, beta: [batch, W, HV]; scale, use_qk_l2norm: as :func:`gdn_step`.
-      backend, config: see the module docstring; this op has no kernel.
+      backend, config: see the module docstring (a kernel op; config a
+        :class:`~replayssm_jax.kernels.ReplayConfig`).
 
     Returns:
       (o [batch, W, HV, V] in v.dtype, new state with window = W): o[:, t]
       is the output of step t assuming steps 0..t-1 of the window are accepted.
 
     Raises:
-      TypeError, ValueError: as :func:`gdn_replay_step`, and W outside [1, L].
-      NotImplementedError: backend "pallas" or "interpret".
+      TypeError, ValueError, RuntimeError: as :func:`gdn_replay_step`, and
+        W outside [1, L]; on the kernel backends the kernels' limits
+        (:func:`replayssm_jax.kernels.gdn_replay_verify`).
     """
     scale, use_qk_l2norm = val.check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm)
-    choose_backend("gdn_replay_verify", backend, config)
-    return reference.gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm)
+    chosen = choose_backend("gdn_replay_verify", backend, config)
+    if chosen == "xla":
+        return reference.gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm)
+    return kernels.gdn_replay_verify(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                     config=config, interpret=chosen == "interpret")
 
 
 def gdn_replay_materialize(state: GDNReplayState, *, backend: str | None = None,
