@@ -132,3 +132,43 @@ def test_speculative_greedy_equals_greedy(name, replay_buffer_len, window):
 def test_speculative_greedy_interpret(replay_buffer_len, window):
     tokens, want, _, _ = speculative_greedy("qwen3_5_tiny", replay_buffer_len, window, "interpret")
     np.testing.assert_array_equal(tokens, want)
+
+
+def test_verify_and_commit_errors():
+    """Bad windows and counts raise before any op runs, naming the argument; the cache stays usable."""
+    name = "qwen3_5_tiny"
+    model, ref = get_model(name), reference(name)
+    graphdef, params = split_params(model)
+    prompt = jnp.asarray(ref["prompt_ids"])
+    T = prompt.shape[1]
+    _, cache = make_prefill(graphdef, max_len=T + 2, replay_buffer_len=2, max_window=2)(params, prompt)
+    assert cache.layers[3].length.tolist() == [T, T] and cache.layers[3].max_len == T + 3
+    tokens = jnp.asarray(ref["generated_ids"][:, T:T + 3])
+    with pytest.raises(ValueError, match="max_window = 2"):
+        model.verify(tokens, cache)
+    with pytest.raises(ValueError, match=r"`tokens` must have shape \[batch, seqlen\]"):
+        model.verify(tokens[:, 0], cache)
+    with pytest.raises(ValueError, match="no pending verify window"):
+        model.commit(cache, jnp.array([1, 1]))
+    with pytest.raises(ValueError, match="`max_window` must be <= replay_buffer_len = 2"):
+        model.prefill(prompt, T + 2, replay_buffer_len=2, max_window=3)
+    with pytest.raises(ValueError, match="`max_window` must be an int >= 1"):
+        model.prefill(prompt, T + 2, max_window=0)
+    _, small = make_prefill(graphdef, max_len=T + 2, replay_buffer_len=1, max_window=1)(params, prompt)
+    with pytest.raises(ValueError, match="max_window = 1"):
+        model.verify(tokens[:, :2], small)
+    verify = make_verify_step(graphdef, donate_cache=False)
+    logits, pending = verify(params, cache, tokens[:, :2])
+    with pytest.raises(ValueError, match="pending verify window"):
+        model.verify(tokens[:, :2], pending)
+    with pytest.raises(ValueError, match="pending verify window"):
+        model.decode(tokens[:, 0], pending)
+    with pytest.raises(ValueError, match=r"`num_accepted` must be in \[0, 2\]"):
+        model.commit(pending, jnp.array([3, 1]))
+    with pytest.raises(TypeError, match="`num_accepted` must have an integer dtype"):
+        model.commit(pending, jnp.array([1.0, 1.0]))
+    committed = model.commit(pending, jnp.array([2, 2]))  # the failed calls left `pending` usable
+    assert committed.position.tolist() == [T + 2, T + 2] and committed.layers[3].length.tolist() == [T + 2] * 2
+    with pytest.raises(ValueError, match="KV cache holds 14 of max_len = 15"):
+        model.verify(tokens[:, :2], committed)
+    assert np.max(np.abs(np.asarray(logits[:, 0]) - ref["step_logits"][1])) < TOL["float32"]

@@ -104,9 +104,14 @@ class ConvWindow:
 
     def write(self, x: jax.Array) -> "ConvWindow":
         """Write x [batch, T, conv_dim] (T <= max_window) after the live inputs; start unchanged."""
+        # One select per new column over the ring (elementwise; T <= max_window is small). A scatter at the
+        # per-row slots compiles, in an XLA decode loop on the CPU, to one more copy of the ring per step.
         slots = self.ring_slots(self.width - 1, x.shape[1])
-        rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
-        return self.replace(columns=self.columns.at[rows, slots].set(x.astype(self.columns.dtype)))
+        ring = jnp.arange(self.slots, dtype=jnp.int32)[None, :, None]
+        columns = self.columns
+        for t in range(x.shape[1]):
+            columns = jnp.where(ring == slots[:, t, None, None], x[:, t, None, :].astype(columns.dtype), columns)
+        return self.replace(columns=columns)
 
     def advance(self, count: jax.Array | int) -> "ConvWindow":
         """Move start by `count` (int or i32[batch]): the newest written inputs become live."""
