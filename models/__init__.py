@@ -12,7 +12,7 @@ module is imported; this package imports every family, so `load_model` and
 """
 
 from models import nemotron_h, qwen_hybrid  # noqa: F401  (registers the families)
-from models.common import HybridCache, make_decode_step, make_prefill, split_params
+from models.common import HybridCache, make_commit, make_decode_step, make_prefill, make_verify_step, split_params
 from models.config import ConfigError, NemotronHConfig, QwenHybridConfig
 from models.generation_config import GenerationConfig, load_generation_config
 from models.loading import (
@@ -30,7 +30,7 @@ from models.registry import model_types
 MODEL_TYPES = model_types()
 
 __all__ = [
-    "HybridCache", "make_decode_step", "make_prefill", "split_params",
+    "HybridCache", "make_commit", "make_decode_step", "make_prefill", "make_verify_step", "split_params",
     "ConfigError", "NemotronHConfig", "QwenHybridConfig",
     "GenerationConfig", "load_generation_config",
     "MODEL_TYPES", "CheckpointError", "CheckpointNotFoundError", "TensorSource", "load_model", "read_config",

@@ -3,12 +3,15 @@
 A model is a Flax NNX module with
 
 - ``__call__(input_ids) -> logits``: full causal forward, no cache;
-- ``prefill(input_ids, max_len, *, replay_buffer_len=None, ...) -> (logits, HybridCache)``;
-- ``decode(tokens, cache, *, route="auto") -> (logits, HybridCache)``.
+- ``prefill(input_ids, max_len, *, replay_buffer_len=None, max_window=1, ...) -> (logits, HybridCache)``;
+- ``decode(tokens, cache, *, route="auto") -> (logits, HybridCache)``;
+- ``verify(tokens [batch, W], cache) -> (logits [batch, W, vocab], HybridCache with the window pending)``
+  and ``commit(cache, num_accepted)``: a speculative round (DESIGN.md section 7).
 
-`make_prefill` / `make_decode_step` wrap these as pure functions of
-``(params, ...)`` (via ``nnx.split`` / ``nnx.merge``) compiled with ``jax.jit``,
-so that a generation loop can carry the cache through ``jax.lax.scan``.
+`make_prefill` / `make_decode_step` / `make_verify_step` / `make_commit` wrap
+these as pure functions of ``(params, ...)`` (via ``nnx.split`` / ``nnx.merge``)
+compiled with ``jax.jit``, so that a generation loop can carry the cache
+through ``jax.lax.scan``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,17 @@ import numpy as np
 from flax import nnx, struct
 
 from replayssm_jax import ops
-from replayssm_jax.layers.cache import KVCache, ReplayLayerState, SSMLayerState
+from replayssm_jax.layers.cache import (
+    KVCache,
+    ReplayLayerState,
+    SSMLayerState,
+    check_num_accepted,
+    commit_layer_state,
+    pending_window,
+)
 
-__all__ = ["HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "split_params"]
+__all__ = ["HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "make_verify_step", "make_commit",
+           "commit_cache", "split_params"]
 
 
 @struct.dataclass
@@ -31,16 +42,25 @@ class HybridCache:
     Attributes:
       layers: one entry per layer: `SSMLayerState` or `ReplayLayerState` (Mamba-2 /
         GDN layers), `KVCache` (attention layers), None (MLP / MoE layers).
-      position: i32[batch], tokens consumed so far (the position of the next token).
+      position: i32[batch], tokens consumed so far (the position of the next token;
+        a verified window moves it only at commit).
+      max_window: static int, the longest verify window the cache has room for
+        (its conv windows, KV caches and replay buffers; 1: plain decoding).
     """
 
     layers: tuple
     position: jax.Array
+    max_window: int = struct.field(pytree_node=False, default=1)
 
     @property
     def uses_replay(self) -> bool:
         """True if the SSM layers hold ReplaySSM states."""
         return any(isinstance(s, ReplayLayerState) for s in self.layers)
+
+    @property
+    def window(self) -> int:
+        """The pending verify window W (0: none; static)."""
+        return max((pending_window(s) for s in self.layers), default=0)
 
 
 _STATE_TYPES = {"mamba": (SSMLayerState, ReplayLayerState), "gdn": (SSMLayerState, ReplayLayerState),
@@ -109,8 +129,8 @@ class HybridCausalLM(nnx.Module):
         return self._logits(h)
 
     def prefill(self, input_ids: jax.Array, max_len: int, *, replay_buffer_len: int | None = None,
-                buffer_dtype=jnp.float32, backend: str | None = None,
-                last_logits_only: bool = False) -> tuple[jax.Array, HybridCache]:
+                buffer_dtype=jnp.float32, backend: str | None = None, last_logits_only: bool = False,
+                max_window: int = 1) -> tuple[jax.Array, HybridCache]:
         """Prompt forward that builds the decode cache.
 
         Args:
@@ -124,6 +144,10 @@ class HybridCausalLM(nnx.Module):
           last_logits_only: project only the last position (logits f32[batch,
             vocab_size]): generation needs no more, and the full logits of a
             large batch do not fit (256 x 512 x 131k f32 is 69 GB).
+          max_window: the longest speculative window W that `verify` will get
+            (static, >= 1; 1: plain decoding). The conv windows hold (width - 1)
+            + W inputs, the KV caches max_len + W - 1 positions (a last window
+            past max_len tokens), and W <= replay_buffer_len is required.
 
         Returns:
           (logits f32[batch, T, vocab_size] (f32[batch, vocab_size] with
@@ -133,21 +157,29 @@ class HybridCausalLM(nnx.Module):
           TypeError: `input_ids` not integers.
           ValueError: `input_ids` not of shape [batch, seqlen], with an empty axis
             or an id outside the vocabulary; max_len < T, an unknown backend, or a
-            replay_buffer_len the kernels of `backend` cannot take.
+            replay_buffer_len the kernels of `backend` cannot take; max_window
+            not an int >= 1, or above replay_buffer_len.
           RuntimeError: backend "pallas" without a GPU.
         """
         ids = check_input_ids(input_ids, self.config.vocab_size)
+        if isinstance(max_window, bool) or not isinstance(max_window, (int, np.integer)) or max_window < 1:
+            raise ValueError(f"`max_window` must be an int >= 1; got {max_window!r}")
+        max_window = int(max_window)
         if replay_buffer_len is not None:
             ops.check_buffer_len(replay_buffer_len, backend, "replay_buffer_len")
+            if max_window > replay_buffer_len:
+                raise ValueError(f"`max_window` must be <= replay_buffer_len = {replay_buffer_len} (a verify "
+                                 f"window fits in the replay buffer); got {max_window}")
         h = self._embed(ids)
         states = []
         for block in self._blocks:
-            h, state = block.prefill(h, max_len, backend=backend)
+            h, state = block.prefill(h, max_len + max_window - 1, backend=backend)
             states.append(prefill_layer_states(block.mixer, state, replay_buffer_len=replay_buffer_len,
-                                               buffer_dtype=buffer_dtype))
+                                               buffer_dtype=buffer_dtype, max_window=max_window))
         batch, seqlen = ids.shape
         logits = self._logits(h[:, -1]) if last_logits_only else self._logits(h)
-        return logits, HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32))
+        return logits, HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32),
+                                   max_window=max_window)
 
     def decode(self, tokens: jax.Array, cache: HybridCache, *, route: str = "auto",
                backend: str | None = None) -> tuple[jax.Array, HybridCache]:
@@ -167,17 +199,111 @@ class HybridCausalLM(nnx.Module):
         Raises:
           TypeError: `cache` not a HybridCache; `tokens` not integers.
           ValueError: a cache whose layers do not match the model's, `tokens`
-            not of shape [batch] with the cache's batch (batch >= 1), or an id
-            outside the vocabulary.
+            not of shape [batch] with the cache's batch (batch >= 1), an id
+            outside the vocabulary, or a pending verify window.
         """
         tokens = check_tokens(tokens, self.config.vocab_size)
         check_cache(cache, self.config.layer_types, tokens.shape[0])
+        _check_no_window(cache)
         h = self._embed(tokens)
         states = []
         for block, state in zip(self._blocks, cache.layers):
             h, state = block.decode(h, state, route=route, backend=backend)
             states.append(state)
-        return self._logits(h), HybridCache(layers=tuple(states), position=cache.position + 1)
+        return self._logits(h), cache.replace(layers=tuple(states), position=cache.position + 1)
+
+    def verify(self, tokens: jax.Array, cache: HybridCache, *,
+               backend: str | None = None) -> tuple[jax.Array, HybridCache]:
+        """Verify W speculative positions of every sequence in one call (DESIGN.md section 7).
+
+        Args:
+          tokens: int[batch, W], per row the last accepted token and W - 1 drafts
+            (rows with fewer drafts pad with any id; its positions are rejected).
+            1 <= W <= cache.max_window, W <= L of the replay layers.
+          cache: from `prefill` (with max_window >= W), `decode` or `commit`; no
+            window pending.
+          backend: SSM op backend (the replay verify ops run on
+            ``ops.backend_for``; the standard baseline runs W standard steps).
+
+        Returns:
+          (logits f32[batch, W, vocab_size]: position t gives the next token
+          after tokens[:, :t + 1]; the HybridCache with the window pending:
+          every layer holds the W positions, `commit` keeps the accepted ones.
+          `position` is unchanged).
+
+        Raises:
+          TypeError: `cache` not a HybridCache; `tokens` not integers.
+          ValueError: layers that do not match, `tokens` not [batch, W] with the
+            cache's batch, an id outside the vocabulary, a pending window, W
+            above max_window or a replay buffer length L, or (lengths concrete)
+            a KV cache without room for W more positions. All before any op runs.
+        """
+        tokens = check_input_ids(tokens, self.config.vocab_size, name="tokens")
+        batch, window = tokens.shape
+        check_cache(cache, self.config.layer_types, batch)
+        _check_no_window(cache)
+        _check_room(cache, window)
+        h = self._embed(tokens)
+        states = []
+        for block, state in zip(self._blocks, cache.layers):
+            h, state = block.verify(h, state, backend=backend)
+            states.append(state)
+        return self._logits(h), cache.replace(layers=tuple(states))
+
+    def commit(self, cache: HybridCache, num_accepted: jax.Array) -> HybridCache:
+        """Keep the first `num_accepted` positions of the pending window (`commit_cache`), after checking
+        that `cache` matches the model's layers (TypeError, ValueError)."""
+        check_cache(cache, self.config.layer_types)
+        return commit_cache(cache, num_accepted)
+
+
+def commit_cache(cache: HybridCache, num_accepted) -> HybridCache:
+    """Keep the first `num_accepted` of the W verified positions of every row, in every layer.
+
+    Args:
+      cache: from `HybridCausalLM.verify` (a pending window W).
+      num_accepted: int[batch], per row in 0..W (a speculative round gives
+        m in 1..W: `replayssm_jax.speculative.Accepted.num_accepted`).
+        Checked where concrete; clipped to 0..W inside jit.
+
+    Returns:
+      The HybridCache after those positions, no window pending: SSM layers
+      (replay: ``cursor += m``; standard: the state after m positions), conv
+      windows (start moved by m), KV caches (``length += m``), ``position += m``.
+
+    Raises:
+      TypeError: `cache` not a HybridCache; non-integer counts.
+      ValueError: no pending window; counts not [batch] or outside 0..W.
+    """
+    if not isinstance(cache, HybridCache):
+        raise TypeError(f"`cache` must be a HybridCache (from `verify`); got {type(cache).__name__}")
+    if cache.window == 0:
+        raise ValueError("`cache` has no pending verify window; call `verify` before `commit`")
+    m = check_num_accepted(num_accepted, cache.position.shape[0], cache.window)
+    m = jnp.clip(m, 0, cache.window)
+    return cache.replace(layers=tuple(commit_layer_state(s, m) for s in cache.layers), position=cache.position + m)
+
+
+def _check_no_window(cache: HybridCache) -> None:
+    if cache.window:
+        raise ValueError(f"`cache` has a pending verify window (W = {cache.window}); call `commit` first")
+
+
+def _check_room(cache: HybridCache, window: int) -> None:
+    """Raise ValueError unless every layer of `cache` has room for a verify window of `window` positions."""
+    if window > cache.max_window:
+        raise ValueError(f"`tokens` has W = {window} positions; the cache holds verify windows of at most "
+                         f"max_window = {cache.max_window} (prefill with a larger max_window)")
+    for i, state in enumerate(cache.layers):
+        if isinstance(state, ReplayLayerState) and window > state.replay.buffer_len:
+            raise ValueError(f"`tokens` has W = {window} positions; layer {i}'s replay buffer has L = "
+                             f"{state.replay.buffer_len} slots (W <= L)")
+        if isinstance(state, KVCache) and not isinstance(state.length, jax.core.Tracer):
+            longest = int(np.max(np.asarray(state.length)))
+            if longest + window > state.max_len:
+                raise ValueError(f"`tokens` has W = {window} positions; layer {i}'s KV cache holds "
+                                 f"{longest} of max_len = {state.max_len} positions in its longest row (prefill "
+                                 f"with a larger max_len)")
 
 
 def _check_ids(ids, vocab_size: int, name: str, axes: tuple[str, ...]) -> jax.Array:
@@ -233,7 +359,7 @@ def split_params(model: nnx.Module):
 
 
 def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None, buffer_dtype=jnp.float32,
-                 last_logits_only: bool = False, backend: str | None = None):
+                 last_logits_only: bool = False, backend: str | None = None, max_window: int = 1):
     """A jitted ``prefill(params, input_ids) -> (logits, HybridCache)``.
 
     Args:
@@ -243,13 +369,14 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
       buffer_dtype: ReplaySSM buffer dtype.
       last_logits_only: return logits [batch, vocab] of the last prompt token only.
       backend: SSM op backend (replayssm_jax.ops).
+      max_window: the longest speculative verify window (1: plain decoding).
     """
 
     @jax.jit
     def prefill(params, input_ids):
         model = nnx.merge(graphdef, params)
         return model.prefill(input_ids, max_len, replay_buffer_len=replay_buffer_len, buffer_dtype=buffer_dtype,
-                             backend=backend, last_logits_only=last_logits_only)
+                             backend=backend, last_logits_only=last_logits_only, max_window=max_window)
 
     return prefill
 
@@ -267,9 +394,30 @@ def make_decode_step(graphdef, *, route: str = "auto", backend: str | None = Non
     return jax.jit(decode_step, donate_argnums=(1,) if donate_cache else ())
 
 
-def prefill_layer_states(mixer, state, *, replay_buffer_len, buffer_dtype):
-    """Convert an SSM layer's prefill state to ReplaySSM if asked (KV caches and None pass through)."""
-    if replay_buffer_len is not None and isinstance(state, SSMLayerState):
+def make_verify_step(graphdef, *, backend: str | None = None, donate_cache: bool = True):
+    """A jitted ``verify(params, cache, tokens) -> (logits f32[batch, W, vocab], HybridCache)``
+    (`HybridCausalLM.verify`), the cache donated by default."""
+
+    def verify(params, cache, tokens):
+        model = nnx.merge(graphdef, params)
+        return model.verify(tokens, cache, backend=backend)
+
+    return jax.jit(verify, donate_argnums=(1,) if donate_cache else ())
+
+
+def make_commit(*, donate_cache: bool = True):
+    """A jitted ``commit(cache, num_accepted) -> HybridCache`` (`commit_cache`: it needs no
+    parameters), the cache donated by default."""
+    return jax.jit(commit_cache, donate_argnums=(0,) if donate_cache else ())
+
+
+def prefill_layer_states(mixer, state, *, replay_buffer_len, buffer_dtype, max_window: int = 1):
+    """An SSM layer's prefill state with a conv window for `max_window` positions, converted to
+    ReplaySSM if asked (KV caches and None pass through)."""
+    if not isinstance(state, SSMLayerState):
+        return state
+    if max_window != 1:
+        state = mixer.with_window(state, max_window)
+    if replay_buffer_len is not None:
         return mixer.to_replay(state, replay_buffer_len, buffer_dtype)
     return state
-

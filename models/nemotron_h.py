@@ -101,11 +101,20 @@ class NemotronHBlock(nnx.Module):
 
     def decode(self, h: jax.Array, state, *, route: str = "auto", backend: str | None = None):
         """One token. h: [batch, hidden] -> (h [batch, hidden], new state)."""
+        return self._with_state(h, state, "decode", route=route, backend=backend)
+
+    def verify(self, h: jax.Array, state, *, backend: str | None = None):
+        """W speculative positions. h: [batch, W, hidden] -> (h [batch, W, hidden], state with the window
+        pending; see the mixers' ``verify``)."""
+        return self._with_state(h, state, "verify", backend=backend)
+
+    def _with_state(self, h, state, mode, **ssm_options):
+        """The mixer's `mode` ("decode" or "verify") on its state; MLP / MoE blocks have none."""
         u = self._normed(h)
         if self.block_type == "mamba":
-            out, state = self.mixer.decode(u, state, route=route, backend=backend)
+            out, state = getattr(self.mixer, mode)(u, state, **ssm_options)
         elif self.block_type == "attention":
-            out, state = self.mixer.decode(u, state)
+            out, state = getattr(self.mixer, mode)(u, state)
         else:
             out = self.mixer(u)
         return self._residual(h, out), state

@@ -97,11 +97,20 @@ class QwenDecoderLayer(nnx.Module):
 
     def decode(self, h: jax.Array, state, *, route: str = "auto", backend: str | None = None):
         """One token. h: [batch, hidden] -> (h [batch, hidden], new state)."""
+        return self._with_state(h, state, "decode", route=route, backend=backend)
+
+    def verify(self, h: jax.Array, state, *, backend: str | None = None):
+        """W speculative positions. h: [batch, W, hidden] -> (h [batch, W, hidden], state with the window
+        pending; see the mixers' ``verify``)."""
+        return self._with_state(h, state, "verify", backend=backend)
+
+    def _with_state(self, h, state, mode, **ssm_options):
+        """The mixer's `mode` ("decode" or "verify") on its state, then the MLP."""
         u = self.input_layernorm(h)
         if self.layer_type == "gdn":
-            out, state = self.linear_attn.decode(u, state, route=route, backend=backend)
+            out, state = getattr(self.linear_attn, mode)(u, state, **ssm_options)
         else:
-            out, state = self.self_attn.decode(u, state)
+            out, state = getattr(self.self_attn, mode)(u, state)
         return self._ffn(h + out), state
 
 

@@ -19,6 +19,7 @@ from replayssm_jax.layers import (
     MLP,
     Attention,
     CausalConv1d,
+    ConvWindow,
     GatedDeltaNet,
     GatedRMSNorm,
     KVCache,
@@ -28,6 +29,7 @@ from replayssm_jax.layers import (
     RMSNorm,
     SSMLayerState,
 )
+from replayssm_jax import ops
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
 TOL = 2e-5
@@ -104,12 +106,12 @@ def test_causal_conv1d_prefill_and_step(seqlen):
     want = np.stack([np_silu(b + sum(w[:, j] * xp[:, t + j] for j in range(4))) for t in range(seqlen)], axis=1)
     assert_close(y, want, what="prefill")
     assert_close(state, np.swapaxes(xp[:, -3:], 1, 2), what="conv_state = last W-1 inputs")
-    # token by token from an empty state
-    s = conv.init_state(2)
+    # token by token from an empty state, through the ring (which wraps after one step at max_window 1)
+    s = ConvWindow.from_conv_state(conv.init_state(2))
     for t in range(seqlen):
         yt, s = conv.step(x[:, t], s)
         assert_close(yt, want[:, t], what=f"step {t}")
-    assert_close(s, state, what="stepped conv_state")
+    assert_close(s.conv_state(), state, what="stepped conv_state")
     # a prefill continued from a state equals one prefill over both parts
     x2 = rand(4, (2, 3, 6))
     y_all, s_all = conv(jnp.concatenate([x, x2], axis=1))
@@ -117,7 +119,35 @@ def test_causal_conv1d_prefill_and_step(seqlen):
     assert_close(y2, y_all[:, seqlen:], what="continued prefill")
     assert_close(s2, s_all)
     with pytest.raises(ValueError, match=r"conv_state.*\(2, 6, 3\)"):
-        conv.step(x[:, 0], jnp.zeros((2, 6, 4)))
+        conv(x, jnp.zeros((2, 6, 4)))
+    with pytest.raises(ValueError, match=r"conv_state.*width W = 4.*\(2, S, 6\)"):
+        conv.step(x[:, 0], ConvWindow.from_conv_state(jnp.zeros((2, 6, 4))))
+    with pytest.raises(TypeError, match="ConvWindow"):
+        conv.step(x[:, 0], jnp.zeros((2, 6, 3)))
+
+
+def test_causal_conv1d_verify_and_rollback():
+    """A verify window of T inputs, then a commit of m (advance) for every m: the live inputs are the
+    last W - 1 of [before ; the first m], wherever the ring's start is."""
+    conv = randomize(CausalConv1d(6, 4, bias=True))
+    x = rand(5, (2, 12, 6))
+    y_all, _ = conv(x)
+    window = ConvWindow.from_conv_state(conv(x[:, :2])[1], max_window=3)
+    assert window.columns.shape == (2, 6, 6) and window.max_window == 3
+    for t in range(2, 5):  # move the ring's start away from 0
+        _, window = conv.step(x[:, t], window)
+    y, pending = conv.verify(x[:, 5:8], window)
+    assert_close(y, y_all[:, 5:8], what="verify outputs")
+    assert_close(pending.conv_state(), window.conv_state(), what="verify leaves the live inputs")
+    for m in range(4):
+        _, want = conv(x[:, :5 + m])
+        assert_close(pending.advance(m).conv_state(), want, what=f"commit {m}")
+    committed = pending.advance(jnp.array([0, 3]))  # rows at different positions
+    y0, _ = conv.step(x[:, 5], committed)
+    assert_close(y0[0], y_all[0, 5], what="row 0 after commit 0")
+    assert_close(y0[1], conv(jnp.concatenate([x[1:, :8], x[1:, 5:6]], axis=1))[0][0, 8], what="row 1 after commit 3")
+    with pytest.raises(ValueError, match="max_window = 3"):
+        conv.verify(x[:, :4], window)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,6 +231,35 @@ def test_attention_extend_with_ragged_lengths():
     assert_close(y[0], full[0, 2:4])
     assert_close(y[1], full[1, 4:6])
     np.testing.assert_array_equal(np.asarray(cache.length), [4, 6])
+
+
+def test_attention_verify_and_commit():
+    """Verify W positions per row at ragged lengths, commit m (0 and W included): outputs and the
+    following decode steps equal the full forward."""
+    layer = randomize(Attention(16, 2, 1, 8, output_gate=True, qk_norm=True, rotary_dim=8), scale=0.2)
+    x = rand(21, (2, 12, 16))
+    full = jax.jit(layer)(x)
+    _, cache = jax.jit(layer.prefill, static_argnums=1)(x[:, :3], 12)
+    pos = np.array([3, 3])
+    for m in ([3, 0], [1, 3], [0, 2]):
+        y, pending = jax.jit(layer.verify)(_ragged(x, pos, 3), cache)
+        assert pending.window == 3
+        np.testing.assert_array_equal(np.asarray(pending.length), pos)
+        assert_close(y, _ragged(full, pos, 3), what=f"verify at {pos}")
+        cache = jax.jit(layer.commit)(pending, jnp.asarray(m, jnp.int32))
+        pos = pos + np.asarray(m)
+        np.testing.assert_array_equal(np.asarray(cache.length), pos)
+    y, cache = jax.jit(layer.decode)(_ragged(x, pos, 1)[:, 0], cache)
+    assert_close(y, _ragged(full, pos, 1)[:, 0], what="decode after commits")
+    with pytest.raises(ValueError, match="no room|KV cache is full"):
+        layer.verify(jnp.zeros((2, 5, 16)), cache)
+    with pytest.raises(ValueError, match="pending verify window"):
+        layer.commit(cache, jnp.array([1, 1]))
+    _, pending = layer.verify(_ragged(x, pos + 1, 2), cache)
+    with pytest.raises(ValueError, match="pending verify window"):
+        layer.decode(x[:, 0], pending)
+    with pytest.raises(ValueError, match=r"`num_accepted` must be in \[0, 2\]"):
+        layer.commit(pending, jnp.array([0, 3]))
 
 
 def test_attention_errors():
@@ -382,7 +441,7 @@ def test_ssm_layer_continuity(name):
         yt, std = decode(std, u[:, t])
         assert_close(yt, full[:, t], what=f"standard step {t}")
     assert_close(std.ssm_state, full_state.ssm_state, what="final ssm_state")
-    assert_close(std.conv_state, full_state.conv_state, what="final conv_state")
+    assert_close(std.conv_state.conv_state(), full_state.conv_state.conv_state(), what="final conv_state")
     # ReplaySSM at buffer lengths 1, 3 (flushes at ragged points) and 8 (no flush); both routes at L = 3
     for L, route in ((1, "output"), (3, "output"), (3, "state"), (8, "output")):
         rep = layer.to_replay(state, L)
@@ -399,6 +458,78 @@ def test_ssm_layer_continuity(name):
     assert_close(s2.ssm_state, full_state.ssm_state)
     with pytest.raises(TypeError, match="SSMLayerState or ReplayLayerState"):
         layer.decode(u[:, 0], KVCache.zeros(2, 4, 1, 1))
+
+
+def _ragged(u, starts, width):
+    """[batch, width, ...]: row b's inputs starts[b] .. starts[b] + width - 1."""
+    return jnp.stack([u[b, s:s + width] for b, s in enumerate(starts)])
+
+
+@pytest.mark.parametrize("name", sorted(SSM_LAYERS))
+@pytest.mark.parametrize("buffer_len", [None, 3, 5], ids=["standard", "replay-L3", "replay-L5"])
+def test_ssm_layer_verify_and_commit(name, buffer_len):
+    """Rounds of verify W = 3 and commit m (rows apart, m = 0 and m = W included), with a decode step
+    between them: every output equals the full prefill's at its position; so does the final state."""
+    layer = SSM_LAYERS[name]()
+    u = rand(19, (2, 16, 24))
+    full, full_state = jax.jit(layer.prefill)(u)
+    _, state = jax.jit(layer.prefill)(u[:, :3])
+    state = layer.with_window(state, 3)
+    if buffer_len:
+        state = layer.to_replay(state, buffer_len)
+    verify, commit = jax.jit(layer.verify), jax.jit(layer.commit)
+    step = jax.jit(lambda s, x: layer.decode(x, s))
+    pos = np.array([3, 3])
+    for m in ([3, 1], [0, 2], "decode", [3, 3], [2, 0], [1, 3]):
+        if m == "decode":
+            y, state = step(state, _ragged(u, pos, 1)[:, 0])
+            assert_close(y, _ragged(full, pos, 1)[:, 0], what=f"decode step at {pos}")
+            pos = pos + 1
+            continue
+        y, pending = verify(_ragged(u, pos, 3), state)
+        assert pending.window == 3
+        assert_close(y, _ragged(full, pos, 3), what=f"verify at {pos}")
+        state = commit(pending, jnp.asarray(m, jnp.int32))
+        assert state.window == 0
+        pos = pos + np.asarray(m)
+        if buffer_len:
+            assert np.all(np.asarray(state.replay.cursor) <= buffer_len)
+    tail = [16 - p for p in pos]
+    assert tail[0] == tail[1], pos  # both rows at the same position: one more verify ends the sequence
+    y, pending = verify(_ragged(u, pos, tail[0]), state)
+    assert_close(y, full[:, 16 - tail[0]:], what="last verify")
+    state = commit(pending, jnp.full((2,), tail[0], jnp.int32))
+    ssm = state.ssm_state if buffer_len is None else (
+        ops.mamba2_replay_materialize(state.replay, layer._op_params()["A"]) if name == "mamba2"
+        else ops.gdn_replay_materialize(state.replay))
+    assert_close(ssm, full_state.ssm_state, what="final ssm_state")
+    assert_close(state.conv_state.conv_state(), full_state.conv_state.conv_state(), what="final conv_state")
+
+
+def test_ssm_layer_verify_errors():
+    layer = mamba2_layer()
+    u = rand(20, (2, 6, 24))
+    _, state = layer.prefill(u[:, :2])
+    with pytest.raises(ValueError, match="max_window = 1"):
+        layer.verify(u[:, 2:4], state)
+    state = layer.with_window(state, 4)
+    with pytest.raises(ValueError, match="buffer length L = 2"):
+        layer.verify(u[:, 2:5], layer.to_replay(state, 2))
+    with pytest.raises(ValueError, match=r"`u` must have shape \[batch, W, hidden\]"):
+        layer.verify(u[:1, 2:4], state)
+    with pytest.raises(ValueError, match="no pending verify window"):
+        layer.commit(state, jnp.array([1, 1]))
+    _, pending = layer.verify(u[:, 2:4], state)
+    with pytest.raises(ValueError, match="pending verify window"):
+        layer.verify(u[:, 2:4], pending)
+    with pytest.raises(ValueError, match="pending verify window"):
+        layer.decode(u[:, 2], pending)
+    with pytest.raises(ValueError, match=r"`num_accepted` must be in \[0, 2\]"):
+        layer.commit(pending, jnp.array([3, 1]))
+    with pytest.raises(ValueError, match="max_window"):
+        layer.with_window(state, 0)
+    # the failed calls left the pending state usable
+    assert layer.commit(pending, jnp.array([2, 0])).window == 0
 
 
 def test_gdn_packed_layout_equals_separate():

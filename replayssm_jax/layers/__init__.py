@@ -5,11 +5,19 @@
 - `Attention`: GQA, partial RoPE, output gate, q/k norms, fixed-length `KVCache`.
 - `MLP` (relu2 / SwiGLU), `MoE` (softmax or sigmoid group-limited top-k, shared expert).
 - `RMSNorm`, `GatedRMSNorm`, `CausalConv1d`, `Linear`, `Embedding`.
-- Decode states: `SSMLayerState`, `ReplayLayerState`, `KVCache`.
+- Decode states: `SSMLayerState`, `ReplayLayerState`, `KVCache`, the conv ring `ConvWindow`;
+  every stateful layer has ``verify`` (W speculative positions) and ``commit``.
 """
 
 from replayssm_jax.layers.attention import Attention, apply_rope, rope_inv_freq
-from replayssm_jax.layers.cache import KVCache, LayerState, ReplayLayerState, SSMLayerState
+from replayssm_jax.layers.cache import (
+    ConvWindow,
+    KVCache,
+    LayerState,
+    ReplayLayerState,
+    SSMLayerState,
+    commit_layer_state,
+)
 from replayssm_jax.layers.conv import CausalConv1d, get_activation
 from replayssm_jax.layers.gdn import GatedDeltaNet
 from replayssm_jax.layers.linear import Embedding, Linear
@@ -19,7 +27,7 @@ from replayssm_jax.layers.norms import GatedRMSNorm, RMSNorm
 
 __all__ = [
     "Attention", "apply_rope", "rope_inv_freq",
-    "KVCache", "LayerState", "ReplayLayerState", "SSMLayerState",
+    "ConvWindow", "KVCache", "LayerState", "ReplayLayerState", "SSMLayerState", "commit_layer_state",
     "CausalConv1d", "get_activation",
     "GatedDeltaNet", "Mamba2Mixer",
     "Embedding", "Linear",

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax.layers.cache import KVCache
+from replayssm_jax.layers.cache import KVCache, check_num_accepted, commit_layer_state
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import RMSNorm
 
@@ -193,6 +193,8 @@ class Attention(nnx.Module):
           (y [batch, T, hidden], cache with the new keys/values written and length += T).
         """
         batch, seqlen, _ = x.shape
+        if cache.window:
+            raise ValueError(f"Attention: `cache` has a pending verify window (W = {cache.window}); commit it first")
         if cache.k.shape[0] != batch or cache.k.shape[2:] != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"Attention: `cache.k` must have shape [batch, max_len, num_kv_heads, head_dim] = "
                              f"({batch}, max_len, {self.num_kv_heads}, {self.head_dim}); got {cache.k.shape}")
@@ -218,3 +220,38 @@ class Attention(nnx.Module):
         """One decode step. x: [batch, hidden] -> (y [batch, hidden], updated cache)."""
         y, cache = self.extend(x[:, None, :], cache)
         return y[:, 0], cache
+
+    def verify(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """W speculative positions: K/V written at length..length+W-1, length not moved.
+
+        Position t of row b has position cache.length[b] + t and attends to the
+        row's cache and to window positions 0..t (causal mask).
+
+        Args:
+          x: [batch, W, hidden].
+          cache: KVCache without a pending window, with room: length + W <= max_len
+            (checked where the lengths are concrete).
+
+        Returns:
+          (y [batch, W, hidden], the cache with K/V written and ``window = W``;
+          `commit` moves the length).
+
+        Raises:
+          ValueError: a pending window, a cache of another shape, or no room.
+        """
+        y, written = self.extend(x, cache)
+        return y, written.replace(length=cache.length, window=x.shape[1])
+
+    def commit(self, cache: KVCache, num_accepted) -> KVCache:
+        """Keep the first `num_accepted` (int[batch], 0..W) positions of the pending window:
+        ``length += num_accepted`` (the rejected K/V are overwritten by later writes).
+
+        Raises:
+          TypeError: non-integer counts.
+          ValueError: no pending window, counts not [batch] or (concrete) outside 0..W.
+        """
+        if not isinstance(cache, KVCache) or cache.window == 0:
+            raise ValueError("Attention.commit: `cache` must be a KVCache with a pending verify window; got "
+                             + ("window = 0" if isinstance(cache, KVCache) else type(cache).__name__))
+        return commit_layer_state(cache, check_num_accepted(num_accepted, cache.k.shape[0], cache.window))
+

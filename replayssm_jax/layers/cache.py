@@ -2,9 +2,9 @@
 
 An SSM layer (Mamba-2 mixer or Gated DeltaNet) decodes from either
 
-- `SSMLayerState`: the standard path: conv_state plus the full recurrent
+- `SSMLayerState`: the standard path: a `ConvWindow` plus the full recurrent
   ``ssm_state``, read and written every step; or
-- `ReplayLayerState`: the ReplaySSM path: conv_state plus a
+- `ReplayLayerState`: the ReplaySSM path: a `ConvWindow` plus a
   `replayssm_jax.state.Mamba2ReplayState` / `GDNReplayState` (checkpoint, ring
   buffer of the last inputs, per-row cursor).
 
@@ -14,6 +14,20 @@ length per sequence. Layers without state (MLP, MoE) use ``None``.
 The layer's ``decode`` method dispatches on the type of the state it is given;
 the choice is static (part of the pytree structure), so one jitted decode step
 serves one path.
+
+Speculative decoding (DESIGN.md sections 3 and 7): a layer's ``verify`` runs W
+positions at once and returns its state with the window *pending*; `commit`
+then keeps the first m of them (m = num_accepted, 0..W per row):
+
+- `ConvWindow`: the W new conv inputs are written into free ring slots; commit
+  moves the ring's start by m (an offset, no copy);
+- `SSMLayerState` (the standard baseline, as vLLM and tpu-inference do it):
+  verify keeps the state after each of the W positions (``pending``, W times
+  the state memory); commit selects the m-th (m = 0: the state before);
+- `ReplayLayerState`: verify writes W records after the cursor; commit is
+  ``cursor += m`` (`replayssm_jax.ops.replay_commit`);
+- `KVCache`: verify writes K/V at length..length+W-1; commit is ``length += m``
+  (the rejected entries are overwritten later).
 """
 
 from __future__ import annotations
@@ -22,9 +36,86 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from replayssm_jax import state as _state
+from replayssm_jax.ops import validate
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
-__all__ = ["SSMLayerState", "ReplayLayerState", "KVCache", "LayerState"]
+__all__ = ["ConvWindow", "SSMLayerState", "ReplayLayerState", "KVCache", "LayerState", "commit_layer_state",
+           "pending_window", "check_num_accepted"]
+
+
+@struct.dataclass
+class ConvWindow:
+    """The last conv inputs of one layer, in a ring that steps and rolls back in place.
+
+    With conv width W (config `conv_kernel`), the live inputs are the last
+    W - 1, at ring slots start, start + 1, ..., start + W - 2 (mod S), oldest
+    first. A decode step writes its input at slot start + W - 1 and moves
+    start by one; a verify of T <= max_window inputs writes them at slots
+    start + W - 1 .. start + W + T - 2 and leaves start alone; a commit of m of
+    them moves start by m. The S = (W - 1) + max_window slots hold the live
+    inputs and a whole window at once, so a commit of 0 still finds the
+    inputs before the window. Every update writes only the new columns.
+
+    Attributes:
+      columns: [batch, S, conv_dim], the ring (time-major, activation dtype).
+      start: i32[batch], ring slot of the oldest live input, in [0, S).
+      width: static int, W.
+    """
+
+    columns: jax.Array
+    start: jax.Array
+    width: int = struct.field(pytree_node=False)
+
+    @property
+    def batch(self) -> int:
+        return self.columns.shape[0]
+
+    @property
+    def slots(self) -> int:
+        """S, the ring length (static)."""
+        return self.columns.shape[1]
+
+    @property
+    def max_window(self) -> int:
+        """The most inputs one verify may write (static): S - (W - 1)."""
+        return self.slots - (self.width - 1)
+
+    @classmethod
+    def from_conv_state(cls, conv_state: jax.Array, max_window: int = 1) -> "ConvWindow":
+        """The ring holding `conv_state` [batch, conv_dim, W - 1] (oldest first) at slots 0..W-2,
+        with room for verify windows of up to `max_window` (>= 1) inputs."""
+        batch, channels, live = conv_state.shape
+        columns = jnp.zeros((batch, live + max_window, channels), conv_state.dtype)
+        columns = columns.at[:, :live].set(jnp.swapaxes(conv_state, 1, 2))
+        return cls(columns=columns, start=jnp.zeros((batch,), jnp.int32), width=live + 1)
+
+    def ring_slots(self, offset: int, count: int) -> jax.Array:
+        """i32[batch, count]: the ring slots of positions offset .. offset + count - 1 after start."""
+        return (self.start[:, None] + offset + jnp.arange(count, dtype=jnp.int32)[None, :]) % self.slots
+
+    def live(self) -> jax.Array:
+        """[batch, W - 1, conv_dim]: the live inputs, oldest first."""
+        return jnp.take_along_axis(self.columns, self.ring_slots(0, self.width - 1)[:, :, None], axis=1)
+
+    def conv_state(self) -> jax.Array:
+        """[batch, conv_dim, W - 1]: the live inputs in the mamba_ssm `conv_state` layout."""
+        return jnp.swapaxes(self.live(), 1, 2)
+
+    def write(self, x: jax.Array) -> "ConvWindow":
+        """Write x [batch, T, conv_dim] (T <= max_window) after the live inputs; start unchanged."""
+        # One select per new column over the ring (elementwise; T <= max_window is small). A scatter at the
+        # per-row slots compiles, in an XLA decode loop on the CPU, to one more copy of the ring per step.
+        slots = self.ring_slots(self.width - 1, x.shape[1])
+        ring = jnp.arange(self.slots, dtype=jnp.int32)[None, :, None]
+        columns = self.columns
+        for t in range(x.shape[1]):
+            columns = jnp.where(ring == slots[:, t, None, None], x[:, t, None, :].astype(columns.dtype), columns)
+        return self.replace(columns=columns)
+
+    def advance(self, count: jax.Array | int) -> "ConvWindow":
+        """Move start by `count` (int or i32[batch]): the newest written inputs become live."""
+        return self.replace(start=(self.start + count) % self.slots)
 
 
 @struct.dataclass
@@ -32,13 +123,22 @@ class SSMLayerState:
     """Standard decode state of one SSM layer.
 
     Attributes:
-      conv_state: [batch, conv_dim, W - 1], the last W - 1 conv inputs (activation dtype).
+      conv_state: `ConvWindow`, the last W - 1 conv inputs.
       ssm_state: the recurrent state, f32 | bf16. Mamba-2: [batch, nheads, head_dim,
         d_state]; GDN: [batch, HV, V, K] (value-major; transformers stores [.., K, V]).
+      pending: None, or after a verify of W positions the states after each of
+        them, [batch, W, ...ssm_state.shape[1:]] of ssm_state's dtype
+        (``ssm_state`` is then still the state before the window).
     """
 
-    conv_state: jax.Array
+    conv_state: ConvWindow
     ssm_state: jax.Array
+    pending: jax.Array | None = None
+
+    @property
+    def window(self) -> int:
+        """The pending verify window W (0 if none; static)."""
+        return 0 if self.pending is None else self.pending.shape[1]
 
 
 @struct.dataclass
@@ -46,13 +146,19 @@ class ReplayLayerState:
     """ReplaySSM decode state of one SSM layer.
 
     Attributes:
-      conv_state: [batch, conv_dim, W - 1].
+      conv_state: `ConvWindow`, the last W - 1 conv inputs.
       replay: Mamba2ReplayState (Mamba-2) or GDNReplayState (GDN); its
-        ``checkpoint`` has the layout of SSMLayerState.ssm_state.
+        ``checkpoint`` has the layout of SSMLayerState.ssm_state and its
+        static ``window`` is the pending verify window (0 if none).
     """
 
-    conv_state: jax.Array
+    conv_state: ConvWindow
     replay: Mamba2ReplayState | GDNReplayState
+
+    @property
+    def window(self) -> int:
+        """The pending verify window W (0 if none; static)."""
+        return self.replay.window
 
 
 @struct.dataclass
@@ -66,11 +172,14 @@ class KVCache:
         written at (and has position) ``length``. Nothing checks for overflow
         under jit: a write at length >= max_len is clamped by XLA onto the last
         slots, so callers size max_len for prompt + new tokens.
+      window: static int, the pending verify window W (0 if none): K/V of
+        positions length..length+W-1 are written, length not yet moved.
     """
 
     k: jax.Array
     v: jax.Array
     length: jax.Array
+    window: int = struct.field(pytree_node=False, default=0)
 
     @property
     def max_len(self) -> int:
@@ -84,3 +193,41 @@ class KVCache:
 
 
 LayerState = SSMLayerState | ReplayLayerState | KVCache | None
+
+
+def pending_window(state: LayerState) -> int:
+    """The pending verify window W of one layer's state (0: none, or a state-less layer; static)."""
+    return 0 if state is None else state.window
+
+
+def commit_layer_state(state: LayerState, num_accepted: jax.Array) -> LayerState:
+    """Keep the first `num_accepted` (i32[batch], clipped to 0..W) positions of a verified window.
+
+    The counts are validated by the callers (`replayssm_jax.layers` ``commit``
+    methods, ``HybridCausalLM.commit``); inside jit they are clipped to 0..W.
+    `SSMLayerState`: the state after m positions (m = 0: the state before);
+    `ReplayLayerState`: ``cursor += m``; `KVCache`: ``length += m``; the
+    conv window's start moves by m. None (MLP, MoE) passes through.
+    """
+    if state is None:
+        return None
+    m = jnp.clip(num_accepted, 0, state.window).astype(jnp.int32)
+    if isinstance(state, KVCache):
+        return state.replace(length=state.length + m, window=0)
+    conv_state = state.conv_state.advance(m)
+    if isinstance(state, ReplayLayerState):
+        return ReplayLayerState(conv_state=conv_state, replay=_state.replay_commit(state.replay, m))
+    after = jnp.take_along_axis(state.pending, jnp.maximum(m - 1, 0).reshape((-1,) + (1,) * (state.pending.ndim - 1)),
+                                axis=1)[:, 0]
+    keep = (m == 0).reshape((-1,) + (1,) * (after.ndim - 1))
+    return SSMLayerState(conv_state=conv_state, ssm_state=jnp.where(keep, state.ssm_state, after))
+
+
+def check_num_accepted(num_accepted, batch: int, window: int) -> jax.Array:
+    """`num_accepted` as i32[batch] in 0..window (values checked where concrete).
+
+    Raises:
+      TypeError: a non-integer dtype.
+      ValueError: another shape, or a concrete count outside 0..window.
+    """
+    return validate.check_int_range("num_accepted", num_accepted, "batch", (batch,), 0, window)

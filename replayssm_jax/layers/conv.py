@@ -6,7 +6,10 @@ Dimension letters: batch, T = seqlen, C = conv_dim (channels), W = conv width
 The conv state holds the last W - 1 *inputs* (before the conv), channel-major:
 ``conv_state: [batch, C, W - 1]``, oldest first. This is mamba_ssm's
 ``causal_conv1d_update`` convention with one slot fewer than transformers'
-cache (which keeps W slots, the oldest of them never read).
+cache (which keeps W slots, the oldest of them never read). The prefill
+(``__call__``) takes and returns that array; the decode step and the verify
+window work on a `replayssm_jax.layers.cache.ConvWindow`, a ring of
+(W - 1) + max_window inputs into which each call writes only its new ones.
 
 Math (torch ``nn.Conv1d(C, C, W, groups=C, padding=W-1)`` cut to the first T
 outputs): with xp = [conv_state ; x] along time,
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from replayssm_jax.layers.cache import ConvWindow
 from replayssm_jax.layers.linear import default_rngs
 
 __all__ = ["CausalConv1d", "ACTIVATIONS"]
@@ -87,6 +91,25 @@ class CausalConv1d(nnx.Module):
             raise ValueError(f"CausalConv1d: `conv_state` must have shape [batch, C, W-1] = {want}; "
                              f"got {conv_state.shape}")
 
+    def _check_window(self, window, batch, seqlen, what):
+        if not isinstance(window, ConvWindow):
+            raise TypeError(f"CausalConv1d.{what}: `conv_state` must be a ConvWindow; got {type(window).__name__}")
+        if window.width != self.kernel_size or window.columns.shape[::2] != (batch, self.channels):
+            raise ValueError(f"CausalConv1d.{what}: `conv_state` must be a ConvWindow of width W = "
+                             f"{self.kernel_size} with columns [batch, S, C] = ({batch}, S, {self.channels}); "
+                             f"got width {window.width}, columns {window.columns.shape}")
+        if seqlen > window.max_window:
+            raise ValueError(f"CausalConv1d.{what}: `x` has {seqlen} positions; the conv window holds at most "
+                             f"max_window = {window.max_window} (prefill with a larger max_window)")
+
+    def _convolve(self, xp, seqlen, dtype):
+        """y [batch, T, C] of `dtype` from xp [batch, W - 1 + T, C] (the inputs before and of the T outputs)."""
+        w = self.weight[...][:, 0, :].astype(jnp.float32)  # [C, W]
+        acc = sum(xp[:, j:j + seqlen, :].astype(jnp.float32) * w[:, j] for j in range(self.kernel_size))
+        if self.bias is not None:
+            acc = acc + self.bias[...].astype(jnp.float32)
+        return self._act(acc).astype(dtype)
+
     def __call__(self, x: jax.Array, conv_state: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Prefill: convolve a whole sequence.
 
@@ -106,34 +129,47 @@ class CausalConv1d(nnx.Module):
             conv_state = self.init_state(batch, x.dtype)
         self._check_state(conv_state, batch)
         xp = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)  # [b, W-1+T, C]
-        w = self.weight[...][:, 0, :]  # [C, W]
-        acc = jnp.zeros((batch, seqlen, channels), jnp.float32)
-        for j in range(width):
-            acc = acc + xp[:, j:j + seqlen, :].astype(jnp.float32) * w[:, j].astype(jnp.float32)
-        if self.bias is not None:
-            acc = acc + self.bias[...].astype(jnp.float32)
-        y = self._act(acc).astype(x.dtype)
         new_state = jnp.swapaxes(xp[:, xp.shape[1] - (width - 1):, :], 1, 2)
-        return y, new_state
+        return self._convolve(xp, seqlen, x.dtype), new_state
 
-    def step(self, x: jax.Array, conv_state: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Decode: one new time step.
+    def verify(self, x: jax.Array, conv_state: ConvWindow) -> tuple[jax.Array, ConvWindow]:
+        """A verify window: T new inputs after the live ones, written into the ring, start unchanged.
+
+        Args:
+          x: [batch, T, C], 1 <= T <= conv_state.max_window.
+          conv_state: `ConvWindow` of this conv's width and channels.
+
+        Returns:
+          (y [batch, T, C] of x.dtype: output t assumes inputs 0..t-1 of the
+          window are accepted; the ConvWindow with the T inputs written, for
+          ``advance(m)`` to keep the first m).
+
+        Raises:
+          TypeError: `conv_state` not a ConvWindow.
+          ValueError: shapes that do not match, or T > max_window.
+        """
+        batch, seqlen, channels = x.shape
+        if channels != self.channels:
+            raise ValueError(f"CausalConv1d.verify: `x` must have shape [batch, T, {self.channels}]; got {x.shape}")
+        self._check_window(conv_state, batch, seqlen, "verify")
+        xp = jnp.concatenate([conv_state.live().astype(x.dtype), x], axis=1)  # [b, W-1+T, C]
+        return self._convolve(xp, seqlen, x.dtype), conv_state.write(x)
+
+    def step(self, x: jax.Array, conv_state: ConvWindow) -> tuple[jax.Array, ConvWindow]:
+        """Decode: one new time step, its input written into the ring in place.
 
         Args:
           x: [batch, C], the new input.
-          conv_state: [batch, C, W - 1].
+          conv_state: `ConvWindow` of this conv's width and channels.
 
         Returns:
-          (y [batch, C] of x.dtype, new conv_state [batch, C, W - 1] of conv_state.dtype).
+          (y [batch, C] of x.dtype, the ConvWindow with x live and the oldest input dropped).
+
+        Raises:
+          TypeError, ValueError: as `verify`.
         """
         batch, channels = x.shape
         if channels != self.channels:
             raise ValueError(f"CausalConv1d.step: `x` must have shape [batch, {self.channels}]; got {x.shape}")
-        self._check_state(conv_state, batch)
-        window = jnp.concatenate([conv_state.astype(jnp.float32), x.astype(jnp.float32)[:, :, None]], axis=2)
-        acc = jnp.sum(window * self.weight[...][:, 0, :].astype(jnp.float32), axis=-1)
-        if self.bias is not None:
-            acc = acc + self.bias[...].astype(jnp.float32)
-        y = self._act(acc).astype(x.dtype)
-        new_state = window[:, :, 1:].astype(conv_state.dtype)
-        return y, new_state
+        y, window = self.verify(x[:, None, :], conv_state)
+        return y[:, 0], window.advance(1)

@@ -25,7 +25,8 @@ Projection layouts:
 The recurrent state is value-major, [batch, HV, V, K] (transformers stores
 [batch, HV, K, V]). The three modes (prefill with ``ops.gdn_chunked``, standard
 decode with ``ops.gdn_step``, ReplaySSM decode with ``ops.gdn_replay_step`` on a
-state from `to_replay`) come from `replayssm_jax.layers.ssm_mixer.SSMMixer`.
+state from `to_replay`) and the speculative `verify` / `commit` come from
+`replayssm_jax.layers.ssm_mixer.SSMMixer`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import ops
-from replayssm_jax.layers.cache import SSMLayerState
+from replayssm_jax.layers.cache import ConvWindow, SSMLayerState
 from replayssm_jax.layers.conv import CausalConv1d
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import GatedRMSNorm
@@ -68,6 +69,7 @@ class GatedDeltaNet(SSMMixer):
     step_op = staticmethod(ops.gdn_step)
     replay_step_op = staticmethod(ops.gdn_replay_step)
     replay_init_op = staticmethod(ops.gdn_replay_init)
+    replay_verify_op = staticmethod(ops.gdn_replay_verify)
 
     def __init__(self, hidden_size: int, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int = 4, packed: bool, norm_eps: float = 1e-6, chunk_size: int = 64,
@@ -161,7 +163,7 @@ class GatedDeltaNet(SSMMixer):
         return self.out_proj(o.reshape(*o.shape[:-2], self.value_dim))
 
     def init_state(self, batch: int, dtype=jnp.float32) -> SSMLayerState:
-        """The state of an empty prefix: zero conv_state [batch, conv_dim, W-1] and ssm_state [batch, HV, V, K]."""
+        """The state of an empty prefix: zero conv window (max_window 1) and ssm_state [batch, HV, V, K]."""
         return SSMLayerState(
-            conv_state=self.conv1d.init_state(batch, dtype),
+            conv_state=ConvWindow.from_conv_state(self.conv1d.init_state(batch, dtype)),
             ssm_state=jnp.zeros((batch, self.num_v_heads, self.head_v_dim, self.head_k_dim), self.ssm_state_dtype))

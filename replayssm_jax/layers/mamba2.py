@@ -16,7 +16,8 @@ d_inner = H * P, conv_dim = d_inner + 2 * G * N.
 
 The three modes (prefill with ``ops.mamba2_chunked``, standard decode with
 ``ops.mamba2_step``, ReplaySSM decode with ``ops.mamba2_replay_step`` on a state
-from `to_replay`) come from `replayssm_jax.layers.ssm_mixer.SSMMixer`.
+from `to_replay`) and the speculative `verify` / `commit` come from
+`replayssm_jax.layers.ssm_mixer.SSMMixer`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import ops
-from replayssm_jax.layers.cache import SSMLayerState
+from replayssm_jax.layers.cache import ConvWindow, SSMLayerState
 from replayssm_jax.layers.conv import CausalConv1d
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import GatedRMSNorm
@@ -65,6 +66,7 @@ class Mamba2Mixer(SSMMixer):
     step_op = staticmethod(ops.mamba2_step)
     replay_step_op = staticmethod(ops.mamba2_replay_step)
     replay_init_op = staticmethod(ops.mamba2_replay_init)
+    replay_verify_op = staticmethod(ops.mamba2_replay_verify)
 
     def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, state_size: int, n_groups: int,
                  conv_kernel: int = 4, use_conv_bias: bool = True, use_bias: bool = False, chunk_size: int = 128,
@@ -126,7 +128,7 @@ class Mamba2Mixer(SSMMixer):
         return self.out_proj(self.norm(y, z))
 
     def init_state(self, batch: int, dtype=jnp.float32) -> SSMLayerState:
-        """The state of an empty prefix: zero conv_state [batch, conv_dim, W-1] and ssm_state [batch, H, P, N]."""
+        """The state of an empty prefix: zero conv window (max_window 1) and ssm_state [batch, H, P, N]."""
         return SSMLayerState(
-            conv_state=self.conv1d.init_state(batch, dtype),
+            conv_state=ConvWindow.from_conv_state(self.conv1d.init_state(batch, dtype)),
             ssm_state=jnp.zeros((batch, self.num_heads, self.head_dim, self.state_size), self.ssm_state_dtype))

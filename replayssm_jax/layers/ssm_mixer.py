@@ -8,9 +8,13 @@ the ops of its layer type in :mod:`replayssm_jax.ops`:
   checkpoint (final SSM state);
 - `decode` with an `SSMLayerState`: one standard step (`step_op`);
 - `decode` with a `ReplayLayerState`: one ReplaySSM step (`replay_step_op`),
-  on a state built by `to_replay` (`replay_init_op`).
+  on a state built by `to_replay` (`replay_init_op`);
+- `verify` of W speculative positions and `commit` of the first m of them
+  (DESIGN.md section 7): with a `ReplayLayerState` the op's verify window
+  (`replay_verify_op`) and ``replay_commit``; with an `SSMLayerState` (the
+  standard baseline) W standard steps whose W states are kept, then the m-th.
 
-A subclass binds those four class attributes to its layer's functions of
+A subclass binds those five class attributes to its layer's functions of
 :mod:`replayssm_jax.ops` and gives `_ssm_inputs` (the projections, conv and
 splits), `_op_params`, `_replay_init_params` and `_finish`.
 """
@@ -25,7 +29,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import ops
-from replayssm_jax.layers.cache import ReplayLayerState, SSMLayerState
+from replayssm_jax.layers.cache import (
+    ConvWindow,
+    ReplayLayerState,
+    SSMLayerState,
+    check_num_accepted,
+    commit_layer_state,
+)
 
 
 class SSMMixer(nnx.Module):
@@ -36,6 +46,7 @@ class SSMMixer(nnx.Module):
     step_op: ClassVar[Callable]  # standard decode: (ssm_state, **inputs, **params) -> (y, ssm_state)
     replay_step_op: ClassVar[Callable]  # ReplaySSM decode: (replay, **inputs, route, **params) -> (y, replay)
     replay_init_op: ClassVar[Callable]  # (checkpoint, buffer_len, heads or groups, buffer_dtype) -> replay state
+    replay_verify_op: ClassVar[Callable]  # (replay, **inputs [batch, W, ...], **params) -> (y, replay with window W)
 
     # Hooks each layer defines (Mamba2Mixer, GatedDeltaNet); the base has no default.
 
@@ -76,12 +87,15 @@ class SSMMixer(nnx.Module):
           [batch, conv_dim, W-1] (u.dtype) and ssm_state = the checkpoint
           (the layer's state layout, ssm_state_dtype)).
         """
-        inputs, z, conv_state = self._ssm_inputs(u, None if state is None else state.conv_state, self.conv1d)
+        if state is not None:
+            _check_state_type(self, state, "prefill", (SSMLayerState,))
+        inputs, z, conv_state = self._ssm_inputs(u, None if state is None else state.conv_state.conv_state(),
+                                                 self.conv1d)
         y, ssm_state = self.chunked_op(None if state is None else state.ssm_state, **inputs,
                                        chunk_size=self.chunk_size,
                                        backend=ops.backend_for(self.chunked_op.__name__, backend),
                                        **self._op_params())
-        return self._finish(y, z), SSMLayerState(conv_state=conv_state,
+        return self._finish(y, z), SSMLayerState(conv_state=ConvWindow.from_conv_state(conv_state),
                                                  ssm_state=ssm_state.astype(self.ssm_state_dtype))
 
     def to_replay(self, state: SSMLayerState, buffer_len: int, buffer_dtype=jnp.float32) -> ReplayLayerState:
@@ -89,6 +103,18 @@ class SSMMixer(nnx.Module):
         return ReplayLayerState(conv_state=state.conv_state,
                                 replay=self.replay_init_op(state.ssm_state, buffer_len, buffer_dtype=buffer_dtype,
                                                            **self._replay_init_params()))
+
+    def with_window(self, state: SSMLayerState | ReplayLayerState, max_window: int):
+        """`state` with a conv window that holds verify windows of up to `max_window` (>= 1) positions.
+
+        Raises:
+          ValueError: max_window < 1, or a state with a pending verify window.
+        """
+        if not isinstance(max_window, int) or max_window < 1:
+            raise ValueError(f"{type(self).__name__}.with_window: `max_window` must be an int >= 1; "
+                             f"got {max_window!r}")
+        _check_state_type(self, state, "with_window", (SSMLayerState, ReplayLayerState))
+        return state.replace(conv_state=ConvWindow.from_conv_state(state.conv_state.conv_state(), max_window))
 
     def decode(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, route: str = "auto",
                backend: str | None = None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
@@ -107,10 +133,9 @@ class SSMMixer(nnx.Module):
 
         Raises:
           TypeError: `state` of another type.
+          ValueError: a state with a pending verify window (commit it first).
         """
-        if not isinstance(state, (SSMLayerState, ReplayLayerState)):
-            raise TypeError(f"{type(self).__name__}.decode: `state` must be SSMLayerState or ReplayLayerState; "
-                            f"got {type(state).__name__}")
+        _check_state_type(self, state, "decode", (SSMLayerState, ReplayLayerState))
         inputs, z, conv_state = self._ssm_inputs(u, state.conv_state, self.conv1d.step)
         if isinstance(state, SSMLayerState):
             y, ssm_state = self.step_op(state.ssm_state, **inputs, backend=backend, **self._op_params())
@@ -120,3 +145,89 @@ class SSMMixer(nnx.Module):
                                             **self._op_params())
             new = ReplayLayerState(conv_state=conv_state, replay=replay)
         return self._finish(y, z), new
+
+    def verify(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *,
+               backend: str | None = None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
+        """W speculative positions at once; the state comes back with the window pending.
+
+        Args:
+          u: [batch, W, hidden], the normalised layer inputs of the W positions;
+            1 <= W <= the conv window's max_window (and <= L for a replay state).
+          state: `SSMLayerState` or `ReplayLayerState` without a pending window.
+          backend: passed to replayssm_jax.ops (the replay verify op runs on
+            ``ops.backend_for``, its reference where it has no kernel).
+
+        Returns:
+          (out [batch, W, hidden], where position t assumes positions 0..t-1
+          are accepted; the state with the window pending: the conv inputs
+          written; `ReplayLayerState`: the W records after the cursor
+          (``replay.window = W``); `SSMLayerState`: ``pending`` = the W states
+          after each position, ``ssm_state`` unchanged). `commit` resolves it.
+
+        Raises:
+          TypeError: `state` of another type.
+          ValueError: a pending window, u not [batch, W, hidden], W above the
+            conv window's max_window or the replay buffer length L.
+        """
+        _check_state_type(self, state, "verify", (SSMLayerState, ReplayLayerState))
+        if u.ndim != 3 or u.shape[0] != state.conv_state.batch or u.shape[1] < 1:
+            raise ValueError(f"{type(self).__name__}.verify: `u` must have shape [batch, W, hidden] with batch = "
+                             f"{state.conv_state.batch}, W >= 1; got {u.shape}")
+        window = u.shape[1]
+        limit = state.conv_state.max_window
+        if isinstance(state, ReplayLayerState):
+            limit = min(limit, state.replay.buffer_len)
+        if window > limit:
+            raise ValueError(f"{type(self).__name__}.verify: the window W = {window} (axis 1 of `u`) must be <= "
+                             f"{limit} (the conv window's max_window = {state.conv_state.max_window}"
+                             + (f", the buffer length L = {state.replay.buffer_len}"
+                                if isinstance(state, ReplayLayerState) else "") + ")")
+        inputs, z, conv_state = self._ssm_inputs(u, state.conv_state, self.conv1d.verify)
+        params = self._op_params()
+        if isinstance(state, ReplayLayerState):
+            y, replay = self.replay_verify_op(state.replay, **inputs, **params,
+                                              backend=ops.backend_for(self.replay_verify_op.__name__, backend))
+            return self._finish(y, z), ReplayLayerState(conv_state=conv_state, replay=replay)
+        ssm_state, ys, states = state.ssm_state, [], []
+        for t in range(window):
+            y, ssm_state = self.step_op(ssm_state, **{k: v[:, t] for k, v in inputs.items()}, backend=backend,
+                                        **params)
+            ys.append(y)
+            states.append(ssm_state)
+        return self._finish(jnp.stack(ys, axis=1), z), SSMLayerState(
+            conv_state=conv_state, ssm_state=state.ssm_state, pending=jnp.stack(states, axis=1))
+
+    def commit(self, state: SSMLayerState | ReplayLayerState, num_accepted) -> SSMLayerState | ReplayLayerState:
+        """Keep the first `num_accepted` positions of the pending verify window.
+
+        Args:
+          state: from `verify` (a pending window W).
+          num_accepted: int[batch], per row in 0..W (checked where concrete;
+            clipped to 0..W inside jit).
+
+        Returns:
+          The state after those positions, no window pending:
+          `SSMLayerState`: the state after position m - 1 (m = 0: the state
+          before the window); `ReplayLayerState`: ``cursor += m``; the conv
+          window's start moved by m.
+
+        Raises:
+          TypeError: `state` of another type, non-integer counts.
+          ValueError: no pending window, counts not [batch] or outside 0..W.
+        """
+        _check_state_type(self, state, "commit", (SSMLayerState, ReplayLayerState), pending=True)
+        return commit_layer_state(state, check_num_accepted(num_accepted, state.conv_state.batch, state.window))
+
+
+def _check_state_type(layer, state, what: str, types: tuple, *, pending: bool = False) -> None:
+    """Raise TypeError unless `state` is one of `types`, ValueError unless it has a pending
+    verify window exactly when `pending`."""
+    if not isinstance(state, types):
+        want = " or ".join(t.__name__ for t in types)
+        raise TypeError(f"{type(layer).__name__}.{what}: `state` must be {want}; got {type(state).__name__}")
+    if pending and state.window == 0:
+        raise ValueError(f"{type(layer).__name__}.{what}: `state` has no pending verify window; call verify first")
+    if not pending and state.window:
+        raise ValueError(f"{type(layer).__name__}.{what}: `state` has a pending verify window (W = {state.window}); "
+                         f"commit it first")
+
