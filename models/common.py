@@ -8,6 +8,10 @@ A model is a Flax NNX module with
 - ``verify(tokens [batch, W], cache) -> (logits [batch, W, vocab], HybridCache with the window pending)``
   and ``commit(cache, num_accepted)``: a speculative round (DESIGN.md section 7).
 
+With ``return_hidden=True``, `prefill` and `decode` also return the hidden state
+after the final norm, the input of the LM head (and of a multi-token prediction
+head, `models.mtp`): ``(logits, hidden, HybridCache)``.
+
 `make_prefill` / `make_decode_step` / `make_verify_step` / `make_commit` wrap
 these as pure functions of ``(params, ...)`` (via ``nnx.split`` / ``nnx.merge``)
 compiled with ``jax.jit``, so that a generation loop can carry the cache
@@ -89,8 +93,9 @@ class HybridCausalLM(nnx.Module):
     ``prefill(h, max_len)``, ``decode(h, state)`` and a ``mixer``).
 
     A subclass sets ``config`` (with ``vocab_size`` and ``layer_types``) and
-    gives `_embed` (int ids -> hidden), `_blocks` (the blocks in order) and
-    `_logits` (final norm and LM head, f32).
+    gives `_embed` (int ids -> hidden), `_blocks` (the blocks in order),
+    `_final_norm` (the model's final norm) and `_lm_head` (normed hidden ->
+    logits f32); `_logits` is the two in a row.
     """
 
     # Hooks each model defines (Nemotron-H, Qwen); the base has no default.
@@ -104,9 +109,17 @@ class HybridCausalLM(nnx.Module):
         """The decoder blocks, in order."""
         raise NotImplementedError(f"{type(self).__name__} must define _blocks")
 
+    def _final_norm(self, h):
+        """hidden [..., hidden] -> the final norm's output [..., hidden]."""
+        raise NotImplementedError(f"{type(self).__name__} must define _final_norm")
+
+    def _lm_head(self, h):
+        """normed hidden [..., hidden] -> logits f32 [..., vocab_size] (the LM head, or the tied embedding)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _lm_head")
+
     def _logits(self, h):
         """hidden -> logits f32 (final norm and LM head)."""
-        raise NotImplementedError(f"{type(self).__name__} must define _logits")
+        return self._lm_head(self._final_norm(h))
 
     def __call__(self, input_ids: jax.Array, *, backend: str | None = None) -> jax.Array:
         """Full causal forward, no cache.
@@ -130,7 +143,7 @@ class HybridCausalLM(nnx.Module):
 
     def prefill(self, input_ids: jax.Array, max_len: int, *, replay_buffer_len: int | None = None,
                 buffer_dtype=jnp.float32, backend: str | None = None, last_logits_only: bool = False,
-                max_window: int = 1) -> tuple[jax.Array, HybridCache]:
+                max_window: int = 1, return_hidden: bool = False):
         """Prompt forward that builds the decode cache.
 
         Args:
@@ -148,10 +161,14 @@ class HybridCausalLM(nnx.Module):
             (static, >= 1; 1: plain decoding). The conv windows hold (width - 1)
             + W inputs, the KV caches max_len + W - 1 positions (a last window
             past max_len tokens), and W <= replay_buffer_len is required.
+          return_hidden: also return the hidden state after the final norm at
+            every position (static).
 
         Returns:
           (logits f32[batch, T, vocab_size] (f32[batch, vocab_size] with
-          last_logits_only), HybridCache with position = T).
+          last_logits_only), HybridCache with position = T); with return_hidden,
+          (logits, hidden [batch, T, hidden_size] after the final norm (every
+          position, also with last_logits_only), HybridCache).
 
         Raises:
           TypeError: `input_ids` not integers.
@@ -177,12 +194,16 @@ class HybridCausalLM(nnx.Module):
             states.append(prefill_layer_states(block.mixer, state, replay_buffer_len=replay_buffer_len,
                                                buffer_dtype=buffer_dtype, max_window=max_window))
         batch, seqlen = ids.shape
+        cache = HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32),
+                            max_window=max_window)
+        if return_hidden:
+            hidden = self._final_norm(h)
+            return self._lm_head(hidden[:, -1] if last_logits_only else hidden), hidden, cache
         logits = self._logits(h[:, -1]) if last_logits_only else self._logits(h)
-        return logits, HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32),
-                                   max_window=max_window)
+        return logits, cache
 
     def decode(self, tokens: jax.Array, cache: HybridCache, *, route: str = "auto",
-               backend: str | None = None) -> tuple[jax.Array, HybridCache]:
+               backend: str | None = None, return_hidden: bool = False):
         """One decode step for every sequence.
 
         Args:
@@ -192,9 +213,12 @@ class HybridCausalLM(nnx.Module):
             "auto": resolved per layer by shape (replayssm_jax.ops.resolve_route: the direct
             route at latency-bound batches, else the output route; the reference takes "output").
           backend: SSM op backend.
+          return_hidden: also return the hidden state after the final norm (static).
 
         Returns:
-          (logits f32[batch, vocab_size] for the next token, updated HybridCache).
+          (logits f32[batch, vocab_size] for the next token, updated HybridCache);
+          with return_hidden, (logits, hidden [batch, hidden_size] after the final
+          norm, HybridCache).
 
         Raises:
           TypeError: `cache` not a HybridCache; `tokens` not integers.
@@ -210,7 +234,11 @@ class HybridCausalLM(nnx.Module):
         for block, state in zip(self._blocks, cache.layers):
             h, state = block.decode(h, state, route=route, backend=backend)
             states.append(state)
-        return self._logits(h), cache.replace(layers=tuple(states), position=cache.position + 1)
+        cache = cache.replace(layers=tuple(states), position=cache.position + 1)
+        if return_hidden:
+            hidden = self._final_norm(h)
+            return self._lm_head(hidden), hidden, cache
+        return self._logits(h), cache
 
     def verify(self, tokens: jax.Array, cache: HybridCache, *,
                backend: str | None = None) -> tuple[jax.Array, HybridCache]:
@@ -359,8 +387,10 @@ def split_params(model: nnx.Module):
 
 
 def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None, buffer_dtype=jnp.float32,
-                 last_logits_only: bool = False, backend: str | None = None, max_window: int = 1):
-    """A jitted ``prefill(params, input_ids) -> (logits, HybridCache)``.
+                 last_logits_only: bool = False, backend: str | None = None, max_window: int = 1,
+                 return_hidden: bool = False):
+    """A jitted ``prefill(params, input_ids) -> (logits, HybridCache)`` (``(logits, hidden,
+    HybridCache)`` with return_hidden, as `HybridCausalLM.prefill`).
 
     Args:
       graphdef: from `split_params`.
@@ -376,20 +406,23 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
     def prefill(params, input_ids):
         model = nnx.merge(graphdef, params)
         return model.prefill(input_ids, max_len, replay_buffer_len=replay_buffer_len, buffer_dtype=buffer_dtype,
-                             backend=backend, last_logits_only=last_logits_only, max_window=max_window)
+                             backend=backend, last_logits_only=last_logits_only, max_window=max_window,
+                             return_hidden=return_hidden)
 
     return prefill
 
 
-def make_decode_step(graphdef, *, route: str = "auto", backend: str | None = None, donate_cache: bool = False):
-    """A jitted ``decode_step(params, cache, tokens) -> (logits [batch, vocab], HybridCache)``.
+def make_decode_step(graphdef, *, route: str = "auto", backend: str | None = None, donate_cache: bool = False,
+                     return_hidden: bool = False):
+    """A jitted ``decode_step(params, cache, tokens) -> (logits [batch, vocab], HybridCache)``
+    (``(logits, hidden [batch, hidden], HybridCache)`` with return_hidden, as `HybridCausalLM.decode`).
 
     ``donate_cache=True`` donates the cache argument (in-place state updates on GPU).
     """
 
     def decode_step(params, cache, tokens):
         model = nnx.merge(graphdef, params)
-        return model.decode(tokens, cache, route=route, backend=backend)
+        return model.decode(tokens, cache, route=route, backend=backend, return_hidden=return_hidden)
 
     return jax.jit(decode_step, donate_argnums=(1,) if donate_cache else ())
 

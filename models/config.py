@@ -104,6 +104,8 @@ _NEMOTRON_TYPE_NAMES = {
     "mlp": "mlp", "-": "mlp",
     "moe": "moe", "E": "moe",
 }
+#: transformers' default ``mtp_layers_block_type``: one attention block, then one MoE block.
+_DEFAULT_MTP_LAYER_TYPES = ("attention", "moe")
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,12 @@ class NemotronHConfig:
 
     ``mamba_norm_group_size``: transformers' Nemotron-H normalises the gated
     RMSNorm per group (d_inner // n_groups); its plain Mamba2 over all of d_inner.
+
+    Multi-token prediction (`models.mtp`, loaded with ``load_model(path, mtp=True)``):
+    ``num_nextn_predict_layers`` (default 0: none) MTP steps, each a stack of blocks of
+    ``mtp_layer_types`` (config.json ``mtp_layers_block_type``, or the legacy
+    ``mtp_hybrid_override_pattern`` string; transformers' default ["attention", "moe"]),
+    read as transformers reads them; the pattern only where MTP layers are declared.
 
     Required config.json keys (aliases in parentheses), read where the layer
     types use them. Nemotron-H: ``vocab_size``, ``hidden_size``, the layer
@@ -183,6 +191,9 @@ class NemotronHConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    # multi-token prediction (models.mtp)
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = _DEFAULT_MTP_LAYER_TYPES
 
     @property
     def num_hidden_layers(self) -> int:
@@ -204,26 +215,20 @@ class NemotronHConfig:
             raise ConfigError(f"{source}: NemotronHConfig reads model_type 'nemotron_h' or 'mamba2'; "
                               f"found {model_type!r}")
         hidden = r.size("hidden_size")
-        if r.has("layers_block_type", "layer_types"):
-            raw = r.get("layers_block_type", "layer_types", kind=list)
-            key = "layers_block_type"
-        elif r.has("hybrid_override_pattern"):
-            raw = list(r.get("hybrid_override_pattern", kind=str))
-            key = "hybrid_override_pattern"
-        else:
+        key, layer_types = cls._block_types(r, ("layers_block_type", "layer_types"), "hybrid_override_pattern")
+        if layer_types is None:
             raise missing_key(source, ("layers_block_type", "layer_types", "hybrid_override_pattern"))
-        layer_types = []
-        for i, name in enumerate(raw):
-            if name not in _NEMOTRON_TYPE_NAMES:
-                raise ConfigError(f"{source}: key {key!r}: unknown layer type {name!r} at layer {i}; expected one of "
-                                  f"'linear_attention', 'full_attention', 'mlp', 'moe' (or M, *, -, E)")
-            layer_types.append(_NEMOTRON_TYPE_NAMES[name])
-        if not layer_types:
-            raise ConfigError(f"{source}: key {key!r} lists no layers")
         if r.has("num_hidden_layers") and r.get("num_hidden_layers", kind=int) != len(layer_types):
             raise ConfigError(f"{source}: 'num_hidden_layers' = {d['num_hidden_layers']} does not match the "
                               f"{len(layer_types)} layers of {key!r}")
-        kinds = set(layer_types)
+        mtp_layers = r.get("num_nextn_predict_layers", kind=int, default=0)
+        if mtp_layers < 0:
+            raise ConfigError(f"{source}: key 'num_nextn_predict_layers' must be >= 0; found {mtp_layers}")
+        mtp_types = _DEFAULT_MTP_LAYER_TYPES
+        if mtp_layers:  # transformers reads the MTP pattern only when MTP layers are declared
+            mtp_types = cls._block_types(r, ("mtp_layers_block_type",), "mtp_hybrid_override_pattern")[1]
+            mtp_types = _DEFAULT_MTP_LAYER_TYPES if mtp_types is None else mtp_types
+        kinds = set(layer_types) | (set(mtp_types) if mtp_layers else set())
         mamba = "mamba" in kinds
 
         def mamba_size(*keys):  # required with Mamba-2 layers; unused (0) without
@@ -234,7 +239,7 @@ class NemotronHConfig:
         n_groups = mamba_size("n_groups", "mamba_n_groups")
         fields = dict(
             model_type=model_type, vocab_size=r.size("vocab_size"),
-            hidden_size=hidden, layer_types=tuple(layer_types),
+            hidden_size=hidden, layer_types=layer_types,
             layer_norm_epsilon=r.get("layer_norm_epsilon", kind=float, default=1e-5),
             tie_word_embeddings=r.get("tie_word_embeddings", kind=bool, default=False),
             residual_in_fp32=r.get("residual_in_fp32", kind=bool, default=False),
@@ -247,6 +252,7 @@ class NemotronHConfig:
             dt_limit=cls._time_step_limit(r),
             mamba_norm_group_size=0,
             mamba_hidden_act=r.get("mamba_hidden_act", kind=str, default="silu"),
+            num_nextn_predict_layers=mtp_layers, mtp_layer_types=mtp_types,
         )
         if mamba:
             r.divides(n_groups, "n_groups", heads, "mamba_num_heads")
@@ -282,6 +288,30 @@ class NemotronHConfig:
                 topk_group=topk_group, norm_topk_prob=r.get("norm_topk_prob", kind=bool, default=True),
                 routed_scaling_factor=r.get("routed_scaling_factor", kind=float, default=1.0))
         return cls(**fields)
+
+    @staticmethod
+    def _block_types(r: _Reader, list_keys: tuple[str, ...], pattern_key: str):
+        """(key, layer types) of a block pattern given as a list under `list_keys` or as a
+        legacy pattern string under `pattern_key`; (None, None) if neither is present.
+
+        Raises:
+          ConfigError: an unknown layer type or an empty pattern, naming the key.
+        """
+        if r.has(*list_keys):
+            key, raw = list_keys[0], r.get(*list_keys, kind=list)
+        elif r.has(pattern_key):
+            key, raw = pattern_key, list(r.get(pattern_key, kind=str))
+        else:
+            return None, None
+        types = []
+        for i, name in enumerate(raw):
+            if not isinstance(name, str) or name not in _NEMOTRON_TYPE_NAMES:
+                raise ConfigError(f"{r.source}: key {key!r}: unknown layer type {name!r} at layer {i}; expected one "
+                                  f"of 'linear_attention', 'full_attention', 'mlp', 'moe' (or M, *, -, E)")
+            types.append(_NEMOTRON_TYPE_NAMES[name])
+        if not types:
+            raise ConfigError(f"{r.source}: key {key!r} lists no layers")
+        return key, tuple(types)
 
     @staticmethod
     def _time_step_limit(r: _Reader) -> tuple[float, float]:
@@ -356,6 +386,14 @@ class QwenHybridConfig:
     "silu", ``attention_bias`` False, ``attn_output_gate`` True,
     ``linear_conv_kernel_dim`` 4, ``rope_theta`` 10000, ``partial_rotary_factor``
     0.25, ``decoder_sparse_step`` 1, ``mlp_only_layers`` [], ``norm_topk_prob`` True.
+
+    Multi-token prediction (`models.mtp`, loaded with ``load_model(path, mtp=True)``):
+    ``mtp_num_hidden_layers``, the number of MTP decoder layers (config.json
+    ``mtp_num_hidden_layers``, as Qwen3.5 checkpoints write it, or
+    ``num_nextn_predict_layers``, the name vLLM reads for Qwen3-Next; where neither is
+    present, 1, vLLM's default: Qwen3-Next's published config.json declares none, its
+    checkpoint holds one). ``mtp_use_dedicated_embeddings``: the head has its own
+    embedding table (default False: it shares the model's).
     """
 
     model_type: str
@@ -388,6 +426,9 @@ class QwenHybridConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # multi-token prediction (models.mtp)
+    mtp_num_hidden_layers: int = 1
+    mtp_use_dedicated_embeddings: bool = False
 
     @property
     def num_hidden_layers(self) -> int:
@@ -466,7 +507,12 @@ class QwenHybridConfig:
                                               "linear_conv_kernel_dim"),
             gdn_packed=(model_type == "qwen3_next"),
             intermediate_size=0,
+            mtp_num_hidden_layers=r.get("mtp_num_hidden_layers", "num_nextn_predict_layers", kind=int, default=1),
+            mtp_use_dedicated_embeddings=r.get("mtp_use_dedicated_embeddings", kind=bool, default=False),
         )
+        if fields["mtp_num_hidden_layers"] < 0:
+            raise ConfigError(f"{source}: key 'mtp_num_hidden_layers' must be >= 0; found "
+                              f"{fields['mtp_num_hidden_layers']}")
         if model_type == "qwen3_next":
             n_exp = r.get("num_experts", kind=int)
             step = r.get("decoder_sparse_step", kind=int, default=1)

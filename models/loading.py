@@ -8,7 +8,8 @@ and fills every parameter from the checkpoint by name.
 
 The name mapping is strict: a parameter without a tensor, a tensor that no
 parameter takes (beyond the documented ignores, e.g. ``mtp.*`` multi-token
-prediction heads that transformers also skips) and a tensor of the wrong shape
+prediction heads that transformers also skips, unless ``mtp=True`` asks for the
+head: `models.mtp`) and a tensor of the wrong shape
 each raise `CheckpointError` naming the file, the key and the shapes; so does a
 tensor holding NaN or inf (checked as each tensor is read).
 
@@ -30,6 +31,8 @@ from safetensors import SafetensorError, safe_open
 
 from models import registry
 from models.config import ConfigError
+from models.mtp import add_mtp_head
+from models.mtp import check_config as check_mtp_config
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "TensorSource", "read_config", "read_json_object",
            "check_folder", "load_params", "load_model", "check_dtypes", "SUPPORTED_DTYPES"]
@@ -281,7 +284,7 @@ def _dtype_or_none(value):
         return None
 
 
-def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float32) -> nnx.Module:
+def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float32, mtp: bool = False) -> nnx.Module:
     """Load a Hugging Face checkpoint folder as a Flax NNX model.
 
     The model family is the one registered for config.json's ``model_type``
@@ -295,6 +298,10 @@ def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float
         dt_bias, D and the router bias stay float32). float16 is refused.
       ssm_state_dtype: dtype of the SSM states / checkpoints kept between decode
         steps: float32 or bfloat16.
+      mtp: also load the multi-token prediction head from the ``mtp.*`` tensors
+        (as ``model.mtp``, `models.mtp`; parameter names = tensor names, every
+        tensor used, shapes checked as for the rest). False: they are skipped
+        and ``model.mtp`` is None.
 
     Returns:
       `models.nemotron_h.NemotronHForCausalLM` (model_type "nemotron_h", "mamba2") or
@@ -305,16 +312,53 @@ def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float
       ConfigError: unknown model_type or layer type, a missing required key (named
         with its aliases), a malformed key.
       CheckpointError: missing or unexpected tensors, shape or dtype mismatches,
-        NaN or inf in a tensor, unreadable safetensors files.
-      TypeError: a `dtype` other than None, float32, bfloat16, or an
-        `ssm_state_dtype` other than float32, bfloat16.
+        NaN or inf in a tensor, unreadable safetensors files; with mtp=True, a
+        checkpoint without ``mtp.*`` tensors (naming the folder and the prefix).
+      ConfigError: with mtp=True, a config that declares no MTP head (or one of
+        another form, `models.mtp.check_config`).
+      TypeError: a `dtype` other than None, float32, bfloat16, an
+        `ssm_state_dtype` other than float32, bfloat16, or a non-bool `mtp`.
     """
     check_dtypes(dtype, ssm_state_dtype)
+    if not isinstance(mtp, bool):
+        raise TypeError(f"`mtp` must be a bool; got {type(mtp).__name__} {mtp!r}")
     cfg = read_config(path)
     model_type = cfg.get("model_type")
-    family, config = registry.parse(cfg, source=os.path.join(os.fspath(path), "config.json"))
+    source = os.path.join(os.fspath(path), "config.json")
+    family, config = registry.parse(cfg, source=source)
     src = TensorSource(path)
-    return load_params(
-        lambda: family.model_class(config, ssm_state_dtype=ssm_state_dtype, param_dtype=dtype or jnp.float32),
-        src, checkpoint_key=family.weight_map(config, model_type), dtype=dtype,
-        model_name=family.class_names[model_type])
+    param_dtype = dtype or jnp.float32
+
+    def build():
+        return family.model_class(config, ssm_state_dtype=ssm_state_dtype, param_dtype=param_dtype)
+
+    checkpoint_key = family.weight_map(config, model_type)
+    if mtp:
+        build, checkpoint_key = _with_mtp_head(build, checkpoint_key, config, src, source, param_dtype)
+    return load_params(build, src, checkpoint_key=checkpoint_key, dtype=dtype,
+                       model_name=family.class_names[model_type])
+
+
+#: The prefix of the multi-token prediction head's tensors (Qwen3-Next, Qwen3.5, Nemotron-H).
+MTP_PREFIX = "mtp."
+
+
+def _with_mtp_head(build, checkpoint_key, config, src: TensorSource, source: str, param_dtype):
+    """(model factory, name mapping) that add the MTP head and read its ``mtp.*`` tensors by their names.
+
+    Raises:
+      ConfigError: the config declares no MTP head this package builds.
+      CheckpointError: no ``mtp.*`` tensor in `src`.
+    """
+    check_mtp_config(config, source)
+    if not any(key.startswith(MTP_PREFIX) for key in src.keys()):
+        raise CheckpointError(f"{src.path} ({_describe(src)}): mtp=True, but the checkpoint has no tensors under "
+                              f"the prefix {MTP_PREFIX!r} (the multi-token prediction head)")
+
+    def build_with_head():
+        return add_mtp_head(build(), param_dtype=param_dtype)
+
+    def key_with_head(key: str) -> str | None:
+        return key if key.startswith(MTP_PREFIX) else checkpoint_key(key)
+
+    return build_with_head, key_with_head

@@ -141,7 +141,9 @@ class NemotronHForCausalLM(HybridCausalLM):
       ssm_state_dtype: dtype of the Mamba-2 ssm_state / checkpoint between decode steps.
       param_dtype: dtype of freshly initialised parameters (loading keeps the checkpoint's).
 
-    Parameters: ``backbone`` (`NemotronHBackbone`), ``lm_head`` (absent when tied).
+    Parameters: ``backbone`` (`NemotronHBackbone`), ``lm_head`` (absent when tied),
+    ``mtp`` (the multi-token prediction head `models.mtp.NemotronHMTPHead`; None
+    unless loaded with ``load_model(path, mtp=True)``).
     """
 
     def __init__(self, config: NemotronHConfig, *, ssm_state_dtype=jnp.float32, param_dtype=jnp.float32,
@@ -152,9 +154,12 @@ class NemotronHForCausalLM(HybridCausalLM):
                                           rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, param_dtype=param_dtype, rngs=rngs)
+        self.mtp = None
 
-    def _logits(self, h):
-        h = self.backbone.norm_f(h)
+    def _final_norm(self, h):
+        return self.backbone.norm_f(h)
+
+    def _lm_head(self, h):
         if self.lm_head is None:
             return self.backbone.embeddings.attend(h).astype(jnp.float32)
         return self.lm_head(h.astype(self.lm_head.weight[...].dtype)).astype(jnp.float32)
@@ -171,7 +176,8 @@ def weight_map(config: NemotronHConfig, model_type: str):
     """The checkpoint tensor name -> parameter name mapping of a Nemotron-H or Mamba2ForCausalLM checkpoint.
 
     Checkpoint names: ``backbone.*`` (``model.*`` is accepted as an alias),
-    ``lm_head.weight``; ``mtp.*`` (multi-token prediction) is skipped, as is
+    ``lm_head.weight``; ``mtp.*`` (multi-token prediction) is skipped (`models.load_model`
+    with ``mtp=True`` reads them as the head's parameters, by the same names), as is
     ``lm_head.weight`` of a tied model; Mamba2's legacy ``backbone.embedding.weight``
     is read as ``backbone.embeddings.weight``.
     """

@@ -135,7 +135,9 @@ class QwenHybridForCausalLM(HybridCausalLM):
       ssm_state_dtype: dtype of the GDN ssm_state / checkpoint between decode steps.
       param_dtype: dtype of freshly initialised parameters (loading keeps the checkpoint's).
 
-    Parameters: ``model`` (`QwenModel`), ``lm_head`` (absent when tied).
+    Parameters: ``model`` (`QwenModel`), ``lm_head`` (absent when tied), ``mtp``
+    (the multi-token prediction head `models.mtp.QwenMTPHead`; None unless loaded
+    with ``load_model(path, mtp=True)``).
     """
 
     def __init__(self, config: QwenHybridConfig, *, ssm_state_dtype=jnp.float32, param_dtype=jnp.float32,
@@ -145,9 +147,12 @@ class QwenHybridForCausalLM(HybridCausalLM):
         self.model = QwenModel(config, ssm_state_dtype=ssm_state_dtype, param_dtype=param_dtype, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, param_dtype=param_dtype, rngs=rngs)
+        self.mtp = None
 
-    def _logits(self, h):
-        h = self.model.norm(h)
+    def _final_norm(self, h):
+        return self.model.norm(h)
+
+    def _lm_head(self, h):
         if self.lm_head is None:
             return self.model.embed_tokens.attend(h).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
@@ -164,7 +169,8 @@ def weight_map(config: QwenHybridConfig, model_type: str):
     """The checkpoint tensor name -> parameter name mapping of a Qwen3-Next or Qwen3.5 checkpoint.
 
     Checkpoint names: ``model.*``, ``lm_head.weight``. Skipped on purpose: ``mtp.*``
-    (multi-token prediction), ``lm_head.weight`` of a tied model, and for the
+    (multi-token prediction; `models.load_model` with ``mtp=True`` reads them as
+    the head's parameters, by the same names), ``lm_head.weight`` of a tied model, and for the
     multimodal Qwen3.5 wrapper (model_type "qwen3_5") the vision tower
     ``model.visual.*``; its ``model.language_model.*`` is read as ``model.*``.
     """

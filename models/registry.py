@@ -31,7 +31,8 @@ class Family:
         ssm_state_dtype, param_dtype, rngs)``.
       weight_map: ``weight_map(config, model_type)`` -> a function from a
         checkpoint tensor name to the model's parameter name, or None for a
-        tensor skipped on purpose (``mtp.*`` heads, a tied ``lm_head.weight``).
+        tensor skipped on purpose (``mtp.*`` heads, which ``load_model(path,
+        mtp=True)`` reads by their own names instead; a tied ``lm_head.weight``).
     """
 
     class_names: Mapping[str, str]
