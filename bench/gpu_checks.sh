@@ -13,7 +13,7 @@ mkdir -p "$out"
 
 # 14 pytest workers share the GPU (no preallocation): compiling the kernels is the slow part
 # (16 cores on the H200 machine; the 139 tests took 167 s on 2026-11-30).
-XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -m gpu tests/test_kernels.py tests/test_inplace_hlo.py \
+XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -m gpu tests/test_kernels.py tests/test_inplace_hlo.py tests/test_verify_kernels.py \
   -q -n 14 -p no:benchmark -W ignore::DeprecationWarning 2>&1 | tee "$out/gpu_tests.log" | tail -3
 
 ids() { python3 -c "import numpy as n; r = n.load('$1')['prompt_ids']; print(';'.join(','.join(map(str, x)) for x in r))"; }
