@@ -12,19 +12,36 @@ import argparse
 import json
 import os
 import sys
+import unicodedata
 from importlib import resources
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from replayssm_jax import ops
 from replayssm_jax.ops import ROUTES
-from replayssm_jax.generation import STATES, GenerationError, Generator
+from replayssm_jax.generation import (
+    STATES,
+    GenerationError,
+    Generator,
+    default_compile_cache,
+    format_bytes,
+    free_memory,
+    set_compile_cache,
+    status,
+)
 from replayssm_jax.sampling import SamplingParams
+from replayssm_jax.text import ChatTemplate, TextError, TextStream, Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_PROMPT = "ReplaySSM keeps the state as a checkpoint"
+DEFAULT_BUFFER_LEN = 16
+
+# Why --compare may find different tokens: printed with the first difference, and in the README.
+NEAR_TIES = ("ReplaySSM computes the same recurrence as the standard state with its sums in another order, so the "
+             "logits differ by rounding (in bfloat16 about 1e-2 relative, in float32 about 1e-6); where the two "
+             "most likely tokens nearly tie, greedy decoding can pick the other one, and the sequences go apart "
+             "from there. The tokens before that position are identical.")
 
 
 def default_checkpoint() -> str:
@@ -43,7 +60,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options (see the README's "Generating" section); its errors raise UsageError."""
     p = _Parser(prog="replayssm-generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=None, help="checkpoint folder (config.json + safetensors); default: the shipped tiny Nemotron-H")
     p.add_argument("--random-weights", action="store_true",
@@ -51,214 +69,397 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text (tokenizer.json if the checkpoint has one, else UTF-8 bytes as ids)")
     src.add_argument("--prompt-ids", default=None, help='token ids, rows separated by ";" and ids by ",": "1,2,3;4,5"')
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--state", choices=STATES, default="replay")
-    p.add_argument("--buffer-len", type=int, default=16, help="ReplaySSM buffer length L")
-    p.add_argument("--route", choices=ROUTES, default="auto",
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the checkpoint's chat template (tokenizer_config.json)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    p.add_argument("--state", choices=STATES, default=None, help="default: replay")
+    p.add_argument("--buffer-len", type=int, default=None, help=f"ReplaySSM buffer length L (default {DEFAULT_BUFFER_LEN})")
+    p.add_argument("--route", choices=ROUTES, default=None,
                    help="ReplaySSM step route: output or state (buffered steps, same numbers), direct (the state "
                         "written every step; for batches of 1-4 rows, where buffering saves nothing), or auto "
                         "(default: the kernels pick direct where their grid is latency-bound, else output)")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (weights and activations)")
     p.add_argument("--backend", default=None, help="SSM op backend: pallas, interpret or xla (default: pallas on GPU, else xla)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--stop", default=None, help="comma-separated stop token ids (default: the config's eos_token_id)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (and of --random-weights)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy (default: generation_config.json's, greedy without one)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1.0: all)")
+    p.add_argument("--stop", default=None,
+                   help="comma-separated stop token ids; '' for none (default: the checkpoint's eos_token_id)")
+    p.add_argument("--block-size", type=int, default=16, help="decode steps per compiled block (default 16)")
     p.add_argument("--compare", action="store_true", help="run standard and replay; report identical tokens and the speed ratio")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    return p.parse_args(argv)
+    p.add_argument("--new-only", action="store_true", help="print only the generated tokens, not the prompt")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--compile-cache", default=None, metavar="DIR",
+                       help="JAX's persistent compilation cache (default: $XDG_CACHE_HOME/replayssm-jax/jax, "
+                            "~/.cache/replayssm-jax/jax)")
+    cache.add_argument("--no-compile-cache", action="store_true", help="compile without the persistent cache")
+    p.add_argument("--no-progress", action="store_true", help="no status lines or progress bar on stderr")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The parsed options; raises UsageError."""
+    return build_parser().parse_args(argv)
+
+
+def _warn(message: str) -> None:
+    print(f"replayssm-generate: warning: {message}", file=sys.stderr)
+
+
+def _int_list(text: str) -> list[int] | None:
+    """The comma-separated integers of `text`, or None if an item is not one."""
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        return None
 
 
 def _parse_prompt_ids(text: str) -> list[list[int]]:
     rows = []
     for i, row in enumerate(text.split(";")):
-        try:
-            ids = [int(t) for t in row.split(",") if t.strip()]
-        except ValueError:
-            raise UsageError(f"--prompt-ids: row {i} ({row!r}) is not a comma-separated list of integers") from None
-        if not ids:
+        if not row.strip():
             raise UsageError(f"--prompt-ids: row {i} is empty")
+        ids = _int_list(row)
+        if ids is None:
+            raise UsageError(f"--prompt-ids: row {i} ({row!r}) is not a comma-separated list of integers")
         rows.append(ids)
     return rows
 
 
-class Tokenizer:
-    """tokenizer.json through the `tokenizers` library, or UTF-8 bytes as ids."""
-
-    def __init__(self, checkpoint: str, vocab_size: int):
-        path = os.path.join(checkpoint, "tokenizer.json")
-        self.hf = None
-        if os.path.exists(path):
-            from tokenizers import Tokenizer as HFTokenizer
-
-            self.hf = HFTokenizer.from_file(path)
-        self.vocab_size = vocab_size
-
-    @property
-    def kind(self) -> str:
-        return "tokenizer.json" if self.hf else "utf-8 bytes"
-
-    def encode(self, text: str) -> list[int]:
-        if not text:
-            raise UsageError("--prompt is empty")
-        ids = self.hf.encode(text).ids if self.hf else list(text.encode("utf-8"))
-        if not ids:
-            raise UsageError("--prompt gives no tokens")
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        if self.hf:
-            return self.hf.decode(ids)
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+def _check_ids(rows: list[list[int]], vocab: int, name) -> None:
+    """Raise UsageError for an id outside [0, vocab); `name(i)` names row i."""
+    for i, ids in enumerate(rows):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UsageError(f"{name(i)} has token id {bad} outside the vocabulary [0, {vocab})")
 
 
-def _stop_tokens(args, config) -> list[int]:
-    if args.stop is not None:
-        try:
-            return [int(t) for t in args.stop.split(",") if t.strip()]
-        except ValueError:
-            raise UsageError(f"--stop must be comma-separated integers; got {args.stop!r}") from None
-    eos = getattr(config, "eos_token_id", None)
-    return [] if eos is None else list(np.atleast_1d(eos).tolist())
+def _stop_tokens(text: str | None, generation_config) -> list[int]:
+    if text is None:
+        return list(generation_config.eos_token_id or ())
+    if not text.strip():
+        return []
+    ids = _int_list(text)
+    if ids is None:
+        raise UsageError(f"--stop must be comma-separated token ids ('' for none); got {text!r}")
+    return ids
 
 
-def _check_args(args):
+def _flag_names(message: str) -> str:
+    """Generator's argument names as this command's options, for its error messages."""
+    for name, flag in (("`buffer_len`", "--buffer-len"), ("`max_new_tokens`", "--max-new-tokens"),
+                       ("`stop_tokens`", "--stop"), ("`seed`", "--seed"), ("`block_size`", "--block-size"),
+                       ("`temperature`", "--temperature"), ("`top_k`", "--top-k"), ("`top_p`", "--top-p"),
+                       ("`prompts`", "the prompts")):
+        message = message.replace(name, flag)
+    return message
+
+
+def _check_args(args) -> list[str]:
+    """Validate the options that need no file; return the states to run."""
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}; got {args.dtype!r}")
     if args.backend is not None and args.backend not in ops.BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(ops.BACKENDS)}; got {args.backend!r}")
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}")
-    if args.buffer_len < 1 and (args.state == "replay" or args.compare):  # the standard state has no buffer
-        raise UsageError(f"--buffer-len must be >= 1; got {args.buffer_len}")
+    if args.block_size < 1:
+        raise UsageError(f"--block-size must be >= 1; got {args.block_size}")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32); got {args.seed}")
-    if args.temperature == 0 and (args.top_k or args.top_p < 1.0):
-        raise UsageError("--top-k and --top-p apply to sampling: give --temperature > 0 with them")
+    if args.compare and args.state is not None:
+        raise UsageError(f"--compare runs both states: leave out --state (got --state {args.state})")
+    if args.chat and args.prompt_ids is not None:
+        raise UsageError("--chat applies the chat template to text: give --prompt, not --prompt-ids")
+    states = ["standard", "replay"] if args.compare else [args.state or "replay"]
+    if states == ["standard"]:
+        for flag, value in (("--buffer-len", args.buffer_len), ("--route", args.route)):
+            if value is not None:
+                _warn(f"{flag} applies to --state replay only; the standard state ignores it")
+    elif args.buffer_len is not None and args.buffer_len < 1:
+        raise UsageError(f"--buffer-len must be >= 1; got {args.buffer_len}")
+    if args.new_only and args.json:
+        _warn("--new-only applies to the text output; the JSON has both generated_ids and new_ids")
+    return states
+
+
+def _sampling(args, generation_config, checkpoint) -> SamplingParams:
     try:
-        return SamplingParams(args.temperature, args.top_k, args.top_p)
+        SamplingParams.from_generation_config(generation_config)
     except ValueError as e:
-        raise UsageError(str(e).replace("`temperature`", "--temperature").replace("`top_k`", "--top-k")
-                         .replace("`top_p`", "--top-p")) from None
+        raise UsageError(f"{checkpoint}/generation_config.json: bad sampling defaults: {e}") from None
+    try:
+        return SamplingParams.from_generation_config(generation_config, temperature=args.temperature,
+                                                     top_k=args.top_k, top_p=args.top_p)
+    except ValueError as e:
+        raise UsageError(_flag_names(str(e))) from None
 
 
-def _run(model, prompts, args, state, sampling, stop, backend):
-    gen = Generator(model, state=state, buffer_len=args.buffer_len, backend=backend, route=args.route)
-    out = gen.generate(prompts, args.max_new_tokens, sampling=sampling, seed=args.seed, stop_tokens=stop,
-                       progress=False if args.no_progress or args.json else None)
-    return out
+def _prompts(args, checkpoint, vocab) -> tuple[list[list[int]], Tokenizer | None]:
+    """The prompt ids, and the tokenizer that decodes the output (None: ids only)."""
+    has_tokenizer = os.path.exists(os.path.join(checkpoint, "tokenizer.json"))
+    if args.prompt_ids is not None:
+        prompts = _parse_prompt_ids(args.prompt_ids)
+        _check_ids(prompts, vocab, lambda i: f"`--prompt-ids row {i}`")
+        return prompts, Tokenizer(checkpoint) if has_tokenizer or vocab >= 256 else None
+    tokenizer = Tokenizer(checkpoint)
+    if tokenizer.hf is None and vocab < 256:
+        raise UsageError(f"the checkpoint has no tokenizer.json and a vocabulary of {vocab} < 256 byte ids: use --prompt-ids")
+    text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if args.chat:
+        tokenizer.encode(text, what="--prompt")  # not empty, valid UTF-8
+        try:
+            text = ChatTemplate(checkpoint).render([{"role": "user", "content": text}])
+        except TextError as e:
+            raise UsageError(f"--chat: {e}") from None
+        ids = tokenizer.encode(text, what="--chat's rendered prompt", add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(text, what="--prompt")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise UsageError(f"{'--chat' if args.chat else '--prompt'}: the checkpoint's {tokenizer.kind} gives token id "
+                         f"{bad}, outside the model's vocabulary [0, {vocab}) (config.json's vocab_size): the "
+                         f"tokenizer does not belong to this model")
+    return [ids], tokenizer
 
 
-def _summary(out, state, args, backend, tokenizer):
+def _check_memory(abstract, states, args, prompts, backend) -> None:
+    """Before loading: refuse a run whose weights plus decode cache exceed the free memory."""
+    estimates = []
+    for state in states:
+        gen = _generator(abstract, state, args, backend)
+        estimates.append(gen.memory_estimate(prompts, args.max_new_tokens))
+    estimate = max(estimates, key=lambda e: e.total_bytes)
+    weights = gen.weights_bytes
+    free, where = free_memory()
+    if weights + estimate.total_bytes <= free:
+        return
+    rows = f"{len(prompts)} prompt{'s' if len(prompts) > 1 else ''}"
+    head = (f"the model does not fit: the weights need {format_bytes(weights)} ({args.dtype}) and the decode cache "
+            f"of {rows} x {estimate.max_len} positions needs {estimate.describe()}; the {where} is "
+            f"{format_bytes(free)}")
+    if weights >= free:
+        raise UsageError(f"{head}; the weights alone do not fit" + ("" if args.dtype == "bfloat16" else
+                                                                   " (--dtype bfloat16 halves them)"))
+    fits = estimate.fits(free - weights, longest_prompt=max(map(len, prompts)), block_size=args.block_size)
+    raise UsageError(_flag_names(f"{head}; {fits}"))
+
+
+def _generator(model, state, args, backend, generation_config=None) -> Generator:
+    replay = state == "replay"
+    return Generator(model, state=state, buffer_len=(args.buffer_len or DEFAULT_BUFFER_LEN) if replay else None,
+                     backend=backend, route=(args.route or "auto") if replay else "auto",
+                     block_size=args.block_size, generation_config=generation_config)
+
+
+def _printable(text: str) -> str:
+    """`text` with control characters other than newline and tab escaped (safe on a terminal)."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text)
+
+
+class _Printer:
+    """Prints row 0's new tokens as they come (`on_token`): text with a tokenizer, else ids."""
+
+    def __init__(self, tokenizer, stop_tokens):
+        self.stream = TextStream(tokenizer) if tokenizer else None
+        self.stops, self.stopped = set(stop_tokens), False
+
+    def _write(self, text):
+        sys.stdout.write(_printable(text))
+        sys.stdout.flush()
+
+    def __call__(self, step, tokens):
+        ids = []
+        for t in tokens[:, 0].tolist():
+            if self.stopped:
+                break
+            self.stopped = t in self.stops
+            if not self.stopped:  # the stop token ends the text; it is not printed
+                ids.append(t)
+        self._write(self.stream.push(ids) if self.stream else "".join(f" {t}" for t in ids))
+
+    def finish(self):
+        self._write((self.stream.finish() if self.stream else "") + "\n")
+
+
+def _label(r) -> str:
+    return r["state"] + (f" L={r['buffer_len']} route={r['route']}" if r["buffer_len"] else "")
+
+
+def _speed(r) -> str:
+    speed = "no decode speed (fewer than 2 new tokens)" if r["tokens_per_s"] is None else \
+        f"{r['tokens_per_s']:.1f} tokens/s decode"
+    return f"{speed}, prefill {r['prefill_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s"
+
+
+def _summary(out, gen, tokenizer) -> dict:
     result = {
-        "state": state,
-        "buffer_len": args.buffer_len if state == "replay" else None,
-        "route": args.route if state == "replay" else None,
-        "backend": backend,
+        "state": gen.state,
+        "buffer_len": gen.buffer_len,
+        "route": gen.route if gen.state == "replay" else None,
+        "backend": gen.backend,
         "generated_ids": out.sequences,
+        "new_ids": out.new_ids,
         "num_generated": out.num_generated,
         "tokens_per_s": out.tokens_per_s,
         "decode_s": out.decode_s,
+        "decode_steps": out.decode_steps,
         "prefill_s": out.prefill_s,
         "compile_s": out.compile_s,
         "cache_bytes": out.cache_bytes,
     }
     if tokenizer is not None:
         result["text"] = [tokenizer.decode(s) for s in out.sequences]
+        result["new_text"] = [tokenizer.decode(s) for s in out.new_ids]
     return result
 
 
-# Generator's argument names as this command's flags, for its error messages.
-_FLAGS = {"`buffer_len`": "--buffer-len", "`max_new_tokens`": "--max-new-tokens", "`stop_tokens`": "--stop",
-          "`seed`": "--seed", "`prompt ": "`--prompt-ids row "}
+def first_difference(standard: list[list[int]], replay: list[list[int]], prompt_lengths: list[int]) -> dict | None:
+    """Where two runs' outputs first differ: {"row", "step" (0: the first new token),
+    "standard", "replay" (the two tokens there; None past a sequence's end)}, or None."""
+    for row, (a, b, n) in enumerate(zip(standard, replay, prompt_lengths)):
+        if a != b:
+            step = next((i for i, (x, y) in enumerate(zip(a[n:], b[n:])) if x != y), min(len(a), len(b)) - n)
+            at = n + step
+            return {"row": row, "step": step, "standard": a[at] if at < len(a) else None,
+                    "replay": b[at] if at < len(b) else None}
+    return None
 
 
-def _flag_names(message: str) -> str:
-    for name, flag in _FLAGS.items():
-        message = message.replace(name, flag)
-    return message
+def run(args, stream: bool = False) -> dict:
+    """Load, generate, and return the report (raises UsageError on bad input).
 
+    `stream`: print row 0's text on stdout as it is generated (a single prompt
+    and state).
+    """
+    from flax import nnx
 
-def run(args) -> dict:
-    """Load, generate, and return the report (raises UsageError on bad input)."""
-    from models import CheckpointError, CheckpointNotFoundError, ConfigError, load_model
+    from models import CheckpointError, CheckpointNotFoundError, ConfigError, load_generation_config, load_model
     from models.random_init import init_model
 
-    sampling = _check_args(args)
+    states = _check_args(args)
     try:
         backend = ops.resolve_backend(args.backend)
     except (ValueError, RuntimeError) as e:
         raise UsageError(str(e)) from None
-    checkpoint = args.checkpoint or default_checkpoint()
     try:
-        if args.random_weights:
-            model = init_model(checkpoint, DTYPES[args.dtype], seed=args.seed)
-        else:
-            model = load_model(checkpoint, dtype=DTYPES[args.dtype])
+        cache_dir = set_compile_cache(None if args.no_compile_cache else args.compile_cache or default_compile_cache())
+    except GenerationError as e:
+        raise UsageError(f"--compile-cache: {e}") from None
+    checkpoint = args.checkpoint or default_checkpoint()
+    dtype = DTYPES[args.dtype]
+    progress = False if args.no_progress or args.json else None
+    try:
+        generation_config = load_generation_config(checkpoint)
+        abstract = nnx.eval_shape(lambda: init_model(checkpoint, dtype))
+    except (CheckpointNotFoundError, ConfigError, OSError) as e:
+        raise UsageError(f"cannot load checkpoint {checkpoint!r}: {e}") from None
+    sampling = _sampling(args, generation_config, checkpoint)
+    vocab = int(abstract.config.vocab_size)
+    stop = _stop_tokens(args.stop, generation_config)
+    _check_ids([stop], vocab, lambda i: "--stop")
+    try:
+        prompts, tokenizer = _prompts(args, checkpoint, vocab)
+        _check_memory(abstract, states, args, prompts, backend)
+    except TextError as e:
+        raise UsageError(str(e)) from None
+    except GenerationError as e:
+        raise UsageError(_flag_names(str(e))) from None
+    del abstract
+    try:
+        with status(f"loading {'random ' if args.random_weights else ''}weights from {checkpoint}", progress):
+            model = (init_model(checkpoint, dtype, seed=args.seed) if args.random_weights
+                     else load_model(checkpoint, dtype=dtype))
     except (CheckpointNotFoundError, ConfigError, CheckpointError, OSError) as e:
         raise UsageError(f"cannot load checkpoint {checkpoint!r}: {e}") from None
-    vocab = int(model.config.vocab_size)
-    tokenizer = None
-    if args.prompt_ids is not None:
-        prompts = _parse_prompt_ids(args.prompt_ids)
-        if os.path.exists(os.path.join(checkpoint, "tokenizer.json")) or vocab >= 256:
-            tokenizer = Tokenizer(checkpoint, vocab)
-    else:
-        tokenizer = Tokenizer(checkpoint, vocab)
-        if tokenizer.hf is None and vocab < 256:
-            raise UsageError(f"the checkpoint has no tokenizer.json and a vocabulary of {vocab} < 256 byte ids: use --prompt-ids")
-        prompts = [tokenizer.encode(DEFAULT_PROMPT if args.prompt is None else args.prompt)]
-    stop = _stop_tokens(args, model.config)
-    report = {"checkpoint": checkpoint, "random_weights": args.random_weights, "model_type": model.config.model_type, "dtype": args.dtype,
-              "device": jax.devices()[0].device_kind, "tokenizer": tokenizer.kind if tokenizer else None}
+    report = {"checkpoint": checkpoint, "random_weights": args.random_weights, "model_type": model.config.model_type,
+              "dtype": args.dtype, "device": jax.devices()[0].device_kind,
+              "tokenizer": tokenizer.kind if tokenizer else None, "chat": args.chat, "prompt_ids": prompts,
+              "max_new_tokens": args.max_new_tokens, "stop_tokens": stop,
+              "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
+              "seed": args.seed, "block_size": args.block_size, "compile_cache": cache_dir}
+    runs = {}
     try:
-        states = ["standard", "replay"] if args.compare else [args.state]
-        runs = {s: _summary(_run(model, prompts, args, s, sampling, stop, backend), s, args, backend, tokenizer)
-                for s in states}
+        for state in states:
+            gen = _generator(model, state, args, backend, generation_config)
+            printer = _Printer(tokenizer, stop) if stream else None
+            if printer:
+                _print_header(report, gen, prompts[0], tokenizer, args.new_only)
+            out = gen.generate(prompts, args.max_new_tokens, sampling=sampling, seed=args.seed, stop_tokens=stop,
+                               progress=progress, on_token=printer)
+            if printer:
+                printer.finish()
+            runs[state] = _summary(out, gen, tokenizer)
+            del gen, out
     except GenerationError as e:
         raise UsageError(_flag_names(str(e))) from None
     if args.compare:
         std, rep = runs["standard"], runs["replay"]
         timed = std["tokens_per_s"] and rep["tokens_per_s"]
         report.update(runs=runs, identical=std["generated_ids"] == rep["generated_ids"],
+                      first_difference=first_difference(std["generated_ids"], rep["generated_ids"],
+                                                        [len(p) for p in prompts]),
                       speedup=rep["tokens_per_s"] / std["tokens_per_s"] if timed else None)
     else:
-        report.update(runs[args.state])
+        report.update(runs[states[0]])
     return report
 
 
-def _print_human(report):
+def _print_header(report, gen, prompt, tokenizer, new_only):
+    print(f"checkpoint: {report['checkpoint']} ({report['model_type']}, {report['dtype']}, {report['device']})")
+    print(f"[{_label({'state': gen.state, 'buffer_len': gen.buffer_len, 'route': gen.route})}] backend={gen.backend}")
+    if not new_only:
+        sys.stdout.write(_printable(tokenizer.decode(prompt)) if tokenizer else " ".join(map(str, prompt)))
+    sys.stdout.flush()
+
+
+def _print_human(report, new_only: bool, streamed: bool):
+    if streamed:  # the text is out already
+        print(f"{report['num_generated'][0]} new tokens: {_speed(report)}")
+        return
     runs = report.get("runs") or {report["state"]: report}
     print(f"checkpoint: {report['checkpoint']} ({report['model_type']}, {report['dtype']}, {report['device']})")
-    for state, r in runs.items():
-        label = f"{state}" + (f" L={r['buffer_len']} route={r['route']}" if r["buffer_len"] else "")
-        speed = "no decode step" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f} tokens/s decode"
-        print(f"\n[{label}] backend={r['backend']}: {speed}, "
-              f"prefill {r['prefill_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s")
-        for i, ids in enumerate(r["generated_ids"]):
-            print(f"  seq {i} ids: {ids}")
-            if "text" in r:
-                print(f"  seq {i} text: {r['text'][i]!r}")
+    ids_key, text_key = ("new_ids", "new_text") if new_only else ("generated_ids", "text")
+    for r in runs.values():
+        print(f"\n[{_label(r)}] backend={r['backend']}: {_speed(r)}")
+        for i, ids in enumerate(r[ids_key]):
+            print(f"  seq {i} {'new ' if new_only else ''}ids: {ids}")
+            if text_key in r:
+                print(f"  seq {i} {'new ' if new_only else ''}text: {r[text_key][i]!r}")
     if "identical" in report:
         speed = "n/a" if report["speedup"] is None else f"{report['speedup']:.2f}x"
-        print(f"\nstandard vs replay: tokens {'identical' if report['identical'] else 'DIFFERENT'}, "
-              f"replay/standard speed {speed}")
+        diff = report["first_difference"]
+        same = "identical" if report["identical"] else (
+            f"DIFFERENT from row {diff['row']}, new token {diff['step']} (standard {diff['standard']}, replay "
+            f"{diff['replay']}): {NEAR_TIES}")
+        print(f"\nstandard vs replay: tokens {same}; replay/standard speed {speed}")
 
 
 def main(argv=None) -> int:
+    """The command: returns the exit status (0, or 2 after a one-line error on stderr)."""
     try:
         args = parse_args(argv)
-        report = run(args)
+        streamed = not (args.json or args.compare) and _single_prompt(args)
+        report = run(args, stream=streamed)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            _print_human(report, args.new_only, streamed=streamed)
+        sys.stdout.flush()
     except UsageError as e:
         print(f"replayssm-generate: error: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_human(report)
+    except BrokenPipeError:  # the reader left (`| head`): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
+
+
+def _single_prompt(args) -> bool:
+    return args.prompt_ids is None or ";" not in args.prompt_ids
 
 
 if __name__ == "__main__":

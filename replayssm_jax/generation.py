@@ -2,25 +2,54 @@
 
 The decode loop carries the whole model cache (per SSM layer the ReplaySSM
 checkpoint, buffer and cursor, or the standard state; per attention layer
-the KV cache) through `lax.scan`, in blocks of `block_size` steps; each
-block is one compiled call that donates its carry, so the states are
-updated in place. Between blocks the host updates the progress bar and
-stops early once every sequence has emitted a stop token.
+the KV cache) through `lax.scan`, in blocks of decode steps; each block is
+one compiled call that donates its carry, so the states are updated in
+place, and returns the tokens it chose. Between blocks the host updates the
+progress bar, hands the new tokens to an `on_token` callback, and stops
+early once every sequence has emitted a stop token.
 
-Ragged prompts: the batch is prefilled over the length of its shortest
-prompt; the longer prompts' remaining tokens are then fed by the decode
+Ragged prompts: the batch is prefilled over a prefix no longer than its
+shortest prompt; the prompts' remaining tokens are then fed by the decode
 steps, which force the prompt token instead of the sampled one until a row
 reaches its own prompt end. Every row thus sees exactly the token stream it
 would see alone (per-sequence cursors and KV lengths follow), at the cost
 of decoding, not prefilling, the ragged part of the prompts.
+
+Shape buckets: compiled code is specialised to its shapes, so every shape
+that depends on the request is rounded to a bucket (`bucket`: exact below
+8, then 4 sizes per power of two, at most 25% above the size asked for).
+The batch is padded up (to a power of two up to 8) with rows that are
+marked done from the start; the prefill length is rounded down (the rest
+of each prompt is fed by decode steps, as above); the prompt array and the
+KV cache length are rounded up; the decode runs whole blocks of
+`block_size` steps, then the rest in a block of the next power of two
+steps (the rest itself where that exceeds block_size), whose extra steps
+are dropped. Requests that differ only within one bucket reuse the
+compiled prefill and decode blocks. A row's tokens do not depend on the
+padding: padded rows and unused KV slots never reach a real row's logits,
+and a prompt token fed by a decode step goes through the same recurrence
+as in the prefill (equal to rounding; tests/test_generation.py checks the
+greedy tokens against transformers').
+
+Memory: before compiling, the cache's shapes come from tracing the prefill
+(`jax.jit(...).trace`: shapes and dtypes, nothing allocated); a cache that
+does not fit the device's free memory raises `InsufficientMemoryError`
+with the batch and length that would fit. After compiling, before running,
+the prefill's temporaries (XLA's `memory_analysis`) are checked too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
+import math
 import numbers
+import os
+import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +57,36 @@ import numpy as np
 from flax import nnx, struct
 
 from replayssm_jax import ops
+from replayssm_jax.layers.cache import KVCache
 from replayssm_jax.ops import check_route
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 
 STATES = ("standard", "replay")
 
+# Positions, lengths and cursors are int32.
+_MAX_POSITIONS = 2**31 - 1
+# Smallest KV cache length and prompt array width: tiny requests share one shape.
+_MIN_POSITIONS = 32
+
+
+class _FromConfig:
+    """The default of `sampling` and `stop_tokens`: what the Generator's
+    `generation_config` says (greedy and no stop token without one)."""
+
+    def __repr__(self):
+        return "FROM_CONFIG"
+
+
+FROM_CONFIG = _FromConfig()
+
 
 class GenerationError(ValueError):
     """Bad generation input (prompt, lengths, options)."""
+
+
+class InsufficientMemoryError(GenerationError, MemoryError):
+    """A generation whose decode cache (with the weights, where they are not yet
+    loaded) does not fit the device's free memory; raised before allocating it."""
 
 
 @struct.dataclass
@@ -44,10 +95,9 @@ class DecodeCarry:
 
     Attributes:
       cache: the model's decode cache (models.HybridCache).
-      token: i32[batch], the token to feed at the next step.
+      token: i32[rows], the token to feed at the next step.
       pos: i32[], its position (the same for all rows: rows advance together).
-      done: bool[batch], rows that have emitted a stop token.
-      tokens: i32[batch, total], prompts and chosen tokens so far.
+      done: bool[rows], rows that have emitted a stop token (and padding rows).
       key: PRNG key.
     """
 
@@ -55,7 +105,6 @@ class DecodeCarry:
     token: jax.Array
     pos: jax.Array
     done: jax.Array
-    tokens: jax.Array
     key: jax.Array
 
 
@@ -69,10 +118,14 @@ class GenerationOutput:
       num_generated: per row, generated tokens in `sequences`.
       prefill_s, decode_s: wall-clock seconds of the compiled prefill and of
         the decode loop (compilation excluded).
-      compile_s: seconds spent compiling prefill and decode blocks.
-      decode_steps: decode steps run (one token for every row each).
+      compile_s: seconds spent tracing and compiling prefill and decode
+        blocks in this call (0 when every shape was compiled before; a hit of
+        JAX's persistent compilation cache counts its loading time).
+      decode_steps: decode steps run (one token for every row each; the
+        steps of the last block past the longest row's end included).
       cache_bytes: device bytes of the decode cache (SSM states or checkpoints
-        and buffers, conv states, KV caches).
+        and buffers, conv states, KV caches) at the padded batch.
+      prompt_lengths: per row, the prompt's length.
     """
 
     sequences: list[list[int]]
@@ -82,25 +135,290 @@ class GenerationOutput:
     compile_s: float
     decode_steps: int
     cache_bytes: int = 0
+    prompt_lengths: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def new_ids(self) -> list[list[int]]:
+        """Per row, the generated ids alone (`sequences` without the prompt)."""
+        return [s[n:] for s, n in zip(self.sequences, self.prompt_lengths)]
 
     @property
     def tokens_per_s(self) -> float | None:
         """Decode throughput: tokens the decode steps produced per second, every
         row every step (the steps that feed the rest of longer prompts in a
-        ragged batch included); None when no decode step ran."""
-        if self.decode_steps == 0 or self.decode_s <= 0:
+        ragged batch or of a prompt longer than its prefill bucket included);
+        None when no decode step ran or no row got a second new token (the
+        first new token follows the prompt: its step measures no decoding)."""
+        if self.decode_steps == 0 or self.decode_s <= 0 or max(self.num_generated, default=0) < 2:
             return None
         return len(self.sequences) * self.decode_steps / self.decode_s
+
+
+# -- shape buckets --------------------------------------------------------------------------------
+
+
+def bucket(n: int, *, up: bool = True) -> int:
+    """`n` >= 1 rounded up (or down) to a shape bucket.
+
+    Sizes below 8 are their own bucket; from 8 on there are four per power of
+    two (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...), so rounding up adds at
+    most 25% and rounding down removes at most 20%.
+    """
+    step = 1 << max(0, n.bit_length() - 3)
+    return -(-n // step) * step if up else n // step * step
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The bucketed shapes of one request.
+
+    batch: the rows given; rows: the padded batch; prefix_len: prefill length;
+    width: prompt array width; max_len: KV cache positions; the decode runs
+    `full_blocks` blocks of `block_size` steps, then one of `last_block`
+    steps (0: none).
+    """
+
+    batch: int
+    rows: int
+    prefix_len: int
+    width: int
+    max_len: int
+    block_size: int
+    full_blocks: int
+    last_block: int
+
+    @property
+    def steps(self) -> int:
+        return self.full_blocks * self.block_size + self.last_block
+
+    @property
+    def block_sizes(self) -> list[int]:
+        """The distinct block sizes (each one compiled program)."""
+        return [n for n in {self.block_size if self.full_blocks else 0, self.last_block} if n]
+
+    def blocks(self):
+        """The block sizes in order."""
+        yield from itertools.repeat(self.block_size, self.full_blocks)
+        if self.last_block:
+            yield self.last_block
+
+
+def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int) -> _Plan:
+    shortest, longest = int(lengths.min()), int(lengths.max())
+    prefix_len = bucket(shortest, up=False)
+    # The start chooses the token at position prefix_len; each decode step the next one.
+    steps = longest + max_new_tokens - 1 - prefix_len
+    full, rest = divmod(steps, block_size)
+    last = _pow2_at_least(rest) if rest else 0
+    if last > block_size or prefix_len + full * block_size + last > _MAX_POSITIONS:
+        last = rest  # no rounding past block_size (or past the int32 positions)
+    needed = prefix_len + full * block_size + last  # the KV cache holds every position fed
+    max_len = bucket(max(needed, _MIN_POSITIONS))
+    max_len = max_len if max_len <= _MAX_POSITIONS else needed
+    width = bucket(max(longest, _MIN_POSITIONS))
+    batch = len(lengths)
+    rows = _pow2_at_least(batch) if batch <= 8 else bucket(batch)
+    return _Plan(batch, rows, prefix_len, width, max_len, block_size, full, last)
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def _temp_bytes(executable) -> int:
+    """The temporaries of a compiled program (XLA's buffer assignment); 0 where the backend does not say."""
+    try:
+        stats = executable.memory_analysis()
+    except (NotImplementedError, RuntimeError):
+        return 0
+    return int(getattr(stats, "temp_size_in_bytes", 0) or 0)
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def format_bytes(n: float) -> str:
+    """`n` bytes as "12 B", "3.4 KiB", ..., "5.6 TiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def free_memory(device=None) -> tuple[int, str]:
+    """(bytes, what): the memory a new allocation on `device` can take.
+
+    A GPU: the JAX allocator's limit less its bytes in use
+    (`Device.memory_stats()`). A CPU (no memory stats): the host's available
+    memory (Linux: MemAvailable of /proc/meminfo; else free physical pages).
+    """
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except (RuntimeError, NotImplementedError):
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device.device_kind} memory free to JAX"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available host memory"
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host memory"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Device bytes a generation allocates beyond the weights (from shapes, before allocating).
+
+    Attributes:
+      rows: the batch, padded to its shape bucket.
+      max_len: KV cache positions (the longest prompt plus the new tokens,
+        rounded up to a bucket).
+      kv_bytes: the attention layers' KV caches (grow with rows x max_len).
+      state_bytes: everything else the decode loop carries: SSM states or
+        ReplaySSM checkpoints and buffers, conv states, lengths, cursors.
+      input_bytes: the prompt ids and the other inputs of the compiled calls.
+    """
+
+    rows: int
+    max_len: int
+    kv_bytes: int
+    state_bytes: int
+    input_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.state_bytes + self.input_bytes
+
+    def describe(self) -> str:
+        """One phrase: the total and its parts."""
+        return (f"{format_bytes(self.total_bytes)} (KV caches {format_bytes(self.kv_bytes)}, SSM states, buffers and conv states "
+                f"{format_bytes(self.state_bytes)}, prompt ids {format_bytes(self.input_bytes)})")
+
+    def fits(self, free: int, *, longest_prompt: int, block_size: int) -> str:
+        """What would fit in `free` bytes: the largest batch at this length and
+        the largest max_new_tokens at this batch (about: the shapes are rounded
+        to buckets)."""
+        per_row = (self.kv_bytes + self.state_bytes + self.input_bytes) / self.rows
+        kv_per_position = self.kv_bytes / (self.rows * self.max_len)
+        rows = int(free // per_row) if per_row else 0
+        batch_fits = (f"a batch of up to {bucket(rows, up=False)} fits at this length" if rows >= 1
+                      else "no batch fits at this length")
+        if kv_per_position == 0:
+            return f"{batch_fits}; the cache does not grow with `max_new_tokens` (no attention layer)"
+        fixed = (self.state_bytes + self.input_bytes) / self.rows
+        positions = int((free / self.rows - fixed) / kv_per_position)
+        new = (bucket(positions, up=False) if positions >= 1 else 0) - longest_prompt - block_size
+        length_fits = (f"`max_new_tokens` up to about {new} fits at this batch" if new >= 1
+                       else "not even one new token fits at this batch")
+        return f"{length_fits}; {batch_fits}"
+
+
+# -- progress and status lines --------------------------------------------------------------------
+
+
+def _disabled(enabled: bool | None):
+    """tqdm's `disable`: None shows only on a terminal (tqdm checks stderr)."""
+    return None if enabled is None else not enabled
+
+
+@contextlib.contextmanager
+def status(text: str, enabled: bool | None = None):
+    """A one-line status on stderr while a long step runs, cleared at its end.
+
+    Args:
+      text: what runs, e.g. "compiling prefill".
+      enabled: True: always; False: never; None: only when stderr is a
+        terminal (nothing on a pipe or a file).
+    """
+    from tqdm import tqdm
+
+    line = tqdm(total=0, desc=text, bar_format="{desc} ...", disable=_disabled(enabled), leave=False,
+                file=sys.stderr)
+    line.refresh()
+    try:
+        yield
+    finally:
+        line.close()
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool | None):
+    """A tqdm bar of decode steps on stderr, or nothing."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="step", desc="decode", disable=_disabled(enabled), leave=False, file=sys.stderr)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+# -- JAX's persistent compilation cache -----------------------------------------------------------
+
+
+def default_compile_cache() -> str:
+    """`$XDG_CACHE_HOME/replayssm-jax/jax`, by default `~/.cache/replayssm-jax/jax`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "replayssm-jax", "jax")
+
+
+def set_compile_cache(directory: str | os.PathLike | None) -> str | None:
+    """Keep compiled programs in `directory` (JAX's persistent compilation cache), or stop (None).
+
+    Process-wide (it sets `jax_compilation_cache_dir`), for every compile
+    that follows: a later process compiling the same program with the same
+    JAX version and device loads it from the cache instead. Every program is
+    kept, however short its compile (`jax_persistent_cache_min_compile_time_secs`
+    0). The command line calls this with `default_compile_cache()` unless
+    given --no-compile-cache; Python programs call it themselves.
+
+    Returns:
+      The absolute directory, or None.
+
+    Raises:
+      GenerationError: a directory that cannot be created.
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    current = jax.config.jax_compilation_cache_dir
+    if directory is None:
+        if current is not None:
+            compilation_cache.reset_cache()
+            jax.config.update("jax_compilation_cache_dir", None)
+        return None
+    directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise GenerationError(f"compile cache directory {directory!r} cannot be created: {e}") from None
+    if directory != current:
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return directory
+
+
+# -- the compiled pieces --------------------------------------------------------------------------
 
 
 def _choose(logits, carry_pos, prompts, lengths, key, done, stop_ids, pad_id, sampling):
     """The token at position `carry_pos`: the prompt's while inside it, else sampled."""
     sampled = sample_tokens(logits, jax.random.fold_in(key, carry_pos), sampling)
     forced = carry_pos < lengths
-    prompt_token = jax.lax.dynamic_index_in_dim(prompts, carry_pos, axis=1, keepdims=False)
+    prompt_token = jax.lax.dynamic_index_in_dim(prompts, jnp.minimum(carry_pos, prompts.shape[1] - 1), axis=1,
+                                                keepdims=False)
     token = jnp.where(forced, prompt_token, sampled)
     token = jnp.where(done, pad_id, token)
-    stopped = ~forced & jnp.isin(token, stop_ids) if stop_ids.size else jnp.zeros_like(done)
+    stopped = ~forced & jnp.isin(token, stop_ids)
     return token, done | stopped
 
 
@@ -109,9 +427,10 @@ class Generator:
 
     Args:
       model: a models.* causal LM (Flax NNX module with `prefill` and `decode`).
+        An abstract one (`nnx.eval_shape`) serves `memory_estimate`.
       state: "standard" (full SSM state read and written every step) or
         "replay" (ReplaySSM with buffer length `buffer_len`).
-      buffer_len: L >= 1, for state="replay".
+      buffer_len: L >= 1, for state="replay" (not used by the standard state).
       buffer_dtype: dtype of the ReplaySSM records (default float32).
       backend: SSM op backend (see replayssm_jax.ops); None picks by platform.
       route: the ReplaySSM step's route (replayssm_jax.ops): "output" or
@@ -120,23 +439,31 @@ class Generator:
         latency-bound batches of 1-4 rows), or "auto" (default: on the
         kernel backends each layer takes the direct route where its grid
         is latency-bound, else the output route; on "xla" the output
-        route; replayssm_jax.ops.resolve_route).
-      block_size: decode steps per compiled block (progress and early stop
-        happen between blocks).
+        route; replayssm_jax.ops.resolve_route). The standard state has
+        no route: another value than "auto" with it warns (UserWarning).
+      block_size: decode steps per compiled block (progress, `on_token` and
+        early stop happen between blocks; the last block runs the rest
+        rounded up to a power of two where that stays <= block_size).
       prefill_rows: rows per prefill pass, or None for the whole batch at
         once. Prefill memory grows with batch x prompt length (attention
         scores, chunked-scan intermediates); passes of `prefill_rows` rows
         run one after another (`lax.map`) and build the same cache.
+      generation_config: the checkpoint's generation defaults
+        (`models.load_generation_config(path)`), or None (greedy, no stop
+        token): `generate` stops at its `eos_token_id` and samples as it
+        says unless given `stop_tokens` / `sampling`, as transformers does;
+        its `pad_token_id` fills finished rows.
 
     Raises:
       GenerationError: `model` not a model of this package, an unknown
         state, L < 1 (or above the kernels' limit with a kernel backend),
-        block_size < 1, prefill_rows < 1.
+        block_size < 1, prefill_rows < 1, a `generation_config` without the
+        fields of `models.GenerationConfig`.
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
     def __init__(self, model, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32, backend=None,
-                 route="auto", block_size=64, prefill_rows=None):
+                 route="auto", block_size=16, prefill_rows=None, generation_config=None):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise GenerationError(f"`model` must be a model of this package (an nnx.Module with a `config`, e.g. "
                                   f"from models.load_model); got {type(model).__name__}")
@@ -150,12 +477,19 @@ class Generator:
             check_route(route)
         except ValueError as e:
             raise GenerationError(str(e)) from None
+        if state == "standard" and route != "auto":
+            warnings.warn(f"`route` {route!r} applies to state 'replay' only; the standard state ignores it",
+                          UserWarning, stacklevel=2)
         try:
             floating = jnp.issubdtype(jnp.dtype(buffer_dtype), jnp.floating)
         except TypeError:
             floating = False
         if not floating:
             raise GenerationError(f"`buffer_dtype` must be a floating dtype; got {buffer_dtype!r}")
+        fields = ("eos_token_id", "pad_token_id", "temperature", "top_k", "top_p", "do_sample")
+        if generation_config is not None and not all(hasattr(generation_config, f) for f in fields):
+            raise GenerationError(f"`generation_config` must be a models.GenerationConfig or None; got "
+                                  f"{type(generation_config).__name__}")
         self.backend = ops.resolve_backend(backend)
         if state == "replay":
             try:
@@ -168,32 +502,30 @@ class Generator:
         self.route = route
         self.block_size = block_size
         self.config = model.config
+        self.generation_config = generation_config
         self.graphdef, self.params = nnx.split(model)
         self._compiled = {}
+        self._estimates = {}
 
-    # -- compiled pieces -------------------------------------------------
-
-    def _start_fn(self, prefix_len, total, sampling):
+    def _start_fn(self, prefix_len, max_len, sampling):
         """prefill(prompts[:, :prefix_len]) and the choice of the token at position prefix_len."""
 
-        def start(params, prompts, lengths, stop_ids, key):
+        def start(params, prompts, lengths, active, stop_ids, key):
             model = nnx.merge(self.graphdef, params)
 
             def prefill(ids):
-                return model.prefill(ids, total, replay_buffer_len=self.buffer_len, buffer_dtype=self.buffer_dtype,
+                return model.prefill(ids, max_len, replay_buffer_len=self.buffer_len, buffer_dtype=self.buffer_dtype,
                                      backend=self.backend, last_logits_only=True)
 
             logits, cache = _by_rows(prefill, prompts[:, :prefix_len], self.prefill_rows)
-            done = jnp.zeros(prompts.shape[0], bool)
             pos = jnp.asarray(prefix_len, jnp.int32)
-            token, done = _choose(logits, pos, prompts, lengths, key, done, stop_ids, self._pad_id, sampling)
-            tokens = prompts.at[:, prefix_len].set(token)
-            return DecodeCarry(cache=cache, token=token, pos=pos, done=done, tokens=tokens, key=key)
+            token, done = _choose(logits, pos, prompts, lengths, key, ~active, stop_ids, self._pad_id, sampling)
+            return DecodeCarry(cache=cache, token=token, pos=pos, done=done, key=key)
 
         return jax.jit(start)
 
     def _block_fn(self, steps, sampling):
-        """`steps` decode steps under lax.scan, donating the carry."""
+        """`steps` decode steps under lax.scan, donating the carry; returns it and the tokens i32[steps, rows]."""
 
         def block(params, carry, prompts, lengths, stop_ids):
             model = nnx.merge(self.graphdef, params)
@@ -203,124 +535,35 @@ class Generator:
                 pos = carry.pos + 1
                 token, done = _choose(logits, pos, prompts, lengths, carry.key, carry.done, stop_ids,
                                       self._pad_id, sampling)
-                tokens = jax.lax.dynamic_update_index_in_dim(carry.tokens, token, pos, axis=1)
-                return carry.replace(cache=cache, token=token, pos=pos, done=done, tokens=tokens), None
+                return carry.replace(cache=cache, token=token, pos=pos, done=done), token
 
-            carry, _ = jax.lax.scan(step, carry, None, length=steps)
-            return carry
+            return jax.lax.scan(step, carry, None, length=steps)
 
         return jax.jit(block, donate_argnums=(1,))
 
-    def _compile(self, key, make, *args):
-        """AOT-compile `make()` for `args` once per (key, argument shapes); returns
-        (executable, seconds spent compiling now)."""
-        key = (key, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
-        if key in self._compiled:
-            return self._compiled[key], 0.0
-        t0 = time.perf_counter()
-        self._compiled[key] = make().lower(*args).compile()
-        return self._compiled[key], time.perf_counter() - t0
+    @property
+    def compilations(self) -> int:
+        """Programs (prefills and decode blocks) this Generator has compiled so far."""
+        return len(self._compiled)
 
     def decode_hlo(self) -> list[str]:
         """Optimized HLO text of the decode blocks compiled so far (for inspecting
         that the loop updates its states in place)."""
-        return [exe.as_text() for key, exe in self._compiled.items() if key[0][0] == "block"]
+        return [exe.as_text() for key, exe in self._compiled.items() if key[0] == "block"]
 
     @property
-    def _pad_id(self):
-        pad = getattr(self.config, "pad_token_id", None)
-        return 0 if pad is None else int(pad)
+    def weights_bytes(self) -> int:
+        """Bytes of the model's parameters (also of an abstract model's)."""
+        return _nbytes(self.params)
 
-    # -- public ------------------------------------------------------------
+    @property
+    def _pad_id(self) -> int:
+        pad = getattr(self.generation_config, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self.config, "pad_token_id", None)
+        return 0 if pad is None or not 0 <= pad < self.config.vocab_size else int(pad)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, sampling=SamplingParams(),
-                 seed: int = 0, stop_tokens: Sequence[int] = (), progress: bool | None = None) -> GenerationOutput:
-        """Generate `max_new_tokens` tokens after each prompt.
-
-        Args:
-          prompts: one non-empty list of token ids per sequence (lengths may differ).
-          max_new_tokens: >= 0 tokens to generate per sequence.
-          sampling: SamplingParams (greedy by default).
-          seed: PRNG seed for sampling.
-          stop_tokens: ids that end a sequence (kept in its output); None or (): none.
-          progress: show a progress bar on stderr (None: only on a terminal).
-
-        Returns:
-          GenerationOutput.
-
-        The attention layers' KV caches hold len(longest prompt) +
-        max_new_tokens positions for every sequence: their memory grows with
-        both (a cache that does not fit fails in JAX's allocator).
-
-        Raises:
-          GenerationError: prompts that are not a list of non-empty id
-            sequences, an id outside the vocabulary, max_new_tokens < 0 or
-            more positions than int32 holds, a `sampling` that is not a
-            SamplingParams.
-        """
-        prompts, lengths = self._check_prompts(prompts)
-        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
-        if not isinstance(sampling, SamplingParams):
-            raise GenerationError(f"`sampling` must be a SamplingParams; got {type(sampling).__name__}")
-        stop_tokens = () if stop_tokens is None else stop_tokens
-        seed = _check_int("seed", seed, 0, 2**32 - 1)
-        if isinstance(stop_tokens, numbers.Integral):
-            stop_tokens = [stop_tokens]
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in stop_tokens):
-            raise GenerationError(f"`stop_tokens` must be token ids (ints); got {list(stop_tokens)!r}")
-        stop_ids = self._check_ids(np.asarray(list(stop_tokens), np.int64).reshape(-1), "stop_tokens")
-        if max_new_tokens == 0:
-            return GenerationOutput([p.tolist() for p in prompts], [0] * len(prompts), 0.0, 0.0, 0.0, 0)
-        prefix_len, longest = int(lengths.min()), int(lengths.max())
-        total = longest + max_new_tokens
-        if total > _MAX_POSITIONS:
-            raise GenerationError(f"`max_new_tokens` plus the longest prompt must be <= {_MAX_POSITIONS} positions "
-                                  f"(int32 positions and cursors); got {max_new_tokens} + {longest} = {total}")
-        padded = np.full((len(prompts), total), self._pad_id, np.int32)
-        for row, p in enumerate(prompts):
-            padded[row, : len(p)] = p
-        args = (jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), jnp.asarray(stop_ids, jnp.int32))
-        key = jax.random.key(seed)
-
-        start, compile_s = self._compile(("start", prefix_len, total, sampling),
-                                         lambda: self._start_fn(prefix_len, total, sampling), self.params, *args, key)
-        t0 = time.perf_counter()
-        carry = start(self.params, *args, key)
-        jax.block_until_ready(carry)
-        prefill_s = time.perf_counter() - t0
-
-        steps = total - prefix_len - 1
-        plan = [self.block_size] * (steps // self.block_size) + ([steps % self.block_size] if steps % self.block_size else [])
-        blocks = {}
-        for n in sorted(set(plan)):
-            blocks[n], seconds = self._compile(("block", n, sampling), lambda n=n: self._block_fn(n, sampling),
-                                               self.params, carry, *args)
-            compile_s += seconds
-
-        done_steps, t0 = 0, time.perf_counter()
-        with _progress(steps, progress) as bar:
-            for n in plan:
-                carry = blocks[n](self.params, carry, *args)
-                done_steps += n
-                if stop_ids.size and bool(jnp.all(carry.done)):
-                    break
-                bar.update(n)
-        tokens = np.asarray(carry.tokens)
-        decode_s = time.perf_counter() - t0
-        cache_bytes = sum(a.nbytes for a in jax.tree.leaves(carry.cache))
-        return self._collect(tokens, lengths, max_new_tokens, stop_ids, prefill_s, decode_s, compile_s, done_steps,
-                             cache_bytes)
-
-    def _collect(self, tokens, lengths, max_new_tokens, stop_ids, prefill_s, decode_s, compile_s, steps, cache_bytes):
-        stops = set(stop_ids.tolist())
-        sequences, counts = [], []
-        for row, length in enumerate(lengths):
-            new = tokens[row, length : length + max_new_tokens].tolist()
-            ends = [i for i, t in enumerate(new) if t in stops]
-            new = new[: ends[0] + 1] if ends else new
-            sequences.append(tokens[row, :length].tolist() + new)
-            counts.append(len(new))
-        return GenerationOutput(sequences, counts, prefill_s, decode_s, compile_s, steps, cache_bytes)
+    # -- argument checks --------------------------------------------------------------------------
 
     def _check_ids(self, ids: np.ndarray, name: str) -> np.ndarray:
         vocab = int(self.config.vocab_size)
@@ -345,18 +588,279 @@ class Generator:
                 raise GenerationError(f"prompt {i} is not a flat list of token ids: {e}") from None
         if not rows:
             raise GenerationError("`prompts` is empty: give at least one sequence")
+        vocab = int(self.config.vocab_size)
         for i, p in enumerate(rows):
             if p.ndim != 1 or p.size == 0:
                 hint = " (`prompts` is a list of sequences: [[ids...], ...])" if p.ndim == 0 else ""
                 raise GenerationError(f"prompt {i} is empty or not a flat list of ids (shape {p.shape}){hint}")
+            if p.dtype == object and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
+                # Python ints beyond int64: outside any vocabulary
+                bad = next(int(t) for t in p if not 0 <= t < vocab)
+                raise GenerationError(f"`prompt {i}` has token id {bad} outside the vocabulary [0, {vocab})")
             if not np.issubdtype(p.dtype, np.integer):
                 raise GenerationError(f"prompt {i} must hold integer token ids; got dtype {p.dtype}")
             self._check_ids(p, f"prompt {i}")
         return [p.astype(np.int32) for p in rows], np.array([p.size for p in rows], np.int32)
 
+    def _stop_ids(self, stop_tokens) -> np.ndarray:
+        if stop_tokens is FROM_CONFIG:
+            stop_tokens = getattr(self.generation_config, "eos_token_id", None)
+        if stop_tokens is None:
+            stop_tokens = ()
+        if isinstance(stop_tokens, numbers.Integral):
+            stop_tokens = [stop_tokens]
+        if isinstance(stop_tokens, (str, bytes)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in stop_tokens):
+            raise GenerationError(f"`stop_tokens` must be token ids (ints); got {stop_tokens!r}")
+        if any(not 0 <= t < self.config.vocab_size for t in stop_tokens):
+            bad = next(int(t) for t in stop_tokens if not 0 <= t < self.config.vocab_size)
+            raise GenerationError(f"`stop_tokens` has token id {bad} outside the vocabulary "
+                                  f"[0, {int(self.config.vocab_size)})")
+        return np.asarray(sorted(set(int(t) for t in stop_tokens)), np.int32)
 
-# Positions, lengths and cursors are int32.
-_MAX_POSITIONS = 2**31 - 1
+    def _sampling(self, sampling) -> SamplingParams:
+        if sampling is FROM_CONFIG:
+            try:
+                return SamplingParams.from_generation_config(self.generation_config)
+            except ValueError as e:
+                raise GenerationError(f"`generation_config` gives bad sampling defaults: {e}") from None
+        if not isinstance(sampling, SamplingParams):
+            raise GenerationError(f"`sampling` must be a SamplingParams; got {type(sampling).__name__}")
+        return sampling
+
+    def _check_request(self, prompts, max_new_tokens):
+        prompts, lengths = self._check_prompts(prompts)
+        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
+        longest = int(lengths.max())
+        if longest + max_new_tokens > _MAX_POSITIONS:
+            raise GenerationError(f"`max_new_tokens` plus the longest prompt must be <= {_MAX_POSITIONS} positions "
+                                  f"(int32 positions and cursors); got {max_new_tokens} + {longest} = "
+                                  f"{max_new_tokens + longest}")
+        return prompts, lengths, max_new_tokens
+
+    # -- memory -----------------------------------------------------------------------------------
+
+    def _inputs(self, plan: _Plan, prompts, lengths, stop_ids):
+        """The compiled calls' inputs: prompts i32[rows, width] (padding rows copy row 0),
+        lengths i32[rows], active bool[rows], stop ids i32[n] (padded with -1 to a multiple of 4)."""
+        padded = np.full((plan.rows, plan.width), self._pad_id, np.int32)
+        for row in range(plan.rows):
+            p = prompts[row] if row < plan.batch else prompts[0]
+            padded[row, : len(p)] = p
+        rows_lengths = np.concatenate([lengths, np.full(plan.rows - plan.batch, lengths[0], np.int32)])
+        active = np.arange(plan.rows) < plan.batch
+        stops = np.full(4 * (len(stop_ids) // 4 + 1), -1, np.int32)
+        stops[: len(stop_ids)] = stop_ids
+        return tuple(jnp.asarray(a) for a in (padded, rows_lengths, active, stops))
+
+    def _trace_start(self, plan, sampling, inputs, key):
+        """The start function traced for `plan` (shapes only); records its MemoryEstimate."""
+        traced = self._start_fn(plan.prefix_len, plan.max_len, sampling).trace(self.params, *inputs, key)
+        carry = traced.out_info
+        kv = [leaf for layer in carry.cache.layers if isinstance(layer, KVCache) for leaf in (layer.k, layer.v)]
+        kv_bytes = _nbytes(kv)
+        self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)] = MemoryEstimate(
+            rows=plan.rows, max_len=plan.max_len, kv_bytes=kv_bytes, state_bytes=_nbytes(carry) - kv_bytes,
+            input_bytes=_nbytes(inputs))
+        return traced
+
+    def memory_estimate(self, prompts, max_new_tokens: int) -> MemoryEstimate:
+        """The device bytes `generate(prompts, max_new_tokens)` would allocate beyond the
+        weights, from shapes alone (nothing is allocated or compiled; an abstract
+        model serves, e.g. `nnx.eval_shape(lambda: models.random_init.init_model(path, dtype))`).
+
+        Raises:
+          GenerationError: as `generate`.
+        """
+        prompts, lengths, max_new_tokens = self._check_request(prompts, max_new_tokens)
+        plan = _plan(lengths, max(max_new_tokens, 1), self.block_size)
+        shapes = (plan.rows, plan.prefix_len, plan.width, plan.max_len)
+        if shapes not in self._estimates:
+            inputs = self._inputs(plan, prompts, lengths, np.zeros(0, np.int32))
+            self._trace_start(plan, SamplingParams(), inputs, jax.random.key(0))
+        return self._estimates[shapes]
+
+    def _check_fits(self, estimate: MemoryEstimate, plan: _Plan, lengths, temp_bytes: int = 0):
+        """Raise InsufficientMemoryError unless the cache (and the prefill's `temp_bytes`
+        of temporaries, from the compiled program) fit the free memory."""
+        free, where = free_memory()
+        if estimate.total_bytes + temp_bytes <= free:
+            return
+        temporaries = (f" and the prefill {format_bytes(temp_bytes)} of temporaries (`prefill_rows` lowers them)"
+                       if temp_bytes else "")
+        raise InsufficientMemoryError(
+            f"`prompts` ({plan.batch} rows, padded to {plan.rows}) with `max_new_tokens` do not fit: the decode cache "
+            f"of {plan.max_len} positions needs {estimate.describe()}{temporaries}, and the {where} is "
+            f"{format_bytes(free)}; " + estimate.fits(free - temp_bytes, longest_prompt=int(lengths.max()),
+                                                      block_size=self.block_size))
+
+    def _compile(self, key, traced, what, progress):
+        """The executable for `key`, compiled from `traced` (a `jax.jit(...).trace`) on first use;
+        returns (executable, seconds spent now)."""
+        if key in self._compiled:
+            return self._compiled[key], 0.0
+        t0 = time.perf_counter()
+        with status(f"compiling {what}", progress):
+            self._compiled[key] = traced().lower().compile()
+        return self._compiled[key], time.perf_counter() - t0
+
+    # -- public -----------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 sampling: SamplingParams = FROM_CONFIG, seed: int = 0,
+                 stop_tokens: Sequence[int] | None = FROM_CONFIG,
+                 progress: bool | None = None,
+                 on_token: Callable[[int, np.ndarray], None] | None = None) -> GenerationOutput:
+        """Generate `max_new_tokens` tokens after each prompt.
+
+        Args:
+          prompts: one non-empty list of token ids per sequence (lengths may differ).
+          max_new_tokens: >= 0 tokens to generate per sequence.
+          sampling: SamplingParams; by default (FROM_CONFIG) the
+            `generation_config`'s (`SamplingParams.from_generation_config`;
+            greedy without one).
+          seed: PRNG seed for sampling.
+          stop_tokens: ids that end a sequence (kept in its output); by default
+            (FROM_CONFIG) the `generation_config`'s eos_token_id (none without
+            one); None or (): none.
+          progress: show the compile status and, without `on_token` (whose
+            caller shows its own progress), a decode progress bar on stderr
+            (None: only on a terminal).
+          on_token: called as ``on_token(step, tokens)`` after the prefill and
+            after each decode block that completes new tokens of every row:
+            `tokens` is a NumPy int32[n, batch] array whose row i holds new
+            token number ``step + i`` of each sequence (0: the first
+            generated token); after a sequence's stop token its entries are
+            the pad token. Consecutive calls continue where the previous one
+            ended; together they cover the longest output. It runs on the
+            host between blocks, so every block waits for it.
+
+        Returns:
+          GenerationOutput.
+
+        The attention layers' KV caches hold about len(longest prompt) +
+        max_new_tokens positions for every sequence (rounded up to a shape
+        bucket): their memory grows with both. The cache's size is computed
+        from shapes before anything is allocated.
+
+        Raises:
+          GenerationError: prompts that are not a list of non-empty id
+            sequences, an id outside the vocabulary, max_new_tokens < 0 or
+            more positions than int32 holds, a `sampling` that is not a
+            SamplingParams, an `on_token` that is not callable.
+          InsufficientMemoryError (a GenerationError and a MemoryError): a
+            decode cache that does not fit the free memory (`free_memory`);
+            the message gives the batch and max_new_tokens that would fit.
+        """
+        prompts, lengths, max_new_tokens = self._check_request(prompts, max_new_tokens)
+        sampling = self._sampling(sampling)
+        seed = _check_int("seed", seed, 0, 2**32 - 1)
+        stop_ids = self._stop_ids(stop_tokens)
+        if on_token is not None and not callable(on_token):
+            raise GenerationError(f"`on_token` must be callable or None; got {type(on_token).__name__}")
+        if max_new_tokens == 0:
+            return GenerationOutput([p.tolist() for p in prompts], [0] * len(prompts), 0.0, 0.0, 0.0, 0,
+                                    prompt_lengths=lengths.tolist())
+        plan = _plan(lengths, max_new_tokens, self.block_size)
+        inputs = self._inputs(plan, prompts, lengths, stop_ids)
+        key = jax.random.key(seed)
+        start_key = ("start", plan.rows, plan.prefix_len, plan.width, plan.max_len, sampling)
+        traced, trace_s = None, 0.0
+        if start_key not in self._compiled:
+            t0 = time.perf_counter()
+            traced = self._trace_start(plan, sampling, inputs, key)
+            trace_s = time.perf_counter() - t0
+        estimate = self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)]
+        self._check_fits(estimate, plan, lengths)
+
+        what = f"prefill ({plan.rows} rows x {plan.prefix_len} tokens, cache of {plan.max_len} positions)"
+        start, compile_s = self._compile(start_key, lambda: traced, what, progress)
+        compile_s += trace_s
+        self._check_fits(estimate, plan, lengths, _temp_bytes(start))
+        carry_info = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), start.out_info)
+        blocks = {}
+        for n in plan.block_sizes:
+            block_key = ("block", n, sampling, plan.rows, plan.width, plan.max_len)
+            make = lambda n=n: self._block_fn(n, sampling).trace(  # noqa: E731
+                self.params, carry_info, inputs[0], inputs[1], inputs[3])
+            blocks[n], seconds = self._compile(block_key, make, f"decode block ({n} steps)", progress)
+            compile_s += seconds
+
+        t0 = time.perf_counter()
+        carry = start(self.params, *inputs, key)
+        first = np.asarray(carry.token)
+        prefill_s = time.perf_counter() - t0
+
+        stream = _Stream(lengths, plan.prefix_len, max_new_tokens, stop_ids, self._pad_id, on_token)
+        stream.add(first[None])
+        sync = on_token is not None or stop_ids.size > 0
+        pending, steps, t0 = [], 0, time.perf_counter()
+        with _progress(plan.steps, False if on_token is not None else progress) as bar:
+            for n in plan.blocks():
+                carry, tokens = blocks[n](self.params, carry, inputs[0], inputs[1], inputs[3])
+                steps += n
+                bar.update(n)
+                if not sync:
+                    pending.append(tokens)
+                    continue
+                stream.add(np.asarray(tokens))
+                if stream.complete or bool(np.all(np.asarray(carry.done)[: plan.batch])):
+                    break
+            for tokens in pending:
+                stream.add(np.asarray(tokens))
+        decode_s = time.perf_counter() - t0
+        sequences, counts = stream.finish(prompts)
+        return GenerationOutput(sequences, counts, prefill_s, decode_s, compile_s, steps, _nbytes(carry.cache),
+                                prompt_lengths=lengths.tolist())
+
+
+class _Stream:
+    """The host's record of the chosen tokens: by position from `prefix_len` on, per row.
+
+    Hands aligned new tokens to `on_token` and builds the sequences at the end.
+    """
+
+    def __init__(self, lengths, prefix_len, max_new_tokens, stop_ids, pad_id, on_token):
+        self.offsets = lengths - prefix_len  # row r's new token j is at stream position offsets[r] + j
+        self.max_new, self.stops, self.pad, self.on_token = max_new_tokens, set(stop_ids.tolist()), pad_id, on_token
+        self.chunks, self.known, self.emitted = [], 0, 0
+
+    def add(self, tokens: np.ndarray):
+        """tokens i32[n, rows]: the next n positions."""
+        self.chunks.append(tokens[:, : len(self.offsets)])
+        self.known += tokens.shape[0]
+        ready = min(self.max_new, self.known - int(self.offsets.max()))
+        self._emit(ready)
+
+    @property
+    def complete(self) -> bool:
+        return self.known - int(self.offsets.max()) >= self.max_new
+
+    def _new_tokens(self):
+        """Per row, its new tokens known so far (at most max_new), cut after a stop token."""
+        tokens = np.concatenate(self.chunks)
+        rows = []
+        for r, offset in enumerate(self.offsets):
+            new = tokens[offset : offset + self.max_new, r].tolist()
+            end = next((i + 1 for i, t in enumerate(new) if t in self.stops), len(new))
+            rows.append(new[:end])
+        return rows
+
+    def _emit(self, upto: int):
+        if self.on_token is None or upto <= self.emitted:
+            return
+        rows = self._new_tokens()
+        block = np.full((upto - self.emitted, len(rows)), self.pad, np.int32)
+        for r, new in enumerate(rows):
+            part = new[self.emitted : upto]
+            block[: len(part), r] = part
+        self.on_token(self.emitted, block)
+        self.emitted = upto
+
+    def finish(self, prompts):
+        rows = self._new_tokens()
+        self._emit(max(len(new) for new in rows))
+        return [p.tolist() + new for p, new in zip(prompts, rows)], [len(new) for new in rows]
 
 
 def _by_rows(fn, ids, rows):
@@ -384,28 +888,11 @@ def _check_int(name, value, low, high=None) -> int:
     return int(value)
 
 
-class _progress:
-    """A tqdm bar on stderr, or nothing."""
-
-    def __init__(self, total, enabled):
-        self.total, self.enabled, self.bar = total, enabled, None
-
-    def __enter__(self):
-        from tqdm import tqdm
-
-        disable = None if self.enabled is None else not self.enabled
-        self.bar = tqdm(total=self.total, unit="step", desc="decode", disable=disable, leave=False)
-        return self.bar
-
-    def __exit__(self, *exc):
-        self.bar.close()
-
-
 def generate(model, prompts, max_new_tokens: int, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32,
-             backend=None, route="auto", sampling=SamplingParams(), seed=0, stop_tokens=(),
-             progress=None) -> GenerationOutput:
+             backend=None, route="auto", generation_config=None, sampling=FROM_CONFIG, seed=0, stop_tokens=FROM_CONFIG,
+             progress=None, on_token=None) -> GenerationOutput:
     """One-call generation: `Generator(model, ...).generate(prompts, ...)`; see both."""
     generator = Generator(model, state=state, buffer_len=buffer_len, buffer_dtype=buffer_dtype, backend=backend,
-                          route=route)
+                          route=route, generation_config=generation_config)
     return generator.generate(prompts, max_new_tokens, sampling=sampling, seed=seed, stop_tokens=stop_tokens,
-                              progress=progress)
+                              progress=progress, on_token=on_token)

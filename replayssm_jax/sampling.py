@@ -21,7 +21,9 @@ class SamplingParams:
         reaches top_p (1.0: all). Applied after top_k (Holtzman et al., 2020).
 
     Raises:
-      ValueError: temperature < 0, top_k < 0, or top_p outside (0, 1].
+      ValueError: temperature < 0, top_k < 0, top_p outside (0, 1], or a
+        top_k / top_p filter with greedy decoding (temperature 0), which
+        would have no effect (the command line refuses the same).
     """
 
     temperature: float = 0.0
@@ -36,6 +38,9 @@ class SamplingParams:
             raise ValueError(f"`top_k` must be an int >= 0; got {self.top_k!r}")
         if not (real(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"`top_p` must be in (0, 1]; got {self.top_p!r}")
+        if self.temperature == 0 and (self.top_k or self.top_p < 1.0):
+            raise ValueError(f"`top_k` and `top_p` apply to sampling: give `temperature` > 0 with them; got "
+                             f"temperature {self.temperature!r}, top_k {self.top_k!r}, top_p {self.top_p!r}")
         # Plain Python numbers: the params are a static (hashed) argument of compiled code.
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_k", int(self.top_k))
@@ -44,6 +49,40 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def from_generation_config(cls, config, *, temperature: float | None = None, top_k: int | None = None,
+                               top_p: float | None = None) -> "SamplingParams":
+        """The sampling a checkpoint's generation defaults ask for, with explicit values winning.
+
+        As transformers: the checkpoint samples only where ``do_sample`` is
+        true, with its ``temperature``, ``top_k`` and ``top_p`` (absent ones:
+        transformers' defaults 1.0, 50 and 1.0); otherwise it decodes greedily
+        and its sampling values are dropped. An explicit argument replaces
+        the checkpoint's value; an explicit temperature > 0 samples even
+        where ``do_sample`` is not set (without the checkpoint's filters, which
+        belong to its own sampling), and an explicit 0 decodes greedily (the
+        checkpoint's top_k / top_p are then dropped; explicit ones raise).
+
+        Args:
+          config: a `models.GenerationConfig` (fields None where absent), or None.
+          temperature, top_k, top_p: explicit values, or None for the checkpoint's.
+
+        Raises:
+          ValueError: as the constructor, for the merged values.
+        """
+        sample = bool(config is not None and config.do_sample)
+        base = dict(temperature=1.0, top_k=50, top_p=1.0) if sample else dict(temperature=0.0, top_k=0, top_p=1.0)
+        if sample:
+            for name in base:
+                if getattr(config, name) is not None:
+                    base[name] = getattr(config, name)
+        if temperature is not None:
+            base["temperature"] = temperature
+        if base["temperature"] == 0:
+            base.update(top_k=0, top_p=1.0)
+        explicit = {name: value for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None}
+        return cls(**{**base, **explicit})
 
 
 def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:

@@ -1,23 +1,26 @@
 """Generation on the real fixture checkpoints: greedy tokens equal transformers'
 with the standard state and with ReplaySSM, ragged batches equal each prompt
 alone, stop tokens and sampling behave, the decode loop updates its states in
-place, and the command line reports bad input in one line."""
+place. The command line is tested in test_cli.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
 from hlo_checks import per_step_copies
-from models import load_model
-from replayssm_jax.generate import main
-from replayssm_jax.generation import GenerationError, Generator, generate
+from models import GenerationConfig, load_generation_config, load_model
+from models.random_init import init_model
+from replayssm_jax import generation
+from replayssm_jax.generation import GenerationError, Generator, InsufficientMemoryError, free_memory, generate
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
@@ -207,81 +210,130 @@ def test_generator_errors():
     assert gen.generate([[5, 6]], 3, stop_tokens=None).sequences == gen.generate([[5, 6]], 3).sequences
 
 
-# --------------------------------------------------------------------------
-# The command
+def test_prompt_beyond_its_prefill_bucket_decodes_the_reference():
+    """A 19-token prompt is prefilled over 16 tokens and its last 3 are fed by decode steps (Mamba-2 and
+    attention layers): the greedy tokens are still transformers'."""
+    expected = reference("nemotron_h_tiny")["generated_ids"]
+    prompts = expected[:, :19]
+    out = Generator(model("nemotron_h_tiny"), state="replay", buffer_len=4).generate(prompts, expected.shape[1] - 19)
+    np.testing.assert_array_equal(np.array(out.sequences), expected)
 
 
-def test_command_default_checkpoint_json(capsys):
-    assert main(["--max-new-tokens", "6", "--compare", "--json", "--buffer-len", "4"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["identical"] is True
-    runs = report["runs"]
-    assert runs["replay"]["buffer_len"] == 4 and runs["standard"]["buffer_len"] is None
-    for r in runs.values():
-        assert r["backend"] == "xla" and r["tokens_per_s"] > 0 and r["compile_s"] > 0
-        assert len(r["generated_ids"]) == 1 and r["text"][0].startswith("ReplaySSM")
+def test_requests_in_one_bucket_compile_once(rng):
+    """Prompt lengths 17-19 (prefill bucket 16), batches 3 and 4 (padded to 4) and max_new_tokens 9-12 (one
+    block of 8 and one of 4, a KV cache of 32 positions) reuse the compiled prefill and decode blocks."""
+    gen = Generator(model("nemotron_h_tiny"), state="replay", buffer_len=4, block_size=8)
+    ids = lambda n: rng.integers(3, 256, size=n).tolist()  # noqa: E731
+    first = gen.generate([ids(17)], 11)
+    compiled = gen.compilations
+    assert compiled == 3 and first.compile_s > 0  # the prefill and blocks of 8 and 4 steps
+    out = gen.generate([ids(19)], 9)
+    assert gen.compilations == compiled and out.compile_s == 0
+    gen.generate([ids(18), ids(17), ids(19)], 9)
+    assert gen.compilations == 2 * compiled  # a new batch bucket
+    out = gen.generate([ids(16)] * 4, 12)
+    assert gen.compilations == 2 * compiled and out.compile_s == 0 and out.num_generated == [12] * 4
 
 
-def test_command_text_output_names_state_and_route(capsys):
-    assert main(["--max-new-tokens", "3", "--compare", "--buffer-len", "4", "--route", "direct", "--no-progress"]) == 0
-    out = capsys.readouterr().out
-    assert "[standard] backend=xla" in out and "[replay L=4 route=direct] backend=xla" in out
-    assert "identical" in out
+def test_generation_config_gives_the_default_stop_token_and_sampling():
+    """The issue's case: sampled rows that emit generation_config.json's eos (2) end there; explicit arguments
+    win over the checkpoint's defaults."""
+    gc = load_generation_config(DATA / "nemotron_h_tiny")
+    assert gc.eos_token_id == (2,) and gc.pad_token_id == 0 and gc.do_sample is None
+    m = model("nemotron_h_tiny")
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+    sampling = SamplingParams(1.0, top_k=5)
+    gen = Generator(m, state="replay", buffer_len=4, generation_config=gc)
+    stopped = gen.generate(prompts, 50, sampling=sampling)
+    plain = gen.generate(prompts, 50, sampling=sampling, stop_tokens=())  # as without a generation_config
+    assert plain.sequences == gen.generate(prompts, 50, sampling=sampling, stop_tokens=None).sequences
+    assert any(2 in new[:-1] for new in plain.new_ids)  # without the checkpoint's eos, rows go on past it
+    for new, cut in zip(plain.new_ids, stopped.new_ids):
+        assert cut == new[: new.index(2) + 1 if 2 in new else len(new)]
+    # Its sampling defaults (the same programs: the sampling is the same)
+    gen.generation_config = dataclasses.replace(gc, do_sample=True, temperature=1.0, top_k=5)
+    out = gen.generate(prompts, 50)
+    assert out.sequences == stopped.sequences and out.compile_s == 0
 
 
-def test_command_with_a_single_new_token_reports_no_speed(capsys):
-    assert main(["--max-new-tokens", "1", "--compare", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["speedup"] is None and report["runs"]["replay"]["tokens_per_s"] is None
-    assert all(len(r["generated_ids"][0]) == len(report["runs"]["standard"]["generated_ids"][0])
-               for r in report["runs"].values())
+def test_sampling_from_generation_config():
+    gc = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95)
+    assert SamplingParams.from_generation_config(gc) == SamplingParams(0.6, top_k=50, top_p=0.95)
+    assert SamplingParams.from_generation_config(GenerationConfig(do_sample=True)) == SamplingParams(1.0, 50, 1.0)
+    assert SamplingParams.from_generation_config(GenerationConfig(temperature=0.6, top_k=3)) == SamplingParams()
+    assert SamplingParams.from_generation_config(None) == SamplingParams()
+    assert SamplingParams.from_generation_config(gc, temperature=0) == SamplingParams()  # its filters dropped
+    assert SamplingParams.from_generation_config(gc, top_k=0) == SamplingParams(0.6, top_k=0, top_p=0.95)
+    assert SamplingParams.from_generation_config(None, temperature=0.5) == SamplingParams(0.5)
+    with pytest.raises(ValueError, match=r"`top_k` and `top_p` apply to sampling: give `temperature` > 0"):
+        SamplingParams.from_generation_config(gc, temperature=0, top_p=0.5)
+    for kwargs in (dict(top_p=0.5), dict(top_k=3)):  # the command line refuses the same
+        with pytest.raises(ValueError, match=r"`top_k` and `top_p` apply to sampling: give `temperature` > 0"):
+            SamplingParams(**kwargs)
 
 
-def test_command_standard_state_ignores_buffer_len(capsys):
-    """--buffer-len only matters to the replay state (checked when it runs)."""
-    assert main(["--max-new-tokens", "2", "--state", "standard", "--buffer-len", "0", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["state"] == "standard" and report["buffer_len"] is None and report["num_generated"] == [2]
+def test_route_with_the_standard_state_warns():
+    with pytest.warns(UserWarning, match="`route` 'direct' applies to state 'replay' only"):
+        Generator(model("mamba2_tiny"), state="standard", route="direct")
 
 
-def test_command_prompt_ids_on_fixture(capsys):
-    ref = reference("qwen3_next_tiny")
-    ids = ";".join(",".join(map(str, row)) for row in ref["prompt_ids"])
-    n = ref["generated_ids"].shape[1] - ref["prompt_ids"].shape[1]
-    argv = ["--checkpoint", str(DATA / "qwen3_next_tiny"), "--prompt-ids", ids, "--max-new-tokens", str(n),
-            "--state", "replay", "--buffer-len", "3", "--stop", "", "--json"]
-    for route in ("output", "direct", "auto"):
-        assert main(argv + (["--route", route] if route != "auto" else [])) == 0  # auto: the default
-        report = json.loads(capsys.readouterr().out)
-        assert report["generated_ids"] == ref["generated_ids"].tolist()
-        assert report["state"] == "replay" and report["buffer_len"] == 3 and report["route"] == route
+def test_on_token_streams_the_new_tokens():
+    """on_token gets every row's new tokens in order, block after block, with the pad token after a stop."""
+    ref = reference("qwen3_5_tiny")
+    prompts = [ref["prompt_ids"][0].tolist(), ref["prompt_ids"][1, :7].tolist()]
+    stop = int(ref["generated_ids"][0, 12 + 9])
+    calls = []
+    gen = Generator(model("qwen3_5_tiny"), state="replay", buffer_len=4, block_size=4)
+    out = gen.generate(prompts, 20, stop_tokens=[stop], on_token=lambda step, t: calls.append((step, t.copy())))
+    assert len(calls) > 2 and all(t.dtype == np.int32 and t.shape[1] == 2 for _, t in calls)
+    assert [step for step, _ in calls] == np.cumsum([0] + [len(t) for _, t in calls[:-1]]).tolist()
+    streamed = np.concatenate([t for _, t in calls])
+    assert len(streamed) == max(out.num_generated) and out.num_generated[0] == 10
+    for row, new in enumerate(out.new_ids):
+        assert streamed[: len(new), row].tolist() == new
+        assert (streamed[len(new):, row] == 0).all()  # the pad token
+    with pytest.raises(GenerationError, match="`on_token` must be callable or None; got int"):
+        gen.generate(prompts, 2, on_token=3)
 
 
-BAD_COMMANDS = [
-    (["--checkpoint", "/nonexistent/folder"], "cannot load checkpoint '/nonexistent/folder'"),
-    (["--prompt-ids", "1,2,999"], "token id 999 outside the vocabulary [0, 256)"),
-    (["--prompt", ""], "--prompt is empty"),
-    (["--prompt-ids", "1,2;;3"], "--prompt-ids: row 1 is empty"),
-    (["--prompt-ids", "1,x"], "--prompt-ids: row 0 ('1,x') is not a comma-separated list of integers"),
-    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0; got -1"),
-    (["--buffer-len", "0"], "--buffer-len must be >= 1; got 0"),
-    (["--buffer-len", "65", "--backend", "interpret"], "--buffer-len must be <= 64 with backend 'interpret'"),
-    (["--stop", "999999"], "--stop has token id 999999 outside the vocabulary"),
-    (["--prompt-ids", "1,999999"], "`--prompt-ids row 0` has token id 999999 outside the vocabulary"),
-    (["--backend", "cuda"], "--backend must be one of pallas, interpret, xla; got 'cuda'"),
-    (["--dtype", "float64"], "--dtype must be one of float32, bfloat16; got 'float64'"),
-    (["--top-p", "0", "--temperature", "1"], "--top-p must be in (0, 1]; got 0.0"),
-    (["--top-k", "5"], "--top-k and --top-p apply to sampling: give --temperature > 0 with them"),
-    (["--seed", "-3"], "--seed must be in [0, 2**32); got -3"),
-    (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--state", "fast"], "argument --state: invalid choice: 'fast'"),
-    (["--route", "fast"], "argument --route: invalid choice: 'fast'"),
-]
+def test_oversized_prompt_id_is_named():
+    with pytest.raises(GenerationError, match=r"`prompt 1` has token id 99999999999999999999 outside the "
+                                              r"vocabulary \[0, 256\)"):
+        Generator(model("mamba2_tiny"), state="replay", buffer_len=4).generate([[1], [99999999999999999999]], 2)
 
 
-@pytest.mark.parametrize("argv, message", BAD_COMMANDS, ids=[m[:24] for _, m in BAD_COMMANDS])
-def test_command_bad_input_is_one_line(argv, message, capsys):
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert message in err, err
+def test_a_cache_that_does_not_fit_is_refused_before_allocating(monkeypatch):
+    """In 64 MiB, 4 rows of 1e6 new tokens (a KV cache of 256 B per row and position) do not fit: the error says
+    so before anything is compiled or allocated, its suggestions fit, and the Generator stays usable."""
+    gen = Generator(model("nemotron_h_tiny"), state="replay", buffer_len=4)
+    monkeypatch.setattr(generation, "free_memory", lambda device=None: (64 * 2**20, "test memory"))
+    prompts = [[5, 6, 7]] * 4
+    with pytest.raises(InsufficientMemoryError, match=r"`prompts` \(4 rows, padded to 4\) with `max_new_tokens` "
+                                                      r"do not fit: the decode cache of 1048576 positions needs "
+                                                      r"1.0 GiB \(KV caches 1.0 GiB") as info:
+        gen.generate(prompts, 1_000_000)
+    assert isinstance(info.value, MemoryError) and gen.compilations == 0
+    message = str(info.value)
+    assert "the test memory is 64.0 MiB" in message and "not even one row fits" not in message
+    new = int(re.search(r"`max_new_tokens` up to about (\d+) fits at this batch", message).group(1))
+    assert gen.memory_estimate(prompts, new).total_bytes <= 64 * 2**20 < gen.memory_estimate(prompts, 2 * new).total_bytes
+    assert "no batch fits at this length" in message
+    with pytest.raises(InsufficientMemoryError, match="a batch of up to 2 fits at this length"):
+        gen.generate(prompts, 100_000)
+    assert gen.memory_estimate(prompts[:2], 100_000).total_bytes <= 64 * 2**20
+    assert gen.generate([[5, 6, 7]], 3).num_generated == [3]
+    free, where = free_memory()
+    assert free > 0 and where in ("available host memory", "free host memory")
+
+
+def test_memory_estimate_of_an_abstract_model_equals_the_loaded_ones():
+    """The command estimates before loading, from nnx.eval_shape of the model: same numbers, nothing allocated."""
+    abstract = nnx.eval_shape(lambda: init_model(DATA / "nemotron_h_tiny", jnp.float32))
+    estimate = Generator(abstract, state="replay", buffer_len=4).memory_estimate([[1, 2, 3]] * 3, 40)
+    loaded = Generator(model("nemotron_h_tiny"), state="replay", buffer_len=4)
+    assert estimate == loaded.memory_estimate([[1, 2, 3]] * 3, 40) and estimate.rows == 4 and estimate.kv_bytes > 0
+    assert Generator(abstract).weights_bytes == loaded.weights_bytes == sum(
+        a.nbytes for a in jax.tree.leaves(loaded.params))
+    out = loaded.generate([[1, 2, 3]] * 3, 40, progress=False)
+    carried = estimate.kv_bytes + estimate.state_bytes
+    assert 0 < carried - out.cache_bytes <= 64  # the loop's token, position, done flags and key come on top
