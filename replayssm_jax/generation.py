@@ -112,7 +112,7 @@ class SpeculativeConfig:
     max_ngram: int = 3
     min_ngram: int = 1
     alpha: float = 1.0
-    reference: object = None
+    reference: object = dataclasses.field(default=None, hash=False, compare=False)
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
