@@ -12,18 +12,15 @@ flushes) and with the standard state.
 from __future__ import annotations
 
 import json
-import pathlib
 
 import numpy as np
 import pytest
+from test_generation import FIXTURES, model, reference
 
-from models import load_model
 from replayssm_jax.generate import main
 from replayssm_jax.generation import GenerationError, Generator, SpeculativeConfig
 from replayssm_jax.sampling import SamplingParams
 
-DATA = pathlib.Path(__file__).parent / "data"
-FIXTURES = ["mamba2_tiny", "nemotron_h_tiny", "qwen3_5_tiny", "qwen3_next_tiny"]
 NEW_TOKENS = 16
 # (method, alpha, state, L, K)
 CONFIGS = [
@@ -33,17 +30,6 @@ CONFIGS = [
     ("oracle", 0.6, "replay", 4, 3),
 ]
 CASES = [(name, CONFIGS[(i + j) % len(CONFIGS)]) for i, name in enumerate(FIXTURES) for j in (0, 2)]
-_MODELS = {}
-
-
-def model(name):
-    if name not in _MODELS:
-        _MODELS[name] = load_model(DATA / name)
-    return _MODELS[name]
-
-
-def reference(name):
-    return np.load(DATA / name / "reference.npz")
 
 
 def speculative(method, K, alpha=None, reference_ids=None):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.speculative.acceptance import accept_drafts
@@ -156,8 +156,6 @@ def make_block(graphdef, drafter, *, rounds: int, max_new_tokens: int, sampling:
       rounds: >= 1, the most rounds per call (static).
       max_new_tokens, sampling, pad_id, backend: as `speculative_round`.
     """
-    from flax import nnx
-
     def block(params, carry, prompt_lengths, stop_ids):
         model = nnx.merge(graphdef, params)
         end = carry.rounds + rounds
