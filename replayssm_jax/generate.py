@@ -24,6 +24,7 @@ from replayssm_jax.generation import (
     STATES,
     GenerationError,
     Generator,
+    SpeculativeConfig,
     default_compile_cache,
     format_bytes,
     free_memory,
@@ -36,6 +37,7 @@ from replayssm_jax.text import ChatTemplate, TextError, TextStream, Tokenizer
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_PROMPT = "ReplaySSM keeps the state as a checkpoint"
 DEFAULT_BUFFER_LEN = 16
+DEFAULT_NUM_DRAFT = 3
 
 # Why --compare may find different tokens: printed with the first difference, and in the README.
 NEAR_TIES = ("ReplaySSM computes the same recurrence as the standard state with its sums in another order, so the "
@@ -87,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1.0: all)")
     p.add_argument("--stop", default=None,
                    help="comma-separated stop token ids; '' for none (default: the checkpoint's eos_token_id)")
-    p.add_argument("--block-size", type=int, default=16, help="decode steps per compiled block (default 16)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="decode steps (speculative rounds) per compiled block (default 16)")
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="speculative decoding: ngram (prompt lookup) drafts --num-draft tokens per round, the model "
+                        "verifies them in one call")
+    p.add_argument("--num-draft", type=int, default=None,
+                   help="drafts per speculative round K >= 1 (default 3); K + 1 <= --buffer-len with --state replay")
     p.add_argument("--compare", action="store_true", help="run standard and replay; report identical tokens and the speed ratio")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--new-only", action="store_true", help="print only the generated tokens, not the prompt")
@@ -181,6 +189,16 @@ def _check_args(args) -> list[str]:
                 _warn(f"{flag} applies to --state replay only; the standard state ignores it")
     elif args.buffer_len is not None and args.buffer_len < 1:
         raise UsageError(f"--buffer-len must be >= 1; got {args.buffer_len}")
+    if args.speculative is None and args.num_draft is not None:
+        _warn("--num-draft applies to --speculative only; it is ignored")
+    if args.speculative is not None:
+        k = DEFAULT_NUM_DRAFT if args.num_draft is None else args.num_draft
+        if k < 1:
+            raise UsageError(f"--num-draft must be >= 1; got {k}")
+        buffer_len = args.buffer_len or DEFAULT_BUFFER_LEN
+        if "replay" in states and k + 1 > buffer_len:
+            raise UsageError(f"--num-draft + 1 = {k + 1} verified positions must be <= --buffer-len = {buffer_len} "
+                             f"with --state replay (raise --buffer-len or lower --num-draft)")
     if args.new_only and args.json:
         _warn("--new-only applies to the text output; the JSON has both generated_ids and new_ids")
     return states
@@ -248,11 +266,17 @@ def _check_memory(abstract, states, args, prompts, backend) -> None:
     raise UsageError(_flag_names(f"{head}; {fits}"))
 
 
+def _speculative(args) -> SpeculativeConfig | None:
+    if args.speculative is None:
+        return None
+    return SpeculativeConfig(args.speculative, DEFAULT_NUM_DRAFT if args.num_draft is None else args.num_draft)
+
+
 def _generator(model, state, args, backend, generation_config=None) -> Generator:
     replay = state == "replay"
     return Generator(model, state=state, buffer_len=(args.buffer_len or DEFAULT_BUFFER_LEN) if replay else None,
                      backend=backend, route=(args.route or "auto") if replay else "auto",
-                     block_size=args.block_size, generation_config=generation_config)
+                     block_size=args.block_size, generation_config=generation_config, speculative=_speculative(args))
 
 
 def _printable(text: str) -> str:
@@ -286,13 +310,15 @@ class _Printer:
 
 
 def _label(r) -> str:
-    return r["state"] + (f" L={r['buffer_len']} route={r['route']}" if r["buffer_len"] else "")
+    spec = f" speculative={r['speculative']} K={r['num_draft']}" if r.get("speculative") else ""
+    return r["state"] + (f" L={r['buffer_len']} route={r['route']}" if r["buffer_len"] else "") + spec
 
 
 def _speed(r) -> str:
     speed = "no decode speed (fewer than 2 new tokens)" if r["tokens_per_s"] is None else \
         f"{r['tokens_per_s']:.1f} tokens/s decode"
-    return f"{speed}, prefill {r['prefill_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s"
+    accepted = "" if r.get("mean_accepted") is None else f", {r['mean_accepted']:.2f} tokens per round"
+    return f"{speed}{accepted}, prefill {r['prefill_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s"
 
 
 def _summary(out, gen, tokenizer) -> dict:
@@ -310,6 +336,9 @@ def _summary(out, gen, tokenizer) -> dict:
         "prefill_s": out.prefill_s,
         "compile_s": out.compile_s,
         "cache_bytes": out.cache_bytes,
+        "speculative": gen.speculative.method if gen.speculative else None,
+        "num_draft": gen.speculative.num_draft if gen.speculative else None,
+        "mean_accepted": out.accepted_per_round,
     }
     if tokenizer is not None:
         result["text"] = [tokenizer.decode(s) for s in out.sequences]
@@ -410,7 +439,10 @@ def run(args, stream: bool = False) -> dict:
 
 def _print_header(report, gen, prompt, tokenizer, new_only):
     print(f"checkpoint: {report['checkpoint']} ({report['model_type']}, {report['dtype']}, {report['device']})")
-    print(f"[{_label({'state': gen.state, 'buffer_len': gen.buffer_len, 'route': gen.route})}] backend={gen.backend}")
+    spec = gen.speculative
+    label = _label({"state": gen.state, "buffer_len": gen.buffer_len, "route": gen.route,
+                    "speculative": spec and spec.method, "num_draft": spec and spec.num_draft})
+    print(f"[{label}] backend={gen.backend}")
     if not new_only:
         sys.stdout.write(_printable(tokenizer.decode(prompt)) if tokenizer else " ".join(map(str, prompt)))
     sys.stdout.flush()

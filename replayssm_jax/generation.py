@@ -84,6 +84,54 @@ class GenerationError(ValueError):
     """Bad generation input (prompt, lengths, options)."""
 
 
+SPECULATIVE_METHODS = ("ngram", "oracle")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding for a Generator (replayssm_jax.speculative.loop).
+
+    Attributes:
+      method: "ngram" (prompt lookup, `NgramDrafter`) or "oracle"
+        (`OracleDrafter`: drafts of a known continuation, for tests and
+        benchmarks).
+      num_draft: K >= 1 drafts per round; each round verifies W = K + 1
+        positions (W <= buffer_len with the ReplaySSM state).
+      max_ngram, min_ngram: the n-gram lengths matched by "ngram".
+      alpha: "oracle": the probability in [0, 1] that a draft is right.
+      reference: "oracle": per row the full token sequence it drafts from
+        (prompt included), a list of id lists or an int array [batch, n].
+
+    Raises:
+      GenerationError: an unknown method, num_draft < 1, bad n-gram lengths,
+        alpha outside [0, 1], an "oracle" without `reference`.
+    """
+
+    method: str
+    num_draft: int
+    max_ngram: int = 3
+    min_ngram: int = 1
+    alpha: float = 1.0
+    reference: object = dataclasses.field(default=None, hash=False, compare=False)
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise GenerationError(f"`speculative.method` must be one of {SPECULATIVE_METHODS}; got {self.method!r}")
+        _check_int("num_draft", self.num_draft, 1)
+        _check_int("min_ngram", self.min_ngram, 1)
+        _check_int("max_ngram", self.max_ngram, self.min_ngram)
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha <= 1.0:
+            raise GenerationError(f"`alpha` must be a float in [0, 1]; got {alpha!r}")
+        if self.method == "oracle" and self.reference is None:
+            raise GenerationError("`speculative.reference` is required with method 'oracle'")
+
+    @property
+    def window(self) -> int:
+        """W = K + 1, the positions verified per round."""
+        return self.num_draft + 1
+
+
 class InsufficientMemoryError(GenerationError, MemoryError):
     """A generation whose decode cache (with the weights, where they are not yet
     loaded) does not fit the device's free memory; raised before allocating it."""
@@ -122,10 +170,17 @@ class GenerationOutput:
         blocks in this call (0 when every shape was compiled before; a hit of
         JAX's persistent compilation cache counts its loading time).
       decode_steps: decode steps run (one token for every row each; the
-        steps of the last block past the longest row's end included).
+        steps of the last block past the longest row's end included);
+        speculative decoding: the rounds run.
       cache_bytes: device bytes of the decode cache (SSM states or checkpoints
         and buffers, conv states, KV caches) at the padded batch.
       prompt_lengths: per row, the prompt's length.
+      accepted_per_round: speculative decoding: the mean new tokens per row
+        and round (accepted drafts plus the target's own token, 1..K + 1)
+        over the rounds in which a row generated; None otherwise.
+      decode_tokens: speculative decoding: the new tokens the rounds produced
+        (every real row; the first new token, from the prefill, excluded);
+        None otherwise (then `decode_steps` counts them for every row).
     """
 
     sequences: list[list[int]]
@@ -136,6 +191,8 @@ class GenerationOutput:
     decode_steps: int
     cache_bytes: int = 0
     prompt_lengths: list[int] = dataclasses.field(default_factory=list)
+    accepted_per_round: float | None = None
+    decode_tokens: int | None = None
 
     @property
     def new_ids(self) -> list[list[int]]:
@@ -148,7 +205,10 @@ class GenerationOutput:
         row every step (the steps that feed the rest of longer prompts in a
         ragged batch or of a prompt longer than its prefill bucket included);
         None when no decode step ran or no row got a second new token (the
-        first new token follows the prompt: its step measures no decoding)."""
+        first new token follows the prompt: its step measures no decoding).
+        Speculative decoding: `decode_tokens` per second of the rounds."""
+        if self.decode_tokens is not None:
+            return self.decode_tokens / self.decode_s if self.decode_tokens and self.decode_s > 0 else None
         if self.decode_steps == 0 or self.decode_s <= 0 or max(self.num_generated, default=0) < 2:
             return None
         return len(self.sequences) * self.decode_steps / self.decode_s
@@ -453,17 +513,22 @@ class Generator:
         token): `generate` stops at its `eos_token_id` and samples as it
         says unless given `stop_tokens` / `sampling`, as transformers does;
         its `pad_token_id` fills finished rows.
+      speculative: a SpeculativeConfig: `generate` runs speculative rounds
+        (draft K tokens, verify K + 1 positions in one call, accept, commit;
+        replayssm_jax.speculative.loop) of up to `block_size` rounds per
+        compiled block; None: one token per decode step.
 
     Raises:
       GenerationError: `model` not a model of this package, an unknown
         state, L < 1 (or above the kernels' limit with a kernel backend),
         block_size < 1, prefill_rows < 1, a `generation_config` without the
-        fields of `models.GenerationConfig`.
+        fields of `models.GenerationConfig`, a `speculative` that is not a
+        SpeculativeConfig or whose window K + 1 exceeds buffer_len.
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
     def __init__(self, model, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32, backend=None,
-                 route="auto", block_size=16, prefill_rows=None, generation_config=None):
+                 route="auto", block_size=16, prefill_rows=None, generation_config=None, speculative=None):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise GenerationError(f"`model` must be a model of this package (an nnx.Module with a `config`, e.g. "
                                   f"from models.load_model); got {type(model).__name__}")
@@ -490,6 +555,12 @@ class Generator:
         if generation_config is not None and not all(hasattr(generation_config, f) for f in fields):
             raise GenerationError(f"`generation_config` must be a models.GenerationConfig or None; got "
                                   f"{type(generation_config).__name__}")
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise GenerationError(f"`speculative` must be a SpeculativeConfig or None; got {type(speculative).__name__}")
+        if speculative is not None and state == "replay" and speculative.window > buffer_len:
+            raise GenerationError(f"`speculative.num_draft` + 1 = {speculative.window} verified positions must be <= "
+                                  f"`buffer_len` = {buffer_len} with the replay state (a window fits in the buffer)")
+        self.speculative = speculative
         self.backend = ops.resolve_backend(backend)
         if state == "replay":
             try:
@@ -515,7 +586,7 @@ class Generator:
 
             def prefill(ids):
                 return model.prefill(ids, max_len, replay_buffer_len=self.buffer_len, buffer_dtype=self.buffer_dtype,
-                                     backend=self.backend, last_logits_only=True)
+                                     backend=self.backend, last_logits_only=True, max_window=self._window)
 
             logits, cache = _by_rows(prefill, prompts[:, :prefix_len], self.prefill_rows)
             pos = jnp.asarray(prefix_len, jnp.int32)
@@ -555,6 +626,11 @@ class Generator:
     def weights_bytes(self) -> int:
         """Bytes of the model's parameters (also of an abstract model's)."""
         return _nbytes(self.params)
+
+    @property
+    def _window(self) -> int:
+        """The verify window the cache is prefilled for (1: plain decoding)."""
+        return 1 if self.speculative is None else self.speculative.window
 
     @property
     def _pad_id(self) -> int:
@@ -704,6 +780,87 @@ class Generator:
             self._compiled[key] = traced().lower().compile()
         return self._compiled[key], time.perf_counter() - t0
 
+    def _compiled_start(self, plan, sampling, inputs, key, lengths, progress):
+        """The compiled prefill for `plan` after the memory checks; returns (executable, compile seconds)."""
+        start_key = ("start", plan.rows, plan.prefix_len, plan.width, plan.max_len, sampling)
+        traced, trace_s = None, 0.0
+        if start_key not in self._compiled:
+            t0 = time.perf_counter()
+            traced = self._trace_start(plan, sampling, inputs, key)
+            trace_s = time.perf_counter() - t0
+        estimate = self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)]
+        self._check_fits(estimate, plan, lengths)
+        what = f"prefill ({plan.rows} rows x {plan.prefix_len} tokens, cache of {plan.max_len} positions)"
+        start, compile_s = self._compile(start_key, lambda: traced, what, progress)
+        self._check_fits(estimate, plan, lengths, _temp_bytes(start))
+        return start, compile_s + trace_s
+
+    def _drafter(self, plan: _Plan, history_len: int):
+        """The configured Drafter for `plan`'s rows (the oracle's reference padded to [rows, history_len])."""
+        from replayssm_jax.speculative import NgramDrafter, OracleDrafter
+
+        spec = self.speculative
+        if spec.method == "ngram":
+            return NgramDrafter(spec.num_draft, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
+        reference, _ = self._check_prompts(spec.reference)
+        if len(reference) != plan.batch:
+            raise GenerationError(f"`speculative.reference` must have one row per prompt ({plan.batch}); got "
+                                  f"{len(reference)}")
+        padded = np.full((plan.rows, history_len), self._pad_id, np.int32)
+        for row, ref in enumerate(reference):
+            padded[row, : min(len(ref), history_len)] = ref[:history_len]
+        return OracleDrafter(jnp.asarray(padded), spec.alpha, spec.num_draft, int(self.config.vocab_size))
+
+    def _generate_speculative(self, plan, prompts, lengths, max_new_tokens, sampling, inputs, key, start,
+                              compile_s, progress, on_token):
+        """`generate` by speculative rounds (replayssm_jax.speculative.loop), after the compiled prefill."""
+        from replayssm_jax.speculative.loop import SpeculativeCarry, make_block
+
+        window = self._window
+        history_len = plan.max_len + window
+        drafter = self._drafter(plan, history_len)
+        padded, row_lengths, _, stops = inputs
+
+        t0 = time.perf_counter()
+        first = start(self.params, *inputs, key)
+        history = jnp.full((plan.rows, history_len), self._pad_id, jnp.int32).at[:, : plan.width].set(padded)
+        history = history.at[:, plan.prefix_len].set(first.token)
+        known = jnp.maximum(row_lengths, plan.prefix_len + 1)
+        carry = SpeculativeCarry(cache=first.cache, history=history, known=known,
+                                 done=first.done | (known - row_lengths >= max_new_tokens),
+                                 rounds=jnp.zeros((), jnp.int32), accepted=jnp.zeros(plan.rows, jnp.int32),
+                                 row_rounds=jnp.zeros(plan.rows, jnp.int32), key=key)
+        jax.block_until_ready(carry)
+        prefill_s = time.perf_counter() - t0
+
+        block_key = ("spec", self.speculative, sampling, max_new_tokens, plan.rows, plan.width, plan.max_len)
+        make = lambda: make_block(  # noqa: E731
+            self.graphdef, drafter, rounds=self.block_size, max_new_tokens=max_new_tokens, sampling=sampling,
+            pad_id=self._pad_id, backend=self.backend).trace(self.params, carry, row_lengths, stops)
+        if self.speculative.method == "oracle":
+            self._compiled.pop(block_key, None)  # the reference is part of the program
+        block, seconds = self._compile(block_key, make, f"speculative block ({self.block_size} rounds)", progress)
+        compile_s += seconds
+
+        stream = _RowStream(lengths, max_new_tokens, set(np.asarray(stops).tolist()) - {-1}, self._pad_id, on_token)
+        stream.update(np.asarray(carry.history), np.asarray(carry.known), np.asarray(carry.done))
+        t0 = time.perf_counter()
+        while not bool(np.all(np.asarray(carry.done)[: plan.batch])):
+            carry = block(self.params, carry, row_lengths, stops)
+            if on_token is not None:
+                stream.update(np.asarray(carry.history), np.asarray(carry.known), np.asarray(carry.done))
+        jax.block_until_ready(carry)
+        decode_s = time.perf_counter() - t0
+        stream.update(np.asarray(carry.history), np.asarray(carry.known), np.asarray(carry.done))
+        sequences, counts = stream.finish(prompts)
+        accepted = np.asarray(carry.accepted)[: plan.batch]
+        row_rounds = np.asarray(carry.row_rounds)[: plan.batch]
+        from_prefill = sum(1 for n, c in zip(lengths, counts) if n <= plan.prefix_len and c)
+        return GenerationOutput(sequences, counts, prefill_s, decode_s, compile_s, int(carry.rounds),
+                                _nbytes(carry.cache), prompt_lengths=lengths.tolist(),
+                                accepted_per_round=float(accepted.sum() / row_rounds.sum()) if row_rounds.sum() else None,
+                                decode_tokens=sum(counts) - from_prefill)
+
     # -- public -----------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -760,23 +917,15 @@ class Generator:
             raise GenerationError(f"`on_token` must be callable or None; got {type(on_token).__name__}")
         if max_new_tokens == 0:
             return GenerationOutput([p.tolist() for p in prompts], [0] * len(prompts), 0.0, 0.0, 0.0, 0,
-                                    prompt_lengths=lengths.tolist())
+                                    prompt_lengths=lengths.tolist(),
+                                    decode_tokens=None if self.speculative is None else 0)
         plan = _plan(lengths, max_new_tokens, self.block_size)
         inputs = self._inputs(plan, prompts, lengths, stop_ids)
         key = jax.random.key(seed)
-        start_key = ("start", plan.rows, plan.prefix_len, plan.width, plan.max_len, sampling)
-        traced, trace_s = None, 0.0
-        if start_key not in self._compiled:
-            t0 = time.perf_counter()
-            traced = self._trace_start(plan, sampling, inputs, key)
-            trace_s = time.perf_counter() - t0
-        estimate = self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)]
-        self._check_fits(estimate, plan, lengths)
-
-        what = f"prefill ({plan.rows} rows x {plan.prefix_len} tokens, cache of {plan.max_len} positions)"
-        start, compile_s = self._compile(start_key, lambda: traced, what, progress)
-        compile_s += trace_s
-        self._check_fits(estimate, plan, lengths, _temp_bytes(start))
+        start, compile_s = self._compiled_start(plan, sampling, inputs, key, lengths, progress)
+        if self.speculative is not None:
+            return self._generate_speculative(plan, prompts, lengths, max_new_tokens, sampling, inputs, key, start,
+                                              compile_s, progress, on_token)
         carry_info = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), start.out_info)
         blocks = {}
         for n in plan.block_sizes:
@@ -847,20 +996,53 @@ class _Stream:
         return rows
 
     def _emit(self, upto: int):
-        if self.on_token is None or upto <= self.emitted:
-            return
-        rows = self._new_tokens()
-        block = np.full((upto - self.emitted, len(rows)), self.pad, np.int32)
-        for r, new in enumerate(rows):
-            part = new[self.emitted : upto]
-            block[: len(part), r] = part
-        self.on_token(self.emitted, block)
-        self.emitted = upto
+        if self.on_token is not None and upto > self.emitted:
+            self.emitted = _emit_rows(self.on_token, self._new_tokens(), self.emitted, upto, self.pad)
 
     def finish(self, prompts):
         rows = self._new_tokens()
         self._emit(max(len(new) for new in rows))
         return [p.tolist() + new for p, new in zip(prompts, rows)], [len(new) for new in rows]
+
+
+def _emit_rows(on_token, rows: list[list[int]], emitted: int, upto: int, pad: int) -> int:
+    """on_token(emitted, tokens i32[upto - emitted, batch]): new tokens emitted..upto-1 of every row
+    (`pad` past a row's end); returns upto."""
+    block = np.full((upto - emitted, len(rows)), pad, np.int32)
+    for r, new in enumerate(rows):
+        part = new[emitted:upto]
+        block[: len(part), r] = part
+    on_token(emitted, block)
+    return upto
+
+
+class _RowStream:
+    """The host's record of a speculative run's tokens, read from the loop's history per row.
+
+    Rows advance by different amounts per round; new tokens are handed to
+    `on_token` up to the shortest unfinished row's count.
+    """
+
+    def __init__(self, lengths, max_new_tokens, stop_ids, pad_id, on_token):
+        self.lengths, self.max_new, self.stops, self.pad, self.on_token = lengths, max_new_tokens, stop_ids, pad_id, on_token
+        self.rows, self.emitted = [[] for _ in lengths], 0
+
+    def update(self, history: np.ndarray, known: np.ndarray, done: np.ndarray):
+        """history i32[rows, max_len], known i32[rows], done bool[rows]: the loop's carry."""
+        for r, n in enumerate(self.lengths):
+            new = history[r, n : known[r]][: self.max_new].tolist()
+            end = next((i + 1 for i, t in enumerate(new) if t in self.stops), len(new))
+            self.rows[r] = new[:end]
+        open_rows = [len(new) for r, new in enumerate(self.rows) if not done[r]]
+        self._emit(min(open_rows) if open_rows else max(len(new) for new in self.rows))
+
+    def _emit(self, upto: int):
+        if self.on_token is not None and upto > self.emitted:
+            self.emitted = _emit_rows(self.on_token, self.rows, self.emitted, upto, self.pad)
+
+    def finish(self, prompts):
+        self._emit(max(len(new) for new in self.rows))
+        return [p.tolist() + new for p, new in zip(prompts, self.rows)], [len(new) for new in self.rows]
 
 
 def _by_rows(fn, ids, rows):
@@ -890,9 +1072,9 @@ def _check_int(name, value, low, high=None) -> int:
 
 def generate(model, prompts, max_new_tokens: int, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32,
              backend=None, route="auto", generation_config=None, sampling=FROM_CONFIG, seed=0, stop_tokens=FROM_CONFIG,
-             progress=None, on_token=None) -> GenerationOutput:
+             progress=None, on_token=None, speculative=None) -> GenerationOutput:
     """One-call generation: `Generator(model, ...).generate(prompts, ...)`; see both."""
     generator = Generator(model, state=state, buffer_len=buffer_len, buffer_dtype=buffer_dtype, backend=backend,
-                          route=route, generation_config=generation_config)
+                          route=route, generation_config=generation_config, speculative=speculative)
     return generator.generate(prompts, max_new_tokens, sampling=sampling, seed=seed, stop_tokens=stop_tokens,
                               progress=progress, on_token=on_token)

@@ -7,6 +7,10 @@
 - :mod:`replayssm_jax.speculative.acceptance`: the acceptance rules, greedy
   and distribution-preserving speculative sampling, giving the new tokens of
   a round and how many every layer commits.
+- :mod:`replayssm_jax.speculative.loop`: the loop itself, one compiled round
+  (draft, verify, accept, commit) in blocks of rounds under
+  `lax.while_loop`; `replayssm_jax.generation.Generator(speculative=...)`
+  runs it.
 """
 
 from replayssm_jax.speculative.acceptance import (
@@ -16,6 +20,7 @@ from replayssm_jax.speculative.acceptance import (
     sampling_acceptance,
 )
 from replayssm_jax.speculative.drafters import Drafter, Drafts, NgramDrafter, OracleDrafter, check_history
+from replayssm_jax.speculative.loop import SpeculativeCarry, make_block, speculative_round
 
 __all__ = [
     "Accepted",
@@ -23,8 +28,11 @@ __all__ = [
     "Drafts",
     "NgramDrafter",
     "OracleDrafter",
+    "SpeculativeCarry",
     "accept_drafts",
     "check_history",
     "greedy_acceptance",
+    "make_block",
     "sampling_acceptance",
+    "speculative_round",
 ]
