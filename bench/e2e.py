@@ -84,11 +84,12 @@ class Row:
 
 
 def _mode(mode: str) -> tuple[str, int | None, str]:
-    """(state, L, route) of a --modes entry: 'standard'; 'L', ReplaySSM with
-    buffer length L on the output route; 'Ld', the same on the direct route.
+    """(state, L, route) of a --modes entry: 'standard' (route "auto", which the
+    standard state ignores); 'L', ReplaySSM with buffer length L on the output
+    route; 'Ld', the same on the direct route.
     Raises ValueError for anything else."""
     if mode == "standard":
-        return "standard", None, "output"
+        return "standard", None, "auto"
     digits = mode.removesuffix("d")
     if not (digits.isascii() and digits.isdigit()) or int(digits) < 1:
         raise ValueError(f"mode {mode!r}: expected 'standard', a buffer length L >= 1, or L then 'd' (the direct "
