@@ -110,9 +110,10 @@ def assert_close(actual, expected, dtype=f32, what="value"):
 # Shapes
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GDNShape:
-    """A Gated DeltaNet layer: H key heads, HV value heads (a multiple of H), key dim K, value dim V."""
+    """A Gated DeltaNet layer: H key heads, HV value heads (a multiple of H), key dim K, value dim V; `batch`
+    rows; `name` (if given) is its str. Keyword arguments only."""
 
     H: int
     HV: int
@@ -128,9 +129,10 @@ class GDNShape:
         return self.name or f"gdn-b{self.batch}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Mamba2Shape:
-    """A Mamba-2 layer: H heads, head_dim P, d_state N, G groups (H a multiple of G), the z gate, dt's clamp."""
+    """A Mamba-2 layer: H heads, head_dim P, d_state N, G groups (H a multiple of G), the z gate, dt's clamp;
+    `batch` rows; `name` (if given) is its str. Keyword arguments only."""
 
     H: int
     P: int
@@ -227,7 +229,7 @@ class _Normal:
 
 
 def _cast(a, dtype):
-    return a.astype(dtype)
+    return jnp.asarray(a, dtype)
 
 
 class _Layer:
@@ -248,11 +250,11 @@ class _Layer:
         return self._normal(shape, mean, scale)
 
     def state(self, dtype=f32):
-        """A random recurrent state f32/bf16[batch, heads, V or P, K or N], N(0, 0.25)."""
+        """A random recurrent state f32/bf16[batch, heads, V or P, K or N], N(0, 0.25), a jax array."""
         return _cast(self._n(self.s.batch, *self.heads_dims(), scale=0.5), dtype)
 
     def draw(self, *lead):
-        """Inputs of one step (no `lead`) or of a sequence [batch, *lead, ...] (the ops' layout)."""
+        """Inputs of one step (no `lead`) or of a sequence [batch, *lead, ...] (the ops' layout), jax arrays."""
         return self.random_inputs((self.s.batch, *lead))
 
     def _op(self, name, backend, config=None):

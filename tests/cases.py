@@ -57,7 +57,11 @@ class _Case:
 
     def initial_state(self):
         """A random f32 state (numpy) of the case's shape."""
-        return self.state(np.float32)
+        return np.array(self.state(np.float32))
+
+    def random_inputs(self, lead):
+        """The adapter's inputs as writable numpy arrays (tests change entries in place)."""
+        return {key: np.array(value) for key, value in super().random_inputs(lead).items()}
 
 
 class Mamba2Case(_Case, testing.Mamba2):
