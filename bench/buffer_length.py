@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     lengths = [int(L) for L in args.lengths.split(",")]
-    shapes = {"gdn": kb.GDNShape(), "mamba2": kb.Mamba2Shape()}
+    shapes = {layer: kb.CASE_TABLES[layer].model for layer in ("gdn", "mamba2")}
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix="buffer_length_dry_run_") if args.dry_run else kb.results_folder("buffer-length")
     try:

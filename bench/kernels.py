@@ -1,6 +1,7 @@
 """Decode-step kernel benchmark: standard vs ReplaySSM, one layer, on a GPU.
 
-Shapes (one layer each):
+Shapes (one layer each; the `model` shapes of the case tables in replayssm_jax.testing, which the tests
+share, as they share its random inputs and its tolerance table):
   qwen3.5-4b-gdn       Gated DeltaNet, H = 16 key heads, HV = 32 value heads, K = V = 128
   nemotron3-nano-4b    Mamba-2, 96 heads, head_dim P = 80, d_state N = 128, 8 groups
 Activations bf16, buffers bf16 (the activation dtype), state f32 or bf16.
@@ -10,8 +11,9 @@ Method (the settings are a TimingOptions):
     against the reference, and for each L one full flush cycle of replay
     steps (all rows in step, cursor 0 -> L) whose outputs are compared with
     the reference standard step and whose final checkpoint (every row has
-    flushed) is compared with the reference state. A timing counts only if
-    its shape passed.
+    flushed) is compared with the reference state, within the tests'
+    tolerance (replayssm_jax.testing.TOLERANCES) of the bench's dtypes. A
+    timing counts only if its shape passed.
   * timing: a jitted `lax.scan` over the L steps of a flush cycle (cursor
     through 0..L-1, flushes included; the standard step uses 16 steps), with
     the carry donated. The carry holds `n_sets` independent copies of the
@@ -73,9 +75,9 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import step_profile  # noqa: E402  (bench/step_profile.py)
 
-from replayssm_jax import kernels, ops  # noqa: E402
-from replayssm_jax import reference as ref  # noqa: E402
+from replayssm_jax import kernels, testing  # noqa: E402
 from replayssm_jax.kernels import ReplayConfig, StepConfig  # noqa: E402
+from replayssm_jax.testing import CASE_TABLES, GDNShape, Mamba2Shape, closeness, tolerance_dtype  # noqa: E402,F401
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -138,79 +140,30 @@ class TimingOptions:
         return cls(**{**dict(backend="interpret", repeats=1, min_sets=1, max_sets=1), **changes})
 
 
-@dataclasses.dataclass(frozen=True)
-class GDNShape:
-    name: str = "qwen3.5-4b-gdn"
-    H: int = 16
-    HV: int = 32
-    K: int = 128
-    V: int = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class Mamba2Shape:
-    name: str = "nemotron3-nano-4b-mamba2"
-    H: int = 96
-    P: int = 80
-    N: int = 128
-    G: int = 8
-
-
 class _LayerBench:
-    """One layer at one batch and state dtype: its random states and inputs
-    (drawn by jax.random from the bench's own key, fast at 1 GB), steps and
-    byte counts. `shape` is a GDNShape or Mamba2Shape; `rng` a numpy
-    Generator for the layer's parameters (or None where they are not drawn)."""
-
-    layer: str
+    """One layer at one batch and state dtype: the adapter of replayssm_jax.testing (its random states and
+    inputs, drawn by jax.random, fast at 1 GB; its steps) with bf16 activations, plus the traffic model's byte
+    counts. `shape`: a GDNShape or Mamba2Shape (its batch replaced by `batch`); `rng`: a numpy Generator
+    whose first draw seeds the key (None: key 0)."""
 
     def __init__(self, shape, batch: int, state_dtype, rng):
-        self.s, self.b, self.sd, self.rng = shape, batch, jnp.dtype(state_dtype), rng
-        self._key = jax.random.key(0)
+        key = jax.random.key(0 if rng is None else int(rng.integers(2**31)))
+        super().__init__(shape.with_batch(batch), key, bf16)
+        self.b, self.sd = batch, jnp.dtype(state_dtype)
 
-    def _normal(self, shape, dtype=f32, scale=1.0, mean=0.0):
-        """Fresh N(mean, scale^2) draws of `shape`, cast to `dtype`."""
-        self._key, key = jax.random.split(self._key)
-        return (mean + scale * jax.random.normal(key, shape, f32)).astype(dtype)
-
-    def _n(self, *shape, dtype=bf16):
-        return self._normal(shape, dtype)
-
-
-class GDNBench(_LayerBench):
-    layer = "gdn"
-
-    def state(self):
-        s = self.s
-        return self._normal((self.b, s.HV, s.V, s.K), self.sd, 0.5)
+    def state(self, dtype=None):
+        """A random state in the bench's state dtype (or `dtype`)."""
+        return super().state(self.sd if dtype is None else dtype)
 
     def inputs(self, T):
-        s, b = self.s, self.b
-        return dict(
-            q=self._n(T, b, s.H, s.K), k=self._n(T, b, s.H, s.K), v=self._n(T, b, s.HV, s.V),
-            g=-jnp.exp(self._normal((T, b, s.HV), f32, 1.0, -3.0)),
-            beta=jax.nn.sigmoid(self._normal((T, b, s.HV))).astype(bf16),
-        )
-
-    def replay_init(self, state, L, cursor):
-        rs = ref.gdn_replay_init(state, L, self.s.H, bf16)
-        return rs.replace(cursor=jnp.asarray(cursor, jnp.int32))
-
-    def step(self, state, inp, backend, config=None):
-        kw = {} if config is None else {"config": config}
-        return ops.gdn_step(state, **inp, backend=backend, **kw)
-
-    def replay_step(self, rs, inp, route, backend, config=None):
-        kw = {} if config is None else {"config": config}
-        return ops.gdn_replay_step(rs, **inp, route=route, backend=backend, **kw)
-
-    def heads_dims(self):
-        return self.s.HV, self.s.V, self.s.K
+        """T steps of inputs, time-major ([T, batch, ...]: the scan's layout)."""
+        return self.random_inputs((T, self.b))
 
     def state_bytes(self):
-        s = self.s
-        return self.b * s.HV * s.V * s.K * self.sd.itemsize
+        return self.b * math.prod(self.heads_dims()) * self.sd.itemsize
 
+
+class GDNBench(_LayerBench, testing.GDN):
     def io_bytes(self):
         s, b = self.s, self.b
         return b * (2 * s.H * s.K * 2 + s.HV * s.V * 2 * 2 + s.HV * (4 + 2))  # q, k, v, o, g, beta
@@ -222,46 +175,7 @@ class GDNBench(_LayerBench):
         return L * rec, rec
 
 
-class Mamba2Bench(_LayerBench):
-    layer = "mamba2"
-
-    def __init__(self, shape: Mamba2Shape, batch: int, state_dtype, rng):
-        super().__init__(shape, batch, state_dtype, rng)
-        H = shape.H
-        self.params = dict(
-            A=jnp.asarray(-np.exp(rng.uniform(-1.0, 1.0, H)), f32),
-            D=jnp.asarray(rng.standard_normal(H), f32),
-            dt_bias=jnp.asarray(rng.normal(-2.0, 0.5, H), f32),
-        )
-
-    def state(self):
-        s = self.s
-        return self._normal((self.b, s.H, s.P, s.N), self.sd, 0.5)
-
-    def inputs(self, T):
-        s, b = self.s, self.b
-        return dict(x=self._n(T, b, s.H, s.P), dt=self._n(T, b, s.H), B=self._n(T, b, s.G, s.N),
-                    C=self._n(T, b, s.G, s.N), z=self._n(T, b, s.H, s.P))
-
-    def replay_init(self, state, L, cursor):
-        rs = ref.mamba2_replay_init(state, L, self.s.G, bf16)
-        return rs.replace(cursor=jnp.asarray(cursor, jnp.int32))
-
-    def step(self, state, inp, backend, config=None):
-        kw = {} if config is None else {"config": config}
-        return ops.mamba2_step(state, **inp, **self.params, backend=backend, **kw)
-
-    def replay_step(self, rs, inp, route, backend, config=None):
-        kw = {} if config is None else {"config": config}
-        return ops.mamba2_replay_step(rs, **inp, **self.params, route=route, backend=backend, **kw)
-
-    def heads_dims(self):
-        return self.s.H, self.s.P, self.s.N
-
-    def state_bytes(self):
-        s = self.s
-        return self.b * s.H * s.P * s.N * self.sd.itemsize
-
+class Mamba2Bench(_LayerBench, testing.Mamba2):
     def io_bytes(self):
         s, b = self.s, self.b
         return b * (3 * s.H * s.P * 2 + s.H * 2 + 2 * s.G * s.N * 2)  # x, z, y, dt, B, C
@@ -279,79 +193,64 @@ def _take(xs, t):
     return jax.tree.map(lambda a: a[t], xs)
 
 
-def _err(a, b):
-    a = np.asarray(jnp.asarray(a, f32), np.float64)
-    b = np.asarray(jnp.asarray(b, f32), np.float64)
-    return float(np.abs(a - b).max()), float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-# Relative L2 error allowed against the float32 reference on the same bf16 inputs:
-# outputs are bf16 (rounding ~2^-9); states keep their dtype; a replay state
-# also carries the bf16 rounding of the buffered records (GDN's d is computed
-# in f32 and stored in bf16: about 5e-4 relative after a cycle).
-TOL_REL = {"y": 1e-2, "float32": 1e-4, "bfloat16": 2e-2, "replay_float32": 5e-3, "replay_bfloat16": 2e-2}
+def _compared(pairs, dtype) -> dict:
+    """The comparison of each (actual, expected) of `pairs` with the tolerance of `dtype`
+    (replayssm_jax.testing.TOLERANCES): the worst one's errors, and `ok` if all passed."""
+    cs = [closeness(a, e, dtype) for a, e in pairs]
+    worst = max(cs, key=lambda c: (not c.ok, c.max_abs / max(c.allowed, 1e-30)))
+    return dict(worst.as_dict(), ok=all(c.ok for c in cs))
 
 
 def check(bench, lengths, backend="pallas", config_std=None):
     """Correctness at this shape of the kernels run on `backend` ("pallas" or "interpret") against the
-    reference in float32 (no TF32). Returns a dict of errors and `ok`."""
+    reference in float32 (no TF32), with the tests' tolerance of the bench's input and state dtypes. Returns
+    a dict of errors and `ok`."""
     with jax.default_matmul_precision("highest"):
         return _check(bench, lengths, backend, config_std)
 
 
 def _check(bench, lengths, backend, config_std):
-    out, ok = {}, True
-    tol_y, tol_s = TOL_REL["y"], TOL_REL[bench.sd.name]
+    out = {}
+    tol = tolerance_dtype(bench.dtype, bench.sd)
     state = bench.state()
     xs = bench.inputs(max(lengths) + 4)
     s_k, s_r = state, state.astype(f32)
+    ys, states = [], []
     for t in range(2):
         y_k, s_k = bench.step(s_k, _take(xs, t), backend, config_std)
         y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
-        for what, a, b, tol in (("y", y_k, y_r, tol_y), ("state", s_k, s_r, tol_s)):
-            e = _err(a, b)
-            out[f"standard_{what}"] = e
-            ok &= e[1] <= tol
-    for L in lengths:
-        rs = bench.replay_init(state, L, np.zeros(bench.b))
-        s_r = state.astype(f32)
-        worst = 0.0
-        for t in range(L):
-            y_k, rs = bench.replay_step(rs, _take(xs, t), "output", backend)
-            y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
-            worst = max(worst, _err(y_k, y_r)[1])
-        e_state = _err(rs.checkpoint, s_r)
-        out[f"replay_L{L}"] = {"y_rel": worst, "checkpoint": e_state,
-                               "cursor_zero": bool((np.asarray(rs.cursor) == 0).all())}
-        ok &= worst <= tol_y and e_state[1] <= TOL_REL["replay_" + bench.sd.name] and out[f"replay_L{L}"]["cursor_zero"]
-    # The direct route after buffered steps: the first direct step folds the
+        ys.append((y_k, y_r))
+        states.append((s_k, s_r))
+    out["standard_y"], out["standard_state"] = _compared(ys, tol), _compared(states, tol)
+    # Per L one flush cycle from empty buffers; then, at the longest L, the
+    # direct route after buffered steps: the first direct step folds the
     # records, and the checkpoint then follows the standard state.
     L = max(lengths)
-    rs = bench.replay_init(state, L, np.zeros(bench.b))
-    s_r = state.astype(f32)
-    worst = 0.0
-    for t, route in enumerate(["output"] * (L // 2 + 1) + ["direct"] * 3):
-        y_k, rs = bench.replay_step(rs, _take(xs, t), route, backend)
-        y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
-        worst = max(worst, _err(y_k, y_r)[1])
-    out[f"direct_L{L}"] = {"y_rel": worst, "checkpoint": _err(rs.checkpoint, s_r),
-                          "cursor_zero": bool((np.asarray(rs.cursor) == 0).all())}
-    ok &= worst <= tol_y and out[f"direct_L{L}"]["checkpoint"][1] <= TOL_REL["replay_" + bench.sd.name]
-    ok &= out[f"direct_L{L}"]["cursor_zero"]
-    out["ok"] = bool(ok)
+    runs = [(f"replay_L{L}", ["output"] * L) for L in lengths] + [
+        (f"direct_L{L}", ["output"] * (L // 2 + 1) + ["direct"] * 3)]
+    for (name, routes), L in zip(runs, list(lengths) + [L]):
+        rs = bench.replay_init(state, L, bench.dtype, np.zeros(bench.b))
+        s_r, ys = state.astype(f32), []
+        for t, route in enumerate(routes):
+            y_k, rs = bench.replay_step(rs, _take(xs, t), route, backend)
+            y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
+            ys.append((y_k, y_r))
+        out[name] = {"y": _compared(ys, tol), "checkpoint": _compared([(rs.checkpoint, s_r)], tol),
+                     "cursor_zero": bool((np.asarray(rs.cursor) == 0).all())}
+    out["ok"] = all(out[key]["ok"] for key in ("standard_y", "standard_state")) and all(
+        out[name]["y"]["ok"] and out[name]["checkpoint"]["ok"] and out[name]["cursor_zero"] for name, _ in runs)
     return out
 
 
-BENCHES = {"gdn": (GDNBench, GDNShape), "mamba2": (Mamba2Bench, Mamba2Shape)}  # layer: (bench, model shape)
+BENCHES = {"gdn": GDNBench, "mamba2": Mamba2Bench}
 
 
 def make_bench(layer: str, batch: int, state_dtype, rng, shape=None):
-    """The benchmark of one layer ('gdn' or 'mamba2') at `shape` (default: its model shape).
-    Raises ValueError for another layer name."""
+    """The benchmark of one layer ('gdn' or 'mamba2') at `shape` (default: its model shape, the case table's
+    `model`). Raises ValueError for another layer name."""
     if layer not in BENCHES:
         raise ValueError(f"unknown layer {layer!r}; choose from {', '.join(BENCHES)}")
-    bench, default_shape = BENCHES[layer]
-    return bench(shape or default_shape(), batch, state_dtype, rng)
+    return BENCHES[layer](shape or CASE_TABLES[layer].model, batch, state_dtype, rng)
 
 
 def n_sets_for(bench, options: TimingOptions) -> int:
@@ -468,7 +367,7 @@ def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="o
         bytes_step = standard_bytes(bench)
     else:
         cur = np.arange(bench.b) % L if cursors == "staggered" else np.zeros(bench.b)
-        carries = tuple(bench.replay_init(bench.state(), L, cur) for _ in range(n))
+        carries = tuple(bench.replay_init(bench.state(), L, bench.dtype, cur) for _ in range(n))
         xs = bench.inputs(L)
         step = lambda c, inp: bench.replay_step(c, inp, route, options.backend, config)  # noqa: E731
         steps = L
@@ -609,7 +508,7 @@ def main(argv=None):
         for sd in args.state_dtypes.split(","):
             for batch in (int(x) for x in args.batches.split(",")):
                 bench = make_bench(layer, batch, sd, rng)
-                shape_name = bench.s.name
+                shape_name = str(bench.s)
                 t0 = time.perf_counter()
                 chk = check(bench, lengths, options.backend)
                 check_s = time.perf_counter() - t0

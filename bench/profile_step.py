@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         runs = [("standard", jax.jit(lambda s, i: bench.step(s, i, args.backend), donate_argnums=0), state)]
         cursor = np.arange(args.batch) % args.L
         for cfg in [None] + extra:
-            rs = bench.replay_init(bench.state(), args.L, cursor)
+            rs = bench.replay_init(bench.state(), args.L, bench.dtype, cursor)
             fn = jax.jit(lambda s, i, cfg=cfg: bench.replay_step(s, i, "output", args.backend, cfg), donate_argnums=0)
             runs.append((f"replay L={args.L} {cfg.tag() if cfg else 'default'}", fn, rs))
         for name, fn, carry in runs:

@@ -1,11 +1,17 @@
-"""The Pallas kernels of both layers against the reference.
+"""The ops that run on several backends, one suite for every backend, and the Pallas kernels' own checks.
 
-On the CPU the kernels run in interpret mode at small, awkward shapes: GDN
+Each test of an op (the standard step, the replay step on each route, ...)
+is written once and parametrized over the backends, each at its shapes of
+the case tables (replayssm_jax.testing): "xla" (the reference) at the
+reference shapes, "interpret" (the kernels in Pallas interpret mode) at the
+CPU shapes, "pallas" (compiled) at the GPU shapes, under the `gpu` marker.
+Every backend is compared with the float64 NumPy loops; a kernel backend
+also with the "xla" reference. The CPU shapes are small and awkward: GDN
 head dims 20, 24 and 100 with HV = 2H; Mamba-2 head_dim 24 and 100, d_state
 20, n_groups < nheads, with and without the z gate and a dt clamp; L in
 {1, 4, 8, 16}, rows at mixed cursors, bf16 inputs with f32 or bf16 state,
-several row tiles per program, poisoned dead slots. The same checks run
-compiled at the models' shapes on a GPU (`pytest -m gpu`).
+several row tiles per program, poisoned dead slots. The GPU shapes include
+the models' layers (Qwen3.5-4B GDN, Nemotron-3-Nano-4B Mamba-2).
 """
 
 from __future__ import annotations
@@ -19,8 +25,14 @@ import pytest
 
 from cases import assert_close
 from kernel_checks import (
+    ADAPTERS,
+    CASE_TABLES,
+    CPU_SHAPES,
     DTYPES,
     GDN,
+    GDN_CASES,
+    GPU_SHAPES,
+    MAMBA2_CASES,
     GDNShape,
     Mamba2,
     Mamba2Shape,
@@ -32,21 +44,14 @@ from kernel_checks import (
 )
 from replayssm_jax import kernels, ops
 
-CPU_SHAPES = {
-    GDN: [GDNShape(batch=4, H=2, HV=4, K=20, V=24), GDNShape(batch=4, H=1, HV=1, K=100, V=16)],
-    Mamba2: [
-        Mamba2Shape(batch=4, H=4, P=24, N=20, G=2),
-        Mamba2Shape(batch=4, H=3, P=100, N=16, G=1, gated=False, dt_limit=(0.05, 0.8)),
-    ],
+# The shapes of each backend: the reference at the reference tests' shapes, the kernels interpreted at the
+# CPU shapes and compiled at the GPU shapes.
+SHAPES = {
+    "xla": {GDN: list(GDN_CASES.reference), Mamba2: list(MAMBA2_CASES.reference)},
+    "interpret": CPU_SHAPES,
+    "pallas": GPU_SHAPES,
 }
-GPU_SHAPES = {
-    GDN: [
-        GDNShape(batch=8, H=16, HV=32, K=128, V=128),  # the Qwen3.5-4B layer; heads split over programs
-        GDNShape(batch=20, H=16, HV=32, K=128, V=128),  # one program per head (batch * HV >= 4 * 132)
-        GDNShape(batch=5, H=2, HV=6, K=100, V=80),
-    ],
-    Mamba2: [Mamba2Shape(batch=8, H=96, P=80, N=128, G=8), Mamba2Shape(batch=5, H=6, P=100, N=64, G=2, gated=False)],
-}
+KERNEL_BACKENDS = ("interpret", "pallas")
 # Replay tilings compiled at the model shape: (block_v, num_warps, tiles,
 # fused_flush[, (flush_block_v, flush_warps, flush_rows)]).
 GPU_TILINGS = {
@@ -83,51 +88,87 @@ def case_id(case):
     return str(case[1]) if not isinstance(case[1], tuple) else f"{case[0].__name__}-{case[1]}"
 
 
+def on(backend, *values, id):
+    """pytest.param(backend, *values), marked `gpu` for the compiled kernels."""
+    return pytest.param(backend, *values, id=f"{backend}-{id}", marks=[pytest.mark.gpu] if backend == "pallas" else [])
+
+
+def gpu_tiling_config(tiling):
+    """kernels.ReplayConfig of a GPU_TILINGS entry."""
+    block_v, warps, tiles, fused, *flush = tiling
+    flush_block_v, flush_warps, flush_rows = flush[0] if flush else (0, 0, 0)
+    return kernels.ReplayConfig(block_v=block_v, num_warps=warps, tiles=tiles, fused_flush=fused,
+                                flush_block_v=flush_block_v, flush_warps=flush_warps, flush_rows=flush_rows)
+
+
 # The Pallas Triton backend warns that it is deprecated when a kernel is lowered.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
-# The standard step: interpreted at the CPU shapes, compiled at the model shapes (gpu marker).
-STEP_CASES = [pytest.param(c, "interpret", id=f"cpu-{case_id(c)}") for c in cases(CPU_SHAPES)] + [
-    pytest.param(c, "pallas", id=f"gpu-{case_id(c)}", marks=pytest.mark.gpu) for c in cases(GPU_SHAPES)
-]
+# The standard step, every backend at its shapes, every dtype combination.
+STEP_CASES = [on(backend, case, id=case_id(case)) for backend, table in SHAPES.items() for case in cases(table)]
 
 
-@pytest.mark.parametrize(("case", "backend"), STEP_CASES)
+@pytest.mark.parametrize(("backend", "case"), STEP_CASES)
 @pytest.mark.parametrize("dtypes", DTYPES)
-def test_step(case, backend, dtypes, rng):
+def test_step(backend, case, dtypes, rng):
+    """Four standard steps against the float64 loop that follows the rounded state; outputs in the input
+    dtype, the state in its own."""
     layer, shape = case
     input_dtype, state_dtype, _ = DTYPES[dtypes]
-    check_standard(layer(shape, rng, input_dtype), state_dtype, backend)
+    check_standard(layer(shape, rng, input_dtype), state_dtype, backend, steps=4)
 
 
 ROUTES = ["output", "state", "direct"]
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
-@pytest.mark.parametrize("L", [1, 4, 16])
-@pytest.mark.parametrize("route", ROUTES)
-def test_replay_step_f32(case, L, route, rng):
-    layer, shape = case
-    check_replay(layer(shape, rng), L, route, *DTYPES["f32"], "interpret")
+def replay_cases(backend):
+    """(case, L, dtypes, steps) of the replay step on `backend`. Interpreted and on the reference: the first
+    shape at L 1, 4, 16 in f32; interpreted also every shape at L 4 with bf16 inputs (the reference's bf16
+    replay: test_reference.py). Compiled: the model shape at every dtype, a short and a long buffer; the
+    second shape (GDN: one program per head; Mamba-2: head dim 100, d_state 64) with bf16 inputs and f32
+    state."""
+    table = SHAPES[backend]
+    if backend == "pallas":
+        return ([((layer, shapes[0]), L, dtypes, L // 2 + 2) for layer, shapes in table.items() for L in (4, 32)
+                 for dtypes in DTYPES]
+                + [((layer, shapes[1]), L, "bf16in-f32state", L // 2 + 2) for layer, shapes in table.items()
+                   for L in (1, 8)])
+    bf16 = [] if backend == "xla" else ("bf16in-f32state", "bf16in-bf16state")
+    return ([(case, L, "f32", 3) for case in cases(table, first_only=True) for L in (1, 4, 16)]
+            + [(case, 4, dtypes, 3) for case in cases(table) for dtypes in bf16])
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
-@pytest.mark.parametrize("dtypes", ["bf16in-f32state", "bf16in-bf16state"])
+REPLAY_CASES = [on(backend, case, L, dtypes, steps, id=f"{case_id(case)}-L{L}-{dtypes}")
+                for backend in SHAPES for case, L, dtypes, steps in replay_cases(backend)]
+
+
+@pytest.mark.parametrize(("backend", "case", "L", "dtypes", "steps"), REPLAY_CASES)
 @pytest.mark.parametrize("route", ROUTES)
-def test_replay_step_bf16(case, dtypes, route, rng):
+def test_replay_step(backend, case, L, dtypes, steps, route, rng):
     layer, shape = case
     input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]
-    check_replay(layer(shape, rng, input_dtype), 4, route, input_dtype, state_dtype, buffer_dtype, "interpret")
+    check_replay(layer(shape, rng, input_dtype), L, route, input_dtype, state_dtype, buffer_dtype, backend,
+                 steps=steps)
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
-@pytest.mark.parametrize(("config", "L"), TILINGS, ids=str)
+# Interpreted: the first CPU shape at TILINGS; compiled: the model shape at
+# GPU_TILINGS, L 8 and 32, dead slots poisoned.
+TILING_CASES = (
+    [on("interpret", (layer, shapes[0]), config, L, False, id=f"{layer.__name__}-{config.tag()}-L{L}")
+     for layer, shapes in CPU_SHAPES.items() for config, L in TILINGS]
+    + [on("pallas", (layer, GPU_SHAPES[layer][0]), gpu_tiling_config(tiling), L, True,
+          id=f"{layer.__name__}-{gpu_tiling_config(tiling).tag()}-L{L}")
+       for layer, tilings in GPU_TILINGS.items() for tiling in tilings for L in (8, 32)])
+
+
+@pytest.mark.parametrize(("backend", "case", "config", "L", "poison"), TILING_CASES)
 @pytest.mark.parametrize("route", ["output", "state"])
-def test_replay_tilings(case, config, L, route, rng):
+def test_replay_tilings(backend, case, config, L, poison, route, rng):
+    """Replay steps at fixed kernel tilings (bf16 inputs, f32 state)."""
     layer, shape = case
-    check_replay(layer(shape, rng, jnp.bfloat16), L, route, *DTYPES["bf16in-f32state"], "interpret",
-                 steps=L // 2 + 2, config=config)
+    check_replay(layer(shape, rng, jnp.bfloat16), L, route, *DTYPES["bf16in-f32state"], backend,
+                 steps=L // 2 + 2, config=config, poison=poison)
 
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
@@ -184,17 +225,11 @@ def launched_kernels(fn, *args) -> list[str]:
 
 def model_replay_step(layer: str, batch: int):
     """(replay step through replayssm_jax.ops on the "interpret" backend, abstract replay state, abstract inputs)
-    of Qwen3.5-4B's GDN layer or Nemotron-3-Nano-4B's Mamba-2 layer, L = 16."""
-    S = jax.ShapeDtypeStruct
-    if layer == "gdn":
-        rs = jax.eval_shape(lambda: gdn_replay_init(jnp.zeros((batch, 32, 128, 128)), 16, 16))
-        inp = dict(q=S((batch, 16, 128), jnp.bfloat16), k=S((batch, 16, 128), jnp.bfloat16),
-                   v=S((batch, 32, 128), jnp.bfloat16), g=S((batch, 32), jnp.float32), beta=S((batch, 32), jnp.float32))
-        return (lambda rs, inp, **kw: ops.gdn_replay_step(rs, **inp, backend="interpret", **kw)), rs, inp
-    rs = jax.eval_shape(lambda: mamba2_replay_init(jnp.zeros((batch, 96, 80, 128)), 16, 8))
-    inp = dict(x=S((batch, 96, 80), jnp.bfloat16), dt=S((batch, 96), jnp.bfloat16), A=S((96,), jnp.float32),
-               B=S((batch, 8, 128), jnp.bfloat16), C=S((batch, 8, 128), jnp.bfloat16))
-    return (lambda rs, inp, **kw: ops.mamba2_replay_step(rs, **inp, backend="interpret", **kw)), rs, inp
+    of the case table's model layer (Qwen3.5-4B's GDN layer or Nemotron-3-Nano-4B's Mamba-2 layer), L = 16."""
+    adapter = ADAPTERS[layer](CASE_TABLES[layer].model.with_batch(batch), np.random.default_rng(0), jnp.bfloat16)
+    rs = jax.eval_shape(lambda: adapter.replay_init(jnp.zeros((batch, *adapter.heads_dims())), 16))
+    inp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), adapter.draw())
+    return (lambda rs, inp, **kw: adapter.replay_step(rs, inp, backend="interpret", **kw)), rs, inp
 
 
 @pytest.mark.parametrize(("layer", "batch", "picked"), [
@@ -206,9 +241,9 @@ def test_auto_route_at_model_shapes(layer, batch, picked):
     heads <= 132): Qwen3.5-4B's GDN layer (32 value heads) at batch 1-4,
     Nemotron-3-Nano-4B's Mamba-2 layer (96 heads) at batch 1; the output
     route elsewhere and wherever a replay config is given."""
-    heads, V, K = (32, 128, 128) if layer == "gdn" else (96, 80, 128)
-    assert kernels.replay_is_one_launch(batch, heads, V, K, jnp.float32, 16) == (picked == "direct")
     step, rs, inp = model_replay_step(layer, batch)
+    assert rs.checkpoint.shape[1:] == ((32, 128, 128) if layer == "gdn" else (96, 80, 128))
+    assert kernels.replay_is_one_launch(batch, *rs.checkpoint.shape[1:], jnp.float32, 16) == (picked == "direct")
 
     def route_of(route, **kw):
         first = launched_kernels(lambda rs, inp: step(rs, inp, route=route, **kw), rs, inp)[0]
@@ -223,15 +258,20 @@ def test_auto_route_at_model_shapes(layer, batch, picked):
         route_of("fast")
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+# Interpreted at the first CPU shapes, L 4; compiled at the model shapes, L 8.
+WIPE_CASES = [on(backend, case, L, id=f"{case_id(case)}-L{L}") for backend, L in (("interpret", 4), ("pallas", 8))
+              for case in cases(SHAPES[backend], first_only=True)]
+
+
+@pytest.mark.parametrize(("backend", "case", "L"), WIPE_CASES)
 @pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
-def test_replay_after_a_wiping_decay(case, fused, rng):
+def test_replay_after_a_wiping_decay(backend, case, L, fused, rng):
     """A decay that wipes a head's state inside the buffer (GDN g = -inf, a
     Mamba-2 dt spike): outputs and flushed states stay finite and equal to the
     reference's."""
     layer = case[0](case[1], rng)
-    check_replay(layer, 4, "output", *DTYPES["f32"], "interpret", steps=6, wipe_at=1,
-                 config=replay_config(layer, 4, jnp.float32, fused_flush=fused))
+    check_replay(layer, L, "output", *DTYPES["f32"], backend, steps=L + 2, wipe_at=1,
+                 config=replay_config(layer, L, jnp.float32, fused_flush=fused))
 
 
 # Mamba-2 only: its records are the step's inputs, rounded to bf16 alike in
@@ -466,14 +506,6 @@ def test_kernels_lower_for_cuda(case, L, dtypes, rng):
         assert ("atomic_rmw" in text) == (key != "standard" and key[1]), key
 
 
-def gpu_tiling_config(tiling):
-    """kernels.ReplayConfig of a GPU_TILINGS entry."""
-    block_v, warps, tiles, fused, *flush = tiling
-    flush_block_v, flush_warps, flush_rows = flush[0] if flush else (0, 0, 0)
-    return kernels.ReplayConfig(block_v=block_v, num_warps=warps, tiles=tiles, fused_flush=fused,
-                          flush_block_v=flush_block_v, flush_warps=flush_warps, flush_rows=flush_rows)
-
-
 @pytest.mark.parametrize("case", [c for c in cases(GPU_TILINGS) if len(c[1]) == 5], ids=case_id)
 def test_flush_tilings_lower_for_cuda(case, rng):
     """The flush on its own tiling (GPU_TILINGS: the flush launch's, or the
@@ -565,41 +597,3 @@ def test_rank_update_accuracy(backend, state_dtype, key_dtype, rtol, rng):
     expected = f64[0] + f64[1].T @ f64[2]
     err = np.abs(np.asarray(out, np.float64) - expected).max() / np.abs(expected).max()
     assert err <= rtol, f"relative error {err:.2e} > {rtol:.0e}"
-
-
-# Model shape: every dtype and route, a short and a long buffer; the second
-# shape (GDN: one program per head; Mamba-2: head dim 100, d_state 64):
-# bf16 inputs only.
-GPU_REPLAY_CASES = [
-    (layer, shapes[0], L, dtypes) for layer, shapes in GPU_SHAPES.items() for L in (4, 32) for dtypes in DTYPES
-] + [(layer, shapes[1], L, "bf16in-f32state") for layer, shapes in GPU_SHAPES.items() for L in (1, 8)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("layer", "shape", "L", "dtypes"), GPU_REPLAY_CASES,
-                         ids=lambda v: v.__name__ if isinstance(v, type) else str(v))
-@pytest.mark.parametrize("route", ROUTES)
-def test_replay_step_gpu(layer, shape, L, route, dtypes, rng):
-    input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]
-    check_replay(layer(shape, rng, input_dtype), L, route, input_dtype, state_dtype, buffer_dtype, "pallas",
-                 steps=L // 2 + 2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", cases(GPU_SHAPES, first_only=True), ids=case_id)
-@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
-def test_replay_after_a_wiping_decay_gpu(case, fused, rng):
-    layer = case[0](case[1], rng)
-    check_replay(layer, 8, "output", *DTYPES["f32"], "pallas", steps=10, wipe_at=1,
-                 config=replay_config(layer, 8, jnp.float32, fused_flush=fused))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", cases(GPU_TILINGS), ids=case_id)
-@pytest.mark.parametrize("L", [8, 32])
-@pytest.mark.parametrize("route", ["output", "state"])
-def test_replay_tilings_gpu(case, L, route, rng):
-    """The replay tilings at the model shape, compiled; dead slots poisoned."""
-    layer, config = case[0], gpu_tiling_config(case[1])
-    check_replay(layer(GPU_SHAPES[layer][0], rng, jnp.bfloat16), L, route, *DTYPES["bf16in-f32state"], "pallas",
-                 steps=L // 2 + 2, config=config, poison=True)

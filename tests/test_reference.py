@@ -1,9 +1,12 @@
 """The pure-JAX reference against float64 NumPy loops, for both layer types.
 
 Every test runs for Mamba-2 and for Gated DeltaNet through the adapters in
-cases.py, at awkward sizes: head dims 24 and 100, n_groups < nheads, and
-HV = 2H and 3H. The adapters call replayssm_jax.reference itself (the math,
-no argument checks); replay_commit is replayssm_jax's (validated).
+cases.py, at the reference shapes of the case tables (replayssm_jax.testing):
+head dims 24 and 100, n_groups < nheads, and HV = 2H and 3H. The adapters
+call replayssm_jax.reference itself (the math, no argument checks);
+replay_commit is replayssm_jax's (validated). The standard and replay steps,
+which also run on the kernels, are checked for every backend in
+test_kernels.py.
 """
 
 from __future__ import annotations
@@ -15,19 +18,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cases import GDNCase, Mamba2Case, assert_close, take_rows, take_step
+from cases import GDN_CASES, MAMBA2_CASES, GDNCase, Mamba2Case, assert_close, take_rows, take_step
 from replayssm_jax import replay_commit
 
-CASES = {
-    "mamba2": lambda rng: Mamba2Case(rng, api="reference"),
-    "mamba2-P100-G1-ungated-dtlimit": lambda rng: Mamba2Case(
-        rng, api="reference", nheads=3, head_dim=100, n_groups=1, gated=False, dt_limit=(0.05, 0.8)
-    ),
-    "gdn-HV2H": lambda rng: GDNCase(rng, api="reference"),
-    "gdn-HV3H-K100": lambda rng: GDNCase(rng, api="reference", num_k_heads=2, num_v_heads=6, head_k_dim=100,
-                                         head_v_dim=24),
-}
+SHAPES = {str(shape): shape for table in (MAMBA2_CASES, GDN_CASES) for shape in table.reference}
+CASES = list(SHAPES)
 TWO_CASES = ["mamba2", "gdn-HV2H"]
+
+
+def make_case(name, rng, batch=None):
+    """The reference adapter at the shape `name` of SHAPES (with `batch` rows if given)."""
+    shape = SHAPES[name] if batch is None else SHAPES[name].with_batch(batch)
+    return (GDNCase if name.startswith("gdn") else Mamba2Case)(rng, api="reference", shape=shape)
 
 
 def run_standard(case, state, seq, steps):
@@ -48,38 +50,9 @@ def run_oracle(case, state, seq, steps):
 
 
 @pytest.mark.parametrize("name", CASES)
-@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-def test_step_matches_numpy(name, state_dtype, rng):
-    case = CASES[name](rng)
-    state = jnp.asarray(case.initial_state(), state_dtype)
-    oracle = np.asarray(state.astype(jnp.float32), np.float64)
-    for t in range(4):
-        inp = case.draw()
-        y, state = case.step(state, inp)
-        y_ref, oracle = case.oracle_step(oracle, inp)
-        assert state.dtype == state_dtype
-        assert_close(y, y_ref, state_dtype, f"y at step {t}")
-        assert_close(state, oracle, state_dtype, f"state at step {t}")
-        oracle = np.asarray(state.astype(jnp.float32), np.float64)  # follow the rounded state
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_step_bf16_inputs(name, rng):
-    """bf16 activations with an f32 state: outputs come back in bf16."""
-    case = CASES[name](rng)
-    state = case.initial_state()
-    inp = {key: jnp.asarray(value, jnp.bfloat16) for key, value in case.draw().items()}
-    y, new = case.step(state, inp)
-    y_ref, new_ref = case.oracle_step(state, {key: np.asarray(value.astype(jnp.float32)) for key, value in inp.items()})
-    assert y.dtype == jnp.bfloat16 and new.dtype == jnp.float32
-    assert_close(y, y_ref, jnp.bfloat16, "y")
-    assert_close(new, new_ref, jnp.float32, "state")
-
-
-@pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("T", [1, 15, 63])
 def test_chunked_matches_step_loop(name, T, rng):
-    case = CASES[name](rng)
+    case = make_case(name, rng)
     state = case.initial_state()
     seq = case.draw(T)
     y, final = case.chunked(state, seq, chunk_size=8)
@@ -94,7 +67,7 @@ def test_chunked_matches_step_loop(name, T, rng):
 
 @pytest.mark.parametrize("name", TWO_CASES)
 def test_chunked_from_zero_state(name, rng):
-    case = CASES[name](rng)
+    case = make_case(name, rng)
     seq = case.draw(10)
     y, final = case.chunked(None, seq, chunk_size=4)
     y_ref, final_ref = run_oracle(case, np.zeros(case.dims), seq, 10)
@@ -107,7 +80,7 @@ def test_chunked_from_zero_state(name, rng):
 @pytest.mark.parametrize("L", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("route", ["output", "state"])
 def test_replay_matches_standard(name, L, route, rng):
-    case = CASES[name](rng)
+    case = make_case(name, rng)
     state = case.initial_state()
     steps = 3 * L + 1
     seq = case.draw(steps)
@@ -129,7 +102,7 @@ def test_replay_after_an_extreme_decay(name, route, rng):
     """A decay that wipes the state (GDN g = -inf, allowed by g <= 0; Mamba-2 a
     dt spike of 1e4) inside the buffer: replay outputs stay finite and equal to
     the standard step's (the slot weights are suffix sums, no G - G_i)."""
-    case = CASES[name](rng)
+    case = make_case(name, rng)
     state, L, steps = case.initial_state(), 8, 12
     seq = case.draw(steps)
     if name.startswith("gdn"):
@@ -149,7 +122,7 @@ def test_replay_after_an_extreme_decay(name, route, rng):
 @pytest.mark.parametrize("name", TWO_CASES)
 @pytest.mark.parametrize("buffer_dtype", [jnp.float32, jnp.bfloat16])
 def test_replay_routes_agree(name, buffer_dtype, rng):
-    case = CASES[name](rng)
+    case = make_case(name, rng)
     state = case.initial_state()
     a = b = case.replay_init(state, 5, buffer_dtype=buffer_dtype)
     for t in range(7):
@@ -163,7 +136,7 @@ def test_replay_routes_agree(name, buffer_dtype, rng):
 @pytest.mark.parametrize("name", TWO_CASES)
 def test_replay_bf16_checkpoint_and_buffer(name, rng):
     """bf16 checkpoint and bf16 records against the float64 recurrence."""
-    case = CASES[name](rng)
+    case = make_case(name, rng)
     state = case.initial_state()
     steps = 9
     seq = {key: jnp.asarray(value, jnp.bfloat16) for key, value in case.draw(steps).items()}
@@ -181,7 +154,7 @@ def test_replay_bf16_checkpoint_and_buffer(name, rng):
 def test_rows_with_different_cursors(name, rng):
     """A window accepted 0, 2 and all W steps puts the rows at three cursors;
     the rows then flush on different steps and still match the recurrence."""
-    case = CASES[name](rng)
+    case = make_case(name, rng)
     L, W = 6, 4
     state = case.initial_state()
     rs = case.replay_init(state, L)
@@ -213,7 +186,7 @@ def test_rows_with_different_cursors(name, rng):
 
 @pytest.mark.parametrize("name", TWO_CASES)
 def test_flush_keeps_the_state(name, rng):
-    case = CASES[name](rng)
+    case = make_case(name, rng)
     rs = case.replay_init(case.initial_state(), 8)
     for _ in range(5):
         _, rs = case.replay_step(rs, case.draw())
@@ -226,7 +199,7 @@ def test_flush_keeps_the_state(name, rng):
 @pytest.mark.parametrize("name", TWO_CASES)
 def test_replay_under_jit_and_scan(name, rng):
     """The replay step is jit-able and scan-able with the state as the carry."""
-    case = CASES[name](rng)
+    case = make_case(name, rng)
     steps, L = 11, 4
     seq = case.draw(steps)
     state = case.initial_state()
@@ -270,8 +243,7 @@ def test_speculative_sequences(name, program):
     """Replay state after any sequence of steps, verifies and commits equals the
     recurrence that applies only the accepted steps, row by row."""
     L, ops, seed = program
-    case = CASES[name](np.random.default_rng(seed))
-    case.batch = 2
+    case = make_case(name, np.random.default_rng(seed), batch=2)
     state = case.initial_state()
     rs = case.replay_init(state, L)
     rows = [state[i : i + 1].astype(np.float64) for i in range(2)]
@@ -304,8 +276,7 @@ def test_speculative_sequences(name, program):
 def test_rejected_non_finite_draft_leaves_no_trace(name, route, rng):
     """A rejected draft step whose inputs overflowed (inf) is a dead record: it
     must not reach later outputs or the state (0 * inf would be NaN)."""
-    case = CASES[name](rng)
-    case.batch = 2
+    case = make_case(name, rng, batch=2)
     state = case.initial_state()
     rs = case.replay_init(state, 6)
     window = case.draw(3)
@@ -327,7 +298,7 @@ def test_rejected_non_finite_draft_leaves_no_trace(name, route, rng):
 
 
 def test_commit_counts_are_clipped_inside_jit(rng):
-    case = CASES["gdn-HV2H"](rng)
+    case = make_case("gdn-HV2H", rng)
     rs = case.replay_init(case.initial_state(), 4)
     _, pending = case.verify(rs, case.draw(2))
     committed = jax.jit(replay_commit)(pending, jnp.array([7, -3, 1], jnp.int32))
