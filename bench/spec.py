@@ -33,7 +33,8 @@ excluded).
 Usage:  python3 bench/spec.py [--models a,b] [--batches 1,16,64,256] [--num-draft 3]
                               [--buffer-len 16] [--alphas 0.6,0.8] [--prompt-len 128]
                               [--new-tokens 64] [--budget-gib 100] [--out FOLDER]
-        python3 bench/spec.py --dry-run   (CPU check of the script: tiny fixture, backend xla)
+        python3 bench/spec.py --dry-run   (check of the script on the CPU: tiny fixture, backend xla, batch 2,
+                                           8 prompt and 6 new tokens, L 4, one run each; its time is compilation)
 Prints a table last; writes spec.json to --out (default bench/results/DATE-spec) after
 every configuration; a configuration that runs out of device memory is logged and skipped.
 """
@@ -203,8 +204,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-draft", type=int, default=3, help="K drafts per round (W = K + 1 verified positions)")
     p.add_argument("--buffer-len", type=int, default=None, help="ReplaySSM L (default 16; with --dry-run: 4)")
     p.add_argument("--alphas", default="0.6,0.8", help="oracle drafter: probability that a draft is the target's token")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=None, help="default 128 (with --dry-run: 8)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 64 (with --dry-run: 6)")
     p.add_argument("--budget-gib", type=float, default=100.0, help="cache memory budget for max_sequences")
     p.add_argument("--repeats", type=int, default=None, help="runs per configuration, the fastest counts (default 2)")
     p.add_argument("--backend", default=None)
@@ -212,15 +213,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for spec.json; default bench/results/DATE-spec "
                                                "(with --dry-run: a new temporary folder)")
     p.add_argument("--dry-run", action="store_true",
-                   help="tiny fixture on the CPU with backend xla (a few seconds), to check the script")
+                   help="tiny fixture (tests/data/qwen3_5_tiny) with backend xla, to check the script on the CPU")
     args = p.parse_args(argv)
     dry = DRY_RUN if args.dry_run else {}
     folder = dry.get("folder", e2e.CONFIGS)
     names = args.models or dry.get("models", ",".join(e2e.MODELS))
     batches_text = args.batches or dry.get("batches", "1,16,64,256")
-    prompt_len, new_tokens = (dry["prompt_len"], dry["new_tokens"]) if dry else (args.prompt_len, args.new_tokens)
-    buffer_len = args.buffer_len or dry.get("buffer_len", 16)
-    repeats = args.repeats or dry.get("repeats", 2)
+    given = lambda value, key, default: dry.get(key, default) if value is None else value  # noqa: E731
+    prompt_len = given(args.prompt_len, "prompt_len", 128)
+    new_tokens = given(args.new_tokens, "new_tokens", 64)
+    buffer_len = given(args.buffer_len, "buffer_len", 16)
+    repeats = given(args.repeats, "repeats", 2)
     dtype = dry.get("dtype", jnp.bfloat16)
     try:
         batches = [int(b) for b in batches_text.split(",")]
@@ -228,7 +231,8 @@ def main(argv=None) -> int:
         p.error(f"--batches: expected comma-separated ints; got {batches_text!r}")
     for flag, value, low in [("--batches", min(batches), 1), ("--num-draft", args.num_draft, 1),
                              ("--prompt-len", prompt_len, 1), ("--new-tokens", new_tokens, 2),
-                             ("--repeats", repeats, 1), ("--prefill-rows", args.prefill_rows, 0)]:
+                             ("--buffer-len", buffer_len, 1), ("--repeats", repeats, 1),
+                             ("--prefill-rows", args.prefill_rows, 0)]:
         if value < low:
             p.error(f"{flag}: must be >= {low}; got {value}")
     if args.num_draft + 1 > buffer_len:
