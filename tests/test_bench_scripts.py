@@ -19,7 +19,7 @@ import pytest
 BENCH = pathlib.Path(__file__).parent.parent / "bench"
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-SCRIPTS_IMPORTING_THE_PACKAGE = ["kernels", "e2e", "buffer_length", "bounds", "profile_step", "roofline"]
+SCRIPTS_IMPORTING_THE_PACKAGE = ["kernels", "e2e", "spec", "buffer_length", "bounds", "profile_step", "roofline"]
 
 
 @pytest.fixture(autouse=True)
@@ -449,3 +449,36 @@ def test_doc_links_resolve(doc):
         if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _heading_anchors(file.read_text())):
             broken.append(link)
     assert not broken, f"{doc}: {len(broken)} of {len(links)} links do not resolve: {broken}"
+
+
+def test_spec_dry_run(tmp_path, capsys):
+    """bench/spec.py --dry-run: the four modes on the tiny Qwen3.5 fixture (backend xla), greedy speculative
+    tokens equal to AR's, the pending window's states counted in the standard state's memory per sequence (the
+    speculative caches' conv windows also hold W - 1 more columns)."""
+    assert load("spec").main(["--dry-run", "--alphas", "0.8", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "spec.json").read_text())
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["ar-standard", "ar-replay", "spec-standard", "spec-replay"]
+    assert report["meta"]["backend"] == "xla" and report["meta"]["num_draft"] == 3
+    assert all(r["tokens_per_s"] > 0 and r["identical_to_ar"] is not False for r in rows.values())
+    assert [r["identical_to_ar"] for r in rows.values()] == [None, True, True, True]
+    for mode in ("spec-standard", "spec-replay"):
+        assert 1.0 <= rows[mode]["accepted_per_round"] <= 4 and rows[mode]["alpha"] == 0.8
+        assert rows[mode]["max_sequences"] == int(100 * 2**30 // rows[mode]["round_bytes_per_seq"])
+    standard, replay = rows["spec-standard"], rows["spec-replay"]
+    assert standard["round_bytes_per_seq"] > standard["cache_bytes_per_seq"]
+    assert standard["cache_bytes_per_seq"] > rows["ar-standard"]["cache_bytes_per_seq"]
+    assert replay["round_bytes_per_seq"] < standard["round_bytes_per_seq"]
+    assert "spec-replay" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-draft", "4", "--buffer-len", "4"], "--num-draft + 1 = 5 verified positions must be <= --buffer-len = 4"),
+    (["--alphas", "0.6,1.5"], "--alphas: every alpha must be in [0, 1]; got 1.5"),
+    (["--batches", "0"], "--batches: must be >= 1; got 0"),
+], ids=["window", "alpha", "batch"])
+def test_spec_rejects_bad_arguments(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load("spec").main(["--dry-run", "--out", str(tmp_path / "out"), *args])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything ran
