@@ -147,10 +147,27 @@ def slot_mask(count: jax.Array, L: int) -> jax.Array:
 
 def write_slots(buffer: jax.Array, records: jax.Array, start: jax.Array) -> jax.Array:
     """Write `records` [batch, heads, W, ...] into `buffer` [batch, heads, L, ...]
-    at slots start[row] .. start[row] + W - 1 of each row (start + W <= L)."""
+    at slots start[row] .. start[row] + W - 1 of each row (start + W <= L).
+
+    XLA writes the slots in place when every read of the old `buffer` is
+    ordered before the write (see :func:`in_order`).
+    """
 
     def one_row(buf, rec, s):
         index = (0, s) + (0,) * (buf.ndim - 2)
         return jax.lax.dynamic_update_slice(buf, rec.astype(buf.dtype), index)
 
     return jax.vmap(one_row)(buffer, records, start)
+
+
+def in_order(first, then):
+    """(first, then), returned through `jax.lax.optimization_barrier`: whatever
+    consumes the returned values runs after all of both was computed.
+
+    A replay step reads its old buffers and cursor, then overwrites them; XLA
+    updates a loop-carried array in place only where every read of the old
+    value is ordered (by data) before the write, and copies it otherwise.
+    Passing the old arrays (`first`) together with the values read from them
+    (`then`) through one barrier gives the writes that order.
+    """
+    return jax.lax.optimization_barrier((first, then))

@@ -17,7 +17,7 @@ _CALLEE = re.compile(
     r"\{?(%?[\w.\-]+(?:, %?[\w.\-]+)*)\}?"
 )
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
-_HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "int32": "s32"}
+_HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "int32": "s32", "uint32": "u32", "bool": "pred"}
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy(?:-start)?\(")
 
 
@@ -35,11 +35,8 @@ def _computations(hlo: str) -> dict[str, list[str]]:
     return comps
 
 
-def per_step_copies(hlo: str, protected) -> list[str]:
-    """Copies inside while-loop bodies (and everything they call) whose result
-    has the shape and dtype of one of `protected` (arrays or ShapeDtypeStructs)."""
-    comps = _computations(hlo)
-    targets = {(_HLO_DTYPE[jnp.dtype(a.dtype).name], tuple(a.shape)) for a in protected}
+def _in_loops(comps: dict[str, list[str]]) -> set[str]:
+    """The computations that run inside a while loop: the loop bodies and everything they call."""
     todo = [m.group(1) for lines in comps.values() for line in lines if (m := _WHILE_BODY.search(line))]
     seen = set()
     while todo:
@@ -50,10 +47,97 @@ def per_step_copies(hlo: str, protected) -> list[str]:
         for line in comps[name]:
             for m in _CALLEE.finditer(line):
                 todo += [c.strip().lstrip("%") for c in m.group(1).split(",")]
+    return seen
+
+
+def per_step_copies(hlo: str, protected) -> list[str]:
+    """Copies inside while-loop bodies (and everything they call) whose result
+    has the shape and dtype of one of `protected` (arrays or ShapeDtypeStructs)."""
+    comps = _computations(hlo)
+    targets = {(_HLO_DTYPE[jnp.dtype(a.dtype).name], tuple(a.shape)) for a in protected}
     found = []
-    for name in seen:
+    for name in _in_loops(comps):
         for line in comps[name]:
             m = _COPY.search(line)
             if m and (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) in targets:
                 found.append(f"{name}: {line[:160]}")
     return found
+
+
+_INSTRUCTION = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (.*?) (\w[\w\-]*)\((.*?)\)(?:, |$)")
+_INDUCTION = re.compile(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}')
+_GTE_INDEX = re.compile(r"\bindex=(\d+)")
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+def carry_copies(hlo: str, staged: bool = True) -> list[str]:
+    """Copies of the carry of the outermost while loops (the decode loop, not
+    the loops inside it), one line per copy of a carry element.
+
+    In each such loop body, a `copy` / `copy-start` whose operand is (through
+    bitcasts) element i of the body's parameter, or whose result is (through
+    bitcasts) element i of the returned tuple, copies element i every
+    iteration. The induction variable (from the loop's
+    `known_induction_variable`) is not carry of the program and not reported.
+    With `staged=False`, the copies into the initial state of a while loop
+    nested in the body, or out of its result, are left out: the Pallas
+    interpreter runs a kernel's grid as such a loop, holding each aliased
+    operand and its output as two elements of its own state, so that an
+    aliased operand is copied into that loop and back by design.
+    """
+    comps = _computations(hlo)
+    inner = _in_loops(comps)
+    outer = [(m.group(1), line) for name, lines in comps.items() if name not in inner for line in lines
+             if (m := _WHILE_BODY.search(line))]
+    found = []
+    for body, line in outer:
+        skip = {int(m.group(1))} if (m := _INDUCTION.search(line)) else set()
+        found += [f"{body}: carry element {i}: {text[:160]}" for i, text, nested in _copied_elements(comps[body])
+                  if i not in skip and (staged or not nested)]
+    return found
+
+
+def _copied_elements(lines: list[str]):
+    """(tuple index, instruction, at a nested loop) of each copy of a parameter
+    or root tuple element in one loop body; `at a nested loop`: the copy reads
+    a nested while's result or feeds only the initial state of one."""
+    defs, users, root = {}, {}, None
+    for line in lines:
+        m = _INSTRUCTION.match(_COMMENT.sub("", line))
+        if m:
+            args = [a.strip().split(" ")[-1].lstrip("%") for a in m.group(4).split(",")]
+            defs[m.group(1)] = (m.group(3), args, line)
+            for a in args:
+                users.setdefault(a, []).append(m.group(1))
+            if line.startswith("ROOT "):
+                root = m.group(1)
+
+    def through_bitcasts(name):
+        while name in defs and defs[name][0] == "bitcast":
+            name = defs[name][1][0]
+        return name
+
+    def element_of(name, producer):
+        op, args, line = defs.get(through_bitcasts(name), (None, [], ""))
+        if op == "get-tuple-element" and defs.get(args[0], ("",))[0] == producer:
+            return int(_GTE_INDEX.search(line).group(1))
+        return None
+
+    def feeds_loop(name):
+        tuples = users.get(name, [])
+        return bool(tuples) and all(defs[t][0] == "tuple" and users.get(t) and
+                                    all(defs[w][0] == "while" for w in users[t]) for t in tuples)
+
+    returned = {}
+    if root is not None and defs[root][0] == "tuple":
+        returned = {through_bitcasts(a): i for i, a in enumerate(defs[root][1])}
+    for name, (op, args, line) in defs.items():
+        if op not in ("copy", "copy-start"):
+            continue
+        i = element_of(args[0], "parameter")
+        nested = feeds_loop(name)
+        if i is None:
+            i = returned.get(name)
+            nested = element_of(args[0], "while") is not None
+        if i is not None:
+            yield i, line, nested

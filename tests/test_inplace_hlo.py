@@ -1,22 +1,32 @@
-"""The decode step updates its state in place: no per-step copy of the
-checkpoint (standard state) or of the replay buffers in the compiled HLO.
+"""The decode step updates its state in place: no per-step copy of any leaf
+of the decode loop's carry in the compiled HLO.
 
-Each test jits a `lax.scan` of 32 decode steps with the carry donated,
+Each layer test jits a `lax.scan` of 32 decode steps with the carry donated,
 compiles it (`jax.jit(f, donate_argnums=0).lower(...).compile().as_text()`)
 and looks, in every computation reachable from a while-loop body, for a
 `copy` / `copy-start` whose result has the shape and dtype of a protected
-array. `test_detector_finds_a_copy` checks that the detector does find the
-copy forced by a variant that keeps the previous state alive.
+array (`hlo_checks.per_step_copies`), and in the loop body for a copy of any
+element of the loop's state (`hlo_checks.carry_copies`: checkpoint, buffers
+and cursor, or the standard state). The model tests check the decode loop
+that `Generator` compiles (`Generator.decode_hlo`) the same way: every SSM
+layer's checkpoint, buffers, cursor, conv window columns and start, the KV
+cache and the token position. `test_detector_finds_a_copy` checks that both
+detectors find the copy forced by a variant that keeps the previous state
+alive.
 
-On the CPU: the "xla" backend (the reference). The Pallas kernels' aliasing
-is checked structurally (the lowered custom calls alias the checkpoint and
-every buffer, input to output); the compiled check of the kernels needs a
-GPU (`pytest -m gpu`). Interpret mode is not tested for copies: the Pallas
-interpreter stages every block through temporary buffers by design.
+On the CPU: the "xla" backend (the reference) and, for the models, the
+"interpret" backend, where the Pallas interpreter runs each kernel's grid as
+a loop that holds an aliased operand and its output as two elements of its
+state: the kernels' operands are copied into that loop and back by design
+(left out with `carry_copies(..., staged=False)`), every other leaf must
+stay in place. The Pallas kernels' aliasing is checked structurally (the
+lowered custom calls alias the checkpoint and every buffer, input to
+output); the compiled check of the kernels needs a GPU (`pytest -m gpu`).
 """
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import jax
@@ -24,11 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hlo_checks import per_step_copies
+from hlo_checks import carry_copies, per_step_copies
 from kernel_checks import GDN, GDNShape, Mamba2, Mamba2Shape, lower_for_cuda, replay_config
+from models import load_model
+from replayssm_jax.generation import Generator
 
 STEPS = 32
 L = 4
+DATA = pathlib.Path(__file__).parent / "data"
 
 # The Pallas Triton backend warns that it is deprecated when a kernel is lowered.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -73,6 +86,11 @@ def _check_no_copy(hlo, protected):
     assert not found, "per-step copies of the state:\n" + "\n".join(found)
 
 
+def _check_carry_in_place(hlo, staged=True):
+    found = carry_copies(hlo, staged)
+    assert not found, "per-step copies of the loop's state:\n" + "\n".join(found)
+
+
 # ---------------------------------------------------------------------------
 # CPU
 
@@ -89,20 +107,41 @@ def test_detector_finds_a_copy(name, rng):
 
     hlo = compiled_scan(keeps_previous, (state, state), _stack(layer, STEPS))
     assert per_step_copies(hlo, [state]), "the detector missed a forced copy"
+    assert carry_copies(hlo), "carry_copies missed a forced copy"
 
 
 @pytest.mark.parametrize("name", ["gdn", "mamba2"])
 def test_xla_standard_step_in_place(name, rng):
     layer = _layers(rng)[name]
     state = layer.state(jnp.float32)
-    _check_no_copy(compiled_scan(standard_step(layer, "xla"), state, _stack(layer, STEPS)), [state])
+    hlo = compiled_scan(standard_step(layer, "xla"), state, _stack(layer, STEPS))
+    _check_no_copy(hlo, [state])
+    _check_carry_in_place(hlo)
 
 
 @pytest.mark.parametrize("name", ["gdn", "mamba2"])
-def test_xla_replay_step_checkpoint_in_place(name, rng):
+@pytest.mark.parametrize("route", ["output", "state"])
+def test_xla_replay_step_in_place(name, route, rng):
+    """No per-step copy of the checkpoint, of any buffer or of the cursor."""
     layer = _layers(rng)[name]
     rs = layer.replay_state(L, jnp.float32, jnp.float32, np.array([0, L - 1]))
-    _check_no_copy(compiled_scan(replay_step(layer, "xla"), rs, _stack(layer, STEPS)), [rs.checkpoint])
+    hlo = compiled_scan(replay_step(layer, "xla", route), rs, _stack(layer, STEPS))
+    _check_no_copy(hlo, [rs.checkpoint])
+    _check_carry_in_place(hlo)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("state", ["standard", "replay"])
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "mamba2_tiny"])
+def test_decode_loop_carry_in_place(name, state, backend):
+    """Generator's compiled decode loop copies no leaf of its carry (with
+    "interpret": none but the kernels' operands, which the Pallas
+    interpreter stages through its own loop)."""
+    replay = dict(buffer_len=L, route="output") if state == "replay" else {}
+    gen = Generator(load_model(DATA / name), state=state, backend=backend, block_size=4, **replay)
+    gen.generate(np.load(DATA / name / "reference.npz")["prompt_ids"][:2], 5)  # one block of 4 steps
+    (hlo,) = gen.decode_hlo()
+    _check_carry_in_place(hlo, staged=backend == "xla")
 
 
 def _custom_calls(rs, layer, config):

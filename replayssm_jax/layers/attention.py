@@ -27,6 +27,7 @@ from flax import nnx
 from replayssm_jax.layers.cache import KVCache, check_num_accepted, commit_layer_state
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import RMSNorm
+from replayssm_jax.state import in_order
 
 __all__ = ["Attention", "rope_inv_freq", "apply_rope"]
 
@@ -214,7 +215,8 @@ class Attention(nnx.Module):
         key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
         mask = key_pos[None, None, :] <= positions[:, :, None]
         y = self._output(self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask), gate)
-        return y, KVCache(k=k_all, v=v_all, length=cache.length + seqlen)
+        length, y = in_order(cache.length, y)  # read before it moves: XLA updates it in place
+        return y, KVCache(k=k_all, v=v_all, length=length + seqlen)
 
     def decode(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """One decode step. x: [batch, hidden] -> (y [batch, hidden], updated cache)."""

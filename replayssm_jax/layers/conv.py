@@ -25,6 +25,7 @@ from flax import nnx
 
 from replayssm_jax.layers.cache import ConvWindow
 from replayssm_jax.layers.linear import default_rngs
+from replayssm_jax.state import in_order
 
 __all__ = ["CausalConv1d", "ACTIVATIONS"]
 
@@ -153,7 +154,9 @@ class CausalConv1d(nnx.Module):
             raise ValueError(f"CausalConv1d.verify: `x` must have shape [batch, T, {self.channels}]; got {x.shape}")
         self._check_window(conv_state, batch, seqlen, "verify")
         xp = jnp.concatenate([conv_state.live().astype(x.dtype), x], axis=1)  # [b, W-1+T, C]
-        return self._convolve(xp, seqlen, x.dtype), conv_state.write(x)
+        y = self._convolve(xp, seqlen, x.dtype)
+        conv_state, y = in_order(conv_state, y)  # the live inputs are read before the ring is written
+        return y, conv_state.write(x)
 
     def step(self, x: jax.Array, conv_state: ConvWindow) -> tuple[jax.Array, ConvWindow]:
         """Decode: one new time step, its input written into the ring in place.
@@ -172,4 +175,5 @@ class CausalConv1d(nnx.Module):
         if channels != self.channels:
             raise ValueError(f"CausalConv1d.step: `x` must have shape [batch, {self.channels}]; got {x.shape}")
         y, window = self.verify(x[:, None, :], conv_state)
+        window, y = in_order(window, y)  # the write has read start before start moves
         return y[:, 0], window.advance(1)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from replayssm_jax.state import slot_mask
+from replayssm_jax.state import in_order, slot_mask
 
 f32 = jnp.float32
 
@@ -229,6 +229,7 @@ def flush_where(state, rows: jax.Array, unify: Callable):
     buffer in the common form (u, k, lg) of :func:`replay_materialize`.
     """
     materialized = replay_materialize(state.checkpoint, *unify(state), state.cursor)
+    state, (materialized, rows) = in_order(state, (materialized, rows))  # read before written
     keep = rows[:, None, None, None]
     checkpoint = jnp.where(keep, materialized.astype(state.checkpoint.dtype), state.checkpoint)
     return state.replace(checkpoint=checkpoint, cursor=jnp.where(rows, 0, state.cursor))

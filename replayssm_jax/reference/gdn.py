@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from replayssm_jax.reference import _common as c
-from replayssm_jax.state import GDNReplayState, write_slots
+from replayssm_jax.state import GDNReplayState, in_order, write_slots
 
 f32 = jnp.float32
 
@@ -197,14 +197,15 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     flush = (state.cursor + 1 == state.buffer_len) | entered_full
     as_stored = lambda x, dtype: jnp.where(entered_full[:, None, None], x, x.astype(dtype).astype(f32))  # noqa: E731
     S = decay[..., None] * prev + as_stored(d, state.d.dtype)[..., None] * as_stored(kh, state.k.dtype)[:, :, None, :]
-    new = state.replace(
+    state, (o, S, flush, d, k, g) = in_order(state, (o, S, flush, d, k, g))
+    buffers = state.replace(
         checkpoint=jnp.where(flush[:, None, None, None], S.astype(state.checkpoint.dtype), state.checkpoint),
         d=write_slots(state.d, d[:, :, None], state.cursor),
         k=write_slots(state.k, k[:, :, None], state.cursor),
         g=write_slots(state.g, g[:, :, None], state.cursor),
-        cursor=jnp.where(flush, 0, state.cursor + 1),
     )
-    return o.astype(v.dtype), new
+    buffers, flush = in_order(buffers, flush)
+    return o.astype(v.dtype), buffers.replace(cursor=jnp.where(flush, 0, buffers.cursor + 1))
 
 
 def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True):

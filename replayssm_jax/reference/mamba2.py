@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax.reference import _common as c
-from replayssm_jax.state import Mamba2ReplayState, write_slots
+from replayssm_jax.state import Mamba2ReplayState, in_order, write_slots
 
 f32 = jnp.float32
 INF = math.inf
@@ -179,16 +179,19 @@ def mamba2_replay_step(
     entered_full = state.cursor == state.buffer_len
     state = c.make_room(state, 1, lambda s: unify(s, A))
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    state, dt = in_order(state, dt)  # the early flush has read the buffers
     state = state.replace(
         x=write_slots(state.x, x[:, :, None], state.cursor),
         dt=write_slots(state.dt, dt[:, :, None], state.cursor),
         B=write_slots(state.B, B[:, :, None], state.cursor),
-        cursor=state.cursor + 1,
     )
+    state, _ = in_order(state, ())  # the writes have read the cursor
+    state = state.replace(cursor=state.cursor + 1)
     Ch = c.expand_heads(C.astype(f32), H, axis=1)
     y = c.READOUTS[route](state.checkpoint, *unify(state, A), state.cursor, Ch)
     y = _skip_and_gate(y, x, D, z, head_axis=1)
     flush = (state.cursor == state.buffer_len) | entered_full
+    state, (y, flush) = in_order(state, (y, flush))
     state = c.flush_where(state, flush, lambda s: unify(s, A))
     return y.astype(x.dtype), state
 
