@@ -355,7 +355,11 @@ class Mamba2(_Layer):
         self.A = -xp.exp(self._n(H, mean=-0.25, scale=0.45))
         self.D = self._n(H)
         self.dt_bias = self._n(H, mean=-1.0, scale=0.5)
-        self.params = dict(A=self.A, D=self.D, dt_bias=self.dt_bias, dt_limit=shape.dt_limit)
+
+    @property
+    def params(self) -> dict:
+        """The layer parameters of every op call, from the attributes (a test may replace `A`)."""
+        return dict(A=self.A, D=self.D, dt_bias=self.dt_bias, dt_limit=self.s.dt_limit)
 
     def heads_dims(self):
         """(H, P, N): the state's heads, rows and columns."""
