@@ -43,6 +43,13 @@ Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
   --profile   also trace one more run of each variant (bench/step_profile.py)
               and report the GPU time per step of each kernel (replay, flush
               launch, standard step, XLA fusions): where a step's time goes.
+  --verify W  also time speculative verify windows of W positions per row
+              (all accepted), per window, at each L >= W: ReplaySSM's verify
+              kernel plus its commit (a cursor move) against the per-draft
+              standard path that the standard state takes (W standard steps,
+              the W states kept, the accepted one selected), over a flush cycle
+              of L // W windows; the verify kernels' correctness is the GPU
+              tests' (tests/test_verify_kernels.py).
   --dry-run   run the script on the CPU in interpret mode (numbers meaningless).
 Prints a table; writes JSON to DIR/NAME.json (default DIR: bench/results/DATE-NAME).
 Results: bench/RESULTS.md.
@@ -75,7 +82,7 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import step_profile  # noqa: E402  (bench/step_profile.py)
 
-from replayssm_jax import kernels, testing  # noqa: E402
+from replayssm_jax import kernels, ops, testing  # noqa: E402
 from replayssm_jax.kernels import ReplayConfig, StepConfig  # noqa: E402
 from replayssm_jax.testing import CASE_TABLES, GDNShape, Mamba2Shape, closeness, tolerance_dtype  # noqa: E402,F401
 
@@ -377,6 +384,58 @@ def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="o
                 kernels_us=profile)
 
 
+def _per_draft_verify(bench, state, window, num_accepted, options: TimingOptions):
+    """The per-draft standard path of one verify window (what `SSMMixer.verify` / `commit` do with the
+    standard state, as vLLM's and tpu-inference's spec paths keep one state per draft position): W
+    standard steps, the W states stacked as the pending window, then the state after the accepted
+    ones selected. Returns (the last output, the committed state)."""
+    W = next(iter(window.values())).shape[1]
+    ys, states = [], []
+    for t in range(W):
+        y, state = bench.step(state, {k: a[:, t] for k, a in window.items()}, options.backend)
+        ys.append(y)
+        states.append(state)
+    pending = jnp.stack(states, axis=1)
+    idx = jnp.maximum(num_accepted - 1, 0).reshape((-1,) + (1,) * (pending.ndim - 1))
+    return ys[-1], jnp.take_along_axis(pending, idx, axis=1)[:, 0]
+
+
+def run_verify_variant(bench, L, W, per_draft: bool, options: TimingOptions):
+    """Time one speculative verify window of W positions per row, all W accepted, over a flush cycle of
+    L // W windows (cursor 0 -> L, the early flush of the next cycle included): ReplaySSM's verify kernel
+    and `replay_commit` (per_draft False) or the per-draft standard path (`_per_draft_verify`). The
+    accepted counts are a runtime input, as in a decode loop. Returns the `run_variant` fields, per
+    window; bytes from the traffic model (replay: the checkpoint read once per window and re-read and
+    written once per cycle, the buffer tiles read, W records written; per-draft: the state read and
+    written W times, the W states written and read again, one selected state written)."""
+    n = n_sets_for(bench, options)
+    windows = max(1, L // W)
+    xs = bench.random_inputs((windows, bench.b, W))
+    xs["num_accepted"] = jnp.full((windows, bench.b), W, jnp.int32)
+    if per_draft:
+        carries = tuple(bench.state() for _ in range(n))
+
+        def step(c, inp):
+            inp = dict(inp)
+            return _per_draft_verify(bench, c, inp, inp.pop("num_accepted"), options)
+
+        bytes_window = (2 * W + 2 * W + 2) * bench.state_bytes() + W * bench.io_bytes()
+    else:
+        carries = tuple(bench.replay_init(bench.state(), L, bench.dtype) for _ in range(n))
+
+        def step(c, inp):
+            inp = dict(inp)
+            m = inp.pop("num_accepted")
+            y, c = bench.verify(c, inp, options.backend)
+            return y[:, -1], ops.replay_commit(c, m)
+
+        read, written = bench.buffer_bytes(L)
+        bytes_window = bench.state_bytes() * (1 + 2 / windows) + read + W * written + W * bench.io_bytes()
+    t, spread, compile_s, profile = time_cycle(step, carries, xs, windows, options)
+    return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_window,
+                gbps=bytes_window / t / 1e9, kernels_us=profile)
+
+
 # (block_v, num_warps) of the standard step; (block_v, num_warps, tiles) of
 # the replay step (with the flush launch). The replay sweep also times the
 # default config and the default with `fused_flush` flipped.
@@ -468,6 +527,9 @@ def main(argv=None):
                    help="with --sweep: replay tilings instead of SWEEP_CONFIGS, e.g. '16x4x1f,64x4x2,64x4x2:32x2x4' "
                         "(BVxWxT or BVxWxTxSTAGES, f: fused; after ':' the flush launch's BVxWxROWS)")
     p.add_argument("--profile", action="store_true", help="trace a run of each variant: GPU time per kernel and step")
+    p.add_argument("--verify", type=int, default=0, metavar="W",
+                   help="also time speculative verify windows of W positions (all accepted) at each L >= W: "
+                        "ReplaySSM's verify kernel + commit against the per-draft standard path; times per window")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test of this script: interpret mode, 1 state set, 1 repeat, the real shapes "
                         "(minutes per layer and state dtype; numbers meaningless)")
@@ -531,6 +593,8 @@ def main(argv=None):
                           f"{r['gbps']:7.0f} GB/s {row['pct_copy']:5.1f}% copy  x{row['speedup']:.2f} vs std"
                           f"  (sets {r['n_sets']}, compile {r['compile_s']:.1f}s)", flush=True)
                     print_kernel_times(r["kernels_us"])
+                if args.verify and not args.sweep:
+                    verify_rows(bench, base, rows, lengths, args.verify, options)
                 with open(path, "w") as fh:
                     json.dump(dict(meta=meta, rows=rows), fh, indent=1)
     with open(path, "w") as fh:
@@ -541,6 +605,21 @@ def main(argv=None):
         summary(rows, copy_bw)
     print(f"JSON: {path}")
     return 0
+
+
+def verify_rows(bench, base, rows, lengths, W, options: TimingOptions):
+    """Append the verify rows of one shape: per L >= W, the per-draft standard path and ReplaySSM's
+    verify (speedup: per-draft time / this row's time)."""
+    for L in (L for L in lengths if L >= W):
+        per_draft = None
+        for kind, flag in ((f"verify-W{W}-per-draft", True), (f"verify-W{W}-L{L}", False)):
+            r = run_verify_variant(bench, L, W, flag, options)
+            per_draft = per_draft or r["seconds"]
+            rows.append(dict(base, variant=kind, L=L, W=W, **r, speedup=per_draft / r["seconds"], passed=True))
+            print(f"{base['layer']:7s} {base['state_dtype']:9s} b{base['batch']:<4d} {kind:22s} "
+                  f"{r['seconds'] * 1e6:9.2f} us/window {r['gbps']:7.0f} GB/s  x{per_draft / r['seconds']:.2f} vs "
+                  f"per-draft  (sets {r['n_sets']}, compile {r['compile_s']:.1f}s)", flush=True)
+            print_kernel_times(r["kernels_us"])
 
 
 def print_kernel_times(times):
