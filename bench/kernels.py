@@ -400,12 +400,12 @@ def _per_draft_verify(bench, state, window, num_accepted, options: TimingOptions
     return ys[-1], jnp.take_along_axis(pending, idx, axis=1)[:, 0]
 
 
-def run_verify_variant(bench, L, W, per_draft: bool, options: TimingOptions):
+def run_verify_variant(bench, L, W, per_draft: bool, options: TimingOptions, config=None):
     """Time one speculative verify window of W positions per row, all W accepted, over a flush cycle of
     L // W windows (cursor 0 -> L, the early flush of the next cycle included): ReplaySSM's verify kernel
     and `replay_commit` (per_draft False) or the per-draft standard path (`_per_draft_verify`). The
     accepted counts are a runtime input, as in a decode loop. Returns the `run_variant` fields, per
-    window; bytes from the traffic model (replay: the checkpoint read once per window and re-read and
+    window; `config`: the verify launch's ReplayConfig (None: the heuristic); bytes from the traffic model (replay: the checkpoint read once per window and re-read and
     written once per cycle, the buffer tiles read, W records written; per-draft: the state read and
     written W times, the W states written and read again, one selected state written)."""
     n = n_sets_for(bench, options)
@@ -426,7 +426,7 @@ def run_verify_variant(bench, L, W, per_draft: bool, options: TimingOptions):
         def step(c, inp):
             inp = dict(inp)
             m = inp.pop("num_accepted")
-            y, c = bench.verify(c, inp, options.backend)
+            y, c = bench.verify(c, inp, options.backend, config)
             return y[:, -1], ops.replay_commit(c, m)
 
         read, written = bench.buffer_bytes(L)
@@ -530,15 +530,20 @@ def main(argv=None):
     p.add_argument("--verify", type=int, default=0, metavar="W",
                    help="also time speculative verify windows of W positions (all accepted) at each L >= W: "
                         "ReplaySSM's verify kernel + commit against the per-draft standard path; times per window")
+    p.add_argument("--verify-configs", default="",
+                   help="with --verify: also time the verify launch at these tilings, e.g. '8x4x1,16x2x1' (BVxWxT, "
+                        "as --replay-configs; not fused)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test of this script: interpret mode, 1 state set, 1 repeat, the real shapes "
                         "(minutes per layer and state dtype; numbers meaningless)")
     args = p.parse_args(argv)
     overrides = {}  # --standard-configs / --replay-configs
-    for kind, specs in (("standard", args.standard_configs), ("replay", args.replay_configs)):
+    for kind, specs in (("standard", args.standard_configs), ("replay", args.replay_configs),
+                        ("verify", args.verify_configs)):
         if specs:
             try:
-                overrides[kind] = [parse_config(x, kind) for x in specs.split(",")]
+                overrides[kind] = [parse_config(x, "standard" if kind == "standard" else "replay")
+                                   for x in specs.split(",")]
             except (ValueError, TypeError) as e:
                 p.error(f"--{kind}-configs: {e}")
     if args.out is None:
@@ -594,7 +599,7 @@ def main(argv=None):
                           f"  (sets {r['n_sets']}, compile {r['compile_s']:.1f}s)", flush=True)
                     print_kernel_times(r["kernels_us"])
                 if args.verify and not args.sweep:
-                    verify_rows(bench, base, rows, lengths, args.verify, options)
+                    verify_rows(bench, base, rows, lengths, args.verify, options, overrides.get("verify", ()))
                 with open(path, "w") as fh:
                     json.dump(dict(meta=meta, rows=rows), fh, indent=1)
     with open(path, "w") as fh:
@@ -607,15 +612,19 @@ def main(argv=None):
     return 0
 
 
-def verify_rows(bench, base, rows, lengths, W, options: TimingOptions):
+def verify_rows(bench, base, rows, lengths, W, options: TimingOptions, configs=()):
     """Append the verify rows of one shape: per L >= W, the per-draft standard path and ReplaySSM's
-    verify (speedup: per-draft time / this row's time)."""
+    verify with the heuristic's tiling, then with each of `configs` (speedup: per-draft time / this
+    row's time)."""
     for L in (L for L in lengths if L >= W):
         per_draft = None
-        for kind, flag in ((f"verify-W{W}-per-draft", True), (f"verify-W{W}-L{L}", False)):
-            r = run_verify_variant(bench, L, W, flag, options)
+        runs = [(f"verify-W{W}-per-draft", True, None), (f"verify-W{W}-L{L}", False, None)]
+        runs += [(f"verify-W{W}-L{L}-{c.tag()}", False, c) for c in configs]
+        for kind, flag, config in runs:
+            r = run_verify_variant(bench, L, W, flag, options, config)
             per_draft = per_draft or r["seconds"]
-            rows.append(dict(base, variant=kind, L=L, W=W, **r, speedup=per_draft / r["seconds"], passed=True))
+            rows.append(dict(base, variant=kind, L=L, W=W, **r, speedup=per_draft / r["seconds"], passed=True,
+                             config=None if config is None else dataclasses.asdict(config)))
             print(f"{base['layer']:7s} {base['state_dtype']:9s} b{base['batch']:<4d} {kind:22s} "
                   f"{r['seconds'] * 1e6:9.2f} us/window {r['gbps']:7.0f} GB/s  x{per_draft / r['seconds']:.2f} vs "
                   f"per-draft  (sets {r['n_sets']}, compile {r['compile_s']:.1f}s)", flush=True)

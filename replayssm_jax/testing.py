@@ -275,8 +275,9 @@ class _Layer:
     def chunked(self, state, seq, chunk_size, backend="xla"):
         return self._op("chunked", backend)(state, **self._kw(seq), chunk_size=chunk_size)
 
-    def verify(self, rs, window, backend="xla"):
-        return self._op("replay_verify", backend)(rs, **self._kw(window))
+    def verify(self, rs, window, backend="xla", config=None):
+        """(y, replay state with the window pending) of the verify op on `backend` (kernels: `config`)."""
+        return self._op("replay_verify", backend, config)(rs, **self._kw(window))
 
     def replay_init(self, checkpoint, L, buffer_dtype=f32, cursor=None):
         """An empty replay state on `checkpoint` (ops.*_replay_init), with `cursor` [batch] if given."""

@@ -244,20 +244,20 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     total, w = replay_weights(load_live(records.g, live, L), start)
     carried = jnp.exp(total)
     Kb = load_live(records.k, live, L, kmask, records.k.dtype)
-    a_k, a_q = buffer_scores(w, Kb, k), buffer_scores(w, Kb, q)
+    a_k, a_q = buffer_scores(w, Kb, k, W), buffer_scores(w, Kb, q, W)
     beta = load(inputs.beta, wmask)
     from_start, decay = window_decays(load(inputs.g, wmask), W)
-    A = beta[:, None] * decay * pair_scores(k, k)  # A_ij = beta_i exp(G_i - G_j) (k_i . k_j), read for j < i
-    qk = pair_scores(q, k)
+    A = beta[:, None] * decay * pair_scores(k, k, W)  # A_ij = beta_i exp(G_i - G_j) (k_i . k_j), read for j < i
+    qk = pair_scores(q, k, W)
 
     def tile(rows, vmask):
         S_c = load(checkpoint_ref.at[rows, :], tile_mask(vmask, kmask, (BV, BK)))  # the one read of the checkpoint
         U = load_live(records.d.at[:, rows], live, L, vmask)
         vtile = tile_mask(wmask, vmask, (BW, BV))
         v = load(inputs.v.at[:, rows], vtile)
-        R = beta[:, None] * (v - from_start[:, None] * start_readout(S_c, carried, k, a_k, U))
+        R = beta[:, None] * (v - from_start[:, None] * start_readout(S_c, carried, k, a_k, U, W))
         d = forward_substitution(A, R, W)  # the window's update vectors, D = (I + A)^-1 R
-        o = window_readout(start_readout(S_c, carried, q, a_q, U), from_start, decay, qk, d)
+        o = window_readout(start_readout(S_c, carried, q, a_q, U, W), from_start, decay, qk, d, W)
         store(o_ref.at[:, rows], o, vtile)
         store_window(lambda t: records_out.d.at[start + t, rows], d, W, vmask)  # the d rows are this program's
 

@@ -283,16 +283,16 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     Bb = load_live(records.B, live, L, nmask, records.B.dtype)
     wtile = tile_mask(wmask, nmask, (BW, BN))
     Bw, Cw = load(inputs.B, wtile), load(inputs.C, wtile)
-    a_c = buffer_scores(w, Bb, Cw)
+    a_c = buffer_scores(w, Bb, Cw, W)
     from_start, decay = window_decays(dts * A, W)
-    cb = pair_scores(Cw, Bw) * dts[None, :]  # u_s = dt_s x_s: dt_s folded into the scores
+    cb = pair_scores(Cw, Bw, W) * dts[None, :]  # u_s = dt_s x_s: dt_s folded into the scores
 
     def tile(rows, pmask):
         S_c = load(checkpoint_ref.at[rows, :], tile_mask(pmask, nmask, (BP, BN)))  # the one read of the checkpoint
         X = load_live(records.x.at[:, rows], live, L, pmask)
         xtile = tile_mask(wmask, pmask, (BW, BP))
         x = load(inputs.x.at[:, rows], xtile)
-        y = window_readout(start_readout(S_c, carried, Cw, a_c, X), from_start, decay, cb, x) + D * x
+        y = window_readout(start_readout(S_c, carried, Cw, a_c, X, W), from_start, decay, cb, x, W) + D * x
         if inputs.z is not None:
             z = load(inputs.z.at[:, rows], xtile)
             y = y * (z * jax.nn.sigmoid(z))

@@ -229,44 +229,73 @@ def window_decays(lg: jax.Array, W: int) -> tuple[jax.Array, jax.Array]:
     return jnp.exp(through), jnp.where(_causal(BW), jnp.exp(segment), 0.0)
 
 
-def pair_scores(Q: jax.Array, Kw: jax.Array) -> jax.Array:
-    """f32[BW, BW], [t, s] = Q_t . Kw_s, for Q f32[BW, BK] and Kw f32[BW, BK]
-    (the window's queries against its keys; Mamba-2: C against B)."""
-    return jnp.sum(Q[:, None, :] * Kw[None, :, :], axis=2)
+def _by_row(W: int, n: int, m: int, row) -> jax.Array:
+    """f32[n, m] whose row t < W is row(t) (f32[m], t a traced index) and rows >= W zero.
+
+    A rolled loop over the window's W steps: each iteration holds one row's
+    temporaries ([block_v, K] at most), never a product over the window
+    axis and a tile at once ([W, block_v, K] products spilled out of the
+    registers and made a verify window about ten times a replay step's time
+    on the H200: bench/RESULTS.md, 2026-12-01)."""
+    idx = lane_ids(n)
+    return jax.lax.fori_loop(0, W, lambda t, acc: jnp.where((idx == t)[:, None], row(t)[None, :], acc),
+                             jnp.zeros((n, m), f32))
 
 
-def buffer_scores(w: jax.Array, Kb: jax.Array, Q: jax.Array) -> jax.Array:
-    """f32[BL, BW], [i, t] = w_i (k_i . q_t): the live buffered keys Kb [BL,
-    BK] (dead slots zero) against the window's queries Q f32[BW, BK], times
-    the slots' weights w f32[BL] (`replay_weights`, dead slots 0)."""
-    return w[:, None] * jnp.sum(Kb.astype(f32)[:, None, :] * Q[None, :, :], axis=2)
+def pair_scores(Q: jax.Array, Kw: jax.Array, W: int) -> jax.Array:
+    """f32[BW, BW], [t, s] = Q_t . Kw_s for t < W (rows >= W zero), for Q
+    f32[BW, BK] and Kw f32[BW, BK] (the window's queries against its keys;
+    Mamba-2: C against B). Entry [t, s] reads only Q_t and Kw_s."""
+    return _by_row(W, Q.shape[0], Kw.shape[0], lambda t: jnp.sum(Kw * pick_row(Q, t)[None, :], axis=1))
 
 
-def start_readout(S_c: jax.Array, carried, Q: jax.Array, scores: jax.Array, U: jax.Array) -> jax.Array:
-    """S_0 q_t for each window query, f32[BW, BV], without forming S_0:
+def buffer_scores(w: jax.Array, Kb: jax.Array, Q: jax.Array, W: int) -> jax.Array:
+    """f32[BW, BL], [t, i] = w_i (k_i . q_t) for t < W (rows >= W zero):
+    the window's queries Q f32[BW, BK] against the live buffered keys Kb
+    [BL, BK] (dead slots zero), times the slots' weights w f32[BL]
+    (`replay_weights`, dead slots 0). Row t reads only Q_t."""
+    Kb = Kb.astype(f32)
+    return _by_row(W, Q.shape[0], Kb.shape[0], lambda t: w * jnp.sum(Kb * pick_row(Q, t)[None, :], axis=1))
+
+
+def start_readout(S_c: jax.Array, carried, Q: jax.Array, scores: jax.Array, U: jax.Array, W: int) -> jax.Array:
+    """S_0 q_t for each window query t < W, f32[BW, BV] (rows >= W zero), without forming S_0:
 
         S_0 q_t = exp(G) (S_c q_t) + sum_i w_i (k_i . q_t) u_i
 
     S_c f32[BV, BK] a checkpoint tile (the one read); carried = exp(G), the
-    checkpoint's decay over the live slots; Q f32[BW, BK]; scores f32[BL,
-    BW] (`buffer_scores`); U f32[BL, BV] the live slots' update rows (dead
-    slots zero). Row t reads only Q_t."""
-    from_checkpoint = jnp.sum(Q[:, None, :] * S_c[None, :, :], axis=2)
-    return carried * from_checkpoint + jnp.sum(scores[:, :, None] * U[:, None, :], axis=0)
+    checkpoint's decay over the live slots; Q f32[BW, BK]; scores f32[BW,
+    BL] (`buffer_scores`); U f32[BL, BV] the live slots' update rows (dead
+    slots zero). Row t reads only Q_t and row t of the scores."""
+    BW, BV = Q.shape[0], S_c.shape[0]
+
+    def row(t):
+        a_t = pick_row(scores, t)  # [BL]
+        return carried * jnp.sum(S_c * pick_row(Q, t)[None, :], axis=1) + jnp.sum(a_t[:, None] * U, axis=0)
+
+    return _by_row(W, BW, BV, row)
 
 
 def window_readout(Y0: jax.Array, from_start: jax.Array, decay: jax.Array, scores: jax.Array,
-                   U: jax.Array) -> jax.Array:
+                   U: jax.Array, W: int) -> jax.Array:
     """y_t = from_start_t Y0_t + sum_{s <= t} decay[t, s] scores[t, s] U_s, f32[BW, BV].
 
     Y0 f32[BW, BV]: S_0 q_t (`start_readout`); from_start, decay: as
     `window_decays`; scores f32[BW, BW]: k_s . q_t (and any factor of step
-    s, e.g. Mamba-2's dt_s); U f32[BW, BV]: the window's update rows. The
-    terms of steps s > t are selected away."""
-    causal = _causal(U.shape[0])
-    coef = jnp.where(causal, decay * scores, 0.0)
-    terms = jnp.where(causal[:, :, None], coef[:, :, None] * U[None, :, :], 0.0)
-    return from_start[:, None] * Y0 + jnp.sum(terms, axis=1)
+    s, e.g. Mamba-2's dt_s); U f32[BW, BV]: the window's update rows; W the
+    window's steps (static). A rolled loop over the steps s, one [BW, BV]
+    term each; the terms of steps s > t are selected away (a NaN in U_s
+    reaches rows t >= s only)."""
+    BW = U.shape[0]
+    idx = lane_ids(BW)
+    coef = decay * scores
+
+    def body(s, acc):
+        c_s = jnp.sum(jnp.where(idx[None, :] == s, coef, 0.0), axis=1)  # [BW]: coef[t, s]
+        u_s = jnp.sum(jnp.where((idx == s)[:, None], U, 0.0), axis=0)  # [BV]
+        return acc + jnp.where((idx >= s)[:, None], c_s[:, None] * u_s[None, :], 0.0)
+
+    return from_start[:, None] * Y0 + jax.lax.fori_loop(0, W, body, jnp.zeros(U.shape, f32))
 
 
 def forward_substitution(A: jax.Array, R: jax.Array, W: int) -> jax.Array:
