@@ -33,10 +33,10 @@ touch the same state element.
 - :func:`gdn_replay_verify`: a verify window of W steps. The rows whose
   window does not fit behind the cursor flush their buffered records first
   (the flush launch); then the verify kernel, grid (batch, HV, splits),
-  reads each checkpoint tile once for S_0 k_t and S_0 q_t, solves the
-  window's update vectors in closed form (one chunk of the chunked delta
-  rule, forward substitution over the W rows), and writes the W outputs
-  and the W records at the cursor.
+  reads each checkpoint tile once, applies the row's live records to it in
+  registers (S_0, as the flush does), runs the W steps of the window on
+  that tile and writes the W outputs and the W records at the cursor; the
+  checkpoint is not written.
 """
 
 from __future__ import annotations
@@ -53,9 +53,7 @@ from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, r
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
 from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step, run_replay_program,
                                           run_verify_program, step_launch, verify_launch, verify_window, window_start)
-from replayssm_jax.kernels.replay_math import (buffer_scores, fold_live_records, forward_substitution, pair_scores,
-                                               rank_update, replay_records, replay_weights, start_readout,
-                                               window_decays, window_readout)
+from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
 from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, store_window, tile_mask
 from replayssm_jax.state import GDNReplayState
@@ -184,6 +182,21 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                        key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs)
 
 
+def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, L):
+    """f32[BV, BK]: the checkpoint tile of `rows` after the row's first `count` buffered records
+    (`replay_records`)."""
+
+    def record(i):
+        return records.g[i], load(records.d.at[i, rows], vmask), load(records.k.at[i], kmask)
+
+    def all_records(live):
+        return (load_live(records.g, live, L), load_live(records.d.at[:, rows], live, L, vmask),
+                load_live(records.k, live, L, kmask, records.k.dtype))
+
+    S_c = load(checkpoint_ref.at[rows, :], tile_mask(vmask, kmask, (rows.size, checkpoint_ref.shape[-1])))
+    return replay_records(S_c, count, L, record, all_records, checkpoint_ref.dtype)
+
+
 def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out, *, cursor, split, config, V, K, L,
                scale, use_qk_l2norm, step=True):
     """Write S after this step into the checkpoint of one flushing row (refs:
@@ -206,16 +219,7 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
 
     def tile(rows, vmask):
         tmask = tile_mask(vmask, kmask, (BV, BK))
-
-        def record(i):
-            return records.g[i], load(records.d.at[i, rows], vmask), load(records.k.at[i], kmask)
-
-        def all_records(live):
-            return (load_live(records.g, live, L), load_live(records.d.at[:, rows], live, L, vmask),
-                    load_live(records.k, live, L, kmask, records.k.dtype))
-
-        S = replay_records(load(checkpoint_ref.at[rows, :], tmask), cursor, L, record, all_records,
-                           checkpoint_ref.dtype)
+        S = _materialize(checkpoint_ref, records, cursor, rows, vmask, kmask, L)
         if step:
             S = decay * S
             d = beta * (load(inputs.v.at[rows], vmask) - matvec(S, k))
@@ -229,41 +233,31 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
 def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, o_ref, records_out: Records, *, V,
                    K, L, W, group, scale, use_qk_l2norm, config):
     """The verify kernel on a program's row tiles of one value head and batch
-    row: the window's update vectors and W outputs from one read of each
-    checkpoint tile, and the W records."""
-    BL, BW, BK, BV = records.g.shape[0], inputs.g.shape[0], inputs.q.shape[-1], config.block_v
+    row: each checkpoint tile read once and brought to the window's start
+    in registers (its live records applied), then the W steps on it, each
+    writing its output and its d record; the state is not written."""
+    BW = inputs.g.shape[0]
     wmask = lane_mask(BW, W)
-    kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale, wmask)  # [BW, BK] each
+    kmask, _, keys = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale, wmask)  # the key records
     count = read_cursor(cursor_ref)
     start = window_start(count, L, W)  # the early flush emptied the rows whose window does not fit
     split = pl.program_id(2)
-    live = lane_ids(BL) < start
-
-    # Per-head work, once per program: the buffer's weights and its keys'
-    # scores against the window's k and q; the window's decays, A and k . q.
-    total, w = replay_weights(load_live(records.g, live, L), start)
-    carried = jnp.exp(total)
-    Kb = load_live(records.k, live, L, kmask, records.k.dtype)
-    a_k, a_q = buffer_scores(w, Kb, k, W), buffer_scores(w, Kb, q, W)
-    beta = load(inputs.beta, wmask)
-    from_start, decay = window_decays(load(inputs.g, wmask), W)
-    A = beta[:, None] * decay * pair_scores(k, k, W)  # A_ij = beta_i exp(G_i - G_j) (k_i . k_j), read for j < i
-    qk = pair_scores(q, k, W)
 
     def tile(rows, vmask):
-        S_c = load(checkpoint_ref.at[rows, :], tile_mask(vmask, kmask, (BV, BK)))  # the one read of the checkpoint
-        U = load_live(records.d.at[:, rows], live, L, vmask)
-        vtile = tile_mask(wmask, vmask, (BW, BV))
-        v = load(inputs.v.at[:, rows], vtile)
-        R = beta[:, None] * (v - from_start[:, None] * start_readout(S_c, carried, k, a_k, U, W))
-        d = forward_substitution(A, R, W)  # the window's update vectors, D = (I + A)^-1 R
-        o = window_readout(start_readout(S_c, carried, q, a_q, U, W), from_start, decay, qk, d, W)
-        store(o_ref.at[:, rows], o, vtile)
-        store_window(lambda t: records_out.d.at[start + t, rows], d, W, vmask)  # the d rows are this program's
+        def step(t, S):
+            _, q, k = _load_head_vectors(inputs.q.at[t], inputs.k.at[t], K, use_qk_l2norm, scale)
+            S = jnp.exp(inputs.g[t].astype(f32)) * S
+            d = inputs.beta[t].astype(f32) * (load(inputs.v.at[t, rows], vmask) - matvec(S, k))
+            S = S + d[:, None] * k[None, :]
+            store(o_ref.at[t, rows], matvec(S, q), vmask)
+            store(records_out.d.at[start + t, rows], d, vmask)  # the d rows are this program's
+            return S
+
+        jax.lax.fori_loop(0, W, step, _materialize(checkpoint_ref, records, start, rows, vmask, kmask, L))
 
     # The shared records: the window's g, and its k normalized, not scaled.
     run_verify_program(tile, V=V, W=W, config=config, split=split, start=start, group=group,
-                       decay_window=load(inputs.g, wmask), decay_out=records_out.g, keys=k, key_out=records_out.k,
+                       decay_window=load(inputs.g, wmask), decay_out=records_out.g, keys=keys, key_out=records_out.k,
                        key_mask=kmask)
 
 
@@ -415,21 +409,19 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, 
     Takes validated arguments (:func:`replayssm_jax.ops.gdn_replay_verify`
     validates them). Rows with cursor + W > L flush first, as in
     :func:`replayssm_jax.kernels.mamba2_replay_verify`. Then one launch,
-    grid (batch, HV, splits), reads each checkpoint tile once: S_0 k_t and
-    S_0 q_t (S_0 the state at the window's start) from the checkpoint plus
-    the live buffer (the readout form, S_0 x = exp(G) (S_c x) + sum_i w_i
-    (k_i . x) d_i), then the window's update vectors as one chunk of the
-    chunked delta rule (DESIGN.md section 3; Yang, Kautz & Hatamizadeh,
-    "Gated Delta Networks", ICLR 2025), with G_t = g_0 + ... + g_t over
-    the window:
+    grid (batch, HV, splits), reads each checkpoint tile once and applies
+    the row's live records to it in registers, S_0 = exp(G) S_c + sum_i
+    w_i d_i k_i^T (the flush's `replay_records`; S_0 the state at the
+    window's start), then runs the window's W steps on that tile (the
+    gated delta rule; DESIGN.md section 3; Yang, Kautz & Hatamizadeh,
+    "Gated Delta Networks", ICLR 2025):
 
-        D = (I + A)^-1 R,  A_ij = beta_i exp(G_i - G_j) (k_i . k_j) (i > j),
-        R_i = beta_i (v_i - exp(G_i) S_0 k_i)   (forward substitution),
-        o_t = exp(G_t) (S_0 q_t) + sum_{s <= t} exp(G_t - G_s) (k_s . q_t) d_s,
+        S_t = exp(g_t) S_{t-1} + d_t k_t^T,  d_t = beta_t (v_t - exp(g_t) S_{t-1} k_t),  o_t = S_t q_t,
 
-    and writes the W records (d, normalized k, g), as the buffers' dtypes,
-    at slots cursor .. cursor + W - 1. Output t reads nothing of steps
-    s > t (NaN and inf included), nor of dead slots.
+    writes o_t, and the W records (d, normalized k, g) as the buffers'
+    dtypes at slots cursor .. cursor + W - 1; the checkpoint is not
+    written. Output t reads nothing of steps s > t (NaN and inf included),
+    nor of dead slots.
 
     Args:
       state: a GDNReplayState with no pending window (as

@@ -31,9 +31,10 @@ P, all N columns).
 - :func:`mamba2_replay_verify`: a verify window of W steps. The rows whose
   window does not fit behind the cursor flush their buffered records first
   (the flush launch); then the verify kernel, grid (batch, H, splits),
-  reads each checkpoint tile once for the W outputs (the window's steps are
-  independent given the state at its start) and writes the W records at
-  the cursor.
+  reads each checkpoint tile once, applies the row's live records to it in
+  registers (as the flush does), runs the W steps of the window on that
+  tile and writes the W outputs and the W records at the cursor; the
+  checkpoint is not written.
 
 The z gate is optional (a None ref: no gate); D and dt_bias, when None,
 are passed as zeros.
@@ -54,9 +55,7 @@ from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, r
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
 from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step, run_replay_program,
                                           run_verify_program, step_launch, verify_launch, verify_window, window_start)
-from replayssm_jax.kernels.replay_math import (buffer_scores, fold_live_records, pair_scores, rank_update,
-                                               replay_records, replay_weights, start_readout, window_decays,
-                                               window_readout)
+from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
 from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, store_window, tile_mask
 from replayssm_jax.state import Mamba2ReplayState
@@ -225,6 +224,23 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                        key_mask=nmask, cursor_out=cursor_out, programs=programs)
 
 
+def _materialize(checkpoint_ref, records: Records, count, rows, pmask, nmask, L, A):
+    """f32[BP, BN]: the checkpoint tile of `rows` after the row's first `count` buffered records
+    (`replay_records`), with the head's A."""
+
+    def record(i):
+        dt_i = records.dt[i]
+        return dt_i * A, dt_i * load(records.x.at[i, rows], pmask), load(records.B.at[i], nmask)
+
+    def all_records(live):
+        dts = load_live(records.dt, live, L)
+        return (dts * A, dts[:, None] * load_live(records.x.at[:, rows], live, L, pmask),
+                load_live(records.B, live, L, nmask, records.B.dtype))
+
+    S_c = load(checkpoint_ref.at[rows, :], tile_mask(pmask, nmask, (rows.size, checkpoint_ref.shape[-1])))
+    return replay_records(S_c, count, L, record, all_records, checkpoint_ref.dtype)
+
+
 def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out, *, cursor, split, config, P, N, L,
                dt_softplus, dt_limit, step=True):
     """Write S after this step into the checkpoint of one flushing row (refs:
@@ -242,18 +258,7 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
 
     def tile(rows, pmask):
         tmask = tile_mask(pmask, nmask, (BP, BN))
-
-        def record(i):
-            dt_i = records.dt[i]
-            return dt_i * A, dt_i * load(records.x.at[i, rows], pmask), load(records.B.at[i], nmask)
-
-        def all_records(live):
-            dts = load_live(records.dt, live, L)
-            return (dts * A, dts[:, None] * load_live(records.x.at[:, rows], live, L, pmask),
-                    load_live(records.B, live, L, nmask, records.B.dtype))
-
-        S = replay_records(load(checkpoint_ref.at[rows, :], tmask), cursor, L, record, all_records,
-                           checkpoint_ref.dtype)
+        S = _materialize(checkpoint_ref, records, cursor, rows, pmask, nmask, L, A)
         if step:
             S = decay * S
             u = dt * _load_x_record(inputs.x, records.x.dtype, rows, pmask)[1]
@@ -266,42 +271,36 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
 def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, records_out: Records, *, P,
                    N, L, W, group, dt_softplus, dt_limit, config):
     """The verify kernel on a program's row tiles of one head and batch row:
-    the W outputs from one read of each checkpoint tile, and the W records."""
-    BL, BW, BN, BP = records.dt.shape[0], inputs.dt.shape[0], inputs.B.shape[-1], config.block_v
+    each checkpoint tile read once and brought to the window's start in
+    registers (its live records applied), then the W steps on it, each
+    writing its output and its x record; the state is not written."""
+    BW, BN = inputs.dt.shape[0], inputs.B.shape[-1]
     nmask, wmask = lane_mask(BN, N), lane_mask(BW, W)
     count = read_cursor(cursor_ref)
     start = window_start(count, L, W)  # the early flush emptied the rows whose window does not fit
     split = pl.program_id(2)
-    live = lane_ids(BL) < start
-    A = load_scalar(inputs.A)
-    D = load_scalar(inputs.D)
-
-    # Per-head work, once per program: the buffer's weights and its B's
-    # scores against the window's C; the window's decays and C . B scores.
-    dts = _process_dt(load(inputs.dt, wmask), load_scalar(inputs.dt_bias), dt_softplus, dt_limit)
-    carried, w = _buffer_weights(records.dt, live, L, start, A)
-    Bb = load_live(records.B, live, L, nmask, records.B.dtype)
-    wtile = tile_mask(wmask, nmask, (BW, BN))
-    Bw, Cw = load(inputs.B, wtile), load(inputs.C, wtile)
-    a_c = buffer_scores(w, Bb, Cw, W)
-    from_start, decay = window_decays(dts * A, W)
-    cb = pair_scores(Cw, Bw, W) * dts[None, :]  # u_s = dt_s x_s: dt_s folded into the scores
+    A, D, dt_bias = load_scalar(inputs.A), load_scalar(inputs.D), load_scalar(inputs.dt_bias)
 
     def tile(rows, pmask):
-        S_c = load(checkpoint_ref.at[rows, :], tile_mask(pmask, nmask, (BP, BN)))  # the one read of the checkpoint
-        X = load_live(records.x.at[:, rows], live, L, pmask)
-        xtile = tile_mask(wmask, pmask, (BW, BP))
-        x = load(inputs.x.at[:, rows], xtile)
-        y = window_readout(start_readout(S_c, carried, Cw, a_c, X, W), from_start, decay, cb, x, W) + D * x
-        if inputs.z is not None:
-            z = load(inputs.z.at[:, rows], xtile)
-            y = y * (z * jax.nn.sigmoid(z))
-        store(y_ref.at[:, rows], y, xtile)
-        store_window(lambda t: records_out.x.at[start + t, rows], x, W, pmask)  # the x rows are this program's
+        def step(t, S):
+            dt = _process_dt(inputs.dt[t].astype(f32), dt_bias, dt_softplus, dt_limit)
+            x = load(inputs.x.at[t, rows], pmask)
+            S = jnp.exp(dt * A) * S + (dt * x)[:, None] * load(inputs.B.at[t], nmask)[None, :]
+            gate = None
+            if inputs.z is not None:
+                z = load(inputs.z.at[t, rows], pmask)
+                gate = z * jax.nn.sigmoid(z)
+            store(y_ref.at[t, rows], _skip_and_gate(matvec(S, load(inputs.C.at[t], nmask)), D * x, gate), pmask)
+            store(records_out.x.at[start + t, rows], x, pmask)  # the x rows are this program's
+            return S
+
+        jax.lax.fori_loop(0, W, step, _materialize(checkpoint_ref, records, start, rows, pmask, nmask, L, A))
 
     # The shared records: the window's processed dt, and its B.
+    dts = _process_dt(load(inputs.dt, wmask), dt_bias, dt_softplus, dt_limit)
     run_verify_program(tile, V=P, W=W, config=config, split=split, start=start, group=group, decay_window=dts,
-                       decay_out=records_out.dt, keys=Bw, key_out=records_out.B, key_mask=nmask)
+                       decay_out=records_out.dt, keys=load(inputs.B, tile_mask(wmask, nmask, (BW, BN))),
+                       key_out=records_out.B, key_mask=nmask)
 
 
 def _block_specs(H, G, N, L, gated, rows, nb=None, window=None) -> BlockSpecs:
@@ -455,17 +454,19 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
     writes their checkpoint, the state after their buffered records, and
     skips the other rows); such rows then verify from it with an empty
     buffer, at slots 0 .. W - 1, and their cursor becomes 0. Then one
-    launch, grid (batch, H, splits), reads each checkpoint tile once for
-    the W outputs (DESIGN.md section 3; the chunked SSD form of Dao & Gu,
-    "Transformers are SSMs", ICML 2024, for one chunk), with G_t = sum_{s
-    <= t} dt_s A over the window and S_0 the state at the window's start:
+    launch, grid (batch, H, splits), reads each checkpoint tile once and
+    applies the row's live records to it in registers, S_0 = exp(G) S_c +
+    sum_i w_i dt_i x_i B_i^T (the flush's `replay_records`; S_0 the state at
+    the window's start), then runs the window's W steps on that tile (the
+    selective state update; DESIGN.md section 3; Dao & Gu, "Transformers
+    are SSMs", ICML 2024):
 
-        y_t = exp(G_t) (S_0 C_t) + sum_{s <= t} exp(G_t - G_s) (B_s . C_t) dt_s x_s + D x_t,
-        S_0 C_t = exp(G) (S_c C_t) + sum_i w_i (B_i . C_t) dt_i x_i  (the live buffer),
+        S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,  y_t = S_t C_t + D x_t,
 
     then y_t *= silu(z_t), and writes the W records (x, processed dt, B),
-    as the buffers' dtypes, at slots cursor .. cursor + W - 1. Output t
-    reads nothing of steps s > t (NaN and inf included), nor of dead slots.
+    as the buffers' dtypes, at slots cursor .. cursor + W - 1; the
+    checkpoint is not written. Output t reads nothing of steps s > t (NaN
+    and inf included), nor of dead slots.
 
     Args:
       state: a Mamba2ReplayState with no pending window (as
