@@ -431,10 +431,12 @@ def replay_config_for(config: StepConfig | ReplayConfig | None, checkpoint, buff
     return config
 
 
-# State elements x window steps of a verify program's [W, block_v, K]
-# products (its S_c q_t terms): 64 KiB of f32, as the replay step's largest
-# tile. A first rule, not yet swept on a GPU.
-VERIFY_TILE_ELEMENTS = 16384
+# State elements of a verify program's tile, [block_v, K], which it holds
+# through the window's W steps: 32 KiB of f32. Swept on the H200
+# (bench/RESULTS.md, 2026-12-01, W = 4, L = 16, batch 64 and 256): 64 rows
+# of K = 128 on 4 warps were the fastest GDN tiling of those timed (8 to 64
+# rows) for both state dtypes, 16 rows on 2 warps Mamba-2's (P = 80).
+VERIFY_TILE_ELEMENTS = 8192
 
 
 def default_verify_config(batch: int, heads: int, V: int, K: int, state_dtype, buffer_len: int,
@@ -442,19 +444,18 @@ def default_verify_config(batch: int, heads: int, V: int, K: int, state_dtype, b
     """The frozen heuristic of the verify launch (a ReplayConfig; its flush
     fields tile the early-flush launch, `fused_flush` is False).
 
-    A program reads each checkpoint tile once for the W steps of the window,
-    holding [W, block_v, K] products: block_v is the power of two that keeps
-    them near VERIFY_TILE_ELEMENTS (again preferring a divisor of V), shrunk
+    A program holds one [block_v, K] state tile through the window's steps:
+    block_v is the power of two that keeps it near VERIFY_TILE_ELEMENTS
+    (preferring a divisor of V, as the standard rule: V = 80 -> 16), shrunk
     as in the standard rule until there are ~8 programs per SM; one tile per
-    program.
+    program, about 64 elements per thread (1 to 4 warps).
 
     Args: as :func:`default_replay_config`, and window (W, 1 <= W <= L).
     """
-    del state_dtype, buffer_len  # the same tiling for both state dtypes and every buffer length
-    width = next_pow2(window) * next_pow2(K)
-    rows = _divisor_rows(min(next_pow2(V), next_pow2(max(1, VERIFY_TILE_ELEMENTS // width))), V)
+    del state_dtype, buffer_len, window  # the same tiling for both state dtypes, every L and W
+    rows = _divisor_rows(min(next_pow2(V), next_pow2(max(1, VERIFY_TILE_ELEMENTS // next_pow2(K)))), V)
     rows = _fill_rows(rows, batch * heads, V)
-    return ReplayConfig(block_v=rows, num_warps=_warps(rows * next_pow2(window), K), num_stages=1)
+    return ReplayConfig(block_v=rows, num_warps=_warps(rows, K), num_stages=1)
 
 
 def verify_config_for(config: ReplayConfig | None, checkpoint, buffer_len: int, window: int, dims) -> ReplayConfig:

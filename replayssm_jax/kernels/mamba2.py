@@ -57,7 +57,7 @@ from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step
                                           run_verify_program, step_launch, verify_launch, verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
-from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, store_window, tile_mask
+from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, tile_mask
 from replayssm_jax.state import Mamba2ReplayState
 
 # The state's rows and columns, as the size errors name them.

@@ -502,7 +502,10 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
 
     As :func:`mamba2_replay_verify`; the window's update vectors, which
     depend on one another, are solved in closed form as one chunk of the
-    chunked delta rule (:func:`replayssm_jax.reference.gdn_replay_verify`).
+    chunked delta rule by the reference
+    (:func:`replayssm_jax.reference.gdn_replay_verify`), step by step from
+    the window's start state by the kernels
+    (:func:`replayssm_jax.kernels.gdn_replay_verify`).
 
     Args:
       state: GDNReplayState with no pending window.
