@@ -204,31 +204,23 @@ class DraftModelDrafter:
         rows = history.shape[0]
         keys = None if self.sampling.greedy else _checks.row_keys(key, rows, k)
         n = jnp.clip(lengths - cache.position, 0, w)
-        window = gather_rows(history, cache.position[:, None] + jnp.arange(w))
-        logits, cache = model.verify(window, cache, backend=self.backend)
-        cache = model.commit(cache, n)
-        at = jnp.maximum(n - 1, 0)[:, None, None]
-        first, q = choose_drafts(jnp.take_along_axis(logits, at, axis=1)[:, 0], self.sampling,
-                                 None if keys is None else keys[0])
-        drafts = jnp.zeros((rows, k), jnp.int32).at[:, 0].set(first)
-        if k == 1:
-            return Drafts(tokens=drafts, num_drafts=jnp.full((rows,), k, jnp.int32),
-                          q_probs=None if q is None else q[:, None]), cache
-        none = jnp.zeros((rows,), jnp.int32)
+        known = gather_rows(history, cache.position[:, None] + jnp.arange(w))
 
         def step(carry, xs):
+            # i = 0: the known tokens' window, n positions committed, draft 1 read at n - 1;
+            # i >= 1: the window [d_1, .., d_i, padding], nothing committed, draft i + 1 read at i - 1.
             cache, drafts = carry
-            i, step_keys = xs  # i = j - 1 drafts in the window, draft j read at position i - 1
-            window = jnp.where(jnp.arange(w) < i, jnp.pad(drafts, ((0, 0), (0, 1))), 0)
+            i, step_keys = xs
+            window = jnp.where(i == 0, known, jnp.where(jnp.arange(w) < i, jnp.pad(drafts, ((0, 0), (0, 1))), 0))
             logits, cache = model.verify(window, cache, backend=self.backend)
-            token, q = choose_drafts(jax.lax.dynamic_index_in_dim(logits, i - 1, axis=1, keepdims=False),
-                                     self.sampling, step_keys)
+            at = jnp.where(i == 0, jnp.maximum(n - 1, 0), i - 1)
+            token, q = choose_drafts(jnp.take_along_axis(logits, at[:, None, None], axis=1)[:, 0], self.sampling,
+                                     step_keys)
             drafts = jax.lax.dynamic_update_index_in_dim(drafts, token, i, axis=1)
-            return (model.commit(cache, none), drafts), q
+            return (model.commit(cache, jnp.where(i == 0, n, 0)), drafts), q
 
-        (cache, drafts), rest_q = jax.lax.scan(
-            step, (cache, drafts), (jnp.arange(1, k), None if keys is None else keys[1:]))
-        q_probs = None if q is None else jnp.concatenate([q[:, None], jnp.swapaxes(rest_q, 0, 1)], axis=1)
+        (cache, drafts), q = jax.lax.scan(step, (cache, jnp.zeros((rows, k), jnp.int32)), (jnp.arange(k), keys))
+        q_probs = None if q is None else jnp.swapaxes(q, 0, 1)
         return Drafts(tokens=drafts, num_drafts=jnp.full((rows,), k, jnp.int32), q_probs=q_probs), cache
 
     def update(self, target, cache, kept: Kept):
