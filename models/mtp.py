@@ -71,6 +71,11 @@ entries the K - 1 chained draft steps write past the committed length are
 dead: the next propose overwrites them with entries from the target's hidden
 states (the rollback of rejected drafts); `MTPDrafter.rollback` moves the
 length back explicitly (a row reset, or a target rolled back further).
+
+In the compiled speculative loop (`replayssm_jax.speculative.loop`;
+``Generator(model, speculative=SpeculativeConfig("mtp", K))``) the drafter's
+`init_state` and `update` run these steps, its `MTPDraftState` carried with
+the target's cache; a done row (m = 0) keeps its head cache length.
 """
 
 from __future__ import annotations

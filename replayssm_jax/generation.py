@@ -537,14 +537,19 @@ class Generator:
       speculative: a SpeculativeConfig: `generate` runs speculative rounds
         (draft K tokens, verify K + 1 positions in one call, accept, commit;
         replayssm_jax.speculative.loop) of up to `block_size` rounds per
-        compiled block; None: one token per decode step.
+        compiled block; None: one token per decode step. The drafters with a
+        state ("mtp", "draft") compile one more program, their state's start
+        from the prefill (the MTP head over the prefill's hidden states, the
+        draft model's prefill).
 
     Raises:
       GenerationError: `model` not a model of this package, an unknown
         state, L < 1 (or above the kernels' limit with a kernel backend),
         block_size < 1, prefill_rows < 1, a `generation_config` without the
         fields of `models.GenerationConfig`, a `speculative` that is not a
-        SpeculativeConfig or whose window K + 1 exceeds buffer_len.
+        SpeculativeConfig or whose window K + 1 exceeds buffer_len, method
+        "mtp" on a model without an MTP head, a "draft" model that cannot be
+        loaded or whose vocab_size differs from the model's.
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
