@@ -8,9 +8,9 @@ A model is a Flax NNX module with
 - ``verify(tokens [batch, W], cache) -> (logits [batch, W, vocab], HybridCache with the window pending)``
   and ``commit(cache, num_accepted)``: a speculative round (DESIGN.md section 7).
 
-With ``return_hidden=True``, `prefill` and `decode` also return the hidden state
-after the final norm, the input of the LM head (and of a multi-token prediction
-head, `models.mtp`): ``(logits, hidden, HybridCache)``.
+With ``return_hidden=True``, `prefill`, `decode` and `verify` also return the
+hidden state after the final norm, the input of the LM head (and of a
+multi-token prediction head, `models.mtp`): ``(logits, hidden, HybridCache)``.
 
 `make_prefill` / `make_decode_step` / `make_verify_step` / `make_commit` wrap
 these as pure functions of ``(params, ...)`` (via ``nnx.split`` / ``nnx.merge``)
@@ -240,8 +240,8 @@ class HybridCausalLM(nnx.Module):
             return self._lm_head(hidden), hidden, cache
         return self._logits(h), cache
 
-    def verify(self, tokens: jax.Array, cache: HybridCache, *,
-               backend: str | None = None) -> tuple[jax.Array, HybridCache]:
+    def verify(self, tokens: jax.Array, cache: HybridCache, *, backend: str | None = None,
+               return_hidden: bool = False):
         """Verify W speculative positions of every sequence in one call (DESIGN.md section 7).
 
         Args:
@@ -252,12 +252,15 @@ class HybridCausalLM(nnx.Module):
             window pending.
           backend: SSM op backend (the replay verify ops run on
             ``ops.backend_for``; the standard baseline runs W standard steps).
+          return_hidden: also return the hidden states after the final norm
+            at the W positions (static).
 
         Returns:
           (logits f32[batch, W, vocab_size]: position t gives the next token
           after tokens[:, :t + 1]; the HybridCache with the window pending:
           every layer holds the W positions, `commit` keeps the accepted ones.
-          `position` is unchanged).
+          `position` is unchanged); with return_hidden, (logits, hidden
+          [batch, W, hidden_size] after the final norm, HybridCache).
 
         Raises:
           TypeError: `cache` not a HybridCache; `tokens` not integers.
@@ -276,7 +279,11 @@ class HybridCausalLM(nnx.Module):
         for block, state in zip(self._blocks, cache.layers):
             h, state = block.verify(h, state, backend=backend)
             states.append(state)
-        return self._logits(h), cache.replace(layers=tuple(states))
+        cache = cache.replace(layers=tuple(states))
+        if return_hidden:
+            hidden = self._final_norm(h)
+            return self._lm_head(hidden), hidden, cache
+        return self._logits(h), cache
 
     def commit(self, cache: HybridCache, num_accepted: jax.Array) -> HybridCache:
         """Keep the first `num_accepted` positions of the pending window (`commit_cache`), after checking
@@ -400,6 +407,7 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
       last_logits_only: return logits [batch, vocab] of the last prompt token only.
       backend: SSM op backend (replayssm_jax.ops).
       max_window: the longest speculative verify window (1: plain decoding).
+      return_hidden: also return the hidden states after the final norm (static).
     """
 
     @jax.jit
@@ -427,13 +435,15 @@ def make_decode_step(graphdef, *, route: str = "auto", backend: str | None = Non
     return jax.jit(decode_step, donate_argnums=(1,) if donate_cache else ())
 
 
-def make_verify_step(graphdef, *, backend: str | None = None, donate_cache: bool = True):
+def make_verify_step(graphdef, *, backend: str | None = None, donate_cache: bool = True,
+                     return_hidden: bool = False):
     """A jitted ``verify(params, cache, tokens) -> (logits f32[batch, W, vocab], HybridCache)``
-    (`HybridCausalLM.verify`), the cache donated by default."""
+    (``(logits, hidden [batch, W, hidden], HybridCache)`` with return_hidden; `HybridCausalLM.verify`),
+    the cache donated by default."""
 
     def verify(params, cache, tokens):
         model = nnx.merge(graphdef, params)
-        return model.verify(tokens, cache, backend=backend)
+        return model.verify(tokens, cache, backend=backend, return_hidden=return_hidden)
 
     return jax.jit(verify, donate_argnums=(1,) if donate_cache else ())
 

@@ -71,6 +71,11 @@ entries the K - 1 chained draft steps write past the committed length are
 dead: the next propose overwrites them with entries from the target's hidden
 states (the rollback of rejected drafts); `MTPDrafter.rollback` moves the
 length back explicitly (a row reset, or a target rolled back further).
+
+In the compiled speculative loop (`replayssm_jax.speculative.loop`;
+``Generator(model, speculative=SpeculativeConfig("mtp", K))``) the drafter's
+`init_state` and `update` run these steps, its `MTPDraftState` carried with
+the target's cache; a done row (m = 0) keeps its head cache length.
 """
 
 from __future__ import annotations
@@ -90,12 +95,12 @@ from models.qwen_hybrid import QwenDecoderLayer
 from replayssm_jax.ops import validate as v
 from replayssm_jax.layers import Attention, KVCache, Linear, RMSNorm
 from replayssm_jax.layers.linear import default_rngs
-from replayssm_jax.sampling import SamplingParams, token_log_probs
+from replayssm_jax.sampling import SamplingParams
 from replayssm_jax.speculative import _checks
-from replayssm_jax.speculative.drafters import Drafts
+from replayssm_jax.speculative.drafters import DraftStart, Drafts, Kept, choose_drafts
 
 __all__ = ["MTPCache", "MTPHead", "QwenMTPHead", "NemotronHMTPBlock", "NemotronHMTPHead", "MTPDrafter",
-           "check_config", "add_mtp_head", "mtp_forward"]
+           "MTPDraftState", "check_config", "add_mtp_head", "has_mtp_head", "mtp_forward"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -233,7 +238,7 @@ class MTPHead(nnx.Module):
     def cache_dtype(self):
         """The dtype of the first attention block's projections (the natural KV cache dtype)."""
         attn = next(a for a in map(self._attention, self._blocks) if a is not None)
-        return attn.k_proj.weight[...].dtype
+        return attn.k_proj.weight.dtype
 
     def __call__(self, embeds: jax.Array, hidden: jax.Array, layers: tuple) -> tuple[jax.Array, tuple]:
         """The head on T positions per row, appended after each row's cached entries.
@@ -389,6 +394,11 @@ def add_mtp_head(model: HybridCausalLM, *, param_dtype=jnp.float32, rngs: nnx.Rn
     return model
 
 
+def has_mtp_head(model) -> bool:
+    """Whether `model` carries an MTP head (``load_model(path, mtp=True)`` or `add_mtp_head`)."""
+    return isinstance(getattr(model, "mtp", None), MTPHead)
+
+
 def mtp_forward(model: HybridCausalLM, hidden: jax.Array, tokens: jax.Array,
                 cache: MTPCache) -> tuple[jax.Array, jax.Array, MTPCache]:
     """The MTP head of `model` on T positions per row, after the cached ones (no argument checks).
@@ -418,6 +428,20 @@ def _at(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
+@struct.dataclass
+class MTPDraftState:
+    """The MTP drafter's state in the speculative loop (`MTPDrafter.init_state`).
+
+    Attributes:
+      cache: the head's `MTPCache`, its length equal to the target's position per row.
+      drafts: the next round's `Drafts` (computed at the end of the previous round, or
+        from the prefill).
+    """
+
+    cache: MTPCache
+    drafts: Drafts
+
+
 @dataclasses.dataclass(frozen=True)
 class MTPDrafter:
     """Speculative drafts from a model's MTP head (DESIGN.md section 7).
@@ -426,6 +450,15 @@ class MTPDrafter:
     a pytree without leaves, so it may be an argument of a jitted function), and
     `init_cache`, `propose` and `rollback` are pure functions of fixed shapes
     that run under `jax.jit`.
+
+    In the speculative loop (`replayssm_jax.speculative.Drafter`; its state an
+    `MTPDraftState`): `init_state` steps the head over the prefill's hidden
+    states and prompt[1:] + the first new token, giving the first round's
+    drafts; `update` steps it over the m pairs a round kept (the verified
+    hidden states at pos .. pos + m - 1, the new tokens at pos + 1 .. pos + m)
+    and chains the next round's K drafts; `draft` returns those. A done row
+    (m = 0) keeps its cache length. The head's cache holds `max_len` entries
+    per row: the history's length plus K.
 
     Attributes:
       graphdef: the model's static structure (`models.split_params(model)[0]`).
@@ -450,6 +483,9 @@ class MTPDrafter:
     cache_dtype: Any = jnp.float32
     sampling: SamplingParams = SamplingParams()
 
+    #: `init_state` and `update` read the target's final-normed hidden states.
+    needs_hidden = True
+
     def __post_init__(self):
         v.check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
         if not isinstance(self.sampling, SamplingParams):
@@ -471,10 +507,10 @@ class MTPDrafter:
         Raises:
           ValueError: `model` has no MTP head.
         """
-        head = getattr(model, "mtp", None)
-        if not isinstance(head, MTPHead):
+        if not has_mtp_head(model):
             raise ValueError(f"`model` ({type(model).__name__}) has no MTP head; load it with "
                              f"models.load_model(path, mtp=True)")
+        head = model.mtp
         graphdef, _ = nnx.split(model)
         return cls(graphdef=graphdef, num_speculative_tokens=num_speculative_tokens, kv_layout=head.kv_layout(),
                    hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
@@ -550,26 +586,30 @@ class MTPDrafter:
             more entries (when concrete), or a model without an MTP head.
         """
         hidden, tokens, num_tokens = self._check_inputs(hidden, tokens, num_tokens)
-        batch, window, _ = hidden.shape
-        cache = self._check_cache(cache, batch)
-        self._check_room(cache, window, num_tokens)
+        cache = self._check_cache(cache, hidden.shape[0])
+        self._check_room(cache, hidden.shape[1], num_tokens)
         if not self.sampling.greedy:
             key = _checks.check_key(key)
         model = nnx.merge(self.graphdef, params)
-        if not isinstance(getattr(model, "mtp", None), MTPHead):
+        if not has_mtp_head(model):
             raise ValueError(f"`params` give a {type(model).__name__} without an MTP head")
+        return self._step(model, hidden, tokens, cache, key, num_tokens)
+
+    def _step(self, model, hidden, tokens, cache: MTPCache, key, num_tokens) -> tuple[Drafts, MTPCache]:
+        """`propose` on checked arguments and the merged model."""
+        batch = hidden.shape[0]
         k = self.num_speculative_tokens
         committed = cache.length + num_tokens
         logits, out, cache = mtp_forward(model, hidden, tokens, cache)
         last = num_tokens - 1
         keys = _checks.row_keys(key, batch, k) if not self.sampling.greedy else None
-        draft, q = self._choose(_at(logits, last), None if keys is None else keys[0])
+        draft, q = choose_drafts(_at(logits, last), self.sampling, None if keys is None else keys[0])
         cache = cache.with_length(committed)
 
         def chain(carry, step_keys):
             out, draft, cache = carry
             logits, out, cache = mtp_forward(model, out[:, None], draft[:, None], cache)
-            draft, q = self._choose(logits[:, 0], step_keys)
+            draft, q = choose_drafts(logits[:, 0], self.sampling, step_keys)
             return (out[:, 0], draft, cache), (draft, q)
 
         drafts, qs = draft[:, None], None if q is None else q[:, None]
@@ -581,6 +621,49 @@ class MTPDrafter:
                 qs = jnp.concatenate([qs, jnp.swapaxes(rest_q, 0, 1)], axis=1)
         result = Drafts(tokens=drafts.astype(jnp.int32), num_drafts=jnp.full((batch,), k, jnp.int32), q_probs=qs)
         return result, cache.with_length(committed)
+
+    # -- the speculative loop's interface (replayssm_jax.speculative.Drafter) -----------------------
+    def init_state(self, target, start: DraftStart) -> MTPDraftState:
+        """The head stepped over the prefill: (hidden at p, token at p + 1) for p < P.
+
+        Args:
+          target: the target model with its MTP head (merged inside the trace).
+          start: `DraftStart` with the prefill's hidden states [rows, P, hidden]
+            and the history (prompt, then the first new token at position P).
+
+        Returns:
+          MTPDraftState: a cache of history length + K entries per row with
+          length P, and the first round's drafts.
+
+        Raises:
+          ValueError: `target` without an MTP head, or `start` without hidden states.
+        """
+        if not has_mtp_head(target):
+            raise ValueError(f"`target` is a {type(target).__name__} without an MTP head; load it with "
+                             f"models.load_model(path, mtp=True)")
+        if start.hidden is None:
+            raise ValueError("`start.hidden` is None: the MTP drafter needs the prefill's hidden states "
+                             "(prefill with return_hidden=True)")
+        rows, max_len = start.history.shape
+        p = start.prefix_len
+        cache = self.init_cache(rows, max_len + self.num_speculative_tokens)
+        num_tokens = jnp.full((rows,), p, jnp.int32)
+        drafts, cache = self._step(target, start.hidden, start.history[:, 1:p + 1], cache, start.key, num_tokens)
+        return MTPDraftState(cache=cache, drafts=drafts)
+
+    def draft(self, target, state: MTPDraftState, history, lengths, key) -> tuple[Drafts, MTPDraftState]:
+        """The drafts `init_state` or the last `update` chained (history, lengths and key unused)."""
+        return state.drafts, state
+
+    def update(self, target, state: MTPDraftState, kept: Kept) -> MTPDraftState:
+        """The head stepped over the m pairs the round kept, and the next round's drafts.
+
+        Rows with m = 0 (done) step over one dead entry and keep their length.
+        """
+        m = kept.num_kept
+        drafts, cache = self._step(target, kept.hidden, kept.tokens, state.cache, kept.key, jnp.maximum(m, 1))
+        cache = cache.with_length(jnp.where(m > 0, cache.length, state.cache.length))
+        return MTPDraftState(cache=cache, drafts=drafts)
 
     def rollback(self, cache: MTPCache, lengths) -> MTPCache:
         """The cache with each row's length set back to `lengths` (entries past it are dead).
@@ -634,13 +717,6 @@ class MTPDrafter:
             raise ValueError(f"`cache` is too short: row {row} holds {int(length[row])} entries and needs "
                              f"{int(need[row])} (T = {window} new, then num_tokens - 1 + K = "
                              f"{int(n[row]) - 1 + self.num_speculative_tokens}); max_len = {cache.max_len}")
-
-    def _choose(self, logits: jax.Array, keys):
-        """(draft i32[batch], q f32[batch, vocab] or None) from the head's logits f32[batch, vocab]."""
-        if self.sampling.greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-        log_q = token_log_probs(logits, self.sampling)
-        return jax.vmap(jax.random.categorical)(keys, log_q).astype(jnp.int32), jnp.exp(log_q)
 
 
 jax.tree_util.register_dataclass(

@@ -91,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated stop token ids; '' for none (default: the checkpoint's eos_token_id)")
     p.add_argument("--block-size", type=int, default=16,
                    help="decode steps (speculative rounds) per compiled block (default 16)")
-    p.add_argument("--speculative", choices=["ngram"], default=None,
-                   help="speculative decoding: ngram (prompt lookup) drafts --num-draft tokens per round, the model "
-                        "verifies them in one call")
+    p.add_argument("--speculative", type=_speculative_method, default=None, metavar="{ngram,mtp,draft:DIR}",
+                   help="speculative decoding: a drafter proposes --num-draft tokens per round, the model verifies "
+                        "them in one call. ngram: prompt lookup; mtp: the checkpoint's multi-token prediction head "
+                        "(its mtp.* tensors); draft:DIR: the model of checkpoint folder DIR, of the same vocabulary "
+                        "(with --random-weights, random weights of DIR's config.json)")
     p.add_argument("--num-draft", type=int, default=None,
                    help="drafts per speculative round K >= 1 (default 3); K + 1 <= --buffer-len with --state replay")
     p.add_argument("--compare", action="store_true", help="run standard and replay; report identical tokens and the speed ratio")
@@ -106,6 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--no-compile-cache", action="store_true", help="compile without the persistent cache")
     p.add_argument("--no-progress", action="store_true", help="no status lines or progress bar on stderr")
     return p
+
+
+SPECULATIVE = ("ngram", "mtp", "draft:DIR")
+
+
+def _speculative_method(text: str) -> str:
+    """--speculative's value: "ngram", "mtp" or "draft:DIR" (DIR not empty)."""
+    if text in ("ngram", "mtp") or (text.startswith("draft:") and text[len("draft:"):].strip()):
+        return text
+    raise argparse.ArgumentTypeError(f"must be one of {', '.join(SPECULATIVE)}; got {text!r}")
+
+
+def _draft_folder(args) -> str | None:
+    """The draft model's folder of --speculative draft:DIR, else None."""
+    spec = args.speculative
+    return spec[len("draft:"):] if spec and spec.startswith("draft:") else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -244,11 +262,12 @@ def _prompts(args, checkpoint, vocab) -> tuple[list[list[int]], Tokenizer | None
     return [ids], tokenizer
 
 
-def _check_memory(abstract, states, args, prompts, backend) -> None:
-    """Before loading: refuse a run whose weights plus decode cache exceed the free memory."""
+def _check_memory(abstract, states, args, prompts, backend, draft=None) -> None:
+    """Before loading: refuse a run whose weights (a draft model's included: `draft`, abstract)
+    plus decode cache exceed the free memory."""
     estimates = []
     for state in states:
-        gen = _generator(abstract, state, args, backend)
+        gen = _generator(abstract, state, args, backend, draft_model=draft)
         estimates.append(gen.memory_estimate(prompts, args.max_new_tokens))
     estimate = max(estimates, key=lambda e: e.total_bytes)
     weights = gen.weights_bytes
@@ -266,17 +285,22 @@ def _check_memory(abstract, states, args, prompts, backend) -> None:
     raise UsageError(_flag_names(f"{head}; {fits}"))
 
 
-def _speculative(args) -> SpeculativeConfig | None:
+def _speculative(args, draft_model=None) -> SpeculativeConfig | None:
+    """The SpeculativeConfig of --speculative; `draft_model` (loaded or abstract) for draft:DIR."""
     if args.speculative is None:
         return None
-    return SpeculativeConfig(args.speculative, DEFAULT_NUM_DRAFT if args.num_draft is None else args.num_draft)
+    k = DEFAULT_NUM_DRAFT if args.num_draft is None else args.num_draft
+    if _draft_folder(args) is not None:
+        return SpeculativeConfig("draft", k, draft_model=draft_model)
+    return SpeculativeConfig(args.speculative, k)
 
 
-def _generator(model, state, args, backend, generation_config=None) -> Generator:
+def _generator(model, state, args, backend, generation_config=None, draft_model=None) -> Generator:
     replay = state == "replay"
     return Generator(model, state=state, buffer_len=(args.buffer_len or DEFAULT_BUFFER_LEN) if replay else None,
                      backend=backend, route=(args.route or "auto") if replay else "auto",
-                     block_size=args.block_size, generation_config=generation_config, speculative=_speculative(args))
+                     block_size=args.block_size, generation_config=generation_config,
+                     speculative=_speculative(args, draft_model))
 
 
 def _printable(text: str) -> str:
@@ -310,7 +334,9 @@ class _Printer:
 
 
 def _label(r) -> str:
-    spec = f" speculative={r['speculative']} K={r['num_draft']}" if r.get("speculative") else ""
+    method = r.get("speculative")
+    method = f"draft:{r['draft_checkpoint']}" if method == "draft" and r.get("draft_checkpoint") else method
+    spec = f" speculative={method} K={r['num_draft']}" if method else ""
     return r["state"] + (f" L={r['buffer_len']} route={r['route']}" if r["buffer_len"] else "") + spec
 
 
@@ -321,7 +347,7 @@ def _speed(r) -> str:
     return f"{speed}{accepted}, prefill {r['prefill_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s"
 
 
-def _summary(out, gen, tokenizer) -> dict:
+def _summary(out, gen, tokenizer, draft_checkpoint=None) -> dict:
     result = {
         "state": gen.state,
         "buffer_len": gen.buffer_len,
@@ -339,6 +365,7 @@ def _summary(out, gen, tokenizer) -> dict:
         "speculative": gen.speculative.method if gen.speculative else None,
         "num_draft": gen.speculative.num_draft if gen.speculative else None,
         "mean_accepted": out.accepted_per_round,
+        "draft_checkpoint": draft_checkpoint,
     }
     if tokenizer is not None:
         result["text"] = [tokenizer.decode(s) for s in out.sequences]
@@ -367,7 +394,9 @@ def run(args, stream: bool = False) -> dict:
     from flax import nnx
 
     from models import CheckpointError, CheckpointNotFoundError, ConfigError, load_generation_config, load_model
+    from models.mtp import add_mtp_head
     from models.random_init import init_model
+    from replayssm_jax.speculative.draft_model import check_draft_model
 
     states = _check_args(args)
     try:
@@ -381,39 +410,59 @@ def run(args, stream: bool = False) -> dict:
     checkpoint = args.checkpoint or default_checkpoint()
     dtype = DTYPES[args.dtype]
     progress = False if args.no_progress or args.json else None
+    mtp = args.speculative == "mtp"
+    draft_dir = _draft_folder(args)
+
+    def load(path, what, with_mtp=False):
+        """The model of `path`: random weights (seeded by --seed), or its safetensors; with the MTP head."""
+        try:
+            with status(f"loading {'random ' if args.random_weights else ''}weights from {path}", progress):
+                if not args.random_weights:
+                    return load_model(path, dtype=dtype, mtp=with_mtp)
+                model = init_model(path, dtype, seed=args.seed)
+                return add_mtp_head(model, param_dtype=dtype) if with_mtp else model
+        except (CheckpointNotFoundError, ConfigError, CheckpointError, OSError) as e:
+            raise UsageError(f"cannot load {what} {path!r}: {e}") from None
+
     try:
         generation_config = load_generation_config(checkpoint)
-        abstract = nnx.eval_shape(lambda: init_model(checkpoint, dtype))
+        abstract = nnx.eval_shape(lambda: add_mtp_head(init_model(checkpoint, dtype), param_dtype=dtype) if mtp
+                                  else init_model(checkpoint, dtype))
     except (CheckpointNotFoundError, ConfigError, OSError) as e:
         raise UsageError(f"cannot load checkpoint {checkpoint!r}: {e}") from None
+    draft_abstract = None
+    if draft_dir is not None:
+        try:
+            draft_abstract = nnx.eval_shape(lambda: init_model(draft_dir, dtype))
+            check_draft_model(abstract.config, draft_abstract.config, target_checkpoint=checkpoint,
+                              draft_checkpoint=draft_dir)
+        except (CheckpointNotFoundError, ConfigError, OSError, ValueError) as e:
+            raise UsageError(f"--speculative draft:{draft_dir}: {e}") from None
     sampling = _sampling(args, generation_config, checkpoint)
     vocab = int(abstract.config.vocab_size)
     stop = _stop_tokens(args.stop, generation_config)
     _check_ids([stop], vocab, lambda i: "--stop")
     try:
         prompts, tokenizer = _prompts(args, checkpoint, vocab)
-        _check_memory(abstract, states, args, prompts, backend)
+        _check_memory(abstract, states, args, prompts, backend, draft_abstract)
     except TextError as e:
         raise UsageError(str(e)) from None
     except GenerationError as e:
         raise UsageError(_flag_names(str(e))) from None
-    del abstract
-    try:
-        with status(f"loading {'random ' if args.random_weights else ''}weights from {checkpoint}", progress):
-            model = (init_model(checkpoint, dtype, seed=args.seed) if args.random_weights
-                     else load_model(checkpoint, dtype=dtype))
-    except (CheckpointNotFoundError, ConfigError, CheckpointError, OSError) as e:
-        raise UsageError(f"cannot load checkpoint {checkpoint!r}: {e}") from None
+    del abstract, draft_abstract
+    model = load(checkpoint, "checkpoint", with_mtp=mtp)
+    draft = None if draft_dir is None else load(draft_dir, "the draft model's checkpoint")
     report = {"checkpoint": checkpoint, "random_weights": args.random_weights, "model_type": model.config.model_type,
               "dtype": args.dtype, "device": jax.devices()[0].device_kind,
               "tokenizer": tokenizer.kind if tokenizer else None, "chat": args.chat, "prompt_ids": prompts,
               "max_new_tokens": args.max_new_tokens, "stop_tokens": stop,
               "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
-              "seed": args.seed, "block_size": args.block_size, "compile_cache": cache_dir}
+              "seed": args.seed, "block_size": args.block_size, "compile_cache": cache_dir,
+              "draft_checkpoint": draft_dir}
     runs = {}
     try:
         for state in states:
-            gen = _generator(model, state, args, backend, generation_config)
+            gen = _generator(model, state, args, backend, generation_config, draft)
             printer = _Printer(tokenizer, stop) if stream else None
             if printer:
                 _print_header(report, gen, prompts[0], tokenizer, args.new_only)
@@ -421,7 +470,7 @@ def run(args, stream: bool = False) -> dict:
                                progress=progress, on_token=printer)
             if printer:
                 printer.finish()
-            runs[state] = _summary(out, gen, tokenizer)
+            runs[state] = _summary(out, gen, tokenizer, draft_dir)
             del gen, out
     except GenerationError as e:
         raise UsageError(_flag_names(str(e))) from None
@@ -441,7 +490,8 @@ def _print_header(report, gen, prompt, tokenizer, new_only):
     print(f"checkpoint: {report['checkpoint']} ({report['model_type']}, {report['dtype']}, {report['device']})")
     spec = gen.speculative
     label = _label({"state": gen.state, "buffer_len": gen.buffer_len, "route": gen.route,
-                    "speculative": spec and spec.method, "num_draft": spec and spec.num_draft})
+                    "speculative": spec and spec.method, "num_draft": spec and spec.num_draft,
+                    "draft_checkpoint": report["draft_checkpoint"]})
     print(f"[{label}] backend={gen.backend}")
     if not new_only:
         sys.stdout.write(_printable(tokenizer.decode(prompt)) if tokenizer else " ".join(map(str, prompt)))

@@ -84,7 +84,7 @@ class GenerationError(ValueError):
     """Bad generation input (prompt, lengths, options)."""
 
 
-SPECULATIVE_METHODS = ("ngram", "oracle")
+SPECULATIVE_METHODS = ("ngram", "oracle", "mtp", "draft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,19 +92,29 @@ class SpeculativeConfig:
     """Speculative decoding for a Generator (replayssm_jax.speculative.loop).
 
     Attributes:
-      method: "ngram" (prompt lookup, `NgramDrafter`) or "oracle"
+      method: "ngram" (prompt lookup, `NgramDrafter`), "oracle"
         (`OracleDrafter`: drafts of a known continuation, for tests and
-        benchmarks).
+        benchmarks), "mtp" (the target's multi-token prediction head,
+        `models.mtp.MTPDrafter`: the model must be loaded with
+        ``models.load_model(path, mtp=True)``) or "draft" (a separate draft
+        model, `replayssm_jax.speculative.draft_model.DraftModelDrafter`).
+        "mtp" and "draft" sample their drafts as the run samples (greedy: the
+        argmax).
       num_draft: K >= 1 drafts per round; each round verifies W = K + 1
         positions (W <= buffer_len with the ReplaySSM state).
       max_ngram, min_ngram: the n-gram lengths matched by "ngram".
       alpha: "oracle": the probability in [0, 1] that a draft is right.
       reference: "oracle": per row the full token sequence it drafts from
         (prompt included), a list of id lists or an int array [batch, n].
+      draft_model: "draft": a model of this package with the target's
+        vocabulary (it may be the target itself), or a checkpoint folder
+        (loaded with `models.load_model` in the checkpoint's dtype). It keeps
+        the Generator's state mode and buffer length.
 
     Raises:
       GenerationError: an unknown method, num_draft < 1, bad n-gram lengths,
-        alpha outside [0, 1], an "oracle" without `reference`.
+        alpha outside [0, 1], an "oracle" without `reference`, a "draft"
+        without `draft_model`.
     """
 
     method: str
@@ -113,6 +123,7 @@ class SpeculativeConfig:
     min_ngram: int = 1
     alpha: float = 1.0
     reference: object = dataclasses.field(default=None, hash=False, compare=False)
+    draft_model: object = dataclasses.field(default=None, hash=False, compare=False)
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -125,6 +136,12 @@ class SpeculativeConfig:
             raise GenerationError(f"`alpha` must be a float in [0, 1]; got {alpha!r}")
         if self.method == "oracle" and self.reference is None:
             raise GenerationError("`speculative.reference` is required with method 'oracle'")
+        if self.method == "draft" and self.draft_model is None:
+            raise GenerationError("`speculative.draft_model` (a model or a checkpoint folder) is required with "
+                                  "method 'draft'")
+        if self.method == "draft" and not isinstance(self.draft_model, (nnx.Module, str, os.PathLike)):
+            raise GenerationError(f"`speculative.draft_model` must be a model of this package or a checkpoint folder; "
+                                  f"got {type(self.draft_model).__name__}")
 
     @property
     def window(self) -> int:
@@ -181,6 +198,9 @@ class GenerationOutput:
       decode_tokens: speculative decoding: the new tokens the rounds produced
         (every real row; the first new token, from the prefill, excluded);
         None otherwise (then `decode_steps` counts them for every row).
+      row_accepted_per_round: speculative decoding: per row, the mean new
+        tokens per round over the rounds in which it generated (None for a
+        row without such a round); None otherwise.
     """
 
     sequences: list[list[int]]
@@ -193,6 +213,7 @@ class GenerationOutput:
     prompt_lengths: list[int] = dataclasses.field(default_factory=list)
     accepted_per_round: float | None = None
     decode_tokens: int | None = None
+    row_accepted_per_round: list[float | None] | None = None
 
     @property
     def new_ids(self) -> list[list[int]]:
@@ -516,14 +537,19 @@ class Generator:
       speculative: a SpeculativeConfig: `generate` runs speculative rounds
         (draft K tokens, verify K + 1 positions in one call, accept, commit;
         replayssm_jax.speculative.loop) of up to `block_size` rounds per
-        compiled block; None: one token per decode step.
+        compiled block; None: one token per decode step. The drafters with a
+        state ("mtp", "draft") compile one more program, their state's start
+        from the prefill (the MTP head over the prefill's hidden states, the
+        draft model's prefill).
 
     Raises:
       GenerationError: `model` not a model of this package, an unknown
         state, L < 1 (or above the kernels' limit with a kernel backend),
         block_size < 1, prefill_rows < 1, a `generation_config` without the
         fields of `models.GenerationConfig`, a `speculative` that is not a
-        SpeculativeConfig or whose window K + 1 exceeds buffer_len.
+        SpeculativeConfig or whose window K + 1 exceeds buffer_len, method
+        "mtp" on a model without an MTP head, a "draft" model that cannot be
+        loaded or whose vocab_size differs from the model's.
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
@@ -562,6 +588,8 @@ class Generator:
                                   f"`buffer_len` = {buffer_len} with the replay state (a window fits in the buffer)")
         self.speculative = speculative
         self.backend = ops.resolve_backend(backend)
+        self._stateful_drafter = self._stateful_drafter_for(model, speculative, state, buffer_len, buffer_dtype,
+                                                           self.backend)
         if state == "replay":
             try:
                 ops.check_buffer_len(buffer_len, self.backend)
@@ -586,12 +614,16 @@ class Generator:
 
             def prefill(ids):
                 return model.prefill(ids, max_len, replay_buffer_len=self.buffer_len, buffer_dtype=self.buffer_dtype,
-                                     backend=self.backend, last_logits_only=True, max_window=self._window)
+                                     backend=self.backend, last_logits_only=True, max_window=self._window,
+                                     return_hidden=self._needs_hidden)
 
-            logits, cache = _by_rows(prefill, prompts[:, :prefix_len], self.prefill_rows)
+            out = _by_rows(prefill, prompts[:, :prefix_len], self.prefill_rows)
+            logits, cache = out[0], out[-1]
             pos = jnp.asarray(prefix_len, jnp.int32)
             token, done = _choose(logits, pos, prompts, lengths, key, ~active, stop_ids, self._pad_id, sampling)
-            return DecodeCarry(cache=cache, token=token, pos=pos, done=done, key=key)
+            carry = DecodeCarry(cache=cache, token=token, pos=pos, done=done, key=key)
+            # A speculative drafter that reads hidden states gets the prefill's (every position).
+            return (carry, out[1]) if self._needs_hidden else carry
 
         return jax.jit(start)
 
@@ -624,13 +656,19 @@ class Generator:
 
     @property
     def weights_bytes(self) -> int:
-        """Bytes of the model's parameters (also of an abstract model's)."""
-        return _nbytes(self.params)
+        """Bytes of the model's parameters, and of the draft model's with speculative method "draft"
+        (also of abstract models')."""
+        return _nbytes(self.params) + getattr(self._stateful_drafter, "weights_bytes", 0)
 
     @property
     def _window(self) -> int:
         """The verify window the cache is prefilled for (1: plain decoding)."""
         return 1 if self.speculative is None else self.speculative.window
+
+    @property
+    def _needs_hidden(self) -> bool:
+        """Whether the speculative drafter reads the target's hidden states (the prefill returns them)."""
+        return self._stateful_drafter is not None and self._stateful_drafter.needs_hidden
 
     @property
     def _pad_id(self) -> int:
@@ -732,7 +770,7 @@ class Generator:
     def _trace_start(self, plan, sampling, inputs, key):
         """The start function traced for `plan` (shapes only); records its MemoryEstimate."""
         traced = self._start_fn(plan.prefix_len, plan.max_len, sampling).trace(self.params, *inputs, key)
-        carry = traced.out_info
+        carry = traced.out_info[0] if self._needs_hidden else traced.out_info
         kv = [leaf for layer in carry.cache.layers if isinstance(layer, KVCache) for leaf in (layer.k, layer.v)]
         kv_bytes = _nbytes(kv)
         self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)] = MemoryEstimate(
@@ -795,11 +833,54 @@ class Generator:
         self._check_fits(estimate, plan, lengths, _temp_bytes(start))
         return start, compile_s + trace_s
 
-    def _drafter(self, plan: _Plan, history_len: int):
-        """The configured Drafter for `plan`'s rows (the oracle's reference padded to [rows, history_len])."""
+    @staticmethod
+    def _stateful_drafter_for(model, spec, state, buffer_len, buffer_dtype, backend):
+        """The drafter of methods "mtp" and "draft" (greedy; `_drafter` sets the run's sampling),
+        built and checked once; None for the other methods.
+
+        Raises:
+          GenerationError: "mtp" on a model without an MTP head; a "draft" model that cannot
+            be loaded or whose vocabulary differs from the target's.
+        """
+        if spec is None or spec.method not in ("mtp", "draft"):
+            return None
+        if spec.method == "mtp":
+            from models.mtp import MTPDrafter, has_mtp_head
+
+            if not has_mtp_head(model):
+                raise GenerationError(f"`speculative.method` 'mtp' needs a model with a multi-token prediction head; "
+                                      f"`model` ({type(model).__name__}) has none: load it with "
+                                      f"models.load_model(path, mtp=True)")
+            return MTPDrafter.for_model(model, spec.num_draft)
+        from replayssm_jax.speculative.draft_model import DraftModelDrafter, check_draft_model
+
+        draft, folder = spec.draft_model, None
+        if not isinstance(draft, nnx.Module):
+            from models import CheckpointError, CheckpointNotFoundError, ConfigError, load_model
+
+            folder = os.fspath(draft)
+            try:
+                draft = load_model(folder)
+            except (CheckpointNotFoundError, ConfigError, CheckpointError, OSError) as e:
+                raise GenerationError(f"`speculative.draft_model`: cannot load checkpoint {folder!r}: {e}") from None
+        if not hasattr(draft, "config") or not hasattr(draft, "verify"):
+            raise GenerationError(f"`speculative.draft_model` must be a model of this package (with `verify`); got "
+                                  f"{type(draft).__name__}")
+        try:
+            check_draft_model(model.config, draft.config, draft_checkpoint=folder)
+        except ValueError as e:
+            raise GenerationError(f"`speculative.draft_model`: {e}") from None
+        return DraftModelDrafter.for_model(draft, spec.num_draft, replay_buffer_len=buffer_len if state == "replay"
+                                           else None, buffer_dtype=buffer_dtype, backend=backend)
+
+    def _drafter(self, plan: _Plan, history_len: int, sampling: SamplingParams):
+        """The configured Drafter for `plan`'s rows (the oracle's reference padded to [rows, history_len];
+        the drafts of "mtp" and "draft" sampled as `sampling` says)."""
         from replayssm_jax.speculative import NgramDrafter, OracleDrafter
 
         spec = self.speculative
+        if self._stateful_drafter is not None:
+            return dataclasses.replace(self._stateful_drafter, sampling=sampling)
         if spec.method == "ngram":
             return NgramDrafter(spec.num_draft, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
         reference, _ = self._check_prompts(spec.reference)
@@ -811,6 +892,23 @@ class Generator:
             padded[row, : min(len(ref), history_len)] = ref[:history_len]
         return OracleDrafter(jnp.asarray(padded), spec.alpha, spec.num_draft, int(self.config.vocab_size))
 
+    def _drafter_state(self, drafter, plan: _Plan, sampling, history, hidden, key, progress):
+        """The drafter's state before the first round (`Drafter.init_state`, compiled for stateful
+        drafters); returns (state, compile seconds)."""
+        from replayssm_jax.speculative.drafters import DraftStart
+
+        if self._stateful_drafter is None:
+            return None, 0.0
+        start = DraftStart(history=history, hidden=hidden, key=jax.random.split(key)[1], prefix_len=plan.prefix_len)
+
+        def init(params, drafter, start):
+            return drafter.init_state(nnx.merge(self.graphdef, params), start)
+
+        init_key = ("spec-init", sampling, plan.rows, plan.prefix_len, plan.width, plan.max_len)
+        make = lambda: jax.jit(init).trace(self.params, drafter, start)  # noqa: E731
+        init, seconds = self._compile(init_key, make, f"{self.speculative.method} drafter state", progress)
+        return init(self.params, drafter, start), seconds
+
     def _generate_speculative(self, plan, prompts, lengths, max_new_tokens, sampling, inputs, key, start,
                               compile_s, progress, on_token):
         """`generate` by speculative rounds (replayssm_jax.speculative.loop), after the compiled prefill."""
@@ -818,27 +916,28 @@ class Generator:
 
         window = self._window
         history_len = plan.max_len + window
-        drafter = self._drafter(plan, history_len)
+        drafter = self._drafter(plan, history_len, sampling)
         padded, row_lengths, _, stops = inputs
 
         t0 = time.perf_counter()
-        first = start(self.params, *inputs, key)
+        out = start(self.params, *inputs, key)
+        first, hidden = out if self._needs_hidden else (out, None)
         history = jnp.full((plan.rows, history_len), self._pad_id, jnp.int32).at[:, : plan.width].set(padded)
         history = history.at[:, plan.prefix_len].set(first.token)
         known = jnp.maximum(row_lengths, plan.prefix_len + 1)
+        drafter_state, seconds = self._drafter_state(drafter, plan, sampling, history, hidden, key, progress)
+        compile_s += seconds
         carry = SpeculativeCarry(cache=first.cache, history=history, known=known,
                                  done=first.done | (known - row_lengths >= max_new_tokens),
                                  rounds=jnp.zeros((), jnp.int32), accepted=jnp.zeros(plan.rows, jnp.int32),
-                                 row_rounds=jnp.zeros(plan.rows, jnp.int32), key=key)
+                                 row_rounds=jnp.zeros(plan.rows, jnp.int32), key=key, drafter_state=drafter_state)
         jax.block_until_ready(carry)
-        prefill_s = time.perf_counter() - t0
+        prefill_s = time.perf_counter() - t0 - seconds  # the drafter's prefill included, its compilation not
 
         block_key = ("spec", self.speculative, sampling, max_new_tokens, plan.rows, plan.width, plan.max_len)
         make = lambda: make_block(  # noqa: E731
-            self.graphdef, drafter, rounds=self.block_size, max_new_tokens=max_new_tokens, sampling=sampling,
-            pad_id=self._pad_id, backend=self.backend).trace(self.params, carry, row_lengths, stops)
-        if self.speculative.method == "oracle":
-            self._compiled.pop(block_key, None)  # the reference is part of the program
+            self.graphdef, rounds=self.block_size, max_new_tokens=max_new_tokens, sampling=sampling,
+            pad_id=self._pad_id, backend=self.backend).trace(self.params, drafter, carry, row_lengths, stops)
         block, seconds = self._compile(block_key, make, f"speculative block ({self.block_size} rounds)", progress)
         compile_s += seconds
 
@@ -846,7 +945,7 @@ class Generator:
         stream.update(np.asarray(carry.history), np.asarray(carry.known), np.asarray(carry.done))
         t0 = time.perf_counter()
         while not bool(np.all(np.asarray(carry.done)[: plan.batch])):
-            carry = block(self.params, carry, row_lengths, stops)
+            carry = block(self.params, drafter, carry, row_lengths, stops)
             if on_token is not None:
                 stream.update(np.asarray(carry.history), np.asarray(carry.known), np.asarray(carry.done))
         jax.block_until_ready(carry)
@@ -859,7 +958,9 @@ class Generator:
         return GenerationOutput(sequences, counts, prefill_s, decode_s, compile_s, int(carry.rounds),
                                 _nbytes(carry.cache), prompt_lengths=lengths.tolist(),
                                 accepted_per_round=float(accepted.sum() / row_rounds.sum()) if row_rounds.sum() else None,
-                                decode_tokens=sum(counts) - from_prefill)
+                                decode_tokens=sum(counts) - from_prefill,
+                                row_accepted_per_round=[float(a / r) if r else None
+                                                        for a, r in zip(accepted, row_rounds)])
 
     # -- public -----------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -172,3 +173,29 @@ def test_verify_and_commit_errors():
     with pytest.raises(ValueError, match="KV cache holds 14 of max_len = 15"):
         model.verify(tokens[:, :2], committed)
     assert np.max(np.abs(np.asarray(logits[:, 0]) - ref["step_logits"][1])) < TOL["float32"]
+
+
+@pytest.mark.parametrize("replay_buffer_len", [4, None], ids=["replay-L4", "standard"])
+def test_verify_returns_the_final_normed_hidden_states(replay_buffer_len):
+    """`verify(return_hidden=True)`: the same logits and cache, and the hidden states after the final
+    norm at the W positions, those of a prefill over the longer sequence (the MTP head's input)."""
+    name, window = "mamba2_tiny", 3
+    model, ref = get_model(name), reference(name)
+    graphdef, params = split_params(model)
+    prompt, gen = ref["prompt_ids"], ref["generated_ids"]
+    T = prompt.shape[1]
+    _, cache = make_prefill(graphdef, max_len=T + window, replay_buffer_len=replay_buffer_len,
+                            last_logits_only=True, max_window=window)(params, jnp.asarray(prompt))
+    tokens = jnp.asarray(gen[:, T:T + window])
+    logits, pending = make_verify_step(graphdef, donate_cache=False)(params, cache, tokens)
+    logits_h, hidden, pending_h = make_verify_step(graphdef, donate_cache=False, return_hidden=True)(
+        params, cache, tokens)
+    np.testing.assert_array_equal(np.asarray(logits_h), np.asarray(logits))
+    assert jax.tree.structure(pending_h) == jax.tree.structure(pending)
+    for a, b in zip(jax.tree.leaves(pending_h), jax.tree.leaves(pending)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert hidden.shape == (prompt.shape[0], window, model.config.hidden_size)
+    _, full, _ = make_prefill(graphdef, max_len=T + window, last_logits_only=True, return_hidden=True)(
+        params, jnp.asarray(gen[:, :T + window]))
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(full[:, T:]), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(model._lm_head(hidden)), np.asarray(logits), atol=1e-5)

@@ -208,3 +208,16 @@ def test_bad_history(drafter, index):
 def test_bad_oracle_reference_or_key(reference, key, error, message):
     with pytest.raises(error, match=message):
         OracleDrafter(reference, 0.5, 2, 5).propose(HISTORY, LENGTHS, key)
+
+
+def test_the_weight_free_drafters_have_no_state():
+    """The loop's interface of a stateless drafter (`StatelessDrafter`): state None, `draft` = `propose`."""
+    history, lengths = history_of([[1, 2, 3, 1, 2], [4, 5, 4]], 8)
+    key = jax.random.key(0)
+    for drafter in (NgramDrafter(2), OracleDrafter(history, 1.0, 2, 16)):
+        assert not drafter.needs_hidden and drafter.init_state(None, None) is None
+        drafts, state = drafter.draft(None, None, history, lengths, key)
+        want = drafter.propose(history, lengths, key)
+        assert state is None and drafter.update(None, None, None) is None
+        np.testing.assert_array_equal(np.asarray(drafts.tokens), np.asarray(want.tokens))
+        np.testing.assert_array_equal(np.asarray(drafts.num_drafts), np.asarray(want.num_drafts))

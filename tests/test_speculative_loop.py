@@ -6,17 +6,28 @@ whatever the drafts: the fixtures' `generated_ids` are plain greedy output
 runs two of the configurations below (every configuration on two fixtures):
 the n-gram drafter and the oracle drafter at alpha 1 (every draft accepted),
 0 (none) and 0.6 (mixed), with ReplaySSM at L = 4 and 8 with W = L (early
-flushes) and with the standard state.
+flushes) and with the standard state. The drafters with a state run on every
+fixture they apply to, each fixture with another state configuration: a
+random MTP head (the fixtures with ``mtp.*`` tensors, `with_mtp_tensors`:
+almost nothing accepted), the target itself as its draft model (every draft
+accepted: K + 1 tokens a round) and the next fixture's model as the draft
+model (other weights and architecture, the same vocabulary of 256 ids: few
+accepted).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import numpy as np
 import pytest
-from test_generation import FIXTURES, model, reference
+from test_generation import DATA, FIXTURES, model, reference
+from test_mtp import HEAD_FIXTURES, with_mtp_tensors
 
+from models import load_model
+from models.random_init import init_model
 from replayssm_jax.generate import main
 from replayssm_jax.generation import GenerationError, Generator, SpeculativeConfig
 from replayssm_jax.sampling import SamplingParams
@@ -30,6 +41,37 @@ CONFIGS = [
     ("oracle", 0.6, "replay", 4, 3),
 ]
 CASES = [(name, CONFIGS[(i + j) % len(CONFIGS)]) for i, name in enumerate(FIXTURES) for j in (0, 2)]
+# (state, L, K) for the drafters with a state
+STATE_CONFIGS = [("replay", 4, 3), ("replay", 8, 7), ("standard", None, 2)]
+DRAFTER_CASES = [(name, method, STATE_CONFIGS[(i + j) % len(STATE_CONFIGS)])
+                 for j, method in enumerate(("mtp", "draft-self", "draft-other"))
+                 for i, name in enumerate(FIXTURES) if method != "mtp" or name in HEAD_FIXTURES]
+
+
+def other_fixture(name):
+    """The next fixture: a draft model of other weights and architecture, with the same vocabulary."""
+    return FIXTURES[(FIXTURES.index(name) + 1) % len(FIXTURES)]
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """name -> the fixture's model with a random MTP head (`with_mtp_tensors`), loaded once per module."""
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            loaded[name] = load_model(with_mtp_tensors(name, tmp_path_factory.mktemp(name)), mtp=True)
+        return loaded[name]
+
+    return get
+
+
+def model_drafter(method, name, K, mtp_model):
+    """(target, SpeculativeConfig) of "mtp", "draft-self" (the target drafts for itself) or "draft-other"."""
+    if method == "mtp":
+        return mtp_model(name), SpeculativeConfig("mtp", K)
+    draft = model(name) if method == "draft-self" else model(other_fixture(name))
+    return model(name), SpeculativeConfig("draft", K, draft_model=draft)
 
 
 def speculative(method, K, alpha=None, reference_ids=None):
@@ -58,18 +100,49 @@ def test_greedy_speculative_equals_plain_greedy(name, config):
         assert out.decode_steps < NEW_TOKENS / 2  # rounds
 
 
-def test_ragged_prompts_and_rows_that_stop_in_different_rounds():
+@pytest.mark.parametrize("name, method, config", DRAFTER_CASES,
+                         ids=[f"{n}-{m}-{c[0]}{c[1] or ''}" for n, m, c in DRAFTER_CASES])
+def test_greedy_speculative_with_a_drafter_state_equals_plain_greedy(name, method, config, mtp_model):
+    state, L, K = config
+    ref = reference(name)
+    prompts, expected = ref["prompt_ids"], ref["generated_ids"]
+    T = prompts.shape[1]
+    target, spec = model_drafter(method, name, K, mtp_model)
+    gen = Generator(target, state=state, buffer_len=L, block_size=4, speculative=spec)
+    out = gen.generate(prompts, NEW_TOKENS, stop_tokens=None)
+    np.testing.assert_array_equal(np.array(out.sequences), expected[:, : T + NEW_TOKENS])
+    assert out.num_generated == [NEW_TOKENS] * 2 and out.decode_tokens == 2 * (NEW_TOKENS - 1)
+    assert out.tokens_per_s > 0 and 1.0 <= out.accepted_per_round <= K + 1
+    assert gen.compilations == 3  # the prefill, the drafter's state, the block of rounds
+    if method == "draft-self":  # q = p: every draft accepted, K + 1 tokens every round
+        assert out.row_accepted_per_round == [K + 1.0] * 2
+        assert out.decode_steps == -(-(NEW_TOKENS - 1) // (K + 1))
+    else:
+        assert out.accepted_per_round < K / 2 + 1  # random weights: few drafts accepted
+
+
+_PLAIN: dict = {}
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp", "draft-other"])
+def test_ragged_prompts_and_rows_that_stop_in_different_rounds(method, mtp_model):
     """Prompts of 12 and 7 tokens (the prefill covers 7; the longer row's last 5 prompt tokens are fed as
     drafts that are always accepted), a stop token that ends row 0 early and max_new_tokens row 1: as plain greedy decoding, and
-    on_token streams every row's new tokens in order."""
+    on_token streams every row's new tokens in order. The drafters with a state consume the forced
+    prompt tokens as kept positions (the MTP head steps over them, the draft model reads them)."""
     name = "qwen3_5_tiny"
     ref = reference(name)
     prompts = [ref["prompt_ids"][0].tolist(), ref["prompt_ids"][1, :7].tolist()]
     stop = int(ref["generated_ids"][0, 12 + 5])  # the 6th new token of row 0
-    plain = Generator(model(name), state="replay", buffer_len=4).generate(prompts, NEW_TOKENS, stop_tokens=[stop])
+    if "plain" not in _PLAIN:
+        _PLAIN["plain"] = Generator(model(name), state="replay", buffer_len=4).generate(prompts, NEW_TOKENS,
+                                                                                        stop_tokens=[stop])
+    plain = _PLAIN["plain"]
     assert plain.num_generated[0] == 6 and plain.num_generated[1] > 6
     calls = []
-    gen = Generator(model(name), state="replay", buffer_len=4, block_size=2, speculative=SpeculativeConfig("ngram", 3))
+    target, spec = (model(name), SpeculativeConfig("ngram", 3)) if method == "ngram" else model_drafter(
+        method, name, 3, mtp_model)
+    gen = Generator(target, state="replay", buffer_len=4, block_size=2, speculative=spec)
     out = gen.generate(prompts, NEW_TOKENS, stop_tokens=[stop], on_token=lambda step, t: calls.append((step, t.copy())))
     assert out.sequences == plain.sequences and out.num_generated == plain.num_generated
     assert [step for step, _ in calls] == np.cumsum([0] + [len(t) for _, t in calls[:-1]]).tolist()
@@ -78,6 +151,29 @@ def test_ragged_prompts_and_rows_that_stop_in_different_rounds():
     for row, new in enumerate(out.new_ids):
         assert streamed[: len(new), row].tolist() == new
         assert (streamed[len(new):, row] == gen._pad_id).all()
+
+
+def test_sampling_with_a_draft_model():
+    """Sampled drafts from the draft model's processed distribution q. With the target as its own
+    draft model q = p (up to rounding), so min(1, p / q) accepts every draft: K + 1 tokens a round per
+    row; another model's drafts are accepted less often, 1..K + 1 per round and row. Reproducible for
+    a seed."""
+    name, K = "nemotron_h_tiny", 3
+    ref = reference(name)
+    sampling = SamplingParams(temperature=0.8, top_k=50)
+    stats = {}
+    for method in ("draft-self", "draft-other"):
+        target, spec = model_drafter(method, name, K, None)
+        gen = Generator(target, state="replay", buffer_len=4, speculative=spec)
+        out = gen.generate(ref["prompt_ids"], NEW_TOKENS, sampling=sampling, seed=5, stop_tokens=None)
+        assert out.num_generated == [NEW_TOKENS] * 2
+        stats[method] = out.row_accepted_per_round
+        if method == "draft-other":
+            again = gen.generate(ref["prompt_ids"], NEW_TOKENS, sampling=sampling, seed=5, stop_tokens=None)
+            assert again.sequences == out.sequences and gen.compilations == 3
+    assert all(r > K + 0.5 for r in stats["draft-self"]), stats
+    assert all(1.0 <= r <= K + 1 for r in stats["draft-other"]), stats
+    assert sum(stats["draft-other"]) < sum(stats["draft-self"]), stats
 
 
 def test_sampling_is_reproducible_for_a_seed():
@@ -99,8 +195,9 @@ def test_speculative_config_errors():
     Generator(m, state="standard", speculative=SpeculativeConfig("ngram", 4))  # no buffer, no limit
     with pytest.raises(GenerationError, match="`speculative` must be a SpeculativeConfig or None; got str"):
         Generator(m, speculative="ngram")
-    with pytest.raises(GenerationError, match=r"`speculative.method` must be one of \('ngram', 'oracle'\); got 'mtp'"):
-        SpeculativeConfig("mtp", 2)
+    with pytest.raises(GenerationError, match=r"`speculative.method` must be one of \('ngram', 'oracle', 'mtp', "
+                                              r"'draft'\); got 'eagle'"):
+        SpeculativeConfig("eagle", 2)
     with pytest.raises(GenerationError, match="`num_draft` must be >= 1; got 0"):
         SpeculativeConfig("ngram", 0)
     with pytest.raises(GenerationError, match=r"`alpha` must be a float in \[0, 1\]; got 1.5"):
@@ -130,3 +227,81 @@ def test_command_line_speculative(capsys):
         assert main(argv + ["--speculative", "ngram"] + extra) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
+
+
+def _with_tokenizer(src, dst, vocab):
+    """A copy of fixture folder `src` at `dst` with a tokenizer.json of `vocab` ({token: id})."""
+    shutil.copytree(DATA / src, dst)
+    (dst / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab}, "added_tokens": []}))
+    return dst
+
+
+def test_model_drafter_errors(tmp_path):
+    """Bad drafter input raises a GenerationError naming the argument when the Generator is built; the
+    target stays usable."""
+    m = model("mamba2_tiny")
+    with pytest.raises(GenerationError, match=r"`speculative.draft_model` \(a model or a checkpoint folder\) is "
+                                              r"required with method 'draft'"):
+        SpeculativeConfig("draft", 2)
+    with pytest.raises(GenerationError, match="`speculative.draft_model` must be a model of this package or a "
+                                              "checkpoint folder; got int"):
+        SpeculativeConfig("draft", 2, draft_model=3)
+    with pytest.raises(GenerationError, match=r"`speculative.method` 'mtp' needs a model with a multi-token "
+                                              r"prediction head; `model` \(NemotronHForCausalLM\) has none: load "
+                                              r"it with models.load_model\(path, mtp=True\)"):
+        Generator(m, speculative=SpeculativeConfig("mtp", 2))
+    small = tmp_path / "small_vocab"
+    shutil.copytree(DATA / "mamba2_tiny", small)
+    cfg = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "vocab_size": 128}))
+    with pytest.raises(GenerationError, match=r"`speculative.draft_model`: the draft model has vocab_size = 128; "
+                                              r"the target has 256"):
+        Generator(m, speculative=SpeculativeConfig("draft", 2, draft_model=init_model(small, seed=1)))
+    missing = tmp_path / "missing"
+    with pytest.raises(GenerationError, match=rf"`speculative.draft_model`: cannot load checkpoint "
+                                              rf"'{re.escape(str(missing))}'"):
+        Generator(m, speculative=SpeculativeConfig("draft", 2, draft_model=missing))
+    with pytest.raises(GenerationError, match=r"`speculative.num_draft` \+ 1 = 5 verified positions must be <= "
+                                              r"`buffer_len` = 4"):
+        Generator(m, buffer_len=4, speculative=SpeculativeConfig("draft", 4, draft_model=m))
+    assert Generator(m, state="replay", buffer_len=4).generate([[1, 2]], 3).num_generated == [3]
+
+
+def test_command_line_model_drafters(tmp_path, capsys):
+    """--speculative mtp (the target loaded with its head) and draft:DIR through the command, and their
+    one-line errors: a checkpoint without mtp.* tensors, a draft of another vocabulary or tokenizer."""
+    argv = ["--prompt-ids", "5,6,7,5,6,7,5,6", "--max-new-tokens", "6", "--no-compile-cache", "--no-progress",
+            "--buffer-len", "4", "--num-draft", "3", "--json"]
+    mamba = str(DATA / "mamba2_tiny")
+    assert main(argv + ["--checkpoint", mamba, "--speculative", f"draft:{mamba}"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["speculative"] == "draft" and report["draft_checkpoint"] == mamba and report["state"] == "replay"
+    assert report["mean_accepted"] == 4.0 and report["tokens_per_s"] > 0  # the target drafts for itself
+    assert main(argv + ["--checkpoint", mamba]) == 0
+    assert json.loads(capsys.readouterr().out)["generated_ids"] == report["generated_ids"]
+    head = with_mtp_tensors("nemotron_h_tiny", tmp_path / "mtp")
+    assert main(argv + ["--checkpoint", str(head), "--speculative", "mtp"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["speculative"] == "mtp" and 1.0 <= report["mean_accepted"] <= 4
+    a = _with_tokenizer("mamba2_tiny", tmp_path / "a", {"x": 0, "y": 1})
+    b = _with_tokenizer("mamba2_tiny", tmp_path / "b", {"x": 1, "y": 0})
+    small = tmp_path / "small_vocab"
+    shutil.copytree(DATA / "mamba2_tiny", small)
+    (small / "config.json").write_text(json.dumps({**json.loads((small / "config.json").read_text()),
+                                                   "vocab_size": 128}))
+    qwen = str(DATA / "qwen3_5_tiny")
+    for extra, message in [
+            (["--checkpoint", qwen, "--speculative", "mtp"], "no tensors under the prefix 'mtp.'"),
+            (["--checkpoint", mamba, "--speculative", "mtp"], "model_type 'mamba2' has no multi-token prediction"),
+            (["--speculative", "eagle"], "argument --speculative: must be one of ngram, mtp, draft:DIR; got 'eagle'"),
+            (["--speculative", "draft:"], "argument --speculative: must be one of ngram, mtp, draft:DIR; got 'draft:'"),
+            (["--checkpoint", mamba, "--speculative", f"draft:{small}"],
+             f"--speculative draft:{small}: the draft model ({small}) has vocab_size = 128; the target ({mamba}) has "
+             f"256"),
+            (["--checkpoint", str(a), "--speculative", f"draft:{b}"],
+             f"the draft model's tokenizer ({b}/tokenizer.json) differs from the target's ({a}/tokenizer.json): 2 "
+             f"tokens have another id or are missing, e.g. 'x': id 1 in the draft's, 0 in the target's"),
+            (["--checkpoint", mamba, "--speculative", f"draft:{tmp_path / 'none'}"], "does not exist")]:
+        assert main(argv + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

@@ -1,9 +1,13 @@
 """Speculative decoding's model-free parts (DESIGN.md sections 3 and 7).
 
 - :mod:`replayssm_jax.speculative.drafters`: the drafter interface
-  (:class:`Drafts`, :class:`Drafter`) and the weight-free drafters
+  (:class:`Drafts`, :class:`Drafter` with its state: :class:`DraftStart`,
+  :class:`Kept`; :class:`StatelessDrafter`) and the weight-free drafters
   (:class:`NgramDrafter`, prompt lookup; :class:`OracleDrafter`, for
   benchmarks and tests).
+- :mod:`replayssm_jax.speculative.draft_model`: a separate draft model as the
+  drafter (:class:`DraftModelDrafter`); the MTP head's drafter is
+  `models.mtp.MTPDrafter`.
 - :mod:`replayssm_jax.speculative.acceptance`: the acceptance rules, greedy
   and distribution-preserving speculative sampling, giving the new tokens of
   a round and how many every layer commits.
@@ -19,18 +23,34 @@ from replayssm_jax.speculative.acceptance import (
     greedy_acceptance,
     sampling_acceptance,
 )
-from replayssm_jax.speculative.drafters import Drafter, Drafts, NgramDrafter, OracleDrafter, check_history
+from replayssm_jax.speculative.draft_model import DraftModelDrafter
+from replayssm_jax.speculative.drafters import (
+    Drafter,
+    Drafts,
+    DraftStart,
+    Kept,
+    NgramDrafter,
+    OracleDrafter,
+    StatelessDrafter,
+    check_history,
+    choose_drafts,
+)
 from replayssm_jax.speculative.loop import SpeculativeCarry, make_block, speculative_round
 
 __all__ = [
     "Accepted",
+    "DraftModelDrafter",
+    "DraftStart",
     "Drafter",
     "Drafts",
+    "Kept",
     "NgramDrafter",
     "OracleDrafter",
     "SpeculativeCarry",
+    "StatelessDrafter",
     "accept_drafts",
     "check_history",
+    "choose_drafts",
     "greedy_acceptance",
     "make_block",
     "sampling_acceptance",

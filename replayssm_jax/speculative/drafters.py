@@ -7,8 +7,18 @@ one token from the target. Shapes are fixed every round: a row with fewer
 than K drafts pads its tokens (with 0) and says how many are real in
 `num_drafts`; a padded position is always rejected.
 
-The drafters here have no weights; they read the token history that the
-generation loop keeps, `history` i32[batch, max_len] with `lengths`
+**The loop's interface** (:class:`Drafter`): a drafter may carry a state
+through the rounds (a draft head's or a draft model's cache), kept in the
+loop's carry and updated in place. `init_state` builds it from the prefill
+(:class:`DraftStart`), `draft` proposes at the start of a round, `update`
+sees what the round kept (:class:`Kept`: the accepted tokens, the per-row
+count, the target's verified hidden states, the history). A drafter that
+reads only the token history is stateless: it defines `propose(history,
+lengths, key) -> Drafts` and takes the rest from :class:`StatelessDrafter`
+(its state is None).
+
+The stateless drafters here have no weights; they read the token history
+that the generation loop keeps, `history` i32[batch, max_len] with `lengths`
 i32[batch]: row b's tokens so far (prompt and generated) are
 history[b, :lengths[b]]; the entries at and after lengths[b] are ignored.
 
@@ -18,8 +28,13 @@ history[b, :lengths[b]]; the entries at and after lengths[b] are ignored.
 - :class:`OracleDrafter`: for benchmarks and tests, proposes a known
   reference continuation, each token right with probability `alpha`.
 
-Both are pytrees (they can be arguments of a jitted function) whose
-configuration is static, and `propose` runs under `jax.jit`.
+Drafters with weights: `models.mtp.MTPDrafter` (the checkpoint's
+multi-token prediction head) and
+:class:`replayssm_jax.speculative.draft_model.DraftModelDrafter` (a separate
+small model of the same vocabulary).
+
+All are pytrees (they can be arguments of a jitted function) whose
+configuration is static, and their methods run under `jax.jit`.
 """
 
 from __future__ import annotations
@@ -27,13 +42,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from replayssm_jax.ops import validate as v
+from replayssm_jax.sampling import SamplingParams, token_log_probs
 from replayssm_jax.speculative import _checks
 
 
@@ -61,21 +77,128 @@ class Drafts:
         return self.tokens.shape[-1]
 
 
+@struct.dataclass
+class DraftStart:
+    """What a drafter's state is built from: the prefill before the first round.
+
+    Attributes:
+      history: i32[rows, max_len], per row the prompt, with history[:, P] the
+        first token after the prefill (the target's choice, or the prompt's
+        own token where the prompt goes on); the target's cache has consumed
+        history[:, :P].
+      prefix_len: P >= 1 (static), the prefill length.
+      hidden: [rows, P, hidden]: the target's hidden states after its final
+        norm at positions 0..P-1 (`HybridCausalLM.prefill(return_hidden=True)`);
+        None unless the drafter's `needs_hidden`.
+      key: the PRNG key of the drafts the state starts with.
+    """
+
+    history: jax.Array
+    hidden: jax.Array | None
+    key: jax.Array
+    prefix_len: int = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class Kept:
+    """What a speculative round kept, for `Drafter.update` (after the target's commit).
+
+    With pos the target's position before the round:
+
+    Attributes:
+      tokens: i32[rows, W], the tokens at positions pos + 1 .. pos + W; the
+        first `num_kept` of each row are kept (the accepted drafts, then the
+        target's own token), the rest are padding.
+      num_kept: i32[rows], m in 0..W, the positions the target committed
+        (its tokens at pos .. pos + m - 1); 0 for a done row.
+      hidden: [rows, W, hidden]: the target's hidden states after its final
+        norm at positions pos .. pos + W - 1 (`HybridCausalLM.verify(...,
+        return_hidden=True)`); None unless the drafter's `needs_hidden`.
+      history: i32[rows, max_len], the token history after the round.
+      position: i32[rows], the target's position after the commit, pos + m.
+      key: a PRNG key for the round's update.
+    """
+
+    tokens: jax.Array
+    num_kept: jax.Array
+    hidden: jax.Array | None
+    history: jax.Array
+    position: jax.Array
+    key: jax.Array
+
+
 class Drafter(Protocol):
     """What the speculative loop needs of a drafter.
 
     Attributes:
       num_speculative_tokens: K >= 1 (static), draft positions per round.
+      needs_hidden: (static) whether `init_state` and `update` read the
+        target's hidden states (the loop then asks the prefill and `verify`
+        for them).
 
-    `propose(history, lengths, key)` takes history i32[batch, max_len],
-    lengths i32[batch] and a PRNG key and returns :class:`Drafts` with
-    tokens of shape [batch, K]. It must run under `jax.jit` with fixed
-    shapes and raise before any computation on bad arguments.
+    Methods (each runs under `jax.jit` with fixed shapes; `target` is the
+    target model, merged inside the trace):
+
+    - ``init_state(target, start: DraftStart) -> state``: the state before
+      the first round (a pytree of fixed shapes, or None).
+    - ``draft(target, state, history, lengths, key) -> (Drafts, state)``:
+      the K drafts of a round from the state and the history i32[rows,
+      max_len] of which lengths i32[rows] tokens are known (the last one
+      is the token the target verifies first).
+    - ``update(target, state, kept: Kept) -> state``: the state after the
+      round's commit.
+
+    A stateless drafter defines ``propose(history, lengths, key) -> Drafts``
+    and inherits the three from :class:`StatelessDrafter`.
     """
 
     num_speculative_tokens: int
+    needs_hidden: bool
 
-    def propose(self, history: jax.Array, lengths: jax.Array, key: jax.Array) -> Drafts: ...
+    def init_state(self, target, start: DraftStart) -> Any: ...
+
+    def draft(self, target, state, history: jax.Array, lengths: jax.Array, key: jax.Array) -> tuple[Drafts, Any]: ...
+
+    def update(self, target, state, kept: Kept) -> Any: ...
+
+
+class StatelessDrafter:
+    """The loop's interface (:class:`Drafter`) for a drafter that reads only the
+    token history: its state is None, `draft` calls its
+    ``propose(history, lengths, key)``, `update` does nothing."""
+
+    needs_hidden = False
+
+    def init_state(self, target, start: DraftStart) -> None:
+        """No state (None)."""
+        return None
+
+    def draft(self, target, state, history, lengths, key) -> tuple[Drafts, None]:
+        """(self.propose(history, lengths, key), None)."""
+        return self.propose(history, lengths, key), state
+
+    def update(self, target, state, kept: Kept) -> None:
+        """No state (None)."""
+        return state
+
+
+def choose_drafts(logits: jax.Array, sampling: SamplingParams, keys: jax.Array | None):
+    """A drafter's token per row from its logits: (draft i32[batch], q f32[batch, vocab] or None).
+
+    Greedy `sampling` (temperature 0): the argmax, q None (a point mass).
+    Else a draw from softmax(processed logits) (temperature, top-k, top-p as
+    `replayssm_jax.sampling.token_log_probs`), and q that distribution
+    (speculative sampling's q; Leviathan et al., 2023).
+
+    Args:
+      logits: f32[batch, vocab].
+      sampling: SamplingParams.
+      keys: one PRNG key per row [batch] (`_checks.row_keys`); None when greedy.
+    """
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    log_q = token_log_probs(logits, sampling)
+    return jax.vmap(jax.random.categorical)(keys, log_q).astype(jnp.int32), jnp.exp(log_q)
 
 
 def check_history(history, lengths) -> tuple[jax.Array, jax.Array]:
@@ -100,7 +223,7 @@ def check_history(history, lengths) -> tuple[jax.Array, jax.Array]:
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(StatelessDrafter):
     """Prompt-lookup (n-gram) drafter.
 
     For each row, with n = max_ngram down to min_ngram: find the most recent
@@ -161,7 +284,7 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     """x[b, index[b, ...]] for x [batch, n] and index [batch, ...], index clipped to [0, n)."""
     flat = jnp.clip(index, 0, x.shape[1] - 1).reshape(index.shape[0], -1)
     return jnp.take_along_axis(x, flat, axis=1).reshape(index.shape)
@@ -174,7 +297,7 @@ def _ngram_propose(history, lengths, num_speculative_tokens, max_ngram, min_ngra
     # same[b, e, j]: history[b, e - j] == history[b, lengths[b] - 1 - j], both positions real.
     earlier = end[:, None] - back[None, :]  # [max_len, max_ngram]
     last = lengths[:, None] - 1 - back[None, :]  # [batch, max_ngram]
-    same = jnp.take(history, jnp.clip(earlier, 0), axis=1) == _gather_rows(history, last)[:, None, :]
+    same = jnp.take(history, jnp.clip(earlier, 0), axis=1) == gather_rows(history, last)[:, None, :]
     same &= (earlier >= 0)[None] & (last >= 0)[:, None, :]
     # The longest common suffix (capped at max_ngram) of history[:e + 1] and
     # of the row's history, for every e that leaves a next token to propose.
@@ -185,13 +308,13 @@ def _ngram_propose(history, lengths, num_speculative_tokens, max_ngram, min_ngra
     found = ngram >= min_ngram
     num_drafts = jnp.where(found, jnp.minimum(num_speculative_tokens, lengths - start), 0).astype(jnp.int32)
     offsets = jnp.arange(num_speculative_tokens)
-    tokens = _gather_rows(history, start[:, None] + offsets[None, :])
+    tokens = gather_rows(history, start[:, None] + offsets[None, :])
     tokens = jnp.where(offsets[None, :] < num_drafts[:, None], tokens, 0)
     return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None)
 
 
 @struct.dataclass
-class OracleDrafter:
+class OracleDrafter(StatelessDrafter):
     """A drafter for benchmarks and tests that knows each row's continuation.
 
     At history length n, draft j (0 <= j < K) is reference[b, n + j] with
@@ -256,7 +379,7 @@ class OracleDrafter:
         key = _checks.check_key(key)
         k = self.num_speculative_tokens
         position = lengths[:, None] + jnp.arange(k)[None, :]
-        truth = _gather_rows(reference, position)
+        truth = gather_rows(reference, position)
         choose_key, wrong_key = _checks.row_keys(key, batch, 2)
         right = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(choose_key) < self.alpha
         shift = jax.vmap(lambda kk: jax.random.randint(kk, (k,), 1, self.vocab_size))(wrong_key)

@@ -6,14 +6,17 @@ The cache has consumed the first ``cache.position`` of them; the next one,
 ``history[position]``, is the last accepted token, fed as the first of the
 W = K + 1 verified positions. A round:
 
-1. the drafter proposes K tokens from ``history[:, :position + 1]``;
-2. the target verifies [last accepted token, drafts] (`HybridCausalLM.verify`;
-   rows with fewer drafts pad with `pad_id`, whose positions are rejected);
+1. the drafter proposes K tokens from its state and ``history[:, :position + 1]``
+   (`Drafter.draft`);
+2. the target verifies [last accepted token, drafts] (`HybridCausalLM.verify`,
+   with the hidden states where the drafter needs them; rows with fewer
+   drafts pad with `pad_id`, whose positions are rejected);
 3. `accept_drafts` keeps the longest accepted prefix plus the target's own
    token after it: m in 1..W new tokens;
 4. `commit(cache, m)` keeps those positions (ReplaySSM: ``cursor += m``; the
-   standard state: the state after m positions), and the new tokens are
-   written to the history.
+   standard state: the state after m positions), the new tokens are
+   written to the history, and the drafter's state sees what was kept
+   (`Drafter.update` with a `Kept`).
 
 Ragged prompts: the batch is prefilled over its shortest prefix (as plain
 generation does); a row whose prompt is not yet consumed takes its next
@@ -36,7 +39,7 @@ from flax import nnx, struct
 
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.speculative.acceptance import accept_drafts
-from replayssm_jax.speculative.drafters import Drafts
+from replayssm_jax.speculative.drafters import Drafts, Kept, gather_rows
 
 __all__ = ["SpeculativeCarry", "speculative_round", "make_block"]
 
@@ -60,6 +63,8 @@ class SpeculativeCarry:
         spent generating (rounds that consumed prompt tokens excluded).
       row_rounds: i32[rows], those rounds, per row.
       key: PRNG key of the run; round r uses fold_in(key, r).
+      drafter_state: the drafter's state (`Drafter.init_state`; None for a
+        stateless drafter), carried and updated in place with the cache.
     """
 
     cache: object
@@ -70,12 +75,7 @@ class SpeculativeCarry:
     accepted: jax.Array
     row_rounds: jax.Array
     key: jax.Array
-
-
-def _gather(history: jax.Array, start: jax.Array, width: int) -> jax.Array:
-    """history[r, start[r] + j] for j < width (positions clipped to the history), i32[rows, width]."""
-    idx = jnp.minimum(start[:, None] + jnp.arange(width), history.shape[1] - 1)
-    return jnp.take_along_axis(history, idx, axis=1)
+    drafter_state: object = None
 
 
 def speculative_round(model, carry: SpeculativeCarry, drafter, *, prompt_lengths: jax.Array,
@@ -86,8 +86,8 @@ def speculative_round(model, carry: SpeculativeCarry, drafter, *, prompt_lengths
     Args:
       model: a models.* causal LM with `verify` and `commit`.
       carry: SpeculativeCarry (its cache prefilled with max_window >= K + 1).
-      drafter: a replayssm_jax.speculative Drafter with K =
-        drafter.num_speculative_tokens.
+      drafter: a `replayssm_jax.speculative.Drafter` with K =
+        drafter.num_speculative_tokens; its state is carry.drafter_state.
       prompt_lengths: i32[rows], each row's prompt length.
       max_new_tokens: >= 1, the tokens to generate per row (static).
       stop_ids: i32[n], ids that end a row (-1: none).
@@ -104,18 +104,21 @@ def speculative_round(model, carry: SpeculativeCarry, drafter, *, prompt_lengths
     rows = carry.history.shape[0]
     pos = carry.cache.position
     key = jax.random.fold_in(carry.key, carry.rounds)
-    draft_key, accept_key, bonus_key = jax.random.split(key, 3)
+    draft_key, accept_key, bonus_key, update_key = jax.random.split(key, 4)
 
     # Prompt tokens still to consume are drafts that are accepted as they are.
     num_forced = jnp.clip(carry.known - pos - 1, 0, K)
     forcing = num_forced > 0
-    proposed = drafter.propose(carry.history, pos + 1, draft_key)
-    ahead = _gather(carry.history, pos + 1, K)
+    proposed, drafter_state = drafter.draft(model, carry.drafter_state, carry.history, pos + 1, draft_key)
+    ahead = gather_rows(carry.history, (pos + 1)[:, None] + jnp.arange(K))
     tokens = jnp.where(forcing[:, None], ahead, proposed.tokens)
     num_drafts = jnp.where(forcing, num_forced, proposed.num_drafts)
     tokens = jnp.where(jnp.arange(K) < num_drafts[:, None], tokens, pad_id)
-    last = _gather(carry.history, pos, 1)
-    logits, cache = model.verify(jnp.concatenate([last, tokens], axis=1), carry.cache, backend=backend)
+    window = jnp.concatenate([gather_rows(carry.history, pos[:, None]), tokens], axis=1)
+    if drafter.needs_hidden:
+        logits, hidden, cache = model.verify(window, carry.cache, backend=backend, return_hidden=True)
+    else:
+        (logits, cache), hidden = model.verify(window, carry.cache, backend=backend), None
 
     accepted = accept_drafts(logits, Drafts(tokens, num_drafts, proposed.q_probs), accept_key, sampling,
                              fill_id=pad_id)
@@ -129,7 +132,7 @@ def speculative_round(model, carry: SpeculativeCarry, drafter, *, prompt_lengths
     # Write positions pos + 1 .. pos + m, keeping prompt tokens (a bonus inside the prompt is the prompt's).
     at = pos[:, None] + 1 + j
     in_prompt = at < prompt_lengths[:, None]
-    new = jnp.where(in_prompt, _gather(carry.history, pos + 1, W), new)
+    new = jnp.where(in_prompt, gather_rows(carry.history, (pos + 1)[:, None] + jnp.arange(W)), new)
     kept = j < m[:, None]
     generated = kept & ~in_prompt
     at = jnp.where(kept, at, carry.history.shape[1])  # out of range: dropped
@@ -139,24 +142,31 @@ def speculative_round(model, carry: SpeculativeCarry, drafter, *, prompt_lengths
     stopped = jnp.any(generated & jnp.isin(new, stop_ids), axis=1)
     done = carry.done | stopped | (known - prompt_lengths >= max_new_tokens)
     counting = ~carry.done & ~forcing
+    cache = model.commit(cache, m)
+    drafter_state = drafter.update(model, drafter_state, Kept(tokens=new, num_kept=m, hidden=hidden, history=history,
+                                                              position=cache.position, key=update_key))
     return carry.replace(
-        cache=model.commit(cache, m), history=history, known=known, done=done, rounds=carry.rounds + 1,
-        accepted=carry.accepted + jnp.where(counting, m, 0), row_rounds=carry.row_rounds + counting.astype(jnp.int32))
+        cache=cache, history=history, known=known, done=done, rounds=carry.rounds + 1,
+        accepted=carry.accepted + jnp.where(counting, m, 0), row_rounds=carry.row_rounds + counting.astype(jnp.int32),
+        drafter_state=drafter_state)
 
 
-def make_block(graphdef, drafter, *, rounds: int, max_new_tokens: int, sampling: SamplingParams, pad_id: int,
+def make_block(graphdef, *, rounds: int, max_new_tokens: int, sampling: SamplingParams, pad_id: int,
                backend: str | None = None):
-    """A jitted ``block(params, carry, prompt_lengths, stop_ids) -> SpeculativeCarry``: up to `rounds`
-    speculative rounds in one `lax.while_loop`, ending early once every row is done; the carry
-    (cache and history) donated, so the states are updated in place.
+    """A jitted ``block(params, drafter, carry, prompt_lengths, stop_ids) -> SpeculativeCarry``: up to
+    `rounds` speculative rounds in one `lax.while_loop`, ending early once every row is done; the carry
+    (cache, history and the drafter's state) donated, so the states are updated in place.
+
+    The drafter is an argument (a pytree: its configuration static, its arrays, e.g. a draft
+    model's weights or the oracle's reference, traced), so one compiled block serves every
+    drafter of the same configuration and shapes.
 
     Args:
       graphdef: the model's `nnx.split` graph definition.
-      drafter: the Drafter (closed over: static).
       rounds: >= 1, the most rounds per call (static).
       max_new_tokens, sampling, pad_id, backend: as `speculative_round`.
     """
-    def block(params, carry, prompt_lengths, stop_ids):
+    def block(params, drafter, carry, prompt_lengths, stop_ids):
         model = nnx.merge(graphdef, params)
         end = carry.rounds + rounds
 
@@ -169,4 +179,4 @@ def make_block(graphdef, drafter, *, rounds: int, max_new_tokens: int, sampling:
 
         return jax.lax.while_loop(cond, body, carry)
 
-    return jax.jit(block, donate_argnums=(1,))
+    return jax.jit(block, donate_argnums=(2,))
