@@ -31,8 +31,8 @@ speculative and plain decoding is what the float32 tests check (tests/); here a
 float32 run (`--dry-run`) exits 1 on a mismatch. Each configuration runs
 `--repeats` times (a warm-up first) and the fastest decode counts; decode
 tokens/s excludes the prefill and compilation (compile seconds are reported
-apart: the oracle's reference is part of its compiled program, so every
-speculative call compiles its round again). `speedup` is against ar-standard,
+apart; the drafter, the oracle's reference included, is an argument of the
+compiled round, so a new reference compiles nothing). `speedup` is against ar-standard,
 `speedup_same_state` against the AR run of the same state.
 
 `--profile` adds per configuration the GPU time of a step or round by kernel
