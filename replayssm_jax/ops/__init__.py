@@ -96,7 +96,8 @@ KernelConfig = kernels.StepConfig | kernels.ReplayConfig
 # Replay states
 
 
-def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=jnp.float32) -> Mamba2ReplayState:
+def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=jnp.float32, checkpoint_dtype=None,
+                       rounding: str = "nearest") -> Mamba2ReplayState:
     """A Mamba-2 ReplaySSM state with an empty buffer.
 
     Args:
@@ -107,18 +108,36 @@ def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=
       buffer_dtype: dtype of the x and B records (dt is always float32).
         Use the activation dtype (e.g. bfloat16) to halve buffer traffic;
         records of bf16 activations are then stored exactly.
+      checkpoint_dtype: the stored checkpoint's dtype: None (the given
+        checkpoint's), float32, bfloat16, int8 or float8_e4m3fn. 8-bit
+        checkpoints hold one f32 scale per (head, head_dim row), over
+        d_state (`state.scale` f32[batch, nheads, head_dim]), and are
+        quantized at every write (:mod:`replayssm_jax.state`).
+      rounding: "nearest" or "stochastic" (counter-based, reproducible):
+        how an 8-bit checkpoint write rounds; ignored for f32 | bf16.
 
     Returns:
       Mamba2ReplayState with cursor 0 for every row.
 
     Raises:
-      TypeError: non-float checkpoint or buffer_dtype, or non-int sizes.
-      ValueError: wrong rank, L < 1, or nheads not divisible by n_groups.
+      TypeError: non-float checkpoint or buffer_dtype, a checkpoint_dtype
+        other than the four, or non-int sizes.
+      ValueError: wrong rank, L < 1, nheads not divisible by n_groups, or
+        an unknown rounding.
     """
-    return _state.mamba2_replay_init(*val.check_mamba2_replay_init(checkpoint, buffer_len, n_groups, buffer_dtype))
+    dtype, rounding = _checkpoint_format(checkpoint_dtype, rounding)
+    return _state.mamba2_replay_init(*val.check_mamba2_replay_init(checkpoint, buffer_len, n_groups, buffer_dtype),
+                                     checkpoint_dtype=dtype, rounding=rounding)
 
 
-def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=jnp.float32) -> GDNReplayState:
+def _checkpoint_format(checkpoint_dtype, rounding):
+    """(checkpoint_dtype as a dtype or None, rounding), checked."""
+    dtype = None if checkpoint_dtype is None else val.check_checkpoint_dtype("checkpoint_dtype", checkpoint_dtype)
+    return dtype, val.check_rounding("rounding", rounding)
+
+
+def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=jnp.float32, checkpoint_dtype=None,
+                    rounding: str = "nearest") -> GDNReplayState:
     """A Gated DeltaNet ReplaySSM state with an empty buffer.
 
     Args:
@@ -129,15 +148,22 @@ def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=
       buffer_len: L >= 1, the number of buffered steps between flushes.
       num_k_heads: H, the number of key heads; must divide HV.
       buffer_dtype: dtype of the d and k records (g is always float32).
+      checkpoint_dtype, rounding: as :func:`mamba2_replay_init`; an 8-bit
+        checkpoint holds one f32 scale per (value head, value row), over
+        the key dim K (`state.scale` f32[batch, HV, V]).
 
     Returns:
       GDNReplayState with cursor 0 for every row.
 
     Raises:
-      TypeError: non-float checkpoint or buffer_dtype, or non-int sizes.
-      ValueError: wrong rank, L < 1, or HV not divisible by H.
+      TypeError: non-float checkpoint or buffer_dtype, a checkpoint_dtype
+        other than the four, or non-int sizes.
+      ValueError: wrong rank, L < 1, HV not divisible by H, or an unknown
+        rounding.
     """
-    return _state.gdn_replay_init(*val.check_gdn_replay_init(checkpoint, buffer_len, num_k_heads, buffer_dtype))
+    dtype, rounding = _checkpoint_format(checkpoint_dtype, rounding)
+    return _state.gdn_replay_init(*val.check_gdn_replay_init(checkpoint, buffer_len, num_k_heads, buffer_dtype),
+                                  checkpoint_dtype=dtype, rounding=rounding)
 
 
 def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from replayssm_jax.state import in_order, slot_mask
+from replayssm_jax.state import as_f32_checkpoint, in_order, slot_mask, write_checkpoint
 
 f32 = jnp.float32
 
@@ -251,3 +251,20 @@ def make_room(state, W: int, unify: Callable):
     """The early-flush rule: rows whose buffer cannot take W more steps
     (cursor + W > L) flush first, so that a step or window never overruns."""
     return flush_where(state, state.cursor + W > state.buffer_len, unify)
+
+
+def on_f32_checkpoint(state, written: jax.Array, op: Callable):
+    """Run `op(state) -> (output, new state)` on a state with an 8-bit checkpoint.
+
+    `op` runs on the checkpoint read as f32 (:func:`replayssm_jax.state.as_f32_checkpoint`),
+    every intermediate in f32; then the rows where `written` (bool[batch])
+    is set, those whose checkpoint `op` writes, are quantized once
+    (:func:`replayssm_jax.state.write_checkpoint`, keyed by their write
+    count at entry), and the other rows keep their stored values and scales
+    bit for bit. So a step that flushes twice in f32 (a row that entered
+    full: the early flush, then this step's) rounds once, as the kernels do.
+    """
+    output, new = op(as_f32_checkpoint(state))
+    stored = write_checkpoint(state, new.checkpoint, written)
+    return output, new.replace(checkpoint=stored.checkpoint, scale=stored.scale, counter=stored.counter)
+
