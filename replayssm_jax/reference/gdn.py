@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from replayssm_jax.reference import _common as c
-from replayssm_jax.state import GDNReplayState, as_f32_checkpoint, in_order, step_writes, window_writes, write_slots
+from replayssm_jax.state import GDNReplayState, as_f32_checkpoint, in_order, step_writes, write_slots
 
 f32 = jnp.float32
 
@@ -242,8 +242,9 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
     """
     W = v.shape[1]
     if state.scale is not None:
-        return c.on_f32_checkpoint(state, window_writes(state, W), lambda s: gdn_replay_verify(
-            s, q, k, v, g, beta, scale, use_qk_l2norm))
+        state = c.early_flush_8bit(state, W, unify)
+        return c.reading_f32_checkpoint(state, lambda s: gdn_replay_verify(s, q, k, v, g, beta, scale,
+                                                                           use_qk_l2norm))
     HV = state.checkpoint.shape[1]
     state = c.make_room(state, W, unify)
     start = c.replay_materialize(state.checkpoint, *unify(state), state.cursor)

@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax.reference import _common as c
-from replayssm_jax.state import (Mamba2ReplayState, as_f32_checkpoint, in_order, step_writes, window_writes,
-                                 write_slots)
+from replayssm_jax.state import Mamba2ReplayState, as_f32_checkpoint, in_order, step_writes, write_slots
 
 f32 = jnp.float32
 INF = math.inf
@@ -245,8 +244,9 @@ def mamba2_replay_verify(
     """
     W = x.shape[1]
     if state.scale is not None:
-        return c.on_f32_checkpoint(state, window_writes(state, W), lambda s: mamba2_replay_verify(
-            s, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit))
+        state = c.early_flush_8bit(state, W, lambda s: unify(s, A))
+        return c.reading_f32_checkpoint(state, lambda s: mamba2_replay_verify(s, x, dt, A, B, C, D, z, dt_bias,
+                                                                              dt_softplus, dt_limit))
     H = state.checkpoint.shape[1]
     state = c.make_room(state, W, lambda s: unify(s, A))
     start = c.replay_materialize(state.checkpoint, *unify(state, A), state.cursor)
