@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +31,10 @@ f32, int8, fp8 = jnp.float32, jnp.int8, jnp.float8_e4m3fn
 QDTYPES = [pytest.param(int8, id="int8"), pytest.param(fp8, id="fp8")]
 ROUNDINGS = ["nearest", "stochastic"]
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+              # The warnings of the combinations the drift study finds unsafe (tested below).
+              pytest.mark.filterwarnings("ignore:a float8_e4m3fn replay checkpoint:UserWarning"),
+              pytest.mark.filterwarnings("ignore:the direct route rounds:UserWarning")]
 
 
 def _f64(a):
@@ -336,3 +341,82 @@ def test_malformed_8bit_states_are_refused_before_any_kernel(backend, rng):
     # The failed calls left the state usable.
     y, _ = layer.replay_step(rs, inp, "output", backend)
     assert np.isfinite(_f64(y)).all()
+
+
+# ---------------------------------------------------------------------------
+# Models, the cache and the Generator
+
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_tiny"])
+def test_model_decodes_verifies_and_commits_on_8bit_checkpoints(name):
+    """A model's cache (GDN layers; the Mamba-2 fixture runs in the Generator test) with int8 checkpoints: 12 decode steps (L 4: three flushes) close to the f32
+    checkpoints' logits, a verify window and its commit; fewer bytes per sequence than f32."""
+    from flax import nnx
+
+    from models import load_model
+    from models.common import make_decode_step, make_verify_step
+
+    model = load_model(DATA / name)
+    graphdef, params = nnx.split(model)
+    decode, verify = make_decode_step(graphdef), make_verify_step(graphdef, donate_cache=False)
+    prompt = jnp.asarray([[3, 1, 4, 1, 5, 9]], jnp.int32)
+    prefill = jax.jit(lambda p, ids, dtype: nnx.merge(graphdef, p).prefill(
+        ids, 24, replay_buffer_len=4, max_window=3, last_logits_only=True, checkpoint_dtype=dtype,
+        checkpoint_rounding="stochastic"), static_argnums=2)
+    (logits32, cache32), (logits8, cache8) = prefill(params, prompt, None), prefill(params, prompt, int8)
+    assert cache8.bytes_per_sequence < cache32.bytes_per_sequence
+    replay = [s.replay for s in cache8.layers if hasattr(s, "replay")]
+    assert replay and all(r.checkpoint.dtype == int8 and r.rounding == "stochastic" for r in replay)
+    token = jnp.argmax(logits32, -1).astype(jnp.int32)
+    for _ in range(12):
+        logits32, cache32 = decode(params, cache32, token)
+        logits8, cache8 = decode(params, cache8, token)
+        token = jnp.argmax(logits32, -1).astype(jnp.int32)
+    assert_close(logits8, logits32, int8, what="logits after 12 steps")
+    window = jnp.asarray([[5, 7, 11]], jnp.int32)
+    (w32, v32), (w8, v8) = verify(params, cache32, window), verify(params, cache8, window)
+    assert_close(w8, w32, int8, what="verify logits")
+    committed = model.commit(v8, jnp.asarray([2], jnp.int32))
+    logits8, _ = decode(params, committed, token)
+    assert np.isfinite(_f64(logits8)).all()
+
+
+def test_generator_takes_the_checkpoint_dtype():
+    from models import load_model
+    from replayssm_jax.generation import GenerationError, Generator
+
+    model = load_model(DATA / "nemotron_h_tiny")
+    out = Generator(model, buffer_len=4, state_dtype="float8_e4m3fn", state_rounding="stochastic").generate(
+        [[1, 2, 3]], 6)
+    assert out.num_generated == [6]
+    with pytest.raises(GenerationError, match="`state_dtype` must be a checkpoint dtype .*; got float16"):
+        Generator(model, state_dtype=jnp.float16)
+    with pytest.raises(GenerationError, match="`state_dtype` applies to state 'replay'"):
+        Generator(model, state="standard", state_dtype=int8)
+    with pytest.raises(GenerationError, match="`state_rounding` must be one of 'nearest', 'stochastic'; got 'up'"):
+        Generator(model, state_dtype=int8, state_rounding="up")
+
+
+def test_unsafe_combinations_warn_and_auto_avoids_the_direct_route(rng):
+    import warnings
+
+    layer = GDN(CPU_SHAPES[GDN][0], rng)
+    S = layer.state(f32)
+    for rounding in ROUNDINGS:
+        with pytest.warns(UserWarning, match=f"a float8_e4m3fn replay checkpoint with {rounding} rounding drifts"):
+            ops.gdn_replay_init(S, 4, layer.s.H, checkpoint_dtype=fp8, rounding=rounding)
+    with pytest.warns(UserWarning, match="a float8_e4m3fn replay checkpoint"):
+        ops.mamba2_replay_init(jnp.zeros((2, 4, 8, 16)), 4, 2, checkpoint_dtype=fp8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rs = ops.gdn_replay_init(S, 4, layer.s.H, checkpoint_dtype=int8)
+        inp = layer.draw()
+        layer.replay_step(rs, inp, "output")
+        # auto takes the output route on an 8-bit checkpoint, where it would take the direct one otherwise
+        assert ops.resolve_route("auto", "interpret", rs) == "output"
+        assert ops.resolve_route("auto", "interpret", st.as_f32_checkpoint(rs)) == "direct"
+    with pytest.warns(UserWarning, match="the direct route rounds a int8 checkpoint at every step"):
+        layer.replay_step(rs, inp, "direct")

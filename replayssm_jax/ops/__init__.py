@@ -36,6 +36,7 @@ float16 overflows in these recurrences; use bfloat16 or float32.
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,16 @@ __all__ = [
 
 INF = math.inf
 
+# The 8-bit checkpoints (dtype, rounding) that warn, per layer type: in the drift study
+# (bench/state_drift.py --quick, 2026-12-01: random-weight layers with slow decays, 512 steps, L 8 and 16)
+# float8_e4m3fn checkpoints reached 1.9-5.4% relative output error against the float32 checkpoint, 10-20x
+# the bfloat16 checkpoint's, on both layer types and with both roundings; int8 reached 0.4-1.1% (3-4x
+# bfloat16's). The direct route on an 8-bit checkpoint warns as well (it rounds at every step).
+UNSAFE_CHECKPOINTS = {
+    layer: {(jnp.dtype(jnp.float8_e4m3fn), "nearest"), (jnp.dtype(jnp.float8_e4m3fn), "stochastic")}
+    for layer in ("mamba2", "gdn")
+}
+
 # The `config` a kernel op takes (None: the heuristic).
 KernelConfig = kernels.StepConfig | kernels.ReplayConfig
 
@@ -125,15 +136,30 @@ def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=
       ValueError: wrong rank, L < 1, nheads not divisible by n_groups, or
         an unknown rounding.
     """
-    dtype, rounding = _checkpoint_format(checkpoint_dtype, rounding)
+    dtype, rounding = _checkpoint_format("mamba2", checkpoint_dtype, rounding)
     return _state.mamba2_replay_init(*val.check_mamba2_replay_init(checkpoint, buffer_len, n_groups, buffer_dtype),
                                      checkpoint_dtype=dtype, rounding=rounding)
 
 
-def _checkpoint_format(checkpoint_dtype, rounding):
-    """(checkpoint_dtype as a dtype or None, rounding), checked."""
+def _checkpoint_format(layer: str, checkpoint_dtype, rounding):
+    """(checkpoint_dtype as a dtype or None, rounding), checked; a UserWarning for a combination that
+    :data:`UNSAFE_CHECKPOINTS` lists for `layer`."""
     dtype = None if checkpoint_dtype is None else val.check_checkpoint_dtype("checkpoint_dtype", checkpoint_dtype)
-    return dtype, val.check_rounding("rounding", rounding)
+    rounding = val.check_rounding("rounding", rounding)
+    if dtype is not None and (dtype, rounding) in UNSAFE_CHECKPOINTS[layer]:
+        warnings.warn(f"a {dtype} replay checkpoint with {rounding} rounding drifts from the float32 checkpoint's "
+                      f"outputs on {layer} layers by about 10x the bfloat16 checkpoint's error (bench/state_drift.py, "
+                      "2026-12-01); int8 or bfloat16 checkpoints are safer", UserWarning, stacklevel=3)
+    return dtype, rounding
+
+
+def _warn_direct_8bit(state, route: str) -> None:
+    """A UserWarning for the direct route on an 8-bit checkpoint, which it rounds at every step."""
+    if route == "direct" and state.scale is not None:
+        warnings.warn(f"the direct route rounds a {state.checkpoint.dtype} checkpoint at every step (the output and "
+                      "state routes round it once per flush): its outputs drift about 3x further from the float32 "
+                      "checkpoint's (bench/state_drift.py, 2026-12-01); use route='output'", UserWarning,
+                      stacklevel=3)
 
 
 def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=jnp.float32, checkpoint_dtype=None,
@@ -161,7 +187,7 @@ def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=
       ValueError: wrong rank, L < 1, HV not divisible by H, or an unknown
         rounding.
     """
-    dtype, rounding = _checkpoint_format(checkpoint_dtype, rounding)
+    dtype, rounding = _checkpoint_format("gdn", checkpoint_dtype, rounding)
     return _state.gdn_replay_init(*val.check_gdn_replay_init(checkpoint, buffer_len, num_k_heads, buffer_dtype),
                                   checkpoint_dtype=dtype, rounding=rounding)
 
@@ -309,6 +335,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     dt_softplus, dt_limit = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
     chosen = choose_backend("mamba2_replay_step", backend, config)
     route = resolve_route(route, chosen, state, config)
+    _warn_direct_8bit(state, route)
     if chosen == "xla":
         return reference.mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, route)
     return kernels.mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
@@ -516,6 +543,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     scale, use_qk_l2norm = val.check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm)
     chosen = choose_backend("gdn_replay_step", backend, config)
     route = resolve_route(route, chosen, state, config)
+    _warn_direct_8bit(state, route)
     if chosen == "xla":
         return reference.gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, route)
     return kernels.gdn_replay_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, route=route,
