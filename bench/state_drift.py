@@ -208,7 +208,10 @@ def plot(layer_rows, path):
             e = np.asarray([np.nan if v is None else v for v in r["curve"]], float)
             x = np.arange(1, len(e) + 1)
             keep = np.isfinite(e)
-            ax.loglog(x[keep], np.maximum(e[keep], 1e-12), label=f"{r['config']} L{r['L']}", lw=0.8)
+            color = f"C{[c[0] for c in CONFIGS].index(r['config'])}"  # a colour per config, a dash per L
+            style = {8: ":", 16: "-", 32: "--"}.get(r["L"], "-.")
+            ax.loglog(x[keep], np.maximum(e[keep], 1e-12), style, color=color, label=f"{r['config']} L{r['L']}",
+                      lw=0.9)
         ax.set_title(f"{layer}: output error against the f32 checkpoint")
         ax.set_xlabel("decode step")
         ax.set_ylabel("relative error (running mean)")

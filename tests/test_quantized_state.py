@@ -420,3 +420,15 @@ def test_unsafe_combinations_warn_and_auto_avoids_the_direct_route(rng):
         assert ops.resolve_route("auto", "interpret", st.as_f32_checkpoint(rs)) == "direct"
     with pytest.warns(UserWarning, match="the direct route rounds a int8 checkpoint at every step"):
         layer.replay_step(rs, inp, "direct")
+
+
+def test_drift_study_measures_a_layer(monkeypatch):
+    """bench/state_drift.py's layer measurement on a CPU shape: finite, small errors for an int8 checkpoint
+    (the script's full runs: `python3 bench/state_drift.py --quick`)."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "bench"))
+    import state_drift
+
+    config = next(c for c in state_drift.CONFIGS if c[0] == "int8")
+    errors = state_drift.layer_drift("gdn", CPU_SHAPES[GDN][0], 4, config, 40, "xla")
+    assert errors.shape == (40,) and np.isfinite(errors).all() and 0 < errors.max() < 0.05
+    assert set(state_drift.at_steps(errors, (32, 64))) == {32}

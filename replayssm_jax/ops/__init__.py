@@ -31,6 +31,14 @@ head_dim, d_state] (mamba_ssm's and transformers' ssm_state), GDN [batch,
 HV, V, K] (FLA's; transformers' cache is [batch, HV, K, V]: transpose it).
 float16 arrays (activations, parameters, states, buffers) raise TypeError:
 float16 overflows in these recurrences; use bfloat16 or float32.
+
+Replay checkpoints may also be int8 or float8_e4m3fn (`checkpoint_dtype`
+of the init ops): one f32 scale per state row, quantized at every
+checkpoint write, to nearest or stochastically (:mod:`replayssm_jax.state`).
+No standard step takes an 8-bit state (TypeError). The combinations that
+:data:`UNSAFE_CHECKPOINTS` lists warn at init, and the direct route on an
+8-bit checkpoint warns at each call (UserWarning); "auto" takes the output
+route on one.
 """
 
 from __future__ import annotations
