@@ -33,8 +33,17 @@ Method (the settings are a TimingOptions):
     written, inputs and outputs),
     achieved GB/s = bytes / time, against a device copy measured in the run.
 
+  * 8-bit checkpoints (--state-dtypes with int8 or float8_e4m3fn): the
+    replay variants only (no standard step takes an 8-bit state), the
+    checkpoint quantized at init with per-row scales; the check runs the
+    flush cycles against the reference standard step on the f32 state within
+    the 8-bit tolerance; each row gives its time against the f32 and bf16
+    checkpoints' same variant of this run (`vs_float32`, `vs_bfloat16`),
+    and the traffic model counts 1 byte per element plus the f32 scales.
+
 Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
               [--state-dtypes float32,bfloat16] [--lengths 8,16,32] [--out DIR] [--tag NAME]
+  8-bit rows: --state-dtypes float32,bfloat16,int8,float8_e4m3fn --batches 64,128,256,512
   --sweep     time the standard and replay kernels over the fixed tilings of
               SWEEP_CONFIGS (or --standard-configs / --replay-configs) instead
               of the table (after the same check), then print the default and
@@ -84,6 +93,7 @@ import step_profile  # noqa: E402  (bench/step_profile.py)
 
 from replayssm_jax import kernels, ops, testing  # noqa: E402
 from replayssm_jax.kernels import ReplayConfig, StepConfig  # noqa: E402
+from replayssm_jax.state import dequantize, is_quantized  # noqa: E402
 from replayssm_jax.testing import CASE_TABLES, GDNShape, Mamba2Shape, closeness, tolerance_dtype  # noqa: E402,F401
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -157,17 +167,30 @@ class _LayerBench:
         key = jax.random.key(0 if rng is None else int(rng.integers(2**31)))
         super().__init__(shape.with_batch(batch), key, bf16)
         self.b, self.sd = batch, jnp.dtype(state_dtype)
+        self.quantized = is_quantized(self.sd)  # an 8-bit replay checkpoint: replay variants only
 
     def state(self, dtype=None):
-        """A random state in the bench's state dtype (or `dtype`)."""
-        return super().state(self.sd if dtype is None else dtype)
+        """A random state in the bench's state dtype (or `dtype`); f32 for an 8-bit checkpoint (quantized by
+        `replay_init`)."""
+        return super().state((f32 if self.quantized else self.sd) if dtype is None else dtype)
+
+    def replay_init(self, checkpoint, L, buffer_dtype=f32, cursor=None):
+        """The adapter's replay state; with an 8-bit state dtype, its checkpoint quantized (nearest)."""
+        if not self.quantized:
+            return super().replay_init(checkpoint, L, buffer_dtype, cursor)
+        init = getattr(ops, f"{self.layer}_replay_init")
+        rs = init(checkpoint, L, self._key_groups(), buffer_dtype, checkpoint_dtype=self.sd)
+        return rs if cursor is None else rs.replace(cursor=jnp.asarray(cursor, jnp.int32))
 
     def inputs(self, T):
         """T steps of inputs, time-major ([T, batch, ...]: the scan's layout)."""
         return self.random_inputs((T, self.b))
 
     def state_bytes(self):
-        return self.b * math.prod(self.heads_dims()) * self.sd.itemsize
+        """The state's (checkpoint's) bytes; an 8-bit checkpoint's f32 scales included."""
+        heads, rows, _ = self.heads_dims()
+        scales = self.b * heads * rows * 4 if self.quantized else 0
+        return self.b * math.prod(self.heads_dims()) * self.sd.itemsize + scales
 
 
 class GDNBench(_LayerBench, testing.GDN):
@@ -223,12 +246,13 @@ def _check(bench, lengths, backend, config_std):
     xs = bench.inputs(max(lengths) + 4)
     s_k, s_r = state, state.astype(f32)
     ys, states = [], []
-    for t in range(2):
+    for t in range(0 if bench.quantized else 2):  # no standard step takes an 8-bit state
         y_k, s_k = bench.step(s_k, _take(xs, t), backend, config_std)
         y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
         ys.append((y_k, y_r))
         states.append((s_k, s_r))
-    out["standard_y"], out["standard_state"] = _compared(ys, tol), _compared(states, tol)
+    out["standard_y"], out["standard_state"] = ((dict(ok=True), dict(ok=True)) if bench.quantized
+                                                else (_compared(ys, tol), _compared(states, tol)))
     # Per L one flush cycle from empty buffers; then, at the longest L, the
     # direct route after buffered steps: the first direct step folds the
     # records, and the checkpoint then follows the standard state.
@@ -242,7 +266,8 @@ def _check(bench, lengths, backend, config_std):
             y_k, rs = bench.replay_step(rs, _take(xs, t), route, backend)
             y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
             ys.append((y_k, y_r))
-        out[name] = {"y": _compared(ys, tol), "checkpoint": _compared([(rs.checkpoint, s_r)], tol),
+        checkpoint = dequantize(rs.checkpoint, rs.scale)  # an 8-bit checkpoint as read; else as it is
+        out[name] = {"y": _compared(ys, tol), "checkpoint": _compared([(checkpoint, s_r)], tol),
                      "cursor_zero": bool((np.asarray(rs.cursor) == 0).all())}
     out["ok"] = all(out[key]["ok"] for key in ("standard_y", "standard_state")) and all(
         out[name]["y"]["ok"] and out[name]["checkpoint"]["ok"] and out[name]["cursor_zero"] for name, _ in runs)
@@ -335,7 +360,11 @@ def variants(bench, lengths):
     """(name, L, cursors, route) of the variants timed at a shape: the
     standard step, the replay step at each L (staggered cursors) and at one L
     in step, and, where the default replay step is one launch (a
-    latency-bound batch), the direct route from empty buffers."""
+    latency-bound batch), the direct route from empty buffers. An 8-bit
+    checkpoint: the replay variants on the output route only."""
+    if bench.quantized:
+        yield from ((f"replay-L{L}", L, "staggered", "output") for L in lengths)
+        return
     yield ("standard", None, None, None)
     for L in lengths:
         yield (f"replay-L{L}", L, "staggered", "output")
@@ -591,11 +620,16 @@ def main(argv=None):
                     r = run_variant(bench, L, cursors, options, route=route)
                     if L is None:
                         std = r["seconds"]
-                    row = dict(base, variant=kind, L=L, cursors=cursors, route=route, **r, speedup=std / r["seconds"],
+                    row = dict(base, variant=kind, L=L, cursors=cursors, route=route, **r,
+                               speedup=None if std is None else std / r["seconds"],
                                pct_copy=100 * r["gbps"] / copy_bw, passed=True)
+                    if bench.quantized:  # against the f32 and bf16 checkpoints' same variant, if run before
+                        row.update(_against_wider_checkpoints(rows, row))
                     rows.append(row)
+                    versus = ("" if row["speedup"] is None else f"x{row['speedup']:.2f} vs std") + "".join(
+                        f" x{row[k]:.2f} {k}" for k in ("vs_float32", "vs_bfloat16") if row.get(k))
                     print(f"{layer:7s} {sd:9s} b{batch:<4d} {kind:22s} {r['seconds'] * 1e6:9.2f} us "
-                          f"{r['gbps']:7.0f} GB/s {row['pct_copy']:5.1f}% copy  x{row['speedup']:.2f} vs std"
+                          f"{r['gbps']:7.0f} GB/s {row['pct_copy']:5.1f}% copy  {versus}"
                           f"  (sets {r['n_sets']}, compile {r['compile_s']:.1f}s)", flush=True)
                     print_kernel_times(r["kernels_us"])
                 if args.verify and not args.sweep:
@@ -629,6 +663,18 @@ def verify_rows(bench, base, rows, lengths, W, options: TimingOptions, configs=(
                   f"{r['seconds'] * 1e6:9.2f} us/window {r['gbps']:7.0f} GB/s  x{per_draft / r['seconds']:.2f} vs "
                   f"per-draft  (sets {r['n_sets']}, compile {r['compile_s']:.1f}s)", flush=True)
             print_kernel_times(r["kernels_us"])
+
+
+def _against_wider_checkpoints(rows, row) -> dict:
+    """{vs_float32, vs_bfloat16}: the same layer, batch and variant's time with an f32 / bf16 checkpoint in
+    `rows` (this run) over `row`'s (an 8-bit checkpoint's): its speedup; None where not run."""
+    out = {}
+    for sd in ("float32", "bfloat16"):
+        wider = next((r for r in rows if r.get("passed") and "seconds" in r and r["state_dtype"] == sd
+                      and (r["layer"], r["batch"], r["variant"]) == (row["layer"], row["batch"], row["variant"])),
+                     None)
+        out[f"vs_{sd}"] = None if wider is None else wider["seconds"] / row["seconds"]
+    return out
 
 
 def print_kernel_times(times):

@@ -66,6 +66,13 @@ class HybridCache:
         """The pending verify window W (0: none; static)."""
         return max((pending_window(s) for s in self.layers), default=0)
 
+    @property
+    def bytes_per_sequence(self) -> int:
+        """Device bytes of the cache per row: every array's bytes (SSM states or checkpoints with their
+        scales, buffers, conv states, KV caches, positions) over the batch; from shapes and dtypes only."""
+        total = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(self))
+        return total // self.position.shape[0]
+
 
 _STATE_TYPES = {"mamba": (SSMLayerState, ReplayLayerState), "gdn": (SSMLayerState, ReplayLayerState),
                 "attention": (KVCache,), "mlp": (type(None),), "moe": (type(None),)}
@@ -143,7 +150,8 @@ class HybridCausalLM(nnx.Module):
 
     def prefill(self, input_ids: jax.Array, max_len: int, *, replay_buffer_len: int | None = None,
                 buffer_dtype=jnp.float32, backend: str | None = None, last_logits_only: bool = False,
-                max_window: int = 1, return_hidden: bool = False):
+                max_window: int = 1, return_hidden: bool = False, checkpoint_dtype=None,
+                checkpoint_rounding: str = "nearest"):
         """Prompt forward that builds the decode cache.
 
         Args:
@@ -163,6 +171,10 @@ class HybridCausalLM(nnx.Module):
             past max_len tokens), and W <= replay_buffer_len is required.
           return_hidden: also return the hidden state after the final norm at
             every position (static).
+          checkpoint_dtype, checkpoint_rounding: the ReplaySSM checkpoints'
+            dtype (None: the SSM state's; float32, bfloat16, int8 or
+            float8_e4m3fn) and an 8-bit checkpoint's rounding ("nearest" or
+            "stochastic"), as replayssm_jax.ops.*_replay_init.
 
         Returns:
           (logits f32[batch, T, vocab_size] (f32[batch, vocab_size] with
@@ -192,7 +204,8 @@ class HybridCausalLM(nnx.Module):
         for block in self._blocks:
             h, state = block.prefill(h, max_len + max_window - 1, backend=backend)
             states.append(prefill_layer_states(block.mixer, state, replay_buffer_len=replay_buffer_len,
-                                               buffer_dtype=buffer_dtype, max_window=max_window))
+                                               buffer_dtype=buffer_dtype, max_window=max_window,
+                                               checkpoint_dtype=checkpoint_dtype, rounding=checkpoint_rounding))
         batch, seqlen = ids.shape
         cache = HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32),
                             max_window=max_window)
@@ -454,13 +467,14 @@ def make_commit(*, donate_cache: bool = True):
     return jax.jit(commit_cache, donate_argnums=(0,) if donate_cache else ())
 
 
-def prefill_layer_states(mixer, state, *, replay_buffer_len, buffer_dtype, max_window: int = 1):
+def prefill_layer_states(mixer, state, *, replay_buffer_len, buffer_dtype, max_window: int = 1, checkpoint_dtype=None,
+                         rounding: str = "nearest"):
     """An SSM layer's prefill state with a conv window for `max_window` positions, converted to
-    ReplaySSM if asked (KV caches and None pass through)."""
+    ReplaySSM if asked, its checkpoint in `checkpoint_dtype` (KV caches and None pass through)."""
     if not isinstance(state, SSMLayerState):
         return state
     if max_window != 1:
         state = mixer.with_window(state, max_window)
     if replay_buffer_len is not None:
-        return mixer.to_replay(state, replay_buffer_len, buffer_dtype)
+        return mixer.to_replay(state, replay_buffer_len, buffer_dtype, checkpoint_dtype, rounding)
     return state

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "written every step; for batches of 1-4 rows, where buffering saves nothing), or auto "
                         "(default: the kernels pick direct where their grid is latency-bound, else output)")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (weights and activations)")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8", "float8_e4m3fn"), default=None,
+                   help="ReplaySSM checkpoint dtype (default: the SSM state's; 8-bit: per-row scales, quantized at "
+                        "each flush); --state replay only")
+    p.add_argument("--state-rounding", choices=("nearest", "stochastic"), default="nearest",
+                   help="rounding of an 8-bit checkpoint at each flush (default nearest)")
     p.add_argument("--backend", default=None, help="SSM op backend: pallas, interpret or xla (default: pallas on GPU, else xla)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and of --random-weights)")
     p.add_argument("--temperature", type=float, default=None,
@@ -202,7 +207,8 @@ def _check_args(args) -> list[str]:
         raise UsageError("--chat applies the chat template to text: give --prompt, not --prompt-ids")
     states = ["standard", "replay"] if args.compare else [args.state or "replay"]
     if states == ["standard"]:
-        for flag, value in (("--buffer-len", args.buffer_len), ("--route", args.route)):
+        for flag, value in (("--buffer-len", args.buffer_len), ("--route", args.route),
+                            ("--state-dtype", args.state_dtype)):
             if value is not None:
                 _warn(f"{flag} applies to --state replay only; the standard state ignores it")
     elif args.buffer_len is not None and args.buffer_len < 1:
@@ -300,7 +306,8 @@ def _generator(model, state, args, backend, generation_config=None, draft_model=
     return Generator(model, state=state, buffer_len=(args.buffer_len or DEFAULT_BUFFER_LEN) if replay else None,
                      backend=backend, route=(args.route or "auto") if replay else "auto",
                      block_size=args.block_size, generation_config=generation_config,
-                     speculative=_speculative(args, draft_model))
+                     speculative=_speculative(args, draft_model), state_dtype=args.state_dtype if replay else None,
+                     state_rounding=args.state_rounding)
 
 
 def _printable(text: str) -> str:

@@ -58,7 +58,7 @@ from flax import nnx, struct
 
 from replayssm_jax import ops
 from replayssm_jax.layers.cache import KVCache
-from replayssm_jax.ops import check_route
+from replayssm_jax.ops import check_route, validate
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 
 STATES = ("standard", "replay")
@@ -503,6 +503,20 @@ def _choose(logits, carry_pos, prompts, lengths, key, done, stop_ids, pad_id, sa
     return token, done | stopped
 
 
+def _check_state_dtype(state: str, state_dtype, rounding: str):
+    """(state_dtype as a dtype or None, rounding) of a Generator; GenerationError for a dtype other than the
+    replay checkpoints' four, an unknown rounding, or a state_dtype with the standard state."""
+    try:
+        rounding = validate.check_rounding("state_rounding", rounding)
+        dtype = None if state_dtype is None else validate.check_checkpoint_dtype("state_dtype", state_dtype)
+    except (TypeError, ValueError) as e:
+        raise GenerationError(str(e)) from None
+    if dtype is not None and state != "replay":
+        raise GenerationError(f"`state_dtype` applies to state 'replay' (its checkpoints) only; got {dtype} with "
+                              "state 'standard' (its SSM states keep the model's ssm_state_dtype)")
+    return dtype, rounding
+
+
 class Generator:
     """Compiled prefill and decode loop for one model and one state mode.
 
@@ -513,6 +527,11 @@ class Generator:
         "replay" (ReplaySSM with buffer length `buffer_len`).
       buffer_len: L >= 1, for state="replay" (not used by the standard state).
       buffer_dtype: dtype of the ReplaySSM records (default float32).
+      state_dtype: dtype of the ReplaySSM checkpoints: None (the model's
+        ssm_state_dtype), float32, bfloat16, int8 or float8_e4m3fn (8-bit:
+        one f32 scale per state row, quantized at each flush; state
+        "replay" only). state_rounding: an 8-bit checkpoint's rounding,
+        "nearest" or "stochastic" (replayssm_jax.ops.*_replay_init).
       backend: SSM op backend (see replayssm_jax.ops); None picks by platform.
       route: the ReplaySSM step's route (replayssm_jax.ops): "output" or
         "state" (the buffered step, same numbers), "direct" (the state
@@ -554,7 +573,8 @@ class Generator:
     """
 
     def __init__(self, model, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32, backend=None,
-                 route="auto", block_size=16, prefill_rows=None, generation_config=None, speculative=None):
+                 route="auto", block_size=16, prefill_rows=None, generation_config=None, speculative=None,
+                 state_dtype=None, state_rounding="nearest"):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise GenerationError(f"`model` must be a model of this package (an nnx.Module with a `config`, e.g. "
                                   f"from models.load_model); got {type(model).__name__}")
@@ -586,6 +606,7 @@ class Generator:
         if speculative is not None and state == "replay" and speculative.window > buffer_len:
             raise GenerationError(f"`speculative.num_draft` + 1 = {speculative.window} verified positions must be <= "
                                   f"`buffer_len` = {buffer_len} with the replay state (a window fits in the buffer)")
+        self.state_dtype, self.state_rounding = _check_state_dtype(state, state_dtype, state_rounding)
         self.speculative = speculative
         self.backend = ops.resolve_backend(backend)
         self._stateful_drafter = self._stateful_drafter_for(model, speculative, state, buffer_len, buffer_dtype,
@@ -615,7 +636,8 @@ class Generator:
             def prefill(ids):
                 return model.prefill(ids, max_len, replay_buffer_len=self.buffer_len, buffer_dtype=self.buffer_dtype,
                                      backend=self.backend, last_logits_only=True, max_window=self._window,
-                                     return_hidden=self._needs_hidden)
+                                     return_hidden=self._needs_hidden, checkpoint_dtype=self.state_dtype,
+                                     checkpoint_rounding=self.state_rounding)
 
             out = _by_rows(prefill, prompts[:, :prefix_len], self.prefill_rows)
             logits, cache = out[0], out[-1]

@@ -28,8 +28,9 @@ import numpy as np
 
 from replayssm_jax import kernels, ops
 from replayssm_jax import reference as ref
+from replayssm_jax.state import is_quantized, quantized_checkpoint
 
-f32, bf16 = jnp.float32, jnp.bfloat16
+f32, bf16, int8, fp8 = jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn
 
 
 class Dtypes(NamedTuple):
@@ -46,17 +47,34 @@ DTYPES = {
     "bf16in-bf16state": Dtypes(bf16, bf16, bf16),
 }
 
-# (atol, rtol) per dtype of the compared arrays: |a - e| <= atol + rtol * max|e|.
+# The 8-bit replay checkpoints (a replay state's only: no standard step takes them).
+CHECKPOINT_8BIT_DTYPES = {
+    "f32in-int8ckpt": Dtypes(f32, int8, f32),
+    "bf16in-int8ckpt": Dtypes(bf16, int8, bf16),
+    "f32in-fp8ckpt": Dtypes(f32, fp8, f32),
+    "bf16in-fp8ckpt": Dtypes(bf16, fp8, bf16),
+}
+
+# (atol, rtol) per dtype of the compared arrays: |a - e| <= atol + rtol * max|e|. The 8-bit rows allow a
+# few quanta of a checkpoint row (int8: max|row| / 127; e4m3: 1/16 of a value, half its grid step at
+# nearest rounding), as two computations of the same f32 state may round it to neighbouring grid points.
 TOLERANCES = {
     jnp.dtype(f32): (2e-5, 2e-5),
     jnp.dtype(bf16): (2e-2, 2e-2),
+    jnp.dtype(int8): (4e-2, 4e-2),
+    jnp.dtype(fp8): (2e-1, 2e-1),
 }
+
+# The TOLERANCES rows from the finest to the coarsest (float16 counts as bfloat16).
+_COARSENESS = (jnp.dtype(f32), jnp.dtype(bf16), jnp.dtype(int8), jnp.dtype(fp8))
 
 
 def tolerance_dtype(*dtypes):
-    """The row of TOLERANCES for a case of these dtypes (e.g. input and state): bfloat16 where any is
-    bfloat16 or float16, else float32."""
-    return bf16 if any(jnp.dtype(d) in (jnp.dtype(bf16), jnp.dtype(jnp.float16)) for d in dtypes) else f32
+    """The row of TOLERANCES for a case of these dtypes (e.g. input and state): the coarsest of them
+    (float32 < bfloat16 = float16 < int8 < float8_e4m3fn)."""
+    ranks = [_COARSENESS.index(jnp.dtype(bf16) if jnp.dtype(d) == jnp.dtype(jnp.float16) else jnp.dtype(d))
+             for d in dtypes]
+    return _COARSENESS[max(ranks, default=0)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +271,13 @@ class _Layer:
         """A random recurrent state f32/bf16[batch, heads, V or P, K or N], N(0, 0.25), a jax array."""
         return _cast(self._n(self.s.batch, *self.heads_dims(), scale=0.5), dtype)
 
+    def _checkpoint(self, dtype, rounding):
+        """The checkpoint fields of a random replay state: a random state in `dtype`, or (8-bit) quantized."""
+        if not is_quantized(dtype):
+            return dict(checkpoint=jnp.asarray(self.state(dtype)))
+        values, scale, counter = quantized_checkpoint(jnp.asarray(self.state(f32)), dtype, rounding)
+        return dict(checkpoint=values, scale=scale, counter=counter, rounding=rounding)
+
     def draw(self, *lead):
         """Inputs of one step (no `lead`) or of a sequence [batch, *lead, ...] (the ops' layout), jax arrays."""
         return self.random_inputs((self.s.batch, *lead))
@@ -315,13 +340,14 @@ class GDN(_Layer):
         """The inputs with head 0's decay at its extreme: g = -inf (allowed: g <= 0)."""
         return dict(inp, g=jnp.asarray(inp["g"]).at[:, 0].set(-jnp.inf))
 
-    def replay_state(self, L, state_dtype, buffer_dtype, cursor):
-        """A replay state with random live and dead records (normalised keys) and the given cursors [batch]."""
+    def replay_state(self, L, state_dtype, buffer_dtype, cursor, rounding="nearest"):
+        """A replay state with random live and dead records (normalised keys) and the given cursors [batch];
+        an 8-bit `state_dtype` quantizes the checkpoint with `rounding`."""
         s = self.s
         k = np.asarray(self._n(s.batch, s.H, L, s.K))
         k /= np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
         return ref.GDNReplayState(
-            checkpoint=jnp.asarray(self.state(state_dtype)),
+            **self._checkpoint(state_dtype, rounding),
             d=jnp.asarray(self._n(s.batch, s.HV, L, s.V, scale=0.5), buffer_dtype),
             k=jnp.asarray(k, buffer_dtype),
             g=jnp.asarray(-np.exp(np.asarray(self._n(s.batch, s.HV, L, mean=-1.5))), f32),
@@ -386,11 +412,12 @@ class Mamba2(_Layer):
         """The inputs with a dt spike on head 0 (raw dt 1e4: exp(dt A) underflows to 0)."""
         return dict(inp, dt=jnp.asarray(inp["dt"]).at[:, 0].set(1e4))
 
-    def replay_state(self, L, state_dtype, buffer_dtype, cursor):
-        """A replay state with random live and dead records (dt after softplus) and the given cursors [batch]."""
+    def replay_state(self, L, state_dtype, buffer_dtype, cursor, rounding="nearest"):
+        """A replay state with random live and dead records (dt after softplus) and the given cursors [batch];
+        an 8-bit `state_dtype` quantizes the checkpoint with `rounding`."""
         s = self.s
         return ref.Mamba2ReplayState(
-            checkpoint=jnp.asarray(self.state(state_dtype)),
+            **self._checkpoint(state_dtype, rounding),
             x=jnp.asarray(self._n(s.batch, s.H, L, s.P), buffer_dtype),
             dt=jnp.asarray(np.log1p(np.exp(np.asarray(self._n(s.batch, s.H, L, mean=-1.0, scale=0.7)))), f32),
             B=jnp.asarray(self._n(s.batch, s.G, L, s.N), buffer_dtype),

@@ -44,6 +44,17 @@ Launches and their configs:
   other rows and every cursor are left as they are until
   :func:`replayssm_jax.state.replay_commit`.
 
+8-bit checkpoints (int8, float8_e4m3fn; :mod:`replayssm_jax.state`) take
+the same kernels: a launch gets the checkpoint as a
+:class:`~replayssm_jax.kernels.tiles.Quantized` operand (values, per-row
+f32 scales, and for stochastic rounding the rows' seeds), every checkpoint
+tile is dequantized at its load (`tiles.load_checkpoint`) and quantized row
+by row where it is written (`tiles.store_checkpoint`: the flush launch, the
+fused flush, the direct route, the verify window's early flush), with the
+reference's rounding bit for bit. The scales are written in place with the
+values; the rows' write counts advance outside the launches. An f32 or
+bf16 checkpoint is a plain array: those kernels are unchanged.
+
 A one-launch step (fused flush, direct route) moves the cursor in place
 (:mod:`replayssm_jax.kernels.cursor`); a two-launch step writes it to a
 fresh array, as its flush launch still reads the old cursors.

@@ -55,7 +55,8 @@ from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step
                                           run_verify_program, step_launch, verify_launch, verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
-from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, tile_mask
+from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
+                                         store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.state import GDNReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -119,7 +120,8 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
     vmask = row_mask(BV, V)
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
     tmask = tile_mask(vmask, kmask, (BV, BK))
-    S = load(state_ref, tmask)
+    S = load_checkpoint(state_ref, None, tmask, vmask)
+    ids = row_ids(state_ref.shape[0]) if stochastic(state_ref) else None  # the rows' global ids (stochastic rounding)
     decay, v, beta = jnp.exp(load_scalar(inputs.g)), load(inputs.v, vmask), load_scalar(inputs.beta)
 
     def finish(S):
@@ -127,7 +129,7 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
         d = beta * (v - matvec(S, k))
         S = S + d[:, None] * k[None, :]
         store(o_ref, matvec(S, q), vmask)
-        store(state_out_ref, S, tmask)
+        store_checkpoint(state_ref, state_out_ref, None, S, tmask, vmask, ids, K)
 
     if not direct:
         return finish(S)
@@ -159,7 +161,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
 
     def tile(rows, vmask):
         tmask = tile_mask(vmask, kmask, (BV, BK))
-        S_c = load(checkpoint_ref.at[rows, :], tmask)  # the one read of the checkpoint
+        S_c = load_checkpoint(checkpoint_ref, rows, tmask, vmask)  # the one read of the checkpoint
         U = load_live(records.d.at[:, rows], live, L, vmask)
         v = load(inputs.v.at[rows], vmask)
         if route == "output":
@@ -193,7 +195,7 @@ def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, L)
         return (load_live(records.g, live, L), load_live(records.d.at[:, rows], live, L, vmask),
                 load_live(records.k, live, L, kmask, records.k.dtype))
 
-    S_c = load(checkpoint_ref.at[rows, :], tile_mask(vmask, kmask, (rows.size, checkpoint_ref.shape[-1])))
+    S_c = load_checkpoint(checkpoint_ref, rows, tile_mask(vmask, kmask, (rows.size, checkpoint_ref.shape[-1])), vmask)
     return replay_records(S_c, count, L, record, all_records, checkpoint_ref.dtype)
 
 
@@ -225,7 +227,8 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
             d = beta * (load(inputs.v.at[rows], vmask) - matvec(S, k))
             d_rec = jnp.where(append, d.astype(records.d.dtype).astype(f32), d)
             S = S + d_rec[:, None] * k_rec[None, :]
-        store(checkpoint_out.at[rows, :], S, tmask)
+        ids = tile_row_ids(config, split, rows) if stochastic(checkpoint_ref) else None
+        store_checkpoint(checkpoint_ref, checkpoint_out, rows, S, tmask, vmask, ids, K)
 
     for_each_row_tile(V, config, split, tile)
 

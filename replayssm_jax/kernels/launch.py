@@ -28,7 +28,8 @@ from jax.experimental.pallas import triton as plgpu
 from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows
 from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, next_cursor,
                                           store_cursor)
-from replayssm_jax.kernels.tiles import for_each_row_tile, lane_ids, mask_and, store, store_window
+from replayssm_jax.kernels.tiles import Quantized, for_each_row_tile, lane_ids, mask_and, store, store_window
+from replayssm_jax.state import advance_counter, row_seeds, step_writes, window_writes
 
 # Pallas warns, when it lowers a Triton kernel (at the outermost jit's
 # lowering, not at the call), that the Triton backend is deprecated. Silence
@@ -69,6 +70,42 @@ def _num_leaves(tree) -> int:
     return len(jax.tree.leaves(tree))
 
 
+def checkpoint_operand(state):
+    """A replay state's checkpoint as a launch takes it: the array (f32 |
+    bf16), or a :class:`~replayssm_jax.kernels.tiles.Quantized` of values,
+    scales and (stochastic rounding) the rows' seeds at their write counts."""
+    if state.scale is None:
+        return state.checkpoint
+    seed = None if state.rounding == "nearest" else row_seeds(state.counter, state.checkpoint.shape[1])
+    return Quantized(state.checkpoint, state.scale, seed)
+
+
+def _written(checkpoint):
+    """The checkpoint operand's leaves that a launch writes (a Quantized less its seed)."""
+    return checkpoint._replace(seed=None) if isinstance(checkpoint, Quantized) else checkpoint
+
+
+def _checkpoint_specs(state_spec: pl.BlockSpec, checkpoint, rows: int, nb=None, written: bool = False):
+    """The block specs of a checkpoint operand of `rows` state rows and nb batch
+    rows: `state_spec` for an array; for a Quantized one, the scale's rows
+    and (not `written`: an input) the seed of the program's (row, head)."""
+    if not isinstance(checkpoint, Quantized):
+        return state_spec
+    scale = pl.BlockSpec((nb, None, rows), lambda b, h, j: (b, h, j))
+    seed = None if written or checkpoint.seed is None else pl.BlockSpec((nb, None), lambda b, h, j: (b, h))
+    return Quantized(state_spec, scale, seed)
+
+
+def _with_checkpoint(state, checkpoint, written_rows, **changes):
+    """`state` with the launches' checkpoint (and scale) and `changes`; an 8-bit
+    checkpoint's write count advanced in `written_rows` (bool[batch]; None
+    for an f32 | bf16 checkpoint)."""
+    if isinstance(checkpoint, Quantized):
+        state = advance_counter(state, written_rows).replace(scale=checkpoint.scale)
+        checkpoint = checkpoint.values
+    return state.replace(checkpoint=checkpoint, **changes)
+
+
 def step_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], state, inputs, out_shape, records=None,
                 cursor=None, *, config: StepConfig, interpret: bool):
     """Launch a layer's standard step kernel; its state (operand 0) is updated in place (output 1).
@@ -87,17 +124,18 @@ def step_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], stat
     direct = records is not None
     specs = block_specs(config.block_v, None)
     row_cursor = cursor_spec() if direct else None
-    aliases = {0: 1}
-    if direct:
-        aliases[_num_leaves((state, inputs, records))] = 2  # the cursor, after the state, inputs and records
+    n_written = _num_leaves(_written(state))
+    aliases = {i: 1 + i for i in range(n_written)}
+    if direct:  # the cursor, after the state, inputs and records
+        aliases[_num_leaves((state, inputs, records))] = 1 + n_written
     batch, heads, V, _ = state.shape
     grid = (batch, heads, pl.cdiv(V, config.block_v))
     return pallas_call(
         functools.partial(kernel, programs=grid[1] * grid[2]),
         grid=grid,
-        in_specs=(specs.state, specs.inputs, specs.records, row_cursor),
-        out_specs=(specs.out, specs.state, row_cursor),
-        out_shape=(out_shape, _shapes(state), _shapes(cursor)),
+        in_specs=(_checkpoint_specs(specs.state, state, config.block_v), specs.inputs, specs.records, row_cursor),
+        out_specs=(specs.out, _checkpoint_specs(specs.state, state, config.block_v, written=True), row_cursor),
+        out_shape=(out_shape, _shapes(_written(state)), _shapes(cursor)),
         input_output_aliases=aliases,
         interpret=interpret,
         config=config,
@@ -109,11 +147,12 @@ def _replay_specs(block_specs, tiling: ReplayConfig, checkpoint, nb=None):
     """(grid, in_specs, out_specs) of the replay kernel's operands for programs of
     tiling.tiles row tiles and nb batch rows (None: one row, the batch axis squeezed)."""
     batch, heads, V, _ = checkpoint.shape
-    specs = block_specs(tiling.block_v * tiling.tiles, nb)
+    rows = tiling.block_v * tiling.tiles
+    specs = block_specs(rows, nb)
     row_cursor = cursor_spec(nb)
     grid = (batch // (nb or 1), heads, tiling.splits(V))
-    return (grid, (specs.state, specs.records, row_cursor, specs.inputs),
-            (specs.out, specs.state, specs.records, row_cursor))
+    return (grid, (_checkpoint_specs(specs.state, checkpoint, rows, nb), specs.records, row_cursor, specs.inputs),
+            (specs.out, _checkpoint_specs(specs.state, checkpoint, rows, nb, written=True), specs.records, row_cursor))
 
 
 def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..., BlockSpecs], checkpoint, records,
@@ -143,24 +182,32 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     """
     grid, in_specs, out_specs = _replay_specs(block_specs, config, checkpoint)
     n_records = _num_leaves(records)
-    aliases = {0: 1, **{1 + i: 2 + i for i in range(n_records)}}  # checkpoint and records in place
+    n_in, n_out = _num_leaves(checkpoint), _num_leaves(_written(checkpoint))
+    aliases = {i: 1 + i for i in range(n_out)}  # checkpoint and records in place
+    aliases.update({n_in + i: 1 + n_out + i for i in range(n_records)})
     if config.fused_flush:
-        aliases[1 + n_records] = 2 + n_records  # one launch: the cursor in place
+        aliases[n_in + n_records] = 1 + n_out + n_records  # one launch: the cursor in place
+    operand = checkpoint
     out, checkpoint, records, new_cursor = pallas_call(
         functools.partial(replay_kernel, config=config, programs=grid[1] * grid[2]),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=(out_shape, _shapes(checkpoint), _shapes(records), _shapes(cursor)),
+        out_shape=(out_shape, _shapes(_written(checkpoint)), _shapes(records), _shapes(cursor)),
         input_output_aliases=aliases,
         interpret=interpret,
         config=config,
         name=f"{layer}_replay_{route}_L{records[0].shape[2]}_{config.tag()}",
     )(checkpoint, records, cursor, inputs)
-    if not config.fused_flush:
-        checkpoint = _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, inputs,
-                                   per_head=per_head, config=config, interpret=interpret)
+    if not config.fused_flush:  # the flush reads the seeds of the replay kernel's operand
+        checkpoint = _flush_launch(layer, flush_row, block_specs, _reseeded(checkpoint, operand), records, cursor,
+                                   inputs, per_head=per_head, config=config, interpret=interpret)
     return out, checkpoint, records, new_cursor
+
+
+def _reseeded(written, operand):
+    """The checkpoint `written` by a launch as the next launch's operand: with `operand`'s seed."""
+    return written._replace(seed=operand.seed) if isinstance(written, Quantized) else written
 
 
 def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig, split, count, append, group: int,
@@ -232,13 +279,18 @@ def _row_views(refs, row, per_head=()):
                             if ref is not None and name not in per_head})
 
 
+def _checkpoint_view(checkpoint, row):
+    """row(ref) of a checkpoint ref, or of each ref of a Quantized one."""
+    return _row_views(checkpoint, row) if isinstance(checkpoint, Quantized) else row(checkpoint)
+
+
 def _flush_kernel(checkpoint_ref, records, cursor_ref, inputs, checkpoint_out, *, L, flush_row, per_head, first):
     """The flush launch: a program holds one row tile of one head for a block of batch rows."""
     split = pl.program_id(2)  # read here: interpret mode cannot read it inside a branch
 
     def flush(row, cursor):
-        flush_row(row(checkpoint_ref), _row_views(records, row), _row_views(inputs, row, per_head),
-                  row(checkpoint_out), cursor=cursor, split=split)
+        flush_row(_checkpoint_view(checkpoint_ref, row), _row_views(records, row), _row_views(inputs, row, per_head),
+                  _checkpoint_view(checkpoint_out, row), cursor=cursor, split=split)
 
     for_each_flushing_row(cursor_ref, L, flush, first)
 
@@ -265,17 +317,18 @@ def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, in
         in_specs = (*in_specs[:3], _present(in_specs[3], inputs))
     kernel = functools.partial(_flush_kernel, L=L, flush_row=functools.partial(flush_row, config=tiling),
                                per_head=per_head, first=first)
-    return pallas_call(
+    (checkpoint,) = pallas_call(  # one output, in a tuple: a Quantized output is itself a tuple
         kernel,
         grid=grid,
         in_specs=in_specs,
-        out_specs=out_specs[1],
-        out_shape=_shapes(checkpoint),
-        input_output_aliases={0: 0},
+        out_specs=(out_specs[1],),
+        out_shape=(_shapes(_written(checkpoint)),),
+        input_output_aliases={i: i for i in range(_num_leaves(_written(checkpoint)))},
         interpret=interpret,
         config=tiling,
         name=name,
     )(checkpoint, records, cursor, inputs)
+    return checkpoint
 
 
 def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..., BlockSpecs], checkpoint, records,
@@ -305,14 +358,14 @@ def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..
     checkpoint = _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, flush_inputs,
                                per_head=per_head, config=config, interpret=interpret, window=window)
     grid, in_specs, out_specs = _replay_specs(block_specs, config, checkpoint)
-    n_records = _num_leaves(records)
+    n_records, n_in = _num_leaves(records), _num_leaves(checkpoint)
     out, records = pallas_call(
         functools.partial(verify_kernel, config=config),
         grid=grid,
         in_specs=in_specs,
         out_specs=(out_specs[0], out_specs[2]),
         out_shape=(out_shape, _shapes(records)),
-        input_output_aliases={1 + i: 1 + i for i in range(n_records)},  # the records in place
+        input_output_aliases={n_in + i: 1 + i for i in range(n_records)},  # the records in place
         interpret=interpret,
         config=config,
         name=f"{layer}_verify_W{window}_L{L}_{config.tag()}",
@@ -334,8 +387,9 @@ def verify_window(state, records, inputs, *, window: int, verify):
     checkpoint, records, cursor, inputs) -> (y, checkpoint, records,
     cursor): the verify launches. Returns (y, new state with window = W).
     """
-    y, checkpoint, records, cursor = verify(state.checkpoint, records, state.cursor, inputs)
-    return y, state.replace(checkpoint=checkpoint, cursor=cursor, window=window, **records._asdict())
+    written = None if state.scale is None else window_writes(state, window)
+    y, checkpoint, records, cursor = verify(checkpoint_operand(state), records, state.cursor, inputs)
+    return y, _with_checkpoint(state, checkpoint, written, cursor=cursor, window=window, **records._asdict())
 
 
 def replay_step(state, records, inputs, *, route: str, config: StepConfig | ReplayConfig, step, replay):
@@ -349,9 +403,10 @@ def replay_step(state, records, inputs, *, route: str, config: StepConfig | Repl
 
     Returns (y, new state).
     """
+    written = None if state.scale is None else step_writes(state, route)  # the rows an 8-bit write counts
     if route == "direct":
-        y, checkpoint, cursor = step(state.checkpoint, inputs, records, state.cursor, config=config)
-        return y, state.replace(checkpoint=checkpoint, cursor=cursor)
-    y, checkpoint, records, cursor = replay(state.checkpoint, records, state.cursor, inputs, route=route,
+        y, checkpoint, cursor = step(checkpoint_operand(state), inputs, records, state.cursor, config=config)
+        return y, _with_checkpoint(state, checkpoint, written, cursor=cursor)
+    y, checkpoint, records, cursor = replay(checkpoint_operand(state), records, state.cursor, inputs, route=route,
                                             config=config)
-    return y, state.replace(checkpoint=checkpoint, cursor=cursor, **records._asdict())
+    return y, _with_checkpoint(state, checkpoint, written, cursor=cursor, **records._asdict())

@@ -57,7 +57,8 @@ from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step
                                           run_verify_program, step_launch, verify_launch, verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
-from replayssm_jax.kernels.tiles import mask_and, matvec, row_mask, store, tile_mask
+from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
+                                         store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.state import Mamba2ReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -138,12 +139,13 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
         count = read_cursor(cursor_ref)  # first: the fold's trip count waits on it
     pmask, nmask, x, dt, A, Bv, Cv, skip, gate = _load_step_inputs(inputs, P, N, dt_softplus, dt_limit)
     tmask = tile_mask(pmask, nmask, (inputs.x.shape[0], inputs.B.shape[0]))
-    S = load(state_ref, tmask)
+    S = load_checkpoint(state_ref, None, tmask, pmask)
+    ids = row_ids(state_ref.shape[0]) if stochastic(state_ref) else None  # the rows' global ids (stochastic rounding)
 
     def finish(S):
         S = S * jnp.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
         store(y_ref, _skip_and_gate(matvec(S, Cv), skip, gate), pmask)
-        store(state_out_ref, S, tmask)
+        store_checkpoint(state_ref, state_out_ref, None, S, tmask, pmask, ids, N)
 
     if not direct:
         return finish(S)
@@ -200,7 +202,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
 
     def tile(rows, pmask):
         tmask = tile_mask(pmask, nmask, (BP, BN))
-        S_c = load(checkpoint_ref.at[rows, :], tmask)  # the one read of the checkpoint
+        S_c = load_checkpoint(checkpoint_ref, rows, tmask, pmask)  # the one read of the checkpoint
         X = load_live(records.x.at[:, rows], live, L, pmask)
         x, x_rec = _load_x_record(inputs.x, records.x.dtype, rows, pmask)
         u = dt * x_rec
@@ -237,7 +239,7 @@ def _materialize(checkpoint_ref, records: Records, count, rows, pmask, nmask, L,
         return (dts * A, dts[:, None] * load_live(records.x.at[:, rows], live, L, pmask),
                 load_live(records.B, live, L, nmask, records.B.dtype))
 
-    S_c = load(checkpoint_ref.at[rows, :], tile_mask(pmask, nmask, (rows.size, checkpoint_ref.shape[-1])))
+    S_c = load_checkpoint(checkpoint_ref, rows, tile_mask(pmask, nmask, (rows.size, checkpoint_ref.shape[-1])), pmask)
     return replay_records(S_c, count, L, record, all_records, checkpoint_ref.dtype)
 
 
@@ -263,7 +265,8 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
             S = decay * S
             u = dt * _load_x_record(inputs.x, records.x.dtype, rows, pmask)[1]
             S = S + u[:, None] * Bv[None, :]
-        store(checkpoint_out.at[rows, :], S, tmask)
+        ids = tile_row_ids(config, split, rows) if stochastic(checkpoint_ref) else None
+        store_checkpoint(checkpoint_ref, checkpoint_out, rows, S, tmask, pmask, ids, N)
 
     for_each_row_tile(P, config, split, tile)
 

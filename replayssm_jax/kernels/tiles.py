@@ -11,12 +11,95 @@ and a mat-vec is memory-bound anyway).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from replayssm_jax.state import quantize_rows, rounding_uniforms
+
 f32 = jnp.float32
+
+
+class Quantized(NamedTuple):
+    """An 8-bit checkpoint operand of a launch (arrays, block specs or refs).
+
+    values: int8 | float8_e4m3fn[batch, heads, V, K]; scale: f32[batch,
+    heads, V], one per row (over K); seed: u32[batch, heads], the stochastic
+    rounding's key of this write (:func:`replayssm_jax.state.row_seeds`), or
+    None: round to nearest (and in a launch's outputs, which hold the
+    written values and scales only). A float32 or bfloat16 checkpoint is
+    passed as a plain array instead.
+    """
+
+    values: Any
+    scale: Any
+    seed: Any = None
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+
+def stochastic(checkpoint) -> bool:
+    """Whether a checkpoint operand (array or Quantized, of refs) rounds stochastically when written."""
+    return isinstance(checkpoint, Quantized) and checkpoint.seed is not None
+
+
+def _rows_of(ref, rows, matrix: bool):
+    """ref.at[rows, :] (matrix) or ref.at[rows]; the ref itself where rows is None (a block of one tile)."""
+    if rows is None:
+        return ref
+    return ref.at[rows, :] if matrix else ref.at[rows]
+
+
+def load_checkpoint(checkpoint, rows, tmask, rmask) -> jax.Array:
+    """A checkpoint tile f32[BV, BK] as read: rows `rows` (a `pl.ds`, or None:
+    the whole block) of `checkpoint` (a ref, or a :class:`Quantized` of refs:
+    the values times their rows' scales). tmask: the tile's mask; rmask:
+    its rows' (bool[BV] or None)."""
+    if not isinstance(checkpoint, Quantized):
+        return load(_rows_of(checkpoint, rows, True), tmask)
+    ref = _rows_of(checkpoint.values, rows, True)
+    if isinstance(ref, RowRef):
+        ref = ref.whole()
+    # The padding value in the ref's own kind: Triton casts no integer to fp8.
+    zero = 0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0
+    values = (plgpu.load(ref) if tmask is None else plgpu.load(ref, mask=tmask, other=zero)).astype(f32)
+    return values * load(_rows_of(checkpoint.scale, rows, False), rmask)[:, None]
+
+
+def store_checkpoint(checkpoint, checkpoint_out, rows, S, tmask, rmask, row_ids, K: int) -> None:
+    """Store the f32 tile S [BV, BK] (padded columns zero) as rows `rows` (as
+    :func:`load_checkpoint`) of the checkpoint: cast to a plain ref's dtype,
+    or quantized row by row into a :class:`Quantized` output
+    (:func:`replayssm_jax.state.quantize_rows`; stochastically where the
+    input `checkpoint` has a seed, the uniforms of elements (row_ids
+    i32[BV], the tile's global rows, and its columns) of a V x K state).
+    row_ids is read only for stochastic rounding."""
+    if not isinstance(checkpoint_out, Quantized):
+        store(_rows_of(checkpoint_out, rows, True), S, tmask)
+        return
+    noise = 0.5
+    if checkpoint.seed is not None:
+        noise = rounding_uniforms(load_scalar(checkpoint.seed, jnp.uint32), row_ids[:, None],
+                                  lane_ids(S.shape[1])[None, :], K)
+    values, scale = quantize_rows(S, checkpoint_out.values.dtype, noise)
+    store(_rows_of(checkpoint_out.values, rows, True), values, tmask)
+    store(_rows_of(checkpoint_out.scale, rows, False), scale, rmask)
+
+
+def tile_row_ids(tiling, split, rows) -> jax.Array:
+    """i32[block_v]: the global state rows of the tile `rows` (a `pl.ds`
+    relative to the program's block of block_v * tiles rows) of program
+    `split` along the rows, under `tiling` (a ReplayConfig)."""
+    return split * (tiling.tiles * tiling.block_v) + rows.start + lane_ids(tiling.block_v)
 
 
 class RowRef:

@@ -45,7 +45,8 @@ class SSMMixer(nnx.Module):
     chunked_op: ClassVar[Callable]  # prefill: (state | None, **inputs, chunk_size, **params) -> (y, state)
     step_op: ClassVar[Callable]  # standard decode: (ssm_state, **inputs, **params) -> (y, ssm_state)
     replay_step_op: ClassVar[Callable]  # ReplaySSM decode: (replay, **inputs, route, **params) -> (y, replay)
-    replay_init_op: ClassVar[Callable]  # (checkpoint, buffer_len, heads or groups, buffer_dtype) -> replay state
+    replay_init_op: ClassVar[Callable]  # (checkpoint, buffer_len, heads or groups, buffer_dtype, checkpoint_dtype,
+    #                                     rounding) -> replay state
     replay_verify_op: ClassVar[Callable]  # (replay, **inputs [batch, W, ...], **params) -> (y, replay with window W)
 
     # Hooks each layer defines (Mamba2Mixer, GatedDeltaNet); the base has no default.
@@ -98,10 +99,14 @@ class SSMMixer(nnx.Module):
         return self._finish(y, z), SSMLayerState(conv_state=ConvWindow.from_conv_state(conv_state),
                                                  ssm_state=ssm_state.astype(self.ssm_state_dtype))
 
-    def to_replay(self, state: SSMLayerState, buffer_len: int, buffer_dtype=jnp.float32) -> ReplayLayerState:
-        """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps."""
+    def to_replay(self, state: SSMLayerState, buffer_len: int, buffer_dtype=jnp.float32, checkpoint_dtype=None,
+                  rounding: str = "nearest") -> ReplayLayerState:
+        """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps;
+        the checkpoint stored in `checkpoint_dtype` (None: the state's dtype; int8 or float8_e4m3fn: quantized
+        per row with `rounding`, "nearest" or "stochastic": replayssm_jax.ops.*_replay_init)."""
         return ReplayLayerState(conv_state=state.conv_state,
                                 replay=self.replay_init_op(state.ssm_state, buffer_len, buffer_dtype=buffer_dtype,
+                                                           checkpoint_dtype=checkpoint_dtype, rounding=rounding,
                                                            **self._replay_init_params()))
 
     def with_window(self, state: SSMLayerState | ReplayLayerState, max_window: int):

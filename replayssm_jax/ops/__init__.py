@@ -31,11 +31,20 @@ head_dim, d_state] (mamba_ssm's and transformers' ssm_state), GDN [batch,
 HV, V, K] (FLA's; transformers' cache is [batch, HV, K, V]: transpose it).
 float16 arrays (activations, parameters, states, buffers) raise TypeError:
 float16 overflows in these recurrences; use bfloat16 or float32.
+
+Replay checkpoints may also be int8 or float8_e4m3fn (`checkpoint_dtype`
+of the init ops): one f32 scale per state row, quantized at every
+checkpoint write, to nearest or stochastically (:mod:`replayssm_jax.state`).
+No standard step takes an 8-bit state (TypeError). The combinations that
+:data:`UNSAFE_CHECKPOINTS` lists warn at init, and the direct route on an
+8-bit checkpoint warns at each call (UserWarning); "auto" takes the output
+route on one.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +97,16 @@ __all__ = [
 
 INF = math.inf
 
+# The 8-bit checkpoints (dtype, rounding) that warn, per layer type: in the drift study
+# (bench/state_drift.py --quick, 2026-12-01: random-weight layers with slow decays, 512 steps, L 8 and 16)
+# float8_e4m3fn checkpoints reached 1.9-5.4% relative output error against the float32 checkpoint, 10-20x
+# the bfloat16 checkpoint's, on both layer types and with both roundings; int8 reached 0.4-1.1% (3-4x
+# bfloat16's). The direct route on an 8-bit checkpoint warns as well (it rounds at every step).
+UNSAFE_CHECKPOINTS = {
+    layer: {(jnp.dtype(jnp.float8_e4m3fn), "nearest"), (jnp.dtype(jnp.float8_e4m3fn), "stochastic")}
+    for layer in ("mamba2", "gdn")
+}
+
 # The `config` a kernel op takes (None: the heuristic).
 KernelConfig = kernels.StepConfig | kernels.ReplayConfig
 
@@ -96,7 +115,8 @@ KernelConfig = kernels.StepConfig | kernels.ReplayConfig
 # Replay states
 
 
-def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=jnp.float32) -> Mamba2ReplayState:
+def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=jnp.float32, checkpoint_dtype=None,
+                       rounding: str = "nearest") -> Mamba2ReplayState:
     """A Mamba-2 ReplaySSM state with an empty buffer.
 
     Args:
@@ -107,18 +127,51 @@ def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=
       buffer_dtype: dtype of the x and B records (dt is always float32).
         Use the activation dtype (e.g. bfloat16) to halve buffer traffic;
         records of bf16 activations are then stored exactly.
+      checkpoint_dtype: the stored checkpoint's dtype: None (the given
+        checkpoint's), float32, bfloat16, int8 or float8_e4m3fn. 8-bit
+        checkpoints hold one f32 scale per (head, head_dim row), over
+        d_state (`state.scale` f32[batch, nheads, head_dim]), and are
+        quantized at every write (:mod:`replayssm_jax.state`).
+      rounding: "nearest" or "stochastic" (counter-based, reproducible):
+        how an 8-bit checkpoint write rounds; ignored for f32 | bf16.
 
     Returns:
       Mamba2ReplayState with cursor 0 for every row.
 
     Raises:
-      TypeError: non-float checkpoint or buffer_dtype, or non-int sizes.
-      ValueError: wrong rank, L < 1, or nheads not divisible by n_groups.
+      TypeError: non-float checkpoint or buffer_dtype, a checkpoint_dtype
+        other than the four, or non-int sizes.
+      ValueError: wrong rank, L < 1, nheads not divisible by n_groups, or
+        an unknown rounding.
     """
-    return _state.mamba2_replay_init(*val.check_mamba2_replay_init(checkpoint, buffer_len, n_groups, buffer_dtype))
+    dtype, rounding = _checkpoint_format("mamba2", checkpoint_dtype, rounding)
+    return _state.mamba2_replay_init(*val.check_mamba2_replay_init(checkpoint, buffer_len, n_groups, buffer_dtype),
+                                     checkpoint_dtype=dtype, rounding=rounding)
 
 
-def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=jnp.float32) -> GDNReplayState:
+def _checkpoint_format(layer: str, checkpoint_dtype, rounding):
+    """(checkpoint_dtype as a dtype or None, rounding), checked; a UserWarning for a combination that
+    :data:`UNSAFE_CHECKPOINTS` lists for `layer`."""
+    dtype = None if checkpoint_dtype is None else val.check_checkpoint_dtype("checkpoint_dtype", checkpoint_dtype)
+    rounding = val.check_rounding("rounding", rounding)
+    if dtype is not None and (dtype, rounding) in UNSAFE_CHECKPOINTS[layer]:
+        warnings.warn(f"a {dtype} replay checkpoint with {rounding} rounding drifts from the float32 checkpoint's "
+                      f"outputs on {layer} layers by about 10x the bfloat16 checkpoint's error (bench/state_drift.py, "
+                      "2026-12-01); int8 or bfloat16 checkpoints are safer", UserWarning, stacklevel=3)
+    return dtype, rounding
+
+
+def _warn_direct_8bit(state, route: str) -> None:
+    """A UserWarning for the direct route on an 8-bit checkpoint, which it rounds at every step."""
+    if route == "direct" and state.scale is not None:
+        warnings.warn(f"the direct route rounds a {state.checkpoint.dtype} checkpoint at every step (the output and "
+                      "state routes round it once per flush): its outputs drift about 3x further from the float32 "
+                      "checkpoint's (bench/state_drift.py, 2026-12-01); use route='output'", UserWarning,
+                      stacklevel=3)
+
+
+def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=jnp.float32, checkpoint_dtype=None,
+                    rounding: str = "nearest") -> GDNReplayState:
     """A Gated DeltaNet ReplaySSM state with an empty buffer.
 
     Args:
@@ -129,15 +182,22 @@ def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=
       buffer_len: L >= 1, the number of buffered steps between flushes.
       num_k_heads: H, the number of key heads; must divide HV.
       buffer_dtype: dtype of the d and k records (g is always float32).
+      checkpoint_dtype, rounding: as :func:`mamba2_replay_init`; an 8-bit
+        checkpoint holds one f32 scale per (value head, value row), over
+        the key dim K (`state.scale` f32[batch, HV, V]).
 
     Returns:
       GDNReplayState with cursor 0 for every row.
 
     Raises:
-      TypeError: non-float checkpoint or buffer_dtype, or non-int sizes.
-      ValueError: wrong rank, L < 1, or HV not divisible by H.
+      TypeError: non-float checkpoint or buffer_dtype, a checkpoint_dtype
+        other than the four, or non-int sizes.
+      ValueError: wrong rank, L < 1, HV not divisible by H, or an unknown
+        rounding.
     """
-    return _state.gdn_replay_init(*val.check_gdn_replay_init(checkpoint, buffer_len, num_k_heads, buffer_dtype))
+    dtype, rounding = _checkpoint_format("gdn", checkpoint_dtype, rounding)
+    return _state.gdn_replay_init(*val.check_gdn_replay_init(checkpoint, buffer_len, num_k_heads, buffer_dtype),
+                                  checkpoint_dtype=dtype, rounding=rounding)
 
 
 def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted):
@@ -283,6 +343,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     dt_softplus, dt_limit = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
     chosen = choose_backend("mamba2_replay_step", backend, config)
     route = resolve_route(route, chosen, state, config)
+    _warn_direct_8bit(state, route)
     if chosen == "xla":
         return reference.mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, route)
     return kernels.mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
@@ -490,6 +551,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     scale, use_qk_l2norm = val.check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm)
     chosen = choose_backend("gdn_replay_step", backend, config)
     route = resolve_route(route, chosen, state, config)
+    _warn_direct_8bit(state, route)
     if chosen == "xla":
         return reference.gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, route)
     return kernels.gdn_replay_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, route=route,

@@ -147,7 +147,8 @@ def resolve_route(route: str, backend: str, state, config=None) -> str:
     :class:`~replayssm_jax.kernels.ReplayConfig` the output route. On the H200 the direct step
     ran at 0.88-0.99x of the standard step's speed at those batches and the
     buffered one at 0.53-0.74x (bench/RESULTS.md, 2026-11-30). On "xla",
-    "auto" is the output route.
+    and for a state with an 8-bit checkpoint (which the direct route would
+    round at every step), "auto" is the output route.
 
     Args:
       route: one of :data:`ROUTES`.
@@ -164,7 +165,7 @@ def resolve_route(route: str, backend: str, state, config=None) -> str:
     """
     if check_route(route) != "auto":
         return route
-    if backend == "xla":
+    if backend == "xla" or state.scale is not None:  # an 8-bit checkpoint: rounded at the flush only
         return "output"
     if config is not None:
         return "direct" if isinstance(config, kernels.StepConfig) else "output"

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
+from replayssm_jax.state import CHECKPOINT_DTYPES, ROUNDINGS, GDNReplayState, Mamba2ReplayState, is_quantized
 
 STATE_DTYPES = (jnp.float32, jnp.bfloat16)
 FLOAT16_OVERFLOWS = "float16 overflows in these recurrences (its largest value is 65504): use bfloat16 or float32"
@@ -199,9 +199,20 @@ GDN_LAYOUT = ("the state is value-major, as FLA's; transformers' cache is [batch
 
 def check_state_array(name: str, x, dims: str) -> jax.Array:
     """A recurrent state or checkpoint: an f32 | bf16 array of rank 4, none of its axes empty."""
+    check_not_8bit_state(name, x)
     x = check_float(name, x, STATE_DTYPES)  # float16 is not among them
     check_rank(name, x, dims)
     return x
+
+
+def check_not_8bit_state(name: str, x) -> None:
+    """Raise TypeError for an int8 | float8_e4m3fn array where a full state
+    is expected: 8-bit states are replay checkpoints only (quantized at a
+    flush); a standard step would quantize every step and no kernel takes one."""
+    if isinstance(x, (jax.Array, np.ndarray)) and is_quantized(x.dtype):
+        raise TypeError(f"`{name}` must have dtype float32 or bfloat16; got {x.dtype}: 8-bit states are supported "
+                        "as replay checkpoints only (checkpoint_dtype of *_replay_init), not as a standard step's "
+                        "state")
 
 
 def check_layout(name: str, shape, dims: str, rows: int, cols: int, given_by: str, hint: str) -> None:
@@ -259,7 +270,7 @@ def check_replay_state(state, kind: type) -> None:
     if not isinstance(state, kind):
         raise TypeError(f"`state` must be a {kind.__name__}; got {type(state).__name__}")
     mamba = kind is Mamba2ReplayState
-    check_state_array("state.checkpoint", state.checkpoint, MAMBA2_DIMS if mamba else GDN_DIMS)
+    check_checkpoint(state, MAMBA2_DIMS if mamba else GDN_DIMS)
     batch, heads, rows, cols = state.checkpoint.shape
     record, key, decay = ("x", "B", "dt") if mamba else ("d", "k", "g")
     axes = ({record: "batch, nheads, L, head_dim", key: "batch, n_groups, L, d_state", decay: "batch, nheads, L"}
@@ -287,6 +298,54 @@ def check_replay_state(state, kind: type) -> None:
         if ((cursor < 0) | (cursor > L)).any():
             raise ValueError(f"`state.cursor` must be in [0, {L}] (the buffer length) for every row; "
                              f"got {cursor.tolist()}")
+
+
+def check_checkpoint_dtype(name: str, dtype) -> np.dtype:
+    """`dtype` (a replay checkpoint's) as a dtype among
+    :data:`replayssm_jax.state.CHECKPOINT_DTYPES` (float32, bfloat16, int8,
+    float8_e4m3fn); TypeError naming `name` otherwise."""
+    names = ", ".join(d.name for d in CHECKPOINT_DTYPES)
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"`{name}` must be a checkpoint dtype ({names}); got {dtype!r}") from None
+    if dtype not in CHECKPOINT_DTYPES:
+        raise TypeError(f"`{name}` must be a checkpoint dtype ({names}); got {dtype}")
+    return dtype
+
+
+def check_rounding(name: str, rounding) -> str:
+    """`rounding` if it is one of :data:`replayssm_jax.state.ROUNDINGS`; ValueError naming `name` otherwise."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"`{name}` must be one of {', '.join(map(repr, ROUNDINGS))}; got {rounding!r}")
+    return rounding
+
+
+def check_checkpoint(state, dims: str) -> None:
+    """A replay state's checkpoint: rank 4, float32 | bfloat16 with no scale
+    and no counter, or int8 | float8_e4m3fn with `state.scale` f32[batch,
+    heads, V] (one scale per row, over the K axis), `state.counter`
+    i32[batch] and a known `state.rounding`."""
+    checkpoint = state.checkpoint
+    if not isinstance(checkpoint, (jax.Array, np.ndarray)) or not is_quantized(checkpoint.dtype):
+        check_state_array("state.checkpoint", checkpoint, dims)
+        for name in ("scale", "counter"):
+            if getattr(state, name) is not None:
+                raise ValueError(f"`state.{name}` must be None for a {checkpoint.dtype} checkpoint (only int8 and "
+                                 f"float8_e4m3fn checkpoints are scaled); got an array")
+        return
+    check_rank("state.checkpoint", checkpoint, dims)
+    batch, heads, rows, _ = checkpoint.shape
+    if state.scale is None:
+        raise ValueError(f"`state.scale` must be an f32 array of shape [{dims.rsplit(', ', 1)[0]}] = "
+                         f"{(batch, heads, rows)} for a {checkpoint.dtype} checkpoint; got None")
+    check_float("state.scale", state.scale, (jnp.float32,))
+    check_shape("state.scale", state.scale, dims.rsplit(", ", 1)[0], (batch, heads, rows))
+    if not isinstance(state.counter, (jax.Array, np.ndarray)) or state.counter.dtype != jnp.int32:
+        raise TypeError(f"`state.counter` must be an int32 array of shape [batch] = ({batch},) for a "
+                        f"{checkpoint.dtype} checkpoint; got {getattr(state.counter, 'dtype', state.counter)!r}")
+    check_shape("state.counter", state.counter, "batch", (batch,))
+    check_rounding("state.rounding", state.rounding)
 
 
 def check_no_pending_window(state) -> None:

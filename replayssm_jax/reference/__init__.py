@@ -20,6 +20,7 @@ Glossary (letters used in shapes; config field; paper symbol):
   ReplaySSM (DESIGN.md)
     L   buffer length (steps buffered between flushes);  W  verify window length
     checkpoint [batch, heads, V, K] (Mamba-2: V = head_dim, K = d_state)
+    scale f32[batch, heads, V], one per row of an int8 | float8_e4m3fn checkpoint (over K)
     cursor i32[batch], steps buffered since the checkpoint
 
 States are value-major, [batch, heads, V, K], as mamba_ssm's ssm_state and

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from replayssm_jax.state import in_order, slot_mask
+from replayssm_jax.state import as_f32_checkpoint, in_order, slot_mask, window_writes, write_checkpoint
 
 f32 = jnp.float32
 
@@ -251,3 +251,36 @@ def make_room(state, W: int, unify: Callable):
     """The early-flush rule: rows whose buffer cannot take W more steps
     (cursor + W > L) flush first, so that a step or window never overruns."""
     return flush_where(state, state.cursor + W > state.buffer_len, unify)
+
+
+def on_f32_checkpoint(state, written: jax.Array, op: Callable):
+    """Run `op(state) -> (output, new state)` on a state with an 8-bit checkpoint.
+
+    `op` runs on the checkpoint read as f32 (:func:`replayssm_jax.state.as_f32_checkpoint`),
+    every intermediate in f32; then the rows where `written` (bool[batch])
+    is set, those whose checkpoint `op` writes, are quantized once
+    (:func:`replayssm_jax.state.write_checkpoint`, keyed by their write
+    count at entry), and the other rows keep their stored values and scales
+    bit for bit. So a step that flushes twice in f32 (a row that entered
+    full: the early flush, then this step's) rounds once, as the kernels do.
+    """
+    output, new = op(as_f32_checkpoint(state))
+    stored = write_checkpoint(state, new.checkpoint, written)
+    return output, new.replace(checkpoint=stored.checkpoint, scale=stored.scale, counter=stored.counter)
+
+
+
+def reading_f32_checkpoint(state, op: Callable):
+    """Run `op(state) -> (output, new state)`, which writes no checkpoint row
+    (a verify window after its early flush), on a state with an 8-bit
+    checkpoint read as f32; the new state keeps the stored checkpoint,
+    scales and write counts."""
+    output, new = op(as_f32_checkpoint(state))
+    return output, new.replace(checkpoint=state.checkpoint, scale=state.scale, counter=state.counter)
+
+
+def early_flush_8bit(state, W: int, unify: Callable):
+    """:func:`make_room` for a verify window of W steps on a state with an
+    8-bit checkpoint: the rows with cursor + W > L flush, quantized, before
+    the window reads the checkpoint (as the kernels' early flush launch)."""
+    return on_f32_checkpoint(state, window_writes(state, W), lambda s: ((), make_room(s, W, unify)))[1]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from replayssm_jax.reference import _common as c
-from replayssm_jax.state import GDNReplayState, in_order, write_slots
+from replayssm_jax.state import GDNReplayState, as_f32_checkpoint, in_order, step_writes, write_slots
 
 f32 = jnp.float32
 
@@ -134,8 +134,10 @@ def gdn_replay_materialize(state: GDNReplayState) -> jax.Array:
     """The state after `cursor` buffered steps, f32[batch, HV, V, K]:
     S = exp(G) S_c + sum_i w_i d_i k_i^T over the live slots (with a pending
     verify window: the state at the window's start). Arguments as
-    :func:`replayssm_jax.ops.gdn_replay_materialize`.
+    :func:`replayssm_jax.ops.gdn_replay_materialize`. An 8-bit checkpoint is
+    read dequantized.
     """
+    state = as_f32_checkpoint(state)
     return c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
 
 
@@ -144,6 +146,8 @@ def gdn_replay_flush(state: GDNReplayState) -> GDNReplayState:
     checkpoint's dtype), cursor 0; the buffers keep their contents, now dead
     slots. Arguments as :func:`replayssm_jax.ops.gdn_replay_flush`.
     """
+    if state.scale is not None:
+        return c.on_f32_checkpoint(state, jnp.ones_like(state.cursor, bool), lambda s: ((), gdn_replay_flush(s)))[1]
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), unify)
 
 
@@ -176,8 +180,13 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
-      :func:`gdn_step`'s output on the same step sequence.
+      :func:`gdn_step`'s output on the same step sequence. An 8-bit
+      checkpoint is read dequantized and written quantized once per write
+      (:func:`replayssm_jax.reference._common.on_f32_checkpoint`).
     """
+    if state.scale is not None:
+        return c.on_f32_checkpoint(state, step_writes(state, route), lambda s: gdn_replay_step(
+            s, q, k, v, g, beta, scale, use_qk_l2norm, route))
     if route == "direct":
         return c.direct_step(state, unify, lambda S: gdn_step(S, q, k, v, g, beta, scale, use_qk_l2norm))
     HV = state.checkpoint.shape[1]
@@ -232,6 +241,10 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
       non-finite input that enters the state on, the outputs are NaN.
     """
     W = v.shape[1]
+    if state.scale is not None:
+        state = c.early_flush_8bit(state, W, unify)
+        return c.reading_f32_checkpoint(state, lambda s: gdn_replay_verify(s, q, k, v, g, beta, scale,
+                                                                           use_qk_l2norm))
     HV = state.checkpoint.shape[1]
     state = c.make_room(state, W, unify)
     start = c.replay_materialize(state.checkpoint, *unify(state), state.cursor)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax.reference import _common as c
-from replayssm_jax.state import Mamba2ReplayState, in_order, write_slots
+from replayssm_jax.state import Mamba2ReplayState, as_f32_checkpoint, in_order, step_writes, write_slots
 
 f32 = jnp.float32
 INF = math.inf
@@ -123,8 +123,10 @@ def mamba2_replay_materialize(state: Mamba2ReplayState, A) -> jax.Array:
     """The state after `cursor` buffered steps, f32[batch, nheads, head_dim, d_state]:
     S = exp(G) S_c + sum_i w_i (dt_i x_i) B_i^T over the live slots (with a pending
     verify window: the state at the window's start). Arguments as
-    :func:`replayssm_jax.ops.mamba2_replay_materialize`.
+    :func:`replayssm_jax.ops.mamba2_replay_materialize`. An 8-bit checkpoint
+    is read dequantized.
     """
+    state = as_f32_checkpoint(state)
     return c.replay_materialize(state.checkpoint, *unify(state, A), state.cursor)
 
 
@@ -133,6 +135,9 @@ def mamba2_replay_flush(state: Mamba2ReplayState, A) -> Mamba2ReplayState:
     checkpoint's dtype), cursor 0; the buffers keep their contents, now dead
     slots. Arguments as :func:`replayssm_jax.ops.mamba2_replay_flush`.
     """
+    if state.scale is not None:
+        return c.on_f32_checkpoint(state, jnp.ones_like(state.cursor, bool),
+                                   lambda s: ((), mamba2_replay_flush(s, A)))[1]
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), lambda s: unify(s, A))
 
 
@@ -171,7 +176,12 @@ def mamba2_replay_step(
     Returns:
       (y [batch, nheads, head_dim] in x.dtype, new Mamba2ReplayState).
       y equals :func:`mamba2_step`'s output on the same step sequence.
+      An 8-bit checkpoint is read dequantized and written quantized once
+      per write (:func:`replayssm_jax.reference._common.on_f32_checkpoint`).
     """
+    if state.scale is not None:
+        return c.on_f32_checkpoint(state, step_writes(state, route), lambda s: mamba2_replay_step(
+            s, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, route))
     if route == "direct":
         return c.direct_step(state, lambda s: unify(s, A),
                              lambda S: mamba2_step(S, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit))
@@ -233,6 +243,10 @@ def mamba2_replay_verify(
       non-finite input that enters the state on, the outputs are NaN.
     """
     W = x.shape[1]
+    if state.scale is not None:
+        state = c.early_flush_8bit(state, W, lambda s: unify(s, A))
+        return c.reading_f32_checkpoint(state, lambda s: mamba2_replay_verify(s, x, dt, A, B, C, D, z, dt_bias,
+                                                                              dt_softplus, dt_limit))
     H = state.checkpoint.shape[1]
     state = c.make_room(state, W, lambda s: unify(s, A))
     start = c.replay_materialize(state.checkpoint, *unify(state, A), state.cursor)
