@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import pathlib
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,7 @@ def reference(name):
 def test_greedy_tokens_match_transformers(name, state, L):
     ref = reference(name)
     prompts, expected = ref["prompt_ids"], ref["generated_ids"]
-    gen = Generator(model(name), state=state, buffer_len=L or 1)
+    gen = Generator(model(name), state=state, buffer_len=L)
     out = gen.generate(prompts, expected.shape[1] - prompts.shape[1])
     np.testing.assert_array_equal(np.array(out.sequences), expected)
 
@@ -275,6 +276,17 @@ def test_sampling_from_generation_config():
 def test_route_with_the_standard_state_warns():
     with pytest.warns(UserWarning, match="`route` 'direct' applies to state 'replay' only"):
         Generator(model("mamba2_tiny"), state="standard", route="direct")
+
+
+def test_buffer_len_with_the_standard_state_warns():
+    """As the CLI warns for --buffer-len with --state standard; the default (None) does not warn."""
+    with pytest.warns(UserWarning, match="`buffer_len` 8 applies to state 'replay' only; the standard state ignores it"):
+        gen = Generator(model("mamba2_tiny"), state="standard", buffer_len=8)
+    assert gen.buffer_len is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Generator(model("mamba2_tiny"), state="standard").buffer_len is None
+        assert Generator(model("mamba2_tiny"), state="replay").buffer_len == 16
 
 
 def test_on_token_streams_the_new_tokens():
