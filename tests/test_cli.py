@@ -31,12 +31,13 @@ def module_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def compile_cache(monkeypatch, module_cache):
+def compile_cache(monkeypatch, module_cache, compile_cache_dir):
     """The command's default compile cache lives in one temporary folder for this module (its tests share
-    compiled programs, as runs of the command do); JAX's persistent cache is off again after each test."""
+    compiled programs, as runs of the command do); JAX's persistent cache is the run's again after each test
+    (conftest.py)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(module_cache))
     yield
-    set_compile_cache(None)
+    set_compile_cache(compile_cache_dir)
 
 
 def checkpoint_copy(tmp_path, **files) -> str:
