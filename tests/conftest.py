@@ -9,11 +9,12 @@ models' prefill and decode programs), so two settings make it cheaper:
     decode program): on a machine without a CUDA plugin, unless XLA_FLAGS
     already sets a level. The HLO passes (fusion, buffer assignment, the
     in-place updates that tests/test_inplace_hlo.py checks) are the same.
-  - JAX's persistent compilation cache in a folder of the run's temporary
-    directory, shared by the xdist workers: a program that another test
-    (another `Generator`, another jit of the same function) already compiled
-    is loaded instead of compiled again. REPLAYSSM_TEST_NO_COMPILE_CACHE=1
-    turns it off.
+  - JAX's persistent compilation cache, shared by the xdist workers: a
+    program that another test (another `Generator`, another jit of the same
+    function) already compiled is loaded instead of compiled again. Its
+    folder is REPLAYSSM_TEST_COMPILE_CACHE if set (kept), else a new
+    temporary folder, removed when the run ends;
+    REPLAYSSM_TEST_NO_COMPILE_CACHE=1 turns the cache off.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -34,24 +37,27 @@ if _cpu_only() and "xla_backend_optimization_level" not in os.environ.get("XLA_F
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
-@pytest.fixture(scope="session")
-def compile_cache_dir(tmp_path_factory):
-    """The run's persistent compilation cache folder (shared by the xdist workers), or None when turned off."""
+COMPILE_CACHE = "REPLAYSSM_TEST_COMPILE_CACHE"
+_created_cache = None  # the folder this process made (the xdist controller's), removed at the end
+
+
+def pytest_configure(config):
+    """Turn on the persistent compilation cache; the folder made here goes to the xdist workers in their
+    environment (they start after this hook)."""
+    global _created_cache
     if os.environ.get("REPLAYSSM_TEST_NO_COMPILE_CACHE"):
-        return None
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # basetemp/popen-gwN: the run's folder is one up
-    return str(root / "jax-compile-cache")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def persistent_compile_cache(compile_cache_dir):
+        return
+    if not os.environ.get(COMPILE_CACHE):
+        _created_cache = os.environ[COMPILE_CACHE] = tempfile.mkdtemp(prefix="replayssm-jax-compile-cache-")
     from replayssm_jax.generation import set_compile_cache
 
-    set_compile_cache(compile_cache_dir)
-    yield compile_cache_dir
-    set_compile_cache(None)
+    set_compile_cache(os.environ[COMPILE_CACHE])
+
+
+def pytest_unconfigure(config):
+    if _created_cache is not None:
+        shutil.rmtree(_created_cache, ignore_errors=True)
+        os.environ.pop(COMPILE_CACHE, None)
 
 
 @pytest.fixture
