@@ -170,14 +170,18 @@ def test_later_drafts_do_not_reach_earlier_outputs(case, rng):
     L, W = 8, 4
     rs = layer.replay_state(L, jnp.float32, jnp.float32, staggered_cursors(layer.s.batch, L, W))
     window = draw_window(layer, W)
+    # One compiled verify for the clean and the garbage windows: a concrete g > 0 (GDN's garbage inf) is
+    # refused (test_validation.py), a traced one is not checked, as in a compiled decode loop.
+    compiled_verify = jax.jit(lambda rs, window: verify(layer, rs, window, "interpret"))
     with jax.default_matmul_precision("highest"):
-        y_clean, clean = verify(layer, rs, window, "interpret")
+        y_clean, clean = compiled_verify(rs, window)
         y_ref, _ = verify(layer, rs, window, "xla")
     assert_close(y_clean, y_ref, what="outputs of the clean window")
     m = jnp.full((layer.s.batch,), 0, jnp.int32)
     for t, bad in ((1, np.nan), (W - 1, np.inf)):
         garbage = {name: a.at[:, t:].set(bad) for name, a in window.items()}
-        y, new = verify(layer, poison_dead_slots(rs), garbage, "interpret")
+        with jax.default_matmul_precision("highest"):
+            y, new = compiled_verify(poison_dead_slots(rs), garbage)
         np.testing.assert_array_equal(as_f32(y[:, :t]), as_f32(y_clean[:, :t]), err_msg=f"drafts {t}.. garbage")
         assert np.isfinite(as_f32(new.checkpoint)).all()
         step = layer.draw()
