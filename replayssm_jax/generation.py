@@ -525,7 +525,8 @@ class Generator:
         An abstract one (`nnx.eval_shape`) serves `memory_estimate`.
       state: "standard" (full SSM state read and written every step) or
         "replay" (ReplaySSM with buffer length `buffer_len`).
-      buffer_len: L >= 1, for state="replay" (not used by the standard state).
+      buffer_len: L >= 1 for state="replay", or None (16). The standard state
+        has no buffer: a buffer_len other than None with it warns (UserWarning).
       buffer_dtype: dtype of the ReplaySSM records (default float32).
       state_dtype: dtype of the ReplaySSM checkpoints: None (the model's
         ssm_state_dtype), float32, bfloat16, int8 or float8_e4m3fn (8-bit:
@@ -572,7 +573,7 @@ class Generator:
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
-    def __init__(self, model, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32, backend=None,
+    def __init__(self, model, *, state="replay", buffer_len=None, buffer_dtype=jnp.float32, backend=None,
                  route="auto", block_size=16, prefill_rows=None, generation_config=None, speculative=None,
                  state_dtype=None, state_rounding="nearest"):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
@@ -581,7 +582,10 @@ class Generator:
         if state not in STATES:
             raise GenerationError(f"`state` must be one of {STATES}; got {state!r}")
         if state == "replay":
-            buffer_len = _check_int("buffer_len", buffer_len, 1)
+            buffer_len = _check_int("buffer_len", 16 if buffer_len is None else buffer_len, 1)
+        elif buffer_len is not None:
+            warnings.warn(f"`buffer_len` {buffer_len!r} applies to state 'replay' only; the standard state ignores it",
+                          UserWarning, stacklevel=2)
         block_size = _check_int("block_size", block_size, 1)
         self.prefill_rows = None if prefill_rows is None else _check_int("prefill_rows", prefill_rows, 1)
         try:
@@ -1193,7 +1197,7 @@ def _check_int(name, value, low, high=None) -> int:
     return int(value)
 
 
-def generate(model, prompts, max_new_tokens: int, *, state="replay", buffer_len=16, buffer_dtype=jnp.float32,
+def generate(model, prompts, max_new_tokens: int, *, state="replay", buffer_len=None, buffer_dtype=jnp.float32,
              backend=None, route="auto", generation_config=None, sampling=FROM_CONFIG, seed=0, stop_tokens=FROM_CONFIG,
              progress=None, on_token=None, speculative=None) -> GenerationOutput:
     """One-call generation: `Generator(model, ...).generate(prompts, ...)`; see both."""

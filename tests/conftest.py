@@ -1,13 +1,63 @@
 """Shared fixtures. Random inputs are drawn fresh on every run; the seed is
-printed (pytest shows it for a failing test) and REPLAYSSM_TEST_SEED replays it."""
+printed (pytest shows it for a failing test) and REPLAYSSM_TEST_SEED replays it.
+
+Compilation is most of the suite's time on a CPU (the XLA compiles of the
+models' prefill and decode programs), so two settings make it cheaper:
+
+  - the XLA CPU backend compiles without LLVM's optimisation passes
+    (`--xla_backend_optimization_level=0`, about half the compile time of a
+    decode program): on a machine without a CUDA plugin, unless XLA_FLAGS
+    already sets a level. The HLO passes (fusion, buffer assignment, the
+    in-place updates that tests/test_inplace_hlo.py checks) are the same.
+  - JAX's persistent compilation cache, shared by the xdist workers: a
+    program that another test (another `Generator`, another jit of the same
+    function) already compiled is loaded instead of compiled again. Its
+    folder is REPLAYSSM_TEST_COMPILE_CACHE if set (kept), else a new
+    temporary folder, removed when the run ends;
+    REPLAYSSM_TEST_NO_COMPILE_CACHE=1 turns the cache off.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
+
+
+def _cpu_only() -> bool:
+    return not any(importlib.util.find_spec(name) for name in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+
+
+if _cpu_only() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+
+COMPILE_CACHE = "REPLAYSSM_TEST_COMPILE_CACHE"
+_created_cache = None  # the folder this process made (the xdist controller's), removed at the end
+
+
+def pytest_configure(config):
+    """Turn on the persistent compilation cache; the folder made here goes to the xdist workers in their
+    environment (they start after this hook)."""
+    global _created_cache
+    if os.environ.get("REPLAYSSM_TEST_NO_COMPILE_CACHE"):
+        return
+    if not os.environ.get(COMPILE_CACHE):
+        _created_cache = os.environ[COMPILE_CACHE] = tempfile.mkdtemp(prefix="replayssm-jax-compile-cache-")
+    from replayssm_jax.generation import set_compile_cache
+
+    set_compile_cache(os.environ[COMPILE_CACHE])
+
+
+def pytest_unconfigure(config):
+    if _created_cache is not None:
+        shutil.rmtree(_created_cache, ignore_errors=True)
+        os.environ.pop(COMPILE_CACHE, None)
 
 
 @pytest.fixture

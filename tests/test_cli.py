@@ -33,10 +33,12 @@ def module_cache(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def compile_cache(monkeypatch, module_cache):
     """The command's default compile cache lives in one temporary folder for this module (its tests share
-    compiled programs, as runs of the command do); JAX's persistent cache is off again after each test."""
+    compiled programs, as runs of the command do); JAX's persistent cache is as before each test again (the
+    run's: conftest.py)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(module_cache))
+    before = jax.config.jax_compilation_cache_dir
     yield
-    set_compile_cache(None)
+    set_compile_cache(before)
 
 
 def checkpoint_copy(tmp_path, **files) -> str:

@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import pathlib
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,12 @@ from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
 DATA = pathlib.Path(__file__).parent / "data"
 FIXTURES = ["mamba2_tiny", "nemotron_h_tiny", "qwen3_5_tiny", "qwen3_next_tiny"]
-MODES = [("standard", None), ("replay", 1), ("replay", 4), ("replay", 16)]
+# The Generator hands the buffer length to the model only: its own code (buckets, blocks, the donated
+# carry) is the same for every L, so the default run takes the standard state and L = 4; L = 1 (a flush
+# every step) and L = 16 (a partly filled buffer at the end) are `slow` here, and run by default at the
+# model level with the logits (test_models.py::test_decode_matches_transformers).
+MODES = [("standard", None), ("replay", 4), pytest.param("replay", 1, marks=pytest.mark.slow),
+         pytest.param("replay", 16, marks=pytest.mark.slow)]
 _MODELS = {}
 
 
@@ -40,12 +46,12 @@ def reference(name):
     return np.load(DATA / name / "reference.npz")
 
 
-@pytest.mark.parametrize("state, L", MODES, ids=[f"{s}-L{L}" if L else s for s, L in MODES])
+@pytest.mark.parametrize("state, L", MODES, ids=["standard", "replay-L4", "replay-L1", "replay-L16"])
 @pytest.mark.parametrize("name", FIXTURES)
 def test_greedy_tokens_match_transformers(name, state, L):
     ref = reference(name)
     prompts, expected = ref["prompt_ids"], ref["generated_ids"]
-    gen = Generator(model(name), state=state, buffer_len=L or 1)
+    gen = Generator(model(name), state=state, buffer_len=L)
     out = gen.generate(prompts, expected.shape[1] - prompts.shape[1])
     np.testing.assert_array_equal(np.array(out.sequences), expected)
 
@@ -165,7 +171,7 @@ def test_decode_loop_copies_no_checkpoint(name):
     (hlo,) = gen.decode_hlo()
     cfg = model(name).config
     prompts = jnp.asarray(ref["prompt_ids"])
-    _, cache = model(name).prefill(prompts, 32, replay_buffer_len=4)
+    _, cache = jax.eval_shape(lambda ids: model(name).prefill(ids, 32, replay_buffer_len=4), prompts)  # shapes only
     checkpoints = [s.replay.checkpoint for s in cache.layers if hasattr(s, "replay")]
     assert checkpoints and all(isinstance(s.replay, (Mamba2ReplayState, GDNReplayState))
                                for s in cache.layers if hasattr(s, "replay"))
@@ -275,6 +281,17 @@ def test_sampling_from_generation_config():
 def test_route_with_the_standard_state_warns():
     with pytest.warns(UserWarning, match="`route` 'direct' applies to state 'replay' only"):
         Generator(model("mamba2_tiny"), state="standard", route="direct")
+
+
+def test_buffer_len_with_the_standard_state_warns():
+    """As the CLI warns for --buffer-len with --state standard; the default (None) does not warn."""
+    with pytest.warns(UserWarning, match="`buffer_len` 8 applies to state 'replay' only; the standard state ignores it"):
+        gen = Generator(model("mamba2_tiny"), state="standard", buffer_len=8)
+    assert gen.buffer_len is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Generator(model("mamba2_tiny"), state="standard").buffer_len is None
+        assert Generator(model("mamba2_tiny"), state="replay").buffer_len == 16
 
 
 def test_on_token_streams_the_new_tokens():

@@ -88,9 +88,10 @@ def case_id(case):
     return str(case[1]) if not isinstance(case[1], tuple) else f"{case[0].__name__}-{case[1]}"
 
 
-def on(backend, *values, id):
-    """pytest.param(backend, *values), marked `gpu` for the compiled kernels."""
-    return pytest.param(backend, *values, id=f"{backend}-{id}", marks=[pytest.mark.gpu] if backend == "pallas" else [])
+def on(backend, *values, id, slow=False):
+    """pytest.param(backend, *values), marked `gpu` for the compiled kernels (and `slow` if asked)."""
+    marks = ([pytest.mark.gpu] if backend == "pallas" else []) + ([pytest.mark.slow] if slow else [])
+    return pytest.param(backend, *values, id=f"{backend}-{id}", marks=marks)
 
 
 def gpu_tiling_config(tiling):
@@ -122,25 +123,33 @@ def test_step(backend, case, dtypes, rng):
 ROUTES = ["output", "state", "direct"]
 
 
+# Interpreted bf16 cases per CPU shape (index in the table) in the default run: each bf16 combination
+# on one shape (the masks are the shape's, the casts the dtypes'), so every mask branch and every cast
+# runs on every route; the other shape of each combination is `slow` (test_replay_tilings also runs
+# the first shape with bf16 inputs and f32 state).
+DEFAULT_BF16_SHAPE = {"bf16in-bf16state": 0, "bf16in-f32state": 1}
+
+
 def replay_cases(backend):
-    """(case, L, dtypes, steps) of the replay step on `backend`. Interpreted and on the reference: the first
-    shape at L 1, 4, 16 in f32; interpreted also every shape at L 4 with bf16 inputs (the reference's bf16
-    replay: test_reference.py). Compiled: the model shape at every dtype, a short and a long buffer; the
-    second shape (GDN: one program per head; Mamba-2: head dim 100, d_state 64) with bf16 inputs and f32
-    state."""
+    """(case, L, dtypes, steps, slow) of the replay step on `backend`. Interpreted and on the reference: the
+    first shape at L 1, 4, 16 in f32; interpreted also every shape at L 4 with bf16 inputs (the reference's
+    bf16 replay: test_reference.py), slow but for DEFAULT_BF16_SHAPE. Compiled: the model shape at every
+    dtype, a short and a long buffer; the second shape (GDN: one program per head; Mamba-2: head dim 100,
+    d_state 64) with bf16 inputs and f32 state."""
     table = SHAPES[backend]
     if backend == "pallas":
-        return ([((layer, shapes[0]), L, dtypes, L // 2 + 2) for layer, shapes in table.items() for L in (4, 32)
-                 for dtypes in DTYPES]
-                + [((layer, shapes[1]), L, "bf16in-f32state", L // 2 + 2) for layer, shapes in table.items()
+        return ([((layer, shapes[0]), L, dtypes, L // 2 + 2, False) for layer, shapes in table.items()
+                 for L in (4, 32) for dtypes in DTYPES]
+                + [((layer, shapes[1]), L, "bf16in-f32state", L // 2 + 2, False) for layer, shapes in table.items()
                    for L in (1, 8)])
     bf16 = [] if backend == "xla" else ("bf16in-f32state", "bf16in-bf16state")
-    return ([(case, L, "f32", 3) for case in cases(table, first_only=True) for L in (1, 4, 16)]
-            + [(case, 4, dtypes, 3) for case in cases(table) for dtypes in bf16])
+    return ([(case, L, "f32", 3, False) for case in cases(table, first_only=True) for L in (1, 4, 16)]
+            + [((layer, shape), 4, dtypes, 3, index != DEFAULT_BF16_SHAPE[dtypes])
+               for layer, shapes in table.items() for index, shape in enumerate(shapes) for dtypes in bf16])
 
 
-REPLAY_CASES = [on(backend, case, L, dtypes, steps, id=f"{case_id(case)}-L{L}-{dtypes}")
-                for backend in SHAPES for case, L, dtypes, steps in replay_cases(backend)]
+REPLAY_CASES = [on(backend, case, L, dtypes, steps, id=f"{case_id(case)}-L{L}-{dtypes}", slow=slow)
+                for backend in SHAPES for case, L, dtypes, steps, slow in replay_cases(backend)]
 
 
 @pytest.mark.parametrize(("backend", "case", "L", "dtypes", "steps"), REPLAY_CASES)
@@ -152,18 +161,25 @@ def test_replay_step(backend, case, L, dtypes, steps, route, rng):
                  steps=steps)
 
 
+def flush_tiling(config) -> bool:
+    """Whether a TILINGS entry is there for its flush (fused, or the flush launch's own tiling): that code is
+    the same on both routes (only the readout differs), so its "state" route case is `slow`; the state
+    route's readout tilings run in the entries without flush fields."""
+    return config.fused_flush or config.flush_block_v > 0
+
+
 # Interpreted: the first CPU shape at TILINGS; compiled: the model shape at
 # GPU_TILINGS, L 8 and 32, dead slots poisoned.
 TILING_CASES = (
-    [on("interpret", (layer, shapes[0]), config, L, False, id=f"{layer.__name__}-{config.tag()}-L{L}")
-     for layer, shapes in CPU_SHAPES.items() for config, L in TILINGS]
-    + [on("pallas", (layer, GPU_SHAPES[layer][0]), gpu_tiling_config(tiling), L, True,
-          id=f"{layer.__name__}-{gpu_tiling_config(tiling).tag()}-L{L}")
-       for layer, tilings in GPU_TILINGS.items() for tiling in tilings for L in (8, 32)])
+    [on("interpret", (layer, shapes[0]), config, L, False, route, id=f"{layer.__name__}-{config.tag()}-L{L}-{route}",
+        slow=route == "state" and flush_tiling(config))
+     for layer, shapes in CPU_SHAPES.items() for config, L in TILINGS for route in ("output", "state")]
+    + [on("pallas", (layer, GPU_SHAPES[layer][0]), gpu_tiling_config(tiling), L, True, route,
+          id=f"{layer.__name__}-{gpu_tiling_config(tiling).tag()}-L{L}-{route}")
+       for layer, tilings in GPU_TILINGS.items() for tiling in tilings for L in (8, 32) for route in ("output", "state")])
 
 
-@pytest.mark.parametrize(("backend", "case", "config", "L", "poison"), TILING_CASES)
-@pytest.mark.parametrize("route", ["output", "state"])
+@pytest.mark.parametrize(("backend", "case", "config", "L", "poison", "route"), TILING_CASES)
 def test_replay_tilings(backend, case, config, L, poison, route, rng):
     """Replay steps at fixed kernel tilings (bf16 inputs, f32 state)."""
     layer, shape = case
@@ -483,9 +499,15 @@ def test_kernel_limits_before_any_launch(rng):
         kernels.gdn_replay_step(long, **inp, **kw, route="output")
 
 
+# The lowering depends on the buffer's slots (L) and on the dtypes' casts, each on its own: every L and
+# every dtype combination lowers at every shape by default, the other two pairings are `slow`.
+LOWERING_CASES = [(1, "f32"), (32, "bf16in-bf16state"), pytest.param(1, "bf16in-bf16state", marks=pytest.mark.slow),
+                  pytest.param(32, "f32", marks=pytest.mark.slow)]
+
+
 @pytest.mark.parametrize("case", cases(GPU_SHAPES), ids=case_id)
-@pytest.mark.parametrize("L", [1, 32])
-@pytest.mark.parametrize("dtypes", ["f32", "bf16in-bf16state"])
+@pytest.mark.parametrize(("L", "dtypes"), LOWERING_CASES, ids=["L1-f32", "L32-bf16in-bf16state", "L1-bf16in-bf16state",
+                                                                "L32-f32"])
 def test_kernels_lower_for_cuda(case, L, dtypes, rng):
     """The Triton lowering of every kernel at the GPU test shapes, on the CPU."""
     input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -233,6 +234,32 @@ def test_value_checks(mamba, gdn):
         np.testing.assert_array_equal(ops.gdn_step(gstate, **ginp, scale=scale)[0], y)
     with pytest.raises(TypeError, match=re.escape("`use_qk_l2norm` must be a bool; got str 'no'")):
         ops.gdn_step(gstate, **ginp, use_qk_l2norm="no")
+
+
+def test_gdn_refuses_an_amplifying_gate(gdn):
+    """g is a log decay (g <= 0, exp(g) <= 1), as Mamba-2's A < 0: a concrete g > 0 is refused by every op
+    that takes g, naming it; g = 0 and g = -inf are allowed, and a traced g is not checked (inside jit only
+    shapes and dtypes are)."""
+    case, state, inp = gdn
+    amplifying = inp["g"].copy()
+    amplifying[1, 2] = 0.5
+    message = r"`g` must be <= 0 \(a log decay: exp\(g\) > 1 would amplify the state\); got max 0.5"
+    rs = case.replay_init(state, 4)
+    window = case.draw(2)
+    calls = {
+        "gdn_step": lambda g: ops.gdn_step(state, **with_(inp, g=g)),
+        "gdn_replay_step": lambda g: ops.gdn_replay_step(rs, **with_(inp, g=g)),
+        "gdn_replay_verify": lambda g: ops.gdn_replay_verify(rs, **with_(window, g=np.stack([g, g], axis=1))),
+        "gdn_chunked": lambda g: case.chunked(state, with_(window, g=np.stack([g, g], axis=1)), chunk_size=2),
+    }
+    allowed = inp["g"].copy()
+    allowed[0, 0], allowed[1, 1] = 0.0, -np.inf
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=message):
+            call(amplifying)
+        assert np.isfinite(np.asarray(call(allowed)[0])).all(), name
+    assert jax.jit(lambda g: ops.gdn_step(state, **with_(inp, g=g))[0])(amplifying).shape == (2, 4, 24)
+    np.testing.assert_array_equal(rs.cursor, 0)  # the refused calls left the state as it was
 
 
 def test_transposed_states_are_named(rng):

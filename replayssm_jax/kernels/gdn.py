@@ -184,9 +184,9 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                        key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs)
 
 
-def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, L):
-    """f32[BV, BK]: the checkpoint tile of `rows` after the row's first `count` buffered records
-    (`replay_records`)."""
+def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, tmask, L):
+    """f32[BV, BK]: the checkpoint tile of `rows` (its mask `tmask`) after the row's first `count`
+    buffered records (`replay_records`)."""
 
     def record(i):
         return records.g[i], load(records.d.at[i, rows], vmask), load(records.k.at[i], kmask)
@@ -195,7 +195,7 @@ def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, L)
         return (load_live(records.g, live, L), load_live(records.d.at[:, rows], live, L, vmask),
                 load_live(records.k, live, L, kmask, records.k.dtype))
 
-    S_c = load_checkpoint(checkpoint_ref, rows, tile_mask(vmask, kmask, (rows.size, checkpoint_ref.shape[-1])), vmask)
+    S_c = load_checkpoint(checkpoint_ref, rows, tmask, vmask)
     return replay_records(S_c, count, L, record, all_records, checkpoint_ref.dtype)
 
 
@@ -221,7 +221,7 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
 
     def tile(rows, vmask):
         tmask = tile_mask(vmask, kmask, (BV, BK))
-        S = _materialize(checkpoint_ref, records, cursor, rows, vmask, kmask, L)
+        S = _materialize(checkpoint_ref, records, cursor, rows, vmask, kmask, tmask, L)
         if step:
             S = decay * S
             d = beta * (load(inputs.v.at[rows], vmask) - matvec(S, k))
@@ -256,7 +256,8 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
             store(records_out.d.at[start + t, rows], d, vmask)  # the d rows are this program's
             return S
 
-        jax.lax.fori_loop(0, W, step, _materialize(checkpoint_ref, records, start, rows, vmask, kmask, L))
+        tmask = tile_mask(vmask, kmask, (config.block_v, inputs.q.shape[-1]))
+        jax.lax.fori_loop(0, W, step, _materialize(checkpoint_ref, records, start, rows, vmask, kmask, tmask, L))
 
     # The shared records: the window's g, and its k normalized, not scaled.
     run_verify_program(tile, V=V, W=W, config=config, split=split, start=start, group=group,

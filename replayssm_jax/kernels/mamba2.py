@@ -226,9 +226,9 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                        key_mask=nmask, cursor_out=cursor_out, programs=programs)
 
 
-def _materialize(checkpoint_ref, records: Records, count, rows, pmask, nmask, L, A):
-    """f32[BP, BN]: the checkpoint tile of `rows` after the row's first `count` buffered records
-    (`replay_records`), with the head's A."""
+def _materialize(checkpoint_ref, records: Records, count, rows, pmask, nmask, tmask, L, A):
+    """f32[BP, BN]: the checkpoint tile of `rows` (its mask `tmask`) after the row's first `count`
+    buffered records (`replay_records`), with the head's A."""
 
     def record(i):
         dt_i = records.dt[i]
@@ -239,7 +239,7 @@ def _materialize(checkpoint_ref, records: Records, count, rows, pmask, nmask, L,
         return (dts * A, dts[:, None] * load_live(records.x.at[:, rows], live, L, pmask),
                 load_live(records.B, live, L, nmask, records.B.dtype))
 
-    S_c = load_checkpoint(checkpoint_ref, rows, tile_mask(pmask, nmask, (rows.size, checkpoint_ref.shape[-1])), pmask)
+    S_c = load_checkpoint(checkpoint_ref, rows, tmask, pmask)
     return replay_records(S_c, count, L, record, all_records, checkpoint_ref.dtype)
 
 
@@ -260,7 +260,7 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
 
     def tile(rows, pmask):
         tmask = tile_mask(pmask, nmask, (BP, BN))
-        S = _materialize(checkpoint_ref, records, cursor, rows, pmask, nmask, L, A)
+        S = _materialize(checkpoint_ref, records, cursor, rows, pmask, nmask, tmask, L, A)
         if step:
             S = decay * S
             u = dt * _load_x_record(inputs.x, records.x.dtype, rows, pmask)[1]
@@ -297,7 +297,8 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
             store(records_out.x.at[start + t, rows], x, pmask)  # the x rows are this program's
             return S
 
-        jax.lax.fori_loop(0, W, step, _materialize(checkpoint_ref, records, start, rows, pmask, nmask, L, A))
+        tmask = tile_mask(pmask, nmask, (config.block_v, BN))
+        jax.lax.fori_loop(0, W, step, _materialize(checkpoint_ref, records, start, rows, pmask, nmask, tmask, L, A))
 
     # The shared records: the window's processed dt, and its B.
     dts = _process_dt(load(inputs.dt, wmask), dt_bias, dt_softplus, dt_limit)

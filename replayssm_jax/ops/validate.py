@@ -14,7 +14,8 @@ whatever the input dtype.
 
 Checks look only at shapes and dtypes (static under `jax.jit`), except
 where values are concrete (outside a trace): :func:`check_int_range`,
-:func:`check_negative` and the replay state's cursor also check values.
+:func:`check_negative`, :func:`check_non_positive` and the replay state's
+cursor also check values.
 
 Three parts: the generic checks (an argument's dtype, shape, range); the
 replay state's checks; and one check per op (`check_mamba2_step`, ...,
@@ -154,6 +155,16 @@ def check_negative(name: str, x, what: str) -> None:
     values = np.asarray(x, np.float64)
     if not np.all(values < 0):
         raise ValueError(f"`{name}` must be negative ({what}); got max {values.max():g}")
+
+
+def check_non_positive(name: str, x, what: str) -> None:
+    """Raise ValueError if a concrete `x` has an entry > 0 (-inf passes, and so
+    do NaN entries and traced values)."""
+    if isinstance(x, jax.core.Tracer):
+        return
+    values = np.asarray(x, np.float64)
+    if np.any(values > 0):
+        raise ValueError(f"`{name}` must be <= 0 ({what}); got max {np.nanmax(values):g}")
 
 
 def check_scale(scale):
@@ -548,6 +559,7 @@ def check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, *, seq=None, 
     check_shape("k", k, f"{names}, H, K", (*lead, H, K))
     check_shape("v", v, f"{names}, HV, V", (*lead, HV, V))
     ssm_arg("g", g, f"{names}, HV", (*lead, HV))
+    check_non_positive("g", g, "a log decay: exp(g) > 1 would amplify the state")
     ssm_arg("beta", beta, f"{names}, HV", (*lead, HV))
     scale = check_scale(scale)
     return (K ** -0.5 if scale is None else scale), check_bool("use_qk_l2norm", use_qk_l2norm)
