@@ -676,9 +676,10 @@ class Generator:
         return len(self._compiled)
 
     def decode_hlo(self) -> list[str]:
-        """Optimized HLO text of the decode blocks compiled so far (for inspecting
-        that the loop updates its states in place)."""
-        return [exe.as_text() for key, exe in self._compiled.items() if key[0] == "block"]
+        """Optimized HLO text of the decode blocks compiled so far, the speculative
+        blocks of rounds included (for inspecting that the loop updates its states
+        in place)."""
+        return [exe.as_text() for key, exe in self._compiled.items() if key[0] in ("block", "spec")]
 
     @property
     def weights_bytes(self) -> int:

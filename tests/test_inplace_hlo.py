@@ -37,7 +37,7 @@ import pytest
 from hlo_checks import carry_copies, per_step_copies
 from kernel_checks import GDN, GDNShape, Mamba2, Mamba2Shape, lower_for_cuda, replay_config
 from models import load_model
-from replayssm_jax.generation import Generator
+from replayssm_jax.generation import Generator, SpeculativeConfig
 
 STEPS = 32
 L = 4
@@ -142,6 +142,24 @@ def test_decode_loop_carry_in_place(name, state, backend):
     gen.generate(np.load(DATA / name / "reference.npz")["prompt_ids"][:2], 5)  # one block of 4 steps
     (hlo,) = gen.decode_hlo()
     _check_carry_in_place(hlo, staged=backend != "interpret")
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("state", ["standard", "replay"])
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "mamba2_tiny"])
+def test_speculative_loop_carry_in_place(name, state, backend):
+    """The compiled block of speculative rounds (verify, accept, commit) copies
+    none of the states, buffers, conv windows or KV caches in its carry: no
+    copy of a carry element with more than one value per row. (Per-row
+    scalars, e.g. the cursors and the conv windows' starts, i32[batch], may be
+    copied.)"""
+    replay = dict(buffer_len=L + 4, route="output") if state == "replay" else {}
+    gen = Generator(load_model(DATA / name), state=state, backend=backend, block_size=4,
+                    speculative=SpeculativeConfig("ngram", 3), **replay)
+    gen.generate(np.load(DATA / name / "reference.npz")["prompt_ids"][:2], 8)
+    (hlo,) = gen.decode_hlo()
+    found = [line for line in carry_copies(hlo) if not re.search(r"= \w+\[\d+\]\{0\} copy", line)]
+    assert not found, "per-round copies of the speculative loop's states:\n" + "\n".join(found)
 
 
 def _custom_calls(rs, layer, config):

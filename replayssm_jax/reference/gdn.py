@@ -251,6 +251,7 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=2) for a in (q, k))
     o, _, d = gdn_chunk(start, qh, kh, v, g, beta)
+    state, (o, d) = in_order(state, (o, d))  # the buffers are read before the window is written
     state = state.replace(
         d=write_slots(state.d, jnp.swapaxes(d, 1, 2), state.cursor),
         k=write_slots(state.k, jnp.swapaxes(k, 1, 2), state.cursor),

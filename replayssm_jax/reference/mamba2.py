@@ -255,6 +255,7 @@ def mamba2_replay_verify(
     Bh, Ch = (c.expand_heads(a.astype(f32), H, axis=2) for a in (B, C))
     y, _ = c.chunk_readout(start, u, Bh, Ch, dt * A.astype(f32))
     y = _skip_and_gate(y, x, D, z, head_axis=2)
+    state, (y, dt) = in_order(state, (y, dt))  # the buffers are read before the window is written
     state = state.replace(
         x=write_slots(state.x, jnp.swapaxes(x, 1, 2), state.cursor),
         dt=write_slots(state.dt, jnp.swapaxes(dt, 1, 2), state.cursor),
