@@ -204,8 +204,9 @@ def self_consistent_reference(run, label, state, num_draft, reference, prompt_le
 
 
 def bench_model(name, config_dir, batches, *, num_draft, buffer_len, alphas, prompt_len, new_tokens, backend,
-                dtype, budget_bytes, repeats, prefill_rows, log, save=lambda rows: None, profile=False):
-    """Rows of one model over batches x MODES (the speculative ones per alpha); `save(rows)` after each."""
+                dtype, budget_bytes, repeats, prefill_rows, log, save=lambda rows: None, profile=False, modes=MODES):
+    """Rows of one model over batches x `modes` (the speculative ones per alpha; each after the AR mode
+    of its state); `save(rows)` after each."""
     model = init_model(config_dir, dtype)
     rows = []
     rng = np.random.default_rng(0)
@@ -215,7 +216,7 @@ def bench_model(name, config_dir, batches, *, num_draft, buffer_len, alphas, pro
         run = _Runner(model, prompts, new_tokens, buffer_len=buffer_len, backend=backend,
                       prefill_rows=prefill_rows, repeats=repeats, log=log)
         ar = {}
-        for mode in MODES:
+        for mode in modes:
             kind, state = mode.split("-")
             if kind == "spec" and state not in ar:
                 log(f"{name} batch={batch} {mode}: skipped (no ar-{state} run at this batch)")
@@ -315,6 +316,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-rows", type=int, default=64, help="rows per prefill pass; 0: all at once")
     p.add_argument("--out", default=None, help="folder for spec.json; default bench/results/DATE-spec "
                                                "(with --dry-run: a new temporary folder)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"a subset of {','.join(MODES)} (a spec mode needs the "
+                                                            "AR mode of its state)")
     p.add_argument("--profile", action="store_true",
                    help="GPU time of a step or round by kernel category, from a traced run")
     p.add_argument("--dry-run", action="store_true",
@@ -344,6 +347,10 @@ def main(argv=None) -> int:
         p.error(f"--num-draft + 1 = {args.num_draft + 1} verified positions must be <= --buffer-len = {buffer_len}")
     if not args.budget_gib > 0:
         p.error(f"--budget-gib: must be > 0; got {args.budget_gib}")
+    modes = [m for m in MODES if m in args.modes.split(",")]
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown or not modes:
+        p.error(f"--modes: choose from {','.join(MODES)}; got {args.modes!r}")
     try:
         alphas = _floats(args.alphas, "--alphas")
         backend = ops.resolve_backend(args.backend or dry.get("backend"))
@@ -376,7 +383,7 @@ def main(argv=None) -> int:
                                 dtype=dtype, budget_bytes=args.budget_gib * 2**30, repeats=repeats,
                                 prefill_rows=args.prefill_rows or None,
                                 log=lambda s: print(s, file=sys.stderr, flush=True), save=save,
-                                profile=args.profile)
+                                profile=args.profile, modes=modes)
             save([])
     except GenerationError as e:
         p.error(str(e))

@@ -212,13 +212,23 @@ KERNEL_CASES = [
 ]
 
 
+# "interpret" on the CPU shapes; "pallas" (compiled, on a GPU) on the model shapes at batch 8.
+BACKENDS = ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
+
+
+def _kernel_shape(layer_cls, backend, index):
+    if backend == "pallas":
+        return GPU_SHAPES[layer_cls][0].with_batch(8)
+    return CPU_SHAPES[layer_cls][index]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layer_cls", [GDN, Mamba2])
 @pytest.mark.parametrize(("dtype", "rounding", "route", "fused"), KERNEL_CASES)
-def test_kernel_replay_steps_match_the_reference(layer_cls, dtype, rounding, route, fused, rng):
+def test_kernel_replay_steps_match_the_reference(layer_cls, dtype, rounding, route, fused, backend, rng):
     """L // 2 + 2 replay steps from mixed cursors (every row flushes at least once), bf16 inputs and
     buffers on the second CPU shape."""
-    shapes = CPU_SHAPES[layer_cls]
-    shape = shapes[0] if dtype == int8 else shapes[1]
+    shape = _kernel_shape(layer_cls, backend, 0 if dtype == int8 else 1)
     input_dtype = f32 if dtype == int8 else jnp.bfloat16
     layer = layer_cls(shape, rng, input_dtype)
     L = 4
@@ -228,25 +238,26 @@ def test_kernel_replay_steps_match_the_reference(layer_cls, dtype, rounding, rou
     with jax.default_matmul_precision("highest"):
         for t in range(L // 2 + 2):
             inp = layer.draw()
-            y, rs = layer.replay_step(rs, inp, route, "interpret", config)
+            y, rs = layer.replay_step(rs, inp, route, backend, config)
             y_want, want = layer.replay_step(want, inp, route, "xla")
             assert_close(y, y_want, input_dtype, what=f"output, step {t}")
             _same_quantized(rs, want, f"step {t}")
             want = rs  # continue from the kernels' state: the next step's comparison is exact again
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layer_cls", [GDN, Mamba2])
 @pytest.mark.parametrize(("dtype", "rounding"), [(int8, "stochastic"), (fp8, "nearest")], ids=["int8", "fp8"])
-def test_kernel_verify_matches_the_reference(layer_cls, dtype, rounding, rng):
+def test_kernel_verify_matches_the_reference(layer_cls, dtype, rounding, backend, rng):
     """A window of 3 from mixed cursors (the rows that lack room flush first, quantized), then a commit.
     The outputs are compared with the reference's from the kernels' flushed checkpoint (the two flushes
     may round an element to neighbouring grid points)."""
-    layer = layer_cls(CPU_SHAPES[layer_cls][0], rng)
+    layer = layer_cls(_kernel_shape(layer_cls, backend, 0), rng)
     L, W = 4, 3
     rs = layer.replay_state(L, dtype, f32, mixed_cursors(layer.s.batch, L), rounding)
     window = layer.draw(W)
     with jax.default_matmul_precision("highest"):
-        y, new = layer.verify(rs, window, "interpret")
+        y, new = layer.verify(rs, window, backend)
         _, want = layer.verify(rs, window, "xla")
         flushed = rs.replace(checkpoint=new.checkpoint, scale=new.scale, counter=new.counter, cursor=new.cursor)
         y_want, _ = layer.verify(flushed, window, "xla")
