@@ -144,15 +144,18 @@ def test_decode_loop_carry_in_place(name, state, backend):
     _check_carry_in_place(hlo, staged=backend != "interpret")
 
 
-@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("state", ["standard", "replay"])
+@pytest.mark.parametrize("state, backend", [("standard", "xla"), ("replay", "xla"),
+                                            pytest.param("replay", "pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", ["qwen3_5_tiny", "mamba2_tiny"])
 def test_speculative_loop_carry_in_place(name, state, backend):
     """The compiled block of speculative rounds (verify, accept, commit) copies
     none of the states, buffers, conv windows or KV caches in its carry: no
     copy of a carry element with more than one value per row. (Per-row
     scalars, e.g. the cursors and the conv windows' starts, i32[batch], may be
-    copied.)"""
+    copied.) Not checked: the standard state's per-draft path on the kernels,
+    which copies its SSM state once a round by design (its first step kernel
+    updates the state in place, and the state before the window must survive
+    for a row that accepts nothing; the GPU run of 2026-12-01 showed that copy)."""
     replay = dict(buffer_len=L + 4, route="output") if state == "replay" else {}
     gen = Generator(load_model(DATA / name), state=state, backend=backend, block_size=4,
                     speculative=SpeculativeConfig("ngram", 3), **replay)
