@@ -288,11 +288,7 @@ def main(argv=None) -> int:
               f"{'-' if r.identical_to_standard is None else r.identical_to_standard}")
     profiled = [r for r in rows if r.profile]
     if profiled:
-        print(f"\nms per decode step: {' '.join(f'{c:>7s}' for c in step_profile.CATEGORIES)}   (then the longest kernels)")
-        for r in profiled:
-            top = ", ".join(f"{n[:40]} {t:.3f}" for n, t, _ in r.profile["top"][:3])
-            print(f"{r.model[:18]:18s} {r.batch:4d} {r.mode:>8s} "
-                  f"{' '.join(f'{r.profile['ms'][c]:7.3f}' for c in step_profile.CATEGORIES)}   {top}")
+        step_profile.print_breakdowns([(f"{r.model[:18]:18s} {r.batch:4d} {r.mode:>8s}", r.profile) for r in profiled])
     elif args.profile:
         print("\n--profile: the trace has no GPU plane (a CPU run): no breakdown")
     print(f"JSON: {args.out}")

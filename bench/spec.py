@@ -283,11 +283,8 @@ def print_table(meta, rows):
               f"{r.round_bytes_per_seq / 2**20:8.2f} {r.max_sequences:8d} {same}")
     profiled = [r for r in rows if r.profile]
     if profiled:
-        print(f"\nms per step or round: {' '.join(f'{c:>7s}' for c in step_profile.CATEGORIES)}   (longest kernels)")
-        for r in profiled:
-            top = ", ".join(f"{n[:40]} {t:.3f}" for n, t, _ in r.profile["top"][:4])
-            print(f"{r.model[:16]:16s} b{r.batch:<4d} {r.mode:>13s} {r.alpha or '':>4} "
-                  f"{' '.join(f'{r.profile['ms'][c]:7.3f}' for c in step_profile.CATEGORIES)}   {top}")
+        step_profile.print_breakdowns([(f"{r.model[:16]:16s} b{r.batch:<4d} {r.mode:>13s} {r.alpha or '':>4}", r.profile)
+                                       for r in profiled], "step or round", top=4)
 
 
 def _floats(text: str, name: str) -> list[float]:

@@ -118,3 +118,12 @@ def difference(full: dict, base: dict, top: int = 8) -> dict:
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
     return dict(window_ns=max(0.0, full["window_ns"] - base["window_ns"]), ns=ns,
                 top=[(name, t, n) for name, (t, n) in ranked], kernels=kernels)
+
+
+def print_breakdowns(entries, what: str = "decode step", top: int = 3) -> None:
+    """Print one line per (label, profile) of `entries` (a profile: {"ms": {category: ms}, "top":
+    [(kernel, ms, launches)]}, per `what`): ms by CATEGORIES, then the `top` longest kernels."""
+    print(f"\nms per {what}: {' '.join(f'{c:>7s}' for c in CATEGORIES)}   (then the longest kernels)")
+    for label, profile in entries:
+        longest = ", ".join(f"{n[:40]} {t:.3f}" for n, t, _ in profile["top"][:top])
+        print(f"{label} {' '.join(f'{profile['ms'][c]:7.3f}' for c in CATEGORIES)}   {longest}")
