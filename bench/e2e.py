@@ -184,7 +184,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
         reference_tokens = None
         for mode in modes:
             state, L, route = _mode(mode)
-            gen = Generator(model, state=state, buffer_len=L or 1, backend=backend, block_size=new_tokens,
+            gen = Generator(model, state=state, buffer_len=L if state == "replay" else None, backend=backend, block_size=new_tokens,
                             prefill_rows=prefill_rows, route=route)
             try:
                 out = gen.generate(prompts, new_tokens, progress=False)

@@ -164,12 +164,13 @@ class _Runner:
 
     def __init__(self, model, prompts, new_tokens, *, buffer_len, backend, prefill_rows, repeats, log):
         self.model, self.prompts, self.new_tokens = model, prompts, new_tokens
-        self.kw = dict(buffer_len=buffer_len, backend=backend, block_size=new_tokens, prefill_rows=prefill_rows)
-        self.repeats, self.log = repeats, log
+        self.kw = dict(backend=backend, block_size=new_tokens, prefill_rows=prefill_rows)
+        self.buffer_len, self.repeats, self.log = buffer_len, repeats, log
 
     def __call__(self, label, state, speculative=None, repeats=None):
         try:
-            gen = Generator(self.model, state=state, speculative=speculative, **self.kw)
+            gen = Generator(self.model, state=state, speculative=speculative,
+                            buffer_len=self.buffer_len if state == "replay" else None, **self.kw)
             outs = [gen.generate(self.prompts, self.new_tokens, stop_tokens=None, progress=False)
                     for _ in range(repeats or self.repeats)]
         except (jax.errors.JaxRuntimeError, InsufficientMemoryError) as err:

@@ -114,7 +114,7 @@ class SpeculativeConfig:
     Raises:
       GenerationError: an unknown method, num_draft < 1, bad n-gram lengths,
         alpha outside [0, 1], an "oracle" without `reference`, a "draft"
-        without `draft_model`.
+        without `draft_model`, a `draft_model` with another method.
     """
 
     method: str
@@ -136,6 +136,9 @@ class SpeculativeConfig:
             raise GenerationError(f"`alpha` must be a float in [0, 1]; got {alpha!r}")
         if self.method == "oracle" and self.reference is None:
             raise GenerationError("`speculative.reference` is required with method 'oracle'")
+        if self.method != "draft" and self.draft_model is not None:
+            raise GenerationError(f"`speculative.draft_model` applies to method 'draft' only; got it with method "
+                                  f"{self.method!r}")
         if self.method == "draft" and self.draft_model is None:
             raise GenerationError("`speculative.draft_model` (a model or a checkpoint folder) is required with "
                                   "method 'draft'")

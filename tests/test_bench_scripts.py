@@ -452,18 +452,24 @@ def test_doc_links_resolve(doc):
 
 
 def test_spec_dry_run(tmp_path, capsys):
-    """bench/spec.py --dry-run: the four modes on the tiny Qwen3.5 fixture (backend xla), greedy speculative
-    tokens equal to AR's, the pending window's states counted in the standard state's memory per sequence (the
-    speculative caches' conv windows also hold W - 1 more columns)."""
+    """bench/spec.py --dry-run: the four modes on the tiny Qwen3.5 fixture (backend xla, float32), each
+    speculative mode's oracle reference its own (it reproduces its reference at alpha 1 and equals the same
+    state's AR output), greedy speculative tokens equal to that reference, the pending window's states counted
+    in the standard state's memory per sequence (the speculative caches' conv windows also hold W - 1 more
+    columns)."""
     assert load("spec").main(["--dry-run", "--alphas", "0.8", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "spec.json").read_text())
     rows = {r["mode"]: r for r in report["rows"]}
     assert list(rows) == ["ar-standard", "ar-replay", "spec-standard", "spec-replay"]
     assert report["meta"]["backend"] == "xla" and report["meta"]["num_draft"] == 3
-    assert all(r["tokens_per_s"] > 0 and r["identical_to_ar"] is not False for r in rows.values())
-    assert [r["identical_to_ar"] for r in rows.values()] == [None, True, True, True]
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert [r["identical_to_reference"] for r in rows.values()] == [None, None, True, True]
+    prompt_new = report["meta"]["new_tokens"]
     for mode in ("spec-standard", "spec-replay"):
         assert 1.0 <= rows[mode]["accepted_per_round"] <= 4 and rows[mode]["alpha"] == 0.8
+        r = rows[mode]
+        assert r["reference_converged"] and r["reference_runs"] == 1 and r["ar_agreeing_tokens"] == prompt_new
+        assert abs(r["ideal_accepted"] - (1 - 0.8**4) / 0.2) < 1e-12 and r["speedup_same_state"] > 0
         assert rows[mode]["max_sequences"] == int(100 * 2**30 // rows[mode]["round_bytes_per_seq"])
     standard, replay = rows["spec-standard"], rows["spec-replay"]
     assert standard["round_bytes_per_seq"] > standard["cache_bytes_per_seq"]

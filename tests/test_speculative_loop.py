@@ -210,6 +210,9 @@ def test_speculative_config_errors():
         SpeculativeConfig("oracle", 2, alpha=1.5, reference=[[1]])
     with pytest.raises(GenerationError, match="`speculative.reference` is required with method 'oracle'"):
         SpeculativeConfig("oracle", 2)
+    with pytest.raises(GenerationError, match="`speculative.draft_model` applies to method 'draft' only; got it "
+                                              "with method 'ngram'"):
+        SpeculativeConfig("ngram", 2, draft_model=m)
     gen = Generator(m, state="replay", buffer_len=4, speculative=SpeculativeConfig("oracle", 2, reference=[[1, 2]]))
     with pytest.raises(GenerationError, match=r"`speculative.reference` must have one row per prompt \(2\); got 1"):
         gen.generate([[1, 2], [3, 4]], 4)
