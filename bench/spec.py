@@ -11,7 +11,10 @@ by `replayssm_jax.generation.Generator`:
                   standard state keeps the state after each of the W positions
                   and commits the m-th (`state="standard"`)
   spec-replay     the same rounds with ReplaySSM (commit is `cursor += m`)
-The speculative rows use the oracle drafter (`SpeculativeConfig("oracle")`): at
+The speculative rows use the oracle drafter (`SpeculativeConfig("oracle")`) and a
+random-weight MTP head (`SpeculativeConfig("mtp")`, `--drafters`; its drafts are
+almost never accepted, so its rows show a round's cost with the MTP head's steps
+in it at about one token a round). The oracle: at
 each position it proposes a reference continuation's token with probability
 alpha, else another token. The reference is the continuation that the same
 state's speculative path itself computes when every draft is accepted
@@ -47,7 +50,7 @@ which the speculative paths hold every round. `max_sequences` = the rows whose
 `round_bytes_per_seq` fit `--budget-gib` (the weights and temporaries
 excluded).
 
-Usage:  python3 bench/spec.py [--models a,b] [--batches 1,16,64,256] [--num-draft 3]
+Usage:  python3 bench/spec.py [--models a,b] [--batches 1,16,64,256] [--num-draft 3] [--drafters oracle,mtp]
                               [--buffer-len 16] [--alphas 0.6,0.8] [--prompt-len 128]
                               [--new-tokens 64] [--budget-gib 100] [--out FOLDER] [--profile]
         python3 bench/spec.py --dry-run   (check of the script on the CPU: tiny fixture, backend xla, batch 2,
@@ -67,6 +70,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 
 import e2e  # noqa: I001  (bench/e2e.py: sets the GPU memory fraction before JAX starts, puts the checkout on sys.path)
 import step_profile  # bench/step_profile.py
@@ -75,6 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.mtp import add_mtp_head
 from models.random_init import init_model
 from replayssm_jax import ops
 from replayssm_jax.generation import GenerationError, Generator, InsufficientMemoryError, SpeculativeConfig
@@ -89,7 +94,7 @@ class Row:
     model: str
     batch: int
     mode: str
-    alpha: float | None
+    alpha: float | None  # the oracle's; None for AR rows and the MTP drafter's
     tokens_per_s: float
     step_ms: float  # ms per decode step (AR) or round (speculative)
     compile_s: float
@@ -108,6 +113,7 @@ class Row:
     speedup_same_state: float | None = None  # over the AR run of the same state
     projected_speedup: float | None = None  # ideal_accepted x AR step ms / round ms, same state
     profile: dict | None = None  # ms per step or round by kernel category (bench/step_profile.py)
+    drafter: str | None = None  # speculative rows: "oracle" or "mtp"
 
 
 def _nbytes(tree) -> int:
@@ -179,7 +185,8 @@ class _Runner:
             self.log(f"{label}: out of device memory, skipped ({str(err).splitlines()[0][:160]})")
             gc.collect()
             return None, None
-        return gen, min(outs, key=lambda o: o.decode_s)
+        best = min(outs, key=lambda o: o.decode_s)  # its compile_s: the first run's (the others reuse it)
+        return gen, dataclasses.replace(best, compile_s=max(o.compile_s for o in outs))
 
 
 def self_consistent_reference(run, label, state, num_draft, reference, prompt_len, rounds=3):
@@ -205,11 +212,15 @@ def self_consistent_reference(run, label, state, num_draft, reference, prompt_le
 
 
 def bench_model(name, config_dir, batches, *, num_draft, buffer_len, alphas, prompt_len, new_tokens, backend,
-                dtype, budget_bytes, repeats, prefill_rows, log, save=lambda rows: None, profile=False, modes=MODES):
-    """Rows of one model over batches x `modes` (the speculative ones per alpha; each after the AR mode
-    of its state); `save(rows)` after each."""
+                dtype, budget_bytes, repeats, prefill_rows, log, save=lambda rows: None, profile=False, modes=MODES,
+                drafters=("oracle",)):
+    """Rows of one model over batches x `modes` (the speculative ones per drafter, the oracle's per
+    alpha; each after the AR mode of its state); `save(rows)` after each. With "mtp" in `drafters`
+    the model gets a random MTP head (`models.mtp.add_mtp_head`, seed 1)."""
     model = init_model(config_dir, dtype)
-    rows = []
+    if "mtp" in drafters:
+        add_mtp_head(model, param_dtype=dtype, rngs=nnx.Rngs(1))
+    rows, cache_bytes = [], {}
     rng = np.random.default_rng(0)
     window = num_draft + 1
     for batch in batches:
@@ -227,10 +238,10 @@ def bench_model(name, config_dir, batches, *, num_draft, buffer_len, alphas, pro
                 reference, runs, converged, agree = self_consistent_reference(
                     run, f"{name} batch={batch} {mode}", state, num_draft, ar[state].sequences, prompt_len)
                 ref_info = dict(reference_runs=runs, reference_converged=converged, ar_agreeing_tokens=agree)
-            for alpha in (alphas if kind == "spec" else (None,)):
-                speculative = None if alpha is None else SpeculativeConfig(
-                    "oracle", num_draft, alpha=alpha, reference=reference)
-                label = f"{name} batch={batch} {mode}" + ("" if alpha is None else f" alpha={alpha}")
+            for drafter, alpha in _drafts(kind, drafters, alphas):
+                speculative = None if drafter is None else SpeculativeConfig(
+                    drafter, num_draft, **(dict(alpha=alpha, reference=reference) if drafter == "oracle" else {}))
+                label = f"{name} batch={batch} {mode}" + dict(oracle=f" alpha={alpha}", mtp=" mtp").get(drafter, "")
                 gen, best = run(label, state, speculative)
                 if best is None:
                     continue
@@ -244,15 +255,17 @@ def bench_model(name, config_dir, batches, *, num_draft, buffer_len, alphas, pro
                         log(f"{label}: greedy tokens differ from the reference's in {differing} of {batch} rows "
                             f"(agreeing for {_first_difference(best.sequences, reference, prompt_len):.1f} "
                             f"tokens on average)")
-                per_seq, per_round = cache_bytes_per_sequence(gen, prompt_len, new_tokens)
+                if mode not in cache_bytes:  # per sequence: the same at every batch and drafter
+                    cache_bytes[mode] = cache_bytes_per_sequence(gen, prompt_len, new_tokens)
+                per_seq, per_round = cache_bytes[mode]
                 prof = e2e._profile(gen, prompts, new_tokens) if profile else None
                 rows.append(Row(name, batch, mode, alpha, best.tokens_per_s, best.decode_s / best.decode_steps * 1e3,
                                 best.compile_s, best.prefill_s, best.accepted_per_round, per_seq, per_round,
                                 int(budget_bytes // per_round), e2e._peak_gib(), same,
                                 ideal_accepted=None if alpha is None else ideal_acceptance(alpha, window),
-                                profile=prof, **ref_info))
+                                profile=prof, drafter=drafter, **ref_info))
                 r = rows[-1]
-                log(f"{label}: {r.tokens_per_s:.0f} tok/s, {r.step_ms:.2f} ms a {'round' if alpha else 'step'}, "
+                log(f"{label}: {r.tokens_per_s:.0f} tok/s, {r.step_ms:.2f} ms a {'round' if drafter else 'step'}, "
                     f"accepted/round {r.accepted_per_round or 1:.2f}, compile {r.compile_s:.1f} s, "
                     f"{per_round / 2**20:.1f} MiB/seq, identical={same}")
                 save(rows)
@@ -269,22 +282,31 @@ def bench_model(name, config_dir, batches, *, num_draft, buffer_len, alphas, pro
     return rows
 
 
+def _drafts(kind, drafters, alphas):
+    """(drafter, alpha) pairs of one mode: AR (None, None); speculative: the oracle per alpha, then the MTP head."""
+    if kind == "ar":
+        return [(None, None)]
+    return [("oracle", a) for a in alphas if "oracle" in drafters] + [("mtp", None)] * ("mtp" in drafters)
+
+
 def print_table(meta, rows):
     print(f"\n{meta['date']} {meta['device']} backend={meta['backend']} commit={meta['commit']} "
           f"prompt={meta['prompt_len']} new={meta['new_tokens']} K={meta['num_draft']} W={meta['num_draft'] + 1} "
           f"L={meta['buffer_len']} {meta['dtype']} budget={meta['budget_gib']} GiB")
-    print(f"{'model':26s} {'batch':>5s} {'mode':>13s} {'alpha':>5s} {'tok/s':>10s} {'ms/step':>8s} {'vs std':>6s} "
+    print(f"{'model':26s} {'batch':>5s} {'mode':>13s} {'draft':>5s} {'tok/s':>10s} {'ms/step':>8s} {'vs std':>6s} "
           f"{'vs AR':>6s} {'acc/rnd':>7s} {'ideal':>5s} {'proj.':>5s} {'MiB/seq':>8s} {'max seqs':>8s} same")
     nan = float("nan")
     for r in rows:
         same = "-" if r.identical_to_reference is None else ("yes" if r.identical_to_reference else "no")
-        print(f"{r.model:26s} {r.batch:5d} {r.mode:>13s} {'-' if r.alpha is None else f'{r.alpha:.2f}':>5s} "
+        draft = "mtp" if r.drafter == "mtp" else ("-" if r.alpha is None else f"{r.alpha:.2f}")
+        print(f"{r.model:26s} {r.batch:5d} {r.mode:>13s} {draft:>5s} "
               f"{r.tokens_per_s:10.0f} {r.step_ms:8.2f} {r.speedup or nan:6.2f} {r.speedup_same_state or nan:6.2f} "
               f"{r.accepted_per_round or 1.0:7.2f} {r.ideal_accepted or 1.0:5.2f} {r.projected_speedup or nan:5.2f} "
               f"{r.round_bytes_per_seq / 2**20:8.2f} {r.max_sequences:8d} {same}")
     profiled = [r for r in rows if r.profile]
     if profiled:
-        step_profile.print_breakdowns([(f"{r.model[:16]:16s} b{r.batch:<4d} {r.mode:>13s} {r.alpha or '':>4}", r.profile)
+        step_profile.print_breakdowns([(f"{r.model[:16]:16s} b{r.batch:<4d} {r.mode:>13s} {r.alpha or r.drafter or '':>4}",
+                                        r.profile)
                                        for r in profiled], "step or round", top=4)
 
 
@@ -306,6 +328,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-draft", type=int, default=3, help="K drafts per round (W = K + 1 verified positions)")
     p.add_argument("--buffer-len", type=int, default=None, help="ReplaySSM L (default 16; with --dry-run: 4)")
     p.add_argument("--alphas", default="0.6,0.8", help="oracle drafter: probability that a draft is the target's token")
+    p.add_argument("--drafters", default="oracle,mtp", help="speculative rows' drafters: oracle (per alpha) and/or "
+                                                          "mtp (a random MTP head: it accepts almost nothing)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 128 (with --dry-run: 8)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (with --dry-run: 6)")
     p.add_argument("--budget-gib", type=float, default=100.0, help="cache memory budget for max_sequences")
@@ -349,6 +373,9 @@ def main(argv=None) -> int:
     unknown = set(args.modes.split(",")) - set(MODES)
     if unknown or not modes:
         p.error(f"--modes: choose from {','.join(MODES)}; got {args.modes!r}")
+    drafters = args.drafters.split(",")
+    if not drafters or set(drafters) - {"oracle", "mtp"}:
+        p.error(f"--drafters: choose from oracle,mtp; got {args.drafters!r}")
     try:
         alphas = _floats(args.alphas, "--alphas")
         backend = ops.resolve_backend(args.backend or dry.get("backend"))
@@ -364,7 +391,7 @@ def main(argv=None) -> int:
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=e2e._commit(), prompt_len=prompt_len,
                 new_tokens=new_tokens, num_draft=args.num_draft, buffer_len=buffer_len, alphas=alphas,
-                drafter="oracle", repeats=repeats, budget_gib=args.budget_gib, dtype=jnp.dtype(dtype).name,
+                drafters=drafters, repeats=repeats, budget_gib=args.budget_gib, dtype=jnp.dtype(dtype).name,
                 command=" ".join(sys.argv))
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "spec.json")
@@ -374,14 +401,16 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(dict(meta=meta, rows=[dataclasses.asdict(r) for r in rows + more]), f, indent=1)
 
+    t0 = time.perf_counter()
     try:
         for name, config_dir in configs.items():
             rows += bench_model(name, config_dir, batches, num_draft=args.num_draft, buffer_len=buffer_len,
                                 alphas=alphas, prompt_len=prompt_len, new_tokens=new_tokens, backend=backend,
                                 dtype=dtype, budget_bytes=args.budget_gib * 2**30, repeats=repeats,
                                 prefill_rows=args.prefill_rows or None,
-                                log=lambda s: print(s, file=sys.stderr, flush=True), save=save,
-                                profile=args.profile, modes=modes)
+                                log=lambda s: print(f"[{time.perf_counter() - t0:6.0f} s] {s}", file=sys.stderr,
+                                                    flush=True), save=save,
+                                profile=args.profile, modes=modes, drafters=drafters)
             save([])
     except GenerationError as e:
         p.error(str(e))

@@ -24,9 +24,11 @@ Writes state_drift.json and state_drift.png (layer output error against
 steps, per layer type) to --out, and prints the tables. Runs on the CPU
 with the xla backend (the layers at the CPU test shapes with --quick, the
 fixtures), or on a GPU (the model layer shapes of replayssm_jax.testing at
-batch 4, backend pallas).
+batch 4, backend pallas); --model-shapes takes the model layer shapes on
+the CPU too (the reference's math, which the kernels' tests hold the
+kernels to).
 
-Usage:  python3 bench/state_drift.py [--quick] [--out DIR] [--backend xla|pallas]
+Usage:  python3 bench/state_drift.py [--quick] [--out DIR] [--backend xla|pallas] [--model-shapes] [--batch B]
 """
 
 from __future__ import annotations
@@ -236,6 +238,10 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small CPU run: CPU test shapes, 512 layer steps, L 8 and "
                                                         "16; two fixtures, L 16, 128 tokens")
     p.add_argument("--backend", default=None, help="xla (default on the CPU) or pallas (default on a GPU)")
+    p.add_argument("--model-shapes", action="store_true",
+                   help="the layers at the model shapes also with backend xla (the default on a GPU)")
+    p.add_argument("--batch", type=int, default=None, help="rows of the model-shape layers (default 4 on a GPU, "
+                                                          "else 1)")
     p.add_argument("--out", default=None, help="output folder (default bench/results/DATE-state-drift)")
     args = p.parse_args(argv)
     backend = args.backend or ("pallas" if jax.default_backend() == "gpu" else "xla")
@@ -245,9 +251,10 @@ def main(argv=None) -> int:
     tokens = 128 if args.quick else 512
     fixture_marks = (32, 64, 128) if args.quick else marks
     fixtures = FIXTURES[::2] if args.quick else FIXTURES
-    on_gpu = backend == "pallas"
-    shapes = {"mamba2": MAMBA2_CASES.model.with_batch(4) if on_gpu else MAMBA2_CASES.cpu[0],
-              "gdn": GDN_CASES.model.with_batch(4) if on_gpu else GDN_CASES.cpu[0]}
+    real = backend == "pallas" or args.model_shapes
+    batch = args.batch or (4 if backend == "pallas" else 1)
+    shapes = {"mamba2": MAMBA2_CASES.model.with_batch(batch) if real else MAMBA2_CASES.cpu[0],
+              "gdn": GDN_CASES.model.with_batch(batch) if real else GDN_CASES.cpu[0]}
     out = args.out or os.path.join(ROOT, "bench", "results", f"{datetime.date.today()}-state-drift")
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
@@ -282,6 +289,7 @@ def main(argv=None) -> int:
               + f" {r['agreement']:6.3f} {first:>5} {r['bytes_per_sequence']:>7}")
 
     result = dict(date=str(datetime.date.today()), device=jax.devices()[0].device_kind, backend=backend,
+                  shapes={layer: str(shape) for layer, shape in shapes.items()},
                   jax=jax.__version__, quick=args.quick, steps=steps, marks=list(marks), window=WINDOW,
                   layers=layer_rows, fixtures=fixture_rows, seconds=time.time() - t0)
     with open(os.path.join(out, "state_drift.json"), "w") as f:

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import unicodedata
+import warnings
 from importlib import resources
 
 import jax
@@ -84,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8", "float8_e4m3fn"), default=None,
                    help="ReplaySSM checkpoint dtype (default: the SSM state's; 8-bit: per-row scales, quantized at "
                         "each flush); --state replay only")
-    p.add_argument("--state-rounding", choices=("nearest", "stochastic"), default="nearest",
-                   help="rounding of an 8-bit checkpoint at each flush (default nearest)")
+    p.add_argument("--state-rounding", choices=("nearest", "stochastic"), default=None,
+                   help="rounding of an 8-bit checkpoint at each flush (default nearest); --state-dtype int8 or "
+                        "float8_e4m3fn only")
     p.add_argument("--backend", default=None, help="SSM op backend: pallas, interpret or xla (default: pallas on GPU, else xla)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and of --random-weights)")
     p.add_argument("--temperature", type=float, default=None,
@@ -211,7 +213,10 @@ def _check_args(args) -> list[str]:
                             ("--state-dtype", args.state_dtype)):
             if value is not None:
                 _warn(f"{flag} applies to --state replay only; the standard state ignores it")
-    elif args.buffer_len is not None and args.buffer_len < 1:
+    if args.state_rounding is not None and args.state_dtype not in ("int8", "float8_e4m3fn"):
+        _warn(f"--state-rounding applies to 8-bit checkpoints (--state-dtype int8 or float8_e4m3fn) only; "
+              f"it is ignored with --state-dtype {args.state_dtype or 'unset'}")
+    if states != ["standard"] and args.buffer_len is not None and args.buffer_len < 1:
         raise UsageError(f"--buffer-len must be >= 1; got {args.buffer_len}")
     if args.speculative is None and args.num_draft is not None:
         _warn("--num-draft applies to --speculative only; it is ignored")
@@ -307,7 +312,8 @@ def _generator(model, state, args, backend, generation_config=None, draft_model=
                      backend=backend, route=(args.route or "auto") if replay else "auto",
                      block_size=args.block_size, generation_config=generation_config,
                      speculative=_speculative(args, draft_model), state_dtype=args.state_dtype if replay else None,
-                     state_rounding=args.state_rounding)
+                     state_rounding=(args.state_rounding or "nearest") if replay and args.state_dtype in
+                     ("int8", "float8_e4m3fn") else "nearest")
 
 
 def _printable(text: str) -> str:
@@ -344,14 +350,25 @@ def _label(r) -> str:
     method = r.get("speculative")
     method = f"draft:{r['draft_checkpoint']}" if method == "draft" and r.get("draft_checkpoint") else method
     spec = f" speculative={method} K={r['num_draft']}" if method else ""
-    return r["state"] + (f" L={r['buffer_len']} route={r['route']}" if r["buffer_len"] else "") + spec
+    dtype = f" state_dtype={r['state_dtype']}" + (f" ({r['state_rounding']})" if r.get("state_rounding") else "") \
+        if r.get("state_dtype") else ""
+    return r["state"] + (f" L={r['buffer_len']} route={r['route']}" if r["buffer_len"] else "") + dtype + spec
 
 
 def _speed(r) -> str:
     speed = "no decode speed (fewer than 2 new tokens)" if r["tokens_per_s"] is None else \
         f"{r['tokens_per_s']:.1f} tokens/s decode"
     accepted = "" if r.get("mean_accepted") is None else f", {r['mean_accepted']:.2f} tokens per round"
-    return f"{speed}{accepted}, prefill {r['prefill_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s"
+    cache = f", cache {r['cache_bytes_per_sequence'] / 2**20:.2f} MiB a sequence" if r.get("cache_bytes_per_sequence") \
+        else ""
+    return f"{speed}{accepted}, prefill {r['prefill_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s{cache}"
+
+
+def _state_format(gen) -> dict:
+    """The report's state_dtype (None: the model's ssm_state_dtype) and state_rounding (8-bit checkpoints only)."""
+    dtype = gen.state_dtype
+    return {"state_dtype": None if dtype is None else dtype.name,
+            "state_rounding": gen.state_rounding if dtype is not None and dtype.itemsize == 1 else None}
 
 
 def _summary(out, gen, tokenizer, draft_checkpoint=None) -> dict:
@@ -369,6 +386,8 @@ def _summary(out, gen, tokenizer, draft_checkpoint=None) -> dict:
         "prefill_s": out.prefill_s,
         "compile_s": out.compile_s,
         "cache_bytes": out.cache_bytes,
+        "cache_bytes_per_sequence": out.cache_bytes_per_sequence,
+        **_state_format(gen),
         "speculative": gen.speculative.method if gen.speculative else None,
         "num_draft": gen.speculative.num_draft if gen.speculative else None,
         "mean_accepted": out.accepted_per_round,
@@ -498,7 +517,7 @@ def _print_header(report, gen, prompt, tokenizer, new_only):
     spec = gen.speculative
     label = _label({"state": gen.state, "buffer_len": gen.buffer_len, "route": gen.route,
                     "speculative": spec and spec.method, "num_draft": spec and spec.num_draft,
-                    "draft_checkpoint": report["draft_checkpoint"]})
+                    "draft_checkpoint": report["draft_checkpoint"], **_state_format(gen)})
     print(f"[{label}] backend={gen.backend}")
     if not new_only:
         sys.stdout.write(_printable(tokenizer.decode(prompt)) if tokenizer else " ".join(map(str, prompt)))
@@ -532,7 +551,10 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         streamed = not (args.json or args.compare) and _single_prompt(args)
-        report = run(args, stream=streamed)
+        with warnings.catch_warnings():  # the library's warnings as one line each, as the command's own
+            warnings.simplefilter("default", UserWarning)  # once per call site and run
+            warnings.showwarning = lambda message, *_, **__: _warn(str(message))
+            report = run(args, stream=streamed)
         if args.json:
             print(json.dumps(report))
         else:

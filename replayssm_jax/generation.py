@@ -194,6 +194,8 @@ class GenerationOutput:
         speculative decoding: the rounds run.
       cache_bytes: device bytes of the decode cache (SSM states or checkpoints
         and buffers, conv states, KV caches) at the padded batch.
+      cache_rows: that padded batch (`cache_bytes_per_sequence` = cache_bytes
+        / cache_rows, the bytes one sequence holds).
       prompt_lengths: per row, the prompt's length.
       accepted_per_round: speculative decoding: the mean new tokens per row
         and round (accepted drafts plus the target's own token, 1..K + 1)
@@ -217,6 +219,12 @@ class GenerationOutput:
     accepted_per_round: float | None = None
     decode_tokens: int | None = None
     row_accepted_per_round: list[float | None] | None = None
+    cache_rows: int = 0
+
+    @property
+    def cache_bytes_per_sequence(self) -> int:
+        """Device bytes of one row's decode cache (0 when nothing was decoded)."""
+        return self.cache_bytes // self.cache_rows if self.cache_rows else 0
 
     @property
     def new_ids(self) -> list[list[int]]:
@@ -517,6 +525,10 @@ def _check_state_dtype(state: str, state_dtype, rounding: str):
     if dtype is not None and state != "replay":
         raise GenerationError(f"`state_dtype` applies to state 'replay' (its checkpoints) only; got {dtype} with "
                               "state 'standard' (its SSM states keep the model's ssm_state_dtype)")
+    if rounding != "nearest" and (dtype is None or dtype.itemsize != 1):
+        warnings.warn(f"`state_rounding` {rounding!r} applies to 8-bit checkpoints (state_dtype int8 or "
+                      f"float8_e4m3fn) only; with state {state!r} and state_dtype {dtype} it is ignored",
+                      UserWarning, stacklevel=3)
     return dtype, rounding
 
 
@@ -535,7 +547,8 @@ class Generator:
         ssm_state_dtype), float32, bfloat16, int8 or float8_e4m3fn (8-bit:
         one f32 scale per state row, quantized at each flush; state
         "replay" only). state_rounding: an 8-bit checkpoint's rounding,
-        "nearest" or "stochastic" (replayssm_jax.ops.*_replay_init).
+        "nearest" or "stochastic" (replayssm_jax.ops.*_replay_init); for
+        other checkpoints "stochastic" is ignored (UserWarning).
       backend: SSM op backend (see replayssm_jax.ops); None picks by platform.
       route: the ReplaySSM step's route (replayssm_jax.ops): "output" or
         "state" (the buffered step, same numbers), "direct" (the state
@@ -988,7 +1001,7 @@ class Generator:
         return GenerationOutput(sequences, counts, prefill_s, decode_s, compile_s, int(carry.rounds),
                                 _nbytes(carry.cache), prompt_lengths=lengths.tolist(),
                                 accepted_per_round=float(accepted.sum() / row_rounds.sum()) if row_rounds.sum() else None,
-                                decode_tokens=sum(counts) - from_prefill,
+                                decode_tokens=sum(counts) - from_prefill, cache_rows=plan.rows,
                                 row_accepted_per_round=[float(a / r) if r else None
                                                         for a, r in zip(accepted, row_rounds)])
 
@@ -1091,7 +1104,7 @@ class Generator:
         decode_s = time.perf_counter() - t0
         sequences, counts = stream.finish(prompts)
         return GenerationOutput(sequences, counts, prefill_s, decode_s, compile_s, steps, _nbytes(carry.cache),
-                                prompt_lengths=lengths.tolist())
+                                prompt_lengths=lengths.tolist(), cache_rows=plan.rows)
 
 
 class _Stream:

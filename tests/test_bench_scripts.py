@@ -456,10 +456,14 @@ def test_spec_dry_run(tmp_path, capsys):
     speculative mode's oracle reference its own (it reproduces its reference at alpha 1 and equals the same
     state's AR output), greedy speculative tokens equal to that reference, the pending window's states counted
     in the standard state's memory per sequence (the speculative caches' conv windows also hold W - 1 more
-    columns)."""
+    columns); the random MTP head's rows (`--drafters`) with the same tokens."""
     assert load("spec").main(["--dry-run", "--alphas", "0.8", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "spec.json").read_text())
-    rows = {r["mode"]: r for r in report["rows"]}
+    rows = {r["mode"]: r for r in report["rows"] if r["drafter"] != "mtp"}
+    mtp = [r for r in report["rows"] if r["drafter"] == "mtp"]
+    assert [r["mode"] for r in mtp] == ["spec-standard", "spec-replay"] and report["meta"]["drafters"] == ["oracle",
+                                                                                                          "mtp"]
+    assert all(r["identical_to_reference"] and r["alpha"] is None and r["accepted_per_round"] >= 1 for r in mtp)
     assert list(rows) == ["ar-standard", "ar-replay", "spec-standard", "spec-replay"]
     assert report["meta"]["backend"] == "xla" and report["meta"]["num_draft"] == 3
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
@@ -482,7 +486,8 @@ def test_spec_dry_run(tmp_path, capsys):
     (["--num-draft", "4", "--buffer-len", "4"], "--num-draft + 1 = 5 verified positions must be <= --buffer-len = 4"),
     (["--alphas", "0.6,1.5"], "--alphas: every alpha must be in [0, 1]; got 1.5"),
     (["--batches", "0"], "--batches: must be >= 1; got 0"),
-], ids=["window", "alpha", "batch"])
+    (["--drafters", "oracle,eagle"], "--drafters: choose from oracle,mtp; got 'oracle,eagle'"),
+], ids=["window", "alpha", "batch", "drafter"])
 def test_spec_rejects_bad_arguments(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit):
         load("spec").main(["--dry-run", "--out", str(tmp_path / "out"), *args])

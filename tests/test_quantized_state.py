@@ -412,6 +412,31 @@ def test_generator_takes_the_checkpoint_dtype():
         Generator(model, state="standard", state_dtype=int8)
     with pytest.raises(GenerationError, match="`state_rounding` must be one of 'nearest', 'stochastic'; got 'up'"):
         Generator(model, state_dtype=int8, state_rounding="up")
+    with pytest.warns(UserWarning, match="`state_rounding` 'stochastic' applies to 8-bit checkpoints .* bfloat16"):
+        Generator(model, state_dtype=jnp.bfloat16, state_rounding="stochastic")
+
+
+def test_command_reports_the_checkpoint_format(capsys):
+    """replayssm-generate: --state-dtype and --state-rounding in the JSON with the bytes per sequence; the
+    library's fp8 warning as one line of the command's own; --state-rounding without an 8-bit dtype warns."""
+    import json
+
+    from replayssm_jax.generate import main
+
+    base = ["--checkpoint", str(DATA / "nemotron_h_tiny"), "--prompt-ids", "1,2,3;4,5", "--max-new-tokens", "3",
+            "--stop", "", "--json", "--buffer-len", "4"]
+    assert main(base + ["--state-dtype", "float8_e4m3fn", "--state-rounding", "stochastic"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert (report["state_dtype"], report["state_rounding"]) == ("float8_e4m3fn", "stochastic")
+    assert captured.err.startswith("replayssm-generate: warning: a float8_e4m3fn replay checkpoint with stochastic")
+    assert "warnings.warn" not in captured.err and "UserWarning" not in captured.err
+    assert main(base + ["--state-rounding", "stochastic"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert (report["state_dtype"], report["state_rounding"]) == (None, None)
+    assert "warning: --state-rounding applies to 8-bit checkpoints" in captured.err
+    assert report["cache_bytes"] > 0 and report["cache_bytes_per_sequence"] * 2 == report["cache_bytes"]
 
 
 def test_unsafe_combinations_warn_and_auto_avoids_the_direct_route(rng):
