@@ -19,8 +19,9 @@ of SSM layers, over the measured step time. Greedy tokens of every mode are
 compared with the standard state's.
 
 Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
-                             [--modes standard,8,16,32,16d] [--prompt-len 512] [--new-tokens 256]
-                             [--prefill-rows 64] [--profile]
+                             [--modes standard,8,16,32,16d,16:int8] [--prompt-len 512] [--new-tokens 256]
+                             [--prefill-rows 64] [--profile] [--budget-gib 100]
+        python3 bench/e2e.py --memory-only [--modes ...]   (bytes per sequence from shapes, any device)
         python3 bench/e2e.py --smoke     (CPU check of the script on a tiny fixture)
 --profile adds, per configuration, a breakdown of a decode step by kernel
 category (SSM kernels, GEMMs, other kernels, idle): the profiler trace of a
@@ -43,6 +44,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from typing import NamedTuple
 
 # JAX takes 75% of the GPU by default (104 GiB of the H200's 139): batch 512
 # needs more (the prefill's temporaries beside the finished cache: ReplaySSM
@@ -79,22 +82,43 @@ class Row:
     peak_gib: float
     ssm_share: float
     identical_to_standard: bool | None
+    cache_bytes_per_seq: int = 0  # the decode cache's bytes per sequence
+    max_sequences: int = 0  # the sequences whose decode caches fit --budget-gib (weights and temporaries excluded)
     speedup: float | None = None
     profile: dict | None = None  # ms per decode step by category (step_profile.CATEGORIES), and top kernels
 
 
-def _mode(mode: str) -> tuple[str, int | None, str]:
-    """(state, L, route) of a --modes entry: 'standard' (route "auto", which the
-    standard state ignores); 'L', ReplaySSM with buffer length L on the output
-    route; 'Ld', the same on the direct route.
+# The checkpoint formats of a --modes entry's ':FORMAT' suffix: (state_dtype, rounding).
+CHECKPOINT_FORMATS = {"f32": ("float32", "nearest"), "bf16": ("bfloat16", "nearest"), "int8": ("int8", "nearest"),
+                      "int8sr": ("int8", "stochastic"), "fp8": ("float8_e4m3fn", "nearest"),
+                      "fp8sr": ("float8_e4m3fn", "stochastic")}
+
+
+class Mode(NamedTuple):
+    state: str
+    L: int | None
+    route: str
+    state_dtype: str | None = None  # the ReplaySSM checkpoints' (None: the model's ssm_state_dtype, float32)
+    rounding: str = "nearest"
+
+
+def _mode(mode: str) -> Mode:
+    """The Mode of a --modes entry: 'standard' (route "auto", which the standard
+    state ignores); 'L', ReplaySSM with buffer length L on the output route;
+    'Ld', the same on the direct route; either followed by ':FORMAT', the
+    checkpoints' dtype and rounding (`CHECKPOINT_FORMATS`: f32, bf16, int8,
+    int8sr, fp8, fp8sr; 'sr': stochastic rounding), e.g. '16:int8'.
     Raises ValueError for anything else."""
     if mode == "standard":
-        return "standard", None, "auto"
-    digits = mode.removesuffix("d")
-    if not (digits.isascii() and digits.isdigit()) or int(digits) < 1:
+        return Mode("standard", None, "auto")
+    length, sep, fmt = mode.partition(":")
+    digits = length.removesuffix("d")
+    if not (digits.isascii() and digits.isdigit()) or int(digits) < 1 or (sep and fmt not in CHECKPOINT_FORMATS):
         raise ValueError(f"mode {mode!r}: expected 'standard', a buffer length L >= 1, or L then 'd' (the direct "
-                         "route, e.g. '16d')")
-    return "replay", int(digits), "direct" if mode.endswith("d") else "output"
+                         f"route, e.g. '16d'), optionally then ':' and a checkpoint format of "
+                         f"{', '.join(CHECKPOINT_FORMATS)} (e.g. '16:int8')")
+    dtype, rounding = CHECKPOINT_FORMATS[fmt] if fmt else (None, "nearest")
+    return Mode("replay", int(digits), "direct" if length.endswith("d") else "output", dtype, rounding)
 
 
 def _peak_gib() -> float:
@@ -107,8 +131,10 @@ def _ssm_layers(config):
     return [i for i, t in enumerate(config.layer_types) if t in ("mamba", "gdn")]
 
 
-def _ssm_op_time(model, batch, state, L, backend, route, steps=16) -> float:
-    """Seconds per decode step of one SSM layer's op alone (same batch, state, backend)."""
+def _ssm_op_time(model, batch, mode: Mode, backend, steps=16) -> float:
+    """Seconds per decode step of one SSM layer's op alone (same batch, state, checkpoint format, backend)."""
+    state, L, route = mode.state, mode.L or 1, mode.route
+    fmt = dict(checkpoint_dtype=mode.state_dtype, rounding=mode.rounding)
     c = model.config
     key = jax.random.key(1)
     k = jax.random.split(key, 6)
@@ -122,7 +148,7 @@ def _ssm_op_time(model, batch, state, L, backend, route, steps=16) -> float:
         if state == "standard":
             carry, fn = s, lambda st, i: ops.mamba2_step(st, **i, A=A, backend=backend)
         else:
-            carry = ops.mamba2_replay_init(s, L, G, buffer_dtype=bf16)
+            carry = ops.mamba2_replay_init(s, L, G, buffer_dtype=bf16, **fmt)
             fn = lambda st, i: ops.mamba2_replay_step(st, **i, A=A, route=route, backend=backend)  # noqa: E731
     else:
         H, HV, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
@@ -133,7 +159,7 @@ def _ssm_op_time(model, batch, state, L, backend, route, steps=16) -> float:
         if state == "standard":
             carry, fn = s, lambda st, i: ops.gdn_step(st, **i, backend=backend)
         else:
-            carry = ops.gdn_replay_init(s, L, H, buffer_dtype=bf16)
+            carry = ops.gdn_replay_init(s, L, H, buffer_dtype=bf16, **fmt)
             fn = lambda st, i: ops.gdn_replay_step(st, **i, route=route, backend=backend)  # noqa: E731
 
     def loop(carry, xs):
@@ -170,7 +196,7 @@ def _profile(gen, prompts, new_tokens):
 
 
 def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log, prefill_rows=None,
-                save=lambda rows: None, profile=False):
+                save=lambda rows: None, profile=False, budget_bytes=100 * 2**30):
     """Rows of one model over batches x modes; `save(rows)` after each row. A
     configuration that runs out of device memory is logged and skipped (the
     others still run). `profile`: also break a decode step down by kernel
@@ -183,9 +209,8 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
         prompts = rng.integers(3, model.config.vocab_size, size=(batch, prompt_len)).astype(np.int32)
         reference_tokens = None
         for mode in modes:
-            state, L, route = _mode(mode)
-            gen = Generator(model, state=state, buffer_len=L if state == "replay" else None, backend=backend, block_size=new_tokens,
-                            prefill_rows=prefill_rows, route=route)
+            m = _mode(mode)
+            gen = _generator(model, m, backend=backend, block_size=new_tokens, prefill_rows=prefill_rows)
             try:
                 out = gen.generate(prompts, new_tokens, progress=False)
                 again = gen.generate(prompts, new_tokens, progress=False)
@@ -198,13 +223,15 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                 continue
             best = min((out, again), key=lambda o: o.decode_s)
             step_s = best.decode_s / best.decode_steps
-            ssm_share = n_ssm * _ssm_op_time(model, batch, state, L or 1, backend, route) / step_s
+            ssm_share = n_ssm * _ssm_op_time(model, batch, m, backend) / step_s
             tokens = np.array(best.sequences)
-            if state == "standard":
+            if m.state == "standard":
                 reference_tokens = tokens
             same = None if reference_tokens is None else bool(np.array_equal(tokens, reference_tokens))
             rows.append(Row(name, batch, mode, best.tokens_per_s, step_s * 1e3, out.compile_s, best.prefill_s,
                             best.cache_bytes / 2**30, _peak_gib(), ssm_share, same,
+                            cache_bytes_per_seq=best.cache_bytes_per_sequence,
+                            max_sequences=int(budget_bytes // best.cache_bytes_per_sequence),
                             profile=_profile(gen, prompts, new_tokens) if profile else None))
             log(f"{name} batch={batch} {mode}: {best.tokens_per_s:.0f} tok/s, step {step_s * 1e3:.2f} ms, "
                 f"compile {out.compile_s:.1f} s, SSM share {ssm_share:.0%}, identical={same}")
@@ -215,6 +242,29 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
         for r in rows:
             if standard and r.batch == batch and r.model == name:
                 r.speedup = r.tokens_per_s / standard.tokens_per_s
+    return rows
+
+
+def _generator(model, m: Mode, **kw) -> Generator:
+    return Generator(model, state=m.state, buffer_len=m.L, route=m.route, state_dtype=m.state_dtype,
+                     state_rounding=m.rounding, **kw)
+
+
+def memory_rows(name, config_dir, modes, prompt_len, new_tokens, dtype, budget_bytes) -> list[dict]:
+    """Per mode, the decode cache's bytes per sequence for prompts of `prompt_len` tokens and
+    `new_tokens` new ones, and the sequences that fit `budget_bytes`: from shapes alone (an
+    abstract model, `Generator.memory_estimate` of one row; nothing allocated, any device)."""
+    from flax import nnx
+
+    model = nnx.eval_shape(lambda: init_model(config_dir, dtype))
+    rows = []
+    for mode in modes:
+        with warnings.catch_warnings():  # the fp8 formats warn: measured all the same
+            warnings.simplefilter("ignore", UserWarning)
+            estimate = _generator(model, _mode(mode), block_size=new_tokens).memory_estimate(
+                [[1] * prompt_len], new_tokens)
+        per_seq = (estimate.kv_bytes + estimate.state_bytes) // estimate.rows
+        rows.append(dict(model=name, mode=mode, cache_bytes_per_seq=per_seq, max_sequences=int(budget_bytes // per_seq)))
     return rows
 
 
@@ -230,7 +280,13 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=None, help=f"default: {','.join(MODELS)} (with --smoke: the tiny fixtures)")
     p.add_argument("--batches", default=None, help="default: 1,16,64,128,256,512 (with --smoke: 1,2)")
     p.add_argument("--modes", default="standard,8,16,32",
-                   help="'standard' and ReplaySSM buffer lengths; 'Ld' (e.g. '16d'): the direct route")
+                   help="'standard' and ReplaySSM buffer lengths; 'Ld' (e.g. '16d'): the direct route; ':FORMAT' "
+                        f"after either: the checkpoints' dtype and rounding ({', '.join(CHECKPOINT_FORMATS)}; "
+                        "e.g. '16:int8')")
+    p.add_argument("--budget-gib", type=float, default=100.0, help="cache memory budget for max_sequences")
+    p.add_argument("--memory-only", action="store_true",
+                   help="only the caches' bytes per sequence and the sequences in --budget-gib, from shapes "
+                        "(no weights allocated, no decoding; any device)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--backend", default=None)
@@ -258,11 +314,29 @@ def main(argv=None) -> int:
     backend = ops.resolve_backend(args.backend)
     for mode in modes:
         try:
-            L = _mode(mode)[1]
+            L = _mode(mode).L
             if L is not None:
                 ops.check_buffer_len(L, backend)
         except ValueError as e:
             p.error(f"--modes: {e}")
+    if not args.budget_gib > 0:
+        p.error(f"--budget-gib: must be > 0; got {args.budget_gib}")
+    budget = args.budget_gib * 2**30
+    if args.memory_only:
+        print(f"decode cache per sequence (prompt {prompt_len}, {new_tokens} new tokens) and sequences in "
+              f"{args.budget_gib:g} GiB, from shapes:")
+        print(f"{'model':26s} {'mode':>10s} {'MiB/seq':>9s} {'max seqs':>8s}")
+        memory = [r for name, path in configs.items()
+                  for r in memory_rows(name, path, modes, prompt_len, new_tokens, dtype, budget)]
+        for r in memory:
+            print(f"{r['model']:26s} {r['mode']:>10s} {r['cache_bytes_per_seq'] / 2**20:9.2f} {r['max_sequences']:8d}")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=dict(date=datetime.date.today().isoformat(), commit=_commit(), prompt_len=prompt_len,
+                                     new_tokens=new_tokens, budget_gib=args.budget_gib, command=" ".join(sys.argv)),
+                           memory=memory), f, indent=1)
+        print(f"JSON: {args.out}")
+        return 0
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=_commit(), prompt_len=prompt_len,
                 new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, command=" ".join(sys.argv))
@@ -276,15 +350,16 @@ def main(argv=None) -> int:
     for name, path in configs.items():
         rows += bench_model(name, path, batches, modes, prompt_len, new_tokens, backend, dtype,
                             lambda s: print(s, file=sys.stderr, flush=True), args.prefill_rows or None, save,
-                            args.profile)
+                            args.profile, budget)
         save([])
     print(f"\n{meta['date']} {meta['device']} backend={backend} commit={meta['commit']} "
           f"prompt={prompt_len} new={new_tokens} {meta['dtype']}")
-    print(f"{'model':26s} {'batch':>5s} {'mode':>8s} {'tok/s':>10s} {'step ms':>8s} {'speedup':>7s} "
-          f"{'SSM%':>5s} {'cache GiB':>9s} {'peak GiB':>8s} {'compile s':>9s} same")
+    print(f"{'model':26s} {'batch':>5s} {'mode':>10s} {'tok/s':>10s} {'step ms':>8s} {'speedup':>7s} "
+          f"{'SSM%':>5s} {'cache GiB':>9s} {'MiB/seq':>8s} {'max seqs':>8s} {'peak GiB':>8s} {'compile s':>9s} same")
     for r in rows:
-        print(f"{r.model:26s} {r.batch:5d} {r.mode:>8s} {r.tokens_per_s:10.0f} {r.step_ms:8.2f} "
-              f"{(r.speedup or float('nan')):7.2f} {r.ssm_share:5.0%} {r.cache_gib:9.2f} {r.peak_gib:8.1f} {r.compile_s:9.1f} "
+        print(f"{r.model:26s} {r.batch:5d} {r.mode:>10s} {r.tokens_per_s:10.0f} {r.step_ms:8.2f} "
+              f"{(r.speedup or float('nan')):7.2f} {r.ssm_share:5.0%} {r.cache_gib:9.2f} "
+              f"{r.cache_bytes_per_seq / 2**20:8.2f} {r.max_sequences:8d} {r.peak_gib:8.1f} {r.compile_s:9.1f} "
               f"{'-' if r.identical_to_standard is None else r.identical_to_standard}")
     profiled = [r for r in rows if r.profile]
     if profiled:

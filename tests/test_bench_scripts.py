@@ -68,7 +68,23 @@ def test_e2e_direct_route_mode(tmp_path):
     assert [r["mode"] for r in rows] == ["standard", "3d"] and all(r["identical_to_standard"] for r in rows)
 
 
-@pytest.mark.parametrize("mode", ["16x", "d", "0", "-4", "16dd", "\u00b2"])
+def test_e2e_checkpoint_formats_and_memory_only(tmp_path, capsys):
+    """--modes 'L:FORMAT' (the checkpoints' dtype and rounding) and --memory-only: bytes per sequence from
+    shapes, smaller for each narrower checkpoint, the sequences in the budget from them."""
+    e2e = load("e2e")
+    assert e2e._mode("16d:int8sr") == e2e.Mode("replay", 16, "direct", "int8", "stochastic")
+    assert e2e._mode("8:bf16") == e2e.Mode("replay", 8, "output", "bfloat16", "nearest")
+    out = tmp_path / "memory.json"
+    assert e2e.main(["--smoke", "--models", "qwen3_5_tiny", "--memory-only", "--modes", "standard,4,4:bf16,4:int8",
+                     "--budget-gib", "1", "--out", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["memory"]}
+    f32, bf16, int8 = (rows[m]["cache_bytes_per_seq"] for m in ("4", "4:bf16", "4:int8"))
+    assert f32 > bf16 > int8 > 0 and rows["standard"]["cache_bytes_per_seq"] > 0
+    assert all(r["max_sequences"] == 2**30 // r["cache_bytes_per_seq"] for r in rows.values())
+    assert "4:int8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["16x", "d", "0", "-4", "16dd", "\u00b2", "16:int4", "16:"])
 def test_e2e_rejects_bad_modes(mode, tmp_path, capsys):
     with pytest.raises(SystemExit):
         load("e2e").main(["--smoke", "--modes", f"standard,{mode}", "--out", str(tmp_path / "e2e.json")])
