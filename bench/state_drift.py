@@ -28,7 +28,7 @@ batch 4, backend pallas); --model-shapes takes the model layer shapes on
 the CPU too (the reference's math, which the kernels' tests hold the
 kernels to).
 
-Usage:  python3 bench/state_drift.py [--quick] [--out DIR] [--backend xla|pallas] [--model-shapes] [--batch B]
+Usage:  python3 bench/state_drift.py [--quick] [--out DIR] [--backend xla|pallas] [--model-shapes] [--batch B] [--lengths 8,16,32]
 """
 
 from __future__ import annotations
@@ -240,12 +240,14 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default=None, help="xla (default on the CPU) or pallas (default on a GPU)")
     p.add_argument("--model-shapes", action="store_true",
                    help="the layers at the model shapes also with backend xla (the default on a GPU)")
+    p.add_argument("--lengths", type=lambda t: tuple(int(a) for a in t.split(",")), default=None,
+                   help="buffer lengths L, e.g. 16,32 (default 8,16,32; with --quick 8,16)")
     p.add_argument("--batch", type=int, default=None, help="rows of the model-shape layers (default 4 on a GPU, "
                                                           "else 1)")
     p.add_argument("--out", default=None, help="output folder (default bench/results/DATE-state-drift)")
     args = p.parse_args(argv)
     backend = args.backend or ("pallas" if jax.default_backend() == "gpu" else "xla")
-    lengths = (8, 16) if args.quick else (8, 16, 32)
+    lengths = args.lengths or ((8, 16) if args.quick else (8, 16, 32))
     steps = 512 if args.quick else 4096
     marks = (64, 256, 512) if args.quick else (256, 1024, 4096)
     tokens = 128 if args.quick else 512
