@@ -291,7 +291,8 @@ class _Plan:
             yield self.last_block
 
 
-def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int) -> _Plan:
+def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int, row_multiple: int = 1) -> _Plan:
+    """The bucketed shapes of a request (`_Plan`); the padded rows a multiple of `row_multiple` (dp)."""
     shortest, longest = int(lengths.min()), int(lengths.max())
     prefix_len = bucket(shortest, up=False)
     # The start chooses the token at position prefix_len; each decode step the next one.
@@ -306,6 +307,7 @@ def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int) -> _Plan:
     width = bucket(max(longest, _MIN_POSITIONS))
     batch = len(lengths)
     rows = _pow2_at_least(batch) if batch <= 8 else bucket(batch)
+    rows = -(-rows // row_multiple) * row_multiple
     return _Plan(batch, rows, prefix_len, width, max_len, block_size, full, last)
 
 
@@ -564,6 +566,12 @@ class Generator:
         state ("mtp", "draft") compile one more program, their state's start
         from the prefill (the MTP head over the prefill's hidden states, the
         draft model's prefill).
+      mesh: None, or a ("dp", "tp") ``jax.sharding.Mesh`` (`models.sharding.make_mesh`):
+        the model runs sharded over it (`models.sharding.ShardedLM`: heads, intermediate
+        sizes and vocabulary over tp, batch rows over dp; a model on one device is
+        sharded with `models.sharding.shard_model`, a ShardedLM must be on this mesh).
+        The padded batch is rounded up to a multiple of dp. A ShardedLM given without
+        a mesh runs on its own.
 
     Raises:
       GenerationError: `model` not a model of this package, an unknown
@@ -572,13 +580,16 @@ class Generator:
         fields of `models.GenerationConfig`, a `speculative` that is not a
         SpeculativeConfig or whose window K + 1 exceeds buffer_len, method
         "mtp" on a model without an MTP head, a "draft" model that cannot be
-        loaded or whose vocab_size differs from the model's.
+        loaded or whose vocab_size differs from the model's; with a mesh,
+        a config that tp does not divide (naming the config key), a
+        prefill_rows that dp does not divide, a ShardedLM on another mesh,
+        or speculative method "mtp" or "draft".
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
     def __init__(self, model, *, state="replay", buffer_len=None, buffer_dtype=jnp.float32, backend=None,
                  route="auto", block_size=16, prefill_rows=None, generation_config=None, speculative=None,
-                 state_dtype=None, state_rounding="nearest"):
+                 state_dtype=None, state_rounding="nearest", mesh=None):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise GenerationError(f"`model` must be a model of this package (an nnx.Module with a `config`, e.g. "
                                   f"from models.load_model); got {type(model).__name__}")
@@ -630,6 +641,12 @@ class Generator:
         self.block_size = block_size
         self.config = model.config
         self.generation_config = generation_config
+        model = _on_mesh(model, mesh, speculative)
+        self.mesh = getattr(model, "mesh", None)
+        self.dp = 1 if self.mesh is None else self.mesh.shape["dp"]
+        if self.prefill_rows is not None and self.prefill_rows % self.dp:
+            raise GenerationError(f"`prefill_rows` must be a multiple of the mesh's dp = {self.dp}; got "
+                                  f"{self.prefill_rows}")
         self.graphdef, self.params = nnx.split(model)
         self._compiled = {}
         self._estimates = {}
@@ -817,7 +834,7 @@ class Generator:
           GenerationError: as `generate`.
         """
         prompts, lengths, max_new_tokens = self._check_request(prompts, max_new_tokens)
-        plan = _plan(lengths, max(max_new_tokens, 1), self.block_size)
+        plan = _plan(lengths, max(max_new_tokens, 1), self.block_size, self.dp)
         shapes = (plan.rows, plan.prefix_len, plan.width, plan.max_len)
         if shapes not in self._estimates:
             inputs = self._inputs(plan, prompts, lengths, np.zeros(0, np.int32))
@@ -1050,7 +1067,7 @@ class Generator:
             return GenerationOutput([p.tolist() for p in prompts], [0] * len(prompts), 0.0, 0.0, 0.0, 0,
                                     prompt_lengths=lengths.tolist(),
                                     decode_tokens=None if self.speculative is None else 0)
-        plan = _plan(lengths, max_new_tokens, self.block_size)
+        plan = _plan(lengths, max_new_tokens, self.block_size, self.dp)
         inputs = self._inputs(plan, prompts, lengths, stop_ids)
         key = jax.random.key(seed)
         start, compile_s = self._compiled_start(plan, sampling, inputs, key, lengths, progress)
@@ -1189,6 +1206,33 @@ def _by_rows(fn, ids, rows):
     fill = jnp.broadcast_to(ids[:1], (passes * rows - batch, ids.shape[1]))
     out = jax.lax.map(fn, jnp.concatenate([ids, fill]).reshape(passes, rows, ids.shape[1]))
     return jax.tree.map(lambda a: a.reshape(passes * rows, *a.shape[2:])[:batch], out)
+
+
+def _on_mesh(model, mesh, speculative):
+    """`model` as it runs on `mesh` (a `models.sharding.ShardedLM`; `model` itself without a mesh).
+
+    Raises:
+      GenerationError: as `Generator` (a config that tp does not divide, a ShardedLM on
+        another mesh, a drafter with its own model).
+    """
+    if mesh is None:
+        return model
+    from models import sharding
+
+    try:
+        sharding.check_mesh(mesh)
+        if speculative is not None and speculative.method in ("mtp", "draft"):
+            raise ValueError(f"`speculative.method` {speculative.method!r} is not supported with a `mesh` (its "
+                             f"drafter's model is not sharded); use 'ngram' or 'oracle'")
+        if isinstance(model, sharding.ShardedLM):
+            if model.mesh != mesh:
+                raise ValueError(f"`model` is sharded over another mesh ({dict(model.mesh.shape)} on "
+                                 f"{model.mesh.devices.ravel().tolist()}) than `mesh` ({dict(mesh.shape)} on "
+                                 f"{mesh.devices.ravel().tolist()})")
+            return model
+        return sharding.shard_model(model, mesh)
+    except (TypeError, ValueError) as e:
+        raise GenerationError(str(e)) from None
 
 
 def _check_int(name, value, low, high=None) -> int:
