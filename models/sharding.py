@@ -136,10 +136,12 @@ def _split_sizes(config) -> list[tuple[str, int]]:
             if config.moe_shared_expert_intermediate_size:
                 sizes += [("moe_shared_expert_intermediate_size", config.moe_shared_expert_intermediate_size)]
     elif isinstance(config, QwenHybridConfig):
-        sizes = [("num_key_value_heads", config.num_key_value_heads)] if "attention" in kinds else []
+        sizes = []
         if "gdn" in kinds:
             sizes += [("linear_num_key_heads", config.linear_num_key_heads),
                       ("linear_num_value_heads", config.linear_num_value_heads)]
+        if "attention" in kinds:
+            sizes += [("num_key_value_heads", config.num_key_value_heads)]
         if "mlp" in config.mlp_types:
             sizes += [("intermediate_size", config.intermediate_size)]
         if "moe" in config.mlp_types:

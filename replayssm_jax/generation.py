@@ -621,6 +621,10 @@ class Generator:
                                   f"{type(generation_config).__name__}")
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise GenerationError(f"`speculative` must be a SpeculativeConfig or None; got {type(speculative).__name__}")
+        sharded = mesh is not None or hasattr(model, "mesh")
+        if sharded and speculative is not None and speculative.method in ("mtp", "draft"):
+            raise GenerationError(f"`speculative.method` {speculative.method!r} is not supported with a `mesh` (its "
+                                  f"drafter's model is not sharded); use 'ngram' or 'oracle'")
         if speculative is not None and state == "replay" and speculative.window > buffer_len:
             raise GenerationError(f"`speculative.num_draft` + 1 = {speculative.window} verified positions must be <= "
                                   f"`buffer_len` = {buffer_len} with the replay state (a window fits in the buffer)")
@@ -641,7 +645,7 @@ class Generator:
         self.block_size = block_size
         self.config = model.config
         self.generation_config = generation_config
-        model = _on_mesh(model, mesh, speculative)
+        model = _on_mesh(model, mesh)
         self.mesh = getattr(model, "mesh", None)
         self.dp = 1 if self.mesh is None else self.mesh.shape["dp"]
         if self.prefill_rows is not None and self.prefill_rows % self.dp:
@@ -1208,12 +1212,12 @@ def _by_rows(fn, ids, rows):
     return jax.tree.map(lambda a: a.reshape(passes * rows, *a.shape[2:])[:batch], out)
 
 
-def _on_mesh(model, mesh, speculative):
+def _on_mesh(model, mesh):
     """`model` as it runs on `mesh` (a `models.sharding.ShardedLM`; `model` itself without a mesh).
 
     Raises:
-      GenerationError: as `Generator` (a config that tp does not divide, a ShardedLM on
-        another mesh, a drafter with its own model).
+      GenerationError: as `Generator` (a mesh without the ("dp", "tp") axes, a config that
+        tp does not divide, a ShardedLM on another mesh).
     """
     if mesh is None:
         return model
@@ -1221,9 +1225,6 @@ def _on_mesh(model, mesh, speculative):
 
     try:
         sharding.check_mesh(mesh)
-        if speculative is not None and speculative.method in ("mtp", "draft"):
-            raise ValueError(f"`speculative.method` {speculative.method!r} is not supported with a `mesh` (its "
-                             f"drafter's model is not sharded); use 'ngram' or 'oracle'")
         if isinstance(model, sharding.ShardedLM):
             if model.mesh != mesh:
                 raise ValueError(f"`model` is sharded over another mesh ({dict(model.mesh.shape)} on "
