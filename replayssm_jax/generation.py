@@ -847,16 +847,20 @@ class Generator:
 
     def _check_fits(self, estimate: MemoryEstimate, plan: _Plan, lengths, temp_bytes: int = 0):
         """Raise InsufficientMemoryError unless the cache (and the prefill's `temp_bytes`
-        of temporaries, from the compiled program) fit the free memory."""
+        of temporaries, from the compiled program) fit the free memory. On a mesh the
+        cache is split over its devices (heads over tp, rows over dp): each device's
+        share, 1 / devices of it, and the temporaries (per device) must fit one device."""
         free, where = free_memory()
-        if estimate.total_bytes + temp_bytes <= free:
+        devices = 1 if self.mesh is None else self.mesh.size
+        if estimate.total_bytes // devices + temp_bytes <= free:
             return
         temporaries = (f" and the prefill {format_bytes(temp_bytes)} of temporaries (`prefill_rows` lowers them)"
                        if temp_bytes else "")
+        over = "" if devices == 1 else f" over {devices} devices"
         raise InsufficientMemoryError(
             f"`prompts` ({plan.batch} rows, padded to {plan.rows}) with `max_new_tokens` do not fit: the decode cache "
-            f"of {plan.max_len} positions needs {estimate.describe()}{temporaries}, and the {where} is "
-            f"{format_bytes(free)}; " + estimate.fits(free - temp_bytes, longest_prompt=int(lengths.max()),
+            f"of {plan.max_len} positions needs {estimate.describe()}{over}{temporaries}, and the {where} is "
+            f"{format_bytes(free)}; " + estimate.fits((free - temp_bytes) * devices, longest_prompt=int(lengths.max()),
                                                       block_size=self.block_size))
 
     def _compile(self, key, traced, what, progress):
