@@ -251,7 +251,7 @@ def param_axis(names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _spec(axis: int | None, ndim: int) -> P:
+def _spec(axis: int | None) -> P:
     if axis is None:
         return P()
     return P(*([None] * axis), TP)
@@ -282,7 +282,7 @@ def place(reader: Callable[[tuple], np.ndarray], shape: tuple[int, ...], mesh: M
       parts: the part sizes along `axis` of a fused weight (see the module docstring), or None.
     """
     tp = mesh.shape[TP]
-    sharding = NamedSharding(mesh, _spec(axis, len(shape)))
+    sharding = NamedSharding(mesh, _spec(axis))
 
     def block(index):
         if axis is None or tp == 1:
@@ -312,7 +312,7 @@ def names_of(path) -> tuple[str, ...]:
 
 
 def _param_specs(params):
-    return jax.tree_util.tree_map_with_path(lambda path, leaf: _spec(param_axis(names_of(path)), leaf.ndim), params)
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: _spec(param_axis(names_of(path))), params)
 
 
 # -- decode state -----------------------------------------------------------------------------------
@@ -466,7 +466,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedLM:
     blocks copied to their devices (host slices of the weight; the model itself is not changed).
 
     Raises:
-      TypeError: `mesh` not a Mesh; a model without an MTP-free family config.
+      TypeError: `mesh` not a Mesh; a config of another family than Nemotron-H / Qwen.
       ValueError: a mesh without the ("dp", "tp") axes; a config that tp does not split
         (`check_config`); a model with a multi-token prediction head (not sharded).
     """
@@ -509,4 +509,4 @@ def shard_layout(config, names: tuple[str, ...], array: jax.Array, tp: int) -> j
 def shardings(tree, mesh: Mesh):
     """The NamedSharding of every parameter of an nnx.State `tree` on `mesh` (`param_axis`)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: NamedSharding(mesh, _spec(param_axis(names_of(path)), leaf.ndim)), tree)
+        lambda path, leaf: NamedSharding(mesh, _spec(param_axis(names_of(path)))), tree)

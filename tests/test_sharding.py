@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from hlo_checks import per_step_copies
 from models import load_model
 from models.random_init import init_model
-from models.sharding import ShardedLM, check_config, make_mesh, shard_ranges, state_specs
+from models.sharding import ShardedLM, check_config, make_mesh, shard_ranges
 from replayssm_jax.generation import GenerationError, Generator, SpeculativeConfig
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -152,7 +152,8 @@ def test_load_places_the_shard_layout():
         rows = np.concatenate([np.arange(a, b) for a, b in shard_ranges(weight.shape[0], parts, 2, s)])
         np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(stored)[rows])
     assert model.inner.backbone.embeddings.weight[...].sharding.spec == P("tp")  # the vocabulary rows
-    assert state_specs({"layers": (None,), "position": jnp.zeros(4)}) == {"layers": (None,), "position": P("dp")}
+    out_proj = model.inner.backbone.layers[0].mixer.out_proj.weight[...]
+    assert out_proj.sharding.spec == P(None, "tp")  # row-parallel: its input columns
 
 
 @needs_devices
