@@ -24,6 +24,10 @@ product, which would compile about 50 generators):
 - speculative decoding (n-gram drafts, the verify window and commit) on
   qwen3_next_tiny with ReplaySSM, tp = 2, dp = 2.
 
+On a machine with several GPUs, ``-m gpu`` runs `test_gpu_mesh_matches_one_gpu`:
+the compiled Pallas kernels per shard, tp = 2 and 4 (as many GPUs as there
+are), against the same model on one GPU.
+
 The unsharded tokens are the fixtures' reference.npz greedy tokens, which
 the unsharded Generator decodes on the same prompts (test_generation.py::
 test_greedy_tokens_match_transformers, standard state and L = 4); the random
@@ -53,7 +57,7 @@ from replayssm_jax.generation import GenerationError, Generator, SpeculativeConf
 
 DATA = pathlib.Path(__file__).parent / "data"
 DEVICES = 4
-SIMULATED = jax.device_count() >= DEVICES
+SIMULATED = jax.default_backend() == "cpu" and jax.device_count() >= DEVICES
 NEW_TOKENS = 12
 needs_devices = pytest.mark.skipif(not SIMULATED, reason=f"needs {DEVICES} devices: run by test_sharded_suite")
 
@@ -63,6 +67,7 @@ def test_sharded_suite():
     """This file's tests, in a process with four simulated CPU devices."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}").strip()
+    env["JAX_PLATFORMS"] = "cpu"  # the simulated devices also on a machine with GPUs
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                           __file__], env=env, capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
     assert run.returncode == 0, f"the sharded tests failed:\n{run.stdout[-6000:]}\n{run.stderr[-3000:]}"
@@ -204,3 +209,37 @@ def test_errors_name_the_config_key():
         Generator(tiny, mesh=make_mesh(dp=2), speculative=SpeculativeConfig("mtp", num_draft=2))
     with pytest.raises(ValueError, match=r"a mesh of dp x tp = 4 x 2 devices needs 8 devices; 4 available"):
         make_mesh(tp=2, dp=4)
+
+
+GPU_MODELS = [("nemotron_h_tiny", 2), ("qwen3_5_tiny", 2), ("qwen3_next_tiny", 2), ("mamba2_tiny", 2),
+              ("tp4:nemotron_h_tiny", 4), ("bench:nemotron3_nano_4b_like", 2), ("bench:nemotron3_nano_4b_like", 4),
+              ("bench:qwen3_5_4b_like", 2), ("bench:qwen3_5_4b_like", 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state", ["standard", "replay"])
+@pytest.mark.parametrize("name, tp", GPU_MODELS, ids=[f"{n}-tp{t}" for n, t in GPU_MODELS])
+def test_gpu_mesh_matches_one_gpu(name, tp, state, tmp_path):
+    """Greedy tokens of the model on a mesh of tp GPUs (the Pallas kernels per shard) equal those on one
+    GPU: the fixtures, a tp = 4 variant of nemotron_h_tiny's config, and random float32 weights of real
+    shapes (bench/configs)."""
+    if jax.default_backend() != "gpu" or jax.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    kind, _, folder = name.rpartition(":")
+    if kind == "bench":
+        path = pathlib.Path(__file__).parents[1] / "bench" / "configs" / folder
+    elif kind == "tp4":
+        cfg = json.loads((DATA / folder / "config.json").read_text())
+        cfg.update(n_groups=4, num_key_value_heads=4)
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        path = tmp_path
+    else:
+        path = DATA / folder
+    prompts = np.random.default_rng(0).integers(3, 200, size=(8, 16)).tolist()
+    options = dict(state=state, buffer_len=16 if state == "replay" else None, backend="pallas", block_size=8)
+    one = init_model(path, jnp.float32, seed=1) if kind else load_model(path)
+    expected = Generator(one, **options).generate(prompts, 8).sequences
+    del one
+    mesh = make_mesh(tp=tp)
+    sharded = init_model(path, jnp.float32, seed=1, mesh=mesh) if kind else load_model(path, mesh=mesh)
+    assert Generator(sharded, **options).generate(prompts, 8).sequences == expected
