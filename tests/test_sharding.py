@@ -16,11 +16,12 @@ product, which would compile about 50 generators):
   the packed projections and the MoE with a gated shared expert);
 - the Pallas kernels per shard ("interpret"): nemotron_h_tiny (Mamba-2) with
   ReplaySSM and qwen3_5_tiny (GDN) with the standard state, tp = 2, dp = 2;
-- the standard state on "xla": qwen3_next_tiny at tp = 1, dp = 2 (a mesh
+- the standard state on "xla": mamba2_tiny at tp = 1, dp = 2 (a mesh
   without tensor parallelism: no collective in the program);
 - tp = 4 on random weights (init_model) of nemotron_h_tiny's config with
-  n_groups and num_key_value_heads raised to 4 (the fixtures' own 2 groups and
-  2 KV heads stop at tp = 2: `test_errors_name_the_config_key`);
+  n_groups and num_key_value_heads raised to 4 and one block of each kind
+  (the fixtures' own 2 groups and 2 KV heads stop at tp = 2:
+  `test_errors_name_the_config_key`);
 - speculative decoding (n-gram drafts, the verify window and commit) on
   qwen3_next_tiny with ReplaySSM, tp = 2, dp = 2.
 
@@ -47,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from hlo_checks import per_step_copies
@@ -97,7 +99,7 @@ CASES = [  # (fixture, tp, dp, state, backend)
     ("qwen3_next_tiny", 2, 2, "replay", "xla"),
     ("nemotron_h_tiny", 2, 2, "replay", "interpret"),
     ("qwen3_5_tiny", 2, 2, "standard", "interpret"),
-    ("qwen3_next_tiny", 1, 2, "standard", "xla"),
+    ("mamba2_tiny", 1, 2, "standard", "xla"),
 ]
 
 
@@ -114,12 +116,29 @@ def test_fixture_tokens_match_unsharded(name, tp, dp, state, backend):
         assert "all-reduce" not in hlo and "all-gather" not in hlo
     else:
         assert "all-reduce" in hlo and "all-gather" in hlo
+    if state == "replay" and backend == "xla":  # (the Pallas interpreter stages the kernels' operands)
+        _check_checkpoints_in_place(gen, hlo, prompts, tp, dp)
+
+
+def _check_checkpoints_in_place(gen, hlo, prompts, tp, dp):
+    """No per-step copy of a device's block of a replay checkpoint in the decode loop's HLO."""
+    model = nnx.merge(gen.graphdef, gen.params)
+    _, cache = jax.eval_shape(lambda ids: model.prefill(ids, 32, replay_buffer_len=gen.buffer_len),
+                              jnp.asarray(prompts))
+    local = [jax.ShapeDtypeStruct(_local_shape(s.replay.checkpoint.shape, tp, dp), s.replay.checkpoint.dtype)
+             for s in cache.layers if hasattr(s, "replay")]
+    assert local and not per_step_copies(hlo, local)
+
+
+def _local_shape(shape, tp, dp):
+    """One device's block of a [batch, heads, ...] state array on a dp x tp mesh."""
+    return (shape[0] // dp, shape[1] // tp, *shape[2:])
 
 
 @needs_devices
 def test_state_stays_on_its_shards():
     """The prefill's cache is split as state_specs says (heads over tp, rows over dp), each device holding
-    its block; the decode loop copies no checkpoint shard per step."""
+    its block."""
     name = "nemotron_h_tiny"
     prompts, _ = _reference(name)
     model = _sharded(name, 2, 2)
@@ -130,15 +149,9 @@ def test_state_stays_on_its_shards():
     assert cache.layers[0].conv_state.columns.sharding.spec == P("dp", None, "tp")
     assert cache.layers[2].k.sharding.spec == P("dp", None, "tp")  # the KV cache over KV heads
     assert cache.position.sharding.spec == P("dp")
-    batch, heads, head_dim, d_state = replay.checkpoint.shape
-    assert {s.data.shape for s in replay.checkpoint.addressable_shards} == {(batch // 2, heads // 2, head_dim,
-                                                                              d_state)}
-    gen = Generator(model, state="replay", buffer_len=4, backend="xla", block_size=16)
-    gen.generate(prompts, 17)  # one block of 16 steps
-    (hlo,) = gen.decode_hlo()
-    local = [jax.ShapeDtypeStruct((batch // 2, heads // 2, head_dim, d_state), replay.checkpoint.dtype)]
-    assert f"f32[{','.join(map(str, local[0].shape))}]" in hlo
-    assert not per_step_copies(hlo, local)
+    assert {s.data.shape for s in replay.checkpoint.addressable_shards} == {_local_shape(replay.checkpoint.shape,
+                                                                                       2, 2)}
+    assert len(replay.checkpoint.addressable_shards) == DEVICES
 
 
 @needs_devices
@@ -164,7 +177,8 @@ def test_load_places_the_shard_layout():
 @needs_devices
 def test_tp4_random_weights_match_unsharded(tmp_path):
     cfg = json.loads((DATA / "nemotron_h_tiny" / "config.json").read_text())
-    cfg.update(n_groups=4, num_key_value_heads=4)
+    cfg.update(n_groups=4, num_key_value_heads=4,  # one block of each kind
+               layers_block_type=["linear_attention", "full_attention", "mlp", "moe"])
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     prompts, _ = _reference("nemotron_h_tiny")
     options = dict(state="replay", buffer_len=4, backend="xla", block_size=16)
@@ -242,4 +256,7 @@ def test_gpu_mesh_matches_one_gpu(name, tp, state, tmp_path):
     del one
     mesh = make_mesh(tp=tp)
     sharded = init_model(path, jnp.float32, seed=1, mesh=mesh) if kind else load_model(path, mesh=mesh)
-    assert Generator(sharded, **options).generate(prompts, 8).sequences == expected
+    gen = Generator(sharded, **options)
+    assert gen.generate(prompts, 8).sequences == expected
+    if state == "replay":
+        _check_checkpoints_in_place(gen, gen.decode_hlo()[0], prompts, tp, 1)
