@@ -78,7 +78,8 @@ from models.config import NemotronHConfig, QwenHybridConfig
 from replayssm_jax.layers import Embedding, Linear, Mamba2Mixer, MoE
 
 __all__ = ["AXES", "make_mesh", "check_mesh", "check_config", "check_batch", "local_config", "param_axis",
-           "fused_parts", "shard_ranges", "place", "shard_layout", "shardings", "state_specs", "names_of", "ShardedLM", "shard_model", "sharded_from_state"]
+           "fused_parts", "shard_ranges", "place", "shard_layout", "shardings", "state_specs", "names_of",
+           "ShardedLM", "shard_model", "sharded_from_state"]
 
 #: The mesh axes: data parallelism (batch rows), tensor parallelism (heads, intermediate, vocab).
 AXES = ("dp", "tp")
