@@ -61,6 +61,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.append(ROOT)  # last: an importable replayssm_jax (installed, or a tree first on PYTHONPATH) wins
 
 import step_profile  # noqa: E402  (bench/step_profile.py; this folder leads sys.path)
+from models import sharding  # noqa: E402
 from models.random_init import init_model  # noqa: E402
 from replayssm_jax import ops  # noqa: E402
 from replayssm_jax.generation import Generator  # noqa: E402
@@ -86,6 +87,8 @@ class Row:
     max_sequences: int = 0  # the sequences whose decode caches fit --budget-gib (weights and temporaries excluded)
     speedup: float | None = None
     profile: dict | None = None  # ms per decode step by category (step_profile.CATEGORIES), and top kernels
+    tp: int | None = None  # the mesh's tensor-parallel and data-parallel sizes (None: no mesh, one device)
+    dp: int | None = None
 
 
 # The checkpoint formats of a --modes entry's ':FORMAT' suffix: (state_dtype, rounding).
@@ -131,11 +134,11 @@ def _ssm_layers(config):
     return [i for i, t in enumerate(config.layer_types) if t in ("mamba", "gdn")]
 
 
-def _ssm_op_time(model, batch, mode: Mode, backend, steps=16) -> float:
-    """Seconds per decode step of one SSM layer's op alone (same batch, state, checkpoint format, backend)."""
+def _ssm_op_time(c, batch, mode: Mode, backend, steps=16) -> float:
+    """Seconds per decode step of one SSM layer's op alone (config `c`, same batch, state, checkpoint
+    format, backend; on a mesh, one device's shard: the local config and batch / dp)."""
     state, L, route = mode.state, mode.L or 1, mode.route
     fmt = dict(checkpoint_dtype=mode.state_dtype, rounding=mode.rounding)
-    c = model.config
     key = jax.random.key(1)
     k = jax.random.split(key, 6)
     bf16 = jnp.bfloat16
@@ -196,12 +199,15 @@ def _profile(gen, prompts, new_tokens):
 
 
 def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log, prefill_rows=None,
-                save=lambda rows: None, profile=False, budget_bytes=100 * 2**30):
+                save=lambda rows: None, profile=False, budget_bytes=100 * 2**30, mesh=None):
     """Rows of one model over batches x modes; `save(rows)` after each row. A
     configuration that runs out of device memory is logged and skipped (the
     others still run). `profile`: also break a decode step down by kernel
-    category (bench/step_profile.py), from a third, traced run."""
-    model = init_model(config_dir, dtype)
+    category (bench/step_profile.py), from a third, traced run. `mesh`: a
+    ("dp", "tp") mesh the model runs sharded on (models.sharding), or None."""
+    model = init_model(config_dir, dtype, mesh=mesh)
+    tp, dp = (None, None) if mesh is None else (mesh.shape["tp"], mesh.shape["dp"])
+    shard_config = model.config if mesh is None else sharding.local_config(model.config, tp)
     n_ssm = len(_ssm_layers(model.config))
     rows = []
     rng = np.random.default_rng(0)
@@ -223,7 +229,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                 continue
             best = min((out, again), key=lambda o: o.decode_s)
             step_s = best.decode_s / best.decode_steps
-            ssm_share = n_ssm * _ssm_op_time(model, batch, m, backend) / step_s
+            ssm_share = n_ssm * _ssm_op_time(shard_config, max(batch // (dp or 1), 1), m, backend) / step_s
             tokens = np.array(best.sequences)
             if m.state == "standard":
                 reference_tokens = tokens
@@ -232,7 +238,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                             best.cache_bytes / 2**30, _peak_gib(), ssm_share, same,
                             cache_bytes_per_seq=best.cache_bytes_per_sequence,
                             max_sequences=int(budget_bytes // best.cache_bytes_per_sequence),
-                            profile=_profile(gen, prompts, new_tokens) if profile else None))
+                            profile=_profile(gen, prompts, new_tokens) if profile else None, tp=tp, dp=dp))
             log(f"{name} batch={batch} {mode}: {best.tokens_per_s:.0f} tok/s, step {step_s * 1e3:.2f} ms, "
                 f"compile {out.compile_s:.1f} s, SSM share {ssm_share:.0%}, identical={same}")
             save(rows)
@@ -297,7 +303,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None,
                    help="JSON path; default: bench/results/DATE-e2e/e2e.json (with --smoke: in a new temporary folder)")
     p.add_argument("--smoke", action="store_true", help="tiny fixture on any device, to check the script")
+    p.add_argument("--tp", type=int, default=None,
+                   help="run on a mesh with this tensor-parallel size (models.sharding; default: no mesh)")
+    p.add_argument("--dp", type=int, default=None, help="the mesh's data-parallel size (default 1 with --tp)")
     args = p.parse_args(argv)
+    mesh = None
+    if args.tp is not None or args.dp is not None:
+        try:
+            mesh = sharding.make_mesh(args.tp or 1, args.dp or 1)
+        except ValueError as e:
+            p.error(f"--tp / --dp: {e}")
     if args.out is None:
         folder = (tempfile.mkdtemp(prefix="e2e_smoke_") if args.smoke else
                   os.path.join(ROOT, "bench", "results", f"{datetime.date.today().isoformat()}-e2e"))
@@ -339,7 +354,8 @@ def main(argv=None) -> int:
         return 0
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=_commit(), prompt_len=prompt_len,
-                new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, command=" ".join(sys.argv))
+                new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, command=" ".join(sys.argv),
+                mesh=None if mesh is None else dict(dp=mesh.shape["dp"], tp=mesh.shape["tp"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
 
@@ -350,10 +366,11 @@ def main(argv=None) -> int:
     for name, path in configs.items():
         rows += bench_model(name, path, batches, modes, prompt_len, new_tokens, backend, dtype,
                             lambda s: print(s, file=sys.stderr, flush=True), args.prefill_rows or None, save,
-                            args.profile, budget)
+                            args.profile, budget, mesh)
         save([])
     print(f"\n{meta['date']} {meta['device']} backend={backend} commit={meta['commit']} "
-          f"prompt={prompt_len} new={new_tokens} {meta['dtype']}")
+          f"prompt={prompt_len} new={new_tokens} {meta['dtype']}"
+          + ("" if mesh is None else f" mesh dp={mesh.shape['dp']} tp={mesh.shape['tp']}"))
     print(f"{'model':26s} {'batch':>5s} {'mode':>10s} {'tok/s':>10s} {'step ms':>8s} {'speedup':>7s} "
           f"{'SSM%':>5s} {'cache GiB':>9s} {'MiB/seq':>8s} {'max seqs':>8s} {'peak GiB':>8s} {'compile s':>9s} same")
     for r in rows:

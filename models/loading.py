@@ -100,7 +100,8 @@ class TensorSource:
     """Lazy access to the safetensors tensors of a checkpoint folder (single file or sharded).
 
     ``keys()``: all tensor names; ``file_of(key)``: its file; ``shape(key)``: its shape
-    (read from the header); ``get(key)``: the numpy array.
+    (read from the header); ``get(key)``: the numpy array; ``get_slice(key, index)``: a
+    slice of it, read alone.
 
     Raises (constructor):
       CheckpointNotFoundError: neither model.safetensors nor model.safetensors.index.json,
@@ -166,6 +167,10 @@ class TensorSource:
     def get(self, key: str) -> np.ndarray:
         return self._read(key, lambda f: f.get_tensor(key))
 
+    def get_slice(self, key: str, index: tuple) -> np.ndarray:
+        """The slice `index` (a tuple of slices) of tensor `key`, read without the rest of it."""
+        return self._read(key, lambda f: f.get_slice(key)[index])
+
 
 _EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 
@@ -177,7 +182,7 @@ def _describe(src: TensorSource) -> str:
 
 def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
                 checkpoint_key: Callable[[str], str | None] = lambda k: k, dtype=None,
-                model_name: str = "model") -> nnx.Module:
+                model_name: str = "model", place: Callable | None = None) -> nnx.Module:
     """Build ``model_factory()`` with its parameters read from `src`.
 
     Args:
@@ -189,6 +194,11 @@ def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
       dtype: None keeps each tensor's dtype (which must then be F32 or BF16); else
         floating tensors are cast to it (except `KEEP_FP32` parameters, kept in float32).
       model_name: used in error messages.
+      place: None: each tensor is read whole and put on the default device. Else
+        ``place(names, shape, read) -> jax.Array`` builds each parameter (path `names`,
+        stored shape) from ``read(index)``, which returns the (cast, checked) values of
+        a tuple-of-slices `index` of the stored tensor: `models.sharding.place` reads
+        only each device's blocks.
 
     Returns:
       The model, every parameter filled.
@@ -213,7 +223,8 @@ def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
     used: set[str] = set()
     where = f"{src.path} ({_describe(src)})"
 
-    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def tensor(name: str, shape: tuple[int, ...]) -> str:
+        """The checkpoint key of parameter `name` after checking its shape and dtype (marks it used)."""
         key = available.get(name)
         if key is None:
             raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {shape}) for {model_name}")
@@ -229,30 +240,50 @@ def load_params(model_factory: Callable[[], nnx.Module], src: TensorSource, *,
             raise CheckpointError(f"{src.file_of(key)}: tensor {key!r} has dtype {kind}, which the models do not "
                                   f"run in (supported: {', '.join(_SUPPORTED_TENSOR_DTYPES)}); pass "
                                   f"dtype=jnp.float32 or dtype=jnp.bfloat16 to cast the weights")
-        arr = src.get(key)
+        used.add(name)
+        return key
+
+    def read(key: str, index: tuple | None) -> np.ndarray:
+        """Tensor `key` (or its slice `index`, a tuple of slices), checked to be finite."""
+        arr = src.get(key) if index is None else src.get_slice(key, index)
         finite = np.isfinite(arr)
         if not finite.all():
             bad = np.argwhere(~finite)
-            first = tuple(int(i) for i in bad[0])
+            starts = [0] * arr.ndim if index is None else [sl.start or 0 for sl in index]
+            first = tuple(int(i) + start for i, start in zip(bad[0], starts))
             raise CheckpointError(f"{src.file_of(key)}: tensor {key!r} holds {len(bad)} non-finite value(s) "
-                                  f"(NaN or inf), the first {arr[first]} at index {first}")
-        used.add(name)
+                                  f"(NaN or inf){' in the slice read' if index is not None else ''}, the first "
+                                  f"{arr[tuple(bad[0])]} at index {first}")
+        return arr
+
+    def reader(name: str, shape: tuple[int, ...]) -> Callable[[tuple | None], np.ndarray]:
+        """index (None: all) -> the values of parameter `name` there; stacked per-expert tensors for an
+        [E, out, in] expert parameter the checkpoint stores per expert."""
+        m = _EXPERT_PARAM.match(name)
+        if m and len(shape) == 3 and name not in available:
+            keys = [tensor(f"{m['prefix']}.{e}.{m['proj']}.weight", shape[1:]) for e in range(shape[0])]
+            return lambda index: np.stack([read(k, None if index is None else index[1:])
+                                           for k in (keys if index is None else keys[index[0]])])
+        key = tensor(name, shape)
+        return lambda index: read(key, index)
+
+    def cast(leaf: str, arr):
+        if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
+            return arr.astype(jnp.float32 if leaf in KEEP_FP32 else dtype)
         return arr
 
     leaves = []
     for path, var in nnx.to_flat_state(state):
         name = ".".join(str(p) for p in path)
         shape = tuple(var.shape)
-        m = _EXPERT_PARAM.match(name)
-        if m and len(shape) == 3 and name not in available:
-            per = [fetch(f"{m['prefix']}.{e}.{m['proj']}.weight", shape[1:]) for e in range(shape[0])]
-            arr = np.stack(per)
-        else:
-            arr = fetch(name, shape)
+        read_at = reader(name, shape)
         leaf = path[-1]
-        if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
-            arr = jnp.asarray(arr).astype(jnp.float32 if leaf in KEEP_FP32 else dtype)
-        leaves.append((path, var.replace(jnp.asarray(arr))))
+        if place is None:
+            value = cast(leaf, jnp.asarray(read_at(None)))
+        else:
+            value = place(tuple(str(p) for p in path), shape,
+                          lambda index, read_at=read_at, leaf=leaf: np.asarray(cast(leaf, read_at(index))))
+        leaves.append((path, var.replace(value)))
     unexpected = sorted(available[n] for n in set(available) - used)
     if unexpected:
         shown = ", ".join(repr(k) for k in unexpected[:10])
@@ -284,7 +315,8 @@ def _dtype_or_none(value):
         return None
 
 
-def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float32, mtp: bool = False) -> nnx.Module:
+def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float32, mtp: bool = False,
+               mesh=None) -> nnx.Module:
     """Load a Hugging Face checkpoint folder as a Flax NNX model.
 
     The model family is the one registered for config.json's ``model_type``
@@ -302,10 +334,15 @@ def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float
         (as ``model.mtp``, `models.mtp`; parameter names = tensor names, every
         tensor used, shapes checked as for the rest). False: they are skipped
         and ``model.mtp`` is None.
+      mesh: None, or a ("dp", "tp") ``jax.sharding.Mesh`` (`models.sharding.make_mesh`):
+        the model is returned as a `models.sharding.ShardedLM`, each weight placed on its
+        devices as it is read (each device's block read from the safetensors file alone,
+        fused projections in the shard layout: `models.sharding`).
 
     Returns:
       `models.nemotron_h.NemotronHForCausalLM` (model_type "nemotron_h", "mamba2") or
-      `models.qwen_hybrid.QwenHybridForCausalLM` ("qwen3_next", "qwen3_5_text", "qwen3_5").
+      `models.qwen_hybrid.QwenHybridForCausalLM` ("qwen3_next", "qwen3_5_text", "qwen3_5");
+      with a mesh, a `models.sharding.ShardedLM` of it.
 
     Raises:
       CheckpointNotFoundError: no folder, no config.json, or no safetensors weights.
@@ -317,7 +354,11 @@ def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float
       ConfigError: with mtp=True, a config that declares no MTP head (or one of
         another form, `models.mtp.check_config`).
       TypeError: a `dtype` other than None, float32, bfloat16, an
-        `ssm_state_dtype` other than float32, bfloat16, or a non-bool `mtp`.
+        `ssm_state_dtype` other than float32, bfloat16, a non-bool `mtp`, or a
+        `mesh` that is not a Mesh.
+      ValueError: with a mesh: axes other than ("dp", "tp"), mtp=True, or a config
+        size that tp does not divide (naming the config key, its value and tp;
+        `models.sharding.check_config`), before any weight is read.
     """
     check_dtypes(dtype, ssm_state_dtype)
     if not isinstance(mtp, bool):
@@ -326,6 +367,13 @@ def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float
     model_type = cfg.get("model_type")
     source = os.path.join(os.fspath(path), "config.json")
     family, config = registry.parse(cfg, source=source)
+    if mesh is not None:
+        from models import sharding
+
+        sharding.check_mesh(mesh)
+        if mtp:
+            raise ValueError("`mtp=True` with a `mesh`: the multi-token prediction head is not sharded")
+        sharding.check_config(config, mesh.shape[sharding.TP])
     src = TensorSource(path)
     param_dtype = dtype or jnp.float32
 
@@ -335,8 +383,17 @@ def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float
     checkpoint_key = family.weight_map(config, model_type)
     if mtp:
         build, checkpoint_key = _with_mtp_head(build, checkpoint_key, config, src, source, param_dtype)
-    return load_params(build, src, checkpoint_key=checkpoint_key, dtype=dtype,
-                       model_name=family.class_names[model_type])
+    if mesh is None:
+        return load_params(build, src, checkpoint_key=checkpoint_key, dtype=dtype,
+                           model_name=family.class_names[model_type])
+
+    def place(names, shape, read):
+        return sharding.place(read, shape, mesh, sharding.param_axis(names), sharding.fused_parts(config, names))
+
+    model = load_params(build, src, checkpoint_key=checkpoint_key, dtype=dtype,
+                        model_name=family.class_names[model_type], place=place)
+    return sharding.sharded_from_state(family.model_class, config, nnx.state(model), mesh,
+                                       ssm_state_dtype=ssm_state_dtype, param_dtype=param_dtype)
 
 
 #: The prefix of the multi-token prediction head's tensors (Qwen3-Next, Qwen3.5, Nemotron-H).

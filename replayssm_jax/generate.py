@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1.0: all)")
     p.add_argument("--stop", default=None,
                    help="comma-separated stop token ids; '' for none (default: the checkpoint's eos_token_id)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel devices: heads, intermediate sizes and vocabulary split over them "
+                        "(models.sharding; default: one device, no mesh)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel device groups: the batch rows split over them (default 1 with --tp)")
     p.add_argument("--block-size", type=int, default=16,
                    help="decode steps (speculative rounds) per compiled block (default 16)")
     p.add_argument("--speculative", type=_speculative_method, default=None, metavar="{ngram,mtp,draft:DIR}",
@@ -203,6 +208,13 @@ def _check_args(args) -> list[str]:
         raise UsageError(f"--block-size must be >= 1; got {args.block_size}")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32); got {args.seed}")
+    for flag, value in (("--tp", args.tp), ("--dp", args.dp)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1; got {value}")
+    if (args.tp is not None or args.dp is not None) and args.speculative is not None and \
+            args.speculative != "ngram":
+        raise UsageError(f"--tp / --dp run --speculative ngram only (the drafter of {args.speculative!r} has a "
+                         f"model of its own, not sharded)")
     if args.compare and args.state is not None:
         raise UsageError(f"--compare runs both states: leave out --state (got --state {args.state})")
     if args.chat and args.prompt_ids is not None:
@@ -273,9 +285,10 @@ def _prompts(args, checkpoint, vocab) -> tuple[list[list[int]], Tokenizer | None
     return [ids], tokenizer
 
 
-def _check_memory(abstract, states, args, prompts, backend, draft=None) -> None:
+def _check_memory(abstract, states, args, prompts, backend, draft=None, mesh=None) -> None:
     """Before loading: refuse a run whose weights (a draft model's included: `draft`, abstract)
-    plus decode cache exceed the free memory."""
+    plus decode cache exceed the free memory (of one device of `mesh`: the weights over tp,
+    the cache over tp x dp)."""
     estimates = []
     for state in states:
         gen = _generator(abstract, state, args, backend, draft_model=draft)
@@ -283,6 +296,8 @@ def _check_memory(abstract, states, args, prompts, backend, draft=None) -> None:
     estimate = max(estimates, key=lambda e: e.total_bytes)
     weights = gen.weights_bytes
     free, where = free_memory()
+    if mesh is not None and weights // mesh.shape["tp"] + estimate.total_bytes // mesh.size <= free:
+        return
     if weights + estimate.total_bytes <= free:
         return
     rows = f"{len(prompts)} prompt{'s' if len(prompts) > 1 else ''}"
@@ -306,14 +321,29 @@ def _speculative(args, draft_model=None) -> SpeculativeConfig | None:
     return SpeculativeConfig(args.speculative, k)
 
 
-def _generator(model, state, args, backend, generation_config=None, draft_model=None) -> Generator:
+def _generator(model, state, args, backend, generation_config=None, draft_model=None, mesh=None) -> Generator:
     replay = state == "replay"
     return Generator(model, state=state, buffer_len=(args.buffer_len or DEFAULT_BUFFER_LEN) if replay else None,
                      backend=backend, route=(args.route or "auto") if replay else "auto",
                      block_size=args.block_size, generation_config=generation_config,
                      speculative=_speculative(args, draft_model), state_dtype=args.state_dtype if replay else None,
                      state_rounding=(args.state_rounding or "nearest") if replay and args.state_dtype in
-                     ("int8", "float8_e4m3fn") else "nearest")
+                     ("int8", "float8_e4m3fn") else "nearest", mesh=mesh)
+
+
+def _mesh(args, config):
+    """The ("dp", "tp") mesh of --tp / --dp (None without them), checked against `config` before any
+    weight is read."""
+    if args.tp is None and args.dp is None:
+        return None
+    from models import sharding
+
+    try:
+        mesh = sharding.make_mesh(args.tp or 1, args.dp or 1)
+        sharding.check_config(config, mesh.shape["tp"])
+    except ValueError as e:
+        raise UsageError(f"--tp / --dp: {e}") from None
+    return mesh
 
 
 def _printable(text: str) -> str:
@@ -444,8 +474,8 @@ def run(args, stream: bool = False) -> dict:
         try:
             with status(f"loading {'random ' if args.random_weights else ''}weights from {path}", progress):
                 if not args.random_weights:
-                    return load_model(path, dtype=dtype, mtp=with_mtp)
-                model = init_model(path, dtype, seed=args.seed)
+                    return load_model(path, dtype=dtype, mtp=with_mtp, mesh=mesh)
+                model = init_model(path, dtype, seed=args.seed, mesh=mesh)
                 return add_mtp_head(model, param_dtype=dtype) if with_mtp else model
         except (CheckpointNotFoundError, ConfigError, CheckpointError, OSError) as e:
             raise UsageError(f"cannot load {what} {path!r}: {e}") from None
@@ -464,13 +494,14 @@ def run(args, stream: bool = False) -> dict:
                               draft_checkpoint=draft_dir)
         except (CheckpointNotFoundError, ConfigError, OSError, ValueError) as e:
             raise UsageError(f"--speculative draft:{draft_dir}: {e}") from None
+    mesh = _mesh(args, abstract.config)
     sampling = _sampling(args, generation_config, checkpoint)
     vocab = int(abstract.config.vocab_size)
     stop = _stop_tokens(args.stop, generation_config)
     _check_ids([stop], vocab, lambda i: "--stop")
     try:
         prompts, tokenizer = _prompts(args, checkpoint, vocab)
-        _check_memory(abstract, states, args, prompts, backend, draft_abstract)
+        _check_memory(abstract, states, args, prompts, backend, draft_abstract, mesh)
     except TextError as e:
         raise UsageError(str(e)) from None
     except GenerationError as e:
@@ -480,6 +511,7 @@ def run(args, stream: bool = False) -> dict:
     draft = None if draft_dir is None else load(draft_dir, "the draft model's checkpoint")
     report = {"checkpoint": checkpoint, "random_weights": args.random_weights, "model_type": model.config.model_type,
               "dtype": args.dtype, "device": jax.devices()[0].device_kind,
+              "mesh": None if mesh is None else {"dp": mesh.shape["dp"], "tp": mesh.shape["tp"]},
               "tokenizer": tokenizer.kind if tokenizer else None, "chat": args.chat, "prompt_ids": prompts,
               "max_new_tokens": args.max_new_tokens, "stop_tokens": stop,
               "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
@@ -488,7 +520,7 @@ def run(args, stream: bool = False) -> dict:
     runs = {}
     try:
         for state in states:
-            gen = _generator(model, state, args, backend, generation_config, draft)
+            gen = _generator(model, state, args, backend, generation_config, draft, mesh)
             printer = _Printer(tokenizer, stop) if stream else None
             if printer:
                 _print_header(report, gen, prompts[0], tokenizer, args.new_only)

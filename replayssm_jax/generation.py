@@ -299,7 +299,8 @@ class _Plan:
             yield self.last_block
 
 
-def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int) -> _Plan:
+def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int, row_multiple: int = 1) -> _Plan:
+    """The bucketed shapes of a request (`_Plan`); the padded rows a multiple of `row_multiple` (dp)."""
     shortest, longest = int(lengths.min()), int(lengths.max())
     prefix_len = bucket(shortest, up=False)
     # The start chooses the token at position prefix_len; each decode step the next one.
@@ -314,6 +315,7 @@ def _plan(lengths: np.ndarray, max_new_tokens: int, block_size: int) -> _Plan:
     width = bucket(max(longest, _MIN_POSITIONS))
     batch = len(lengths)
     rows = _pow2_at_least(batch) if batch <= 8 else bucket(batch)
+    rows = -(-rows // row_multiple) * row_multiple
     return _Plan(batch, rows, prefix_len, width, max_len, block_size, full, last)
 
 
@@ -577,6 +579,12 @@ class Generator:
         state ("mtp", "draft") compile one more program, their state's start
         from the prefill (the MTP head over the prefill's hidden states, the
         draft model's prefill).
+      mesh: None, or a ("dp", "tp") ``jax.sharding.Mesh`` (`models.sharding.make_mesh`):
+        the model runs sharded over it (`models.sharding.ShardedLM`: heads, intermediate
+        sizes and vocabulary over tp, batch rows over dp; a model on one device is
+        sharded with `models.sharding.shard_model`, a ShardedLM must be on this mesh).
+        The padded batch is rounded up to a multiple of dp. A ShardedLM given without
+        a mesh runs on its own.
 
     Raises:
       GenerationError: `model` not a model of this package, an unknown
@@ -585,13 +593,16 @@ class Generator:
         fields of `models.GenerationConfig`, a `speculative` that is not a
         SpeculativeConfig or whose window K + 1 exceeds buffer_len, method
         "mtp" on a model without an MTP head, a "draft" model that cannot be
-        loaded or whose vocab_size differs from the model's.
+        loaded or whose vocab_size differs from the model's; with a mesh,
+        a config that tp does not divide (naming the config key), a
+        prefill_rows that dp does not divide, a ShardedLM on another mesh,
+        or speculative method "mtp" or "draft".
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
     def __init__(self, model, *, state="replay", buffer_len=None, buffer_dtype=jnp.float32, backend=None,
                  route="auto", block_size=16, prefill_rows=None, generation_config=None, speculative=None,
-                 state_dtype=None, state_rounding="nearest"):
+                 state_dtype=None, state_rounding="nearest", mesh=None):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise GenerationError(f"`model` must be a model of this package (an nnx.Module with a `config`, e.g. "
                                   f"from models.load_model); got {type(model).__name__}")
@@ -623,6 +634,10 @@ class Generator:
                                   f"{type(generation_config).__name__}")
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise GenerationError(f"`speculative` must be a SpeculativeConfig or None; got {type(speculative).__name__}")
+        sharded = mesh is not None or hasattr(model, "mesh")
+        if sharded and speculative is not None and speculative.method in ("mtp", "draft"):
+            raise GenerationError(f"`speculative.method` {speculative.method!r} is not supported with a `mesh` (its "
+                                  f"drafter's model is not sharded); use 'ngram' or 'oracle'")
         if speculative is not None and state == "replay" and speculative.window > buffer_len:
             raise GenerationError(f"`speculative.num_draft` + 1 = {speculative.window} verified positions must be <= "
                                   f"`buffer_len` = {buffer_len} with the replay state (a window fits in the buffer)")
@@ -643,6 +658,12 @@ class Generator:
         self.block_size = block_size
         self.config = model.config
         self.generation_config = generation_config
+        model = _on_mesh(model, mesh)
+        self.mesh = getattr(model, "mesh", None)
+        self.dp = 1 if self.mesh is None else self.mesh.shape["dp"]
+        if self.prefill_rows is not None and self.prefill_rows % self.dp:
+            raise GenerationError(f"`prefill_rows` must be a multiple of the mesh's dp = {self.dp}; got "
+                                  f"{self.prefill_rows}")
         self.graphdef, self.params = nnx.split(model)
         self._compiled = {}
         self._estimates = {}
@@ -830,7 +851,7 @@ class Generator:
           GenerationError: as `generate`.
         """
         prompts, lengths, max_new_tokens = self._check_request(prompts, max_new_tokens)
-        plan = _plan(lengths, max(max_new_tokens, 1), self.block_size)
+        plan = _plan(lengths, max(max_new_tokens, 1), self.block_size, self.dp)
         shapes = (plan.rows, plan.prefix_len, plan.width, plan.max_len)
         if shapes not in self._estimates:
             inputs = self._inputs(plan, prompts, lengths, np.zeros(0, np.int32))
@@ -839,16 +860,20 @@ class Generator:
 
     def _check_fits(self, estimate: MemoryEstimate, plan: _Plan, lengths, temp_bytes: int = 0):
         """Raise InsufficientMemoryError unless the cache (and the prefill's `temp_bytes`
-        of temporaries, from the compiled program) fit the free memory."""
+        of temporaries, from the compiled program) fit the free memory. On a mesh the
+        cache is split over its devices (heads over tp, rows over dp): each device's
+        share, 1 / devices of it, and the temporaries (per device) must fit one device."""
         free, where = free_memory()
-        if estimate.total_bytes + temp_bytes <= free:
+        devices = 1 if self.mesh is None else self.mesh.size
+        if estimate.total_bytes // devices + temp_bytes <= free:
             return
         temporaries = (f" and the prefill {format_bytes(temp_bytes)} of temporaries (`prefill_rows` lowers them)"
                        if temp_bytes else "")
+        over = "" if devices == 1 else f" over {devices} devices"
         raise InsufficientMemoryError(
             f"`prompts` ({plan.batch} rows, padded to {plan.rows}) with `max_new_tokens` do not fit: the decode cache "
-            f"of {plan.max_len} positions needs {estimate.describe()}{temporaries}, and the {where} is "
-            f"{format_bytes(free)}; " + estimate.fits(free - temp_bytes, longest_prompt=int(lengths.max()),
+            f"of {plan.max_len} positions needs {estimate.describe()}{over}{temporaries}, and the {where} is "
+            f"{format_bytes(free)}; " + estimate.fits((free - temp_bytes) * devices, longest_prompt=int(lengths.max()),
                                                       block_size=self.block_size))
 
     def _compile(self, key, traced, what, progress):
@@ -1063,7 +1088,7 @@ class Generator:
             return GenerationOutput([p.tolist() for p in prompts], [0] * len(prompts), 0.0, 0.0, 0.0, 0,
                                     prompt_lengths=lengths.tolist(),
                                     decode_tokens=None if self.speculative is None else 0)
-        plan = _plan(lengths, max_new_tokens, self.block_size)
+        plan = _plan(lengths, max_new_tokens, self.block_size, self.dp)
         inputs = self._inputs(plan, prompts, lengths, stop_ids)
         key = jax.random.key(seed)
         start, compile_s = self._compiled_start(plan, sampling, inputs, key, lengths, progress)
@@ -1202,6 +1227,30 @@ def _by_rows(fn, ids, rows):
     fill = jnp.broadcast_to(ids[:1], (passes * rows - batch, ids.shape[1]))
     out = jax.lax.map(fn, jnp.concatenate([ids, fill]).reshape(passes, rows, ids.shape[1]))
     return jax.tree.map(lambda a: a.reshape(passes * rows, *a.shape[2:])[:batch], out)
+
+
+def _on_mesh(model, mesh):
+    """`model` as it runs on `mesh` (a `models.sharding.ShardedLM`; `model` itself without a mesh).
+
+    Raises:
+      GenerationError: as `Generator` (a mesh without the ("dp", "tp") axes, a config that
+        tp does not divide, a ShardedLM on another mesh).
+    """
+    if mesh is None:
+        return model
+    from models import sharding
+
+    try:
+        sharding.check_mesh(mesh)
+        if isinstance(model, sharding.ShardedLM):
+            if model.mesh != mesh:
+                raise ValueError(f"`model` is sharded over another mesh ({dict(model.mesh.shape)} on "
+                                 f"{model.mesh.devices.ravel().tolist()}) than `mesh` ({dict(mesh.shape)} on "
+                                 f"{mesh.devices.ravel().tolist()})")
+            return model
+        return sharding.shard_model(model, mesh)
+    except (TypeError, ValueError) as e:
+        raise GenerationError(str(e)) from None
 
 
 def _check_int(name, value, low, high=None) -> int:

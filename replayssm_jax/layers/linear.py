@@ -31,7 +31,20 @@ class Linear(nnx.Module):
 
     Call: ``x``: [..., in_features] -> [..., out_features] in the promoted dtype
     of x and weight.
+
+    Tensor parallelism (`models.sharding`, inside ``jax.shard_map``): with
+    ``reduce_axis`` set (a mesh axis name) the layer is row-parallel: x and
+    weight hold this shard's part of in_features, the partial products are
+    summed over the axis (``lax.psum``) and the bias, replicated, is added once
+    after the sum. With ``gather_axis`` set it is column-parallel with a gathered
+    output: weight (and bias) hold this shard's rows of out_features and the
+    outputs of the shards are concatenated along the last axis
+    (``lax.all_gather(tiled=True)``). Both are None (no collective) unless the
+    sharding code sets them.
     """
+
+    reduce_axis: str | None = None
+    gather_axis: str | None = None
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False, param_dtype=jnp.float32,
                  rngs: nnx.Rngs | None = None):
@@ -44,10 +57,18 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Linear: `x` last axis must be in_features = {self.in_features}; got shape {x.shape}")
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        y = self.project(x)
+        if self.reduce_axis is not None:
+            y = jax.lax.psum(y, self.reduce_axis)
         if self.bias is not None:
             y = y + self.bias[...]
+        if self.gather_axis is not None:
+            y = jax.lax.all_gather(y, self.gather_axis, axis=y.ndim - 1, tiled=True)
         return y
+
+    def project(self, x: jax.Array) -> jax.Array:
+        """``x @ weight.T``: no bias and no collective (a row-parallel shard's partial product)."""
+        return jnp.einsum("...i,oi->...o", x, self.weight[...])
 
 
 class Embedding(nnx.Module):
@@ -59,7 +80,17 @@ class Embedding(nnx.Module):
     outside [0, vocab_size) are clamped (jnp.take semantics under jit).
 
     ``attend(h)``: ``h @ weight.T``, the tied LM head: [..., hidden] -> [..., vocab].
+
+    Tensor parallelism (`models.sharding`, inside ``jax.shard_map``): with
+    ``vocab_axis`` set (a mesh axis name) the table holds this shard's
+    vocab_size rows, ids [shard * vocab_size, (shard + 1) * vocab_size) of the
+    full vocabulary: a lookup gives zeros for the ids of other shards and is
+    summed over the axis (``lax.psum``, one nonzero term per id: exact), and
+    ``attend`` concatenates the shards' logits (``lax.all_gather``). Ids are
+    then clamped to the full vocabulary, not to this shard's rows.
     """
+
+    vocab_axis: str | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = default_rngs(rngs)
@@ -68,7 +99,17 @@ class Embedding(nnx.Module):
         self.weight = nnx.Param(0.02 * jax.random.normal(rngs.params(), (vocab_size, hidden_size), param_dtype))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0, mode="clip")
+        if self.vocab_axis is None:
+            return jnp.take(self.weight[...], ids, axis=0, mode="clip")
+        rows = self.vocab_size
+        shards = jax.lax.axis_size(self.vocab_axis)
+        local = jnp.clip(ids, 0, rows * shards - 1) - jax.lax.axis_index(self.vocab_axis) * rows
+        mine = (local >= 0) & (local < rows)
+        h = jnp.take(self.weight[...], jnp.where(mine, local, 0), axis=0)
+        return jax.lax.psum(jnp.where(mine[..., None], h, jnp.zeros_like(h)), self.vocab_axis)
 
     def attend(self, h: jax.Array) -> jax.Array:
-        return jnp.einsum("...d,vd->...v", h, self.weight[...])
+        logits = jnp.einsum("...d,vd->...v", h, self.weight[...])
+        if self.vocab_axis is not None:
+            logits = jax.lax.all_gather(logits, self.vocab_axis, axis=logits.ndim - 1, tiled=True)
+        return logits

@@ -55,10 +55,19 @@ class MLP(nnx.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = Linear(intermediate_size, hidden_size, **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def _hidden(self, x: jax.Array) -> jax.Array:
+        """The activation before down_proj, [..., intermediate_size]."""
         if self.gated:
-            return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(self._act(self.up_proj(x)))
+            return self._act(self.gate_proj(x)) * self.up_proj(x)
+        return self._act(self.up_proj(x))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self._hidden(x))
+
+    def partial(self, x: jax.Array) -> jax.Array:
+        """down_proj's product without its bias or collective: under tensor parallelism over the
+        intermediate dimension, this shard's term of the output sum (`MoE` sums it with the experts')."""
+        return self.down_proj.project(self._hidden(x))
 
 
 class Experts(nnx.Module):
@@ -153,9 +162,19 @@ class MoE(nnx.Module):
 
     Call: x [..., hidden_size] -> [..., hidden_size] of x.dtype.
 
+    Tensor parallelism (`models.sharding`, inside ``jax.shard_map``): with
+    ``reduce_axis`` set (a mesh axis name) the experts and the shared expert
+    hold this shard's part of their intermediate dimension (the router, the
+    gates and the latent projections are replicated); the routed and the shared
+    partial outputs are summed over the axis in one ``lax.psum`` (with latent
+    projections, of the routed latent output and the shared output side by
+    side), the shared expert's down_proj bias added once after it.
+
     Raises:
       ValueError: unknown router, top_k > E, n_group not dividing E, topk_group > n_group.
     """
+
+    reduce_axis: str | None = None
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, *, activation: str,
                  gated: bool, router: str, norm_topk_prob: bool, routed_scaling_factor: float = 1.0, n_group: int = 1,
@@ -235,12 +254,34 @@ class MoE(nnx.Module):
         indices, weights = self.route(flat)
         h = self.fc1_latent_proj(flat) if self.fc1_latent_proj is not None else flat
         y = self.experts(h, indices, weights)
-        if self.fc2_latent_proj is not None:
-            y = self.fc2_latent_proj(y)
         shared = getattr(self, self.shared_name)
-        if shared is not None:
-            s = shared(flat)
-            if self.shared_expert_gate is not None:
-                s = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)).astype(s.dtype) * s
-            y = y + s
+        if self.reduce_axis is not None:
+            y = self._reduced(flat, y, shared)
+        else:
+            if self.fc2_latent_proj is not None:
+                y = self.fc2_latent_proj(y)
+            if shared is not None:
+                y = y + self._shared_gate(flat, shared(flat))
         return y.reshape(shape).astype(x.dtype)
+
+    def _shared_gate(self, flat, s):
+        """The shared expert's output `s` scaled by sigmoid(shared_expert_gate(x)) where there is a gate."""
+        if self.shared_expert_gate is None:
+            return s
+        return jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)).astype(s.dtype) * s
+
+    def _reduced(self, flat, y, shared):
+        """The MoE output from this shard's routed partial output `y` [N, D]: one psum over reduce_axis."""
+        if shared is None:
+            y = jax.lax.psum(y, self.reduce_axis)
+            return self.fc2_latent_proj(y) if self.fc2_latent_proj is not None else y
+        s = self._shared_gate(flat, shared.partial(flat))
+        if self.fc2_latent_proj is None:
+            y = jax.lax.psum(y + s.astype(y.dtype), self.reduce_axis)
+        else:
+            both = jax.lax.psum(jnp.concatenate([y, s.astype(y.dtype)], axis=-1), self.reduce_axis)
+            y = self.fc2_latent_proj(both[:, :y.shape[1]]) + both[:, y.shape[1]:]
+        bias = shared.down_proj.bias
+        if bias is not None:
+            y = y + self._shared_gate(flat, jnp.broadcast_to(bias[...], y.shape).astype(y.dtype))
+        return y

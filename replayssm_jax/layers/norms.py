@@ -84,9 +84,18 @@ class GatedRMSNorm(nnx.Module):
 
     Call: ``x``, ``z``: [..., dim] -> [..., dim] of x.dtype.
 
+    Tensor parallelism (`models.sharding`, inside ``jax.shard_map``): with
+    ``reduce_axis`` set (a mesh axis name; norm_before_gate=False only) one
+    norm group spans the shards of that axis, each holding `dim` of its
+    channels: the mean square is averaged over the axis (``lax.psum`` of the
+    equal-sized shards' means), as transformers' plain Mamba2 normalises over
+    all of d_inner.
+
     Raises:
       ValueError: group_size does not divide dim, or x / z of the wrong shape.
     """
+
+    reduce_axis: str | None = None
 
     def __init__(self, dim: int, *, group_size: int, eps: float, norm_before_gate: bool, param_dtype=jnp.float32):
         if group_size <= 0 or dim % group_size:
@@ -111,5 +120,10 @@ class GatedRMSNorm(nnx.Module):
         h = x.astype(jnp.float32) * gate
         shape = h.shape
         h = h.reshape(*shape[:-1], self.dim // self.group_size, self.group_size)
-        h = rms_normalize(h, self.eps).reshape(shape)
+        if self.reduce_axis is None:
+            h = rms_normalize(h, self.eps)
+        else:
+            mean_square = jax.lax.pmean(jnp.mean(h * h, axis=-1, keepdims=True), self.reduce_axis)
+            h = h * jax.lax.rsqrt(mean_square + self.eps)
+        h = h.reshape(shape)
         return (w * h.astype(dtype)).astype(dtype)
