@@ -185,7 +185,8 @@ def test_a_single_prompt_streams_its_text(capsys):
     lines = captured.out.splitlines()
     assert lines[1] == "[replay L=16 route=auto] backend=xla"
     assert lines[2].startswith(command.DEFAULT_PROMPT) and len(lines[2]) > len(command.DEFAULT_PROMPT)
-    assert re.fullmatch(r"5 new tokens: [\d.]+ tokens/s decode, prefill [\d.]+ ms, compile [\d.]+ s", lines[-1])
+    assert re.fullmatch(r"5 new tokens: [\d.]+ tokens/s decode, prefill [\d.]+ ms, compile [\d.]+ s, cache [\d.]+ MiB a "
+                        r"sequence", lines[-1])
     report = run_json(argv, capsys)
     assert lines[2] == command._printable(report["text"][0])
     assert main(argv + ["--new-only"]) == 0
