@@ -156,8 +156,9 @@ def _checkpoint_format(layer: str, checkpoint_dtype, rounding):
     rounding = val.check_rounding("rounding", rounding)
     if dtype is not None and (dtype, rounding) in UNSAFE_CHECKPOINTS[layer]:
         warnings.warn(f"a {dtype} replay checkpoint with {rounding} rounding drifts from the float32 checkpoint's "
-                      f"outputs on {layer} layers by about 10x the bfloat16 checkpoint's error (bench/state_drift.py, "
-                      "2026-12-01); int8 or bfloat16 checkpoints are safer", UserWarning, stacklevel=3)
+                      f"outputs on {layer} layers by 15-22x the bfloat16 checkpoint's error at the model shapes "
+                      "(int8 to nearest: 4x; bench/RESULTS.md, 8-bit checkpoints, 2026-12-01); int8 or bfloat16 "
+                      "checkpoints are safer", UserWarning, stacklevel=3)
     return dtype, rounding
 
 
