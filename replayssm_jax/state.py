@@ -185,6 +185,11 @@ class Mamba2ReplayState:
     def batch(self) -> int:
         return self.checkpoint.shape[0]
 
+    @staticmethod
+    def buffer_fields() -> tuple[str, ...]:
+        """The names of the buffers (one record field each, slot axis 2)."""
+        return ("x", "dt", "B")
+
 
 @struct.dataclass
 class GDNReplayState:
@@ -222,6 +227,11 @@ class GDNReplayState:
     @property
     def batch(self) -> int:
         return self.checkpoint.shape[0]
+
+    @staticmethod
+    def buffer_fields() -> tuple[str, ...]:
+        """The names of the buffers (one record field each, slot axis 2)."""
+        return ("d", "k", "g")
 
 
 ReplayState = Mamba2ReplayState | GDNReplayState
@@ -348,14 +358,42 @@ def gdn_replay_init(checkpoint: jax.Array, buffer_len: int, num_k_heads: int, bu
     )
 
 
-def replay_commit(state: ReplayState, num_accepted: jax.Array) -> ReplayState:
+def replay_commit(state: ReplayState, num_accepted: jax.Array, path: jax.Array | None = None) -> ReplayState:
     """Accept the first `num_accepted` (int[batch]) steps of the pending
     verify window: `cursor += num_accepted`, `window = 0` (DESIGN.md section 3).
     The counts are clipped to 0..W, which keeps the cursor in 0..L where
     they cannot be checked (inside jit). Arguments as validated by
-    :func:`replayssm_jax.ops.replay_commit`."""
+    :func:`replayssm_jax.ops.replay_commit`.
+
+    With `path` i32[batch, P] (a verified draft tree's accepted nodes, root
+    first), the records of nodes path[b, :m] are first gathered to slots
+    cursor .. cursor + m - 1 of row b (:func:`gather_path`); node j's
+    record is at slot cursor + j after the verify."""
     num_accepted = jnp.clip(num_accepted, 0, state.window)
+    if path is not None:
+        num_accepted = jnp.minimum(num_accepted, path.shape[1])
+        buffers = {name: gather_path(getattr(state, name), state.cursor, path, num_accepted)
+                   for name in state.buffer_fields()}
+        state = state.replace(**buffers)
     return state.replace(cursor=state.cursor + num_accepted, window=0)
+
+
+def gather_path(buffer: jax.Array, cursor: jax.Array, path: jax.Array, count: jax.Array) -> jax.Array:
+    """`buffer` [batch, heads, L, ...] with slot cursor + i of row b set to
+    slot cursor + path[b, i] for i < count[b], the other slots as they are.
+
+    A path's nodes increase (a parent precedes its child), so path[i] >= i
+    and every slot is read before any write could reach it: one gather of
+    the old buffer. XLA runs it in place where the buffer is donated.
+    """
+    L = buffer.shape[2]
+    slot = jnp.arange(L, dtype=jnp.int32)[None, :]  # [1, L]
+    i = slot - cursor[:, None]  # the depth each slot takes, where it is in the accepted range
+    taken = (i >= 0) & (i < count[:, None])
+    node = jnp.take_along_axis(path, jnp.clip(i, 0, path.shape[1] - 1), axis=1)
+    source = jnp.where(taken, cursor[:, None] + node, slot)  # [batch, L]
+    index = source.reshape(source.shape[:1] + (1, L) + (1,) * (buffer.ndim - 3))
+    return jnp.take_along_axis(buffer, jnp.broadcast_to(index, buffer.shape[:2] + (L,) + buffer.shape[3:]), axis=2)
 
 
 def slot_mask(count: jax.Array, L: int) -> jax.Array:

@@ -372,6 +372,57 @@ def check_window(W: int, L: int, name: str) -> None:
         raise ValueError(f"the window length W = {name} must be in [1, L = {L}]; got {W}")
 
 
+def check_tree(tree, W: int, name: str):
+    """A verify's `tree`: None, or a DraftTree of W nodes (`name`: where W
+    was read); returns it. A tree needs no more slots than a window of its
+    N nodes (N <= L, checked by :func:`check_window`).
+
+    Raises:
+      TypeError: not a DraftTree.
+      ValueError: a tree of another size than W.
+    """
+    if tree is None:
+        return None
+    from replayssm_jax.speculative.tree import DraftTree  # the ops are imported by replayssm_jax.speculative
+
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"`tree` must be None or a DraftTree; got {type(tree).__name__}")
+    if tree.size != W:
+        raise ValueError(f"`tree` must have one node per verified position, N = {name} = {W}; got a tree of "
+                         f"{tree.size} nodes")
+    return tree
+
+
+def check_replay_commit_path(state, num_accepted, path):
+    """Checks of :func:`replayssm_jax.ops.replay_commit` with a `path`; returns (num_accepted, path) as
+    i32[batch] and i32[batch, P] (P <= W), or (num_accepted, None) without one.
+
+    Raises:
+      TypeError: non-integer counts or path.
+      ValueError: as :func:`check_replay_commit`; a path not [batch, P] with 1 <= P <= W, or (concrete)
+        a node index outside 0..W - 1, or a count above P.
+    """
+    num_accepted = check_replay_commit(state, num_accepted)
+    if path is None:
+        return num_accepted, None
+    path = as_array("path", path)
+    if not jnp.issubdtype(path.dtype, jnp.integer):
+        raise TypeError(f"`path` must have an integer dtype; got {path.dtype}")
+    check_rank("path", path, "batch, P")
+    if path.shape[0] != state.batch or not 1 <= path.shape[1] <= state.window:
+        raise ValueError(f"`path` must have shape [batch, P] with batch = {state.batch}, 1 <= P <= W = "
+                         f"{state.window}; got {path.shape}")
+    if not isinstance(path, jax.core.Tracer):
+        values = np.asarray(path)
+        if values.min() < 0 or values.max() >= state.window:
+            raise ValueError(f"`path` must hold node indices in [0, {state.window}); got values in "
+                             f"[{values.min()}, {values.max()}]")
+    if not isinstance(num_accepted, jax.core.Tracer) and int(np.max(np.asarray(num_accepted))) > path.shape[1]:
+        raise ValueError(f"`num_accepted` must be <= the path length P = {path.shape[1]}; got "
+                         f"{int(np.max(np.asarray(num_accepted)))}")
+    return num_accepted, path.astype(jnp.int32)
+
+
 def _check_replay_init(checkpoint, buffer_len, shared, buffer_dtype, dims, shared_name, heads, shared_heads):
     checkpoint = check_state_array("checkpoint", checkpoint, dims)
     L = check_positive_int("buffer_len", buffer_len)
@@ -505,8 +556,8 @@ def check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, 
                                groups=state.B.shape[1], state_name="state.checkpoint")
 
 
-def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
-    """Checks of :func:`replayssm_jax.ops.mamba2_replay_verify`: also 1 <= W <= L.
+def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None):
+    """Checks of :func:`replayssm_jax.ops.mamba2_replay_verify`: also 1 <= W <= L, a `tree` of W nodes.
 
     Returns:
       (dt_softplus, dt_limit) as :func:`check_mamba2_inputs`.
@@ -516,6 +567,7 @@ def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus
     check_rank("x", x, "batch, W, nheads, head_dim")
     W = x.shape[1]
     check_window(W, state.buffer_len, "x.shape[1]")
+    check_tree(tree, W, "x.shape[1]")
     return check_mamba2_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=W,
                                seq_name="W", groups=state.B.shape[1], state_name="state.checkpoint")
 
@@ -609,8 +661,8 @@ def check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm) -> tupl
                             state_name="state.checkpoint")
 
 
-def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm) -> tuple[float, bool]:
-    """Checks of :func:`replayssm_jax.ops.gdn_replay_verify`: also 1 <= W <= L.
+def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree=None) -> tuple[float, bool]:
+    """Checks of :func:`replayssm_jax.ops.gdn_replay_verify`: also 1 <= W <= L, a `tree` of W nodes.
 
     Returns:
       (scale, use_qk_l2norm) as :func:`check_gdn_inputs`.
@@ -620,5 +672,6 @@ def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm) -> tu
     check_rank("v", v, "batch, W, HV, V")
     W = v.shape[1]
     check_window(W, state.buffer_len, "v.shape[1]")
+    check_tree(tree, W, "v.shape[1]")
     return check_gdn_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W",
                             heads=state.k.shape[1], state_name="state.checkpoint")
