@@ -378,22 +378,26 @@ def replay_commit(state: ReplayState, num_accepted: jax.Array, path: jax.Array |
     return state.replace(cursor=state.cursor + num_accepted, window=0)
 
 
-def gather_path(buffer: jax.Array, cursor: jax.Array, path: jax.Array, count: jax.Array) -> jax.Array:
-    """`buffer` [batch, heads, L, ...] with slot cursor + i of row b set to
-    slot cursor + path[b, i] for i < count[b], the other slots as they are.
+def gather_path(buffer: jax.Array, start: jax.Array, path: jax.Array, count: jax.Array, axis: int = 2) -> jax.Array:
+    """`buffer` [batch, ..., L, ...] (slots on `axis`) with slot start + i of
+    row b set to slot start + path[b, i] for i < count[b], the other slots as
+    they are: a verified tree's records (node j at slot start + j) compacted
+    to the accepted path root .. path[b, count[b] - 1].
 
-    A path's nodes increase (a parent precedes its child), so path[i] >= i
-    and every slot is read before any write could reach it: one gather of
-    the old buffer. XLA runs it in place where the buffer is donated.
+    A path's nodes increase (a parent precedes its child), so path[i] >= i:
+    one gather of the old buffer. XLA runs it in place where the buffer is
+    donated.
     """
-    L = buffer.shape[2]
+    L = buffer.shape[axis]
     slot = jnp.arange(L, dtype=jnp.int32)[None, :]  # [1, L]
-    i = slot - cursor[:, None]  # the depth each slot takes, where it is in the accepted range
+    i = slot - start[:, None]  # the depth each slot takes, where it is in the accepted range
     taken = (i >= 0) & (i < count[:, None])
     node = jnp.take_along_axis(path, jnp.clip(i, 0, path.shape[1] - 1), axis=1)
-    source = jnp.where(taken, cursor[:, None] + node, slot)  # [batch, L]
-    index = source.reshape(source.shape[:1] + (1, L) + (1,) * (buffer.ndim - 3))
-    return jnp.take_along_axis(buffer, jnp.broadcast_to(index, buffer.shape[:2] + (L,) + buffer.shape[3:]), axis=2)
+    source = jnp.where(taken, start[:, None] + node, slot)  # [batch, L]
+    shape = [1] * buffer.ndim
+    shape[0], shape[axis] = buffer.shape[0], L
+    index = jnp.broadcast_to(source.reshape(shape), buffer.shape)
+    return jnp.take_along_axis(buffer, index, axis=axis)
 
 
 def slot_mask(count: jax.Array, L: int) -> jax.Array:

@@ -225,7 +225,7 @@ def test_commit_path_checks(layer_cls):
     m = np.ones(layer.s.batch, np.int32)
     with pytest.raises(ValueError, match=r"`path` must have shape \[batch, P\]"):
         ops.replay_commit(new, m, path=np.zeros((layer.s.batch, 9), np.int32))
-    with pytest.raises(ValueError, match=r"`path` must hold node indices in \[0, 7\)"):
+    with pytest.raises(ValueError, match=r"`path` must be in \[0, 6\] for every row"):
         ops.replay_commit(new, m, path=np.full((layer.s.batch, 2), 7, np.int32))
     with pytest.raises(ValueError, match="`num_accepted` must be <= the path length P = 2"):
         ops.replay_commit(new, m + 2, path=np.zeros((layer.s.batch, 2), np.int32))

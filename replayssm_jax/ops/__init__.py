@@ -230,8 +230,8 @@ def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted, path=
         [batch, P] with P <= W, or (concrete) a node index outside 0..W - 1
         or a count above P. Inside jit, counts are clipped to 0..W.
     """
-    num_accepted, path = val.check_replay_commit_path(state, num_accepted, path)
-    return _state.replay_commit(state, num_accepted, path)
+    num_accepted = val.check_replay_commit(state, num_accepted)
+    return _state.replay_commit(state, num_accepted, val.check_path(path, num_accepted, state.window))
 
 
 # --------------------------------------------------------------------------

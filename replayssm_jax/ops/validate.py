@@ -393,34 +393,26 @@ def check_tree(tree, W: int, name: str):
     return tree
 
 
-def check_replay_commit_path(state, num_accepted, path):
-    """Checks of :func:`replayssm_jax.ops.replay_commit` with a `path`; returns (num_accepted, path) as
-    i32[batch] and i32[batch, P] (P <= W), or (num_accepted, None) without one.
+def check_path(path, num_accepted: jax.Array, window: int) -> jax.Array | None:
+    """A commit's `path`: None, or int[batch, P] of node indices of a verified draft tree (1 <= P <=
+    window), as i32; values checked where concrete (node indices in 0..window - 1, num_accepted <= P).
 
     Raises:
-      TypeError: non-integer counts or path.
-      ValueError: as :func:`check_replay_commit`; a path not [batch, P] with 1 <= P <= W, or (concrete)
-        a node index outside 0..W - 1, or a count above P.
+      TypeError: a non-integer dtype.
+      ValueError: another shape, or a concrete value out of range.
     """
-    num_accepted = check_replay_commit(state, num_accepted)
     if path is None:
-        return num_accepted, None
-    path = as_array("path", path)
-    if not jnp.issubdtype(path.dtype, jnp.integer):
-        raise TypeError(f"`path` must have an integer dtype; got {path.dtype}")
-    check_rank("path", path, "batch, P")
-    if path.shape[0] != state.batch or not 1 <= path.shape[1] <= state.window:
-        raise ValueError(f"`path` must have shape [batch, P] with batch = {state.batch}, 1 <= P <= W = "
-                         f"{state.window}; got {path.shape}")
-    if not isinstance(path, jax.core.Tracer):
-        values = np.asarray(path)
-        if values.min() < 0 or values.max() >= state.window:
-            raise ValueError(f"`path` must hold node indices in [0, {state.window}); got values in "
-                             f"[{values.min()}, {values.max()}]")
-    if not isinstance(num_accepted, jax.core.Tracer) and int(np.max(np.asarray(num_accepted))) > path.shape[1]:
+        return None
+    batch = num_accepted.shape[0]
+    path = as_array("path", np.asarray(path) if isinstance(path, (list, tuple)) else path)
+    if path.ndim != 2 or path.shape[0] != batch or not 1 <= path.shape[1] <= window:
+        raise ValueError(f"`path` must have shape [batch, P] with batch = {batch}, 1 <= P <= W = {window}; got "
+                         f"{path.shape}")
+    path = check_int_range("path", path, "batch, P", path.shape, 0, window - 1)
+    if not isinstance(num_accepted, jax.core.Tracer) and int(jnp.max(num_accepted)) > path.shape[1]:
         raise ValueError(f"`num_accepted` must be <= the path length P = {path.shape[1]}; got "
-                         f"{int(np.max(np.asarray(num_accepted)))}")
-    return num_accepted, path.astype(jnp.int32)
+                         f"{int(jnp.max(num_accepted))}")
+    return path.astype(jnp.int32)
 
 
 def _check_replay_init(checkpoint, buffer_len, shared, buffer_dtype, dims, shared_name, heads, shared_heads):
