@@ -110,11 +110,20 @@ class SpeculativeConfig:
         vocabulary (it may be the target itself), or a checkpoint folder
         (loaded with `models.load_model` in the checkpoint's dtype). It keeps
         the Generator's state mode and buffer length.
+      tree: None (chain rounds), or tree speculation: a
+        :class:`~replayssm_jax.speculative.tree.DraftTree` of the top-k shape
+        or a (topk, depth) pair (`DraftTree.topk`) with depth = num_draft;
+        each round verifies the tree's N = 1 + topk * depth nodes (N <=
+        buffer_len with the ReplaySSM state) and keeps a path of up to
+        depth + 1 tokens (`replayssm_jax.speculative.tree_drafters`). Methods
+        "ngram", "mtp" and "draft" (the "oracle" has one continuation).
 
     Raises:
       GenerationError: an unknown method, num_draft < 1, bad n-gram lengths,
         alpha outside [0, 1], an "oracle" without `reference`, a "draft"
-        without `draft_model`, a `draft_model` with another method.
+        without `draft_model`, a `draft_model` with another method; a
+        `tree` that is not a top-k DraftTree or pair, of another depth
+        than num_draft, or with method "oracle".
     """
 
     method: str
@@ -124,6 +133,7 @@ class SpeculativeConfig:
     alpha: float = 1.0
     reference: object = dataclasses.field(default=None, hash=False, compare=False)
     draft_model: object = dataclasses.field(default=None, hash=False, compare=False)
+    tree: object = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -145,11 +155,24 @@ class SpeculativeConfig:
         if self.method == "draft" and not isinstance(self.draft_model, (nnx.Module, str, os.PathLike)):
             raise GenerationError(f"`speculative.draft_model` must be a model of this package or a checkpoint folder; "
                                   f"got {type(self.draft_model).__name__}")
+        if self.tree is not None:
+            from replayssm_jax.speculative.tree import as_tree
+            from replayssm_jax.speculative.tree_drafters import topk_of
+
+            if self.method == "oracle":
+                raise GenerationError("`speculative.tree` applies to methods 'ngram', 'mtp' and 'draft'; got it with "
+                                      "method 'oracle'")
+            try:
+                tree = as_tree(self.tree, "speculative.tree")
+                topk_of(tree, self.num_draft)
+            except (TypeError, ValueError) as e:
+                raise GenerationError(f"`speculative.tree`: {e}") from None
+            object.__setattr__(self, "tree", tree)
 
     @property
     def window(self) -> int:
-        """W = K + 1, the positions verified per round."""
-        return self.num_draft + 1
+        """The positions verified per round: W = K + 1, or the tree's N nodes."""
+        return self.num_draft + 1 if self.tree is None else self.tree.size
 
 
 class InsufficientMemoryError(GenerationError, MemoryError):
@@ -611,7 +634,8 @@ class Generator:
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise GenerationError(f"`speculative` must be a SpeculativeConfig or None; got {type(speculative).__name__}")
         if speculative is not None and state == "replay" and speculative.window > buffer_len:
-            raise GenerationError(f"`speculative.num_draft` + 1 = {speculative.window} verified positions must be <= "
+            what = "`speculative.num_draft` + 1" if speculative.tree is None else "`speculative.tree`'s nodes"
+            raise GenerationError(f"{what} = {speculative.window} verified positions must be <= "
                                   f"`buffer_len` = {buffer_len} with the replay state (a window fits in the buffer)")
         self.state_dtype, self.state_rounding = _check_state_dtype(state, state_dtype, state_rounding)
         self.speculative = speculative
@@ -905,14 +929,26 @@ class Generator:
 
     def _drafter(self, plan: _Plan, history_len: int, sampling: SamplingParams):
         """The configured Drafter for `plan`'s rows (the oracle's reference padded to [rows, history_len];
-        the drafts of "mtp" and "draft" sampled as `sampling` says)."""
+        the drafts of "mtp" and "draft" sampled as `sampling` says; a TreeDrafter with `speculative.tree`)."""
+        spec = self.speculative
+        if spec.tree is not None:
+            from replayssm_jax.speculative.tree_drafters import TreeDrafter
+
+            return TreeDrafter(self._chain_drafter(plan, history_len, sampling, scores=True), spec.tree)
+        return self._chain_drafter(plan, history_len, sampling)
+
+    def _chain_drafter(self, plan: _Plan, history_len: int, sampling: SamplingParams, scores: bool = False):
+        """`_drafter`'s chain drafter; with `scores`, one whose Drafts carry per-position scores (a tree's
+        other candidates)."""
         from replayssm_jax.speculative import NgramDrafter, OracleDrafter
 
         spec = self.speculative
         if self._stateful_drafter is not None:
-            return dataclasses.replace(self._stateful_drafter, sampling=sampling)
+            return dataclasses.replace(self._stateful_drafter, sampling=sampling, **({"scores": True} if scores
+                                                                                     else {}))
         if spec.method == "ngram":
-            return NgramDrafter(spec.num_draft, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
+            return NgramDrafter(spec.num_draft, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram,
+                                vocab_size=int(self.config.vocab_size) if scores else None)
         reference, _ = self._check_prompts(spec.reference)
         if len(reference) != plan.batch:
             raise GenerationError(f"`speculative.reference` must have one row per prompt ({plan.batch}); got "

@@ -52,6 +52,7 @@ def test_greedy_padding_is_never_accepted():
     np.testing.assert_array_equal(result.num_accepted, [1])  # node 1 padding: its subtree is out too
 
 
+@pytest.mark.slow
 def test_greedy_chain_equals_the_chain_rule():
     from replayssm_jax.speculative import greedy_acceptance
 

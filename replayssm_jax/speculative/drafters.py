@@ -65,11 +65,17 @@ class Drafts:
         each position, from which tokens[:, j] was drawn (Leviathan et al.,
         2023, "q"); None for a deterministic drafter (q is then the point mass
         at the draft).
+      scores: f32[batch, K, vocab] or None: the drafter's ranking of the
+        tokens at each draft position (higher is better; -inf: not a
+        candidate), from which a draft tree takes its other candidates
+        (`replayssm_jax.speculative.tree_drafters`); None where the drafter
+        gives none.
     """
 
     tokens: jax.Array
     num_drafts: jax.Array
     q_probs: jax.Array | None = None
+    scores: jax.Array | None = None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -238,24 +244,35 @@ class NgramDrafter(StatelessDrafter):
     One vectorised compare of every position with the last max_ngram tokens,
     O(batch x max_len x max_ngram), no loop over positions.
 
+    With `vocab_size` given, the Drafts also carry scores (a draft tree's
+    other candidates, `replayssm_jax.speculative.tree_drafters`): at draft
+    position d, the number of earlier occurrences of the matched n-gram
+    (every one, not only the latest) that the token followed at offset d,
+    -inf for a token that followed none: the several continuations of the
+    history as branches.
+
     Attributes:
       num_speculative_tokens: K >= 1, drafts per round.
       max_ngram: the longest n-gram matched, >= min_ngram.
       min_ngram: the shortest n-gram matched, >= 1.
+      vocab_size: None (no scores), or the vocabulary size of the scores.
 
     Raises:
       TypeError: a count that is not an int.
-      ValueError: K < 1, min_ngram < 1 or max_ngram < min_ngram.
+      ValueError: K < 1, min_ngram < 1 or max_ngram < min_ngram, vocab_size < 1.
     """
 
     num_speculative_tokens: int
     max_ngram: int = 3
     min_ngram: int = 1
+    vocab_size: int | None = None
 
     def __post_init__(self):
         v.check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
         v.check_positive_int("min_ngram", self.min_ngram)
         v.check_positive_int("max_ngram", self.max_ngram)
+        if self.vocab_size is not None:
+            v.check_positive_int("vocab_size", self.vocab_size)
         if self.max_ngram < self.min_ngram:
             raise ValueError(f"`max_ngram` must be >= `min_ngram` = {self.min_ngram}; got {self.max_ngram}")
 
@@ -276,11 +293,12 @@ class NgramDrafter(StatelessDrafter):
           TypeError, ValueError: as :func:`check_history`.
         """
         history, lengths = check_history(history, lengths)
-        return _ngram_propose(history, lengths, self.num_speculative_tokens, self.max_ngram, self.min_ngram)
+        return _ngram_propose(history, lengths, self.num_speculative_tokens, self.max_ngram, self.min_ngram,
+                              self.vocab_size)
 
 
 jax.tree_util.register_dataclass(
-    NgramDrafter, data_fields=[], meta_fields=["num_speculative_tokens", "max_ngram", "min_ngram"]
+    NgramDrafter, data_fields=[], meta_fields=["num_speculative_tokens", "max_ngram", "min_ngram", "vocab_size"]
 )
 
 
@@ -290,7 +308,7 @@ def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, flat, axis=1).reshape(index.shape)
 
 
-def _ngram_propose(history, lengths, num_speculative_tokens, max_ngram, min_ngram) -> Drafts:
+def _ngram_propose(history, lengths, num_speculative_tokens, max_ngram, min_ngram, vocab_size=None) -> Drafts:
     max_len = history.shape[1]
     end = jnp.arange(max_len)  # the last position of a candidate earlier occurrence
     back = jnp.arange(max_ngram)  # offsets from the end of an n-gram
@@ -310,7 +328,17 @@ def _ngram_propose(history, lengths, num_speculative_tokens, max_ngram, min_ngra
     offsets = jnp.arange(num_speculative_tokens)
     tokens = gather_rows(history, start[:, None] + offsets[None, :])
     tokens = jnp.where(offsets[None, :] < num_drafts[:, None], tokens, 0)
-    return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None)
+    scores = None
+    if vocab_size is not None:  # every occurrence's continuation, counted per offset
+        follows = end[None, :, None] + 1 + offsets[None, None, :]  # [1, max_len, K]
+        counted = found[:, None, None] & (matched >= ngram[:, None])[:, :, None] & (follows < lengths[:, None, None])
+        token = gather_rows(history, jnp.broadcast_to(follows, counted.shape))
+        rows = jnp.arange(history.shape[0])[:, None, None]
+        counts = jnp.zeros((history.shape[0], num_speculative_tokens, vocab_size), jnp.float32)
+        counts = counts.at[rows, jnp.broadcast_to(offsets, counted.shape), token].add(counted.astype(jnp.float32),
+                                                                                     mode="drop")
+        scores = jnp.where(counts > 0, counts, -jnp.inf)
+    return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None, scores=scores)
 
 
 @struct.dataclass
