@@ -115,15 +115,16 @@ class SpeculativeConfig:
         or a (topk, depth) pair (`DraftTree.topk`) with depth = num_draft;
         each round verifies the tree's N = 1 + topk * depth nodes (N <=
         buffer_len with the ReplaySSM state) and keeps a path of up to
-        depth + 1 tokens (`replayssm_jax.speculative.tree_drafters`). Methods
-        "ngram", "mtp" and "draft" (the "oracle" has one continuation).
+        depth + 1 tokens (`replayssm_jax.speculative.tree_drafters`; the
+        "oracle" proposes topk - 1 more candidates per depth, each right
+        with probability alpha where the draft is not).
 
     Raises:
       GenerationError: an unknown method, num_draft < 1, bad n-gram lengths,
         alpha outside [0, 1], an "oracle" without `reference`, a "draft"
         without `draft_model`, a `draft_model` with another method; a
-        `tree` that is not a top-k DraftTree or pair, of another depth
-        than num_draft, or with method "oracle".
+        `tree` that is not a top-k DraftTree or pair, or of another depth
+        than num_draft.
     """
 
     method: str
@@ -159,9 +160,6 @@ class SpeculativeConfig:
             from replayssm_jax.speculative.tree import as_tree
             from replayssm_jax.speculative.tree_drafters import topk_of
 
-            if self.method == "oracle":
-                raise GenerationError("`speculative.tree` applies to methods 'ngram', 'mtp' and 'draft'; got it with "
-                                      "method 'oracle'")
             try:
                 tree = as_tree(self.tree, "speculative.tree")
                 topk_of(tree, self.num_draft)
@@ -934,21 +932,22 @@ class Generator:
         if spec.tree is not None:
             from replayssm_jax.speculative.tree_drafters import TreeDrafter
 
-            return TreeDrafter(self._chain_drafter(plan, history_len, sampling, scores=True), spec.tree)
+            topk = (spec.tree.size - 1) // spec.tree.max_depth
+            return TreeDrafter(self._chain_drafter(plan, history_len, sampling, branches=topk - 1), spec.tree)
         return self._chain_drafter(plan, history_len, sampling)
 
-    def _chain_drafter(self, plan: _Plan, history_len: int, sampling: SamplingParams, scores: bool = False):
-        """`_drafter`'s chain drafter; with `scores`, one whose Drafts carry per-position scores (a tree's
-        other candidates)."""
+    def _chain_drafter(self, plan: _Plan, history_len: int, sampling: SamplingParams, branches: int = 0):
+        """`_drafter`'s chain drafter; with `branches` > 0, one whose Drafts carry per-position scores or
+        `branches` ranked candidates (a tree's other candidates)."""
         from replayssm_jax.speculative import NgramDrafter, OracleDrafter
 
         spec = self.speculative
         if self._stateful_drafter is not None:
-            return dataclasses.replace(self._stateful_drafter, sampling=sampling, **({"scores": True} if scores
+            return dataclasses.replace(self._stateful_drafter, sampling=sampling, **({"scores": True} if branches
                                                                                      else {}))
         if spec.method == "ngram":
             return NgramDrafter(spec.num_draft, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram,
-                                vocab_size=int(self.config.vocab_size) if scores else None)
+                                vocab_size=int(self.config.vocab_size) if branches else None)
         reference, _ = self._check_prompts(spec.reference)
         if len(reference) != plan.batch:
             raise GenerationError(f"`speculative.reference` must have one row per prompt ({plan.batch}); got "
@@ -956,7 +955,8 @@ class Generator:
         padded = np.full((plan.rows, history_len), self._pad_id, np.int32)
         for row, ref in enumerate(reference):
             padded[row, : min(len(ref), history_len)] = ref[:history_len]
-        return OracleDrafter(jnp.asarray(padded), spec.alpha, spec.num_draft, int(self.config.vocab_size))
+        return OracleDrafter(jnp.asarray(padded), spec.alpha, spec.num_draft, int(self.config.vocab_size),
+                             branches=branches)
 
     def _drafter_state(self, drafter, plan: _Plan, sampling, history, hidden, key, progress):
         """The drafter's state before the first round (`Drafter.init_state`, compiled for stateful

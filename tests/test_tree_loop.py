@@ -81,8 +81,6 @@ def test_bad_trees_are_refused():
         SpeculativeConfig("ngram", 3, tree=(2, 2))
     with pytest.raises(GenerationError, match="`speculative.tree`: `speculative.tree` must be a DraftTree or"):
         SpeculativeConfig("ngram", 3, tree=[2, 3])
-    with pytest.raises(GenerationError, match="`speculative.tree` applies to methods 'ngram', 'mtp' and 'draft'"):
-        SpeculativeConfig("oracle", 3, reference=[[1]], tree=(2, 3))
     with pytest.raises(GenerationError, match="`speculative.tree`'s nodes = 7 verified positions must be <= "
                                               "`buffer_len` = 4"):
         Generator(m, buffer_len=4, speculative=SpeculativeConfig("ngram", 3, tree=(2, 3)))

@@ -70,12 +70,16 @@ class Drafts:
         candidate), from which a draft tree takes its other candidates
         (`replayssm_jax.speculative.tree_drafters`); None where the drafter
         gives none.
+      candidates: i32[batch, K, C] or None: other candidates per draft
+        position, best first (-1: none), for a draft tree in place of
+        `scores` (the oracle drafter's, without a [batch, K, vocab] array).
     """
 
     tokens: jax.Array
     num_drafts: jax.Array
     q_probs: jax.Array | None = None
     scores: jax.Array | None = None
+    candidates: jax.Array | None = None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -354,6 +358,13 @@ class OracleDrafter(StatelessDrafter):
     probability that a draft matches. Draft positions at or past the
     reference's end are padding (fewer than K drafts).
 
+    With `branches` = C > 0 (a draft tree's other candidates,
+    `Drafts.candidates`), each position also has C more candidates: where
+    the draft is wrong, each of them is in turn the reference's token with
+    probability alpha (the first such one is, the others stay wrong), so a
+    position holds its reference token among its C + 1 candidates with
+    probability 1 - (1 - alpha)^(C + 1). The wrong candidates are distinct.
+
     Attributes:
       reference: integer[batch, ref_len], row b's full token sequence
         (prompt included), aligned with the history: position t of the
@@ -362,16 +373,18 @@ class OracleDrafter(StatelessDrafter):
       alpha: float in [0, 1] (static), the probability a draft is right.
       num_speculative_tokens: K >= 1 (static).
       vocab_size: the vocabulary size >= 2 (static), for the wrong drafts.
+      branches: C >= 0 (static), the other candidates per position (0: none).
 
     Raises:
       TypeError, ValueError: alpha not a real number in [0, 1], K < 1,
-        vocab_size < 2 (at construction).
+        vocab_size < 2, branches < 0 or C + 1 >= vocab_size (at construction).
     """
 
     reference: jax.Array
     alpha: float = struct.field(pytree_node=False)
     num_speculative_tokens: int = struct.field(pytree_node=False)
     vocab_size: int = struct.field(pytree_node=False)
+    branches: int = struct.field(pytree_node=False, default=0)
 
     def __post_init__(self):
         alpha = self.alpha
@@ -380,6 +393,9 @@ class OracleDrafter(StatelessDrafter):
             raise ValueError(f"`alpha` must be a float in [0, 1]; got {alpha!r}")
         v.check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
         v.check_positive_int("vocab_size", self.vocab_size, minimum=2)
+        v.check_positive_int("branches", self.branches, minimum=0)
+        if self.branches + 1 >= self.vocab_size:
+            raise ValueError(f"`branches` + 1 must be < vocab_size = {self.vocab_size}; got {self.branches}")
         object.__setattr__(self, "alpha", float(alpha))
 
     def propose(self, history, lengths, key) -> Drafts:
@@ -408,10 +424,17 @@ class OracleDrafter(StatelessDrafter):
         k = self.num_speculative_tokens
         position = lengths[:, None] + jnp.arange(k)[None, :]
         truth = gather_rows(reference, position)
-        choose_key, wrong_key = _checks.row_keys(key, batch, 2)
+        choose_key, wrong_key, branch_key = _checks.row_keys(key, batch, 3)
         right = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(choose_key) < self.alpha
-        shift = jax.vmap(lambda kk: jax.random.randint(kk, (k,), 1, self.vocab_size))(wrong_key)
+        shift = jax.vmap(lambda kk: jax.random.randint(kk, (k,), 1, self.vocab_size - self.branches))(wrong_key)
         tokens = jnp.where(right, truth, (truth + shift) % self.vocab_size)
         num_drafts = jnp.clip(ref_len - lengths, 0, k).astype(jnp.int32)
         tokens = jnp.where(jnp.arange(k)[None, :] < num_drafts[:, None], tokens, 0).astype(jnp.int32)
-        return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None)
+        candidates = None
+        if self.branches:
+            c = self.branches
+            tries = jax.vmap(lambda kk: jax.random.uniform(kk, (k, c)))(branch_key) < self.alpha
+            first = tries & (jnp.cumsum(tries, axis=-1) == 1) & ~right[..., None]  # the first right candidate
+            wrong = (truth + shift)[..., None] + 1 + jnp.arange(c)  # distinct, none the truth or the draft
+            candidates = jnp.where(first, truth[..., None], wrong % self.vocab_size).astype(jnp.int32)
+        return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None, candidates=candidates)

@@ -7,7 +7,8 @@ A tree round verifies the N nodes of a static :class:`DraftTree` of the
 K = D proposes; ranks 1..topk - 1 are the drafter's next best tokens at
 that depth, from its per-depth scores (`Drafts.scores`: the MTP head's or
 the draft model's logits along the spine; the n-gram drafter's counts of
-the tokens that followed every earlier occurrence of the matched n-gram).
+the tokens that followed every earlier occurrence of the matched n-gram)
+or its ranked candidates (`Drafts.candidates`: the oracle drafter's).
 
 :class:`TreeDrafter` wraps any drafter with scores: its state, `init_state`
 and `update` are the wrapped drafter's (the loop gives `update` the
@@ -87,15 +88,23 @@ def tree_candidates(drafts: Drafts, tree: DraftTree) -> TreeDrafts:
     real_depth = jnp.arange(depth)[None, :] < drafts.num_drafts[:, None]  # [batch, D]
     if topk == 1:
         return TreeDrafts(tokens=drafts.tokens, real=real_depth)
-    if drafts.scores is None:
-        raise ValueError("the drafter gives no per-depth scores (`Drafts.scores`), which a tree with topk > 1 "
-                         "ranks its other candidates by")
-    vocab = drafts.scores.shape[-1]
-    spine = jax.nn.one_hot(drafts.tokens, vocab, dtype=bool)
-    others = jnp.where(spine, -jnp.inf, drafts.scores.astype(jnp.float32))
-    score, token = jax.lax.top_k(others, topk - 1)  # [batch, D, topk - 1]
+    if drafts.candidates is not None:  # ranked candidates given
+        if drafts.candidates.shape[-1] < topk - 1:
+            raise ValueError(f"the drafter gives {drafts.candidates.shape[-1]} other candidates per position; the "
+                             f"tree takes topk - 1 = {topk - 1}")
+        token = drafts.candidates[..., :topk - 1]
+        present = token >= 0
+    elif drafts.scores is not None:
+        vocab = drafts.scores.shape[-1]
+        spine = jax.nn.one_hot(drafts.tokens, vocab, dtype=bool)
+        others = jnp.where(spine, -jnp.inf, drafts.scores.astype(jnp.float32))
+        score, token = jax.lax.top_k(others, topk - 1)  # [batch, D, topk - 1]
+        present = score > -jnp.inf
+    else:
+        raise ValueError("the drafter gives no per-depth scores (`Drafts.scores`) or candidates "
+                         "(`Drafts.candidates`), which a tree with topk > 1 takes its other candidates from")
     tokens = jnp.concatenate([drafts.tokens[..., None], token.astype(jnp.int32)], axis=-1)  # [batch, D, topk]
-    real = real_depth[..., None] & jnp.concatenate([jnp.ones_like(score[..., :1], bool), score > -jnp.inf], -1)
+    real = real_depth[..., None] & jnp.concatenate([jnp.ones_like(present[..., :1]), present], -1)
     batch = tokens.shape[0]
     return TreeDrafts(tokens=tokens.reshape(batch, -1), real=real.reshape(batch, -1))
 
