@@ -36,7 +36,10 @@ touch the same state element.
   reads each checkpoint tile once, applies the row's live records to it in
   registers (S_0, as the flush does), runs the W steps of the window on
   that tile and writes the W outputs and the W records at the cursor; the
-  checkpoint is not written.
+  checkpoint is not written. With a draft tree (tree speculation, a static
+  `tree`), the same kernel walks the tree's nodes in node order
+  (`launch.walk_tree`): a node whose parent is the node before it continues
+  from the state just computed, any other restarts from S_0 along its path.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ P, all N columns).
   reads each checkpoint tile once, applies the row's live records to it in
   registers (as the flush does), runs the W steps of the window on that
   tile and writes the W outputs and the W records at the cursor; the
-  checkpoint is not written.
+  checkpoint is not written. A draft tree's nodes (tree speculation) are
+  walked as in :mod:`replayssm_jax.kernels.gdn` (`launch.walk_tree`).
 
 The z gate is optional (a None ref: no gate); D and dt_bias, when None,
 are passed as zeros.
