@@ -253,3 +253,14 @@ def test_kernel_tree_verify_gpu(layer_cls, tree):
     assert_close(y, y_ref, what="tree outputs")
     for name in BUFFERS[layer_cls]:
         assert_close(as_f32(getattr(new, name)), as_f32(getattr(new_ref, name)), what=f"buffer {name}")
+
+
+def test_tree_verify_tiling():
+    """A tree that is not a chain holds two state tiles (the window's start and the node's): half the rows
+    of the chain's tiling, in the same budget; a chain keeps the window's tiling."""
+    from replayssm_jax import kernels
+
+    chain = kernels.default_verify_config(64, 32, 128, 128, jnp.float32, 16, 7)
+    assert kernels.default_verify_config(64, 32, 128, 128, jnp.float32, 16, 7, TREE).block_v == chain.block_v // 2
+    assert kernels.default_verify_config(64, 32, 128, 128, jnp.float32, 16, 4, DraftTree.chain(4)) == \
+        kernels.default_verify_config(64, 32, 128, 128, jnp.float32, 16, 4)

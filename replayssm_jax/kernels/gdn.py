@@ -470,7 +470,7 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, 
       TypeError: a `config` that is not a ReplayConfig.
     """
     W = v.shape[1]
-    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS)
+    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS, tree)
     verify = functools.partial(_verify, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), config=config,
                                interpret=interpret, **tree_option(tree))
     return verify_window(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), window=W,

@@ -507,7 +507,7 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
         with head_dim P and d_state N for V and K.
     """
     W = x.shape[1]
-    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS)
+    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS, tree)
     verify = functools.partial(_verify, config=config, **_step_options(dt_softplus, dt_limit, interpret),
                                **tree_option(tree))
     return verify_window(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),

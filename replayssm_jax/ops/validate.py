@@ -372,6 +372,10 @@ def check_window(W: int, L: int, name: str) -> None:
         raise ValueError(f"the window length W = {name} must be in [1, L = {L}]; got {W}")
 
 
+# What the ops read of a draft tree (replayssm_jax.speculative.tree.DraftTree).
+TREE_INTERFACE = ("parents", "size", "depth", "ancestors", "path", "is_chain", "tag")
+
+
 def check_tree(tree, W: int, name: str):
     """A verify's `tree`: None, or a DraftTree of W nodes (`name`: where W
     was read); returns it. A tree needs no more slots than a window of its
@@ -383,9 +387,9 @@ def check_tree(tree, W: int, name: str):
     """
     if tree is None:
         return None
-    from replayssm_jax.speculative.tree import DraftTree  # the ops are imported by replayssm_jax.speculative
-
-    if not isinstance(tree, DraftTree):
+    # The interface of replayssm_jax.speculative.tree.DraftTree (not imported here: the speculative package
+    # imports the ops).
+    if not all(hasattr(tree, name) for name in TREE_INTERFACE):
         raise TypeError(f"`tree` must be None or a DraftTree; got {type(tree).__name__}")
     if tree.size != W:
         raise ValueError(f"`tree` must have one node per verified position, N = {name} = {W}; got a tree of "

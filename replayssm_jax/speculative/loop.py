@@ -191,11 +191,10 @@ def _force_spine(tree, proposed: TreeDrafts, forcing, ahead, num_forced, pad_id:
     i32[rows, D + 1] up to the last forced node, forced_at i32[rows]: the node of the last forced token,
     whose logits give the round's bonus token (0 where nothing is forced))."""
     spine = np.asarray(spine_nodes(tree))  # the node at depth 0 .. D along the first children
-    on_spine = np.zeros((tree.size - 1, tree.max_depth), bool)  # [node - 1, depth - 1]
-    on_spine[spine[1:] - 1, np.arange(tree.max_depth)] = True
-    forced_tokens = jnp.einsum("nd,rd->rn", on_spine.astype(np.int32), ahead)
-    forced_real = jnp.asarray(on_spine) & (jnp.arange(tree.max_depth) < num_forced[:, None, None])
-    forced_real = jnp.any(forced_real, axis=-1)
+    depth = np.full(tree.size - 1, -1)  # per draft node: its index into `ahead` if on the spine, else -1
+    depth[spine[1:] - 1] = np.arange(tree.max_depth)
+    forced_tokens = ahead[:, np.maximum(depth, 0)]
+    forced_real = (depth >= 0)[None, :] & (depth[None, :] < num_forced[:, None])
     real = jnp.where(forcing[:, None], forced_real, proposed.real)
     tokens = jnp.where(real, jnp.where(forcing[:, None], forced_tokens, proposed.tokens), pad_id)
     forced_at = jnp.asarray(spine)[num_forced]
