@@ -90,12 +90,17 @@ def test_bad_trees_are_refused():
 
 
 def test_command_line_tree(capsys):
-    argv = ["--prompt-ids", "5,6,7,5,6,8,5,6", "--max-new-tokens", "6", "--no-compile-cache", "--no-progress"]
+    """--tree through the command on ragged prompts (the longer one's prompt tokens go on the tree's first
+    branch): the tokens of plain greedy decoding, and the tree's fields in the report."""
+    argv = ["--prompt-ids", "5,6,7,5,6,8,5,6,7,5;5,6,7,5", "--max-new-tokens", "6", "--no-compile-cache",
+            "--no-progress"]
     assert main(argv + ["--speculative", "ngram", "--tree", "2,3", "--buffer-len", "8", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["tree"] == [2, 3] and report["tree_nodes"] == 7 and report["num_draft"] == 3
-    assert 1.0 <= report["mean_accepted"] <= 4 and len(report["row_mean_accepted"]) == 1
-    assert report["num_generated"] == [6]
+    assert 1.0 <= report["mean_accepted"] <= 4 and len(report["row_mean_accepted"]) == 2
+    assert main(argv + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["generated_ids"] == report["generated_ids"] and plain["num_generated"] == report["num_generated"]
     for extra, message in [(["--tree", "2,3", "--buffer-len", "4"],
                             "--tree's 1 + TOPK * DEPTH = 7 verified positions must be <= --buffer-len = 4"),
                            (["--tree", "2,3", "--num-draft", "2"], "--num-draft must equal --tree's DEPTH = 3"),
