@@ -11,10 +11,26 @@ by `replayssm_jax.generation.Generator`:
                   standard state keeps the state after each of the W positions
                   and commits the m-th (`state="standard"`)
   spec-replay     the same rounds with ReplaySSM (commit is `cursor += m`)
+With `--tree TOPK,DEPTH` two more modes run (tree speculation, the same
+oracle reference method):
+  tree-standard   rounds that verify a draft tree of 1 + TOPK * DEPTH nodes
+                  (`DraftTree.topk`: TOPK candidates per depth, the first one
+                  expanding) and keep the longest accepted path; the standard
+                  state keeps one state per node and commits the accepted one
+  tree-replay     the same rounds with ReplaySSM (the tree's records in the
+                  buffer; commit gathers the path's records, then moves the
+                  cursor)
+Their oracle proposes at each depth the draft (right with probability alpha)
+and TOPK - 1 more candidates, each in turn right with probability alpha where
+the draft is not; `ideal_accepted` is then 1 + sum_{d < DEPTH} alpha^d (alpha +
+(1 - alpha)(1 - (1 - alpha)^(TOPK - 1))). Compare a chain and a tree of about
+equal verified tokens per round (`--num-draft 3`, W = 4, against `--tree 3,2`,
+7 nodes, or `--tree 7,1`, 8 nodes).
+
 The speculative rows use the oracle drafter (`SpeculativeConfig("oracle")`) and a
 random-weight MTP head (`SpeculativeConfig("mtp")`, `--drafters`; its drafts are
 almost never accepted, so its rows show a round's cost with the MTP head's steps
-in it at about one token a round). The oracle: at
+in it at about one token a round; chain modes only). The oracle: at
 each position it proposes a reference continuation's token with probability
 alpha, else another token. The reference is the continuation that the same
 state's speculative path itself computes when every draft is accepted
@@ -53,6 +69,7 @@ excluded).
 Usage:  python3 bench/spec.py [--models a,b] [--batches 1,16,64,256] [--num-draft 3] [--drafters oracle,mtp]
                               [--buffer-len 16] [--alphas 0.6,0.8] [--prompt-len 128]
                               [--new-tokens 64] [--budget-gib 100] [--out FOLDER] [--profile]
+                              [--tree TOPK,DEPTH]
         python3 bench/spec.py --dry-run   (check of the script on the CPU: tiny fixture, backend xla, batch 2,
                                            8 prompt and 6 new tokens, L 4, one run each; its time is compilation)
 Prints a table last; writes spec.json to --out (default bench/results/DATE-spec) after
@@ -85,6 +102,7 @@ from replayssm_jax import ops
 from replayssm_jax.generation import GenerationError, Generator, InsufficientMemoryError, SpeculativeConfig
 
 MODES = ("ar-standard", "ar-replay", "spec-standard", "spec-replay")
+TREE_MODES = ("tree-standard", "tree-replay")  # with --tree
 DRY_RUN = dict(folder=os.path.join(e2e.ROOT, "tests", "data"), models="qwen3_5_tiny", batches="2", prompt_len=8,
                new_tokens=6, buffer_len=4, dtype=jnp.float32, backend="xla", repeats=1)
 
@@ -114,6 +132,7 @@ class Row:
     projected_speedup: float | None = None  # ideal_accepted x AR step ms / round ms, same state
     profile: dict | None = None  # ms per step or round by kernel category (bench/step_profile.py)
     drafter: str | None = None  # speculative rows: "oracle" or "mtp"
+    verified_per_round: int | None = None  # positions (tree nodes) each round verifies
 
 
 def _nbytes(tree) -> int:
@@ -159,10 +178,16 @@ def _first_difference(tokens, reference, prompt_len) -> float:
     return float(np.mean(firsts))
 
 
-def ideal_acceptance(alpha: float, window: int) -> float:
+def ideal_acceptance(alpha: float, window: int, topk: int = 1) -> float:
     """Expected new tokens per round when each draft is right with probability alpha, independently:
-    sum_{j<W} alpha^j = (1 - alpha^W) / (1 - alpha) (the accepted drafts plus the target's token)."""
-    return float(window) if alpha == 1.0 else (1.0 - alpha**window) / (1.0 - alpha)
+    sum_{j<W} alpha^j = (1 - alpha^W) / (1 - alpha) (the accepted drafts plus the target's token).
+    With topk > 1 (a tree of depth W - 1, the oracle's topk - 1 other candidates per depth): 1 +
+    sum_{d < W - 1} alpha^d (alpha + (1 - alpha)(1 - (1 - alpha)^(topk - 1))) (a right draft goes
+    deeper, a right other candidate ends the path)."""
+    if topk == 1:
+        return float(window) if alpha == 1.0 else (1.0 - alpha**window) / (1.0 - alpha)
+    step = alpha + (1.0 - alpha) * (1.0 - (1.0 - alpha) ** (topk - 1))
+    return 1.0 + sum(alpha**d * step for d in range(window - 1))
 
 
 class _Runner:
@@ -189,7 +214,7 @@ class _Runner:
         return gen, dataclasses.replace(best, compile_s=max(o.compile_s for o in outs))
 
 
-def self_consistent_reference(run, label, state, num_draft, reference, prompt_len, rounds=3):
+def self_consistent_reference(run, label, state, num_draft, reference, prompt_len, rounds=3, tree=None):
     """The greedy continuation that the speculative path of `state` reproduces when every draft is
     accepted (alpha = 1): starting from `reference` (the same state's AR greedy output), run with the
     oracle at alpha 1 and take its output as the next reference, until the output equals the reference
@@ -201,7 +226,7 @@ def self_consistent_reference(run, label, state, num_draft, reference, prompt_le
     ar = reference
     for runs in range(1, rounds + 1):
         _, out = run(f"{label} (alpha 1 reference, run {runs})", state,
-                     SpeculativeConfig("oracle", num_draft, alpha=1.0, reference=reference), repeats=1)
+                     SpeculativeConfig("oracle", num_draft, alpha=1.0, reference=reference, tree=tree), repeats=1)
         if out is None:
             return reference, runs, False, None
         converged = _rows_differing(out.sequences, reference) == 0
@@ -213,16 +238,16 @@ def self_consistent_reference(run, label, state, num_draft, reference, prompt_le
 
 def bench_model(name, config_dir, batches, *, num_draft, buffer_len, alphas, prompt_len, new_tokens, backend,
                 dtype, budget_bytes, repeats, prefill_rows, log, save=lambda rows: None, profile=False, modes=MODES,
-                drafters=("oracle",)):
+                drafters=("oracle",), tree=None):
     """Rows of one model over batches x `modes` (the speculative ones per drafter, the oracle's per
     alpha; each after the AR mode of its state); `save(rows)` after each. With "mtp" in `drafters`
-    the model gets a random MTP head (`models.mtp.add_mtp_head`, seed 1)."""
+    the model gets a random MTP head (`models.mtp.add_mtp_head`, seed 1). tree: (topk, depth) of the
+    tree modes."""
     model = init_model(config_dir, dtype)
     if "mtp" in drafters:
         add_mtp_head(model, param_dtype=dtype, rngs=nnx.Rngs(1))
     rows, cache_bytes = [], {}
     rng = np.random.default_rng(0)
-    window = num_draft + 1
     for batch in batches:
         prompts = rng.integers(3, model.config.vocab_size, size=(batch, prompt_len)).astype(np.int32)
         run = _Runner(model, prompts, new_tokens, buffer_len=buffer_len, backend=backend,
@@ -230,17 +255,21 @@ def bench_model(name, config_dir, batches, *, num_draft, buffer_len, alphas, pro
         ar = {}
         for mode in modes:
             kind, state = mode.split("-")
-            if kind == "spec" and state not in ar:
+            if kind != "ar" and state not in ar:
                 log(f"{name} batch={batch} {mode}: skipped (no ar-{state} run at this batch)")
                 continue
+            # The tree modes: K = the tree's depth; W the draft positions along one path plus the root.
+            k, topk, spec_tree = (num_draft, 1, None) if kind != "tree" else (tree[1], tree[0], tree)
+            window = k + 1
             reference, ref_info = None, {}
-            if kind == "spec":
+            if kind != "ar":
                 reference, runs, converged, agree = self_consistent_reference(
-                    run, f"{name} batch={batch} {mode}", state, num_draft, ar[state].sequences, prompt_len)
+                    run, f"{name} batch={batch} {mode}", state, k, ar[state].sequences, prompt_len, tree=spec_tree)
                 ref_info = dict(reference_runs=runs, reference_converged=converged, ar_agreeing_tokens=agree)
             for drafter, alpha in _drafts(kind, drafters, alphas):
                 speculative = None if drafter is None else SpeculativeConfig(
-                    drafter, num_draft, **(dict(alpha=alpha, reference=reference) if drafter == "oracle" else {}))
+                    drafter, k, tree=spec_tree,
+                    **(dict(alpha=alpha, reference=reference) if drafter == "oracle" else {}))
                 label = f"{name} batch={batch} {mode}" + dict(oracle=f" alpha={alpha}", mtp=" mtp").get(drafter, "")
                 gen, best = run(label, state, speculative)
                 if best is None:
@@ -262,7 +291,8 @@ def bench_model(name, config_dir, batches, *, num_draft, buffer_len, alphas, pro
                 rows.append(Row(name, batch, mode, alpha, best.tokens_per_s, best.decode_s / best.decode_steps * 1e3,
                                 best.compile_s, best.prefill_s, best.accepted_per_round, per_seq, per_round,
                                 int(budget_bytes // per_round), e2e._peak_gib(), same,
-                                ideal_accepted=None if alpha is None else ideal_acceptance(alpha, window),
+                                ideal_accepted=None if alpha is None else ideal_acceptance(alpha, window, topk),
+                                verified_per_round=None if speculative is None else speculative.window,
                                 profile=prof, drafter=drafter, **ref_info))
                 r = rows[-1]
                 log(f"{label}: {r.tokens_per_s:.0f} tok/s, {r.step_ms:.2f} ms a {'round' if drafter else 'step'}, "
@@ -283,10 +313,12 @@ def bench_model(name, config_dir, batches, *, num_draft, buffer_len, alphas, pro
 
 
 def _drafts(kind, drafters, alphas):
-    """(drafter, alpha) pairs of one mode: AR (None, None); speculative: the oracle per alpha, then the MTP head."""
+    """(drafter, alpha) pairs of one mode: AR (None, None); speculative: the oracle per alpha, then (chain
+    modes) the MTP head."""
     if kind == "ar":
         return [(None, None)]
-    return [("oracle", a) for a in alphas if "oracle" in drafters] + [("mtp", None)] * ("mtp" in drafters)
+    return [("oracle", a) for a in alphas if "oracle" in drafters] + [("mtp", None)] * ("mtp" in drafters
+                                                                                        and kind == "spec")
 
 
 def print_table(meta, rows):
@@ -294,14 +326,15 @@ def print_table(meta, rows):
           f"prompt={meta['prompt_len']} new={meta['new_tokens']} K={meta['num_draft']} W={meta['num_draft'] + 1} "
           f"L={meta['buffer_len']} {meta['dtype']} budget={meta['budget_gib']} GiB")
     print(f"{'model':26s} {'batch':>5s} {'mode':>13s} {'draft':>5s} {'tok/s':>10s} {'ms/step':>8s} {'vs std':>6s} "
-          f"{'vs AR':>6s} {'acc/rnd':>7s} {'ideal':>5s} {'proj.':>5s} {'MiB/seq':>8s} {'max seqs':>8s} same")
+          f"{'vs AR':>6s} {'verif':>5s} {'acc/rnd':>7s} {'ideal':>5s} {'proj.':>5s} {'MiB/seq':>8s} {'max seqs':>8s} "
+          f"same")
     nan = float("nan")
     for r in rows:
         same = "-" if r.identical_to_reference is None else ("yes" if r.identical_to_reference else "no")
         draft = "mtp" if r.drafter == "mtp" else ("-" if r.alpha is None else f"{r.alpha:.2f}")
         print(f"{r.model:26s} {r.batch:5d} {r.mode:>13s} {draft:>5s} "
               f"{r.tokens_per_s:10.0f} {r.step_ms:8.2f} {r.speedup or nan:6.2f} {r.speedup_same_state or nan:6.2f} "
-              f"{r.accepted_per_round or 1.0:7.2f} {r.ideal_accepted or 1.0:5.2f} {r.projected_speedup or nan:5.2f} "
+              f"{r.verified_per_round or 1:5d} {r.accepted_per_round or 1.0:7.2f} {r.ideal_accepted or 1.0:5.2f} {r.projected_speedup or nan:5.2f} "
               f"{r.round_bytes_per_seq / 2**20:8.2f} {r.max_sequences:8d} {same}")
     profiled = [r for r in rows if r.profile]
     if profiled:
@@ -340,6 +373,9 @@ def main(argv=None) -> int:
                                                "(with --dry-run: a new temporary folder)")
     p.add_argument("--modes", default=",".join(MODES), help=f"a subset of {','.join(MODES)} (a spec mode needs the "
                                                             "AR mode of its state)")
+    p.add_argument("--tree", default=None, metavar="TOPK,DEPTH",
+                   help=f"also run {','.join(TREE_MODES)}: rounds of a draft tree of TOPK candidates per depth, "
+                        "DEPTH deep (1 + TOPK * DEPTH <= --buffer-len)")
     p.add_argument("--profile", action="store_true",
                    help="GPU time of a step or round by kernel category, from a traced run")
     p.add_argument("--dry-run", action="store_true",
@@ -369,10 +405,23 @@ def main(argv=None) -> int:
         p.error(f"--num-draft + 1 = {args.num_draft + 1} verified positions must be <= --buffer-len = {buffer_len}")
     if not args.budget_gib > 0:
         p.error(f"--budget-gib: must be > 0; got {args.budget_gib}")
-    modes = [m for m in MODES if m in args.modes.split(",")]
-    unknown = set(args.modes.split(",")) - set(MODES)
+    tree = None
+    if args.tree is not None:
+        try:
+            tree = tuple(int(x) for x in args.tree.split(","))
+        except ValueError:
+            tree = ()
+        if len(tree) != 2 or min(tree) < 1:
+            p.error(f"--tree: expected TOPK,DEPTH (two ints >= 1); got {args.tree!r}")
+        if 1 + tree[0] * tree[1] > buffer_len:
+            p.error(f"--tree: 1 + TOPK * DEPTH = {1 + tree[0] * tree[1]} verified positions must be <= "
+                    f"--buffer-len = {buffer_len}")
+    known = MODES + (TREE_MODES if tree else ())
+    asked = args.modes.split(",") + (list(TREE_MODES) if tree else [])
+    modes = [m for m in known if m in asked]
+    unknown = set(args.modes.split(",")) - set(known)
     if unknown or not modes:
-        p.error(f"--modes: choose from {','.join(MODES)}; got {args.modes!r}")
+        p.error(f"--modes: choose from {','.join(known)}; got {args.modes!r}")
     drafters = args.drafters.split(",")
     if not drafters or set(drafters) - {"oracle", "mtp"}:
         p.error(f"--drafters: choose from oracle,mtp; got {args.drafters!r}")
@@ -390,7 +439,7 @@ def main(argv=None) -> int:
                        os.path.join(e2e.ROOT, "bench", "results", f"{datetime.date.today().isoformat()}-spec"))
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=e2e._commit(), prompt_len=prompt_len,
-                new_tokens=new_tokens, num_draft=args.num_draft, buffer_len=buffer_len, alphas=alphas,
+                new_tokens=new_tokens, num_draft=args.num_draft, tree=tree, buffer_len=buffer_len, alphas=alphas,
                 drafters=drafters, repeats=repeats, budget_gib=args.budget_gib, dtype=jnp.dtype(dtype).name,
                 command=" ".join(sys.argv))
     os.makedirs(out, exist_ok=True)
@@ -410,7 +459,7 @@ def main(argv=None) -> int:
                                 prefill_rows=args.prefill_rows or None,
                                 log=lambda s: print(f"[{time.perf_counter() - t0:6.0f} s] {s}", file=sys.stderr,
                                                     flush=True), save=save,
-                                profile=args.profile, modes=modes, drafters=drafters)
+                                profile=args.profile, modes=modes, drafters=drafters, tree=tree)
             save([])
     except GenerationError as e:
         p.error(str(e))

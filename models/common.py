@@ -34,6 +34,7 @@ from replayssm_jax.layers.cache import (
     commit_layer_state,
     pending_window,
 )
+from replayssm_jax.ops.validate import check_path, check_tree
 
 __all__ = ["HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "make_verify_step", "make_commit",
            "commit_cache", "split_params"]
@@ -254,7 +255,7 @@ class HybridCausalLM(nnx.Module):
         return self._logits(h), cache
 
     def verify(self, tokens: jax.Array, cache: HybridCache, *, backend: str | None = None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, tree=None):
         """Verify W speculative positions of every sequence in one call (DESIGN.md section 7).
 
         Args:
@@ -267,10 +268,14 @@ class HybridCausalLM(nnx.Module):
             ``ops.backend_for``; the standard baseline runs W standard steps).
           return_hidden: also return the hidden states after the final norm
             at the W positions (static).
+          tree: None (a chain), or a
+            :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes
+            (static): tokens[:, t] follows node parents[t], and every layer
+            reads t's path root .. t only (tree speculation).
 
         Returns:
           (logits f32[batch, W, vocab_size]: position t gives the next token
-          after tokens[:, :t + 1]; the HybridCache with the window pending:
+          after tokens[:, :t + 1] (of a tree: after t's path); the HybridCache with the window pending:
           every layer holds the W positions, `commit` keeps the accepted ones.
           `position` is unchanged); with return_hidden, (logits, hidden
           [batch, W, hidden_size] after the final norm, HybridCache).
@@ -280,17 +285,19 @@ class HybridCausalLM(nnx.Module):
           ValueError: layers that do not match, `tokens` not [batch, W] with the
             cache's batch, an id outside the vocabulary, a pending window, W
             above max_window or a replay buffer length L, or (lengths concrete)
-            a KV cache without room for W more positions. All before any op runs.
+            a KV cache without room for W more positions; a `tree` that is
+            not a DraftTree of W nodes. All before any op runs.
         """
         tokens = check_input_ids(tokens, self.config.vocab_size, name="tokens")
         batch, window = tokens.shape
         check_cache(cache, self.config.layer_types, batch)
         _check_no_window(cache)
         _check_room(cache, window)
+        tree = check_tree(tree, window, "tokens.shape[1]")
         h = self._embed(tokens)
         states = []
         for block, state in zip(self._blocks, cache.layers):
-            h, state = block.verify(h, state, backend=backend)
+            h, state = block.verify(h, state, backend=backend, tree=tree)
             states.append(state)
         cache = cache.replace(layers=tuple(states))
         if return_hidden:
@@ -298,14 +305,20 @@ class HybridCausalLM(nnx.Module):
             return self._lm_head(hidden), hidden, cache
         return self._logits(h), cache
 
-    def commit(self, cache: HybridCache, num_accepted: jax.Array) -> HybridCache:
-        """Keep the first `num_accepted` positions of the pending window (`commit_cache`), after checking
-        that `cache` matches the model's layers (TypeError, ValueError)."""
+    def commit(self, cache: HybridCache, num_accepted: jax.Array, path=None) -> HybridCache:
+        """Keep the first `num_accepted` positions of the pending window (of a tree: of `path`;
+        `commit_cache`), after checking that `cache` matches the model's layers (TypeError, ValueError)."""
         check_cache(cache, self.config.layer_types)
-        return commit_cache(cache, num_accepted)
+        return commit_cache(cache, num_accepted, path)
 
 
-def commit_cache(cache: HybridCache, num_accepted) -> HybridCache:
+def attention_options(options: dict) -> dict:
+    """Of a block's SSM options, those its attention layer's ``decode`` / ``verify`` takes: the draft
+    `tree` of a verify (the others, route and backend, are the SSM ops')."""
+    return {"tree": options["tree"]} if "tree" in options else {}
+
+
+def commit_cache(cache: HybridCache, num_accepted, path=None) -> HybridCache:
     """Keep the first `num_accepted` of the W verified positions of every row, in every layer.
 
     Args:
@@ -313,6 +326,10 @@ def commit_cache(cache: HybridCache, num_accepted) -> HybridCache:
       num_accepted: int[batch], per row in 0..W (a speculative round gives
         m in 1..W: `replayssm_jax.speculative.Accepted.num_accepted`).
         Checked where concrete; clipped to 0..W inside jit.
+      path: None (a chain: the first m positions), or int[batch, P] after a
+        tree verify: per row the accepted nodes root first (m <= P); every
+        layer compacts their positions to contiguous ones
+        (`replayssm_jax.layers.commit_layer_state`).
 
     Returns:
       The HybridCache after those positions, no window pending: SSM layers
@@ -328,8 +345,10 @@ def commit_cache(cache: HybridCache, num_accepted) -> HybridCache:
     if cache.window == 0:
         raise ValueError("`cache` has no pending verify window; call `verify` before `commit`")
     m = check_num_accepted(num_accepted, cache.position.shape[0], cache.window)
-    m = jnp.clip(m, 0, cache.window)
-    return cache.replace(layers=tuple(commit_layer_state(s, m) for s in cache.layers), position=cache.position + m)
+    path = check_path(path, m, cache.window)
+    m = jnp.clip(m, 0, cache.window if path is None else path.shape[1])
+    return cache.replace(layers=tuple(commit_layer_state(s, m, path) for s in cache.layers),
+                         position=cache.position + m)
 
 
 def _check_no_window(cache: HybridCache) -> None:
@@ -449,20 +468,20 @@ def make_decode_step(graphdef, *, route: str = "auto", backend: str | None = Non
 
 
 def make_verify_step(graphdef, *, backend: str | None = None, donate_cache: bool = True,
-                     return_hidden: bool = False):
+                     return_hidden: bool = False, tree=None):
     """A jitted ``verify(params, cache, tokens) -> (logits f32[batch, W, vocab], HybridCache)``
-    (``(logits, hidden [batch, W, hidden], HybridCache)`` with return_hidden; `HybridCausalLM.verify`),
-    the cache donated by default."""
+    (``(logits, hidden [batch, W, hidden], HybridCache)`` with return_hidden; `HybridCausalLM.verify`,
+    of the draft `tree` if given), the cache donated by default."""
 
     def verify(params, cache, tokens):
         model = nnx.merge(graphdef, params)
-        return model.verify(tokens, cache, backend=backend, return_hidden=return_hidden)
+        return model.verify(tokens, cache, backend=backend, return_hidden=return_hidden, tree=tree)
 
     return jax.jit(verify, donate_argnums=(1,) if donate_cache else ())
 
 
 def make_commit(*, donate_cache: bool = True):
-    """A jitted ``commit(cache, num_accepted) -> HybridCache`` (`commit_cache`: it needs no
+    """A jitted ``commit(cache, num_accepted, path=None) -> HybridCache`` (`commit_cache`: it needs no
     parameters), the cache donated by default."""
     return jax.jit(commit_cache, donate_argnums=(0,) if donate_cache else ())
 

@@ -470,6 +470,9 @@ class MTPDrafter:
         argmax of the head's logits and q_probs is None (a point mass); else
         each draft is drawn from softmax(processed_logits(logits, sampling))
         and q_probs holds that distribution (speculative sampling's q).
+      scores: the Drafts also carry the head's logits at each draft position
+        (`Drafts.scores`: a draft tree's other candidates, top-k per depth;
+        `replayssm_jax.speculative.tree_drafters`).
 
     Raises:
       TypeError, ValueError: K not an int >= 1, `sampling` not a SamplingParams.
@@ -482,6 +485,7 @@ class MTPDrafter:
     vocab_size: int
     cache_dtype: Any = jnp.float32
     sampling: SamplingParams = SamplingParams()
+    scores: bool = False
 
     #: `init_state` and `update` read the target's final-normed hidden states.
     needs_hidden = True
@@ -603,23 +607,28 @@ class MTPDrafter:
         logits, out, cache = mtp_forward(model, hidden, tokens, cache)
         last = num_tokens - 1
         keys = _checks.row_keys(key, batch, k) if not self.sampling.greedy else None
-        draft, q = choose_drafts(_at(logits, last), self.sampling, None if keys is None else keys[0])
+        first = _at(logits, last)
+        draft, q = choose_drafts(first, self.sampling, None if keys is None else keys[0])
         cache = cache.with_length(committed)
 
         def chain(carry, step_keys):
             out, draft, cache = carry
             logits, out, cache = mtp_forward(model, out[:, None], draft[:, None], cache)
             draft, q = choose_drafts(logits[:, 0], self.sampling, step_keys)
-            return (out[:, 0], draft, cache), (draft, q)
+            return (out[:, 0], draft, cache), (draft, q, logits[:, 0] if self.scores else None)
 
         drafts, qs = draft[:, None], None if q is None else q[:, None]
+        scores = first[:, None] if self.scores else None
         if k > 1:
-            (_, _, cache), (rest, rest_q) = jax.lax.scan(
+            (_, _, cache), (rest, rest_q, rest_scores) = jax.lax.scan(
                 chain, (_at(out, last), draft, cache), None if keys is None else keys[1:], length=k - 1)
             drafts = jnp.concatenate([drafts, jnp.swapaxes(rest, 0, 1)], axis=1)
             if q is not None:
                 qs = jnp.concatenate([qs, jnp.swapaxes(rest_q, 0, 1)], axis=1)
-        result = Drafts(tokens=drafts.astype(jnp.int32), num_drafts=jnp.full((batch,), k, jnp.int32), q_probs=qs)
+            if self.scores:
+                scores = jnp.concatenate([scores, jnp.swapaxes(rest_scores, 0, 1)], axis=1)
+        result = Drafts(tokens=drafts.astype(jnp.int32), num_drafts=jnp.full((batch,), k, jnp.int32), q_probs=qs,
+                        scores=scores)
         return result, cache.with_length(committed)
 
     # -- the speculative loop's interface (replayssm_jax.speculative.Drafter) -----------------------
@@ -722,4 +731,4 @@ class MTPDrafter:
 jax.tree_util.register_dataclass(
     MTPDrafter, data_fields=[],
     meta_fields=["graphdef", "num_speculative_tokens", "kv_layout", "hidden_size", "vocab_size", "cache_dtype",
-                 "sampling"])
+                 "sampling", "scores"])

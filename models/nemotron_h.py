@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import registry
-from models.common import HybridCausalLM
+from models.common import HybridCausalLM, attention_options
 from models.config import NemotronHConfig
 from replayssm_jax.layers import MLP, Attention, Embedding, Linear, Mamba2Mixer, MoE, RMSNorm
 from replayssm_jax.layers.linear import default_rngs
@@ -103,10 +103,10 @@ class NemotronHBlock(nnx.Module):
         """One token. h: [batch, hidden] -> (h [batch, hidden], new state)."""
         return self._with_state(h, state, "decode", route=route, backend=backend)
 
-    def verify(self, h: jax.Array, state, *, backend: str | None = None):
-        """W speculative positions. h: [batch, W, hidden] -> (h [batch, W, hidden], state with the window
-        pending; see the mixers' ``verify``)."""
-        return self._with_state(h, state, "verify", backend=backend)
+    def verify(self, h: jax.Array, state, *, backend: str | None = None, tree=None):
+        """W speculative positions (the nodes of a draft `tree` if given). h: [batch, W, hidden] -> (h
+        [batch, W, hidden], state with the window pending; see the mixers' ``verify``)."""
+        return self._with_state(h, state, "verify", backend=backend, tree=tree)
 
     def _with_state(self, h, state, mode, **ssm_options):
         """The mixer's `mode` ("decode" or "verify") on its state; MLP / MoE blocks have none."""
@@ -114,7 +114,7 @@ class NemotronHBlock(nnx.Module):
         if self.block_type == "mamba":
             out, state = getattr(self.mixer, mode)(u, state, **ssm_options)
         elif self.block_type == "attention":
-            out, state = getattr(self.mixer, mode)(u, state)
+            out, state = getattr(self.mixer, mode)(u, state, **attention_options(ssm_options))
         else:
             out = self.mixer(u)
         return self._residual(h, out), state

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import registry
-from models.common import HybridCausalLM
+from models.common import HybridCausalLM, attention_options
 from models.config import QwenHybridConfig
 from replayssm_jax.layers import MLP, Attention, Embedding, GatedDeltaNet, Linear, MoE, RMSNorm
 from replayssm_jax.layers.linear import default_rngs
@@ -99,10 +99,10 @@ class QwenDecoderLayer(nnx.Module):
         """One token. h: [batch, hidden] -> (h [batch, hidden], new state)."""
         return self._with_state(h, state, "decode", route=route, backend=backend)
 
-    def verify(self, h: jax.Array, state, *, backend: str | None = None):
-        """W speculative positions. h: [batch, W, hidden] -> (h [batch, W, hidden], state with the window
-        pending; see the mixers' ``verify``)."""
-        return self._with_state(h, state, "verify", backend=backend)
+    def verify(self, h: jax.Array, state, *, backend: str | None = None, tree=None):
+        """W speculative positions (the nodes of a draft `tree` if given). h: [batch, W, hidden] -> (h
+        [batch, W, hidden], state with the window pending; see the mixers' ``verify``)."""
+        return self._with_state(h, state, "verify", backend=backend, tree=tree)
 
     def _with_state(self, h, state, mode, **ssm_options):
         """The mixer's `mode` ("decode" or "verify") on its state, then the MLP."""
@@ -110,7 +110,7 @@ class QwenDecoderLayer(nnx.Module):
         if self.layer_type == "gdn":
             out, state = getattr(self.linear_attn, mode)(u, state, **ssm_options)
         else:
-            out, state = getattr(self.self_attn, mode)(u, state)
+            out, state = getattr(self.self_attn, mode)(u, state, **attention_options(ssm_options))
         return self._ffn(h + out), state
 
 

@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(with --random-weights, random weights of DIR's config.json)")
     p.add_argument("--num-draft", type=int, default=None,
                    help="drafts per speculative round K >= 1 (default 3); K + 1 <= --buffer-len with --state replay")
+    p.add_argument("--tree", type=_tree_shape, default=None, metavar="TOPK,DEPTH",
+                   help="tree speculation: each round verifies a draft tree of TOPK candidates per depth (the "
+                        "first one expanding), DEPTH levels deep, 1 + TOPK * DEPTH nodes (<= --buffer-len with "
+                        "--state replay), and keeps the longest accepted path; --num-draft is DEPTH")
     p.add_argument("--compare", action="store_true", help="run standard and replay; report identical tokens and the speed ratio")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--new-only", action="store_true", help="print only the generated tokens, not the prompt")
@@ -130,6 +134,25 @@ def _speculative_method(text: str) -> str:
     if text in ("ngram", "mtp") or (text.startswith("draft:") and text[len("draft:"):].strip()):
         return text
     raise argparse.ArgumentTypeError(f"must be one of {', '.join(SPECULATIVE)}; got {text!r}")
+
+
+def _tree_shape(text: str) -> tuple[int, int]:
+    """--tree's value: "TOPK,DEPTH", two ints >= 1."""
+    parts = text.split(",")
+    try:
+        topk, depth = (int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be TOPK,DEPTH (two ints >= 1); got {text!r}") from None
+    if topk < 1 or depth < 1:
+        raise argparse.ArgumentTypeError(f"TOPK and DEPTH must be >= 1; got {text!r}")
+    return topk, depth
+
+
+def _num_draft(args) -> int:
+    """K: --num-draft, else --tree's DEPTH, else the default."""
+    if args.num_draft is not None:
+        return args.num_draft
+    return DEFAULT_NUM_DRAFT if args.tree is None else args.tree[1]
 
 
 def _draft_folder(args) -> str | None:
@@ -232,13 +255,20 @@ def _check_args(args) -> list[str]:
         raise UsageError(f"--buffer-len must be >= 1; got {args.buffer_len}")
     if args.speculative is None and args.num_draft is not None:
         _warn("--num-draft applies to --speculative only; it is ignored")
+    if args.speculative is None and args.tree is not None:
+        raise UsageError("--tree applies to --speculative: give --speculative {ngram,mtp,draft:DIR}")
     if args.speculative is not None:
-        k = DEFAULT_NUM_DRAFT if args.num_draft is None else args.num_draft
+        k = _num_draft(args)
         if k < 1:
             raise UsageError(f"--num-draft must be >= 1; got {k}")
+        if args.tree is not None and k != args.tree[1]:
+            raise UsageError(f"--num-draft must equal --tree's DEPTH = {args.tree[1]} (the drafts along the "
+                             f"tree's first branch); got {k}")
         buffer_len = args.buffer_len or DEFAULT_BUFFER_LEN
-        if "replay" in states and k + 1 > buffer_len:
-            raise UsageError(f"--num-draft + 1 = {k + 1} verified positions must be <= --buffer-len = {buffer_len} "
+        verified = k + 1 if args.tree is None else 1 + args.tree[0] * args.tree[1]
+        what = "--num-draft + 1" if args.tree is None else "--tree's 1 + TOPK * DEPTH"
+        if "replay" in states and verified > buffer_len:
+            raise UsageError(f"{what} = {verified} verified positions must be <= --buffer-len = {buffer_len} "
                              f"with --state replay (raise --buffer-len or lower --num-draft)")
     if args.new_only and args.json:
         _warn("--new-only applies to the text output; the JSON has both generated_ids and new_ids")
@@ -315,10 +345,10 @@ def _speculative(args, draft_model=None) -> SpeculativeConfig | None:
     """The SpeculativeConfig of --speculative; `draft_model` (loaded or abstract) for draft:DIR."""
     if args.speculative is None:
         return None
-    k = DEFAULT_NUM_DRAFT if args.num_draft is None else args.num_draft
+    k = _num_draft(args)
     if _draft_folder(args) is not None:
-        return SpeculativeConfig("draft", k, draft_model=draft_model)
-    return SpeculativeConfig(args.speculative, k)
+        return SpeculativeConfig("draft", k, draft_model=draft_model, tree=args.tree)
+    return SpeculativeConfig(args.speculative, k, tree=args.tree)
 
 
 def _generator(model, state, args, backend, generation_config=None, draft_model=None, mesh=None) -> Generator:
@@ -379,7 +409,8 @@ class _Printer:
 def _label(r) -> str:
     method = r.get("speculative")
     method = f"draft:{r['draft_checkpoint']}" if method == "draft" and r.get("draft_checkpoint") else method
-    spec = f" speculative={method} K={r['num_draft']}" if method else ""
+    tree = f" tree={r['tree'][0]},{r['tree'][1]}" if r.get("tree") else ""
+    spec = f" speculative={method} K={r['num_draft']}{tree}" if method else ""
     dtype = f" state_dtype={r['state_dtype']}" + (f" ({r['state_rounding']})" if r.get("state_rounding") else "") \
         if r.get("state_dtype") else ""
     return r["state"] + (f" L={r['buffer_len']} route={r['route']}" if r["buffer_len"] else "") + dtype + spec
@@ -401,6 +432,14 @@ def _state_format(gen) -> dict:
             "state_rounding": gen.state_rounding if dtype is not None and dtype.itemsize == 1 else None}
 
 
+def _tree_of(spec) -> list[int] | None:
+    """[topk, depth] of a SpeculativeConfig's tree, else None."""
+    if spec is None or spec.tree is None:
+        return None
+    depth = spec.tree.max_depth
+    return [(spec.tree.size - 1) // depth, depth]
+
+
 def _summary(out, gen, tokenizer, draft_checkpoint=None) -> dict:
     result = {
         "state": gen.state,
@@ -420,7 +459,10 @@ def _summary(out, gen, tokenizer, draft_checkpoint=None) -> dict:
         **_state_format(gen),
         "speculative": gen.speculative.method if gen.speculative else None,
         "num_draft": gen.speculative.num_draft if gen.speculative else None,
+        "tree": _tree_of(gen.speculative),
+        "tree_nodes": gen.speculative.window if gen.speculative and gen.speculative.tree else None,
         "mean_accepted": out.accepted_per_round,
+        "row_mean_accepted": out.row_accepted_per_round,
         "draft_checkpoint": draft_checkpoint,
     }
     if tokenizer is not None:
@@ -549,7 +591,7 @@ def _print_header(report, gen, prompt, tokenizer, new_only):
     spec = gen.speculative
     label = _label({"state": gen.state, "buffer_len": gen.buffer_len, "route": gen.route,
                     "speculative": spec and spec.method, "num_draft": spec and spec.num_draft,
-                    "draft_checkpoint": report["draft_checkpoint"], **_state_format(gen)})
+                    "tree": _tree_of(spec), "draft_checkpoint": report["draft_checkpoint"], **_state_format(gen)})
     print(f"[{label}] backend={gen.backend}")
     if not new_only:
         sys.stdout.write(_printable(tokenizer.decode(prompt)) if tokenizer else " ".join(map(str, prompt)))

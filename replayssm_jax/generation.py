@@ -110,11 +110,21 @@ class SpeculativeConfig:
         vocabulary (it may be the target itself), or a checkpoint folder
         (loaded with `models.load_model` in the checkpoint's dtype). It keeps
         the Generator's state mode and buffer length.
+      tree: None (chain rounds), or tree speculation: a
+        :class:`~replayssm_jax.speculative.tree.DraftTree` of the top-k shape
+        or a (topk, depth) pair (`DraftTree.topk`) with depth = num_draft;
+        each round verifies the tree's N = 1 + topk * depth nodes (N <=
+        buffer_len with the ReplaySSM state) and keeps a path of up to
+        depth + 1 tokens (`replayssm_jax.speculative.tree_drafters`; the
+        "oracle" proposes topk - 1 more candidates per depth, each right
+        with probability alpha where the draft is not).
 
     Raises:
       GenerationError: an unknown method, num_draft < 1, bad n-gram lengths,
         alpha outside [0, 1], an "oracle" without `reference`, a "draft"
-        without `draft_model`, a `draft_model` with another method.
+        without `draft_model`, a `draft_model` with another method; a
+        `tree` that is not a top-k DraftTree or pair, or of another depth
+        than num_draft.
     """
 
     method: str
@@ -124,6 +134,7 @@ class SpeculativeConfig:
     alpha: float = 1.0
     reference: object = dataclasses.field(default=None, hash=False, compare=False)
     draft_model: object = dataclasses.field(default=None, hash=False, compare=False)
+    tree: object = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -145,11 +156,21 @@ class SpeculativeConfig:
         if self.method == "draft" and not isinstance(self.draft_model, (nnx.Module, str, os.PathLike)):
             raise GenerationError(f"`speculative.draft_model` must be a model of this package or a checkpoint folder; "
                                   f"got {type(self.draft_model).__name__}")
+        if self.tree is not None:
+            from replayssm_jax.speculative.tree import as_tree
+            from replayssm_jax.speculative.tree_drafters import topk_of
+
+            try:
+                tree = as_tree(self.tree, "speculative.tree")
+                topk_of(tree, self.num_draft)
+            except (TypeError, ValueError) as e:
+                raise GenerationError(f"`speculative.tree`: {e}") from None
+            object.__setattr__(self, "tree", tree)
 
     @property
     def window(self) -> int:
-        """W = K + 1, the positions verified per round."""
-        return self.num_draft + 1
+        """The positions verified per round: W = K + 1, or the tree's N nodes."""
+        return self.num_draft + 1 if self.tree is None else self.tree.size
 
 
 class InsufficientMemoryError(GenerationError, MemoryError):
@@ -639,7 +660,8 @@ class Generator:
             raise GenerationError(f"`speculative.method` {speculative.method!r} is not supported with a `mesh` (its "
                                   f"drafter's model is not sharded); use 'ngram' or 'oracle'")
         if speculative is not None and state == "replay" and speculative.window > buffer_len:
-            raise GenerationError(f"`speculative.num_draft` + 1 = {speculative.window} verified positions must be <= "
+            what = "`speculative.num_draft` + 1" if speculative.tree is None else "`speculative.tree`'s nodes"
+            raise GenerationError(f"{what} = {speculative.window} verified positions must be <= "
                                   f"`buffer_len` = {buffer_len} with the replay state (a window fits in the buffer)")
         self.state_dtype, self.state_rounding = _check_state_dtype(state, state_dtype, state_rounding)
         self.speculative = speculative
@@ -943,14 +965,27 @@ class Generator:
 
     def _drafter(self, plan: _Plan, history_len: int, sampling: SamplingParams):
         """The configured Drafter for `plan`'s rows (the oracle's reference padded to [rows, history_len];
-        the drafts of "mtp" and "draft" sampled as `sampling` says)."""
+        the drafts of "mtp" and "draft" sampled as `sampling` says; a TreeDrafter with `speculative.tree`)."""
+        spec = self.speculative
+        if spec.tree is not None:
+            from replayssm_jax.speculative.tree_drafters import TreeDrafter
+
+            topk = (spec.tree.size - 1) // spec.tree.max_depth
+            return TreeDrafter(self._chain_drafter(plan, history_len, sampling, branches=topk - 1), spec.tree)
+        return self._chain_drafter(plan, history_len, sampling)
+
+    def _chain_drafter(self, plan: _Plan, history_len: int, sampling: SamplingParams, branches: int = 0):
+        """`_drafter`'s chain drafter; with `branches` > 0, one whose Drafts carry per-position scores or
+        `branches` ranked candidates (a tree's other candidates)."""
         from replayssm_jax.speculative import NgramDrafter, OracleDrafter
 
         spec = self.speculative
         if self._stateful_drafter is not None:
-            return dataclasses.replace(self._stateful_drafter, sampling=sampling)
+            return dataclasses.replace(self._stateful_drafter, sampling=sampling, **({"scores": True} if branches
+                                                                                     else {}))
         if spec.method == "ngram":
-            return NgramDrafter(spec.num_draft, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
+            return NgramDrafter(spec.num_draft, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram,
+                                vocab_size=int(self.config.vocab_size) if branches else None)
         reference, _ = self._check_prompts(spec.reference)
         if len(reference) != plan.batch:
             raise GenerationError(f"`speculative.reference` must have one row per prompt ({plan.batch}); got "
@@ -958,7 +993,8 @@ class Generator:
         padded = np.full((plan.rows, history_len), self._pad_id, np.int32)
         for row, ref in enumerate(reference):
             padded[row, : min(len(ref), history_len)] = ref[:history_len]
-        return OracleDrafter(jnp.asarray(padded), spec.alpha, spec.num_draft, int(self.config.vocab_size))
+        return OracleDrafter(jnp.asarray(padded), spec.alpha, spec.num_draft, int(self.config.vocab_size),
+                             branches=branches)
 
     def _drafter_state(self, drafter, plan: _Plan, sampling, history, hidden, key, progress):
         """The drafter's state before the first round (`Drafter.init_state`, compiled for stateful

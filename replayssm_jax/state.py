@@ -185,6 +185,11 @@ class Mamba2ReplayState:
     def batch(self) -> int:
         return self.checkpoint.shape[0]
 
+    @staticmethod
+    def buffer_fields() -> tuple[str, ...]:
+        """The names of the buffers (one record field each, slot axis 2)."""
+        return ("x", "dt", "B")
+
 
 @struct.dataclass
 class GDNReplayState:
@@ -222,6 +227,11 @@ class GDNReplayState:
     @property
     def batch(self) -> int:
         return self.checkpoint.shape[0]
+
+    @staticmethod
+    def buffer_fields() -> tuple[str, ...]:
+        """The names of the buffers (one record field each, slot axis 2)."""
+        return ("d", "k", "g")
 
 
 ReplayState = Mamba2ReplayState | GDNReplayState
@@ -348,14 +358,46 @@ def gdn_replay_init(checkpoint: jax.Array, buffer_len: int, num_k_heads: int, bu
     )
 
 
-def replay_commit(state: ReplayState, num_accepted: jax.Array) -> ReplayState:
+def replay_commit(state: ReplayState, num_accepted: jax.Array, path: jax.Array | None = None) -> ReplayState:
     """Accept the first `num_accepted` (int[batch]) steps of the pending
     verify window: `cursor += num_accepted`, `window = 0` (DESIGN.md section 3).
     The counts are clipped to 0..W, which keeps the cursor in 0..L where
     they cannot be checked (inside jit). Arguments as validated by
-    :func:`replayssm_jax.ops.replay_commit`."""
+    :func:`replayssm_jax.ops.replay_commit`.
+
+    With `path` i32[batch, P] (a verified draft tree's accepted nodes, root
+    first), the records of nodes path[b, :m] are first gathered to slots
+    cursor .. cursor + m - 1 of row b (:func:`gather_path`); node j's
+    record is at slot cursor + j after the verify."""
     num_accepted = jnp.clip(num_accepted, 0, state.window)
+    if path is not None:
+        num_accepted = jnp.minimum(num_accepted, path.shape[1])
+        buffers = {name: gather_path(getattr(state, name), state.cursor, path, num_accepted)
+                   for name in state.buffer_fields()}
+        state = state.replace(**buffers)
     return state.replace(cursor=state.cursor + num_accepted, window=0)
+
+
+def gather_path(buffer: jax.Array, start: jax.Array, path: jax.Array, count: jax.Array, axis: int = 2) -> jax.Array:
+    """`buffer` [batch, ..., L, ...] (slots on `axis`) with slot start + i of
+    row b set to slot start + path[b, i] for i < count[b], the other slots as
+    they are: a verified tree's records (node j at slot start + j) compacted
+    to the accepted path root .. path[b, count[b] - 1].
+
+    A path's nodes increase (a parent precedes its child), so path[i] >= i:
+    one gather of the old buffer. XLA runs it in place where the buffer is
+    donated.
+    """
+    L = buffer.shape[axis]
+    slot = jnp.arange(L, dtype=jnp.int32)[None, :]  # [1, L]
+    i = slot - start[:, None]  # the depth each slot takes, where it is in the accepted range
+    taken = (i >= 0) & (i < count[:, None])
+    node = jnp.take_along_axis(path, jnp.clip(i, 0, path.shape[1] - 1), axis=1)
+    source = jnp.where(taken, start[:, None] + node, slot)  # [batch, L]
+    shape = [1] * buffer.ndim
+    shape[0], shape[axis] = buffer.shape[0], L
+    index = jnp.broadcast_to(source.reshape(shape), buffer.shape)
+    return jnp.take_along_axis(buffer, index, axis=axis)
 
 
 def slot_mask(count: jax.Array, L: int) -> jax.Array:

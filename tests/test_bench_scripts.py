@@ -498,12 +498,32 @@ def test_spec_dry_run(tmp_path, capsys):
     assert "spec-replay" in capsys.readouterr().out
 
 
+def test_spec_tree_dry_run(tmp_path):
+    """bench/spec.py --dry-run --tree 2,2 on the ReplaySSM state (tree-standard is skipped without its AR
+    run; test_spec_dry_run covers the standard state's modes): tree-replay after ar-replay, its greedy run
+    equal to its own reference, the tree's 5 nodes verified a round, the full depth accepted at alpha 1."""
+    # alpha 1: the measured run is its reference run's configuration (a hit of the compile cache).
+    args = ["--dry-run", "--alphas", "1", "--buffer-len", "8", "--tree", "2,2", "--modes", "ar-replay"]
+    assert load("spec").main(args + ["--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "spec.json").read_text())
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["ar-replay", "tree-replay"] and report["meta"]["tree"] == [2, 2]
+    r = rows["tree-replay"]
+    assert r["identical_to_reference"] and r["verified_per_round"] == 5 and r["tokens_per_s"] > 0
+    assert r["accepted_per_round"] > 2 and r["ideal_accepted"] == 3.0  # the full depth but in the last rounds
+    assert r["round_bytes_per_seq"] > rows["ar-replay"]["round_bytes_per_seq"]
+    # The oracle's tree: a right draft goes deeper, a right other candidate ends the path.
+    assert load("spec").ideal_acceptance(0.8, 3, 2) == pytest.approx(1 + sum(0.8**d * (0.8 + 0.2 * 0.8)
+                                                                             for d in range(2)))
+
+
 @pytest.mark.parametrize("args, message", [
     (["--num-draft", "4", "--buffer-len", "4"], "--num-draft + 1 = 5 verified positions must be <= --buffer-len = 4"),
+    (["--tree", "2,2"], "--tree: 1 + TOPK * DEPTH = 5 verified positions must be <= --buffer-len = 4"),
     (["--alphas", "0.6,1.5"], "--alphas: every alpha must be in [0, 1]; got 1.5"),
     (["--batches", "0"], "--batches: must be >= 1; got 0"),
     (["--drafters", "oracle,eagle"], "--drafters: choose from oracle,mtp; got 'oracle,eagle'"),
-], ids=["window", "alpha", "batch", "drafter"])
+], ids=["window", "tree", "alpha", "batch", "drafter"])
 def test_spec_rejects_bad_arguments(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit):
         load("spec").main(["--dry-run", "--out", str(tmp_path / "out"), *args])

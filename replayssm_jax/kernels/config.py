@@ -440,7 +440,7 @@ VERIFY_TILE_ELEMENTS = 8192
 
 
 def default_verify_config(batch: int, heads: int, V: int, K: int, state_dtype, buffer_len: int,
-                          window: int) -> ReplayConfig:
+                          window: int, tree=None) -> ReplayConfig:
     """The frozen heuristic of the verify launch (a ReplayConfig; its flush
     fields tile the early-flush launch, `fused_flush` is False).
 
@@ -448,20 +448,28 @@ def default_verify_config(batch: int, heads: int, V: int, K: int, state_dtype, b
     block_v is the power of two that keeps it near VERIFY_TILE_ELEMENTS
     (preferring a divisor of V, as the standard rule: V = 80 -> 16), shrunk
     as in the standard rule until there are ~8 programs per SM; one tile per
-    program, about 64 elements per thread (1 to 4 warps).
+    program, about 64 elements per thread (1 to 4 warps). A draft tree that
+    is not a chain keeps the window's start state beside the node's state
+    (two tiles, `launch.walk_tree`): the same budget then holds two tiles
+    of half the rows (a rule of the register budget, not yet swept).
 
-    Args: as :func:`default_replay_config`, and window (W, 1 <= W <= L).
+    Args: as :func:`default_replay_config`, window (W, 1 <= W <= L) and tree
+    (a DraftTree or None).
     """
     del state_dtype, buffer_len, window  # the same tiling for both state dtypes, every L and W
-    rows = _divisor_rows(min(next_pow2(V), next_pow2(max(1, VERIFY_TILE_ELEMENTS // next_pow2(K)))), V)
+    held = 1 if tree is None or tree.is_chain else 2  # state tiles held through the steps
+    budget = VERIFY_TILE_ELEMENTS // held
+    rows = _divisor_rows(min(next_pow2(V), next_pow2(max(1, budget // next_pow2(K)))), V)
     rows = _fill_rows(rows, batch * heads, V)
     return ReplayConfig(block_v=rows, num_warps=_warps(rows, K), num_stages=1)
 
 
-def verify_config_for(config: ReplayConfig | None, checkpoint, buffer_len: int, window: int, dims) -> ReplayConfig:
-    """The verify launch's tiling for a window of `window` steps on a replay
-    state with this `checkpoint` [batch, heads, V, K] and buffer length:
-    `config`, checked against the shape, or :func:`default_verify_config`.
+def verify_config_for(config: ReplayConfig | None, checkpoint, buffer_len: int, window: int, dims,
+                      tree=None) -> ReplayConfig:
+    """The verify launch's tiling for a window of `window` steps (of a draft
+    `tree`'s nodes) on a replay state with this `checkpoint` [batch, heads,
+    V, K] and buffer length: `config`, checked against the shape, or
+    :func:`default_verify_config`.
 
     Raises:
       ValueError: V or K above MAX_HEAD_DIM; L above MAX_BUFFER_LEN; W
@@ -476,7 +484,7 @@ def verify_config_for(config: ReplayConfig | None, checkpoint, buffer_len: int, 
         raise ValueError(f"the verify window `W` must be in [1, L = {buffer_len}]; got {window}")
     _check_type(config, ReplayConfig, "the verify window")
     batch, heads, V, K = checkpoint.shape
-    config = config or default_verify_config(batch, heads, V, K, checkpoint.dtype, buffer_len, window)
+    config = config or default_verify_config(batch, heads, V, K, checkpoint.dtype, buffer_len, window, tree)
     if config.fused_flush:
         raise ValueError("`config.fused_flush` must be False for the verify window (its early flush is a launch "
                          "of its own); got True")

@@ -36,7 +36,10 @@ touch the same state element.
   reads each checkpoint tile once, applies the row's live records to it in
   registers (S_0, as the flush does), runs the W steps of the window on
   that tile and writes the W outputs and the W records at the cursor; the
-  checkpoint is not written.
+  checkpoint is not written. With a draft tree (tree speculation, a static
+  `tree`), the same kernel walks the tree's nodes in node order
+  (`launch.walk_tree`): a node whose parent is the node before it continues
+  from the state just computed, any other restarts from S_0 along its path.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, r
                                           verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
 from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step, run_replay_program,
-                                          run_verify_program, step_launch, verify_launch, verify_window, window_start)
+                                          run_verify_program, step_launch, tree_option, verify_launch, verify_window,
+                                          walk_tree, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
@@ -234,11 +238,13 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
 
 
 def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, o_ref, records_out: Records, *, V,
-                   K, L, W, group, scale, use_qk_l2norm, config):
+                   K, L, W, group, scale, use_qk_l2norm, config, tree=None):
     """The verify kernel on a program's row tiles of one value head and batch
     row: each checkpoint tile read once and brought to the window's start
     in registers (its live records applied), then the W steps on it, each
-    writing its output and its d record; the state is not written."""
+    writing its output and its d record; the state is not written. With a
+    draft tree (static, not a chain), the W nodes in node order on the
+    tree's paths (`walk_tree`)."""
     BW = inputs.g.shape[0]
     wmask = lane_mask(BW, W)
     kmask, _, keys = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale, wmask)  # the key records
@@ -247,17 +253,24 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     split = pl.program_id(2)
 
     def tile(rows, vmask):
-        def step(t, S):
+        def advance(t, S):  # S after step t, and the step's scaled q and d
             _, q, k = _load_head_vectors(inputs.q.at[t], inputs.k.at[t], K, use_qk_l2norm, scale)
             S = jnp.exp(inputs.g[t].astype(f32)) * S
             d = inputs.beta[t].astype(f32) * (load(inputs.v.at[t, rows], vmask) - matvec(S, k))
-            S = S + d[:, None] * k[None, :]
+            return S + d[:, None] * k[None, :], q, d
+
+        def step(t, S):
+            S, q, d = advance(t, S)
             store(o_ref.at[t, rows], matvec(S, q), vmask)
             store(records_out.d.at[start + t, rows], d, vmask)  # the d rows are this program's
             return S
 
         tmask = tile_mask(vmask, kmask, (config.block_v, inputs.q.shape[-1]))
-        jax.lax.fori_loop(0, W, step, _materialize(checkpoint_ref, records, start, rows, vmask, kmask, tmask, L))
+        S_0 = _materialize(checkpoint_ref, records, start, rows, vmask, kmask, tmask, L)
+        if tree is None:
+            jax.lax.fori_loop(0, W, step, S_0)
+        else:
+            walk_tree(tree, S_0, step, lambda t, S: advance(t, S)[0])
 
     # The shared records: the window's g, and its k normalized, not scaled.
     run_verify_program(tile, V=V, W=W, config=config, split=split, start=start, group=group,
@@ -315,19 +328,20 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, *, scale: floa
                          per_head=(), route=route, config=config, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret", "tree"))
 def _verify(checkpoint, records: Records, cursor, inputs: Inputs, *, scale: float, use_qk_l2norm: bool,
-            config: ReplayConfig, interpret: bool):
-    """A verify window's launches (early flush, verify kernel). Returns (o, checkpoint, records, cursor)."""
+            config: ReplayConfig, interpret: bool, tree=None):
+    """A verify window's launches (early flush, verify kernel); tree: a draft
+    tree (not a chain) or None. Returns (o, checkpoint, records, cursor)."""
     _, HV, V, K = checkpoint.shape
     H, L, W = inputs.q.shape[2], records.d.shape[2], inputs.v.shape[1]
     kernel = functools.partial(_verify_kernel, V=V, K=K, L=L, W=W, group=HV // H, scale=scale,
-                               use_qk_l2norm=use_qk_l2norm)
+                               use_qk_l2norm=use_qk_l2norm, **tree_option(tree))
     flush_row = functools.partial(_flush_row, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm, step=False)
     return verify_launch("gdn", kernel, flush_row, functools.partial(_block_specs, H, HV, K, L, window=next_pow2(W)),
                          checkpoint, records, cursor, _f32_decay(inputs), None,
                          jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype), window=W, per_head=(), config=config,
-                         interpret=interpret)
+                         interpret=interpret, tree=tree)
 
 
 def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, config: StepConfig | None = None,
@@ -406,7 +420,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
                        config=config, step=functools.partial(_step, **kw), replay=functools.partial(_replay, **kw))
 
 
-def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
+def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, tree=None,
                       config: ReplayConfig | None = None, interpret: bool = False):
     """Verify a window of W speculative Gated DeltaNet steps (Pallas kernels); checkpoint and buffers in place.
 
@@ -433,6 +447,12 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, 
       q, k: [batch, W, H, K]; v: [batch, W, HV, V]; g: f32[batch, W, HV],
         log decay <= 0; beta: [batch, W, HV]; scale, use_qk_l2norm: as
         :func:`gdn_step`.
+      tree: None or a :class:`~replayssm_jax.speculative.tree.DraftTree`
+        of W nodes (static). A tree that is not a chain runs the nodes in
+        node order: a node whose parent is the node before it continues
+        from the state just computed, any other restarts from S_0 and
+        replays the steps on its path (unrolled, no writes) first; a chain
+        runs the window's loop.
       config: a ReplayConfig (fused_flush False; its flush fields tile the
         early flush); None: :func:`default_verify_config`.
       interpret: run the kernels in Pallas interpret mode.
@@ -450,8 +470,8 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, 
       TypeError: a `config` that is not a ReplayConfig.
     """
     W = v.shape[1]
-    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS)
+    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS, tree)
     verify = functools.partial(_verify, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), config=config,
-                               interpret=interpret)
+                               interpret=interpret, **tree_option(tree))
     return verify_window(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), window=W,
                          verify=verify)

@@ -333,7 +333,7 @@ def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, in
 
 def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..., BlockSpecs], checkpoint, records,
                   cursor, inputs, flush_inputs, out_shape, *, window: int, per_head: tuple[str, ...],
-                  config: ReplayConfig, interpret: bool):
+                  config: ReplayConfig, interpret: bool, tree=None):
     """A verify window's launches: the early flush, then the verify kernel.
     Checkpoint and records are updated in place.
 
@@ -350,6 +350,9 @@ def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..
     it with an empty buffer, cursor 0) and writes the W outputs and the W
     records at slots cursor .. cursor + W - 1. block_specs(rows, nb): the
     layer's block specs with the window axis on the inputs and the output.
+
+    tree: the draft tree the kernel walks (not a chain), named in the
+    launch's name; None: the window.
 
     Returns (output, checkpoint, records, new cursor: 0 for the flushed
     rows, the cursor otherwise).
@@ -368,9 +371,34 @@ def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..
         input_output_aliases={n_in + i: 1 + i for i in range(n_records)},  # the records in place
         interpret=interpret,
         config=config,
-        name=f"{layer}_verify_W{window}_L{L}_{config.tag()}",
+        name=f"{layer}_verify_W{window}_L{L}_{config.tag()}" + ("" if tree is None else f"_{tree.tag()}"),
     )(checkpoint, records, cursor, inputs)
     return out, checkpoint, records, window_start(cursor, L, window)
+
+
+def tree_option(tree) -> dict:
+    """The verify's `tree` keyword for a draft tree that is not a chain; {} for None and for a chain (which
+    runs the window's code, so that the chain's launches are the window's)."""
+    return {} if tree is None or tree.is_chain else {"tree": tree}
+
+
+def walk_tree(tree, S_0, step, replay) -> None:
+    """A verify program's steps over the nodes of a draft tree (static, unrolled), in node order.
+
+    step(j, S) -> S: node j's step from its parent's state S (writes node
+    j's output and records); replay(j, S) -> S: the same step without
+    writes. A node whose parent is the node just computed continues from
+    its state (a chain's nodes cost what the window's steps cost); any
+    other node restarts from S_0, the window's start state, and replays the
+    nodes on its path first (its ancestors, root first).
+    """
+    S = S_0
+    for j, parent in enumerate(tree.parents):  # the node indices as i32 scalars, as a loop's index
+        if parent != j - 1:
+            S = S_0
+            for ancestor in tree.path(parent):
+                S = replay(jnp.int32(ancestor), S)
+        S = step(jnp.int32(j), S)
 
 
 def window_start(cursor, L: int, W: int):

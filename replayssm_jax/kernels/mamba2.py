@@ -34,7 +34,8 @@ P, all N columns).
   reads each checkpoint tile once, applies the row's live records to it in
   registers (as the flush does), runs the W steps of the window on that
   tile and writes the W outputs and the W records at the cursor; the
-  checkpoint is not written.
+  checkpoint is not written. A draft tree's nodes (tree speculation) are
+  walked as in :mod:`replayssm_jax.kernels.gdn` (`launch.walk_tree`).
 
 The z gate is optional (a None ref: no gate); D and dt_bias, when None,
 are passed as zeros.
@@ -54,7 +55,8 @@ from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, r
                                           verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
 from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step, run_replay_program,
-                                          run_verify_program, step_launch, verify_launch, verify_window, window_start)
+                                          run_verify_program, step_launch, tree_option, verify_launch, verify_window,
+                                          walk_tree, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
@@ -272,11 +274,13 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
 
 
 def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, records_out: Records, *, P,
-                   N, L, W, group, dt_softplus, dt_limit, config):
+                   N, L, W, group, dt_softplus, dt_limit, config, tree=None):
     """The verify kernel on a program's row tiles of one head and batch row:
     each checkpoint tile read once and brought to the window's start in
     registers (its live records applied), then the W steps on it, each
-    writing its output and its x record; the state is not written."""
+    writing its output and its x record; the state is not written. With a
+    draft tree (static, not a chain), the W nodes in node order on the
+    tree's paths (`walk_tree`)."""
     BW, BN = inputs.dt.shape[0], inputs.B.shape[-1]
     nmask, wmask = lane_mask(BN, N), lane_mask(BW, W)
     count = read_cursor(cursor_ref)
@@ -285,10 +289,13 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     A, D, dt_bias = load_scalar(inputs.A), load_scalar(inputs.D), load_scalar(inputs.dt_bias)
 
     def tile(rows, pmask):
-        def step(t, S):
+        def advance(t, S):  # S after step t, and the step's x
             dt = _process_dt(inputs.dt[t].astype(f32), dt_bias, dt_softplus, dt_limit)
             x = load(inputs.x.at[t, rows], pmask)
-            S = jnp.exp(dt * A) * S + (dt * x)[:, None] * load(inputs.B.at[t], nmask)[None, :]
+            return jnp.exp(dt * A) * S + (dt * x)[:, None] * load(inputs.B.at[t], nmask)[None, :], x
+
+        def step(t, S):
+            S, x = advance(t, S)
             gate = None
             if inputs.z is not None:
                 z = load(inputs.z.at[t, rows], pmask)
@@ -298,7 +305,11 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
             return S
 
         tmask = tile_mask(pmask, nmask, (config.block_v, BN))
-        jax.lax.fori_loop(0, W, step, _materialize(checkpoint_ref, records, start, rows, pmask, nmask, tmask, L, A))
+        S_0 = _materialize(checkpoint_ref, records, start, rows, pmask, nmask, tmask, L, A)
+        if tree is None:
+            jax.lax.fori_loop(0, W, step, S_0)
+        else:
+            walk_tree(tree, S_0, step, lambda t, S: advance(t, S)[0])
 
     # The shared records: the window's processed dt, and its B.
     dts = _process_dt(load(inputs.dt, wmask), dt_bias, dt_softplus, dt_limit)
@@ -365,21 +376,22 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, *, dt_softplus
                          config=config, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret", "tree"))
 def _verify(checkpoint, records: Records, cursor, inputs: Inputs, *, dt_softplus: bool,
-            dt_limit: tuple[float, float], config: ReplayConfig, interpret: bool):
-    """A verify window's launches (early flush, verify kernel). Returns (y, checkpoint, records, cursor)."""
+            dt_limit: tuple[float, float], config: ReplayConfig, interpret: bool, tree=None):
+    """A verify window's launches (early flush, verify kernel); tree: a draft
+    tree (not a chain) or None. Returns (y, checkpoint, records, cursor)."""
     _, H, P, N = checkpoint.shape
     G, L, W = inputs.B.shape[2], records.x.shape[2], inputs.x.shape[1]
     kernel = functools.partial(_verify_kernel, P=P, N=N, L=L, W=W, group=H // G, dt_softplus=dt_softplus,
-                               dt_limit=dt_limit)
+                               dt_limit=dt_limit, **tree_option(tree))
     flush_row = functools.partial(_flush_row, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit, step=False)
     specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None, window=next_pow2(W))
     inputs = _with_defaults(inputs)
     only_A = Inputs(*(None,) * len(Inputs._fields))._replace(A=inputs.A)
     return verify_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, inputs, only_A,
                          jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), window=W, per_head=PER_HEAD,
-                         config=config, interpret=interpret)
+                         config=config, interpret=interpret, tree=tree)
 
 
 def _step_options(dt_softplus, dt_limit, interpret) -> dict:
@@ -450,7 +462,8 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
 
 
 def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool,
-                         dt_limit: tuple[float, float], config: ReplayConfig | None = None, interpret: bool = False):
+                         dt_limit: tuple[float, float], tree=None, config: ReplayConfig | None = None,
+                         interpret: bool = False):
     """Verify a window of W speculative Mamba-2 steps (Pallas kernels); checkpoint and buffers in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.mamba2_replay_verify`
@@ -478,6 +491,8 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
       x: [batch, W, H, P]; dt: [batch, W, H], raw; B, C: [batch, W, G, N];
         z: [batch, W, H, P] or None; A, D, dt_bias, dt_softplus, dt_limit:
         as :func:`mamba2_step`.
+      tree: None or a DraftTree of W nodes (static), run as in
+        :func:`replayssm_jax.kernels.gdn_replay_verify`.
       config: a ReplayConfig (fused_flush False; its flush fields tile the
         early flush); None: :func:`default_verify_config`.
       interpret: run the kernels in Pallas interpret mode.
@@ -492,7 +507,8 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
         with head_dim P and d_state N for V and K.
     """
     W = x.shape[1]
-    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS)
-    verify = functools.partial(_verify, config=config, **_step_options(dt_softplus, dt_limit, interpret))
+    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS, tree)
+    verify = functools.partial(_verify, config=config, **_step_options(dt_softplus, dt_limit, interpret),
+                               **tree_option(tree))
     return verify_window(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),
                          window=W, verify=verify)

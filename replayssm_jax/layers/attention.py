@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax.layers.cache import KVCache, check_num_accepted, commit_layer_state
+from replayssm_jax.ops.validate import check_path, check_tree
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import RMSNorm
 from replayssm_jax.state import in_order
@@ -183,12 +184,16 @@ class Attention(nnx.Module):
         cache = KVCache(k=jnp.pad(k, pad), v=jnp.pad(v, pad), length=jnp.full((batch,), seqlen, jnp.int32))
         return y, cache
 
-    def extend(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def extend(self, x: jax.Array, cache: KVCache, tree=None) -> tuple[jax.Array, KVCache]:
         """Append T tokens per row after its cached ones and attend causally.
 
         Args:
           x: [batch, T, hidden]; token t of row b gets position cache.length[b] + t.
           cache: KVCache.
+          tree: None, or a :class:`~replayssm_jax.speculative.tree.DraftTree`
+            of T nodes: token t gets position length + depth(t) and attends
+            to the cache and to the window's tokens on its path root .. t
+            (the ancestor mask); its K/V still go to length + t.
 
         Returns:
           (y [batch, T, hidden], cache with the new keys/values written and length += T).
@@ -204,7 +209,8 @@ class Attention(nnx.Module):
                              f"max_len = {cache.max_len} positions and {seqlen} more were given (prefill with a "
                              f"larger max_len: inside jit this is not checked, and a write past max_len "
                              f"lands on the last positions, giving wrong results)")
-        positions = cache.length[:, None] + jnp.arange(seqlen, dtype=jnp.int32)[None, :]
+        offsets = jnp.arange(seqlen, dtype=jnp.int32) if tree is None else jnp.asarray(tree.depth, jnp.int32)
+        positions = cache.length[:, None] + offsets[None, :]
         q, k, v, gate = self._project(x, positions)
 
         def write(buf, new, start):
@@ -213,7 +219,13 @@ class Attention(nnx.Module):
         k_all = jax.vmap(write)(cache.k, k, cache.length)
         v_all = jax.vmap(write)(cache.v, v, cache.length)
         key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
-        mask = key_pos[None, None, :] <= positions[:, :, None]
+        if tree is None:
+            mask = key_pos[None, None, :] <= positions[:, :, None]
+        else:  # the cache, and the window's entries (node order) on each token's path
+            node = key_pos[None, :] - cache.length[:, None]  # [batch, max_len]: the window node of each entry
+            on_path = jnp.take(jnp.asarray(tree.ancestors), jnp.clip(node, 0, seqlen - 1), axis=1)  # [T, b, max]
+            in_window = (node >= 0) & (node < seqlen)
+            mask = (node < 0)[:, None, :] | (in_window[:, None, :] & jnp.moveaxis(on_path, 0, 1))
         y = self._output(self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask), gate)
         length, y = in_order(cache.length, y)  # read before it moves: XLA updates it in place
         return y, KVCache(k=k_all, v=v_all, length=length + seqlen)
@@ -223,16 +235,19 @@ class Attention(nnx.Module):
         y, cache = self.extend(x[:, None, :], cache)
         return y[:, 0], cache
 
-    def verify(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def verify(self, x: jax.Array, cache: KVCache, tree=None) -> tuple[jax.Array, KVCache]:
         """W speculative positions: K/V written at length..length+W-1, length not moved.
 
         Position t of row b has position cache.length[b] + t and attends to the
-        row's cache and to window positions 0..t (causal mask).
+        row's cache and to window positions 0..t (causal mask); with a draft
+        `tree` of W nodes, position length + depth(t) and the window's nodes
+        on t's path (the ancestor mask, `extend`).
 
         Args:
           x: [batch, W, hidden].
           cache: KVCache without a pending window, with room: length + W <= max_len
             (checked where the lengths are concrete).
+          tree: None or a DraftTree of W nodes.
 
         Returns:
           (y [batch, W, hidden], the cache with K/V written and ``window = W``;
@@ -241,19 +256,24 @@ class Attention(nnx.Module):
         Raises:
           ValueError: a pending window, a cache of another shape, or no room.
         """
-        y, written = self.extend(x, cache)
+        tree = check_tree(tree, x.shape[1], "x.shape[1]")
+        y, written = self.extend(x, cache, tree)
         return y, written.replace(length=cache.length, window=x.shape[1])
 
-    def commit(self, cache: KVCache, num_accepted) -> KVCache:
+    def commit(self, cache: KVCache, num_accepted, path=None) -> KVCache:
         """Keep the first `num_accepted` (int[batch], 0..W) positions of the pending window:
-        ``length += num_accepted`` (the rejected K/V are overwritten by later writes).
+        ``length += num_accepted`` (the rejected K/V are overwritten by later writes). With `path`
+        (int[batch, P] after a tree verify: the accepted nodes, root first), the K/V of nodes
+        path[:, :m] are first compacted to positions length .. length + m - 1.
 
         Raises:
-          TypeError: non-integer counts.
-          ValueError: no pending window, counts not [batch] or (concrete) outside 0..W.
+          TypeError: non-integer counts or path.
+          ValueError: no pending window, counts not [batch] or (concrete) outside 0..W; a path not
+            [batch, P] with P <= W, or (concrete) out of range.
         """
         if not isinstance(cache, KVCache) or cache.window == 0:
             raise ValueError("Attention.commit: `cache` must be a KVCache with a pending verify window; got "
                              + ("window = 0" if isinstance(cache, KVCache) else type(cache).__name__))
-        return commit_layer_state(cache, check_num_accepted(num_accepted, cache.k.shape[0], cache.window))
+        m = check_num_accepted(num_accepted, cache.k.shape[0], cache.window)
+        return commit_layer_state(cache, m, check_path(path, m, cache.window))
 

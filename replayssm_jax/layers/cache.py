@@ -38,10 +38,11 @@ from flax import struct
 
 from replayssm_jax import state as _state
 from replayssm_jax.ops import validate
+from replayssm_jax.ops.validate import check_path
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
 __all__ = ["ConvWindow", "SSMLayerState", "ReplayLayerState", "KVCache", "LayerState", "commit_layer_state",
-           "pending_window", "check_num_accepted"]
+           "pending_window", "check_num_accepted", "check_path"]
 
 
 @struct.dataclass
@@ -111,6 +112,25 @@ class ConvWindow:
         columns = self.columns
         for t in range(x.shape[1]):
             columns = jnp.where(ring == slots[:, t, None, None], x[:, t, None, :].astype(columns.dtype), columns)
+        return self.replace(columns=columns)
+
+    def keep_path(self, path: jax.Array, count: jax.Array) -> "ConvWindow":
+        """After a verify of a draft tree's T nodes (node j's input at position W - 1 + j after start):
+        positions W - 1 + i hold the inputs of nodes path[:, i] for i < count (i32[batch]), the path
+        root first, so that ``advance(count)`` keeps the accepted path; start unchanged.
+
+        path: i32[batch, P], increasing along each row (a parent precedes its child), so every input is
+        read before a write could reach it.
+        """
+        offset = self.width - 1
+        sources = (self.start[:, None] + offset + path) % self.slots  # [batch, P]
+        taken = jnp.take_along_axis(self.columns, sources[:, :, None], axis=1)  # [batch, P, conv_dim]
+        targets = self.ring_slots(offset, path.shape[1])
+        ring = jnp.arange(self.slots, dtype=jnp.int32)[None, :, None]
+        columns = self.columns
+        for i in range(path.shape[1]):
+            here = (ring == targets[:, i, None, None]) & (i < count)[:, None, None]
+            columns = jnp.where(here, taken[:, i, None, :], columns)
         return self.replace(columns=columns)
 
     def advance(self, count: jax.Array | int) -> "ConvWindow":
@@ -200,7 +220,7 @@ def pending_window(state: LayerState) -> int:
     return 0 if state is None else state.window
 
 
-def commit_layer_state(state: LayerState, num_accepted: jax.Array) -> LayerState:
+def commit_layer_state(state: LayerState, num_accepted: jax.Array, path: jax.Array | None = None) -> LayerState:
     """Keep the first `num_accepted` (i32[batch], clipped to 0..W) positions of a verified window.
 
     The counts are validated by the callers (`replayssm_jax.layers` ``commit``
@@ -208,16 +228,33 @@ def commit_layer_state(state: LayerState, num_accepted: jax.Array) -> LayerState
     `SSMLayerState`: the state after m positions (m = 0: the state before);
     `ReplayLayerState`: ``cursor += m``; `KVCache`: ``length += m``; the
     conv window's start moves by m. None (MLP, MoE) passes through.
+
+    With `path` (i32[batch, P], a verified draft tree's accepted nodes per
+    row, root first; m <= P), the positions kept are those of nodes
+    path[:, :m], first compacted to contiguous positions: the replay
+    records (:func:`replayssm_jax.state.replay_commit`), the K/V entries
+    (length + i <- length + path[i]) and the conv inputs
+    (`ConvWindow.keep_path`); `SSMLayerState` keeps the state of node
+    path[:, m - 1]. path None: the first m positions (a chain).
     """
     if state is None:
         return None
     m = jnp.clip(num_accepted, 0, state.window).astype(jnp.int32)
+    if path is not None:
+        m = jnp.minimum(m, path.shape[1])
     if isinstance(state, KVCache):
+        if path is not None:
+            state = state.replace(**{name: _state.gather_path(getattr(state, name), state.length, path, m, axis=1)
+                                     for name in ("k", "v")})
         return state.replace(length=state.length + m, window=0)
-    conv_state = state.conv_state.advance(m)
+    conv_state = state.conv_state if path is None else state.conv_state.keep_path(path, m)
+    conv_state = conv_state.advance(m)
     if isinstance(state, ReplayLayerState):
-        return ReplayLayerState(conv_state=conv_state, replay=_state.replay_commit(state.replay, m))
-    after = jnp.take_along_axis(state.pending, jnp.maximum(m - 1, 0).reshape((-1,) + (1,) * (state.pending.ndim - 1)),
+        return ReplayLayerState(conv_state=conv_state, replay=_state.replay_commit(state.replay, m, path))
+    last = jnp.maximum(m - 1, 0)  # the last kept position (or node)
+    if path is not None:
+        last = jnp.take_along_axis(path, last[:, None], axis=1)[:, 0]
+    after = jnp.take_along_axis(state.pending, last.reshape((-1,) + (1,) * (state.pending.ndim - 1)),
                                 axis=1)[:, 0]
     keep = (m == 0).reshape((-1,) + (1,) * (after.ndim - 1))
     return SSMLayerState(conv_state=conv_state, ssm_state=jnp.where(keep, state.ssm_state, after))

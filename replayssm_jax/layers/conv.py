@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from replayssm_jax.layers.cache import ConvWindow
@@ -103,10 +104,17 @@ class CausalConv1d(nnx.Module):
             raise ValueError(f"CausalConv1d.{what}: `x` has {seqlen} positions; the conv window holds at most "
                              f"max_window = {window.max_window} (prefill with a larger max_window)")
 
-    def _convolve(self, xp, seqlen, dtype):
-        """y [batch, T, C] of `dtype` from xp [batch, W - 1 + T, C] (the inputs before and of the T outputs)."""
+    def _convolve(self, xp, seqlen, dtype, taps=None):
+        """y [batch, T, C] of `dtype` from xp [batch, W - 1 + T, C] (the inputs before and of the T outputs).
+
+        taps: None (output t reads xp[t .. t + W - 1]), or a static int array [T, W]: output t reads
+        xp[taps[t]] (a draft tree's paths, `tree_taps`)."""
         w = self.weight[...][:, 0, :].astype(jnp.float32)  # [C, W]
-        acc = sum(xp[:, j:j + seqlen, :].astype(jnp.float32) * w[:, j] for j in range(self.kernel_size))
+
+        def tap(j):
+            return xp[:, j:j + seqlen, :] if taps is None else xp[:, taps[:, j], :]
+
+        acc = sum(tap(j).astype(jnp.float32) * w[:, j] for j in range(self.kernel_size))
         if self.bias is not None:
             acc = acc + self.bias[...].astype(jnp.float32)
         return self._act(acc).astype(dtype)
@@ -133,17 +141,21 @@ class CausalConv1d(nnx.Module):
         new_state = jnp.swapaxes(xp[:, xp.shape[1] - (width - 1):, :], 1, 2)
         return self._convolve(xp, seqlen, x.dtype), new_state
 
-    def verify(self, x: jax.Array, conv_state: ConvWindow) -> tuple[jax.Array, ConvWindow]:
+    def verify(self, x: jax.Array, conv_state: ConvWindow, tree=None) -> tuple[jax.Array, ConvWindow]:
         """A verify window: T new inputs after the live ones, written into the ring, start unchanged.
 
         Args:
           x: [batch, T, C], 1 <= T <= conv_state.max_window.
           conv_state: `ConvWindow` of this conv's width and channels.
+          tree: None, or a :class:`~replayssm_jax.speculative.tree.DraftTree`
+            of T nodes: output t convolves the inputs on t's path root .. t
+            (after the live ones), not the T positions before it.
 
         Returns:
           (y [batch, T, C] of x.dtype: output t assumes inputs 0..t-1 of the
-          window are accepted; the ConvWindow with the T inputs written, for
-          ``advance(m)`` to keep the first m).
+          window (of a tree: t's ancestors) are accepted; the ConvWindow with
+          the T inputs written in node order, for ``advance(m)`` to keep the
+          first m, after ``keep_path`` for a tree).
 
         Raises:
           TypeError: `conv_state` not a ConvWindow.
@@ -154,7 +166,8 @@ class CausalConv1d(nnx.Module):
             raise ValueError(f"CausalConv1d.verify: `x` must have shape [batch, T, {self.channels}]; got {x.shape}")
         self._check_window(conv_state, batch, seqlen, "verify")
         xp = jnp.concatenate([conv_state.live().astype(x.dtype), x], axis=1)  # [b, W-1+T, C]
-        y = self._convolve(xp, seqlen, x.dtype)
+        y = self._convolve(xp, seqlen, x.dtype, None if tree is None or tree.is_chain else tree_taps(tree,
+                                                                                                   self.kernel_size))
         conv_state, y = in_order(conv_state, y)  # the live inputs are read before the ring is written
         return y, conv_state.write(x)
 
@@ -177,3 +190,14 @@ class CausalConv1d(nnx.Module):
         y, window = self.verify(x[:, None, :], conv_state)
         window, y = in_order(window, y)  # the write has read start before start moves
         return y[:, 0], window.advance(1)
+
+
+def tree_taps(tree, width: int) -> np.ndarray:
+    """i32[N, width]: per node t of a draft tree, the positions in [live inputs (width - 1); the N nodes'
+    inputs] that its conv output reads, oldest first: the last `width` of the live inputs followed by
+    the inputs of the nodes on t's path root .. t (static)."""
+    taps = np.zeros((tree.size, width), np.int32)
+    for t in range(tree.size):
+        sequence = list(range(width - 1)) + [width - 1 + j for j in tree.path(t)]
+        taps[t] = sequence[-width:]
+    return taps

@@ -21,6 +21,7 @@ splits), `_op_params`, `_replay_init_params` and `_finish`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -29,11 +30,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import ops
+from replayssm_jax.ops import validate
 from replayssm_jax.layers.cache import (
     ConvWindow,
     ReplayLayerState,
     SSMLayerState,
     check_num_accepted,
+    check_path,
     commit_layer_state,
 )
 
@@ -151,8 +154,8 @@ class SSMMixer(nnx.Module):
             new = ReplayLayerState(conv_state=conv_state, replay=replay)
         return self._finish(y, z), new
 
-    def verify(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *,
-               backend: str | None = None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
+    def verify(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, backend: str | None = None,
+               tree=None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
         """W speculative positions at once; the state comes back with the window pending.
 
         Args:
@@ -161,18 +164,24 @@ class SSMMixer(nnx.Module):
           state: `SSMLayerState` or `ReplayLayerState` without a pending window.
           backend: passed to replayssm_jax.ops (the replay verify op runs on
             ``ops.backend_for``, its reference where it has no kernel).
+          tree: None (a chain), or a
+            :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes:
+            position t follows its parent node (conv and SSM read t's path
+            only; the standard state steps from its parent's state).
 
         Returns:
           (out [batch, W, hidden], where position t assumes positions 0..t-1
-          are accepted; the state with the window pending: the conv inputs
-          written; `ReplayLayerState`: the W records after the cursor
-          (``replay.window = W``); `SSMLayerState`: ``pending`` = the W states
-          after each position, ``ssm_state`` unchanged). `commit` resolves it.
+          (of a tree: t's ancestors) are accepted; the state with the window
+          pending: the conv inputs written; `ReplayLayerState`: the W records
+          after the cursor (``replay.window = W``); `SSMLayerState`:
+          ``pending`` = the W states after each position (node), ``ssm_state``
+          unchanged). `commit` resolves it.
 
         Raises:
           TypeError: `state` of another type.
           ValueError: a pending window, u not [batch, W, hidden], W above the
-            conv window's max_window or the replay buffer length L.
+            conv window's max_window or the replay buffer length L; a `tree`
+            that is not a DraftTree of W nodes.
         """
         _check_state_type(self, state, "verify", (SSMLayerState, ReplayLayerState))
         if u.ndim != 3 or u.shape[0] != state.conv_state.batch or u.shape[1] < 1:
@@ -187,28 +196,34 @@ class SSMMixer(nnx.Module):
                              f"{limit} (the conv window's max_window = {state.conv_state.max_window}"
                              + (f", the buffer length L = {state.replay.buffer_len}"
                                 if isinstance(state, ReplayLayerState) else "") + ")")
-        inputs, z, conv_state = self._ssm_inputs(u, state.conv_state, self.conv1d.verify)
+        tree = validate.check_tree(tree, window, "u.shape[1]")
+        inputs, z, conv_state = self._ssm_inputs(u, state.conv_state, functools.partial(self.conv1d.verify,
+                                                                                         tree=tree))
         params = self._op_params()
         if isinstance(state, ReplayLayerState):
-            y, replay = self.replay_verify_op(state.replay, **inputs, **params,
+            y, replay = self.replay_verify_op(state.replay, **inputs, **params, tree=tree,
                                               backend=ops.backend_for(self.replay_verify_op.__name__, backend))
             return self._finish(y, z), ReplayLayerState(conv_state=conv_state, replay=replay)
-        ssm_state, ys, states = state.ssm_state, [], []
-        for t in range(window):
-            y, ssm_state = self.step_op(ssm_state, **{k: v[:, t] for k, v in inputs.items()}, backend=backend,
-                                        **params)
+        parents = range(-1, window - 1) if tree is None else tree.parents
+        ys, states = [], []
+        for t, parent in enumerate(parents):  # each position steps from its parent's state
+            y, ssm_state = self.step_op(state.ssm_state if parent < 0 else states[parent],
+                                        **{k: v[:, t] for k, v in inputs.items()}, backend=backend, **params)
             ys.append(y)
             states.append(ssm_state)
         return self._finish(jnp.stack(ys, axis=1), z), SSMLayerState(
             conv_state=conv_state, ssm_state=state.ssm_state, pending=jnp.stack(states, axis=1))
 
-    def commit(self, state: SSMLayerState | ReplayLayerState, num_accepted) -> SSMLayerState | ReplayLayerState:
-        """Keep the first `num_accepted` positions of the pending verify window.
+    def commit(self, state: SSMLayerState | ReplayLayerState, num_accepted,
+               path=None) -> SSMLayerState | ReplayLayerState:
+        """Keep the first `num_accepted` positions of the pending verify window (of a tree: of `path`).
 
         Args:
           state: from `verify` (a pending window W).
           num_accepted: int[batch], per row in 0..W (checked where concrete;
             clipped to 0..W inside jit).
+          path: None, or int[batch, P] after a tree verify: per row the
+            accepted nodes, root first (`commit_layer_state`).
 
         Returns:
           The state after those positions, no window pending:
@@ -221,7 +236,8 @@ class SSMMixer(nnx.Module):
           ValueError: no pending window, counts not [batch] or outside 0..W.
         """
         _check_state_type(self, state, "commit", (SSMLayerState, ReplayLayerState), pending=True)
-        return commit_layer_state(state, check_num_accepted(num_accepted, state.conv_state.batch, state.window))
+        m = check_num_accepted(num_accepted, state.conv_state.batch, state.window)
+        return commit_layer_state(state, m, check_path(path, m, state.window))
 
 
 def _check_state_type(layer, state, what: str, types: tuple, *, pending: bool = False) -> None:

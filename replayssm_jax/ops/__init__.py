@@ -201,18 +201,25 @@ def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=
                                   checkpoint_dtype=dtype, rounding=rounding)
 
 
-def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted):
-    """Accept the first `num_accepted` steps of the pending verify window.
+def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted, path=None):
+    """Accept the first `num_accepted` steps of the pending verify window, or a path of a verified tree.
 
     Commit is a cursor move (DESIGN.md section 3): `cursor += num_accepted`;
     the rejected records stay in their slots as dead entries and are
     overwritten later. The checkpoint is not touched. A row whose cursor
-    reaches L is flushed by its next step or verify.
+    reaches L is flushed by its next step or verify. With a `path` (tree
+    speculation), the records of the row's accepted nodes path[:m] are first
+    gathered within the row's buffers to slots cursor .. cursor + m - 1 (XLA;
+    in place where the state is donated), then the cursor moves by m.
 
     Args:
       state: a Mamba2ReplayState or GDNReplayState returned by a verify
         (`state.window = W > 0`).
-      num_accepted: int[batch], per-sequence counts in 0..W.
+      num_accepted: int[batch], per-sequence counts in 0..W (with a path:
+        0..P).
+      path: None (the first m steps), or int[batch, P]: per row the node
+        indices of its accepted path, root first (path[b, i] is the node at
+        depth i; entries past num_accepted[b] are not read).
 
     Returns:
       The state with the cursor moved and `window = 0`.
@@ -220,10 +227,12 @@ def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted):
     Raises:
       TypeError: not a replay state, or non-integer counts.
       ValueError: no pending window, counts of the wrong shape, or (when
-        the counts are concrete) a count outside 0..W. Inside jit, counts
-        are clipped to 0..W.
+        the counts are concrete) a count outside 0..W; a path not
+        [batch, P] with P <= W, or (concrete) a node index outside 0..W - 1
+        or a count above P. Inside jit, counts are clipped to 0..W.
     """
-    return _state.replay_commit(state, val.check_replay_commit(state, num_accepted))
+    num_accepted = val.check_replay_commit(state, num_accepted)
+    return _state.replay_commit(state, num_accepted, val.check_path(path, num_accepted, state.window))
 
 
 # --------------------------------------------------------------------------
@@ -353,7 +362,8 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
 
 
 def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
-                         dt_limit=(0.0, INF), *, backend: str | None = None, config: KernelConfig | None = None):
+                         dt_limit=(0.0, INF), *, tree=None, backend: str | None = None,
+                         config: KernelConfig | None = None):
     """Verify a window of W speculative steps of a Mamba-2 layer (DESIGN.md section 3).
 
     Writes the W records after each row's cursor (flushing first the rows
@@ -366,26 +376,32 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
       x: [batch, W, nheads, head_dim], 1 <= W <= L; dt: [batch, W, nheads]
         (raw); B, C: [batch, W, n_groups, d_state]; z: optional like x;
         A, D, dt_bias, dt_softplus, dt_limit: as :func:`mamba2_step`.
+      tree: None (a chain window) or a
+        :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes (tree
+        speculation: node t reads its ancestors' steps only; a chain tree
+        runs the chain's code).
       backend, config: see the module docstring (a kernel op; config a
         :class:`~replayssm_jax.kernels.ReplayConfig`).
 
     Returns:
       (y [batch, W, nheads, head_dim] in x.dtype, new state with window = W):
       y[:, t] is the output of step t assuming steps 0..t-1 of the window
-      are accepted.
+      (of a tree: t's ancestors) are accepted.
 
     Raises:
       TypeError, ValueError, RuntimeError: as :func:`mamba2_replay_step`, and
-        W outside [1, L]; on the kernel backends the kernels' limits
+        W outside [1, L], a `tree` that is not a DraftTree of W nodes; on the
+        kernel backends the kernels' limits
         (:func:`replayssm_jax.kernels.mamba2_replay_verify`).
     """
     dt_softplus, dt_limit = val.check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                                           dt_limit)
+                                                           dt_limit, tree)
     chosen = choose_backend("mamba2_replay_verify", backend, config)
     if chosen == "xla":
-        return reference.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+        return reference.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree)
     return kernels.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
-                                        dt_limit=dt_limit, config=config, interpret=chosen == "interpret")
+                                        dt_limit=dt_limit, tree=tree, config=config,
+                                        interpret=chosen == "interpret")
 
 
 def mamba2_replay_materialize(state: Mamba2ReplayState, A, *, backend: str | None = None,
@@ -559,7 +575,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
                                    config=config, interpret=chosen == "interpret")
 
 
-def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *,
+def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, tree=None,
                       backend: str | None = None, config: KernelConfig | None = None):
     """Verify a window of W speculative steps of a Gated DeltaNet layer (DESIGN.md section 3).
 
@@ -574,23 +590,27 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
       state: GDNReplayState with no pending window.
       q, k: [batch, W, H, K]; v: [batch, W, HV, V], 1 <= W <= L;
       g, beta: [batch, W, HV]; scale, use_qk_l2norm: as :func:`gdn_step`.
+      tree: as :func:`mamba2_replay_verify` (node t's update vector from the
+        delta rule along its path root .. t).
       backend, config: see the module docstring (a kernel op; config a
         :class:`~replayssm_jax.kernels.ReplayConfig`).
 
     Returns:
       (o [batch, W, HV, V] in v.dtype, new state with window = W): o[:, t]
-      is the output of step t assuming steps 0..t-1 of the window are accepted.
+      is the output of step t assuming steps 0..t-1 of the window (of a
+      tree: t's ancestors) are accepted.
 
     Raises:
       TypeError, ValueError, RuntimeError: as :func:`gdn_replay_step`, and
-        W outside [1, L]; on the kernel backends the kernels' limits
+        W outside [1, L], a `tree` that is not a DraftTree of W nodes; on the
+        kernel backends the kernels' limits
         (:func:`replayssm_jax.kernels.gdn_replay_verify`).
     """
-    scale, use_qk_l2norm = val.check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm)
+    scale, use_qk_l2norm = val.check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree)
     chosen = choose_backend("gdn_replay_verify", backend, config)
     if chosen == "xla":
-        return reference.gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm)
-    return kernels.gdn_replay_verify(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        return reference.gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree)
+    return kernels.gdn_replay_verify(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, tree=tree,
                                      config=config, interpret=chosen == "interpret")
 
 

@@ -372,6 +372,53 @@ def check_window(W: int, L: int, name: str) -> None:
         raise ValueError(f"the window length W = {name} must be in [1, L = {L}]; got {W}")
 
 
+# What the ops read of a draft tree (replayssm_jax.speculative.tree.DraftTree).
+TREE_INTERFACE = ("parents", "size", "depth", "ancestors", "path", "is_chain", "tag")
+
+
+def check_tree(tree, W: int, name: str):
+    """A verify's `tree`: None, or a DraftTree of W nodes (`name`: where W
+    was read); returns it. A tree needs no more slots than a window of its
+    N nodes (N <= L, checked by :func:`check_window`).
+
+    Raises:
+      TypeError: not a DraftTree.
+      ValueError: a tree of another size than W.
+    """
+    if tree is None:
+        return None
+    # The interface of replayssm_jax.speculative.tree.DraftTree (not imported here: the speculative package
+    # imports the ops).
+    if not all(hasattr(tree, name) for name in TREE_INTERFACE):
+        raise TypeError(f"`tree` must be None or a DraftTree; got {type(tree).__name__}")
+    if tree.size != W:
+        raise ValueError(f"`tree` must have one node per verified position, N = {name} = {W}; got a tree of "
+                         f"{tree.size} nodes")
+    return tree
+
+
+def check_path(path, num_accepted: jax.Array, window: int) -> jax.Array | None:
+    """A commit's `path`: None, or int[batch, P] of node indices of a verified draft tree (1 <= P <=
+    window), as i32; values checked where concrete (node indices in 0..window - 1, num_accepted <= P).
+
+    Raises:
+      TypeError: a non-integer dtype.
+      ValueError: another shape, or a concrete value out of range.
+    """
+    if path is None:
+        return None
+    batch = num_accepted.shape[0]
+    path = as_array("path", np.asarray(path) if isinstance(path, (list, tuple)) else path)
+    if path.ndim != 2 or path.shape[0] != batch or not 1 <= path.shape[1] <= window:
+        raise ValueError(f"`path` must have shape [batch, P] with batch = {batch}, 1 <= P <= W = {window}; got "
+                         f"{path.shape}")
+    path = check_int_range("path", path, "batch, P", path.shape, 0, window - 1)
+    if not isinstance(num_accepted, jax.core.Tracer) and int(jnp.max(num_accepted)) > path.shape[1]:
+        raise ValueError(f"`num_accepted` must be <= the path length P = {path.shape[1]}; got "
+                         f"{int(jnp.max(num_accepted))}")
+    return path.astype(jnp.int32)
+
+
 def _check_replay_init(checkpoint, buffer_len, shared, buffer_dtype, dims, shared_name, heads, shared_heads):
     checkpoint = check_state_array("checkpoint", checkpoint, dims)
     L = check_positive_int("buffer_len", buffer_len)
@@ -505,8 +552,8 @@ def check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, 
                                groups=state.B.shape[1], state_name="state.checkpoint")
 
 
-def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
-    """Checks of :func:`replayssm_jax.ops.mamba2_replay_verify`: also 1 <= W <= L.
+def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None):
+    """Checks of :func:`replayssm_jax.ops.mamba2_replay_verify`: also 1 <= W <= L, a `tree` of W nodes.
 
     Returns:
       (dt_softplus, dt_limit) as :func:`check_mamba2_inputs`.
@@ -516,6 +563,7 @@ def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus
     check_rank("x", x, "batch, W, nheads, head_dim")
     W = x.shape[1]
     check_window(W, state.buffer_len, "x.shape[1]")
+    check_tree(tree, W, "x.shape[1]")
     return check_mamba2_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=W,
                                seq_name="W", groups=state.B.shape[1], state_name="state.checkpoint")
 
@@ -609,8 +657,8 @@ def check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm) -> tupl
                             state_name="state.checkpoint")
 
 
-def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm) -> tuple[float, bool]:
-    """Checks of :func:`replayssm_jax.ops.gdn_replay_verify`: also 1 <= W <= L.
+def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree=None) -> tuple[float, bool]:
+    """Checks of :func:`replayssm_jax.ops.gdn_replay_verify`: also 1 <= W <= L, a `tree` of W nodes.
 
     Returns:
       (scale, use_qk_l2norm) as :func:`check_gdn_inputs`.
@@ -620,5 +668,6 @@ def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm) -> tu
     check_rank("v", v, "batch, W, HV, V")
     W = v.shape[1]
     check_window(W, state.buffer_len, "v.shape[1]")
+    check_tree(tree, W, "v.shape[1]")
     return check_gdn_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W",
                             heads=state.k.shape[1], state_name="state.checkpoint")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from replayssm_jax.state import as_f32_checkpoint, in_order, slot_mask, window_writes, write_checkpoint
 
@@ -107,7 +108,7 @@ def state_readout(checkpoint, u, k, lg, count, q) -> jax.Array:
 READOUTS = {"output": replay_readout, "state": state_readout}
 
 
-def causal_decay(lg: jax.Array, strict: bool = False) -> tuple[jax.Array, jax.Array]:
+def causal_decay(lg: jax.Array, strict: bool = False, ancestors=None) -> tuple[jax.Array, jax.Array]:
     """Within-chunk decays from log decays lg f32[batch, T, heads].
 
     Returns:
@@ -118,7 +119,15 @@ def causal_decay(lg: jax.Array, strict: bool = False) -> tuple[jax.Array, jax.Ar
       mamba_ssm's `ssd_minimal.segsum`), not cum_t - cum_s: the difference
       is inf - inf = NaN once a step has lg = -inf, where the segment sum is
       -inf, an exact zero decay.
+
+    With `ancestors` (static bool[T, T], ancestors[t, s]: step s is on the
+    path root .. t of a draft tree, t included; None: the chain), the sums
+    run along each step's path instead: cum_t is the sum over the path
+    root .. t, decay[t, s] = exp(sum of lg over the path after s up to t)
+    for s on t's path (s != t if strict), exactly 0 elsewhere.
     """
+    if ancestors is not None:
+        return _tree_decay(lg, np.asarray(ancestors, bool), strict)
     c = jnp.moveaxis(lg, 1, -1)  # [batch, heads, T]
     T = c.shape[-1]
     t = jnp.arange(T)
@@ -128,7 +137,25 @@ def causal_decay(lg: jax.Array, strict: bool = False) -> tuple[jax.Array, jax.Ar
     return jnp.cumsum(lg, axis=1), jnp.where(mask, jnp.exp(segment), 0.0)
 
 
-def finite_steps(lg: jax.Array, *inputs: jax.Array) -> tuple[jax.Array, ...]:
+def _tree_decay(lg: jax.Array, ancestors: np.ndarray, strict: bool) -> tuple[jax.Array, jax.Array]:
+    """:func:`causal_decay` along the paths of a draft tree (`ancestors` bool[T, T])."""
+    c = jnp.moveaxis(lg, 1, -1)  # [batch, heads, T]
+    # between[t, s, n]: step n is on t's path after s (s on t's path); a masked sum, never a difference.
+    between = ancestors[:, None, :] & ~ancestors[None, :, :] & ancestors[:, :, None]
+    segment = jnp.sum(jnp.where(between, c[..., None, None, :], 0.0), axis=-1)  # [batch, heads, t, s]
+    cum = jnp.sum(jnp.where(ancestors, c[..., None, :], 0.0), axis=-1)  # [batch, heads, t]
+    mask = ancestors & ~np.eye(len(ancestors), dtype=bool) if strict else ancestors
+    return jnp.moveaxis(cum, -1, 1), jnp.where(mask, jnp.exp(segment), 0.0)
+
+
+def tree_ancestors(tree):
+    """The ancestor mask bool[N, N] of a draft tree (a
+    :class:`~replayssm_jax.speculative.tree.DraftTree`), or None for None and
+    for a chain (whose ops run the chain's code)."""
+    return None if tree is None or tree.is_chain else tree.ancestors
+
+
+def finite_steps(lg: jax.Array, *inputs: jax.Array, ancestors=None) -> tuple[jax.Array, ...]:
     """Mask the steps of a chunk from its first non-finite input on.
 
     Args:
@@ -146,12 +173,17 @@ def finite_steps(lg: jax.Array, *inputs: jax.Array) -> tuple[jax.Array, ...]:
       through a product by zero; with the identity steps the outputs of the
       valid steps are those of the steps before them alone, and
       :func:`poison_invalid` makes the others NaN.
+      With `ancestors` (a draft tree's, as :func:`causal_decay`), valid_t is
+      true where the steps on t's path are all finite.
     """
     ok = ~jnp.isnan(lg) & (lg < jnp.inf)
     for x in inputs:
         finite = jnp.isfinite(x)
         ok &= finite if x.ndim == 3 else jnp.all(finite, axis=-1)
-    valid = jnp.cumsum(~ok, axis=1) == 0
+    if ancestors is None:
+        valid = jnp.cumsum(~ok, axis=1) == 0
+    else:  # [batch, t, n, heads]: a non-finite step n on t's path
+        valid = ~jnp.any(np.asarray(ancestors, bool)[None, :, :, None] & ~ok[:, None, :, :], axis=2)
 
     def select(x):
         return jnp.where(valid if x.ndim == 3 else valid[..., None], x, 0.0)
@@ -168,7 +200,7 @@ def poison_invalid(valid: jax.Array, y: jax.Array, final: jax.Array) -> tuple[ja
     return y, jnp.where(valid[:, -1, :, None, None], final, jnp.nan)
 
 
-def chunk_readout(state, u, k, q, lg) -> tuple[jax.Array, jax.Array]:
+def chunk_readout(state, u, k, q, lg, ancestors=None) -> tuple[jax.Array, jax.Array]:
     """T steps of the recurrence at once from `state` (SSD's quadratic form).
 
     Args:
@@ -182,10 +214,13 @@ def chunk_readout(state, u, k, q, lg) -> tuple[jax.Array, jax.Array]:
       from :func:`causal_decay`. y_t depends on steps 0..t only, also when
       a later step's u, k or lg is NaN or inf (:func:`finite_steps`); from
       such a step on, y and the final state are NaN.
+      With `ancestors` (a draft tree's, as :func:`causal_decay`), the sums
+      run along each step's path: y_t reads the steps on t's path only, and
+      the final state is the state after the path of step T - 1.
     """
-    valid, lg, u, k = finite_steps(lg.astype(f32), u.astype(f32), k.astype(f32))
+    valid, lg, u, k = finite_steps(lg.astype(f32), u.astype(f32), k.astype(f32), ancestors=ancestors)
     q = q.astype(f32)
-    cum, decay = causal_decay(lg)
+    cum, decay = causal_decay(lg, ancestors=ancestors)
     scores = einsum("bthk,bshk->bhts", q, k) * decay
     y = einsum("bhts,bshv->bthv", scores, u)
     y = y + jnp.exp(cum)[..., None] * einsum("bhvk,bthk->bthv", state, q)

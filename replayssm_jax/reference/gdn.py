@@ -65,8 +65,15 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
     return o.astype(v.dtype), S.astype(state.dtype)
 
 
-def gdn_chunk(state, q, k, v, g, beta):
+def gdn_chunk(state, q, k, v, g, beta, ancestors=None):
     """One chunk of T steps from `state`, all in float32.
+
+    With `ancestors` (static bool[T, T] of a draft tree, as
+    :func:`replayssm_jax.reference._common.causal_decay`; None: the chain),
+    step t follows the steps on its path root .. t only: A_ij is kept for j
+    an ancestor of i, and the decays are sums along the path, so the delta
+    rule runs along every root-to-node path at once ((I + A) stays unit
+    lower triangular: a parent precedes its children).
 
     Args:
       state: f32[batch, HV, V, K]; q (scaled), k (normalised): [batch, T, HV, K];
@@ -79,15 +86,15 @@ def gdn_chunk(state, q, k, v, g, beta):
       non-finite k, v, beta or g (other than g = -inf) on, o and d are NaN,
       and so is the final state (:func:`replayssm_jax.reference._common.finite_steps`).
     """
-    valid, g, k, v, beta = c.finite_steps(g.astype(f32), k, v.astype(f32), beta.astype(f32))
-    cum, decay = c.causal_decay(g, strict=True)
+    valid, g, k, v, beta = c.finite_steps(g.astype(f32), k, v.astype(f32), beta.astype(f32), ancestors=ancestors)
+    cum, decay = c.causal_decay(g, strict=True, ancestors=ancestors)
     A = c.einsum("bihk,bjhk->bhij", k, k) * decay * jnp.moveaxis(beta, 1, -1)[..., :, None]
     from_state = jnp.exp(cum)[..., None] * c.einsum("bhvk,bihk->bihv", state, k)
     R = jnp.moveaxis(beta[..., None] * (v - from_state), 1, 2)  # [batch, HV, T, V]
     eye = jnp.eye(A.shape[-1], dtype=f32)
     d = solve_triangular(eye + A, R, lower=True, unit_diagonal=True)
     d = jnp.moveaxis(d, 2, 1)
-    o, final = c.chunk_readout(state, d, k, q, g)
+    o, final = c.chunk_readout(state, d, k, q, g, ancestors=ancestors)
     o, final = c.poison_invalid(valid, o, final)
     return o, final, jnp.where(valid[..., None], d, jnp.nan)
 
@@ -217,8 +224,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     return o.astype(v.dtype), buffers.replace(cursor=jnp.where(flush, 0, buffers.cursor + 1))
 
 
-def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
-    """Verify a window of W speculative steps (DESIGN.md section 3).
+def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, tree=None):
+    """Verify a window of W speculative steps (DESIGN.md section 3), or a draft tree of W nodes.
 
     Rows with cursor + W > L flush first. The window's update vectors depend
     on one another (each d_t sees the state after the earlier draft steps);
@@ -232,10 +239,17 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
       state: GDNReplayState with no pending window.
       q, k: [batch, W, H, K]; v: [batch, W, HV, V]; g, beta: [batch, W, HV];
       scale, use_qk_l2norm: as :func:`gdn_step`. 1 <= W <= L.
+      tree: None or a chain (the window), or a
+        :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes: node
+        t follows its parent, and its output reads the state at the
+        window's start and the nodes on its path root .. t only (the delta
+        rule along that path); the W records still go to slots cursor ..
+        cursor + W - 1 in node order.
 
     Returns:
       (o [batch, W, HV, V] in v.dtype, new state with window = W): o[:, t]
-      is the output of step t assuming steps 0..t-1 of the window are accepted.
+      is the output of step t assuming steps 0..t-1 of the window (of a
+      tree: t's ancestors) are accepted.
       It depends on those steps only: a NaN or inf in a later draft (a
       padded or garbage draft) cannot reach it; from the first draft with a
       non-finite input that enters the state on, the outputs are NaN.
@@ -244,13 +258,13 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
     if state.scale is not None:
         state = c.early_flush_8bit(state, W, unify)
         return c.reading_f32_checkpoint(state, lambda s: gdn_replay_verify(s, q, k, v, g, beta, scale,
-                                                                           use_qk_l2norm))
+                                                                           use_qk_l2norm, tree))
     HV = state.checkpoint.shape[1]
     state = c.make_room(state, W, unify)
     start = c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=2) for a in (q, k))
-    o, _, d = gdn_chunk(start, qh, kh, v, g, beta)
+    o, _, d = gdn_chunk(start, qh, kh, v, g, beta, ancestors=c.tree_ancestors(tree))
     state, (o, d) = in_order(state, (o, d))  # the buffers are read before the window is written
     state = state.replace(
         d=write_slots(state.d, jnp.swapaxes(d, 1, 2), state.cursor),

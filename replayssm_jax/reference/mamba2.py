@@ -218,8 +218,9 @@ def mamba2_replay_verify(
     dt_bias=None,
     dt_softplus=True,
     dt_limit=(0.0, INF),
+    tree=None,
 ):
-    """Verify a window of W speculative steps (DESIGN.md section 3).
+    """Verify a window of W speculative steps (DESIGN.md section 3), or a draft tree of W nodes.
 
     Rows with cursor + W > L flush first. The W outputs are computed from
     the state at the window start (checkpoint plus buffer) and the window's
@@ -233,11 +234,17 @@ def mamba2_replay_verify(
       x: [batch, W, nheads, head_dim]; dt: [batch, W, nheads] (raw);
       B, C: [batch, W, n_groups, d_state]; z: optional like x;
       A, D, dt_bias, dt_softplus, dt_limit: as :func:`mamba2_step`. 1 <= W <= L.
+      tree: None or a chain (the window), or a
+        :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes: node
+        t's output reads the state at the window's start and the nodes on
+        its path root .. t only (the decays and products along that path);
+        the W records still go to slots cursor .. cursor + W - 1 in node
+        order.
 
     Returns:
       (y [batch, W, nheads, head_dim] in x.dtype, new state with window = W):
       y[:, t] is the output of step t assuming steps 0..t-1 of the window
-      are accepted.
+      (of a tree: t's ancestors) are accepted.
       It depends on those steps only: a NaN or inf in a later draft (a
       padded or garbage draft) cannot reach it; from the first draft with a
       non-finite input that enters the state on, the outputs are NaN.
@@ -246,14 +253,14 @@ def mamba2_replay_verify(
     if state.scale is not None:
         state = c.early_flush_8bit(state, W, lambda s: unify(s, A))
         return c.reading_f32_checkpoint(state, lambda s: mamba2_replay_verify(s, x, dt, A, B, C, D, z, dt_bias,
-                                                                              dt_softplus, dt_limit))
+                                                                              dt_softplus, dt_limit, tree))
     H = state.checkpoint.shape[1]
     state = c.make_room(state, W, lambda s: unify(s, A))
     start = c.replay_materialize(state.checkpoint, *unify(state, A), state.cursor)
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     u = dt[..., None] * x.astype(f32)
     Bh, Ch = (c.expand_heads(a.astype(f32), H, axis=2) for a in (B, C))
-    y, _ = c.chunk_readout(start, u, Bh, Ch, dt * A.astype(f32))
+    y, _ = c.chunk_readout(start, u, Bh, Ch, dt * A.astype(f32), ancestors=c.tree_ancestors(tree))
     y = _skip_and_gate(y, x, D, z, head_axis=2)
     state, (y, dt) = in_order(state, (y, dt))  # the buffers are read before the window is written
     state = state.replace(

@@ -11,6 +11,10 @@
 - :mod:`replayssm_jax.speculative.acceptance`: the acceptance rules, greedy
   and distribution-preserving speculative sampling, giving the new tokens of
   a round and how many every layer commits.
+- :mod:`replayssm_jax.speculative.tree`: the static draft tree of tree
+  speculation (:class:`DraftTree`: parent indices, derived masks, the chain
+  and top-k shapes); :mod:`replayssm_jax.speculative.tree_acceptance`: its
+  acceptance rules (greedy; multi-draft recursive rejection sampling).
 - :mod:`replayssm_jax.speculative.loop`: the loop itself, one compiled round
   (draft, verify, accept, commit) in blocks of rounds under
   `lax.while_loop`; `replayssm_jax.generation.Generator(speculative=...)`
@@ -36,11 +40,14 @@ from replayssm_jax.speculative.drafters import (
     choose_drafts,
 )
 from replayssm_jax.speculative.loop import SpeculativeCarry, make_block, speculative_round
+from replayssm_jax.speculative.tree import DraftTree, as_tree
+from replayssm_jax.speculative.tree_acceptance import TreeAccepted, tree_greedy_acceptance, tree_sampling_acceptance
 
 __all__ = [
     "Accepted",
     "DraftModelDrafter",
     "DraftStart",
+    "DraftTree",
     "Drafter",
     "Drafts",
     "Kept",
@@ -48,11 +55,15 @@ __all__ = [
     "OracleDrafter",
     "SpeculativeCarry",
     "StatelessDrafter",
+    "TreeAccepted",
     "accept_drafts",
+    "as_tree",
     "check_history",
     "choose_drafts",
     "greedy_acceptance",
     "make_block",
     "sampling_acceptance",
     "speculative_round",
+    "tree_greedy_acceptance",
+    "tree_sampling_acceptance",
 ]

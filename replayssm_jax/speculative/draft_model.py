@@ -125,6 +125,8 @@ class DraftModelDrafter:
         the standard state (W = K + 1 <= L).
       buffer_dtype: the ReplaySSM buffer dtype.
       backend: SSM op backend of the draft model's ops.
+      scores: the Drafts also carry the draft model's logits at each draft
+        position (`Drafts.scores`: a draft tree's other candidates).
     """
 
     params: Any
@@ -134,6 +136,7 @@ class DraftModelDrafter:
     replay_buffer_len: int | None = struct.field(pytree_node=False, default=None)
     buffer_dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
     backend: str | None = struct.field(pytree_node=False, default=None)
+    scores: bool = struct.field(pytree_node=False, default=False)
 
     #: The drafts depend on the token history only.
     needs_hidden = False
@@ -214,14 +217,17 @@ class DraftModelDrafter:
             window = jnp.where(i == 0, known, jnp.where(jnp.arange(w) < i, jnp.pad(drafts, ((0, 0), (0, 1))), 0))
             logits, cache = model.verify(window, cache, backend=self.backend)
             at = jnp.where(i == 0, jnp.maximum(n - 1, 0), i - 1)
-            token, q = choose_drafts(jnp.take_along_axis(logits, at[:, None, None], axis=1)[:, 0], self.sampling,
-                                     step_keys)
+            read = jnp.take_along_axis(logits, at[:, None, None], axis=1)[:, 0]
+            token, q = choose_drafts(read, self.sampling, step_keys)
             drafts = jax.lax.dynamic_update_index_in_dim(drafts, token, i, axis=1)
-            return (model.commit(cache, jnp.where(i == 0, n, 0)), drafts), q
+            return (model.commit(cache, jnp.where(i == 0, n, 0)), drafts), (q, read if self.scores else None)
 
-        (cache, drafts), q = jax.lax.scan(step, (cache, jnp.zeros((rows, k), jnp.int32)), (jnp.arange(k), keys))
+        (cache, drafts), (q, scores) = jax.lax.scan(step, (cache, jnp.zeros((rows, k), jnp.int32)),
+                                                    (jnp.arange(k), keys))
         q_probs = None if q is None else jnp.swapaxes(q, 0, 1)
-        return Drafts(tokens=drafts, num_drafts=jnp.full((rows,), k, jnp.int32), q_probs=q_probs), cache
+        scores = None if scores is None else jnp.swapaxes(scores, 0, 1)
+        return Drafts(tokens=drafts, num_drafts=jnp.full((rows,), k, jnp.int32), q_probs=q_probs,
+                      scores=scores), cache
 
     def update(self, target, cache, kept: Kept):
         """The draft cache unchanged: the next `draft` consumes the kept tokens from the history."""

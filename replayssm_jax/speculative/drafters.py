@@ -65,11 +65,21 @@ class Drafts:
         each position, from which tokens[:, j] was drawn (Leviathan et al.,
         2023, "q"); None for a deterministic drafter (q is then the point mass
         at the draft).
+      scores: f32[batch, K, vocab] or None: the drafter's ranking of the
+        tokens at each draft position (higher is better; -inf: not a
+        candidate), from which a draft tree takes its other candidates
+        (`replayssm_jax.speculative.tree_drafters`); None where the drafter
+        gives none.
+      candidates: i32[batch, K, C] or None: other candidates per draft
+        position, best first (-1: none), for a draft tree in place of
+        `scores` (the oracle drafter's, without a [batch, K, vocab] array).
     """
 
     tokens: jax.Array
     num_drafts: jax.Array
     q_probs: jax.Array | None = None
+    scores: jax.Array | None = None
+    candidates: jax.Array | None = None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -238,24 +248,35 @@ class NgramDrafter(StatelessDrafter):
     One vectorised compare of every position with the last max_ngram tokens,
     O(batch x max_len x max_ngram), no loop over positions.
 
+    With `vocab_size` given, the Drafts also carry scores (a draft tree's
+    other candidates, `replayssm_jax.speculative.tree_drafters`): at draft
+    position d, the number of earlier occurrences of the matched n-gram
+    (every one, not only the latest) that the token followed at offset d,
+    -inf for a token that followed none: the several continuations of the
+    history as branches.
+
     Attributes:
       num_speculative_tokens: K >= 1, drafts per round.
       max_ngram: the longest n-gram matched, >= min_ngram.
       min_ngram: the shortest n-gram matched, >= 1.
+      vocab_size: None (no scores), or the vocabulary size of the scores.
 
     Raises:
       TypeError: a count that is not an int.
-      ValueError: K < 1, min_ngram < 1 or max_ngram < min_ngram.
+      ValueError: K < 1, min_ngram < 1 or max_ngram < min_ngram, vocab_size < 1.
     """
 
     num_speculative_tokens: int
     max_ngram: int = 3
     min_ngram: int = 1
+    vocab_size: int | None = None
 
     def __post_init__(self):
         v.check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
         v.check_positive_int("min_ngram", self.min_ngram)
         v.check_positive_int("max_ngram", self.max_ngram)
+        if self.vocab_size is not None:
+            v.check_positive_int("vocab_size", self.vocab_size)
         if self.max_ngram < self.min_ngram:
             raise ValueError(f"`max_ngram` must be >= `min_ngram` = {self.min_ngram}; got {self.max_ngram}")
 
@@ -276,11 +297,12 @@ class NgramDrafter(StatelessDrafter):
           TypeError, ValueError: as :func:`check_history`.
         """
         history, lengths = check_history(history, lengths)
-        return _ngram_propose(history, lengths, self.num_speculative_tokens, self.max_ngram, self.min_ngram)
+        return _ngram_propose(history, lengths, self.num_speculative_tokens, self.max_ngram, self.min_ngram,
+                              self.vocab_size)
 
 
 jax.tree_util.register_dataclass(
-    NgramDrafter, data_fields=[], meta_fields=["num_speculative_tokens", "max_ngram", "min_ngram"]
+    NgramDrafter, data_fields=[], meta_fields=["num_speculative_tokens", "max_ngram", "min_ngram", "vocab_size"]
 )
 
 
@@ -290,7 +312,7 @@ def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, flat, axis=1).reshape(index.shape)
 
 
-def _ngram_propose(history, lengths, num_speculative_tokens, max_ngram, min_ngram) -> Drafts:
+def _ngram_propose(history, lengths, num_speculative_tokens, max_ngram, min_ngram, vocab_size=None) -> Drafts:
     max_len = history.shape[1]
     end = jnp.arange(max_len)  # the last position of a candidate earlier occurrence
     back = jnp.arange(max_ngram)  # offsets from the end of an n-gram
@@ -310,7 +332,17 @@ def _ngram_propose(history, lengths, num_speculative_tokens, max_ngram, min_ngra
     offsets = jnp.arange(num_speculative_tokens)
     tokens = gather_rows(history, start[:, None] + offsets[None, :])
     tokens = jnp.where(offsets[None, :] < num_drafts[:, None], tokens, 0)
-    return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None)
+    scores = None
+    if vocab_size is not None:  # every occurrence's continuation, counted per offset
+        follows = end[None, :, None] + 1 + offsets[None, None, :]  # [1, max_len, K]
+        counted = found[:, None, None] & (matched >= ngram[:, None])[:, :, None] & (follows < lengths[:, None, None])
+        token = gather_rows(history, jnp.broadcast_to(follows, counted.shape))
+        rows = jnp.arange(history.shape[0])[:, None, None]
+        counts = jnp.zeros((history.shape[0], num_speculative_tokens, vocab_size), jnp.float32)
+        counts = counts.at[rows, jnp.broadcast_to(offsets, counted.shape), token].add(counted.astype(jnp.float32),
+                                                                                     mode="drop")
+        scores = jnp.where(counts > 0, counts, -jnp.inf)
+    return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None, scores=scores)
 
 
 @struct.dataclass
@@ -326,6 +358,13 @@ class OracleDrafter(StatelessDrafter):
     probability that a draft matches. Draft positions at or past the
     reference's end are padding (fewer than K drafts).
 
+    With `branches` = C > 0 (a draft tree's other candidates,
+    `Drafts.candidates`), each position also has C more candidates: where
+    the draft is wrong, each of them is in turn the reference's token with
+    probability alpha (the first such one is, the others stay wrong), so a
+    position holds its reference token among its C + 1 candidates with
+    probability 1 - (1 - alpha)^(C + 1). The wrong candidates are distinct.
+
     Attributes:
       reference: integer[batch, ref_len], row b's full token sequence
         (prompt included), aligned with the history: position t of the
@@ -334,16 +373,18 @@ class OracleDrafter(StatelessDrafter):
       alpha: float in [0, 1] (static), the probability a draft is right.
       num_speculative_tokens: K >= 1 (static).
       vocab_size: the vocabulary size >= 2 (static), for the wrong drafts.
+      branches: C >= 0 (static), the other candidates per position (0: none).
 
     Raises:
       TypeError, ValueError: alpha not a real number in [0, 1], K < 1,
-        vocab_size < 2 (at construction).
+        vocab_size < 2, branches < 0 or C + 1 >= vocab_size (at construction).
     """
 
     reference: jax.Array
     alpha: float = struct.field(pytree_node=False)
     num_speculative_tokens: int = struct.field(pytree_node=False)
     vocab_size: int = struct.field(pytree_node=False)
+    branches: int = struct.field(pytree_node=False, default=0)
 
     def __post_init__(self):
         alpha = self.alpha
@@ -352,6 +393,9 @@ class OracleDrafter(StatelessDrafter):
             raise ValueError(f"`alpha` must be a float in [0, 1]; got {alpha!r}")
         v.check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
         v.check_positive_int("vocab_size", self.vocab_size, minimum=2)
+        v.check_positive_int("branches", self.branches, minimum=0)
+        if self.branches + 1 >= self.vocab_size:
+            raise ValueError(f"`branches` + 1 must be < vocab_size = {self.vocab_size}; got {self.branches}")
         object.__setattr__(self, "alpha", float(alpha))
 
     def propose(self, history, lengths, key) -> Drafts:
@@ -380,10 +424,17 @@ class OracleDrafter(StatelessDrafter):
         k = self.num_speculative_tokens
         position = lengths[:, None] + jnp.arange(k)[None, :]
         truth = gather_rows(reference, position)
-        choose_key, wrong_key = _checks.row_keys(key, batch, 2)
+        choose_key, wrong_key, branch_key = _checks.row_keys(key, batch, 3)
         right = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(choose_key) < self.alpha
-        shift = jax.vmap(lambda kk: jax.random.randint(kk, (k,), 1, self.vocab_size))(wrong_key)
+        shift = jax.vmap(lambda kk: jax.random.randint(kk, (k,), 1, self.vocab_size - self.branches))(wrong_key)
         tokens = jnp.where(right, truth, (truth + shift) % self.vocab_size)
         num_drafts = jnp.clip(ref_len - lengths, 0, k).astype(jnp.int32)
         tokens = jnp.where(jnp.arange(k)[None, :] < num_drafts[:, None], tokens, 0).astype(jnp.int32)
-        return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None)
+        candidates = None
+        if self.branches:
+            c = self.branches
+            tries = jax.vmap(lambda kk: jax.random.uniform(kk, (k, c)))(branch_key) < self.alpha
+            first = tries & (jnp.cumsum(tries, axis=-1) == 1) & ~right[..., None]  # the first right candidate
+            wrong = (truth + shift)[..., None] + 1 + jnp.arange(c)  # distinct, none the truth or the draft
+            candidates = jnp.where(first, truth[..., None], wrong % self.vocab_size).astype(jnp.int32)
+        return Drafts(tokens=tokens, num_drafts=num_drafts, q_probs=None, candidates=candidates)

@@ -26,6 +26,15 @@ A row that has emitted a stop token or `max_new_tokens` tokens is done: it
 commits 0 positions from then on, so its cache stays where it is (its
 verified windows are never kept) and its history no longer changes.
 
+Tree speculation (`replayssm_jax.speculative.tree_drafters.TreeDrafter`, a
+static top-k :class:`~replayssm_jax.speculative.tree.DraftTree` of depth
+D = K): the round verifies the tree's N nodes (`verify(..., tree=)`), accepts
+a path from the root with `tree_greedy_acceptance` or
+`tree_sampling_acceptance` (m in 1..D + 1 new tokens), commits that path
+(`commit(cache, m, path)`) and gives the drafter the path's tokens and
+hidden states. Prompt tokens still to consume go to the tree's spine (the
+first child of each depth), the other nodes padded.
+
 Rounds run in blocks: `make_block` gives one `lax.while_loop` of up to
 `rounds` rounds that ends early once every row is done; the host checks
 progress and streams tokens between blocks.
@@ -35,11 +44,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.speculative.acceptance import accept_drafts
 from replayssm_jax.speculative.drafters import Drafts, Kept, gather_rows
+from replayssm_jax.speculative.tree_acceptance import tree_greedy_acceptance, tree_sampling_acceptance
+from replayssm_jax.speculative.tree_drafters import TreeDrafts
 
 __all__ = ["SpeculativeCarry", "speculative_round", "make_block"]
 
@@ -101,6 +113,7 @@ def speculative_round(model, carry: SpeculativeCarry, drafter, *, prompt_lengths
     """
     K = drafter.num_speculative_tokens
     W = K + 1
+    tree = getattr(drafter, "tree", None)  # a TreeDrafter's static DraftTree
     rows = carry.history.shape[0]
     pos = carry.cache.position
     key = jax.random.fold_in(carry.key, carry.rounds)
@@ -111,18 +124,29 @@ def speculative_round(model, carry: SpeculativeCarry, drafter, *, prompt_lengths
     forcing = num_forced > 0
     proposed, drafter_state = drafter.draft(model, carry.drafter_state, carry.history, pos + 1, draft_key)
     ahead = gather_rows(carry.history, (pos + 1)[:, None] + jnp.arange(K))
-    tokens = jnp.where(forcing[:, None], ahead, proposed.tokens)
-    num_drafts = jnp.where(forcing, num_forced, proposed.num_drafts)
-    tokens = jnp.where(jnp.arange(K) < num_drafts[:, None], tokens, pad_id)
-    window = jnp.concatenate([gather_rows(carry.history, pos[:, None]), tokens], axis=1)
-    if drafter.needs_hidden:
-        logits, hidden, cache = model.verify(window, carry.cache, backend=backend, return_hidden=True)
+    last = gather_rows(carry.history, pos[:, None])
+    if tree is None:
+        tokens = jnp.where(forcing[:, None], ahead, proposed.tokens)
+        num_drafts = jnp.where(forcing, num_forced, proposed.num_drafts)
+        tokens = jnp.where(jnp.arange(K) < num_drafts[:, None], tokens, pad_id)
+        window, path, forced_at = jnp.concatenate([last, tokens], axis=1), None, num_forced
     else:
-        (logits, cache), hidden = model.verify(window, carry.cache, backend=backend), None
+        tokens, real, spine_path, forced_at = _force_spine(tree, proposed, forcing, ahead, num_forced, pad_id)
+        window = jnp.concatenate([last, tokens], axis=1)
+    if drafter.needs_hidden:
+        logits, hidden, cache = model.verify(window, carry.cache, backend=backend, return_hidden=True, tree=tree)
+    else:
+        (logits, cache), hidden = model.verify(window, carry.cache, backend=backend, tree=tree), None
 
-    accepted = accept_drafts(logits, Drafts(tokens, num_drafts, proposed.q_probs), accept_key, sampling,
-                             fill_id=pad_id)
-    bonus_logits = jnp.take_along_axis(logits, num_forced[:, None, None], axis=1)[:, 0]
+    if tree is None:
+        accepted = accept_drafts(logits, Drafts(tokens, num_drafts, proposed.q_probs), accept_key, sampling,
+                                 fill_id=pad_id)
+    else:
+        accepted = accept_tree(logits, TreeDrafts(tokens, real), tree, accept_key, sampling, fill_id=pad_id)
+        path = jnp.where(forcing[:, None], spine_path, accepted.path)
+        if hidden is not None:  # the drafter sees the hidden states of the kept path, as a chain's
+            hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
+    bonus_logits = jnp.take_along_axis(logits, forced_at[:, None, None], axis=1)[:, 0]
     bonus = sample_tokens(bonus_logits, bonus_key, sampling)
     j = jnp.arange(W)
     forced_new = jnp.where(j < num_forced[:, None], jnp.pad(ahead, ((0, 0), (0, 1))), bonus[:, None])
@@ -142,13 +166,48 @@ def speculative_round(model, carry: SpeculativeCarry, drafter, *, prompt_lengths
     stopped = jnp.any(generated & jnp.isin(new, stop_ids), axis=1)
     done = carry.done | stopped | (known - prompt_lengths >= max_new_tokens)
     counting = ~carry.done & ~forcing
-    cache = model.commit(cache, m)
+    cache = model.commit(cache, m) if path is None else model.commit(cache, m, path)
     drafter_state = drafter.update(model, drafter_state, Kept(tokens=new, num_kept=m, hidden=hidden, history=history,
                                                               position=cache.position, key=update_key))
     return carry.replace(
         cache=cache, history=history, known=known, done=done, rounds=carry.rounds + 1,
         accepted=carry.accepted + jnp.where(counting, m, 0), row_rounds=carry.row_rounds + counting.astype(jnp.int32),
         drafter_state=drafter_state)
+
+
+def accept_tree(logits, drafts: TreeDrafts, tree, key, sampling: SamplingParams, *, fill_id: int = 0):
+    """The tree rule `sampling` calls for: `tree_greedy_acceptance` (temperature 0), else
+    `tree_sampling_acceptance` with every node a fixed proposal (q the point mass; see
+    `replayssm_jax.speculative.tree_drafters`). Returns a TreeAccepted."""
+    if sampling.greedy:
+        return tree_greedy_acceptance(logits, drafts.tokens, drafts.real, tree, fill_id=fill_id)
+    return tree_sampling_acceptance(logits, drafts.tokens, drafts.real, tree, key, sampling, fill_id=fill_id)
+
+
+def _force_spine(tree, proposed: TreeDrafts, forcing, ahead, num_forced, pad_id: int):
+    """A tree round's node tokens with the prompt tokens to consume on the spine.
+
+    Returns (tokens i32[rows, N - 1] (padded nodes pad_id), real bool[rows, N - 1], the spine's path
+    i32[rows, D + 1] up to the last forced node, forced_at i32[rows]: the node of the last forced token,
+    whose logits give the round's bonus token (0 where nothing is forced))."""
+    spine = np.asarray(spine_nodes(tree))  # the node at depth 0 .. D along the first children
+    depth = np.full(tree.size - 1, -1)  # per draft node: its index into `ahead` if on the spine, else -1
+    depth[spine[1:] - 1] = np.arange(tree.max_depth)
+    forced_tokens = ahead[:, np.maximum(depth, 0)]
+    forced_real = (depth >= 0)[None, :] & (depth[None, :] < num_forced[:, None])
+    real = jnp.where(forcing[:, None], forced_real, proposed.real)
+    tokens = jnp.where(real, jnp.where(forcing[:, None], forced_tokens, proposed.tokens), pad_id)
+    forced_at = jnp.asarray(spine)[num_forced]
+    spine_path = jnp.asarray(tree.path_table)[forced_at]
+    return tokens, real, spine_path, forced_at
+
+
+def spine_nodes(tree) -> tuple[int, ...]:
+    """The nodes from the root along the first children, one per depth 0 .. D (static)."""
+    nodes = [0]
+    while tree.children[nodes[-1]]:
+        nodes.append(tree.children[nodes[-1]][0])
+    return tuple(nodes)
 
 
 def make_block(graphdef, *, rounds: int, max_new_tokens: int, sampling: SamplingParams, pad_id: int,
