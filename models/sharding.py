@@ -425,19 +425,22 @@ class ShardedLM(nnx.Module):
         _check_no_window(cache)
         return self._run("decode", (tokens, cache), route=route, backend=backend, return_hidden=return_hidden)
 
-    def verify(self, tokens: jax.Array, cache, *, backend: str | None = None, return_hidden: bool = False):
-        """`models.common.HybridCausalLM.verify` on the mesh."""
+    def verify(self, tokens: jax.Array, cache, *, backend: str | None = None, return_hidden: bool = False,
+               tree=None):
+        """`models.common.HybridCausalLM.verify` on the mesh (a draft `tree` too: each device walks it
+        on its own heads)."""
         tokens = check_input_ids(tokens, self.config.vocab_size, name="tokens")
         check_cache(cache, self.config.layer_types, tokens.shape[0])
         check_batch(tokens.shape[0], self.dp, "tokens")
         _check_no_window(cache)
         _check_room(cache, tokens.shape[1])
-        return self._run("verify", (tokens, cache), backend=backend, return_hidden=return_hidden)
+        return self._run("verify", (tokens, cache), backend=backend, return_hidden=return_hidden, tree=tree)
 
-    def commit(self, cache, num_accepted: jax.Array):
-        """`models.common.commit_cache` (per-row cursor, length and offset moves: no collective)."""
+    def commit(self, cache, num_accepted: jax.Array, path=None):
+        """`models.common.commit_cache` (per-row cursor, length and offset moves, and a draft tree's
+        path gathered within each row: no collective)."""
         check_cache(cache, self.config.layer_types)
-        return commit_cache(cache, num_accepted)
+        return commit_cache(cache, num_accepted, path)
 
 
 def sharded_from_state(family_class, config, state, mesh: Mesh, **model_options) -> ShardedLM:

@@ -192,10 +192,14 @@ def test_tp4_random_weights_match_unsharded(tmp_path):
 def test_speculative_tokens_match_unsharded():
     name = "qwen3_next_tiny"
     prompts, expected = _reference(name)
-    gen = Generator(_sharded(name, 2, 2), state="replay", buffer_len=4, backend="xla", block_size=16,
+    model = _sharded(name, 2, 2)
+    gen = Generator(model, state="replay", buffer_len=4, backend="xla", block_size=16,
                     speculative=SpeculativeConfig("ngram", num_draft=3))
     out = gen.generate(prompts, NEW_TOKENS)
     np.testing.assert_array_equal(np.array(out.sequences), expected)
+    tree = Generator(model, state="replay", buffer_len=8, backend="xla", block_size=16,
+                     speculative=SpeculativeConfig("ngram", num_draft=2, tree=(2, 2)))  # 5 nodes a round
+    np.testing.assert_array_equal(np.array(tree.generate(prompts, NEW_TOKENS).sequences), expected)
 
 
 @needs_devices
