@@ -210,9 +210,16 @@ ROUTE_SEQUENCES = [
 ]
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
-@pytest.mark.parametrize(("routes", "configs"), ROUTE_SEQUENCES,
-                         ids=lambda v: "-".join(v) if isinstance(v, tuple) else "")
+# Every sequence on each layer's first CPU shape; the second shapes with the first sequence only
+# (the others `slow`).
+MIXED_ROUTE_CASES = [pytest.param(case, routes, configs, id=f"{'-'.join(routes)}-{case_id(case)}",
+                                  marks=[pytest.mark.slow] if k and i else [])
+                     for i, (routes, configs) in enumerate(ROUTE_SEQUENCES)
+                     for layer, shapes in CPU_SHAPES.items() for k, shape in enumerate(shapes)
+                     for case in [(layer, shape)]]
+
+
+@pytest.mark.parametrize(("case", "routes", "configs"), MIXED_ROUTE_CASES)
 def test_replay_routes_mixed_in_one_loop(case, routes, configs, rng):
     layer, shape = case
     check_replay(layer(shape, rng, jnp.bfloat16), 4, routes, *DTYPES["bf16in-f32state"], "interpret",
