@@ -9,7 +9,7 @@ import pytest
 from replayssm_jax import demo, ops
 
 
-@pytest.mark.parametrize("backend", ["interpret", "xla"])
+@pytest.mark.parametrize("backend", [pytest.param("interpret", marks=pytest.mark.slow), "xla"])
 def test_demo_passes(backend, capsys):
     assert demo.main(["--backend", backend, "--batch", "1", "--buffer-lens", "2"]) == 0
     out = capsys.readouterr().out
