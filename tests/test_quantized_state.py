@@ -33,7 +33,7 @@ ROUNDINGS = ["nearest", "stochastic"]
 
 pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
               # The warnings of the combinations the drift study finds unsafe (tested below).
-              pytest.mark.filterwarnings("ignore:a float8_e4m3fn replay checkpoint:UserWarning"),
+              pytest.mark.filterwarnings("ignore:a replay checkpoint of:UserWarning"),
               pytest.mark.filterwarnings("ignore:the direct route rounds:UserWarning")]
 
 
@@ -429,7 +429,7 @@ def test_command_reports_the_checkpoint_format(capsys):
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert (report["state_dtype"], report["state_rounding"]) == ("float8_e4m3fn", "stochastic")
-    assert captured.err.startswith("replayssm-generate: warning: a float8_e4m3fn replay checkpoint with stochastic")
+    assert captured.err.startswith("replayssm-generate: warning: a replay checkpoint of float8_e4m3fn with stochastic")
     assert "warnings.warn" not in captured.err and "UserWarning" not in captured.err
     assert main(base + ["--state-rounding", "stochastic"]) == 0
     captured = capsys.readouterr()
@@ -440,24 +440,33 @@ def test_command_reports_the_checkpoint_format(capsys):
 
 
 def test_unsafe_combinations_warn_and_auto_avoids_the_direct_route(rng):
+    """fp8 warns on both layer types, int8 on GDN layers (either rounding); int8 on Mamba-2 does not,
+    and "auto" takes the output route on it; the direct route on an 8-bit checkpoint warns."""
     import warnings
 
-    layer = GDN(CPU_SHAPES[GDN][0], rng)
-    S = layer.state(f32)
+    gdn = GDN(CPU_SHAPES[GDN][0], rng)
+    S = gdn.state(f32)
     for rounding in ROUNDINGS:
-        with pytest.warns(UserWarning, match=f"a float8_e4m3fn replay checkpoint with {rounding} rounding drifts"):
-            ops.gdn_replay_init(S, 4, layer.s.H, checkpoint_dtype=fp8, rounding=rounding)
-    with pytest.warns(UserWarning, match="a float8_e4m3fn replay checkpoint"):
+        with pytest.warns(UserWarning, match=f"a replay checkpoint of float8_e4m3fn with {rounding} rounding on gdn "
+                                             "layers drifts"):
+            ops.gdn_replay_init(S, 4, gdn.s.H, checkpoint_dtype=fp8, rounding=rounding)
+        with pytest.warns(UserWarning, match=f"a replay checkpoint of int8 with {rounding} rounding on gdn layers is "
+                                             "reported to drop Qwen3.5-4B's GSM8K"):
+            ops.gdn_replay_init(S, 4, gdn.s.H, checkpoint_dtype=int8, rounding=rounding)
+    with pytest.warns(UserWarning, match="a replay checkpoint of float8_e4m3fn with nearest rounding on mamba2"):
         ops.mamba2_replay_init(jnp.zeros((2, 4, 8, 16)), 4, 2, checkpoint_dtype=fp8)
+    layer = Mamba2(CPU_SHAPES[Mamba2][0], rng)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        rs = ops.gdn_replay_init(S, 4, layer.s.H, checkpoint_dtype=int8)
+        for rounding in ROUNDINGS:
+            rs = ops.mamba2_replay_init(layer.state(f32), 4, layer._key_groups(), checkpoint_dtype=int8,
+                                        rounding=rounding)
         inp = layer.draw()
         layer.replay_step(rs, inp, "output")
         # auto takes the output route on an 8-bit checkpoint, where it would take the direct one otherwise
         assert ops.resolve_route("auto", "interpret", rs) == "output"
         assert ops.resolve_route("auto", "interpret", st.as_f32_checkpoint(rs)) == "direct"
-    with pytest.warns(UserWarning, match="the direct route rounds a int8 checkpoint at every step"):
+    with pytest.warns(UserWarning, match="the direct route rounds a checkpoint of int8 at every step"):
         layer.replay_step(rs, inp, "direct")
 
 

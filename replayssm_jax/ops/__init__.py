@@ -97,14 +97,22 @@ __all__ = [
 
 INF = math.inf
 
-# The 8-bit checkpoints (dtype, rounding) that warn, per layer type: in the drift study
-# (bench/state_drift.py --quick, 2026-12-01: random-weight layers with slow decays, 512 steps, L 8 and 16)
-# float8_e4m3fn checkpoints reached 1.9-5.4% relative output error against the float32 checkpoint, 10-20x
-# the bfloat16 checkpoint's, on both layer types and with both roundings; int8 reached 0.4-1.1% (3-4x
-# bfloat16's). The direct route on an 8-bit checkpoint warns as well (it rounds at every step).
+# The 8-bit checkpoints (dtype, rounding) that warn, per layer type, with the reason the warning gives.
+# The drift study (bench/state_drift.py --model-shapes, 2026-12-01: random-weight layers at the model
+# shapes with slow decays, 4096 steps, L 8, 16 and 32) puts float8_e4m3fn at 15-22x the bfloat16
+# checkpoint's output error on both layer types, with both roundings, and int8 at 3.9x (nearest) and
+# 5.5x (stochastic), at every L. int8 also warns on GDN layers: uniform int8 GDN states are reported to
+# drop Qwen3.5-4B's GSM8K accuracy from 81% to 41%, where int8 Mamba-2 states keep Nemotron's (85.9%
+# against 85.4% in f32, FlashInfer's checkpointing_ssu). The direct route on an 8-bit checkpoint warns
+# as well (it rounds at every step).
+_FP8_DRIFT = ("drifts from the float32 checkpoint's outputs by 15-22x the bfloat16 checkpoint's error at the model "
+              "shapes (int8 to nearest: 3.9x)")
+_GDN_INT8 = ("is reported to drop Qwen3.5-4B's GSM8K accuracy from 81% to 41% (uniform int8 GDN states; its drift "
+             "here is 3.9-5.5x the bfloat16 checkpoint's error)")
 UNSAFE_CHECKPOINTS = {
-    layer: {(jnp.dtype(jnp.float8_e4m3fn), "nearest"), (jnp.dtype(jnp.float8_e4m3fn), "stochastic")}
-    for layer in ("mamba2", "gdn")
+    "mamba2": {(jnp.dtype(jnp.float8_e4m3fn), r): _FP8_DRIFT for r in ("nearest", "stochastic")},
+    "gdn": {**{(jnp.dtype(jnp.float8_e4m3fn), r): _FP8_DRIFT for r in ("nearest", "stochastic")},
+            **{(jnp.dtype(jnp.int8), r): _GDN_INT8 for r in ("nearest", "stochastic")}},
 }
 
 # The `config` a kernel op takes (None: the heuristic).
@@ -154,18 +162,18 @@ def _checkpoint_format(layer: str, checkpoint_dtype, rounding):
     :data:`UNSAFE_CHECKPOINTS` lists for `layer`."""
     dtype = None if checkpoint_dtype is None else val.check_checkpoint_dtype("checkpoint_dtype", checkpoint_dtype)
     rounding = val.check_rounding("rounding", rounding)
-    if dtype is not None and (dtype, rounding) in UNSAFE_CHECKPOINTS[layer]:
-        warnings.warn(f"a {dtype} replay checkpoint with {rounding} rounding drifts from the float32 checkpoint's "
-                      f"outputs on {layer} layers by 15-22x the bfloat16 checkpoint's error at the model shapes "
-                      "(int8 to nearest: 4x; bench/RESULTS.md, 8-bit checkpoints, 2026-12-01); int8 or bfloat16 "
-                      "checkpoints are safer", UserWarning, stacklevel=3)
+    reason = None if dtype is None else UNSAFE_CHECKPOINTS[layer].get((dtype, rounding))
+    if reason is not None:
+        warnings.warn(f"a replay checkpoint of {dtype} with {rounding} rounding on {layer} layers {reason} "
+                      "(bench/RESULTS.md, 8-bit checkpoints, 2026-12-01); a bfloat16 checkpoint is safer",
+                      UserWarning, stacklevel=3)
     return dtype, rounding
 
 
 def _warn_direct_8bit(state, route: str) -> None:
     """A UserWarning for the direct route on an 8-bit checkpoint, which it rounds at every step."""
     if route == "direct" and state.scale is not None:
-        warnings.warn(f"the direct route rounds a {state.checkpoint.dtype} checkpoint at every step (the output and "
+        warnings.warn(f"the direct route rounds a checkpoint of {state.checkpoint.dtype} at every step (the output and "
                       "state routes round it once per flush): its outputs drift about 3x further from the float32 "
                       "checkpoint's (bench/state_drift.py, 2026-12-01); use route='output'", UserWarning,
                       stacklevel=3)
