@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows
+from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows, next_pow2
 from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, next_cursor,
                                           store_cursor)
 from replayssm_jax.kernels.tiles import Quantized, for_each_row_tile, lane_ids, mask_and, store, store_window
@@ -374,6 +374,41 @@ def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..
         name=f"{layer}_verify_W{window}_L{L}_{config.tag()}" + ("" if tree is None else f"_{tree.tag()}"),
     )(checkpoint, records, cursor, inputs)
     return out, checkpoint, records, window_start(cursor, L, window)
+
+
+def per_draft_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], state, index, inputs, out_shape, *,
+                     window: int, config: StepConfig, interpret: bool, tree=None):
+    """Launch a layer's per-draft verify kernel on a slotted standard state, updated in place (output 1).
+
+    state [batch, slots, heads, V, K]; index i32[batch], the slot of each
+    row's current state. Grid (batch, heads, cdiv(V, block_v)): a program
+    holds its [block_v, K] tile of every slot of its row and head (a block
+    of next_pow2(slots) slots). kernel(state_ref, index_ref, inputs,
+    out_ref, state_out_ref) reads the tile of slot index once and writes
+    the W outputs and the W states of its tile to the draft slots (never
+    slot index: W < slots), so no program reads what another writes.
+    block_specs(rows, nb): the layer's block specs with the window axis on
+    the inputs and the output. tree: the draft tree the kernel walks (not a
+    chain), named in the launch's name; None: the window.
+
+    Returns (output, state).
+    """
+    batch, slots, heads, V, K = state.shape
+    specs = block_specs(config.block_v, None)
+    slotted = pl.BlockSpec((None, next_pow2(slots), None, config.block_v, next_pow2(K)),
+                           lambda b, h, j: (b, 0, h, j, 0))
+    grid = (batch, heads, pl.cdiv(V, config.block_v))
+    return pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=(slotted, cursor_spec(), specs.inputs),
+        out_specs=(specs.out, slotted),
+        out_shape=(out_shape, _shapes(state)),
+        input_output_aliases={0: 1},
+        interpret=interpret,
+        config=config,
+        name=f"{layer}_per_draft_W{window}_S{slots}_{config.tag()}" + ("" if tree is None else f"_{tree.tag()}"),
+    )(state, index, inputs)
 
 
 def tree_option(tree) -> dict:

@@ -44,6 +44,7 @@ from replayssm_jax.reference.gdn import (
     gdn_replay_step,
     gdn_replay_verify,
     gdn_step,
+    gdn_verify,
 )
 from replayssm_jax.reference.mamba2 import (
     mamba2_chunked,
@@ -52,6 +53,7 @@ from replayssm_jax.reference.mamba2 import (
     mamba2_replay_step,
     mamba2_replay_verify,
     mamba2_step,
+    mamba2_verify,
 )
 from replayssm_jax.state import (
     GDNReplayState,
@@ -71,6 +73,7 @@ __all__ = [
     "gdn_replay_step",
     "gdn_replay_verify",
     "gdn_step",
+    "gdn_verify",
     "mamba2_chunked",
     "mamba2_replay_flush",
     "mamba2_replay_init",
@@ -78,5 +81,6 @@ __all__ = [
     "mamba2_replay_step",
     "mamba2_replay_verify",
     "mamba2_step",
+    "mamba2_verify",
     "replay_commit",
 ]
