@@ -492,8 +492,8 @@ def prefill_layer_states(mixer, state, *, replay_buffer_len, buffer_dtype, max_w
     ReplaySSM if asked, its checkpoint in `checkpoint_dtype` (KV caches and None pass through)."""
     if not isinstance(state, SSMLayerState):
         return state
-    if max_window != 1:
+    if replay_buffer_len is not None:  # first: the replay state is made from the plain state
+        state = mixer.to_replay(state, replay_buffer_len, buffer_dtype, checkpoint_dtype, rounding)
+    if max_window != 1:  # a standard state: the slotted layout of max_window + 1 states
         state = mixer.with_window(state, max_window)
-    if replay_buffer_len is not None:
-        return mixer.to_replay(state, replay_buffer_len, buffer_dtype, checkpoint_dtype, rounding)
     return state
