@@ -265,7 +265,7 @@ class HybridCausalLM(nnx.Module):
           cache: from `prefill` (with max_window >= W), `decode` or `commit`; no
             window pending.
           backend: SSM op backend (the replay verify ops run on
-            ``ops.backend_for``; the standard baseline runs W standard steps).
+            ``ops.backend_for``; the standard baseline runs the per-draft verify op, one launch per layer).
           return_hidden: also return the hidden states after the final norm
             at the W positions (static).
           tree: None (a chain), or a
@@ -333,7 +333,7 @@ def commit_cache(cache: HybridCache, num_accepted, path=None) -> HybridCache:
 
     Returns:
       The HybridCache after those positions, no window pending: SSM layers
-      (replay: ``cursor += m``; standard: the state after m positions), conv
+      (replay: ``cursor += m``; standard: the index moved to the slot of the state after m positions), conv
       windows (start moved by m), KV caches (``length += m``), ``position += m``.
 
     Raises:

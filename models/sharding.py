@@ -323,15 +323,16 @@ def state_specs(tree):
     """The PartitionSpec of every array of a call's arguments or results (token ids, logits,
     hidden states, a `HybridCache`): batch on axis 0 over dp; the cache's head-indexed arrays
     over tp on their heads' axis (axis 2 for KV caches, conv window columns and the slotted
-    standard states [batch, slots, heads, ...]; else axis 1); [batch] arrays (cursors, lengths, positions, ring starts) over dp only."""
+    standard states [batch, slots, heads, ...]; else axis 1); [batch] arrays (cursors, lengths,
+    positions, ring starts) over dp only."""
 
     def spec(path, leaf):
         names = names_of(path)
         if "layers" not in names or leaf.ndim == 1:
             return P(DP)
         field = names[-1]
-        if field == "columns" or (field == "ssm_state" and leaf.ndim == 5) or (field in ("k", "v")
-                                                                             and "replay" not in names):
+        slotted = field == "ssm_state" and leaf.ndim == 5  # the standard state's [batch, slots, heads, ...]
+        if field == "columns" or slotted or (field in ("k", "v") and "replay" not in names):
             return P(DP, None, TP)
         return P(DP, TP)
 

@@ -156,7 +156,8 @@ def test_commit_moves_the_index_only():
 
 @pytest.mark.parametrize("change, error, message", [
     (dict(x=lambda a: a[:, :0]), ValueError, r"`x` must have no empty axis \[batch, W, nheads, head_dim\]"),
-    (dict(state=lambda s: s[:, :4], index=lambda i: i % 4), ValueError, r"the window length W = x.shape\[1\] must be in \[1, slots - 1 = 3\]"),
+    (dict(state=lambda s: s[:, :4], index=lambda i: i % 4), ValueError,
+     r"the window length W = x.shape\[1\] must be in \[1, slots - 1 = 3\]"),
     (dict(state=lambda s: s[:, 0]), ValueError, r"`state` must have rank 5 \[batch, slots, nheads, head_dim, "),
     (dict(state=lambda s: s.astype(jnp.int8)), TypeError, "`state` must have dtype float32 or bfloat16; got int8: "
                                                           "8-bit states are supported as replay checkpoints only"),

@@ -40,6 +40,12 @@ touch the same state element.
   `tree`), the same kernel walks the tree's nodes in node order
   (`launch.walk_tree`): a node whose parent is the node before it continues
   from the state just computed, any other restarts from S_0 along its path.
+- :func:`gdn_verify`: the per-draft standard verify (the standard-state
+  baseline of speculative decoding) on a slotted state [batch, slots, HV,
+  V, K]: grid (batch, HV, cdiv(V, block_v)) as the standard step; a program
+  reads its tile of the row's current slot once, runs the W steps of the
+  window (or tree) on it with the verify kernel's step (`_window_steps`),
+  and writes each step's state tile to its own slot and its output.
 """
 
 from __future__ import annotations
@@ -51,12 +57,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, replay_config_for, step_config_for,
-                                          verify_config_for)
+from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
+                                          replay_config_for, step_config_for, verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
 from replayssm_jax.kernels.launch import (BlockSpecs, per_draft_launch, replay_launch, replay_step,
-                                          run_replay_program, run_verify_program, step_launch, tree_option,
-                                          verify_launch, verify_window, walk_tree, window_start)
+                                          run_replay_program, run_verify_program, run_window, step_launch,
+                                          tree_option, verify_launch, verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
@@ -255,10 +261,7 @@ def _window_steps(inputs: Inputs, o_ref, rows, vmask, S_0, keep, *, W, K, scale,
         keep(t, S, d)
         return S
 
-    if tree is None:
-        jax.lax.fori_loop(0, W, step, S_0)
-    else:
-        walk_tree(tree, S_0, step, lambda t, S: advance(t, S)[0])
+    run_window(tree, W, S_0, step, lambda t, S: advance(t, S)[0])
 
 
 def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, o_ref, records_out: Records, *, V,
@@ -553,6 +556,6 @@ def gdn_verify(state, index, q, k, v, g, beta, *, scale: float, use_qk_l2norm: b
     Raises:
       ValueError, TypeError: as :func:`gdn_step`.
     """
-    config = step_config_for(config, jax.ShapeDtypeStruct((state.shape[0], *state.shape[2:]), state.dtype), DIMS)
+    config = per_draft_config_for(config, state, DIMS)
     return _per_draft(state, index, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
                       config=config, interpret=interpret, **tree_option(tree))

@@ -1,7 +1,8 @@
 """pallas_call plumbing shared by both layers' kernels: the Triton compiler
-parameters, the standard step's launch (also the direct route's) and the
-replay step's launches (replay kernel, flush launch), with their aliasing
-and the kernel names that profiles show.
+parameters, the standard step's launch (also the direct route's), the
+per-draft standard verify's launch and the replay step's launches (replay
+kernel, flush launch), with their aliasing and the kernel names that
+profiles show.
 
 A layer describes its launches by its block specs (:class:`BlockSpecs`,
 for programs of a given number of state rows and batch rows) and its
@@ -434,6 +435,15 @@ def walk_tree(tree, S_0, step, replay) -> None:
             for ancestor in tree.path(parent):
                 S = replay(jnp.int32(ancestor), S)
         S = step(jnp.int32(j), S)
+
+
+def run_window(tree, W: int, S_0, step, replay) -> None:
+    """A verify program's W steps from S_0: step(t, S) -> S in a `fori_loop` for a chain (tree None), or
+    the draft tree's nodes (`walk_tree`, replay(t, S) -> S the step without writes)."""
+    if tree is None:
+        jax.lax.fori_loop(0, W, step, S_0)
+    else:
+        walk_tree(tree, S_0, step, replay)
 
 
 def window_start(cursor, L: int, W: int):

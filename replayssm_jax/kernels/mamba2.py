@@ -36,6 +36,8 @@ P, all N columns).
   tile and writes the W outputs and the W records at the cursor; the
   checkpoint is not written. A draft tree's nodes (tree speculation) are
   walked as in :mod:`replayssm_jax.kernels.gdn` (`launch.walk_tree`).
+- :func:`mamba2_verify`: the per-draft standard verify on a slotted state
+  [batch, slots, H, P, N], as :func:`replayssm_jax.kernels.gdn_verify`.
 
 The z gate is optional (a None ref: no gate); D and dt_bias, when None,
 are passed as zeros.
@@ -51,12 +53,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, replay_config_for, step_config_for,
-                                          verify_config_for)
+from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
+                                          replay_config_for, step_config_for, verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
 from replayssm_jax.kernels.launch import (BlockSpecs, per_draft_launch, replay_launch, replay_step,
-                                          run_replay_program, run_verify_program, step_launch, tree_option,
-                                          verify_launch, verify_window, walk_tree, window_start)
+                                          run_replay_program, run_verify_program, run_window, step_launch,
+                                          tree_option, verify_launch, verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
@@ -296,10 +298,7 @@ def _window_steps(inputs: Inputs, y_ref, rows, pmask, nmask, S_0, keep, *, W, A,
         keep(t, S, x)
         return S
 
-    if tree is None:
-        jax.lax.fori_loop(0, W, step, S_0)
-    else:
-        walk_tree(tree, S_0, step, lambda t, S: advance(t, S)[0])
+    run_window(tree, W, S_0, step, lambda t, S: advance(t, S)[0])
 
 
 def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, records_out: Records, *, P,
@@ -581,11 +580,7 @@ def mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: b
       x: [batch, W, H, P]; dt: [batch, W, H], raw; B, C: [batch, W, G, N];
         z: [batch, W, H, P] or None; A, D, dt_bias, dt_softplus, dt_limit:
         as :func:`mamba2_step`.
-      tree: None or a DraftTree of W nodes (static), as
-        :func:`replayssm_jax.kernels.gdn_verify`.
-      config: the tiling (a StepConfig); None: :func:`default_step_config`
-        of one slot's state.
-      interpret: run the kernel in Pallas interpret mode.
+      tree, config, interpret: as :func:`replayssm_jax.kernels.gdn_verify`.
 
     Returns:
       (y [batch, W, H, P] in x.dtype, new state like state).
@@ -593,6 +588,6 @@ def mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: b
     Raises:
       ValueError, TypeError: as :func:`mamba2_step`.
     """
-    config = step_config_for(config, jax.ShapeDtypeStruct((state.shape[0], *state.shape[2:]), state.dtype), DIMS)
+    config = per_draft_config_for(config, state, DIMS)
     return _per_draft(state, index, Inputs(x, dt, A, B, C, D, dt_bias, z), config=config,
                       **_step_options(dt_softplus, dt_limit, interpret), **tree_option(tree))

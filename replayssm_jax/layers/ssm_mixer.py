@@ -100,7 +100,7 @@ class SSMMixer(nnx.Module):
             _check_state_type(self, state, "prefill", (SSMLayerState,))
         inputs, z, conv_state = self._ssm_inputs(u, None if state is None else state.conv_state.conv_state(),
                                                  self.conv1d)
-        y, ssm_state = self.chunked_op(None if state is None else state.ssm_state, **inputs,
+        y, ssm_state = self.chunked_op(None if state is None else state.current_state(), **inputs,
                                        chunk_size=self.chunk_size,
                                        backend=ops.backend_for(self.chunked_op.__name__, backend),
                                        **self._op_params())
