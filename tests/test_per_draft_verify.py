@@ -50,8 +50,7 @@ def slotted(layer, slots, dtype):
     return state, jnp.arange(0, 2 * layer.s.batch, 2, dtype=jnp.int32) % slots
 
 
-@pytest.mark.parametrize("adapter", [GDN, Mamba2], ids=["gdn", "mamba2"])
-@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("adapter, tree", [(GDN, None), (Mamba2, TREE)], ids=["gdn-chain", "mamba2-tree"])
 def test_reference_keeps_each_standard_step_in_its_slot(adapter, tree, rng):
     layer = adapter(SHAPES[adapter], rng)
     W, slots = 4, 6
@@ -102,8 +101,7 @@ def test_kernel_matches_reference(adapter, W, tree, dtypes, block_v, rng):
     check_kernel(layer, W, tree, dtypes, "interpret", None if block_v is None else kernels.StepConfig(block_v=block_v))
 
 
-@pytest.mark.parametrize("adapter", [GDN, Mamba2], ids=["gdn", "mamba2"])
-@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("adapter, tree", [(GDN, TREE), (Mamba2, None)], ids=["gdn-tree", "mamba2-chain"])
 def test_one_launch_in_place_lowers_for_cuda(adapter, tree, rng):
     """The Triton lowering of the launch at the model's shape: one kernel, the state operand 0 aliased to
     output 1."""
