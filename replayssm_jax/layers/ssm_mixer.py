@@ -112,10 +112,9 @@ class SSMMixer(nnx.Module):
         """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps;
         the checkpoint stored in `checkpoint_dtype` (None: the state's dtype; int8 or float8_e4m3fn: quantized
         per row with `rounding`, "nearest" or "stochastic": replayssm_jax.ops.*_replay_init)."""
-        return ReplayLayerState(conv_state=state.conv_state,
-                                replay=self.replay_init_op(state.current_state(), buffer_len, buffer_dtype=buffer_dtype,
-                                                           checkpoint_dtype=checkpoint_dtype, rounding=rounding,
-                                                           **self._replay_init_params()))
+        replay = self.replay_init_op(state.current_state(), buffer_len, buffer_dtype=buffer_dtype,
+                                     checkpoint_dtype=checkpoint_dtype, rounding=rounding, **self._replay_init_params())
+        return ReplayLayerState(conv_state=state.conv_state, replay=replay)
 
     def with_window(self, state: SSMLayerState | ReplayLayerState, max_window: int):
         """`state` with a conv window that holds verify windows of up to `max_window` (>= 1) positions;
