@@ -55,10 +55,14 @@ Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
   --verify W  also time speculative verify windows of W positions per row
               (all accepted), per window, at each L >= W: ReplaySSM's verify
               kernel plus its commit (a cursor move) against the per-draft
-              standard path that the standard state takes (W standard steps,
-              the W states kept, the accepted one selected), over a flush cycle
-              of L // W windows; the verify kernels' correctness is the GPU
-              tests' (tests/test_verify_kernels.py).
+              standard path that the standard state takes (as vLLM's: one
+              launch per layer reads the current state once and writes the
+              state after each of the W positions to its own slot of a slotted
+              state, W + 1 slots; the commit moves the slot index), over a
+              flush cycle of L // W windows. The per-draft launch is checked
+              against the reference first, in the same run (`check_per_draft`);
+              the ReplaySSM verify kernels' correctness is the GPU tests'
+              (tests/test_verify_kernels.py).
   --dry-run   run the script on the CPU in interpret mode (numbers meaningless).
 Prints a table; writes JSON to DIR/NAME.json (default DIR: bench/results/DATE-NAME).
 Results: bench/RESULTS.md.
@@ -93,6 +97,7 @@ import step_profile  # noqa: E402  (bench/step_profile.py)
 
 from replayssm_jax import kernels, ops, testing  # noqa: E402
 from replayssm_jax.kernels import ReplayConfig, StepConfig  # noqa: E402
+from replayssm_jax.layers.cache import committed_index  # noqa: E402
 from replayssm_jax.state import dequantize, is_quantized  # noqa: E402
 from replayssm_jax.testing import CASE_TABLES, GDNShape, Mamba2Shape, closeness, tolerance_dtype  # noqa: E402,F401
 
@@ -185,6 +190,17 @@ class _LayerBench:
     def inputs(self, T):
         """T steps of inputs, time-major ([T, batch, ...]: the scan's layout)."""
         return self.random_inputs((T, self.b))
+
+    def slotted_state(self, slots: int):
+        """(state [batch, slots, ...], index i32[batch]): the slotted standard state of the per-draft verify,
+        a random state at slot 0 (the other slots zero)."""
+        state = self.state()
+        slotted = jnp.zeros((self.b, slots, *state.shape[1:]), state.dtype).at[:, 0].set(state)
+        return slotted, jnp.zeros((self.b,), jnp.int32)
+
+    def per_draft_verify(self, state, index, window, backend="xla", config=None):
+        """(y [batch, W, ...], new slotted state) of the per-draft standard verify (ops.*_verify) on `backend`."""
+        return self._op("verify", backend, config)(state, index, **self._kw(window))
 
     def state_bytes(self):
         """The state's (checkpoint's) bytes; an 8-bit checkpoint's f32 scales included."""
@@ -413,20 +429,34 @@ def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="o
                 kernels_us=profile)
 
 
-def _per_draft_verify(bench, state, window, num_accepted, options: TimingOptions):
-    """The per-draft standard path of one verify window (what `SSMMixer.verify` / `commit` do with the
-    standard state, as vLLM's and tpu-inference's spec paths keep one state per draft position): W
-    standard steps, the W states stacked as the pending window, then the state after the accepted
-    ones selected. Returns (the last output, the committed state)."""
-    W = next(iter(window.values())).shape[1]
-    ys, states = [], []
-    for t in range(W):
-        y, state = bench.step(state, {k: a[:, t] for k, a in window.items()}, options.backend)
-        ys.append(y)
-        states.append(state)
-    pending = jnp.stack(states, axis=1)
-    idx = jnp.maximum(num_accepted - 1, 0).reshape((-1,) + (1,) * (pending.ndim - 1))
-    return ys[-1], jnp.take_along_axis(pending, idx, axis=1)[:, 0]
+def _per_draft_verify(bench, carry, window, num_accepted, options: TimingOptions):
+    """The per-draft standard path of one verify window, as `SSMMixer.verify` / `commit` run it on the
+    standard state (and vLLM's spec path on its per-draft state slots): one launch reads each row's current
+    state once and writes the state after each of the W positions to its own slot; the commit moves the
+    index to the accepted position's slot. carry: (slotted state, index). Returns (the last output, the
+    committed carry)."""
+    state, index = carry
+    y, state = bench.per_draft_verify(state, index, window, options.backend)
+    return y[:, -1], (state, committed_index(index, state.shape[1], num_accepted))
+
+
+def check_per_draft(bench, W: int, backend="pallas") -> dict:
+    """Correctness at this shape of the per-draft verify launch on `backend` against the reference (float32,
+    no TF32), a window of W positions from random rows' slots, within the tests' tolerance of the bench's
+    dtypes: the W outputs, the W slots written and the current slot untouched. Returns a dict of errors
+    and `ok`."""
+    state, _ = bench.slotted_state(W + 1)
+    index = jnp.arange(bench.b, dtype=jnp.int32) % (W + 1)
+    window = bench.random_inputs((bench.b, W))
+    with jax.default_matmul_precision("highest"):
+        y_k, s_k = bench.per_draft_verify(state, index, window, backend)
+        y_r, s_r = bench.per_draft_verify(state.astype(f32), index, window, "xla")
+    rows = jnp.arange(bench.b)
+    tol = tolerance_dtype(bench.dtype, bench.sd)
+    out = {"y": _compared([(y_k, y_r)], tol), "states": _compared([(s_k, s_r)], tol),
+           "current_untouched": bool(jnp.array_equal(s_k[rows, index], state[rows, index]))}
+    out["ok"] = out["y"]["ok"] and out["states"]["ok"] and out["current_untouched"]
+    return out
 
 
 def run_verify_variant(bench, L, W, per_draft: bool, options: TimingOptions, config=None):
@@ -434,21 +464,21 @@ def run_verify_variant(bench, L, W, per_draft: bool, options: TimingOptions, con
     L // W windows (cursor 0 -> L, the early flush of the next cycle included): ReplaySSM's verify kernel
     and `replay_commit` (per_draft False) or the per-draft standard path (`_per_draft_verify`). The
     accepted counts are a runtime input, as in a decode loop. Returns the `run_variant` fields, per
-    window; `config`: the verify launch's ReplayConfig (None: the heuristic); bytes from the traffic model (replay: the checkpoint read once per window and re-read and
-    written once per cycle, the buffer tiles read, W records written; per-draft: the state read and
-    written W times, the W states written and read again, one selected state written)."""
+    window; `config`: the verify launch's ReplayConfig (None: the heuristic); bytes from the traffic
+    model (replay: the checkpoint read once per window and re-read and written once per cycle, the buffer
+    tiles read, W records written; per-draft: the current state read once and W states written)."""
     n = n_sets_for(bench, options)
     windows = max(1, L // W)
     xs = bench.random_inputs((windows, bench.b, W))
     xs["num_accepted"] = jnp.full((windows, bench.b), W, jnp.int32)
     if per_draft:
-        carries = tuple(bench.state() for _ in range(n))
+        carries = tuple(bench.slotted_state(W + 1) for _ in range(n))
 
         def step(c, inp):
             inp = dict(inp)
             return _per_draft_verify(bench, c, inp, inp.pop("num_accepted"), options)
 
-        bytes_window = (2 * W + 2 * W + 2) * bench.state_bytes() + W * bench.io_bytes()
+        bytes_window = (1 + W) * bench.state_bytes() + W * bench.io_bytes()
     else:
         carries = tuple(bench.replay_init(bench.state(), L, bench.dtype) for _ in range(n))
 
@@ -650,6 +680,12 @@ def verify_rows(bench, base, rows, lengths, W, options: TimingOptions, configs=(
     """Append the verify rows of one shape: per L >= W, the per-draft standard path and ReplaySSM's
     verify with the heuristic's tiling, then with each of `configs` (speedup: per-draft time / this
     row's time)."""
+    checked = check_per_draft(bench, W, options.backend)
+    if not checked["ok"]:
+        print(f"{base['layer']:7s} {base['state_dtype']:9s} b{base['batch']:<4d} the per-draft verify FAILED its "
+              f"check: {checked}; no verify row", flush=True)
+        rows.append(dict(base, variant=f"verify-W{W}-per-draft", W=W, passed=False, check=checked))
+        return
     for L in (L for L in lengths if L >= W):
         per_draft = None
         runs = [(f"verify-W{W}-per-draft", True, None), (f"verify-W{W}-L{L}", False, None)]

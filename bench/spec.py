@@ -8,15 +8,18 @@ by `replayssm_jax.generation.Generator`:
   ar-standard     one token per step, standard SSM state (the baseline)
   ar-replay       one token per step, ReplaySSM with buffer length L
   spec-standard   speculative rounds of W = K + 1 verified positions; the
-                  standard state keeps the state after each of the W positions
-                  and commits the m-th (`state="standard"`)
+                  standard state keeps W + 1 state slots per row, one launch
+                  per layer writes the state after each of the W positions to
+                  its slot, and the commit moves the row's slot index to the
+                  m-th (`state="standard"`, the per-draft path of vLLM)
   spec-replay     the same rounds with ReplaySSM (commit is `cursor += m`)
 With `--tree TOPK,DEPTH` two more modes run (tree speculation, the same
 oracle reference method):
   tree-standard   rounds that verify a draft tree of 1 + TOPK * DEPTH nodes
                   (`DraftTree.topk`: TOPK candidates per depth, the first one
                   expanding) and keep the longest accepted path; the standard
-                  state keeps one state per node and commits the accepted one
+                  state keeps one state slot per node and commits the accepted
+                  node's slot
   tree-replay     the same rounds with ReplaySSM (the tree's records in the
                   buffer; commit gathers the path's records, then moves the
                   cursor)

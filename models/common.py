@@ -265,7 +265,7 @@ class HybridCausalLM(nnx.Module):
           cache: from `prefill` (with max_window >= W), `decode` or `commit`; no
             window pending.
           backend: SSM op backend (the replay verify ops run on
-            ``ops.backend_for``; the standard baseline runs W standard steps).
+            ``ops.backend_for``; the standard baseline runs the per-draft verify op, one launch per layer).
           return_hidden: also return the hidden states after the final norm
             at the W positions (static).
           tree: None (a chain), or a
@@ -333,7 +333,7 @@ def commit_cache(cache: HybridCache, num_accepted, path=None) -> HybridCache:
 
     Returns:
       The HybridCache after those positions, no window pending: SSM layers
-      (replay: ``cursor += m``; standard: the state after m positions), conv
+      (replay: ``cursor += m``; standard: the index moved to the slot of the state after m positions), conv
       windows (start moved by m), KV caches (``length += m``), ``position += m``.
 
     Raises:
@@ -492,8 +492,8 @@ def prefill_layer_states(mixer, state, *, replay_buffer_len, buffer_dtype, max_w
     ReplaySSM if asked, its checkpoint in `checkpoint_dtype` (KV caches and None pass through)."""
     if not isinstance(state, SSMLayerState):
         return state
-    if max_window != 1:
+    if replay_buffer_len is not None:  # first: the replay state is made from the plain state
+        state = mixer.to_replay(state, replay_buffer_len, buffer_dtype, checkpoint_dtype, rounding)
+    if max_window != 1:  # a standard state: the slotted layout of max_window + 1 states
         state = mixer.with_window(state, max_window)
-    if replay_buffer_len is not None:
-        return mixer.to_replay(state, replay_buffer_len, buffer_dtype, checkpoint_dtype, rounding)
     return state

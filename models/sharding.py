@@ -46,7 +46,7 @@ row-parallel out_proj / o_proj / down_proj (columns).
 heads on the axis that the kernels index by head (``tp``): SSM states and
 replay checkpoints, buffers and scales [batch, heads, ...]; KV caches and the
 conv windows' columns [batch, positions, kv heads | channels, ...]; the
-standard state's pending window states [batch, W, heads, ...]. Cursors,
+standard state's slotted states [batch, slots, heads, ...]. Cursors,
 positions, lengths and ring starts [batch] follow ``dp`` only (`state_specs`).
 
 8-bit checkpoints with stochastic rounding key their noise by the local row
@@ -322,15 +322,17 @@ def _param_specs(params):
 def state_specs(tree):
     """The PartitionSpec of every array of a call's arguments or results (token ids, logits,
     hidden states, a `HybridCache`): batch on axis 0 over dp; the cache's head-indexed arrays
-    over tp on their heads' axis (axis 2 for KV caches, conv window columns and pending window
-    states; else axis 1); [batch] arrays (cursors, lengths, positions, ring starts) over dp only."""
+    over tp on their heads' axis (axis 2 for KV caches, conv window columns and the slotted
+    standard states [batch, slots, heads, ...]; else axis 1); [batch] arrays (cursors, lengths,
+    positions, ring starts) over dp only."""
 
     def spec(path, leaf):
         names = names_of(path)
         if "layers" not in names or leaf.ndim == 1:
             return P(DP)
         field = names[-1]
-        if field in ("columns", "pending") or (field in ("k", "v") and "replay" not in names):
+        slotted = field == "ssm_state" and leaf.ndim == 5  # the standard state's [batch, slots, heads, ...]
+        if field == "columns" or slotted or (field in ("k", "v") and "replay" not in names):
             return P(DP, None, TP)
         return P(DP, TP)
 

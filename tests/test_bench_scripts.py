@@ -132,6 +132,29 @@ def test_kernels_timing_options(monkeypatch):
     assert std["seconds"] > 0 and replay["seconds"] > 0 and std["kernels_us"] is None  # no profile asked
 
 
+def test_kernels_verify_rows_time_the_per_draft_launch(monkeypatch, capsys):
+    """`bench/kernels.py --verify W` checks the per-draft standard verify launch against the reference, then
+    times it (one launch per window on a slotted state, the commit an index move; traffic: the state read
+    once, W states written) beside ReplaySSM's verify kernel (interpret mode, tiny shape); a per-draft
+    launch that fails its check gives no timing."""
+    kb = load("kernels")
+    bench = kb.make_bench("gdn", 2, "float32", None, shape=kb.GDNShape(H=1, HV=2, K=16, V=16))
+    assert kb.check_per_draft(bench, 2, "interpret")["ok"]
+    r = kb.run_verify_variant(bench, 4, 2, True, kb.TimingOptions.dry_run())
+    assert r["bytes"] == 3 * bench.state_bytes() + 2 * bench.io_bytes() and r["seconds"] > 0
+    # the check is live: a launch that leaves the slots as they were fails it, and nothing is timed
+    verify = bench.per_draft_verify
+    monkeypatch.setattr(bench, "per_draft_verify", lambda state, index, window, backend="xla", config=None: (
+        verify(state, index, window, backend)[0], state) if backend == "interpret" else verify(state, index, window))
+    monkeypatch.setattr(kb, "run_verify_variant", lambda *args, **kw: pytest.fail("timed after a failed check"))
+    rows = []
+    kb.verify_rows(bench, dict(layer="gdn", shape=str(bench.s), batch=2, state_dtype="float32"), rows, (4,), 2,
+                   kb.TimingOptions.dry_run())
+    assert len(rows) == 1 and not rows[0]["passed"] and not rows[0]["check"]["states"]["ok"]
+    assert rows[0]["check"]["y"]["ok"] and rows[0]["check"]["current_untouched"]
+    assert "the per-draft verify FAILED its check" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(backend="xla"), "`backend` must be one of pallas, interpret; got 'xla'"),
     (dict(repeats=0), "`repeats` must be an int >= 1; got 0"),

@@ -503,7 +503,7 @@ def test_ssm_layer_verify_and_commit(name, buffer_len):
     y, pending = verify(_ragged(u, pos, tail[0]), state)
     assert_close(y, full[:, 16 - tail[0]:], what="last verify")
     state = commit(pending, jnp.full((2,), tail[0], jnp.int32))
-    ssm = state.ssm_state if buffer_len is None else (
+    ssm = state.current_state() if buffer_len is None else (
         ops.mamba2_replay_materialize(state.replay, layer._op_params()["A"]) if name == "mamba2"
         else ops.gdn_replay_materialize(state.replay))
     assert_close(ssm, full_state.ssm_state, what="final ssm_state")

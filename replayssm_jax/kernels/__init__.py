@@ -11,6 +11,10 @@ Launches and their configs:
 
 - standard step (:func:`gdn_step`, :func:`mamba2_step`): one launch,
   :class:`StepConfig`, the state updated in place.
+- per-draft standard verify (:func:`gdn_verify`, :func:`mamba2_verify`):
+  the standard step's tiling (:class:`StepConfig`) on a slotted state
+  [batch, slots, heads, V, K]; one launch reads the current slot's tile
+  once and writes W outputs and W states to the draft slots, in place.
 - replay step, direct route: the standard step's kernel on the checkpoint,
   each row's live records folded into its checkpoint tile first (a loop over
   the live slots, in a branch that plain decoding never takes); the cursor
@@ -78,8 +82,8 @@ from replayssm_jax.kernels.config import (
     default_verify_config,
     replay_is_one_launch,
 )
-from replayssm_jax.kernels.gdn import gdn_replay_step, gdn_replay_verify, gdn_step
-from replayssm_jax.kernels.mamba2 import mamba2_replay_step, mamba2_replay_verify, mamba2_step
+from replayssm_jax.kernels.gdn import gdn_replay_step, gdn_replay_verify, gdn_step, gdn_verify
+from replayssm_jax.kernels.mamba2 import mamba2_replay_step, mamba2_replay_verify, mamba2_step, mamba2_verify
 
 __all__ = [
     "MAX_BUFFER_LEN",
@@ -92,8 +96,10 @@ __all__ = [
     "gdn_replay_step",
     "gdn_replay_verify",
     "gdn_step",
+    "gdn_verify",
     "mamba2_replay_step",
     "mamba2_replay_verify",
     "mamba2_step",
+    "mamba2_verify",
     "replay_is_one_launch",
 ]

@@ -389,6 +389,12 @@ def step_config_for(config: StepConfig | None, state, dims, *, direct: bool = Fa
     return _fit_step_config(config, state, _check_dims(state, dims), direct)
 
 
+def per_draft_config_for(config: StepConfig | None, state, dims) -> StepConfig:
+    """The per-draft verify's tiling for a slotted state [batch, slots, heads, V, K]: the standard step's
+    (:func:`step_config_for`) for one slot's state [batch, heads, V, K]; errors as there."""
+    return step_config_for(config, jax.ShapeDtypeStruct((state.shape[0], *state.shape[2:]), state.dtype), dims)
+
+
 def _fit_step_config(config, state, rows_name: str, direct: bool) -> StepConfig:
     _check_type(config, StepConfig, "the replay step's direct route (the standard step's kernel)" if direct
                 else "the standard step")

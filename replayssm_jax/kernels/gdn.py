@@ -40,6 +40,12 @@ touch the same state element.
   `tree`), the same kernel walks the tree's nodes in node order
   (`launch.walk_tree`): a node whose parent is the node before it continues
   from the state just computed, any other restarts from S_0 along its path.
+- :func:`gdn_verify`: the per-draft standard verify (the standard-state
+  baseline of speculative decoding) on a slotted state [batch, slots, HV,
+  V, K]: grid (batch, HV, cdiv(V, block_v)) as the standard step; a program
+  reads its tile of the row's current slot once, runs the W steps of the
+  window (or tree) on it with the verify kernel's step (`_window_steps`),
+  and writes each step's state tile to its own slot and its output.
 """
 
 from __future__ import annotations
@@ -51,12 +57,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, replay_config_for, step_config_for,
-                                          verify_config_for)
+from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
+                                          replay_config_for, step_config_for, verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
-from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step, run_replay_program,
-                                          run_verify_program, step_launch, tree_option, verify_launch, verify_window,
-                                          walk_tree, window_start)
+from replayssm_jax.kernels.launch import (BlockSpecs, per_draft_launch, replay_launch, replay_step,
+                                          run_replay_program, run_verify_program, run_window, step_launch,
+                                          tree_option, verify_launch, verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
@@ -237,6 +243,27 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
     for_each_row_tile(V, config, split, tile)
 
 
+def _window_steps(inputs: Inputs, o_ref, rows, vmask, S_0, keep, *, W, K, scale, use_qk_l2norm, tree=None) -> None:
+    """The W steps of a verify window on the state tile S_0 f32[BV, BK] of `rows` (a `pl.ds`; vmask its
+    rows' mask): step t (the gated delta rule) writes its output o_t [BV] to o_ref.at[t, rows], then calls
+    keep(t, S_t, d_t), which stores what the launch keeps of it (the d record, or the state). A chain runs
+    a loop; a draft tree (static, not a chain) its nodes in node order (`walk_tree`)."""
+
+    def advance(t, S):  # S after step t, and the step's scaled q and d
+        _, q, k = _load_head_vectors(inputs.q.at[t], inputs.k.at[t], K, use_qk_l2norm, scale)
+        S = jnp.exp(inputs.g[t].astype(f32)) * S
+        d = inputs.beta[t].astype(f32) * (load(inputs.v.at[t, rows], vmask) - matvec(S, k))
+        return S + d[:, None] * k[None, :], q, d
+
+    def step(t, S):
+        S, q, d = advance(t, S)
+        store(o_ref.at[t, rows], matvec(S, q), vmask)
+        keep(t, S, d)
+        return S
+
+    run_window(tree, W, S_0, step, lambda t, S: advance(t, S)[0])
+
+
 def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, o_ref, records_out: Records, *, V,
                    K, L, W, group, scale, use_qk_l2norm, config, tree=None):
     """The verify kernel on a program's row tiles of one value head and batch
@@ -253,29 +280,36 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     split = pl.program_id(2)
 
     def tile(rows, vmask):
-        def advance(t, S):  # S after step t, and the step's scaled q and d
-            _, q, k = _load_head_vectors(inputs.q.at[t], inputs.k.at[t], K, use_qk_l2norm, scale)
-            S = jnp.exp(inputs.g[t].astype(f32)) * S
-            d = inputs.beta[t].astype(f32) * (load(inputs.v.at[t, rows], vmask) - matvec(S, k))
-            return S + d[:, None] * k[None, :], q, d
-
-        def step(t, S):
-            S, q, d = advance(t, S)
-            store(o_ref.at[t, rows], matvec(S, q), vmask)
+        def keep(t, S, d):
             store(records_out.d.at[start + t, rows], d, vmask)  # the d rows are this program's
-            return S
 
         tmask = tile_mask(vmask, kmask, (config.block_v, inputs.q.shape[-1]))
         S_0 = _materialize(checkpoint_ref, records, start, rows, vmask, kmask, tmask, L)
-        if tree is None:
-            jax.lax.fori_loop(0, W, step, S_0)
-        else:
-            walk_tree(tree, S_0, step, lambda t, S: advance(t, S)[0])
+        _window_steps(inputs, o_ref, rows, vmask, S_0, keep, W=W, K=K, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                      tree=tree)
 
     # The shared records: the window's g, and its k normalized, not scaled.
     run_verify_program(tile, V=V, W=W, config=config, split=split, start=start, group=group,
                        decay_window=load(inputs.g, wmask), decay_out=records_out.g, keys=keys, key_out=records_out.k,
                        key_mask=kmask)
+
+
+def _per_draft_kernel(state_ref, index_ref, inputs: Inputs, o_ref, state_out_ref, *, V, K, W, slots, scale,
+                      use_qk_l2norm, tree=None):
+    """The per-draft verify on one state tile of one value head and batch row: the tile of the current
+    state (slot index) read once, then the W steps on it (`_window_steps`), step t's state written to slot
+    (index + 1 + t) mod slots."""
+    BV, BK = state_ref.shape[1:]
+    vmask = row_mask(BV, V)
+    tmask = tile_mask(vmask, lane_mask(BK, K), (BV, BK))
+    index = index_ref[0]
+    S_0 = load(state_ref.at[index], tmask)
+
+    def keep(t, S, d):
+        store(state_out_ref.at[(index + 1 + t) % slots], S, tmask)
+
+    _window_steps(inputs, o_ref, pl.ds(0, BV), vmask, S_0, keep, W=W, K=K, scale=scale,
+                  use_qk_l2norm=use_qk_l2norm, tree=tree)
 
 
 def _block_specs(H, HV, K, L, rows, nb=None, window=None) -> BlockSpecs:
@@ -342,6 +376,19 @@ def _verify(checkpoint, records: Records, cursor, inputs: Inputs, *, scale: floa
                          checkpoint, records, cursor, _f32_decay(inputs), None,
                          jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype), window=W, per_head=(), config=config,
                          interpret=interpret, tree=tree)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret", "tree"))
+def _per_draft(state, index, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, config: StepConfig,
+               interpret: bool, tree=None):
+    """The per-draft verify's launch; tree: a draft tree (not a chain) or None. Returns (o, state)."""
+    _, slots, HV, V, K = state.shape
+    H, W = inputs.q.shape[2], inputs.v.shape[1]
+    kernel = functools.partial(_per_draft_kernel, V=V, K=K, W=W, slots=slots, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm, **tree_option(tree))
+    return per_draft_launch("gdn", kernel, functools.partial(_block_specs, H, HV, K, None, window=next_pow2(W)),
+                            state, index, _f32_decay(inputs), jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype),
+                            window=W, config=config, interpret=interpret, tree=tree)
 
 
 def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, config: StepConfig | None = None,
@@ -475,3 +522,40 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, 
                                interpret=interpret, **tree_option(tree))
     return verify_window(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), window=W,
                          verify=verify)
+
+
+def gdn_verify(state, index, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, tree=None,
+               config: StepConfig | None = None, interpret: bool = False):
+    """The per-draft standard verify of W speculative Gated DeltaNet steps (Pallas kernel); the state in place.
+
+    Takes validated arguments (:func:`replayssm_jax.ops.gdn_verify`
+    validates them). One launch, grid (batch, HV, cdiv(V, block_v)): each
+    program reads its tile of the row's current state (slot index[b]) once
+    and runs the W steps on it (the standard step's math, as
+    :func:`gdn_step`), writing o_t and the state after step t to slot
+    (index + 1 + t) mod slots: 1 + W state passes per layer, as vLLM's
+    fused recurrent kernels with per-draft state indices. The current slot
+    is never written (W < slots), so a commit is an index move.
+
+    Args:
+      state: f32 | bf16[batch, slots, HV, V, K], the slotted standard state;
+        index: i32[batch], each row's slot of the current state.
+      q, k: [batch, W, H, K]; v: [batch, W, HV, V]; g: f32[batch, W, HV],
+        log decay <= 0; beta: [batch, W, HV]; scale, use_qk_l2norm: as
+        :func:`gdn_step`.
+      tree: None or a DraftTree of W nodes (static): node t steps from its
+        parent's state (the root from the current state), walked in node
+        order as in :func:`gdn_replay_verify`; a chain runs the window's loop.
+      config: the tiling (a StepConfig); None: :func:`default_step_config`
+        of one slot's state.
+      interpret: run the kernel in Pallas interpret mode.
+
+    Returns:
+      (o [batch, W, HV, V] in v.dtype, new state like state).
+
+    Raises:
+      ValueError, TypeError: as :func:`gdn_step`.
+    """
+    config = per_draft_config_for(config, state, DIMS)
+    return _per_draft(state, index, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
+                      config=config, interpret=interpret, **tree_option(tree))

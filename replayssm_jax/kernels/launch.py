@@ -1,7 +1,8 @@
 """pallas_call plumbing shared by both layers' kernels: the Triton compiler
-parameters, the standard step's launch (also the direct route's) and the
-replay step's launches (replay kernel, flush launch), with their aliasing
-and the kernel names that profiles show.
+parameters, the standard step's launch (also the direct route's), the
+per-draft standard verify's launch and the replay step's launches (replay
+kernel, flush launch), with their aliasing and the kernel names that
+profiles show.
 
 A layer describes its launches by its block specs (:class:`BlockSpecs`,
 for programs of a given number of state rows and batch rows) and its
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows
+from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows, next_pow2
 from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, next_cursor,
                                           store_cursor)
 from replayssm_jax.kernels.tiles import Quantized, for_each_row_tile, lane_ids, mask_and, store, store_window
@@ -376,6 +377,41 @@ def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..
     return out, checkpoint, records, window_start(cursor, L, window)
 
 
+def per_draft_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], state, index, inputs, out_shape, *,
+                     window: int, config: StepConfig, interpret: bool, tree=None):
+    """Launch a layer's per-draft verify kernel on a slotted standard state, updated in place (output 1).
+
+    state [batch, slots, heads, V, K]; index i32[batch], the slot of each
+    row's current state. Grid (batch, heads, cdiv(V, block_v)): a program
+    holds its [block_v, K] tile of every slot of its row and head (a block
+    of next_pow2(slots) slots). kernel(state_ref, index_ref, inputs,
+    out_ref, state_out_ref) reads the tile of slot index once and writes
+    the W outputs and the W states of its tile to the draft slots (never
+    slot index: W < slots), so no program reads what another writes.
+    block_specs(rows, nb): the layer's block specs with the window axis on
+    the inputs and the output. tree: the draft tree the kernel walks (not a
+    chain), named in the launch's name; None: the window.
+
+    Returns (output, state).
+    """
+    batch, slots, heads, V, K = state.shape
+    specs = block_specs(config.block_v, None)
+    slotted = pl.BlockSpec((None, next_pow2(slots), None, config.block_v, next_pow2(K)),
+                           lambda b, h, j: (b, 0, h, j, 0))
+    grid = (batch, heads, pl.cdiv(V, config.block_v))
+    return pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=(slotted, cursor_spec(), specs.inputs),
+        out_specs=(specs.out, slotted),
+        out_shape=(out_shape, _shapes(state)),
+        input_output_aliases={0: 1},
+        interpret=interpret,
+        config=config,
+        name=f"{layer}_per_draft_W{window}_S{slots}_{config.tag()}" + ("" if tree is None else f"_{tree.tag()}"),
+    )(state, index, inputs)
+
+
 def tree_option(tree) -> dict:
     """The verify's `tree` keyword for a draft tree that is not a chain; {} for None and for a chain (which
     runs the window's code, so that the chain's launches are the window's)."""
@@ -399,6 +435,15 @@ def walk_tree(tree, S_0, step, replay) -> None:
             for ancestor in tree.path(parent):
                 S = replay(jnp.int32(ancestor), S)
         S = step(jnp.int32(j), S)
+
+
+def run_window(tree, W: int, S_0, step, replay) -> None:
+    """A verify program's W steps from S_0: step(t, S) -> S in a `fori_loop` for a chain (tree None), or
+    the draft tree's nodes (`walk_tree`, replay(t, S) -> S the step without writes)."""
+    if tree is None:
+        jax.lax.fori_loop(0, W, step, S_0)
+    else:
+        walk_tree(tree, S_0, step, replay)
 
 
 def window_start(cursor, L: int, W: int):

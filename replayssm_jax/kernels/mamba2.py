@@ -36,6 +36,8 @@ P, all N columns).
   tile and writes the W outputs and the W records at the cursor; the
   checkpoint is not written. A draft tree's nodes (tree speculation) are
   walked as in :mod:`replayssm_jax.kernels.gdn` (`launch.walk_tree`).
+- :func:`mamba2_verify`: the per-draft standard verify on a slotted state
+  [batch, slots, H, P, N], as :func:`replayssm_jax.kernels.gdn_verify`.
 
 The z gate is optional (a None ref: no gate); D and dt_bias, when None,
 are passed as zeros.
@@ -51,12 +53,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, replay_config_for, step_config_for,
-                                          verify_config_for)
+from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
+                                          replay_config_for, step_config_for, verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
-from replayssm_jax.kernels.launch import (BlockSpecs, replay_launch, replay_step, run_replay_program,
-                                          run_verify_program, step_launch, tree_option, verify_launch, verify_window,
-                                          walk_tree, window_start)
+from replayssm_jax.kernels.launch import (BlockSpecs, per_draft_launch, replay_launch, replay_step,
+                                          run_replay_program, run_verify_program, run_window, step_launch,
+                                          tree_option, verify_launch, verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
@@ -273,6 +275,32 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
     for_each_row_tile(P, config, split, tile)
 
 
+def _window_steps(inputs: Inputs, y_ref, rows, pmask, nmask, S_0, keep, *, W, A, D, dt_bias, dt_softplus, dt_limit,
+                  tree=None) -> None:
+    """The W steps of a verify window on the state tile S_0 f32[BP, BN] of `rows` (a `pl.ds`; pmask, nmask
+    its rows' and columns' masks; A, D, dt_bias the head's f32 scalars): step t (the selective state
+    update) writes its output y_t [BP] to y_ref.at[t, rows], then calls keep(t, S_t, x_t), which stores
+    what the launch keeps of it (the x record, or the state). A chain runs a loop; a draft tree (static,
+    not a chain) its nodes in node order (`walk_tree`)."""
+
+    def advance(t, S):  # S after step t, and the step's x
+        dt = _process_dt(inputs.dt[t].astype(f32), dt_bias, dt_softplus, dt_limit)
+        x = load(inputs.x.at[t, rows], pmask)
+        return jnp.exp(dt * A) * S + (dt * x)[:, None] * load(inputs.B.at[t], nmask)[None, :], x
+
+    def step(t, S):
+        S, x = advance(t, S)
+        gate = None
+        if inputs.z is not None:
+            z = load(inputs.z.at[t, rows], pmask)
+            gate = z * jax.nn.sigmoid(z)
+        store(y_ref.at[t, rows], _skip_and_gate(matvec(S, load(inputs.C.at[t], nmask)), D * x, gate), pmask)
+        keep(t, S, x)
+        return S
+
+    run_window(tree, W, S_0, step, lambda t, S: advance(t, S)[0])
+
+
 def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, records_out: Records, *, P,
                    N, L, W, group, dt_softplus, dt_limit, config, tree=None):
     """The verify kernel on a program's row tiles of one head and batch row:
@@ -289,33 +317,38 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     A, D, dt_bias = load_scalar(inputs.A), load_scalar(inputs.D), load_scalar(inputs.dt_bias)
 
     def tile(rows, pmask):
-        def advance(t, S):  # S after step t, and the step's x
-            dt = _process_dt(inputs.dt[t].astype(f32), dt_bias, dt_softplus, dt_limit)
-            x = load(inputs.x.at[t, rows], pmask)
-            return jnp.exp(dt * A) * S + (dt * x)[:, None] * load(inputs.B.at[t], nmask)[None, :], x
-
-        def step(t, S):
-            S, x = advance(t, S)
-            gate = None
-            if inputs.z is not None:
-                z = load(inputs.z.at[t, rows], pmask)
-                gate = z * jax.nn.sigmoid(z)
-            store(y_ref.at[t, rows], _skip_and_gate(matvec(S, load(inputs.C.at[t], nmask)), D * x, gate), pmask)
+        def keep(t, S, x):
             store(records_out.x.at[start + t, rows], x, pmask)  # the x rows are this program's
-            return S
 
         tmask = tile_mask(pmask, nmask, (config.block_v, BN))
         S_0 = _materialize(checkpoint_ref, records, start, rows, pmask, nmask, tmask, L, A)
-        if tree is None:
-            jax.lax.fori_loop(0, W, step, S_0)
-        else:
-            walk_tree(tree, S_0, step, lambda t, S: advance(t, S)[0])
+        _window_steps(inputs, y_ref, rows, pmask, nmask, S_0, keep, W=W, A=A, D=D, dt_bias=dt_bias,
+                      dt_softplus=dt_softplus, dt_limit=dt_limit, tree=tree)
 
     # The shared records: the window's processed dt, and its B.
     dts = _process_dt(load(inputs.dt, wmask), dt_bias, dt_softplus, dt_limit)
     run_verify_program(tile, V=P, W=W, config=config, split=split, start=start, group=group, decay_window=dts,
                        decay_out=records_out.dt, keys=load(inputs.B, tile_mask(wmask, nmask, (BW, BN))),
                        key_out=records_out.B, key_mask=nmask)
+
+
+def _per_draft_kernel(state_ref, index_ref, inputs: Inputs, y_ref, state_out_ref, *, P, N, W, slots, dt_softplus,
+                      dt_limit, tree=None):
+    """The per-draft verify on one state tile of one head and batch row: the tile of the current state
+    (slot index) read once, then the W steps on it (`_window_steps`), step t's state written to slot
+    (index + 1 + t) mod slots."""
+    BP, BN = state_ref.shape[1:]
+    pmask, nmask = row_mask(BP, P), lane_mask(BN, N)
+    tmask = tile_mask(pmask, nmask, (BP, BN))
+    index = index_ref[0]
+    S_0 = load(state_ref.at[index], tmask)
+
+    def keep(t, S, x):
+        store(state_out_ref.at[(index + 1 + t) % slots], S, tmask)
+
+    _window_steps(inputs, y_ref, pl.ds(0, BP), pmask, nmask, S_0, keep, W=W, A=load_scalar(inputs.A),
+                  D=load_scalar(inputs.D), dt_bias=load_scalar(inputs.dt_bias), dt_softplus=dt_softplus,
+                  dt_limit=dt_limit, tree=tree)
 
 
 def _block_specs(H, G, N, L, gated, rows, nb=None, window=None) -> BlockSpecs:
@@ -392,6 +425,20 @@ def _verify(checkpoint, records: Records, cursor, inputs: Inputs, *, dt_softplus
     return verify_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, inputs, only_A,
                          jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), window=W, per_head=PER_HEAD,
                          config=config, interpret=interpret, tree=tree)
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret", "tree"))
+def _per_draft(state, index, inputs: Inputs, *, dt_softplus: bool, dt_limit: tuple[float, float],
+               config: StepConfig, interpret: bool, tree=None):
+    """The per-draft verify's launch; tree: a draft tree (not a chain) or None. Returns (y, state)."""
+    _, slots, H, P, N = state.shape
+    W = inputs.x.shape[1]
+    kernel = functools.partial(_per_draft_kernel, P=P, N=N, W=W, slots=slots, dt_softplus=dt_softplus,
+                               dt_limit=dt_limit, **tree_option(tree))
+    specs = functools.partial(_block_specs, H, inputs.B.shape[2], N, None, inputs.z is not None, window=next_pow2(W))
+    return per_draft_launch("mamba2", kernel, specs, state, index, _with_defaults(inputs),
+                            jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), window=W, config=config,
+                            interpret=interpret, tree=tree)
 
 
 def _step_options(dt_softplus, dt_limit, interpret) -> dict:
@@ -512,3 +559,35 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
                                **tree_option(tree))
     return verify_window(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),
                          window=W, verify=verify)
+
+
+def mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_limit: tuple[float, float],
+                  tree=None, config: StepConfig | None = None, interpret: bool = False):
+    """The per-draft standard verify of W speculative Mamba-2 steps (Pallas kernel); the state in place.
+
+    Takes validated arguments (:func:`replayssm_jax.ops.mamba2_verify`
+    validates them). One launch, grid (batch, H, cdiv(P, block_v)): each
+    program reads its tile of the row's current state (slot index[b]) once
+    and runs the W steps on it (the selective state update, as
+    :func:`mamba2_step`), writing y_t and the state after step t to slot
+    (index + 1 + t) mod slots: 1 + W state passes per layer, as vLLM's
+    selective_state_update with per-draft state indices. The current slot
+    is never written (W < slots), so a commit is an index move.
+
+    Args:
+      state: f32 | bf16[batch, slots, H, P, N], the slotted standard state;
+        index: i32[batch], each row's slot of the current state.
+      x: [batch, W, H, P]; dt: [batch, W, H], raw; B, C: [batch, W, G, N];
+        z: [batch, W, H, P] or None; A, D, dt_bias, dt_softplus, dt_limit:
+        as :func:`mamba2_step`.
+      tree, config, interpret: as :func:`replayssm_jax.kernels.gdn_verify`.
+
+    Returns:
+      (y [batch, W, H, P] in x.dtype, new state like state).
+
+    Raises:
+      ValueError, TypeError: as :func:`mamba2_step`.
+    """
+    config = per_draft_config_for(config, state, DIMS)
+    return _per_draft(state, index, Inputs(x, dt, A, B, C, D, dt_bias, z), config=config,
+                      **_step_options(dt_softplus, dt_limit, interpret), **tree_option(tree))

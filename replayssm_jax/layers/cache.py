@@ -22,8 +22,10 @@ then keeps the first m of them (m = num_accepted, 0..W per row):
 - `ConvWindow`: the W new conv inputs are written into free ring slots; commit
   moves the ring's start by m (an offset, no copy);
 - `SSMLayerState` (the standard baseline, as vLLM and tpu-inference do it):
-  verify keeps the state after each of the W positions (``pending``, W times
-  the state memory); commit selects the m-th (m = 0: the state before);
+  in the slotted layout (W + 1 states per row, ``index`` the current one)
+  verify writes the state after each of the W positions to its own slot in
+  one launch; commit moves the index to the m-th (m = 0: unchanged), with
+  no copy;
 - `ReplayLayerState`: verify writes W records after the cursor; commit is
   ``cursor += m`` (`replayssm_jax.ops.replay_commit`);
 - `KVCache`: verify writes K/V at length..length+W-1; commit is ``length += m``
@@ -42,7 +44,7 @@ from replayssm_jax.ops.validate import check_path
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
 __all__ = ["ConvWindow", "SSMLayerState", "ReplayLayerState", "KVCache", "LayerState", "commit_layer_state",
-           "pending_window", "check_num_accepted", "check_path"]
+           "committed_index", "pending_window", "check_num_accepted", "check_path"]
 
 
 @struct.dataclass
@@ -140,25 +142,57 @@ class ConvWindow:
 
 @struct.dataclass
 class SSMLayerState:
-    """Standard decode state of one SSM layer.
+    """Standard decode state of one SSM layer, plain or slotted.
+
+    Plain (``index`` None): ``ssm_state`` is the recurrent state, read and
+    written by every step. Slotted (the per-draft layout of speculative
+    decoding, as vLLM keeps it): ``ssm_state`` holds S states per row and
+    ``index`` the slot of each row's current state; a verify of W <= S - 1
+    positions writes the state after position t (of a tree: node t) to
+    slot (index + 1 + t) mod S, never to the current slot, and a commit of
+    m positions moves the index to the accepted position's slot (m = 0:
+    unchanged), copying no state. `SSMMixer.with_window` makes the slotted
+    layout (S = max_window + 1) once, before the first verify; a decode
+    step on it is a verify of one position and a commit of one.
 
     Attributes:
       conv_state: `ConvWindow`, the last W - 1 conv inputs.
-      ssm_state: the recurrent state, f32 | bf16. Mamba-2: [batch, nheads, head_dim,
-        d_state]; GDN: [batch, HV, V, K] (value-major; transformers stores [.., K, V]).
-      pending: None, or after a verify of W positions the states after each of
-        them, [batch, W, ...ssm_state.shape[1:]] of ssm_state's dtype
-        (``ssm_state`` is then still the state before the window).
+      ssm_state: the recurrent state(s), f32 | bf16. Plain: Mamba-2 [batch,
+        nheads, head_dim, d_state]; GDN [batch, HV, V, K] (value-major;
+        transformers stores [.., K, V]). Slotted: [batch, S, ...] of those.
+      index: None (plain), or i32[batch] in 0..S - 1 (slotted).
+      window: static int, the pending verify window W (0 if none): its
+        states are written, ``index`` not yet moved.
     """
 
     conv_state: ConvWindow
     ssm_state: jax.Array
-    pending: jax.Array | None = None
+    index: jax.Array | None = None
+    window: int = struct.field(pytree_node=False, default=0)
 
     @property
-    def window(self) -> int:
-        """The pending verify window W (0 if none; static)."""
-        return 0 if self.pending is None else self.pending.shape[1]
+    def slots(self) -> int:
+        """S, the states kept per row (static; 0: the plain layout)."""
+        return 0 if self.index is None else self.ssm_state.shape[1]
+
+    def current_state(self) -> jax.Array:
+        """The recurrent state of every row, [batch, heads, V, K] (a gather of the slotted layout's
+        current slots; no window may be pending). Raises ValueError with a pending window."""
+        if self.window:
+            raise ValueError(f"`state` has a pending verify window (W = {self.window}); commit it first")
+        if self.index is None:
+            return self.ssm_state
+        return jnp.take_along_axis(self.ssm_state, self.index.reshape((-1,) + (1,) * (self.ssm_state.ndim - 1)),
+                                   axis=1)[:, 0]
+
+    def slotted(self, slots: int) -> "SSMLayerState":
+        """This state in the slotted layout of `slots` (>= 2) states per row, the current state at slot 0:
+        one copy, made when speculation starts. A slotted state of `slots` slots is returned as is."""
+        if self.slots == slots:
+            return self
+        current = self.current_state()
+        ssm_state = jnp.zeros((current.shape[0], slots, *current.shape[1:]), current.dtype).at[:, 0].set(current)
+        return self.replace(ssm_state=ssm_state, index=jnp.zeros((current.shape[0],), jnp.int32))
 
 
 @struct.dataclass
@@ -225,7 +259,8 @@ def commit_layer_state(state: LayerState, num_accepted: jax.Array, path: jax.Arr
 
     The counts are validated by the callers (`replayssm_jax.layers` ``commit``
     methods, ``HybridCausalLM.commit``); inside jit they are clipped to 0..W.
-    `SSMLayerState`: the state after m positions (m = 0: the state before);
+    `SSMLayerState` (slotted): the index moves to the slot of the state
+    after m positions (m = 0: unchanged; `committed_index`), no copy;
     `ReplayLayerState`: ``cursor += m``; `KVCache`: ``length += m``; the
     conv window's start moves by m. None (MLP, MoE) passes through.
 
@@ -234,8 +269,8 @@ def commit_layer_state(state: LayerState, num_accepted: jax.Array, path: jax.Arr
     path[:, :m], first compacted to contiguous positions: the replay
     records (:func:`replayssm_jax.state.replay_commit`), the K/V entries
     (length + i <- length + path[i]) and the conv inputs
-    (`ConvWindow.keep_path`); `SSMLayerState` keeps the state of node
-    path[:, m - 1]. path None: the first m positions (a chain).
+    (`ConvWindow.keep_path`); `SSMLayerState`'s index moves to the slot
+    of node path[:, m - 1]. path None: the first m positions (a chain).
     """
     if state is None:
         return None
@@ -251,13 +286,17 @@ def commit_layer_state(state: LayerState, num_accepted: jax.Array, path: jax.Arr
     conv_state = conv_state.advance(m)
     if isinstance(state, ReplayLayerState):
         return ReplayLayerState(conv_state=conv_state, replay=_state.replay_commit(state.replay, m, path))
-    last = jnp.maximum(m - 1, 0)  # the last kept position (or node)
+    return state.replace(conv_state=conv_state, index=committed_index(state.index, state.slots, m, path), window=0)
+
+
+def committed_index(index: jax.Array, slots: int, num_accepted: jax.Array, path: jax.Array | None = None):
+    """i32[batch]: a slotted standard state's index after a commit of `num_accepted` (i32[batch], in
+    0..W) positions of a per-draft verify (node t's state at slot (index + 1 + t) mod slots): the slot
+    of the last kept position (of a tree: node path[:, m - 1]); index where m = 0."""
+    last = jnp.maximum(num_accepted - 1, 0)  # the last kept position (or node)
     if path is not None:
         last = jnp.take_along_axis(path, last[:, None], axis=1)[:, 0]
-    after = jnp.take_along_axis(state.pending, last.reshape((-1,) + (1,) * (state.pending.ndim - 1)),
-                                axis=1)[:, 0]
-    keep = (m == 0).reshape((-1,) + (1,) * (after.ndim - 1))
-    return SSMLayerState(conv_state=conv_state, ssm_state=jnp.where(keep, state.ssm_state, after))
+    return jnp.where(num_accepted == 0, index, (index + 1 + last) % slots).astype(jnp.int32)
 
 
 def check_num_accepted(num_accepted, batch: int, window: int) -> jax.Array:

@@ -70,6 +70,7 @@ class GatedDeltaNet(SSMMixer):
     replay_step_op = staticmethod(ops.gdn_replay_step)
     replay_init_op = staticmethod(ops.gdn_replay_init)
     replay_verify_op = staticmethod(ops.gdn_replay_verify)
+    verify_op = staticmethod(ops.gdn_verify)
 
     def __init__(self, hidden_size: int, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int = 4, packed: bool, norm_eps: float = 1e-6, chunk_size: int = 64,

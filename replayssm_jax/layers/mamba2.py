@@ -67,6 +67,7 @@ class Mamba2Mixer(SSMMixer):
     replay_step_op = staticmethod(ops.mamba2_replay_step)
     replay_init_op = staticmethod(ops.mamba2_replay_init)
     replay_verify_op = staticmethod(ops.mamba2_replay_verify)
+    verify_op = staticmethod(ops.mamba2_verify)
 
     def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, state_size: int, n_groups: int,
                  conv_kernel: int = 4, use_conv_bias: bool = True, use_bias: bool = False, chunk_size: int = 128,

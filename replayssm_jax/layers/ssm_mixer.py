@@ -6,15 +6,18 @@ the ops of its layer type in :mod:`replayssm_jax.ops`:
 - `prefill`: the chunked form (`chunked_op`, e.g. ``ops.mamba2_chunked``);
   returns the outputs and an `SSMLayerState` whose ssm_state is the
   checkpoint (final SSM state);
-- `decode` with an `SSMLayerState`: one standard step (`step_op`);
+- `decode` with an `SSMLayerState`: one standard step (`step_op`; on the
+  slotted layout, a per-draft verify of one position and its commit);
 - `decode` with a `ReplayLayerState`: one ReplaySSM step (`replay_step_op`),
   on a state built by `to_replay` (`replay_init_op`);
 - `verify` of W speculative positions and `commit` of the first m of them
   (DESIGN.md section 7): with a `ReplayLayerState` the op's verify window
   (`replay_verify_op`) and ``replay_commit``; with an `SSMLayerState` (the
-  standard baseline) W standard steps whose W states are kept, then the m-th.
+  standard baseline, in its slotted layout) the per-draft verify
+  (`verify_op`: one launch writes the state after each position to its own
+  slot) and an index move.
 
-A subclass binds those five class attributes to its layer's functions of
+A subclass binds those six class attributes to its layer's functions of
 :mod:`replayssm_jax.ops` and gives `_ssm_inputs` (the projections, conv and
 splits), `_op_params`, `_replay_init_params` and `_finish`.
 """
@@ -51,6 +54,8 @@ class SSMMixer(nnx.Module):
     replay_init_op: ClassVar[Callable]  # (checkpoint, buffer_len, heads or groups, buffer_dtype, checkpoint_dtype,
     #                                     rounding) -> replay state
     replay_verify_op: ClassVar[Callable]  # (replay, **inputs [batch, W, ...], **params) -> (y, replay with window W)
+    verify_op: ClassVar[Callable]  # per-draft standard verify: (slotted ssm_state, index, **inputs [batch, W, ...],
+    #                                **params, tree) -> (y, slotted ssm_state)
 
     # Hooks each layer defines (Mamba2Mixer, GatedDeltaNet); the base has no default.
 
@@ -95,7 +100,7 @@ class SSMMixer(nnx.Module):
             _check_state_type(self, state, "prefill", (SSMLayerState,))
         inputs, z, conv_state = self._ssm_inputs(u, None if state is None else state.conv_state.conv_state(),
                                                  self.conv1d)
-        y, ssm_state = self.chunked_op(None if state is None else state.ssm_state, **inputs,
+        y, ssm_state = self.chunked_op(None if state is None else state.current_state(), **inputs,
                                        chunk_size=self.chunk_size,
                                        backend=ops.backend_for(self.chunked_op.__name__, backend),
                                        **self._op_params())
@@ -107,13 +112,14 @@ class SSMMixer(nnx.Module):
         """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps;
         the checkpoint stored in `checkpoint_dtype` (None: the state's dtype; int8 or float8_e4m3fn: quantized
         per row with `rounding`, "nearest" or "stochastic": replayssm_jax.ops.*_replay_init)."""
-        return ReplayLayerState(conv_state=state.conv_state,
-                                replay=self.replay_init_op(state.ssm_state, buffer_len, buffer_dtype=buffer_dtype,
-                                                           checkpoint_dtype=checkpoint_dtype, rounding=rounding,
-                                                           **self._replay_init_params()))
+        replay = self.replay_init_op(state.current_state(), buffer_len, buffer_dtype=buffer_dtype,
+                                     checkpoint_dtype=checkpoint_dtype, rounding=rounding, **self._replay_init_params())
+        return ReplayLayerState(conv_state=state.conv_state, replay=replay)
 
     def with_window(self, state: SSMLayerState | ReplayLayerState, max_window: int):
-        """`state` with a conv window that holds verify windows of up to `max_window` (>= 1) positions.
+        """`state` with a conv window that holds verify windows of up to `max_window` (>= 1) positions;
+        an `SSMLayerState` also in the slotted layout of max_window + 1 states per row (one copy, once:
+        `SSMLayerState.slotted`), so that verify and commit copy no state.
 
         Raises:
           ValueError: max_window < 1, or a state with a pending verify window.
@@ -122,7 +128,8 @@ class SSMMixer(nnx.Module):
             raise ValueError(f"{type(self).__name__}.with_window: `max_window` must be an int >= 1; "
                              f"got {max_window!r}")
         _check_state_type(self, state, "with_window", (SSMLayerState, ReplayLayerState))
-        return state.replace(conv_state=ConvWindow.from_conv_state(state.conv_state.conv_state(), max_window))
+        state = state.replace(conv_state=ConvWindow.from_conv_state(state.conv_state.conv_state(), max_window))
+        return state.slotted(max_window + 1) if isinstance(state, SSMLayerState) else state
 
     def decode(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, route: str = "auto",
                backend: str | None = None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
@@ -145,7 +152,12 @@ class SSMMixer(nnx.Module):
         """
         _check_state_type(self, state, "decode", (SSMLayerState, ReplayLayerState))
         inputs, z, conv_state = self._ssm_inputs(u, state.conv_state, self.conv1d.step)
-        if isinstance(state, SSMLayerState):
+        if isinstance(state, SSMLayerState) and state.index is not None:  # slotted: verify one, commit one
+            y, ssm_state = self.verify_op(state.ssm_state, state.index, **{k: v[:, None] for k, v in inputs.items()},
+                                          backend=backend, **self._op_params())
+            new = state.replace(conv_state=conv_state, ssm_state=ssm_state, index=(state.index + 1) % state.slots)
+            y = y[:, 0]
+        elif isinstance(state, SSMLayerState):
             y, ssm_state = self.step_op(state.ssm_state, **inputs, backend=backend, **self._op_params())
             new = SSMLayerState(conv_state=conv_state, ssm_state=ssm_state)
         else:
@@ -173,9 +185,10 @@ class SSMMixer(nnx.Module):
           (out [batch, W, hidden], where position t assumes positions 0..t-1
           (of a tree: t's ancestors) are accepted; the state with the window
           pending: the conv inputs written; `ReplayLayerState`: the W records
-          after the cursor (``replay.window = W``); `SSMLayerState`:
-          ``pending`` = the W states after each position (node), ``ssm_state``
-          unchanged). `commit` resolves it.
+          after the cursor (``replay.window = W``); `SSMLayerState`: slotted
+          (a plain one is first put in the layout of W + 1 slots), the state
+          after position (node) t at slot index + 1 + t mod S, ``index``
+          unchanged, ``window = W``). `commit` resolves it.
 
         Raises:
           TypeError: `state` of another type.
@@ -204,15 +217,10 @@ class SSMMixer(nnx.Module):
             y, replay = self.replay_verify_op(state.replay, **inputs, **params, tree=tree,
                                               backend=ops.backend_for(self.replay_verify_op.__name__, backend))
             return self._finish(y, z), ReplayLayerState(conv_state=conv_state, replay=replay)
-        parents = range(-1, window - 1) if tree is None else tree.parents
-        ys, states = [], []
-        for t, parent in enumerate(parents):  # each position steps from its parent's state
-            y, ssm_state = self.step_op(state.ssm_state if parent < 0 else states[parent],
-                                        **{k: v[:, t] for k, v in inputs.items()}, backend=backend, **params)
-            ys.append(y)
-            states.append(ssm_state)
-        return self._finish(jnp.stack(ys, axis=1), z), SSMLayerState(
-            conv_state=conv_state, ssm_state=state.ssm_state, pending=jnp.stack(states, axis=1))
+        if state.slots < window + 1:  # a plain state, or too few slots: the slotted layout, once
+            state = state.slotted(window + 1)
+        y, ssm_state = self.verify_op(state.ssm_state, state.index, **inputs, **params, tree=tree, backend=backend)
+        return self._finish(y, z), state.replace(conv_state=conv_state, ssm_state=ssm_state, window=window)
 
     def commit(self, state: SSMLayerState | ReplayLayerState, num_accepted,
                path=None) -> SSMLayerState | ReplayLayerState:
@@ -227,8 +235,8 @@ class SSMMixer(nnx.Module):
 
         Returns:
           The state after those positions, no window pending:
-          `SSMLayerState`: the state after position m - 1 (m = 0: the state
-          before the window); `ReplayLayerState`: ``cursor += m``; the conv
+          `SSMLayerState`: the index moved to the slot of the state after
+          position m - 1 (m = 0: unchanged); `ReplayLayerState`: ``cursor += m``; the conv
           window's start moved by m.
 
         Raises:

@@ -83,6 +83,7 @@ __all__ = [
     "gdn_replay_step",
     "gdn_replay_verify",
     "gdn_step",
+    "gdn_verify",
     "mamba2_chunked",
     "mamba2_replay_flush",
     "mamba2_replay_init",
@@ -90,6 +91,7 @@ __all__ = [
     "mamba2_replay_step",
     "mamba2_replay_verify",
     "mamba2_step",
+    "mamba2_verify",
     "replay_commit",
     "resolve_backend",
     "resolve_route",
@@ -289,6 +291,55 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
         return reference.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
     return kernels.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
                                config=config, interpret=chosen == "interpret")
+
+
+def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
+                  *, tree=None, backend: str | None = None, config: KernelConfig | None = None):
+    """The per-draft standard verify of W speculative Mamba-2 steps: one state per draft position.
+
+    The standard-state baseline of speculative decoding, as vLLM runs it
+    (its selective_state_update with per-draft state indices): the state
+    keeps `slots` states per row, `index` the slot of the current one.
+    Step t (of a draft tree: node t) is :func:`mamba2_step` from the state
+    after step t - 1 (node t's parent; step 0 and the root: the current
+    state); its state goes to slot (index + 1 + t) mod slots, so the
+    current slot is never written (W <= slots - 1) and a commit of m steps
+    only moves the index (:func:`replayssm_jax.layers.commit_layer_state`).
+    The kernel reads the current state once and writes W states (1 + W
+    state passes). Math: :func:`replayssm_jax.reference.mamba2_verify`.
+
+    Args:
+      state: f32 | bf16[batch, slots, nheads, head_dim, d_state].
+      index: int[batch] in 0..slots - 1, each row's slot of the current state.
+      x: [batch, W, nheads, head_dim]; dt: [batch, W, nheads] (raw);
+      B, C: [batch, W, n_groups, d_state]; z: optional like x; A, D,
+      dt_bias, dt_softplus, dt_limit: as :func:`mamba2_step`. 1 <= W <= slots - 1.
+      tree: None (a chain) or a
+        :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes (static).
+      backend, config: see the module docstring (a kernel op; config a
+        StepConfig).
+
+    Returns:
+      (y [batch, W, nheads, head_dim] in x.dtype: y[:, t] assumes steps
+      0 .. t - 1 (of a tree: t's ancestors) accepted; the new state, the W
+      states at their slots, the kernels writing in place).
+
+    Raises:
+      TypeError: as :func:`mamba2_step` (an 8-bit state: states of 8 bits
+        are replay checkpoints only); a non-integer index; a `tree` that is
+        not a DraftTree.
+      ValueError: as :func:`mamba2_step`, for a state [batch, slots, ...]
+        of rank 5; an index not [batch] or (concrete) outside 0..slots - 1;
+        W outside [1, slots - 1]; a tree of another size than W.
+      RuntimeError: backend "pallas" without a GPU.
+    """
+    state, index, dt_softplus, dt_limit = val.check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias,
+                                                                  dt_softplus, dt_limit, tree)
+    chosen = choose_backend("mamba2_verify", backend, config)
+    if chosen == "xla":
+        return reference.mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree)
+    return kernels.mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
+                                 dt_limit=dt_limit, tree=tree, config=config, interpret=chosen == "interpret")
 
 
 def mamba2_chunked(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
@@ -511,6 +562,40 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend
         return reference.gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm)
     return kernels.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, config=config,
                             interpret=chosen == "interpret")
+
+
+def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, tree=None,
+               backend: str | None = None, config: KernelConfig | None = None):
+    """The per-draft standard verify of W speculative Gated DeltaNet steps: one state per draft position.
+
+    As :func:`mamba2_verify`, with :func:`gdn_step` for the step (vLLM's
+    fused_recurrent_gated_delta_rule with per-draft state indices). Math:
+    :func:`replayssm_jax.reference.gdn_verify`.
+
+    Args:
+      state: f32 | bf16[batch, slots, HV, V, K], value-major.
+      index: int[batch] in 0..slots - 1, each row's slot of the current state.
+      q, k: [batch, W, H, K]; v: [batch, W, HV, V]; g, beta: [batch, W, HV];
+      scale, use_qk_l2norm: as :func:`gdn_step`. 1 <= W <= slots - 1.
+      tree: None (a chain) or a DraftTree of W nodes (static).
+      backend, config: see the module docstring (a kernel op; config a
+        StepConfig).
+
+    Returns:
+      (o [batch, W, HV, V] in v.dtype, the new state, the W states at their
+      slots).
+
+    Raises:
+      TypeError, ValueError, RuntimeError: as :func:`mamba2_verify`, for
+        the arguments of :func:`gdn_step`.
+    """
+    state, index, scale, use_qk_l2norm = val.check_gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm,
+                                                              tree)
+    chosen = choose_backend("gdn_verify", backend, config)
+    if chosen == "xla":
+        return reference.gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm, tree)
+    return kernels.gdn_verify(state, index, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, tree=tree,
+                              config=config, interpret=chosen == "interpret")
 
 
 def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64, *,

@@ -203,6 +203,8 @@ def check_dt_limit(dt_limit) -> tuple[float, float]:
 
 MAMBA2_DIMS = "batch, nheads, head_dim, d_state"
 GDN_DIMS = "batch, HV, V, K"
+SLOTTED_MAMBA2_DIMS = "batch, slots, nheads, head_dim, d_state"
+SLOTTED_GDN_DIMS = "batch, slots, HV, V, K"
 MAMBA2_LAYOUT = "mamba_ssm's and transformers' ssm_state is [batch, nheads, head_dim, d_state] as well"
 GDN_LAYOUT = ("the state is value-major, as FLA's; transformers' cache is [batch, HV, K, V]: transpose its last two "
               "axes (jnp.swapaxes(cache, -1, -2)), also before gdn_replay_init")
@@ -568,6 +570,51 @@ def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus
                                seq_name="W", groups=state.B.shape[1], state_name="state.checkpoint")
 
 
+def check_slotted_state(state, index, dims: str, W: int, W_name: str, tree=None):
+    """The slotted standard state of a per-draft verify, its `index` and the window.
+
+    Args:
+      state: f32 | bf16[batch, slots, heads, V, K] (`dims` names the axes).
+      index: int[batch], each row's slot of the current state, in 0..slots - 1.
+      W: the window length, read from `W_name`; 1 <= W <= slots - 1 (the
+        current state's slot is never a draft's).
+      tree: None or a DraftTree of W nodes.
+
+    Returns:
+      (state as a JAX array, index as i32, the shape of one slot's state
+      (batch, heads, V, K)).
+
+    Raises:
+      TypeError: an 8-bit, float16 or non-floating state; a non-integer index.
+      ValueError: a state of another rank or an empty axis, an index of
+        another shape or (concrete) out of range, W outside [1, slots - 1],
+        a tree of another size.
+    """
+    state = check_state_array("state", state, dims)
+    batch, slots = state.shape[:2]
+    index = check_int_range("index", index, "batch", (batch,), 0, slots - 1)
+    if not 1 <= W <= slots - 1:
+        raise ValueError(f"the window length W = {W_name} must be in [1, slots - 1 = {slots - 1}] (`state` has "
+                         f"{slots} slots: the current state's and one per draft position); got {W}")
+    check_tree(tree, W, W_name)
+    return state, index, (batch, *state.shape[2:])
+
+
+def check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None):
+    """Checks of :func:`replayssm_jax.ops.mamba2_verify`.
+
+    Returns:
+      (state, index as i32, dt_softplus, dt_limit) as :func:`check_slotted_state`
+      and :func:`check_mamba2_inputs`.
+    """
+    x = check_ssm_float("x", x)
+    check_rank("x", x, "batch, W, nheads, head_dim")
+    W = x.shape[1]
+    state, index, dims = check_slotted_state(state, index, SLOTTED_MAMBA2_DIMS, W, "x.shape[1]", tree)
+    return (state, index, *check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=W,
+                                               seq_name="W"))
+
+
 # --------------------------------------------------------------------------
 # Gated DeltaNet ops
 
@@ -671,3 +718,17 @@ def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree=
     check_tree(tree, W, "v.shape[1]")
     return check_gdn_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W",
                             heads=state.k.shape[1], state_name="state.checkpoint")
+
+
+def check_gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm, tree=None):
+    """Checks of :func:`replayssm_jax.ops.gdn_verify`.
+
+    Returns:
+      (state, index as i32, scale, use_qk_l2norm) as :func:`check_slotted_state`
+      and :func:`check_gdn_inputs`.
+    """
+    v = check_ssm_float("v", v)
+    check_rank("v", v, "batch, W, HV, V")
+    W = v.shape[1]
+    state, index, dims = check_slotted_state(state, index, SLOTTED_GDN_DIMS, W, "v.shape[1]", tree)
+    return (state, index, *check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W"))

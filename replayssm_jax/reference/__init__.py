@@ -23,6 +23,10 @@ Glossary (letters used in shapes; config field; paper symbol):
     scale f32[batch, heads, V], one per row of an int8 | float8_e4m3fn checkpoint (over K)
     cursor i32[batch], steps buffered since the checkpoint
 
+  Per-draft standard verify (the speculative baseline, *_verify)
+    slotted state [batch, slots, heads, V, K], one state per draft position
+    index i32[batch], the slot of each row's current state; draft t's at (index + 1 + t) mod slots
+
 States are value-major, [batch, heads, V, K], as mamba_ssm's ssm_state and
 FLA's recurrent state; transformers' GDN cache is [batch, HV, K, V].
 Everything runs under jax.jit and is batched over batch and heads; all
@@ -44,6 +48,7 @@ from replayssm_jax.reference.gdn import (
     gdn_replay_step,
     gdn_replay_verify,
     gdn_step,
+    gdn_verify,
 )
 from replayssm_jax.reference.mamba2 import (
     mamba2_chunked,
@@ -52,6 +57,7 @@ from replayssm_jax.reference.mamba2 import (
     mamba2_replay_step,
     mamba2_replay_verify,
     mamba2_step,
+    mamba2_verify,
 )
 from replayssm_jax.state import (
     GDNReplayState,
@@ -71,6 +77,7 @@ __all__ = [
     "gdn_replay_step",
     "gdn_replay_verify",
     "gdn_step",
+    "gdn_verify",
     "mamba2_chunked",
     "mamba2_replay_flush",
     "mamba2_replay_init",
@@ -78,5 +85,6 @@ __all__ = [
     "mamba2_replay_step",
     "mamba2_replay_verify",
     "mamba2_step",
+    "mamba2_verify",
     "replay_commit",
 ]

@@ -319,3 +319,43 @@ def early_flush_8bit(state, W: int, unify: Callable):
     8-bit checkpoint: the rows with cursor + W > L flush, quantized, before
     the window reads the checkpoint (as the kernels' early flush launch)."""
     return on_f32_checkpoint(state, window_writes(state, W), lambda s: ((), make_room(s, W, unify)))[1]
+
+
+def draft_slots(index: jax.Array, slots: int, nodes: int) -> jax.Array:
+    """i32[batch, nodes]: the state slots that a per-draft verify writes, (index + 1 + t) mod slots for
+    node t (index i32[batch]: the slot of the current state, which none of them is while nodes < slots)."""
+    return ((index[:, None] + 1 + jnp.arange(nodes, dtype=jnp.int32)[None, :]) % slots).astype(jnp.int32)
+
+
+def per_draft_verify(state: jax.Array, index: jax.Array, step: Callable, inputs: tuple, tree=None):
+    """The standard per-draft verify: W standard steps from the current state, each state kept in a slot.
+
+    Args:
+      state: f32 | bf16[batch, slots, heads, V, K], the slotted standard
+        state; index: i32[batch], the slot of each row's current state.
+      step: step(S f32[batch, heads, V, K], *inputs_t) -> (y_t, S_t f32),
+        one standard step of the layer (the reference's, on a float32
+        state: the W states are rounded to the state's dtype only where
+        stored).
+      inputs: the steps' inputs, each [batch, W, ...] or None (passed on
+        as None).
+      tree: None (a chain: position t steps from position t - 1) or a
+        DraftTree of W nodes (node t steps from its parent's state; the
+        root from the current state).
+
+    Returns:
+      (y [batch, W, ...] stacked from the steps, new state: node t's state
+      at slot :func:`draft_slots` [:, t], every other slot as given).
+    """
+    batch, slots = state.shape[:2]
+    rows = jnp.arange(batch)
+    current = state[rows, index].astype(f32)
+    W = next(a.shape[1] for a in inputs if a is not None)
+    parents = range(-1, W - 1) if tree is None else tree.parents
+    ys, states = [], []
+    for t, parent in enumerate(parents):
+        y, S = step(current if parent < 0 else states[parent], *(None if a is None else a[:, t] for a in inputs))
+        ys.append(y)
+        states.append(S)
+    new = state.at[rows[:, None], draft_slots(index, slots, W)].set(jnp.stack(states, axis=1).astype(state.dtype))
+    return jnp.stack(ys, axis=1), new

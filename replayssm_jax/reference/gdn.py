@@ -65,6 +65,33 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
     return o.astype(v.dtype), S.astype(state.dtype)
 
 
+def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, tree=None):
+    """The per-draft standard verify of W speculative Gated DeltaNet steps (one state per draft position).
+
+    Step t (of a tree: node t) is :func:`gdn_step` from the state of step
+    t - 1 (of node t's parent; step 0 and the root: the row's current
+    state, slot index), in float32; its state is stored, in the state's
+    dtype, at slot (index + 1 + t) mod slots
+    (:func:`replayssm_jax.reference._common.draft_slots`), as
+    :func:`replayssm_jax.reference.mamba2_verify`.
+
+    Args:
+      state: f32 | bf16[batch, slots, HV, V, K]; index: i32[batch] in
+        0..slots - 1, the slot of each row's state.
+      q, k: [batch, W, H, K]; v: [batch, W, HV, V]; g, beta: [batch, W, HV];
+      scale, use_qk_l2norm: as :func:`gdn_step`.
+      tree: None (a chain) or a DraftTree of W nodes.
+
+    Returns:
+      (o [batch, W, HV, V] in v.dtype, the new slotted state).
+    """
+
+    def step(S, q, k, v, g, beta):
+        return gdn_step(S, q, k, v, g, beta, scale, use_qk_l2norm)
+
+    return c.per_draft_verify(state, index, step, (q, k, v, g, beta), tree)
+
+
 def gdn_chunk(state, q, k, v, g, beta, ancestors=None):
     """One chunk of T steps from `state`, all in float32.
 

@@ -76,6 +76,36 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
     return y.astype(x.dtype), S.astype(state.dtype)
 
 
+def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
+                  tree=None):
+    """The per-draft standard verify of W speculative Mamba-2 steps (one state per draft position).
+
+    Step t (of a chain; of a tree: node t) is :func:`mamba2_step` from the
+    state of step t - 1 (of node t's parent; step 0 and the root: the
+    row's current state, slot index), in float32; its state is stored, in
+    the state's dtype, at slot (index + 1 + t) mod slots
+    (:func:`replayssm_jax.reference._common.draft_slots`). The current
+    state's slot is not written (W < slots), so a commit of m steps is an
+    index move.
+
+    Args:
+      state: f32 | bf16[batch, slots, nheads, head_dim, d_state];
+      index: i32[batch] in 0..slots - 1, the slot of each row's state.
+      x: [batch, W, nheads, head_dim]; dt: [batch, W, nheads] (raw);
+      B, C: [batch, W, n_groups, d_state]; z: optional like x; A, D,
+      dt_bias, dt_softplus, dt_limit: as :func:`mamba2_step`.
+      tree: None (a chain) or a DraftTree of W nodes.
+
+    Returns:
+      (y [batch, W, nheads, head_dim] in x.dtype, the new slotted state).
+    """
+
+    def step(S, x, dt, B, C, z):
+        return mamba2_step(S, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+
+    return c.per_draft_verify(state, index, step, (x, dt, B, C, z), tree)
+
+
 def mamba2_chunked(
     state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF), chunk_size=64
 ):
