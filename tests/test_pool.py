@@ -1,0 +1,190 @@
+"""The state pool (replayssm_jax.pool, the ops' and the model's `slots`): the kernels step the slots of
+a pool in place and nothing else: a padding row (-1) and the slots outside the batch keep every bit;
+the stepped slots equal the reference on those rows. Bad slots are refused before any kernel runs;
+a decode over a pool gives each sequence the tokens it gets alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import load_model
+from replayssm_jax import ops
+from replayssm_jax.kernels import ReplayConfig, StepConfig
+from replayssm_jax.pool import PoolError, StatePool
+
+DATA = Path(__file__).parent / "data"
+CAPACITY, L = 5, 4
+SLOTS = np.array([3, -1, 1], np.int32)  # a padding row between two slots, out of order
+INPUT_ROWS = np.array([0, 2])  # the batch rows that step a slot
+STEPPED, UNTOUCHED = np.array([3, 1]), np.array([0, 2, 4])
+# Cursors per slot: slot 1 fills its buffer with this step (a flush), slot 3 appends.
+CURSORS = np.array([0, L - 1, 2, 1, L - 1], np.int32)
+
+
+def _mamba2_case(rng):
+    """(pool state f32[CAPACITY, H, P, N], inputs of a batch of 3, params, the replay state's extra arg)."""
+    H, P, N, G = 2, 16, 8, 1
+    state = jnp.asarray(rng.normal(size=(CAPACITY, H, P, N)), jnp.float32)
+    inputs = dict(x=rng.normal(size=(3, H, P)), dt=rng.normal(size=(3, H)), B=rng.normal(size=(3, G, N)),
+                  C=rng.normal(size=(3, G, N)), z=rng.normal(size=(3, H, P)))
+    inputs = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
+    params = dict(A=-jnp.exp(jnp.asarray(rng.normal(size=H), jnp.float32)), D=jnp.ones((H,), jnp.float32),
+                  dt_bias=jnp.zeros((H,), jnp.float32))
+    return state, inputs, params, G
+
+
+def _gdn_case(rng):
+    """As `_mamba2_case` for a Gated DeltaNet layer: state f32[CAPACITY, HV, V, K]."""
+    H, HV, K, V = 1, 2, 8, 16
+    state = jnp.asarray(rng.normal(size=(CAPACITY, HV, V, K)) * 0.3, jnp.float32)
+    inputs = dict(q=jnp.asarray(rng.normal(size=(3, H, K)), jnp.float32),
+                  k=jnp.asarray(rng.normal(size=(3, H, K)), jnp.float32),
+                  v=jnp.asarray(rng.normal(size=(3, HV, V)), jnp.float32),
+                  g=-jnp.asarray(rng.uniform(0.05, 1.0, size=(3, HV)), jnp.float32),
+                  beta=jnp.asarray(rng.uniform(0.1, 0.9, size=(3, HV)), jnp.float32))
+    return state, inputs, {}, H
+
+
+LAYERS = {"mamba2": (_mamba2_case, ops.mamba2_step, ops.mamba2_replay_step, ops.mamba2_replay_init),
+          "gdn": (_gdn_case, ops.gdn_step, ops.gdn_replay_step, ops.gdn_replay_init)}
+
+
+def _rows(tree, rows):
+    return jax.tree.map(lambda a: np.asarray(a)[rows], tree)
+
+
+def _assert_slots(new, pool, want_rows):
+    """The stepped slots of `new` equal `want_rows` (the reference's state of batch rows INPUT_ROWS), the
+    other slots of `new` equal `pool` bit for bit."""
+    for got, before, want in zip(jax.tree.leaves(new), jax.tree.leaves(pool), jax.tree.leaves(want_rows)):
+        np.testing.assert_array_equal(np.asarray(got)[UNTOUCHED], np.asarray(before)[UNTOUCHED])
+        np.testing.assert_allclose(np.asarray(got)[STEPPED], np.asarray(want)[INPUT_ROWS], rtol=2e-5, atol=2e-5)
+
+
+def _reference_on_rows(op, pool, inputs, params, **kw):
+    """The reference step of `op` on the pool's rows SLOTS (the padding row on slot 0's values)."""
+    return op(ops.take_slots(pool, jnp.asarray(SLOTS)), **inputs, **params, backend="xla", **kw)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_standard_step_writes_only_its_slots(layer):
+    """The standard step's kernel over a pool: each batch row's slot stepped as the reference steps it; the
+    padding row and the slots outside the batch unchanged."""
+    case, step, _, _ = LAYERS[layer]
+    pool, inputs, params, _ = case(np.random.default_rng(1))
+    y, new = step(pool, **inputs, **params, backend="interpret", config=StepConfig(block_v=8),
+                  slots=jnp.asarray(SLOTS))
+    want_y, want = _reference_on_rows(step, pool, inputs, params)
+    np.testing.assert_allclose(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], rtol=2e-5, atol=2e-5)
+    _assert_slots(new, pool, want)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+@pytest.mark.parametrize("route, config", [("output", ReplayConfig(block_v=8, fused_flush=True)),
+                                           ("output", ReplayConfig(block_v=8)),
+                                           ("direct", StepConfig(block_v=8))],
+                         ids=["fused-flush", "flush-launch", "direct"])
+def test_replay_step_writes_only_its_slots(layer, route, config):
+    """The replay step's launches over a pool (a flushing slot and an appending one, a padding row):
+    checkpoint, buffers and cursor of each stepped slot as the reference's; every other slot's bits
+    unchanged, the two-launch step's fresh cursors included."""
+    case, _, replay_step, init = LAYERS[layer]
+    checkpoint, inputs, params, shared = case(np.random.default_rng(2))
+    pool = init(checkpoint, L, shared)
+    pool = pool.replace(cursor=jnp.asarray(CURSORS))
+    # Records in the pool's buffers, so that the cursors' live slots hold data.
+    pool = jax.tree.map(lambda a: a + 0.01 * jnp.ones_like(a) if a.dtype == jnp.float32 else a, pool)
+    y, new = replay_step(pool, **inputs, **params, route=route, backend="interpret", config=config,
+                         slots=jnp.asarray(SLOTS))
+    want_y, want = _reference_on_rows(replay_step, pool, inputs, params, route=route)
+    np.testing.assert_allclose(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], rtol=2e-5, atol=2e-5)
+    _assert_slots(new, pool, want)
+
+
+@pytest.mark.parametrize("slots, error, match", [
+    (np.array([0, 5, 1], np.int32), ValueError, r"\[-1, 4\]"),
+    (np.array([0, -2, 1], np.int32), ValueError, r"\[-1, 4\]"),
+    (np.array([2, -1, 2], np.int32), ValueError, "slot 2 .*twice|twice.*slot 2"),
+    (np.array([0, 1], np.int32), ValueError, "batch"),
+    (np.array([[0, 1, 2]], np.int32), ValueError, r"shape \[batch\]"),
+    (np.array([0.0, 1.0, 2.0], np.float32), TypeError, "integer"),
+], ids=["above", "below", "twice", "short", "rank", "float"])
+def test_bad_slots_raise_before_any_kernel(slots, error, match):
+    """Slots out of range, used twice, of another batch or shape, or not integers: a clear error naming
+    `slots` (or the batch) before any kernel runs; the pool is unchanged."""
+    pool, inputs, params, _ = _mamba2_case(np.random.default_rng(3))
+    before = np.asarray(pool).copy()
+    with pytest.raises(error, match=match):
+        ops.mamba2_step(pool, **inputs, **params, backend="interpret", slots=slots)
+    np.testing.assert_array_equal(np.asarray(pool), before)
+
+
+def test_slots_refuse_an_8bit_checkpoint():
+    """A pool of 8-bit checkpoints is refused (ValueError naming `slots`)."""
+    checkpoint, inputs, params, G = _mamba2_case(np.random.default_rng(4))
+    pool = ops.mamba2_replay_init(checkpoint, L, G, checkpoint_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="`slots`.*f32 | bf16"):
+        ops.mamba2_replay_step(pool, **inputs, **params, backend="xla", slots=SLOTS)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(DATA / "nemotron_h_tiny")
+
+
+def _alone(model, prompt, steps, buffer_len):
+    """`steps` greedy tokens of one prompt decoded alone (batch 1)."""
+    logits, cache = model.prefill(jnp.asarray([prompt]), 32, last_logits_only=True, replay_buffer_len=buffer_len,
+                                  backend="xla")
+    tokens = []
+    for _ in range(steps):
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+        tokens.append(int(token[0]))
+        logits, cache = model.decode(token, cache, backend="xla")
+    return tokens
+
+
+@pytest.mark.parametrize("buffer_len", [L, None], ids=["replay", "standard"])
+def test_model_decode_over_a_pool_equals_each_sequence_alone(model, buffer_len):
+    """Two sequences of different lengths in slots 0 and 1 of a pool of 4, decoded in a batch of 3 with
+    a padding row (slots reversed): each gets the greedy tokens it gets alone (over a flush), and the
+    positions of the unused slots stay 0."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 9)]
+    pool = StatePool(model, 4, max_len=32, buffer_len=buffer_len, backend="xla")
+    first = []
+    for prompt in prompts:
+        logits, row = model.prefill(jnp.asarray([prompt]), 32, last_logits_only=True, **pool.prefill_options)
+        pool.write(pool.allocate(), row)
+        first.append(int(jnp.argmax(logits[0])))
+    tokens, got = np.array(first), [[], []]
+    for _ in range(6):
+        for i in range(2):
+            got[i].append(int(tokens[i]))
+        logits, pool.cache = model.decode(jnp.asarray([tokens[1], 0, tokens[0]], jnp.int32), pool.cache,
+                                          slots=jnp.asarray([1, -1, 0], jnp.int32), backend="xla")
+        tokens = np.asarray(jnp.argmax(logits, -1))[[2, 0]]
+    assert got == [_alone(model, p, 6, buffer_len) for p in prompts]
+    np.testing.assert_array_equal(np.asarray(pool.cache.position), [5 + 6, 9 + 6, 0, 0])
+
+
+def test_pool_errors(model):
+    """A full pool, a slot not in use, a row of another layout, slots of another shape than the tokens."""
+    pool = StatePool(model, 1, max_len=16, buffer_len=L, backend="xla")
+    slot = pool.allocate()
+    with pytest.raises(PoolError, match="full"):
+        pool.allocate()
+    with pytest.raises(PoolError, match="in use"):
+        pool.release(slot + 1)
+    _, row = model.prefill(jnp.asarray([[5, 6, 7]]), 16, last_logits_only=True, backend="xla")  # standard states
+    with pytest.raises(PoolError, match="structure"):
+        pool.write(slot, row)
+    with pytest.raises(ValueError, match="`slots` must have the shape of `tokens`"):
+        model.decode(jnp.asarray([1, 2], jnp.int32), pool.cache, slots=jnp.asarray([0], jnp.int32), backend="xla")
+    pool.release(slot)
+    assert pool.free_slots == 1
