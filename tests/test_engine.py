@@ -1,0 +1,112 @@
+"""The continuous-batching engine (replayssm_jax.engine): requests of different prompt lengths arriving
+at different steps, more of them than slots, prefilled in chunks and decoded in one compiled step with
+padding rows, get the greedy tokens the fixed-batch Generator gives them; prefix caching skips the
+shared prefix's prefill and changes no token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models import load_model
+from replayssm_jax.engine import Engine, EngineError
+from replayssm_jax.generation import Generator
+
+DATA = Path(__file__).parent / "data"
+CHUNK = 8
+# (arrival step, prompt length, max_new_tokens): 5 requests for 3 slots; prompts of one, two and three
+# chunks (whole chunks and a rest of 4: few prefill shapes to compile).
+REQUESTS = [(0, 12, 6), (0, 4, 9), (1, 20, 3), (4, 4, 7), (4, 12, 5)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(DATA / "nemotron_h_tiny")
+
+
+def _prompts(seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, size=n).tolist() for _, n, _ in REQUESTS]
+
+
+def _run(engine, prompts, stop_ids=()):
+    """Outputs by request id, the requests added at their arrival steps."""
+    outputs, step = {}, 0
+    while step <= max(r[0] for r in REQUESTS) or engine.num_unfinished:
+        for i, (arrival, _, new) in enumerate(REQUESTS):
+            if arrival == step:
+                assert engine.add_request(prompts[i], new, stop_ids=stop_ids) == i
+        outputs.update({o.request_id: o for o in engine.step()})
+        step += 1
+    return outputs
+
+
+def _expected(model, prompts, state, stop=None):
+    """Each request's greedy sequence from one fixed-batch Generator run, cut at its max_new_tokens (and
+    after a stop token)."""
+    generator = Generator(model, state=state, buffer_len=4 if state == "replay" else None, backend="xla")
+    out = generator.generate(prompts, max(r[2] for r in REQUESTS), progress=False, stop_tokens=())
+    expected = []
+    for prompt, (_, _, new), sequence in zip(prompts, REQUESTS, out.sequences):
+        generated = list(sequence[len(prompt):])[:new]
+        if stop is not None and stop in generated:
+            generated = generated[:generated.index(stop) + 1]
+        expected.append(list(prompt) + generated)
+    return expected
+
+
+@pytest.mark.parametrize("state", ["replay", "standard"])
+def test_engine_gives_the_generator_tokens(model, state):
+    """5 requests, 3 slots, a decode batch of 3: every request's sequence is the Generator's (greedy);
+    the long prompt takes 3 prefill steps while the others decode; a stop token ends a request early."""
+    prompts = _prompts(0)
+    expected = _expected(model, prompts, state)
+    engine = Engine(model, 3, state=state, buffer_len=4 if state == "replay" else None, prefill_chunk=CHUNK,
+                    max_len=40, backend="xla")
+    outputs = _run(engine, prompts)
+    assert [outputs[i].sequence for i in range(len(REQUESTS))] == expected
+    assert all(o.finish_reason == "length" for o in outputs.values())
+    assert engine.stats["prefill_tokens"] == sum(n for _, n, _ in REQUESTS)
+    assert engine.pool.free_slots == 3
+    if state == "replay":  # a stop token: the first generated token of request 2 stops it there
+        stop = expected[2][len(prompts[2])]
+        outputs = _run(Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla"), prompts,
+                       stop_ids=(stop,))
+        assert [outputs[i].sequence for i in range(len(REQUESTS))] == _expected(model, prompts, state, stop)
+        assert outputs[2].finish_reason == "stop" and outputs[2].num_generated == 1
+
+
+def test_prefix_caching_skips_the_shared_prefix(model):
+    """Prompts sharing a system prompt of one block (+ 4 tokens): the later requests restore the block's
+    state and prefill only the rest; every sequence equals the engine's without the cache."""
+    rng = np.random.default_rng(1)
+    system = rng.integers(3, 250, size=CHUNK + 4).tolist()
+    tail = lambda n: rng.integers(3, 250, size=n).tolist()  # noqa: E731
+    # Request 0 is the system prompt; 2 and 4 continue its first block; 1 and 3 share nothing.
+    prompts = [system, tail(4), system + tail(8), tail(4), system[:CHUNK] + tail(4)]
+    cached = Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla", prefix_caching=True)
+    plain = Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla")
+    with_cache, without = _run(cached, prompts), _run(plain, prompts)
+    assert [with_cache[i].sequence for i in range(len(REQUESTS))] == [without[i].sequence for i in range(len(REQUESTS))]
+    assert [with_cache[i].cached_tokens for i in range(len(REQUESTS))] == [0, 0, CHUNK, 0, CHUNK]
+    assert cached.stats["prefill_tokens"] == plain.stats["prefill_tokens"] - cached.stats["cached_tokens"]
+
+
+def test_bad_requests_and_options(model):
+    """Bad options and requests: EngineError naming the argument, nothing queued."""
+    with pytest.raises(EngineError, match="`state`"):
+        Engine(model, 2, state="paged")
+    with pytest.raises(EngineError, match="`batch_size` must be <= capacity"):
+        Engine(model, 2, batch_size=3, backend="xla")
+    engine = Engine(model, 2, buffer_len=4, max_len=16, backend="xla")
+    with pytest.raises(EngineError, match="empty"):
+        engine.add_request([], 4)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.add_request([3, 999], 4)
+    with pytest.raises(EngineError, match="max_len = 16"):
+        engine.add_request([3] * 10, 7)
+    with pytest.raises(EngineError, match="`max_new_tokens`"):
+        engine.add_request([3], 0)
+    assert engine.num_unfinished == 0
