@@ -99,6 +99,32 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+@functools.lru_cache(maxsize=32)
+def _compiled_prefill(graphdef, max_len: int, options: tuple):
+    """The jitted chunk prefill of a model structure and pool layout (shared by the engines of one model)."""
+
+    def prefill(params, ids, cache, final):
+        model = nnx.merge(graphdef, params)
+        chunk_options = dict(options)
+        if not final:  # the earlier chunks keep standard states (continued by the next chunk)
+            chunk_options["replay_buffer_len"] = None
+        return model.prefill(ids, max_len, last_logits_only=True, cache=cache, **chunk_options)
+
+    return jax.jit(prefill, static_argnames=("final",))
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_decode(graphdef, route: str, backend: str | None):
+    """The jitted decode step over a pool (greedy tokens on the device), the pool donated."""
+
+    def decode(params, cache, tokens, slots):
+        model = nnx.merge(graphdef, params)
+        logits, cache = model.decode(tokens, cache, route=route, backend=backend, slots=slots)
+        return logits, jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+    return jax.jit(decode, donate_argnums=(1,))
+
+
 def _prefix_key(ids: Sequence[int]) -> str:
     """The prefix cache's key of a prompt prefix: a hash of its ids (and so of its length)."""
     return hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest()
@@ -163,31 +189,15 @@ class Engine:
         self._next_id = 0
         self.stats = collections.Counter()
 
-    # -- compiled pieces ------------------------------------------------------------------------
-
-    @functools.cached_property
+    @property
     def _prefill(self):
         """prefill(params, ids [1, T], cache | None, final) -> (logits [1, vocab], batch-1 cache)."""
+        return _compiled_prefill(self._graphdef, self.pool.max_len, tuple(sorted(self.pool.prefill_options.items())))
 
-        def prefill(params, ids, cache, final):
-            model = nnx.merge(self._graphdef, params)
-            options = dict(self.pool.prefill_options)
-            if not final:  # the earlier chunks keep standard states (continued by the next chunk)
-                options["replay_buffer_len"] = None
-            return model.prefill(ids, self.pool.max_len, last_logits_only=True, cache=cache, **options)
-
-        return jax.jit(prefill, static_argnames=("final",))
-
-    @functools.cached_property
+    @property
     def _decode(self):
         """decode(params, pool cache, tokens, slots) -> (logits, greedy tokens, pool cache), the pool donated."""
-
-        def decode(params, cache, tokens, slots):
-            model = nnx.merge(self._graphdef, params)
-            logits, cache = model.decode(tokens, cache, route=self._route, backend=self._backend, slots=slots)
-            return logits, jnp.argmax(logits, -1).astype(jnp.int32), cache
-
-        return jax.jit(decode, donate_argnums=(1,))
+        return _compiled_decode(self._graphdef, self._route, self._backend)
 
     # -- requests -------------------------------------------------------------------------------
 

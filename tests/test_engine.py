@@ -43,14 +43,22 @@ def _run(engine, prompts, stop_ids=()):
     return outputs
 
 
-def _expected(model, prompts, state, stop=None):
-    """Each request's greedy sequence from one fixed-batch Generator run, cut at its max_new_tokens (and
-    after a stop token)."""
-    generator = Generator(model, state=state, buffer_len=4 if state == "replay" else None, backend="xla")
+@pytest.fixture(scope="module")
+def generated(model):
+    """(prompts, each request's greedy tokens from one fixed-batch Generator run (ReplaySSM, L = 4) of
+    the longest max_new_tokens)."""
+    prompts = _prompts(0)
+    generator = Generator(model, state="replay", buffer_len=4, backend="xla")
     out = generator.generate(prompts, max(r[2] for r in REQUESTS), progress=False, stop_tokens=())
+    return prompts, [list(sequence[len(prompt):]) for prompt, sequence in zip(prompts, out.sequences)]
+
+
+def _expected(prompts, tokens, stop=None):
+    """Each request's sequence: its prompt and Generator tokens cut at its max_new_tokens (and after a
+    stop token)."""
     expected = []
-    for prompt, (_, _, new), sequence in zip(prompts, REQUESTS, out.sequences):
-        generated = list(sequence[len(prompt):])[:new]
+    for prompt, (_, _, new), generated in zip(prompts, REQUESTS, tokens):
+        generated = generated[:new]
         if stop is not None and stop in generated:
             generated = generated[:generated.index(stop) + 1]
         expected.append(list(prompt) + generated)
@@ -58,11 +66,12 @@ def _expected(model, prompts, state, stop=None):
 
 
 @pytest.mark.parametrize("state", ["replay", "standard"])
-def test_engine_gives_the_generator_tokens(model, state):
-    """5 requests, 3 slots, a decode batch of 3: every request's sequence is the Generator's (greedy);
-    the long prompt takes 3 prefill steps while the others decode; a stop token ends a request early."""
-    prompts = _prompts(0)
-    expected = _expected(model, prompts, state)
+def test_engine_gives_the_generator_tokens(model, generated, state):
+    """5 requests, 3 slots, a decode batch of 3: every request's sequence is the Generator's (greedy; the
+    standard state's and ReplaySSM's are the same tokens); the long prompt takes 3 prefill steps while
+    the others decode; a stop token ends a request early."""
+    prompts, tokens = generated
+    expected = _expected(prompts, tokens)
     engine = Engine(model, 3, state=state, buffer_len=4 if state == "replay" else None, prefill_chunk=CHUNK,
                     max_len=40, backend="xla")
     outputs = _run(engine, prompts)
@@ -71,10 +80,10 @@ def test_engine_gives_the_generator_tokens(model, state):
     assert engine.stats["prefill_tokens"] == sum(n for _, n, _ in REQUESTS)
     assert engine.pool.free_slots == 3
     if state == "replay":  # a stop token: the first generated token of request 2 stops it there
-        stop = expected[2][len(prompts[2])]
+        stop = tokens[2][0]
         outputs = _run(Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla"), prompts,
                        stop_ids=(stop,))
-        assert [outputs[i].sequence for i in range(len(REQUESTS))] == _expected(model, prompts, state, stop)
+        assert [outputs[i].sequence for i in range(len(REQUESTS))] == _expected(prompts, tokens, stop)
         assert outputs[2].finish_reason == "stop" and outputs[2].num_generated == 1
 
 

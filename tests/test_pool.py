@@ -1,7 +1,7 @@
 """The state pool (replayssm_jax.pool, the ops' and the model's `slots`): the kernels step the slots of
 a pool in place and nothing else: a padding row (-1) and the slots outside the batch keep every bit;
-the stepped slots equal the reference on those rows. Bad slots are refused before any kernel runs;
-a decode over a pool gives each sequence the tokens it gets alone."""
+the stepped slots equal the reference on those rows. Bad slots are refused before any kernel runs.
+A model's decode over a pool is tested through the engine (tests/test_engine.py)."""
 
 from __future__ import annotations
 
@@ -137,42 +137,6 @@ def model():
     return load_model(DATA / "nemotron_h_tiny")
 
 
-def _alone(model, prompt, steps, buffer_len):
-    """`steps` greedy tokens of one prompt decoded alone (batch 1)."""
-    logits, cache = model.prefill(jnp.asarray([prompt]), 32, last_logits_only=True, replay_buffer_len=buffer_len,
-                                  backend="xla")
-    tokens = []
-    for _ in range(steps):
-        token = jnp.argmax(logits, -1).astype(jnp.int32)
-        tokens.append(int(token[0]))
-        logits, cache = model.decode(token, cache, backend="xla")
-    return tokens
-
-
-@pytest.mark.parametrize("buffer_len", [L, None], ids=["replay", "standard"])
-def test_model_decode_over_a_pool_equals_each_sequence_alone(model, buffer_len):
-    """Two sequences of different lengths in slots 0 and 1 of a pool of 4, decoded in a batch of 3 with
-    a padding row (slots reversed): each gets the greedy tokens it gets alone (over a flush), and the
-    positions of the unused slots stay 0."""
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 9)]
-    pool = StatePool(model, 4, max_len=32, buffer_len=buffer_len, backend="xla")
-    first = []
-    for prompt in prompts:
-        logits, row = model.prefill(jnp.asarray([prompt]), 32, last_logits_only=True, **pool.prefill_options)
-        pool.write(pool.allocate(), row)
-        first.append(int(jnp.argmax(logits[0])))
-    tokens, got = np.array(first), [[], []]
-    for _ in range(6):
-        for i in range(2):
-            got[i].append(int(tokens[i]))
-        logits, pool.cache = model.decode(jnp.asarray([tokens[1], 0, tokens[0]], jnp.int32), pool.cache,
-                                          slots=jnp.asarray([1, -1, 0], jnp.int32), backend="xla")
-        tokens = np.asarray(jnp.argmax(logits, -1))[[2, 0]]
-    assert got == [_alone(model, p, 6, buffer_len) for p in prompts]
-    np.testing.assert_array_equal(np.asarray(pool.cache.position), [5 + 6, 9 + 6, 0, 0])
-
-
 def test_pool_errors(model):
     """A full pool, a slot not in use, a row of another layout, slots of another shape than the tokens."""
     pool = StatePool(model, 1, max_len=16, buffer_len=L, backend="xla")
@@ -181,9 +145,9 @@ def test_pool_errors(model):
         pool.allocate()
     with pytest.raises(PoolError, match="in use"):
         pool.release(slot + 1)
-    _, row = model.prefill(jnp.asarray([[5, 6, 7]]), 16, last_logits_only=True, backend="xla")  # standard states
+    standard = StatePool(model, 1, max_len=16, backend="xla").cache  # a batch-1 cache of standard states
     with pytest.raises(PoolError, match="structure"):
-        pool.write(slot, row)
+        pool.write(slot, standard)
     with pytest.raises(ValueError, match="`slots` must have the shape of `tokens`"):
         model.decode(jnp.asarray([1, 2], jnp.int32), pool.cache, slots=jnp.asarray([0], jnp.int32), backend="xla")
     pool.release(slot)
