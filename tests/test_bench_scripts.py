@@ -19,7 +19,8 @@ import pytest
 BENCH = pathlib.Path(__file__).parent.parent / "bench"
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-SCRIPTS_IMPORTING_THE_PACKAGE = ["kernels", "e2e", "spec", "buffer_length", "bounds", "profile_step", "roofline"]
+SCRIPTS_IMPORTING_THE_PACKAGE = ["kernels", "e2e", "spec", "buffer_length", "bounds", "profile_step", "roofline",
+                                 "serve"]
 
 
 @pytest.fixture(autouse=True)
@@ -522,3 +523,14 @@ def test_spec_rejects_bad_arguments(args, message, tmp_path, capsys):
         load("spec").main(["--dry-run", "--out", str(tmp_path / "out"), *args])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def test_serve_dry_run(tmp_path):
+    """bench/serve.py --dry-run (ReplaySSM only): a row per prefix-caching setting with every request
+    served, the Generator's reference, the JSON and the plot."""
+    assert load("serve").main(["--dry-run", "--states", "replay", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert [(r["state"], r["prefix_caching"]) for r in result["rows"]] == [("replay", False), ("replay", True)]
+    assert all(r["requests"] == 4 and r["tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in result["rows"])
+    assert result["generator"][0]["generator_tokens_per_s"] > 0
+    assert (tmp_path / "serve.png").stat().st_size > 0
