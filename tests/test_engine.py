@@ -31,12 +31,13 @@ def _prompts(seed):
     return [rng.integers(3, 250, size=n).tolist() for _, n, _ in REQUESTS]
 
 
-def _run(engine, prompts, stop_ids=()):
-    """Outputs by request id, the requests added at their arrival steps."""
+def _run(engine, prompts, stop=None):
+    """Outputs by request id, the requests added at their arrival steps; `stop`: request 2's stop id."""
     outputs, step = {}, 0
     while step <= max(r[0] for r in REQUESTS) or engine.num_unfinished:
         for i, (arrival, _, new) in enumerate(REQUESTS):
             if arrival == step:
+                stop_ids = (stop,) if i == 2 and stop is not None else ()
                 assert engine.add_request(prompts[i], new, stop_ids=stop_ids) == i
         outputs.update({o.request_id: o for o in engine.step()})
         step += 1
@@ -54,12 +55,12 @@ def generated(model):
 
 
 def _expected(prompts, tokens, stop=None):
-    """Each request's sequence: its prompt and Generator tokens cut at its max_new_tokens (and after a
-    stop token)."""
+    """Each request's sequence: its prompt and Generator tokens cut at its max_new_tokens (request 2's
+    also after its stop token `stop`)."""
     expected = []
-    for prompt, (_, _, new), generated in zip(prompts, REQUESTS, tokens):
+    for i, (prompt, (_, _, new), generated) in enumerate(zip(prompts, REQUESTS, tokens)):
         generated = generated[:new]
-        if stop is not None and stop in generated:
+        if i == 2 and stop in generated:
             generated = generated[:generated.index(stop) + 1]
         expected.append(list(prompt) + generated)
     return expected
@@ -69,22 +70,19 @@ def _expected(prompts, tokens, stop=None):
 def test_engine_gives_the_generator_tokens(model, generated, state):
     """5 requests, 3 slots, a decode batch of 3: every request's sequence is the Generator's (greedy; the
     standard state's and ReplaySSM's are the same tokens); the long prompt takes 3 prefill steps while
-    the others decode; a stop token ends a request early."""
+    the others decode. ReplaySSM: request 2 stops at its stop token, its second generated one."""
     prompts, tokens = generated
-    expected = _expected(prompts, tokens)
+    stop = tokens[2][1] if state == "replay" else None
     engine = Engine(model, 3, state=state, buffer_len=4 if state == "replay" else None, prefill_chunk=CHUNK,
                     max_len=40, backend="xla")
-    outputs = _run(engine, prompts)
-    assert [outputs[i].sequence for i in range(len(REQUESTS))] == expected
-    assert all(o.finish_reason == "length" for o in outputs.values())
+    outputs = _run(engine, prompts, stop)
+    assert [outputs[i].sequence for i in range(len(REQUESTS))] == _expected(prompts, tokens, stop)
+    reasons = ["stop" if i == 2 and stop is not None else "length" for i in range(len(REQUESTS))]
+    assert [outputs[i].finish_reason for i in range(len(REQUESTS))] == reasons
+    if stop is not None:
+        assert outputs[2].num_generated == tokens[2].index(stop) + 1 <= 2
     assert engine.stats["prefill_tokens"] == sum(n for _, n, _ in REQUESTS)
     assert engine.pool.free_slots == 3
-    if state == "replay":  # a stop token: the first generated token of request 2 stops it there
-        stop = tokens[2][0]
-        outputs = _run(Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla"), prompts,
-                       stop_ids=(stop,))
-        assert [outputs[i].sequence for i in range(len(REQUESTS))] == _expected(prompts, tokens, stop)
-        assert outputs[2].finish_reason == "stop" and outputs[2].num_generated == 1
 
 
 def test_prefix_caching_skips_the_shared_prefix(model):

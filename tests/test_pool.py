@@ -84,11 +84,13 @@ def test_standard_step_writes_only_its_slots(layer):
     _assert_slots(new, pool, want)
 
 
-@pytest.mark.parametrize("layer", sorted(LAYERS))
-@pytest.mark.parametrize("route, config", [("output", ReplayConfig(block_v=8, fused_flush=True)),
-                                           ("output", ReplayConfig(block_v=8)),
-                                           ("direct", StepConfig(block_v=8))],
-                         ids=["fused-flush", "flush-launch", "direct"])
+@pytest.mark.parametrize("layer, route, config", [
+    ("mamba2", "output", ReplayConfig(block_v=8, fused_flush=True)),
+    ("mamba2", "output", ReplayConfig(block_v=8)),
+    ("mamba2", "direct", StepConfig(block_v=8)),
+    ("gdn", "output", ReplayConfig(block_v=8)),
+    ("gdn", "direct", StepConfig(block_v=8)),
+], ids=["mamba2-fused-flush", "mamba2-flush-launch", "mamba2-direct", "gdn-flush-launch", "gdn-direct"])
 def test_replay_step_writes_only_its_slots(layer, route, config):
     """The replay step's launches over a pool (a flushing slot and an appending one, a padding row):
     checkpoint, buffers and cursor of each stepped slot as the reference's; every other slot's bits
