@@ -16,6 +16,7 @@ from models import load_model
 from replayssm_jax import ops
 from replayssm_jax.kernels import ReplayConfig, StepConfig
 from replayssm_jax.pool import PoolError, StatePool
+from replayssm_jax.sequence_state import SequenceStateError
 
 DATA = Path(__file__).parent / "data"
 CAPACITY, L = 5, 4
@@ -140,7 +141,8 @@ def model():
 
 
 def test_pool_errors(model):
-    """A full pool, a slot not in use, a row of another layout, slots of another shape than the tokens."""
+    """A full pool, a slot not in use, a row or a restored state of another layout, slots of another shape
+    than the tokens or with a slot twice: each refused before anything is written (the pool unchanged)."""
     pool = StatePool(model, 1, max_len=16, buffer_len=L, backend="xla")
     slot = pool.allocate()
     with pytest.raises(PoolError, match="full"):
@@ -150,7 +152,15 @@ def test_pool_errors(model):
     standard = StatePool(model, 1, max_len=16, backend="xla").cache  # a batch-1 cache of standard states
     with pytest.raises(PoolError, match="structure"):
         pool.write(slot, standard)
+    other = StatePool(model, 1, max_len=16, backend="xla")
+    exported = other.export(other.allocate())
+    before = jax.tree.map(np.asarray, pool.cache)
+    with pytest.raises(SequenceStateError, match="structure"):
+        pool.restore(slot, exported)
     with pytest.raises(ValueError, match="`slots` must have the shape of `tokens`"):
         model.decode(jnp.asarray([1, 2], jnp.int32), pool.cache, slots=jnp.asarray([0], jnp.int32), backend="xla")
+    with pytest.raises(ValueError, match="twice"):
+        model.decode(jnp.asarray([1, 2], jnp.int32), pool.cache, slots=jnp.asarray([0, 0], jnp.int32), backend="xla")
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, pool.cache), before)
     pool.release(slot)
     assert pool.free_slots == 1
