@@ -87,14 +87,16 @@ def test_engine_gives_the_generator_tokens(model, generated, state):
 
 def test_prefix_caching_skips_the_shared_prefix(model):
     """Prompts sharing a system prompt of one block (+ 4 tokens): the later requests restore the block's
-    state and prefill only the rest; every sequence equals the engine's without the cache."""
+    state and prefill only the rest; every sequence equals the engine's without the cache (whose decode
+    batch of 2 rows serves 3 slots in turns)."""
     rng = np.random.default_rng(1)
     system = rng.integers(3, 250, size=CHUNK + 4).tolist()
     tail = lambda n: rng.integers(3, 250, size=n).tolist()  # noqa: E731
     # Request 0 is the system prompt; 2 and 4 continue its first block; 1 and 3 share nothing.
     prompts = [system, tail(4), system + tail(8), tail(4), system[:CHUNK] + tail(4)]
     cached = Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla", prefix_caching=True)
-    plain = Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla")
+    # Without the cache, and a decode batch of 2 for 3 slots (the running requests take turns).
+    plain = Engine(model, 3, buffer_len=4, batch_size=2, prefill_chunk=CHUNK, max_len=40, backend="xla")
     with_cache, without = _run(cached, prompts), _run(plain, prompts)
     assert [with_cache[i].sequence for i in range(len(REQUESTS))] == [without[i].sequence for i in range(len(REQUESTS))]
     assert [with_cache[i].cached_tokens for i in range(len(REQUESTS))] == [0, 0, CHUNK, 0, CHUNK]

@@ -9,6 +9,12 @@ kernel bodies; the operands are grouped as the kernels take their refs:
 the state (or checkpoint), the step's inputs and the buffered records as
 named tuples (an absent optional input: None), and the cursor.
 
+Over a state pool (:class:`Pool`: the state operands hold `capacity` slots
+and batch row b steps slot slots[b]) the step and replay launches take the
+same kernels: the state operands' blocks span the slot axis, each program
+views its slot (`tiles.SlotView`) and runs the kernel where the slot is not
+-1 (a padding row: no read, no write). No copy of a state is made.
+
 The lowering (Pallas on Triton) is private to this package. Pallas warns
 that its Triton backend is deprecated; this module silences exactly that
 message (a Mosaic GPU port is expected, DESIGN.md section 5).
