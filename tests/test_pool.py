@@ -5,6 +5,7 @@ A model's decode over a pool is tested through the engine (tests/test_engine.py)
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax
@@ -13,11 +14,13 @@ import numpy as np
 import pytest
 
 from models import load_model
-from replayssm_jax import ops
+from kernel_checks import lower_for_cuda
+from replayssm_jax import kernels, ops
 from replayssm_jax.kernels import ReplayConfig, StepConfig
 from replayssm_jax.pool import PoolError, StatePool
 from replayssm_jax.sequence_state import SequenceStateError
 
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 DATA = Path(__file__).parent / "data"
 CAPACITY, L = 5, 4
 SLOTS = np.array([3, -1, 1], np.int32)  # a padding row between two slots, out of order
@@ -107,6 +110,37 @@ def test_replay_step_writes_only_its_slots(layer, route, config):
     want_y, want = _reference_on_rows(replay_step, pool, inputs, params, route=route)
     np.testing.assert_allclose(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], rtol=2e-5, atol=2e-5)
     _assert_slots(new, pool, want)
+
+
+@pytest.mark.parametrize("route, config, calls", [
+    ("output", ReplayConfig(block_v=8, fused_flush=True), 1),
+    ("output", ReplayConfig(block_v=8), 2),
+    ("direct", StepConfig(block_v=8), 1),
+], ids=["fused-flush", "flush-launch", "direct"])
+def test_pool_launches_lower_for_cuda_with_the_pool_in_place(route, config, calls):
+    """The Triton lowering takes the pool's launches (kernel_checks.lower_for_cuda: the whole Pallas ->
+    Triton lowering short of PTX), and each aliases every pool array it writes to its operand: the
+    checkpoint and buffers (operands 1..4, after the slots), the cursor in place in one launch, the copy
+    of the cursors (the operand after the inputs) in a two-launch step, the flush launch's checkpoint."""
+    checkpoint, inputs, params, G = _mamba2_case(np.random.default_rng(6))
+    pool = ops.mamba2_replay_init(checkpoint, L, G).replace(cursor=jnp.asarray(CURSORS))
+
+    text = lower_for_cuda(lambda pool, slots: kernels.mamba2_replay_step(
+        pool, inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params["D"], inputs["z"],
+        params["dt_bias"], dt_softplus=True, dt_limit=(0.0, float("inf")), route=route, config=config,
+        slots=slots), pool, jnp.asarray(SLOTS))
+    found = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
+    assert len(found) == calls and all("_pool" in line for line in found), found
+    aliases = sorted((int(o), int(i)) for o, i in
+                     re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", found[0]))
+    operands = re.search(r"custom_call @\S+\(([^)]*)\)", found[0]).group(1).count(",") + 1
+    if route == "direct":  # outputs y, checkpoint, cursor: the checkpoint and the cursor (last operand)
+        assert aliases == [(1, 1), (2, operands - 1)], found[0][:2000]
+        return
+    cursor = 5 if calls == 1 else operands - 1  # in place, or the copy passed last
+    assert aliases == [(1, 1), (2, 2), (3, 3), (4, 4), (5, cursor)], found[0][:2000]
+    if calls == 2:
+        assert re.search(r"output_tuple_indices = \[\], operand_index = 1\b", found[1]), found[1][:2000]
 
 
 @pytest.mark.parametrize("slots, error, match", [
