@@ -321,6 +321,9 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
         a concrete A with an entry >= 0, an unknown backend; on the kernel
         backends also the kernels' limits (:func:`replayssm_jax.kernels.mamba2_step`).
       RuntimeError: backend "pallas" without a GPU.
+      ValueError: `slots` not of shape [batch], a concrete slot outside
+        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        TypeError: `slots` not integers.
     """
     state, dt_softplus, dt_limit, slots = val.check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                                                 dt_limit, slots)
@@ -399,6 +402,9 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
         malformed state, a pending verify window, an unknown route, or B /
         C with another n_groups than the state's; on the kernel backends the
         kernels' limits (:func:`replayssm_jax.kernels.mamba2_replay_step`).
+      ValueError: `slots` not of shape [batch], a concrete slot outside
+        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        TypeError: `slots` not integers.
     """
     dt_softplus, dt_limit, slots = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                                                 dt_limit, slots)
@@ -549,6 +555,9 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend
         unknown backend; on the kernel backends also the kernels' limits
         (:func:`replayssm_jax.kernels.gdn_step`).
       RuntimeError: backend "pallas" without a GPU.
+      ValueError: `slots` not of shape [batch], a concrete slot outside
+        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        TypeError: `slots` not integers.
     """
     state, scale, use_qk_l2norm, slots = val.check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots)
     chosen = choose_backend("gdn_step", backend, config)
@@ -618,6 +627,9 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         such), a pending verify window, an unknown route, or q / k with
         another H than the state's; on the kernel backends the kernels'
         limits (:func:`replayssm_jax.kernels.gdn_replay_step`).
+      ValueError: `slots` not of shape [batch], a concrete slot outside
+        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        TypeError: `slots` not integers.
     """
     scale, use_qk_l2norm, slots = val.check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots)
     chosen = choose_backend("gdn_replay_step", backend, config)
