@@ -125,6 +125,10 @@ def _compiled_decode(graphdef, route: str, backend: str | None):
     return jax.jit(decode, donate_argnums=(1,))
 
 
+# One row's draw (a compiled program per SamplingParams).
+_sample = jax.jit(sample_tokens, static_argnums=(2,))
+
+
 def _prefix_key(ids: Sequence[int]) -> str:
     """The prefix cache's key of a prompt prefix: a hash of its ids (and so of its length)."""
     return hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest()
@@ -325,7 +329,7 @@ class Engine:
         for i, request in enumerate(rows):
             if request.sampling is not None:
                 key = jax.random.fold_in(jax.random.fold_in(self._key, request.request_id), len(request.generated))
-                tokens[i] = int(sample_tokens(logits[i:i + 1], key, request.sampling)[0])
+                tokens[i] = int(_sample(logits[i:i + 1], key, request.sampling)[0])
         return tokens
 
     def _emit(self, request: _Request, token: int, finished: list) -> None:

@@ -13,6 +13,7 @@ import pytest
 from models import load_model
 from replayssm_jax.engine import Engine, EngineError
 from replayssm_jax.generation import Generator
+from replayssm_jax.sampling import SamplingParams
 
 DATA = Path(__file__).parent / "data"
 CHUNK = 8
@@ -31,14 +32,16 @@ def _prompts(seed):
     return [rng.integers(3, 250, size=n).tolist() for _, n, _ in REQUESTS]
 
 
-def _run(engine, prompts, stop=None):
-    """Outputs by request id, the requests added at their arrival steps; `stop`: request 2's stop id."""
+def _run(engine, prompts, stop=None, sampling=None):
+    """Outputs by request id, the requests added at their arrival steps; `stop`: request 2's stop id;
+    `sampling`: request 3's SamplingParams (the others greedy)."""
     outputs, step = {}, 0
     while step <= max(r[0] for r in REQUESTS) or engine.num_unfinished:
         for i, (arrival, _, new) in enumerate(REQUESTS):
             if arrival == step:
                 stop_ids = (stop,) if i == 2 and stop is not None else ()
-                assert engine.add_request(prompts[i], new, stop_ids=stop_ids) == i
+                options = dict(sampling=sampling) if i == 3 else {}
+                assert engine.add_request(prompts[i], new, stop_ids=stop_ids, **options) == i
         outputs.update({o.request_id: o for o in engine.step()})
         step += 1
     return outputs
@@ -88,7 +91,7 @@ def test_engine_gives_the_generator_tokens(model, generated, state):
 def test_prefix_caching_skips_the_shared_prefix(model):
     """Prompts sharing a system prompt of one block (+ 4 tokens): the later requests restore the block's
     state and prefill only the rest; every sequence equals the engine's without the cache (whose decode
-    batch of 2 rows serves 3 slots in turns)."""
+    batch of 2 rows serves 3 slots in turns; a sampled request draws the same tokens)."""
     rng = np.random.default_rng(1)
     system = rng.integers(3, 250, size=CHUNK + 4).tolist()
     tail = lambda n: rng.integers(3, 250, size=n).tolist()  # noqa: E731
@@ -97,7 +100,8 @@ def test_prefix_caching_skips_the_shared_prefix(model):
     cached = Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla", prefix_caching=True)
     # Without the cache, and a decode batch of 2 for 3 slots (the running requests take turns).
     plain = Engine(model, 3, buffer_len=4, batch_size=2, prefill_chunk=CHUNK, max_len=40, backend="xla")
-    with_cache, without = _run(cached, prompts), _run(plain, prompts)
+    sampling = SamplingParams(temperature=1.0)  # request 3 samples: its draws depend on its id and logits only
+    with_cache, without = _run(cached, prompts, sampling=sampling), _run(plain, prompts, sampling=sampling)
     assert [with_cache[i].sequence for i in range(len(REQUESTS))] == [without[i].sequence for i in range(len(REQUESTS))]
     assert [with_cache[i].cached_tokens for i in range(len(REQUESTS))] == [0, 0, CHUNK, 0, CHUNK]
     assert cached.stats["prefill_tokens"] == plain.stats["prefill_tokens"] - cached.stats["cached_tokens"]
