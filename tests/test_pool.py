@@ -183,10 +183,9 @@ def test_pool_errors(model):
         pool.allocate()
     with pytest.raises(PoolError, match="in use"):
         pool.release(slot + 1)
-    standard = StatePool(model, 1, max_len=16, backend="xla").cache  # a batch-1 cache of standard states
+    other = StatePool(model, 1, max_len=16, backend="xla")  # standard states
     with pytest.raises(PoolError, match="structure"):
-        pool.write(slot, standard)
-    other = StatePool(model, 1, max_len=16, backend="xla")
+        pool.write(slot, other.cache)  # a batch-1 cache of another layout
     exported = other.export(other.allocate())
     before = jax.tree.map(np.asarray, pool.cache)
     with pytest.raises(SequenceStateError, match="structure"):
