@@ -64,8 +64,9 @@ a prefill-only run.
 Memory, from the cache's shapes (`jax.eval_shape`, bytes of every leaf of one
 row): `cache_bytes_per_seq`, the decode cache between steps or rounds;
 `round_bytes_per_seq`, the cache while a verified window is pending (the
-standard state's W per-position states, ReplaySSM's records in its buffer),
-which the speculative paths hold every round. `max_sequences` = the rows whose
+standard state's W + 1 state slots, which its per-draft layout holds between
+rounds too; ReplaySSM's records in its buffer), which the speculative paths
+hold every round. `max_sequences` = the rows whose
 `round_bytes_per_seq` fit `--budget-gib` (the weights and temporaries
 excluded).
 

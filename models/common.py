@@ -152,7 +152,7 @@ class HybridCausalLM(nnx.Module):
     def prefill(self, input_ids: jax.Array, max_len: int, *, replay_buffer_len: int | None = None,
                 buffer_dtype=jnp.float32, backend: str | None = None, last_logits_only: bool = False,
                 max_window: int = 1, return_hidden: bool = False, checkpoint_dtype=None,
-                checkpoint_rounding: str = "nearest"):
+                checkpoint_rounding: str = "nearest", cache: HybridCache | None = None):
         """Prompt forward that builds the decode cache.
 
         Args:
@@ -176,10 +176,15 @@ class HybridCausalLM(nnx.Module):
             dtype (None: the SSM state's; float32, bfloat16, int8 or
             float8_e4m3fn) and an 8-bit checkpoint's rounding ("nearest" or
             "stochastic"), as replayssm_jax.ops.*_replay_init.
+          cache: None, or the cache of the prompts' earlier parts (a chunked
+            prefill: from a `prefill` with replay_buffer_len None and
+            max_window 1); the prompts continue after its positions (its KV
+            caches keep their max_len; `max_len` is then not read).
 
         Returns:
           (logits f32[batch, T, vocab_size] (f32[batch, vocab_size] with
-          last_logits_only), HybridCache with position = T); with return_hidden,
+          last_logits_only), HybridCache with position = T (with `cache`: its
+          position + T)); with return_hidden,
           (logits, hidden [batch, T, hidden_size] after the final norm (every
           position, also with last_logits_only), HybridCache).
 
@@ -188,10 +193,17 @@ class HybridCausalLM(nnx.Module):
           ValueError: `input_ids` not of shape [batch, seqlen], with an empty axis
             or an id outside the vocabulary; max_len < T, an unknown backend, or a
             replay_buffer_len the kernels of `backend` cannot take; max_window
-            not an int >= 1, or above replay_buffer_len.
+            not an int >= 1, or above replay_buffer_len; a `cache` of another
+            batch, with ReplaySSM states or a max_window other than 1.
           RuntimeError: backend "pallas" without a GPU.
         """
         ids = check_input_ids(input_ids, self.config.vocab_size)
+        if cache is not None:
+            check_cache(cache, self.config.layer_types, ids.shape[0])
+            if cache.uses_replay or cache.max_window != 1:
+                raise ValueError("`cache` (a chunked prefill's earlier parts) must hold standard SSM states and "
+                                 f"max_window 1 (prefill with replay_buffer_len None); got uses_replay = "
+                                 f"{cache.uses_replay}, max_window = {cache.max_window}")
         if isinstance(max_window, bool) or not isinstance(max_window, (int, np.integer)) or max_window < 1:
             raise ValueError(f"`max_window` must be an int >= 1; got {max_window!r}")
         max_window = int(max_window)
@@ -202,14 +214,16 @@ class HybridCausalLM(nnx.Module):
                                  f"window fits in the replay buffer); got {max_window}")
         h = self._embed(ids)
         states = []
-        for block in self._blocks:
-            h, state = block.prefill(h, max_len + max_window - 1, backend=backend)
+        earlier = (None,) * len(self._blocks) if cache is None else cache.layers
+        for block, prior in zip(self._blocks, earlier):
+            h, state = block.prefill(h, max_len + max_window - 1, backend=backend,
+                                     **({} if cache is None else {"state": prior}))
             states.append(prefill_layer_states(block.mixer, state, replay_buffer_len=replay_buffer_len,
                                                buffer_dtype=buffer_dtype, max_window=max_window,
                                                checkpoint_dtype=checkpoint_dtype, rounding=checkpoint_rounding))
         batch, seqlen = ids.shape
-        cache = HybridCache(layers=tuple(states), position=jnp.full((batch,), seqlen, jnp.int32),
-                            max_window=max_window)
+        position = jnp.full((batch,), seqlen, jnp.int32) if cache is None else cache.position + seqlen
+        cache = HybridCache(layers=tuple(states), position=position, max_window=max_window)
         if return_hidden:
             hidden = self._final_norm(h)
             return self._lm_head(hidden[:, -1] if last_logits_only else hidden), hidden, cache
@@ -217,7 +231,7 @@ class HybridCausalLM(nnx.Module):
         return logits, cache
 
     def decode(self, tokens: jax.Array, cache: HybridCache, *, route: str = "auto",
-               backend: str | None = None, return_hidden: bool = False):
+               backend: str | None = None, return_hidden: bool = False, slots=None):
         """One decode step for every sequence.
 
         Args:
@@ -228,6 +242,13 @@ class HybridCausalLM(nnx.Module):
             route at latency-bound batches, else the output route; the reference takes "output").
           backend: SSM op backend.
           return_hidden: also return the hidden state after the final norm (static).
+          slots: None, or int[batch]: `cache` is a state pool
+            (:class:`replayssm_jax.pool.StatePool`: `capacity` rows) and
+            token b continues the sequence in slot slots[b]; -1 is a
+            padding row (its logits are unspecified; it reads and writes
+            nothing), no slot twice. The SSM kernels index the pool by slot;
+            conv windows and KV caches are indexed by XLA (the layers'
+            ``decode`` docstrings give the cost).
 
         Returns:
           (logits f32[batch, vocab_size] for the next token, updated HybridCache);
@@ -235,20 +256,32 @@ class HybridCausalLM(nnx.Module):
           norm, HybridCache).
 
         Raises:
-          TypeError: `cache` not a HybridCache; `tokens` not integers.
+          TypeError: `cache` not a HybridCache; `tokens` or `slots` not integers.
           ValueError: a cache whose layers do not match the model's, `tokens`
-            not of shape [batch] with the cache's batch (batch >= 1), an id
-            outside the vocabulary, or a pending verify window.
+            not of shape [batch] with the cache's batch (batch >= 1; with
+            slots, the slots' batch), an id outside the vocabulary, or a
+            pending verify window; concrete `slots` out of [-1, capacity),
+            with a slot twice, or not of the tokens' shape.
         """
         tokens = check_tokens(tokens, self.config.vocab_size)
-        check_cache(cache, self.config.layer_types, tokens.shape[0])
+        if slots is None:
+            check_cache(cache, self.config.layer_types, tokens.shape[0])
+        else:
+            check_cache(cache, self.config.layer_types)
+            slots = ops.validate.check_slots(slots, cache.position.shape[0], None)
+            if slots.shape != tokens.shape:
+                raise ValueError(f"`slots` must have the shape of `tokens`, [batch] = {tuple(tokens.shape)}; got "
+                                 f"{tuple(slots.shape)}")
         _check_no_window(cache)
         h = self._embed(tokens)
+        pool = {} if slots is None else {"slots": slots}
         states = []
         for block, state in zip(self._blocks, cache.layers):
-            h, state = block.decode(h, state, route=route, backend=backend)
+            h, state = block.decode(h, state, route=route, backend=backend, **pool)
             states.append(state)
-        cache = cache.replace(layers=tuple(states), position=cache.position + 1)
+        position = cache.position + 1 if slots is None else ops.put_slots(
+            cache.position, slots, ops.take_slots(cache.position, slots) + 1)
+        cache = cache.replace(layers=tuple(states), position=position)
         if return_hidden:
             hidden = self._final_norm(h)
             return self._lm_head(hidden), hidden, cache
@@ -314,8 +347,9 @@ class HybridCausalLM(nnx.Module):
 
 def attention_options(options: dict) -> dict:
     """Of a block's SSM options, those its attention layer's ``decode`` / ``verify`` takes: the draft
-    `tree` of a verify (the others, route and backend, are the SSM ops')."""
-    return {"tree": options["tree"]} if "tree" in options else {}
+    `tree` of a verify and the `slots` of a decode over a state pool (the others, route and backend,
+    are the SSM ops')."""
+    return {name: options[name] for name in ("tree", "slots") if name in options}
 
 
 def commit_cache(cache: HybridCache, num_accepted, path=None) -> HybridCache:
@@ -454,15 +488,17 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
 
 def make_decode_step(graphdef, *, route: str = "auto", backend: str | None = None, donate_cache: bool = False,
                      return_hidden: bool = False):
-    """A jitted ``decode_step(params, cache, tokens) -> (logits [batch, vocab], HybridCache)``
-    (``(logits, hidden [batch, hidden], HybridCache)`` with return_hidden, as `HybridCausalLM.decode`).
+    """A jitted ``decode_step(params, cache, tokens, slots=None) -> (logits [batch, vocab], HybridCache)``
+    (``(logits, hidden [batch, hidden], HybridCache)`` with return_hidden, as `HybridCausalLM.decode`;
+    `slots`: the rows of a state pool).
 
     ``donate_cache=True`` donates the cache argument (in-place state updates on GPU).
     """
 
-    def decode_step(params, cache, tokens):
+    def decode_step(params, cache, tokens, slots=None):
         model = nnx.merge(graphdef, params)
-        return model.decode(tokens, cache, route=route, backend=backend, return_hidden=return_hidden)
+        return model.decode(tokens, cache, route=route, backend=backend, return_hidden=return_hidden,
+                            **({} if slots is None else {"slots": slots}))
 
     return jax.jit(decode_step, donate_argnums=(1,) if donate_cache else ())
 

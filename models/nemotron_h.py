@@ -88,20 +88,22 @@ class NemotronHBlock(nnx.Module):
         out = self.mixer(u, backend=backend) if self.block_type == "mamba" else self.mixer(u)
         return self._residual(h, out)
 
-    def prefill(self, h: jax.Array, max_len: int, *, backend: str | None = None):
-        """Prompt forward that also returns this block's decode state (SSMLayerState, KVCache or None)."""
+    def prefill(self, h: jax.Array, max_len: int, *, backend: str | None = None, state=None):
+        """Prompt forward that also returns this block's decode state (SSMLayerState, KVCache or None);
+        `state`: the block's state after the prompt's earlier parts (a chunked prefill), or None."""
         u = self._normed(h)
         if self.block_type == "mamba":
-            out, state = self.mixer.prefill(u, backend=backend)
+            out, state = self.mixer.prefill(u, state, backend=backend)
         elif self.block_type == "attention":
-            out, state = self.mixer.prefill(u, max_len)
+            out, state = self.mixer.prefill(u, max_len, state)
         else:
             out, state = self.mixer(u), None
         return self._residual(h, out), state
 
-    def decode(self, h: jax.Array, state, *, route: str = "auto", backend: str | None = None):
-        """One token. h: [batch, hidden] -> (h [batch, hidden], new state)."""
-        return self._with_state(h, state, "decode", route=route, backend=backend)
+    def decode(self, h: jax.Array, state, *, route: str = "auto", backend: str | None = None, slots=None):
+        """One token. h: [batch, hidden] -> (h [batch, hidden], new state); `slots`: a state pool's rows
+        (`HybridCausalLM.decode`)."""
+        return self._with_state(h, state, "decode", route=route, backend=backend, slots=slots)
 
     def verify(self, h: jax.Array, state, *, backend: str | None = None, tree=None):
         """W speculative positions (the nodes of a draft `tree` if given). h: [batch, W, hidden] -> (h

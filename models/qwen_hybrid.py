@@ -86,18 +86,20 @@ class QwenDecoderLayer(nnx.Module):
         out = self.linear_attn(u, backend=backend) if self.layer_type == "gdn" else self.self_attn(u)
         return self._ffn(h + out)
 
-    def prefill(self, h: jax.Array, max_len: int, *, backend: str | None = None):
-        """Prompt forward that also returns the mixer's decode state (SSMLayerState or KVCache)."""
+    def prefill(self, h: jax.Array, max_len: int, *, backend: str | None = None, state=None):
+        """Prompt forward that also returns the mixer's decode state (SSMLayerState or KVCache);
+        `state`: the mixer's state after the prompt's earlier parts (a chunked prefill), or None."""
         u = self.input_layernorm(h)
         if self.layer_type == "gdn":
-            out, state = self.linear_attn.prefill(u, backend=backend)
+            out, state = self.linear_attn.prefill(u, state, backend=backend)
         else:
-            out, state = self.self_attn.prefill(u, max_len)
+            out, state = self.self_attn.prefill(u, max_len, state)
         return self._ffn(h + out), state
 
-    def decode(self, h: jax.Array, state, *, route: str = "auto", backend: str | None = None):
-        """One token. h: [batch, hidden] -> (h [batch, hidden], new state)."""
-        return self._with_state(h, state, "decode", route=route, backend=backend)
+    def decode(self, h: jax.Array, state, *, route: str = "auto", backend: str | None = None, slots=None):
+        """One token. h: [batch, hidden] -> (h [batch, hidden], new state); `slots`: a state pool's rows
+        (`HybridCausalLM.decode`)."""
+        return self._with_state(h, state, "decode", route=route, backend=backend, slots=slots)
 
     def verify(self, h: jax.Array, state, *, backend: str | None = None, tree=None):
         """W speculative positions (the nodes of a draft `tree` if given). h: [batch, W, hidden] -> (h

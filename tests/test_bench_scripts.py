@@ -19,7 +19,8 @@ import pytest
 BENCH = pathlib.Path(__file__).parent.parent / "bench"
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-SCRIPTS_IMPORTING_THE_PACKAGE = ["kernels", "e2e", "spec", "buffer_length", "bounds", "profile_step", "roofline"]
+SCRIPTS_IMPORTING_THE_PACKAGE = ["kernels", "e2e", "spec", "buffer_length", "bounds", "profile_step", "roofline",
+                                 "serve"]
 
 
 @pytest.fixture(autouse=True)
@@ -486,7 +487,7 @@ def test_doc_links_resolve(doc):
 def test_spec_dry_run(tmp_path, capsys):
     """bench/spec.py --dry-run: the four modes on the tiny Qwen3.5 fixture (backend xla, float32), each
     speculative mode's oracle reference its own (it reproduces its reference at alpha 1 and equals the same
-    state's AR output), greedy speculative tokens equal to that reference, the pending window's states counted
+    state's AR output), greedy speculative tokens equal to that reference, the per-draft state slots counted
     in the standard state's memory per sequence (the speculative caches' conv windows also hold W - 1 more
     columns); the random MTP head's rows (`--drafters`) with the same tokens."""
     assert load("spec").main(["--dry-run", "--alphas", "0.8", "--out", str(tmp_path)]) == 0
@@ -508,7 +509,8 @@ def test_spec_dry_run(tmp_path, capsys):
         assert abs(r["ideal_accepted"] - (1 - 0.8**4) / 0.2) < 1e-12 and r["speedup_same_state"] > 0
         assert rows[mode]["max_sequences"] == int(100 * 2**30 // rows[mode]["round_bytes_per_seq"])
     standard, replay = rows["spec-standard"], rows["spec-replay"]
-    assert standard["round_bytes_per_seq"] > standard["cache_bytes_per_seq"]
+    # The per-draft layout holds its W + 1 state slots between rounds too: the same bytes with a window pending.
+    assert standard["round_bytes_per_seq"] == standard["cache_bytes_per_seq"]
     assert standard["cache_bytes_per_seq"] > rows["ar-standard"]["cache_bytes_per_seq"]
     assert replay["round_bytes_per_seq"] < standard["round_bytes_per_seq"]
     assert "spec-replay" in capsys.readouterr().out
@@ -545,3 +547,14 @@ def test_spec_rejects_bad_arguments(args, message, tmp_path, capsys):
         load("spec").main(["--dry-run", "--out", str(tmp_path / "out"), *args])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def test_serve_dry_run(tmp_path):
+    """bench/serve.py --dry-run (ReplaySSM only): a row per prefix-caching setting with every request
+    served, the Generator's reference, the JSON and the plot."""
+    assert load("serve").main(["--dry-run", "--states", "replay", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert [(r["state"], r["prefix_caching"]) for r in result["rows"]] == [("replay", False), ("replay", True)]
+    assert all(r["requests"] == 4 and r["tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in result["rows"])
+    assert result["generator"][0]["generator_tokens_per_s"] > 0
+    assert (tmp_path / "serve.png").stat().st_size > 0

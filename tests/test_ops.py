@@ -91,6 +91,9 @@ def test_public_ops_are_documented_functions(name):
     assert "replayssm_jax.reference." in doc, f"{name}: the docstring names no source of the math"
     for kw in ("backend", "config"):
         assert params[kw].kind is inspect.Parameter.KEYWORD_ONLY and params[kw].default is None
-    # The reference namesake takes the same arguments, less backend and config.
+    # The reference namesake takes the same arguments, less backend and config (and a decode step's
+    # keyword-only `slots`, a state pool's rows: the reference steps the rows it is given).
     ref_params = inspect.signature(getattr(reference, name)).parameters
-    assert list(ref_params) == [p for p in params if p not in ("backend", "config")]
+    if "slots" in params:
+        assert params["slots"].kind is inspect.Parameter.KEYWORD_ONLY and params["slots"].default is None
+    assert list(ref_params) == [p for p in params if p not in ("backend", "config", "slots")]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from replayssm_jax.kernels.tiles import RowRef, lane_ids, load
+from replayssm_jax.kernels.tiles import RowRef, SlotView, lane_ids, load
 
 ARRIVAL = 1 << 16
 MAX_ROW_PROGRAMS = (1 << 15) - 1  # arrivals per row that fit in the int32 above the cursor's 16 bits
@@ -60,7 +60,10 @@ def advance_cursor(cursor_ref, cursor, new, programs: int) -> None:
 
     @pl.when(new != cursor)
     def _():
-        before = plgpu.atomic_add(cursor_ref, (jnp.int32(0),), jnp.int32(ARRIVAL))
+        ref, index = cursor_ref, (jnp.int32(0),)
+        if isinstance(cursor_ref, SlotView):  # a state pool's cursor: the slot's
+            ref, index = cursor_ref.ref, cursor_ref._index(index)
+        before = plgpu.atomic_add(ref, index, jnp.int32(ARRIVAL))
 
         @pl.when(before >> 16 == programs - 1)  # the last of the row's programs to arrive
         def _():

@@ -60,11 +60,13 @@ from jax.experimental import pallas as pl
 from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
                                           replay_config_for, step_config_for, verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
-from replayssm_jax.kernels.launch import (BlockSpecs, per_draft_launch, replay_launch, replay_step,
-                                          run_replay_program, run_verify_program, run_window, step_launch,
-                                          tree_option, verify_launch, verify_window, window_start)
+from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, per_draft_launch, pool_of, replay_launch,
+                                          replay_step, run_replay_program, run_verify_program, run_window,
+                                          step_launch, tree_option, verify_launch, verify_window,
+                                          window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
-from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
+from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar,
+                                         program_id)
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
                                          store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.state import GDNReplayState
@@ -154,7 +156,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     BL, BK, BV = records.g.shape[0], inputs.q.shape[-1], config.block_v
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
     count = read_cursor(cursor_ref)  # live records; the new one goes to slot `count`
-    split = pl.program_id(2)
+    split = program_id(2)
     live = lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
 
     # Per-head work, once per program: the decay weights of the live slots
@@ -277,7 +279,7 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     kmask, _, keys = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale, wmask)  # the key records
     count = read_cursor(cursor_ref)
     start = window_start(count, L, W)  # the early flush emptied the rows whose window does not fit
-    split = pl.program_id(2)
+    split = program_id(2)
 
     def tile(rows, vmask):
         def keep(t, S, d):
@@ -337,21 +339,23 @@ def _f32_decay(inputs: Inputs) -> Inputs:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret"))
-def _step(state, inputs: Inputs, records: Records | None, cursor, *, scale: float, use_qk_l2norm: bool,
-          config: StepConfig, interpret: bool):
-    """The standard step's launch; with records and cursor, the direct route's. Returns (o, state, cursor or None)."""
+def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *, scale: float,
+          use_qk_l2norm: bool, config: StepConfig, interpret: bool):
+    """The standard step's launch; with records and cursor, the direct route's; over a state pool with
+    `slots` (`launch.Pool`). Returns (o, state, cursor or None)."""
     H, HV, K = inputs.q.shape[1], state.shape[1], state.shape[3]
     L = None if records is None else records.d.shape[2]
     kernel = functools.partial(_step_kernel, V=state.shape[2], K=K, scale=scale, use_qk_l2norm=use_qk_l2norm)
     return step_launch("gdn", kernel, functools.partial(_block_specs, H, HV, K, L), state, _f32_decay(inputs),
                        jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype), records, cursor, config=config,
-                       interpret=interpret)
+                       interpret=interpret, pool=pool_of(slots, state))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "route", "config", "interpret"))
-def _replay(checkpoint, records: Records, cursor, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, route: str,
-            config: ReplayConfig, interpret: bool):
-    """The replay step's launches (output and state routes). Returns (o, checkpoint, records, cursor)."""
+def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, scale: float,
+            use_qk_l2norm: bool, route: str, config: ReplayConfig, interpret: bool):
+    """The replay step's launches (output and state routes); over a state pool with `slots`
+    (`launch.Pool`). Returns (o, checkpoint, records, cursor)."""
     _, HV, V, K = checkpoint.shape
     H, L = inputs.q.shape[1], records.d.shape[2]
     kernel = functools.partial(_replay_kernel, V=V, K=K, L=L, group=HV // H, scale=scale,
@@ -359,7 +363,8 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, *, scale: floa
     flush_row = functools.partial(_flush_row, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm)
     return replay_launch("gdn", kernel, flush_row, functools.partial(_block_specs, H, HV, K, L), checkpoint, records,
                          cursor, _f32_decay(inputs), jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype),
-                         per_head=(), route=route, config=config, interpret=interpret)
+                         per_head=(), route=route, config=config, interpret=interpret,
+                         pool=pool_of(slots, checkpoint))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret", "tree"))
@@ -392,7 +397,7 @@ def _per_draft(state, index, inputs: Inputs, *, scale: float, use_qk_l2norm: boo
 
 
 def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, config: StepConfig | None = None,
-             interpret: bool = False):
+             interpret: bool = False, slots=None):
     """One standard Gated DeltaNet decode step (Pallas kernel); the state is updated in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.gdn_step` validates
@@ -406,6 +411,11 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, conf
       use_qk_l2norm: L2-normalize q and k over K (eps 1e-6) first.
       config: the tiling; None: :func:`default_step_config`.
       interpret: run the kernel in Pallas interpret mode (any platform).
+      slots: None, or i32[batch] (validated): `state` is a state pool
+        [capacity, HV, V, K] and batch row b steps slot slots[b] in place
+        (the kernel indexes the pool: no copy of the states); -1: a padding
+        row (no read, no write; its o is left unwritten). The tiling is
+        that of a state of `batch` rows.
 
     Returns:
       (o [batch, HV, V] in v.dtype, new_state like state).
@@ -418,14 +428,14 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, conf
     Math: Yang, Kautz & Hatamizadeh, "Gated Delta Networks" (ICLR 2025), as
     flash-linear-attention's fused_recurrent_gated_delta_rule.
     """
-    config = step_config_for(config, state, DIMS)
-    o, state, _ = _step(state, Inputs(q, k, v, g, beta), None, None, scale=float(scale),
+    config = step_config_for(config, batch_shaped(state, slots), DIMS)
+    o, state, _ = _step(state, Inputs(q, k, v, g, beta), None, None, slots, scale=float(scale),
                         use_qk_l2norm=bool(use_qk_l2norm), config=config, interpret=interpret)
     return o, state
 
 
 def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, route: str,
-                    config: StepConfig | ReplayConfig | None = None, interpret: bool = False):
+                    config: StepConfig | ReplayConfig | None = None, interpret: bool = False, slots=None):
     """One ReplaySSM Gated DeltaNet decode step (Pallas kernels); checkpoint, buffers and cursor in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.gdn_replay_step`
@@ -448,6 +458,10 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         others; None: the default (:func:`default_step_config`,
         :func:`default_replay_config`).
       interpret: run the kernels in Pallas interpret mode.
+      slots: None, or i32[batch] (validated): the state is a state pool of
+        capacity slots (f32 | bf16 checkpoint) and batch row b steps slot
+        slots[b], as :func:`gdn_step`; over a pool the flush launch takes
+        one batch row per program.
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState).
@@ -461,10 +475,11 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         batch row.
       TypeError: a `config` of the other class than the route takes.
     """
-    config = replay_config_for(config, state.checkpoint, state.buffer_len, DIMS, route=route)
+    config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     kw = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), interpret=interpret)
     return replay_step(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), route=route,
-                       config=config, step=functools.partial(_step, **kw), replay=functools.partial(_replay, **kw))
+                       config=config, step=functools.partial(_step, **kw), replay=functools.partial(_replay, **kw),
+                       slots=slots)
 
 
 def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, tree=None,

@@ -10,6 +10,12 @@ kernel bodies; the operands are grouped as the kernels take their refs:
 the state (or checkpoint), the step's inputs and the buffered records as
 named tuples (an absent optional input: None), and the cursor.
 
+Over a state pool (:class:`Pool`: the state operands hold `capacity` slots
+and batch row b steps slot slots[b]) the step and replay launches take the
+same kernels: the state operands' blocks span the slot axis, each program
+views its slot (`tiles.SlotView`) and runs the kernel where the slot is not
+-1 (a padding row: no read, no write). No copy of a state is made.
+
 The lowering (Pallas on Triton) is private to this package. Pallas warns
 that its Triton backend is deprecated; this module silences exactly that
 message (a Mosaic GPU port is expected, DESIGN.md section 5).
@@ -29,7 +35,8 @@ from jax.experimental.pallas import triton as plgpu
 from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows, next_pow2
 from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, next_cursor,
                                           store_cursor)
-from replayssm_jax.kernels.tiles import Quantized, for_each_row_tile, lane_ids, mask_and, store, store_window
+from replayssm_jax.kernels.tiles import (Quantized, SlotView, for_each_row_tile, hoisted_program_ids, lane_ids,
+                                         mask_and, program_id, store, store_window)
 from replayssm_jax.state import advance_counter, row_seeds, step_writes, window_writes
 
 # Pallas warns, when it lowers a Triton kernel (at the outermost jit's
@@ -61,6 +68,102 @@ def pallas_call(kernel, *, interpret: bool, config: StepConfig | ReplayConfig, *
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         **kwargs,
     )
+
+
+class Pool(NamedTuple):
+    """A launch over a state pool: the state operands hold `capacity` slots
+    (axis 0) and the program of batch row b works on slot slots[b].
+
+    slots: i32[batch], each in -1 .. capacity - 1, no slot twice (checked by
+    the ops where concrete); -1: a padding row, whose programs read and
+    write nothing (its outputs are left unwritten).
+    """
+
+    slots: jax.Array
+    capacity: int
+
+    @property
+    def batch(self) -> int:
+        return self.slots.shape[0]
+
+
+def pool_of(slots, state) -> Pool | None:
+    """The :class:`Pool` of `slots` (None: no pool, None) over a state of `state.shape[0]` slots."""
+    return None if slots is None else Pool(slots, state.shape[0])
+
+
+def batch_shaped(state, slots):
+    """`state` (an array), or over a pool (`slots` given) its shape with the batch of the slots
+    (a ShapeDtypeStruct): the shape that the tiling heuristics see."""
+    return state if slots is None else jax.ShapeDtypeStruct((slots.shape[0], *state.shape[1:]), state.dtype)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, pl.BlockSpec)
+
+
+def _pool_specs(specs, capacity: int):
+    """`specs` (a tree of block specs) with the whole slot axis (axis 0) in each block: the program
+    indexes it by its slot (a `SlotView`), as the kernels index a buffer by the cursor."""
+
+    def whole_axis(spec):
+        index_map = spec.index_map
+        return pl.BlockSpec((capacity, *spec.block_shape[1:]), lambda *grid: (0, *index_map(*grid)[1:]))
+
+    return jax.tree.map(whole_axis, specs, is_leaf=_is_spec)
+
+
+def _slot_kernel(kernel, squeezed, n_in: int, n_fresh: int):
+    """`kernel` over a state pool: kernel(*inputs, *outputs) with each pooled
+    argument's refs replaced by their slot's `SlotView`s, run where the slot
+    is not -1. squeezed: per argument (inputs, then outputs), None (not
+    pooled) or a tree of bools (the launch's batch axis squeezed in that
+    ref's block). The `n_fresh` operands after the inputs only initialise
+    outputs (aliased) and are not passed on."""
+
+    def run(slots_ref, *refs):
+        with hoisted_program_ids(3):
+            slot = slots_ref[0]
+            index = jnp.maximum(slot, 0)
+            args = (*refs[:n_in], *refs[n_in + n_fresh:])
+            views = [arg if flags is None else jax.tree.map(lambda ref, sq: SlotView(ref, index, sq), arg, flags)
+                     for arg, flags in zip(args, squeezed)]
+
+            @pl.when(slot >= 0)
+            def _():
+                kernel(*views)
+
+    return run
+
+
+def _launch(kernel, operands: tuple, *, in_specs: tuple, out_specs: tuple, out_shape: tuple, aliases: dict,
+            pool: Pool | None = None, pooled_in: tuple = (), pooled_out: tuple = (), fresh: dict | None = None,
+            **kwargs):
+    """`pallas_call(kernel, ...)(*operands)`; over a state pool (`pool` given)
+    the pooled operands and outputs (flags `pooled_in`, `pooled_out`, one
+    per top-level argument) get blocks spanning the slot axis, the slots
+    come first (a block of one per batch row), and `fresh` {output index:
+    array} names pooled outputs that are not updated in place: their array
+    (the pool's old values) is passed after the operands, aliased to the
+    output, so that the slots a launch does not write keep their values."""
+    if pool is None:
+        return pallas_call(kernel, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                           input_output_aliases=aliases, **kwargs)(*operands)
+    fresh = fresh or {}
+    n_in = _num_leaves(operands)
+    out_starts = [_num_leaves(out_shape[:i]) for i in range(len(out_shape))]
+    squeezed = [jax.tree.map(lambda spec: spec.block_shape[0] is None, spec, is_leaf=_is_spec) if pooled else None
+                for spec, pooled in zip((*in_specs, *out_specs), (*pooled_in, *pooled_out))]
+    specs_in = tuple(_pool_specs(spec, pool.capacity) if pooled else spec for spec, pooled in zip(in_specs, pooled_in))
+    specs_out = tuple(_pool_specs(spec, pool.capacity) if pooled else spec
+                      for spec, pooled in zip(out_specs, pooled_out))
+    extra = tuple(fresh.values())
+    extra_specs = tuple(specs_out[i] for i in fresh)
+    aliases = {1 + i: o for i, o in aliases.items()}
+    aliases.update({1 + n_in + k: out_starts[i] for k, i in enumerate(fresh)})
+    return pallas_call(_slot_kernel(kernel, squeezed, len(in_specs), len(extra)),
+                       in_specs=(cursor_spec(), *specs_in, *extra_specs), out_specs=specs_out, out_shape=out_shape,
+                       input_output_aliases=aliases, **kwargs)(pool.slots, *operands, *extra)
 
 
 def _shapes(tree):
@@ -108,7 +211,7 @@ def _with_checkpoint(state, checkpoint, written_rows, **changes):
 
 
 def step_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], state, inputs, out_shape, records=None,
-                cursor=None, *, config: StepConfig, interpret: bool):
+                cursor=None, *, config: StepConfig, interpret: bool, pool: Pool | None = None):
     """Launch a layer's standard step kernel; its state (operand 0) is updated in place (output 1).
 
     Grid (batch, heads, cdiv(V, block_v)), one state tile per program.
@@ -118,7 +221,8 @@ def step_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], stat
     replay state whose checkpoint is `state`, the direct route: they follow
     the inputs, and the cursor is an output in place; otherwise their refs
     are None. block_specs(rows, nb) -> BlockSpecs (records None without a
-    buffer).
+    buffer). pool: a :class:`Pool` (state, records and cursor hold its
+    slots, the grid's batch is the slots'), or None.
 
     Returns (output, state, new cursor or None).
     """
@@ -130,24 +234,30 @@ def step_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], stat
     if direct:  # the cursor, after the state, inputs and records
         aliases[_num_leaves((state, inputs, records))] = 1 + n_written
     batch, heads, V, _ = state.shape
-    grid = (batch, heads, pl.cdiv(V, config.block_v))
-    return pallas_call(
+    grid = (batch if pool is None else pool.batch, heads, pl.cdiv(V, config.block_v))
+    return _launch(
         functools.partial(kernel, programs=grid[1] * grid[2]),
+        (state, inputs, records, cursor),
         grid=grid,
         in_specs=(_checkpoint_specs(specs.state, state, config.block_v), specs.inputs, specs.records, row_cursor),
         out_specs=(specs.out, _checkpoint_specs(specs.state, state, config.block_v, written=True), row_cursor),
         out_shape=(out_shape, _shapes(_written(state)), _shapes(cursor)),
-        input_output_aliases=aliases,
+        aliases=aliases,
+        pool=pool,
+        pooled_in=(True, False, direct, direct),
+        pooled_out=(False, True, direct),
         interpret=interpret,
         config=config,
-        name=f"{layer}_{'direct' if direct else 'step'}_{config.tag()}",
-    )(state, inputs, records, cursor)
+        name=f"{layer}_{'direct' if direct else 'step'}{'' if pool is None else '_pool'}_{config.tag()}",
+    )
 
 
-def _replay_specs(block_specs, tiling: ReplayConfig, checkpoint, nb=None):
+def _replay_specs(block_specs, tiling: ReplayConfig, checkpoint, nb=None, pool: Pool | None = None):
     """(grid, in_specs, out_specs) of the replay kernel's operands for programs of
-    tiling.tiles row tiles and nb batch rows (None: one row, the batch axis squeezed)."""
+    tiling.tiles row tiles and nb batch rows (None: one row, the batch axis squeezed);
+    the grid's batch is the pool's slots where `pool` is given."""
     batch, heads, V, _ = checkpoint.shape
+    batch = batch if pool is None else pool.batch
     rows = tiling.block_v * tiling.tiles
     specs = block_specs(rows, nb)
     row_cursor = cursor_spec(nb)
@@ -158,7 +268,7 @@ def _replay_specs(block_specs, tiling: ReplayConfig, checkpoint, nb=None):
 
 def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..., BlockSpecs], checkpoint, records,
                   cursor, inputs, out_shape, *, per_head: tuple[str, ...], route: str, config: ReplayConfig,
-                  interpret: bool):
+                  interpret: bool, pool: Pool | None = None):
     """The replay step's launches: the replay kernel, then (config.fused_flush
     False) the flush launch. Checkpoint and records are updated in place.
 
@@ -177,11 +287,14 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     replay kernel's tile and `default_flush_rows(batch)` rows (the entry
     points have checked that config.flush_rows divides the batch).
     per_head: the fields of `inputs` without a batch axis, which the flush
-    launch reads whole.
+    launch reads whole. pool: a :class:`Pool` (checkpoint, records and
+    cursor hold its slots), or None; over a pool the flush launch takes one
+    batch row per program (its rows' slots are not contiguous), and a
+    two-launch step's new cursors go to a copy of the pool's cursors.
 
     Returns (output, checkpoint, records, new cursor).
     """
-    grid, in_specs, out_specs = _replay_specs(block_specs, config, checkpoint)
+    grid, in_specs, out_specs = _replay_specs(block_specs, config, checkpoint, pool=pool)
     n_records = _num_leaves(records)
     n_in, n_out = _num_leaves(checkpoint), _num_leaves(_written(checkpoint))
     aliases = {i: 1 + i for i in range(n_out)}  # checkpoint and records in place
@@ -189,20 +302,25 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     if config.fused_flush:
         aliases[n_in + n_records] = 1 + n_out + n_records  # one launch: the cursor in place
     operand = checkpoint
-    out, checkpoint, records, new_cursor = pallas_call(
+    out, checkpoint, records, new_cursor = _launch(
         functools.partial(replay_kernel, config=config, programs=grid[1] * grid[2]),
+        (checkpoint, records, cursor, inputs),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=(out_shape, _shapes(_written(checkpoint)), _shapes(records), _shapes(cursor)),
-        input_output_aliases=aliases,
+        aliases=aliases,
+        pool=pool,
+        pooled_in=(True, True, True, False),
+        pooled_out=(False, True, True, True),
+        fresh=None if config.fused_flush else {3: cursor},
         interpret=interpret,
         config=config,
-        name=f"{layer}_replay_{route}_L{records[0].shape[2]}_{config.tag()}",
-    )(checkpoint, records, cursor, inputs)
+        name=f"{layer}_replay_{route}_L{records[0].shape[2]}{'' if pool is None else '_pool'}_{config.tag()}",
+    )
     if not config.fused_flush:  # the flush reads the seeds of the replay kernel's operand
         checkpoint = _flush_launch(layer, flush_row, block_specs, _reseeded(checkpoint, operand), records, cursor,
-                                   inputs, per_head=per_head, config=config, interpret=interpret)
+                                   inputs, per_head=per_head, config=config, interpret=interpret, pool=pool)
     return out, checkpoint, records, new_cursor
 
 
@@ -239,12 +357,12 @@ def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig,
     first = split == 0
     BL = decay_out.shape[0]
     store(decay_out, jnp.broadcast_to(decay_record(), (BL,)), (lane_ids(BL) == count) & append & first)
-    leader = first & (pl.program_id(1) % group == 0)
+    leader = first & (program_id(1) % group == 0)
     store(key_out.at[count], key, mask_and(key_mask, append & leader, key.shape))
     if config.fused_flush:  # one launch: the cursor moves in place
         advance_cursor(cursor_out, count, next_cursor(count, L), programs)
     else:  # the flush launch reads the old cursors: a fresh array
-        store_cursor(cursor_out, count, L, first & (pl.program_id(1) == 0))
+        store_cursor(cursor_out, count, L, first & (program_id(1) == 0))
 
 
 def run_verify_program(tile, *, V: int, W: int, config: ReplayConfig, split, start, group: int, decay_window,
@@ -267,7 +385,7 @@ def run_verify_program(tile, *, V: int, W: int, config: ReplayConfig, split, sta
     steps = lane_ids(decay_window.shape[0])
     decays = jnp.sum(jnp.where(step[:, None] == steps[None, :], decay_window[None, :], 0.0), axis=1)
     store(decay_out, decays, (step >= 0) & (step < W) & first)
-    leader = first & (pl.program_id(1) % group == 0)
+    leader = first & (program_id(1) % group == 0)
     store_window(lambda t: key_out.at[start + t], keys, W, mask_and(key_mask, leader, keys.shape[1:]))
 
 
@@ -287,7 +405,7 @@ def _checkpoint_view(checkpoint, row):
 
 def _flush_kernel(checkpoint_ref, records, cursor_ref, inputs, checkpoint_out, *, L, flush_row, per_head, first):
     """The flush launch: a program holds one row tile of one head for a block of batch rows."""
-    split = pl.program_id(2)  # read here: interpret mode cannot read it inside a branch
+    split = program_id(2)  # read here: interpret mode cannot read it inside a branch
 
     def flush(row, cursor):
         flush_row(_checkpoint_view(checkpoint_ref, row), _row_views(records, row), _row_views(inputs, row, per_head),
@@ -304,31 +422,36 @@ def _present(specs, operands):
 
 
 def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, inputs, *, per_head, config, interpret,
-                  window=None):
+                  window=None, pool: Pool | None = None):
     """The flush launch of a two-launch replay step (see `replay_launch`), or
     (window W given) the early flush of a verify window (see
-    `verify_launch`); returns the checkpoint, updated in place."""
+    `verify_launch`); returns the checkpoint, updated in place. Over a
+    `pool`: one batch row per program."""
     L = records[0].shape[2]
-    rows = config.flush_rows or default_flush_rows(checkpoint.shape[0])
+    rows = 1 if pool is not None else config.flush_rows or default_flush_rows(checkpoint.shape[0])
     tiling = config.flush_launch_tiling()
-    grid, in_specs, out_specs = _replay_specs(block_specs, tiling, checkpoint, rows)
-    first, name = None, f"{layer}_replay_flush_L{L}_{tiling.tag()}_r{rows}"
+    grid, in_specs, out_specs = _replay_specs(block_specs, tiling, checkpoint, rows, pool=pool)
+    first, name = None, f"{layer}_replay_flush_L{L}_{tiling.tag()}_r{rows}{'' if pool is None else '_pool'}"
     if window is not None:  # rows with cursor + W > L; the inputs this flush reads (absent ones None)
         first, name = L - window + 1, f"{layer}_verify_flush_W{window}_L{L}_{tiling.tag()}_r{rows}"
         in_specs = (*in_specs[:3], _present(in_specs[3], inputs))
     kernel = functools.partial(_flush_kernel, L=L, flush_row=functools.partial(flush_row, config=tiling),
                                per_head=per_head, first=first)
-    (checkpoint,) = pallas_call(  # one output, in a tuple: a Quantized output is itself a tuple
+    (checkpoint,) = _launch(  # one output, in a tuple: a Quantized output is itself a tuple
         kernel,
+        (checkpoint, records, cursor, inputs),
         grid=grid,
         in_specs=in_specs,
         out_specs=(out_specs[1],),
         out_shape=(_shapes(_written(checkpoint)),),
-        input_output_aliases={i: i for i in range(_num_leaves(_written(checkpoint)))},
+        aliases={i: i for i in range(_num_leaves(_written(checkpoint)))},
+        pool=pool,
+        pooled_in=(True, True, True, False),
+        pooled_out=(True,),
         interpret=interpret,
         config=tiling,
         name=name,
-    )(checkpoint, records, cursor, inputs)
+    )
     return checkpoint
 
 
@@ -465,7 +588,8 @@ def verify_window(state, records, inputs, *, window: int, verify):
     return y, _with_checkpoint(state, checkpoint, written, cursor=cursor, window=window, **records._asdict())
 
 
-def replay_step(state, records, inputs, *, route: str, config: StepConfig | ReplayConfig, step, replay):
+def replay_step(state, records, inputs, *, route: str, config: StepConfig | ReplayConfig, step, replay,
+                slots=None):
     """One replay step of a layer's replay state on the route's launches.
 
     records: the state's buffers as the layer's named tuple (its fields
@@ -473,13 +597,17 @@ def replay_step(state, records, inputs, *, route: str, config: StepConfig | Repl
     config) -> (y, checkpoint, cursor): the standard step's kernel, the
     direct route. replay(checkpoint, records, cursor, inputs, *, route,
     config) -> (y, checkpoint, records, cursor): the replay launches.
+    slots: None, or i32[batch], the state pool's slots of the batch rows
+    (the state holds the pool; an f32 | bf16 checkpoint), passed to both.
 
     Returns (y, new state).
     """
     written = None if state.scale is None else step_writes(state, route)  # the rows an 8-bit write counts
+    options = {} if slots is None else {"slots": slots}
     if route == "direct":
-        y, checkpoint, cursor = step(checkpoint_operand(state), inputs, records, state.cursor, config=config)
+        y, checkpoint, cursor = step(checkpoint_operand(state), inputs, records, state.cursor, config=config,
+                                     **options)
         return y, _with_checkpoint(state, checkpoint, written, cursor=cursor)
     y, checkpoint, records, cursor = replay(checkpoint_operand(state), records, state.cursor, inputs, route=route,
-                                            config=config)
+                                            config=config, **options)
     return y, _with_checkpoint(state, checkpoint, written, cursor=cursor, **records._asdict())

@@ -56,11 +56,13 @@ from jax.experimental import pallas as pl
 from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
                                           replay_config_for, step_config_for, verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
-from replayssm_jax.kernels.launch import (BlockSpecs, per_draft_launch, replay_launch, replay_step,
-                                          run_replay_program, run_verify_program, run_window, step_launch,
-                                          tree_option, verify_launch, verify_window, window_start)
+from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, per_draft_launch, pool_of, replay_launch,
+                                          replay_step, run_replay_program, run_verify_program, run_window,
+                                          step_launch, tree_option, verify_launch, verify_window,
+                                          window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
-from replayssm_jax.kernels.tiles import f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar
+from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar,
+                                         program_id)
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
                                          store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.state import Mamba2ReplayState
@@ -192,7 +194,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     Cv = load(inputs.C, nmask)
     D = load_scalar(inputs.D)
     count = read_cursor(cursor_ref)  # live records; the new one goes to slot `count`
-    split = pl.program_id(2)
+    split = program_id(2)
     live = lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
 
     # Per-head work, once per program: decay weights of the live slots and
@@ -313,7 +315,7 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     nmask, wmask = lane_mask(BN, N), lane_mask(BW, W)
     count = read_cursor(cursor_ref)
     start = window_start(count, L, W)  # the early flush emptied the rows whose window does not fit
-    split = pl.program_id(2)
+    split = program_id(2)
     A, D, dt_bias = load_scalar(inputs.A), load_scalar(inputs.D), load_scalar(inputs.dt_bias)
 
     def tile(rows, pmask):
@@ -382,22 +384,24 @@ def _with_defaults(inputs: Inputs) -> Inputs:
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret"))
-def _step(state, inputs: Inputs, records: Records | None, cursor, *, dt_softplus: bool,
+def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *, dt_softplus: bool,
           dt_limit: tuple[float, float], config: StepConfig, interpret: bool):
-    """The standard step's launch; with records and cursor, the direct route's. Returns (y, state, cursor or None)."""
+    """The standard step's launch; with records and cursor, the direct route's; over a state pool with
+    `slots` (`launch.Pool`). Returns (y, state, cursor or None)."""
     _, H, P, N = state.shape
     L = None if records is None else records.x.shape[2]
     kernel = functools.partial(_step_kernel, P=P, N=N, dt_softplus=dt_softplus, dt_limit=dt_limit)
     specs = functools.partial(_block_specs, H, inputs.B.shape[1], N, L, inputs.z is not None)
     return step_launch("mamba2", kernel, specs, state, _with_defaults(inputs),
                        jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), records, cursor, config=config,
-                       interpret=interpret)
+                       interpret=interpret, pool=pool_of(slots, state))
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "route", "config", "interpret"))
-def _replay(checkpoint, records: Records, cursor, inputs: Inputs, *, dt_softplus: bool,
+def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, dt_softplus: bool,
             dt_limit: tuple[float, float], route: str, config: ReplayConfig, interpret: bool):
-    """The replay step's launches (output and state routes). Returns (y, checkpoint, records, cursor)."""
+    """The replay step's launches (output and state routes); over a state pool with `slots`
+    (`launch.Pool`). Returns (y, checkpoint, records, cursor)."""
     _, H, P, N = checkpoint.shape
     G, L = inputs.B.shape[1], records.x.shape[2]
     kernel = functools.partial(_replay_kernel, P=P, N=N, L=L, group=H // G, dt_softplus=dt_softplus,
@@ -406,7 +410,7 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, *, dt_softplus
     specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None)
     return replay_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, _with_defaults(inputs),
                          jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), per_head=PER_HEAD, route=route,
-                         config=config, interpret=interpret)
+                         config=config, interpret=interpret, pool=pool_of(slots, checkpoint))
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret", "tree"))
@@ -447,7 +451,7 @@ def _step_options(dt_softplus, dt_limit, interpret) -> dict:
 
 
 def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_limit: tuple[float, float],
-                config: StepConfig | None = None, interpret: bool = False):
+                config: StepConfig | None = None, interpret: bool = False, slots=None):
     """One standard Mamba-2 decode step (Pallas kernel); the state is updated in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.mamba2_step`
@@ -463,7 +467,8 @@ def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_l
       dt_softplus: dt = softplus(dt + dt_bias) (else dt + dt_bias).
       dt_limit: (low, high), 0 <= low <= high: dt is clamped to it (the
         model's time_step_limit; (0, inf): no clamp).
-      config, interpret: as :func:`replayssm_jax.kernels.gdn_step`.
+      config, interpret, slots: as :func:`replayssm_jax.kernels.gdn_step`
+        (a state pool [capacity, H, P, N] with slots).
 
     Returns (y [batch, H, P] in x.dtype, new_state like state); raises
     ValueError for P or N above MAX_HEAD_DIM (256) or a `config.block_v`
@@ -471,21 +476,22 @@ def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_l
     not a StepConfig. Math: Dao & Gu, "Transformers are SSMs" (ICML 2024),
     as mamba_ssm's selective_state_update.
     """
-    config = step_config_for(config, state, DIMS)
-    y, state, _ = _step(state, Inputs(x, dt, A, B, C, D, dt_bias, z), None, None, config=config,
+    config = step_config_for(config, batch_shaped(state, slots), DIMS)
+    y, state, _ = _step(state, Inputs(x, dt, A, B, C, D, dt_bias, z), None, None, slots, config=config,
                         **_step_options(dt_softplus, dt_limit, interpret))
     return y, state
 
 
 def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool,
                        dt_limit: tuple[float, float], route: str, config: StepConfig | ReplayConfig | None = None,
-                       interpret: bool = False):
+                       interpret: bool = False, slots=None):
     """One ReplaySSM Mamba-2 decode step (Pallas kernels); checkpoint, buffers and cursor in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.mamba2_replay_step`
     validates them and resolves route="auto"); the flush rule, `route`,
-    `config`, `interpret` and the kernels' own limits (checked before any
-    launch) are those of :func:`replayssm_jax.kernels.gdn_replay_step`,
+    `config`, `interpret`, `slots` (a state pool) and the kernels' own
+    limits (checked before any launch) are those of
+    :func:`replayssm_jax.kernels.gdn_replay_step`,
     with head_dim P and d_state N for V and K.
 
     Args:
@@ -501,11 +507,11 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
     Raises:
       ValueError, TypeError: as :func:`replayssm_jax.kernels.gdn_replay_step`.
     """
-    config = replay_config_for(config, state.checkpoint, state.buffer_len, DIMS, route=route)
+    config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     kw = _step_options(dt_softplus, dt_limit, interpret)
     return replay_step(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),
                        route=route, config=config, step=functools.partial(_step, **kw),
-                       replay=functools.partial(_replay, **kw))
+                       replay=functools.partial(_replay, **kw), slots=slots)
 
 
 def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool,

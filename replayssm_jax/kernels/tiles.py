@@ -11,6 +11,7 @@ and a mat-vec is memory-bound anyway).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -67,7 +68,7 @@ def load_checkpoint(checkpoint, rows, tmask, rmask) -> jax.Array:
     if not isinstance(checkpoint, Quantized):
         return load(_rows_of(checkpoint, rows, True), tmask)
     ref = _rows_of(checkpoint.values, rows, True)
-    if isinstance(ref, RowRef):
+    if isinstance(ref, (RowRef, SlotView)):
         ref = ref.whole()
     # The padding value in the ref's own kind: Triton casts no integer to fp8.
     zero = 0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0
@@ -129,17 +130,74 @@ class RowRef:
         return self.ref.at[self.r]
 
 
+class SlotView:
+    """One slot of a pooled ref (a state pool's block that spans the whole slot axis, axis 0).
+
+    squeezed: the launch's batch axis is squeezed, so the view is a ref of
+    the remaining axes (`view.at[idx]` is `ref.at[(slot, *idx)]`);
+    otherwise a block of one batch row (`view.at[(0, *idx)]` is
+    `ref.at[(slot, *idx)]`). One indexing step, as :class:`RowRef`, so a
+    `RowRef` of a view indexes the pool once.
+    """
+
+    def __init__(self, ref, slot, squeezed: bool):
+        self.ref, self.slot, self.squeezed = ref, slot, squeezed
+        self.shape = tuple(ref.shape[1:]) if squeezed else (1, *ref.shape[1:])
+        self.dtype = ref.dtype
+
+    def _index(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if self.squeezed:
+            return (self.slot, *idx)
+        return (self.slot + idx[0], *idx[1:])
+
+    @property
+    def at(self):
+        return _RowAt(self)
+
+    def __getitem__(self, idx):
+        return self.ref[self._index(idx)]
+
+    def __setitem__(self, idx, value):
+        self.ref[self._index(idx)] = value
+
+    def whole(self):
+        """The slot's block as a ref (for a load or store of all of it)."""
+        return self.ref.at[self.slot] if self.squeezed else self.ref.at[pl.ds(self.slot, 1)]
+
+
 class _RowAt:
-    def __init__(self, view: RowRef):
+    def __init__(self, view: RowRef | SlotView):
         self.view = view
 
     def __getitem__(self, idx):
         return self.view.ref.at[self.view._index(idx)]
 
 
+# The program ids of the kernel being traced, read at its top level (`hoisted_program_ids`).
+_GRID: list[tuple] = []
+
+
+def program_id(axis: int) -> jax.Array:
+    """`pl.program_id(axis)`, or within `hoisted_program_ids` the id read at the kernel's top level."""
+    return _GRID[-1][axis] if _GRID else pl.program_id(axis)
+
+
+@contextlib.contextmanager
+def hoisted_program_ids(ndim: int):
+    """Read the `ndim` program ids here, at a kernel's top level, for the `program_id` calls of the
+    body traced within (interpret mode cannot read a program id inside a branch, such as the
+    `pl.when` that skips a state pool's padding rows)."""
+    _GRID.append(tuple(pl.program_id(axis) for axis in range(ndim)))
+    try:
+        yield
+    finally:
+        _GRID.pop()
+
+
 def row_ids(BV: int) -> jax.Array:
     """Global state-row indices of this program's tile (grid axis 2 = row block)."""
-    return pl.program_id(2) * BV + jax.lax.broadcasted_iota(jnp.int32, (BV,), 0)
+    return program_id(2) * BV + jax.lax.broadcasted_iota(jnp.int32, (BV,), 0)
 
 
 def lane_ids(n: int) -> jax.Array:
@@ -176,7 +234,7 @@ def mask_and(mask, cond, shape):
 
 def load(ref, mask, dtype=f32):
     """Load (zeros where `mask` is false; None: no mask), cast to `dtype`."""
-    if isinstance(ref, RowRef):
+    if isinstance(ref, (RowRef, SlotView)):
         ref = ref.whole()
     if mask is None:
         return plgpu.load(ref).astype(dtype)
@@ -185,6 +243,8 @@ def load(ref, mask, dtype=f32):
 
 def store(ref, value, mask):
     """Store `value`, cast to the ref's dtype, where `mask` (None: everywhere)."""
+    if isinstance(ref, (RowRef, SlotView)):
+        ref = ref.whole()
     plgpu.store(ref, value.astype(ref.dtype), mask=mask)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax.layers.cache import KVCache, check_num_accepted, commit_layer_state
+from replayssm_jax.ops import take_slots
 from replayssm_jax.ops.validate import check_path, check_tree
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import RMSNorm
@@ -155,19 +156,23 @@ class Attention(nnx.Module):
         y, _ = self._prefill(x, max_len=None)
         return y
 
-    def prefill(self, x: jax.Array, max_len: int) -> tuple[jax.Array, KVCache]:
-        """Causal forward over a prompt that starts at position 0, filling a new KV cache.
+    def prefill(self, x: jax.Array, max_len: int, cache: KVCache | None = None) -> tuple[jax.Array, KVCache]:
+        """Causal forward over a prompt that starts at position 0, filling a new KV cache; or, given
+        `cache`, over the next part of a prompt after the cached positions (`extend`: a chunked prefill).
 
         Args:
           x: [batch, T, hidden].
-          max_len: cache length (>= T), static.
+          max_len: cache length (>= T), static; with `cache`, its max_len is kept.
+          cache: None, or the KVCache of the prompt's earlier parts.
 
         Returns:
-          (y [batch, T, hidden], KVCache with length T for every row).
+          (y [batch, T, hidden], KVCache with length T for every row (with `cache`: length + T)).
 
         Raises:
-          ValueError: T > max_len.
+          ValueError: T > max_len; with `cache`, as `extend`.
         """
+        if cache is not None:
+            return self.extend(x, cache)
         return self._prefill(x, max_len)
 
     def _prefill(self, x, max_len):
@@ -230,10 +235,27 @@ class Attention(nnx.Module):
         length, y = in_order(cache.length, y)  # read before it moves: XLA updates it in place
         return y, KVCache(k=k_all, v=v_all, length=length + seqlen)
 
-    def decode(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """One decode step. x: [batch, hidden] -> (y [batch, hidden], updated cache)."""
-        y, cache = self.extend(x[:, None, :], cache)
-        return y[:, 0], cache
+    def decode(self, x: jax.Array, cache: KVCache, slots=None) -> tuple[jax.Array, KVCache]:
+        """One decode step. x: [batch, hidden] -> (y [batch, hidden], updated cache).
+
+        slots: None, or i32[batch] (validated by the caller): `cache` is a
+        state pool of capacity rows and row b decodes slot slots[b] (-1: a
+        padding row, which changes nothing). XLA indexing: the slots' K/V
+        rows are gathered (a copy of batch x max_len entries, which the
+        attention reads anyway), and only each row's new entry and length
+        are scattered back.
+        """
+        if slots is None:
+            y, cache = self.extend(x[:, None, :], cache)
+            return y[:, 0], cache
+        rows = take_slots(cache, slots)
+        y, written = self.extend(x[:, None, :], rows)
+        rows = jnp.arange(slots.shape[0])
+        target = jnp.where(slots < 0, cache.k.shape[0], slots)  # padding rows: out of range, dropped
+        at = (target, written.length - 1)
+        k = cache.k.at[at].set(written.k[rows, written.length - 1], mode="drop")
+        v = cache.v.at[at].set(written.v[rows, written.length - 1], mode="drop")
+        return y[:, 0], cache.replace(k=k, v=v, length=cache.length.at[target].set(written.length, mode="drop"))
 
     def verify(self, x: jax.Array, cache: KVCache, tree=None) -> tuple[jax.Array, KVCache]:
         """W speculative positions: K/V written at length..length+W-1, length not moved.

@@ -132,7 +132,7 @@ class SSMMixer(nnx.Module):
         return state.slotted(max_window + 1) if isinstance(state, SSMLayerState) else state
 
     def decode(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, route: str = "auto",
-               backend: str | None = None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
+               backend: str | None = None, slots=None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
         """One decode step.
 
         Args:
@@ -142,27 +142,45 @@ class SSMMixer(nnx.Module):
             (resolved by replayssm_jax.ops.resolve_route: on the kernel backends the direct route where
             the default replay step is one launch, else the output route).
           backend: passed to replayssm_jax.ops.
+          slots: None, or i32[batch]: `state` is a state pool of capacity
+            slots (:mod:`replayssm_jax.pool`) and row b steps slot slots[b]
+            (-1: a padding row, which changes nothing). The SSM op indexes
+            the pool by slot; the conv window, small ([S, conv_dim] per
+            slot), is gathered for the batch's slots and its rows scattered
+            back (XLA: two copies of batch x S x conv_dim values per step).
 
         Returns:
           (out [batch, hidden], the new state of the same type).
 
         Raises:
           TypeError: `state` of another type.
-          ValueError: a state with a pending verify window (commit it first).
+          ValueError: a state with a pending verify window (commit it first);
+            bad `slots` (replayssm_jax.ops.check_slots), or `slots` with a
+            standard state in the per-draft layout.
         """
         _check_state_type(self, state, "decode", (SSMLayerState, ReplayLayerState))
-        inputs, z, conv_state = self._ssm_inputs(u, state.conv_state, self.conv1d.step)
-        if isinstance(state, SSMLayerState) and state.index is not None:  # slotted: verify one, commit one
+        slotted = isinstance(state, SSMLayerState) and state.index is not None
+        if slotted and slots is not None:
+            raise ValueError(f"{type(self).__name__}.decode: `slots` with a standard state in the per-draft "
+                             "layout (`index` set, from `with_window`): a state pool holds one state per slot")
+        conv_rows = state.conv_state if slots is None else ops.take_slots(state.conv_state, slots)
+        inputs, z, conv_rows = self._ssm_inputs(u, conv_rows, self.conv1d.step)
+        pool = {} if slots is None else {"slots": slots}
+        if slotted:  # verify one position, commit it
             y, ssm_state = self.verify_op(state.ssm_state, state.index, **{k: v[:, None] for k, v in inputs.items()},
                                           backend=backend, **self._op_params())
-            new = state.replace(conv_state=conv_state, ssm_state=ssm_state, index=(state.index + 1) % state.slots)
             y = y[:, 0]
         elif isinstance(state, SSMLayerState):
-            y, ssm_state = self.step_op(state.ssm_state, **inputs, backend=backend, **self._op_params())
+            y, ssm_state = self.step_op(state.ssm_state, **inputs, backend=backend, **pool, **self._op_params())
+        else:
+            y, replay = self.replay_step_op(state.replay, **inputs, route=route, backend=backend, **pool,
+                                            **self._op_params())
+        conv_state = conv_rows if slots is None else ops.put_slots(state.conv_state, slots, conv_rows)
+        if slotted:
+            new = state.replace(conv_state=conv_state, ssm_state=ssm_state, index=(state.index + 1) % state.slots)
+        elif isinstance(state, SSMLayerState):
             new = SSMLayerState(conv_state=conv_state, ssm_state=ssm_state)
         else:
-            y, replay = self.replay_step_op(state.replay, **inputs, route=route, backend=backend,
-                                            **self._op_params())
             new = ReplayLayerState(conv_state=conv_state, replay=replay)
         return self._finish(y, z), new
 

@@ -17,6 +17,14 @@ resolves its backend and, for a replay step, its route
            overriding the kernels' frozen tiling heuristic, or None; only the
            kernel backends take one.
 
+The decode steps (`mamba2_step`, `gdn_step` and their replay steps) also
+take ``slots``: None, or i32[batch], the rows of a state pool
+(:mod:`replayssm_jax.pool`): the state then holds `capacity` slots on
+axis 0 and batch row b steps slot slots[b]; -1 is a padding row, which
+reads and writes nothing (its output is unspecified); no slot twice. The
+kernels index the pool by slot (no copy of the states); "xla" gathers the
+slots' rows, steps them and scatters them back. Not for 8-bit checkpoints.
+
 An explicitly requested backend that cannot run raises (no GPU for
 "pallas"; no kernel for the op); nothing falls back silently. Every error
 is raised before any computation, so a failed call leaves the caller's
@@ -92,9 +100,11 @@ __all__ = [
     "mamba2_replay_verify",
     "mamba2_step",
     "mamba2_verify",
+    "put_slots",
     "replay_commit",
     "resolve_backend",
     "resolve_route",
+    "take_slots",
 ]
 
 INF = math.inf
@@ -181,6 +191,42 @@ def _warn_direct_8bit(state, route: str) -> None:
                       stacklevel=3)
 
 
+def take_slots(pool, slots):
+    """The rows `slots` (i32[batch]) of every array of `pool` (a pytree whose arrays have the slot axis
+    first): an XLA gather, a copy of those rows; a padding row (-1) reads slot 0."""
+    return jax.tree.map(lambda a: a[jnp.maximum(slots, 0)], pool)
+
+
+def put_slots(pool, slots, rows):
+    """`pool` with rows `slots` (i32[batch]) of each array set to `rows` (the same pytree with the
+    batch first): an XLA scatter of those rows; the padding rows (-1) are dropped."""
+    capacity = jax.tree.leaves(pool)[0].shape[0]
+    target = jnp.where(slots < 0, capacity, slots)  # out of range: dropped
+    return jax.tree.map(lambda a, row: a.at[target].set(row.astype(a.dtype), mode="drop"), pool, rows)
+
+
+def _on_slots(step, state, slots):
+    """step(state) -> (y, state), or over a state pool (`slots` i32[batch], validated) step(rows) on
+    the slots' rows of the pool: gathered, stepped and scattered back (the reference's XLA code; the
+    kernels index the pool instead)."""
+    if slots is None:
+        return step(state)
+    y, rows = step(take_slots(state, slots))
+    return y, put_slots(state, slots, rows)
+
+
+def _pool_option(slots) -> dict:
+    """The kernels' `slots` keyword: {} without a pool (so that those calls are unchanged)."""
+    return {} if slots is None else {"slots": slots}
+
+
+def _rows_shape(state, slots):
+    """`state` as the shapes of a state of the slots' batch (route and tiling choices), or itself."""
+    if slots is None:
+        return state
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((slots.shape[0], *a.shape[1:]), a.dtype), state)
+
+
 def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=jnp.float32, checkpoint_dtype=None,
                     rounding: str = "nearest") -> GDNReplayState:
     """A Gated DeltaNet ReplaySSM state with an empty buffer.
@@ -250,7 +296,7 @@ def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted, path=
 
 
 def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF), *,
-                backend: str | None = None, config: KernelConfig | None = None):
+                backend: str | None = None, config: KernelConfig | None = None, slots=None):
     """One standard Mamba-2 decode step (the selective state update).
 
     Per head h with group g = h // (nheads // n_groups):
@@ -270,7 +316,8 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
       dt_softplus: bool, apply softplus to dt (+ dt_bias).
       dt_limit: (low, high) with 0 <= low <= high, clamp of the processed dt
         (the model's time_step_limit).
-      backend, config: see the module docstring (a kernel op).
+      backend, config, slots: see the module docstring (a kernel op; with
+        slots, `state` is a pool [capacity, nheads, head_dim, d_state]).
 
     Returns:
       (y [batch, nheads, head_dim] in x.dtype, new_state in state.dtype);
@@ -284,13 +331,18 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
         a concrete A with an entry >= 0, an unknown backend; on the kernel
         backends also the kernels' limits (:func:`replayssm_jax.kernels.mamba2_step`).
       RuntimeError: backend "pallas" without a GPU.
+      ValueError: `slots` not of shape [batch], a concrete slot outside
+        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        TypeError: `slots` not integers.
     """
-    state, dt_softplus, dt_limit = val.check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+    state, dt_softplus, dt_limit, slots = val.check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                                                dt_limit, slots)
     chosen = choose_backend("mamba2_step", backend, config)
     if chosen == "xla":
-        return reference.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+        return _on_slots(lambda s: reference.mamba2_step(s, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit),
+                         state, slots)
     return kernels.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                               config=config, interpret=chosen == "interpret")
+                               config=config, interpret=chosen == "interpret", **_pool_option(slots))
 
 
 def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
@@ -378,7 +430,7 @@ def mamba2_chunked(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softp
 
 def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
                        dt_limit=(0.0, INF), route: str = "output", *, backend: str | None = None,
-                       config: KernelConfig | None = None):
+                       config: KernelConfig | None = None, slots=None):
     """One ReplaySSM decode step of a Mamba-2 layer (DESIGN.md section 2).
 
     Appends this step's record (x, dt, B) at each row's cursor, computes y
@@ -397,7 +449,8 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
         step's traffic, for latency-bound batches, the buffer kept for
         speculative decoding), or "auto" (:func:`resolve_route`). All give
         the same numbers up to float32 rounding.
-      backend, config: see the module docstring (a kernel op).
+      backend, config, slots: see the module docstring (a kernel op; with
+        slots, `state` is a pool of capacity slots).
 
     Returns:
       (y [batch, nheads, head_dim] in x.dtype, new Mamba2ReplayState); y
@@ -408,16 +461,21 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
         malformed state, a pending verify window, an unknown route, or B /
         C with another n_groups than the state's; on the kernel backends the
         kernels' limits (:func:`replayssm_jax.kernels.mamba2_replay_step`).
+      ValueError: `slots` not of shape [batch], a concrete slot outside
+        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        TypeError: `slots` not integers.
     """
-    dt_softplus, dt_limit = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+    dt_softplus, dt_limit, slots = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                                                dt_limit, slots)
     chosen = choose_backend("mamba2_replay_step", backend, config)
-    route = resolve_route(route, chosen, state, config)
+    route = resolve_route(route, chosen, _rows_shape(state, slots), config)
     _warn_direct_8bit(state, route)
     if chosen == "xla":
-        return reference.mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, route)
+        return _on_slots(lambda s: reference.mamba2_replay_step(s, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                                                dt_limit, route), state, slots)
     return kernels.mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
                                       dt_limit=dt_limit, route=route, config=config,
-                                      interpret=chosen == "interpret")
+                                      interpret=chosen == "interpret", **_pool_option(slots))
 
 
 def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
@@ -523,7 +581,7 @@ def mamba2_replay_flush(state: Mamba2ReplayState, A, *, backend: str | None = No
 
 
 def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend: str | None = None,
-             config: KernelConfig | None = None):
+             config: KernelConfig | None = None, slots=None):
     """One standard Gated DeltaNet decode step (the gated delta rule).
 
     Per value head h with key head h // (HV // H): q, k <- l2norm(q, k) (if
@@ -541,7 +599,8 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend
       scale: query scale, a finite real number (a concrete scalar) or None
         for K ** -0.5.
       use_qk_l2norm: bool, L2-normalise q and k over K (eps 1e-6), as the models do.
-      backend, config: see the module docstring (a kernel op).
+      backend, config, slots: see the module docstring (a kernel op; with
+        slots, `state` is a pool [capacity, HV, V, K]).
 
     Returns:
       (o [batch, HV, V] in v.dtype, new_state in state.dtype); the kernels
@@ -555,13 +614,16 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend
         unknown backend; on the kernel backends also the kernels' limits
         (:func:`replayssm_jax.kernels.gdn_step`).
       RuntimeError: backend "pallas" without a GPU.
+      ValueError: `slots` not of shape [batch], a concrete slot outside
+        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        TypeError: `slots` not integers.
     """
-    state, scale, use_qk_l2norm = val.check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm)
+    state, scale, use_qk_l2norm, slots = val.check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots)
     chosen = choose_backend("gdn_step", backend, config)
     if chosen == "xla":
-        return reference.gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm)
+        return _on_slots(lambda s: reference.gdn_step(s, q, k, v, g, beta, scale, use_qk_l2norm), state, slots)
     return kernels.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, config=config,
-                            interpret=chosen == "interpret")
+                            interpret=chosen == "interpret", **_pool_option(slots))
 
 
 def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, tree=None,
@@ -630,7 +692,7 @@ def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_s
 
 
 def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output",
-                    *, backend: str | None = None, config: KernelConfig | None = None):
+                    *, backend: str | None = None, config: KernelConfig | None = None, slots=None):
     """One ReplaySSM decode step of a Gated DeltaNet layer (DESIGN.md section 2).
 
     Forms the delta-rule update vector d from one read of the checkpoint
@@ -645,7 +707,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         with the state's H.
       route: "output", "state", "direct" or "auto", as
         :func:`mamba2_replay_step`.
-      backend, config: see the module docstring (a kernel op).
+      backend, config, slots: see the module docstring (a kernel op; with
+        slots, `state` is a pool of capacity slots).
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
@@ -657,15 +720,19 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         such), a pending verify window, an unknown route, or q / k with
         another H than the state's; on the kernel backends the kernels'
         limits (:func:`replayssm_jax.kernels.gdn_replay_step`).
+      ValueError: `slots` not of shape [batch], a concrete slot outside
+        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        TypeError: `slots` not integers.
     """
-    scale, use_qk_l2norm = val.check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm)
+    scale, use_qk_l2norm, slots = val.check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots)
     chosen = choose_backend("gdn_replay_step", backend, config)
-    route = resolve_route(route, chosen, state, config)
+    route = resolve_route(route, chosen, _rows_shape(state, slots), config)
     _warn_direct_8bit(state, route)
     if chosen == "xla":
-        return reference.gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, route)
+        return _on_slots(lambda s: reference.gdn_replay_step(s, q, k, v, g, beta, scale, use_qk_l2norm, route),
+                         state, slots)
     return kernels.gdn_replay_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, route=route,
-                                   config=config, interpret=chosen == "interpret")
+                                   config=config, interpret=chosen == "interpret", **_pool_option(slots))
 
 
 def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, tree=None,

@@ -49,6 +49,46 @@ def as_array(name: str, x):
     raise TypeError(f"`{name}` must be an array; got {type(x).__name__}")
 
 
+def check_slots(slots, capacity: int, state) -> jax.Array | None:
+    """`slots` (None: no state pool) as i32[batch]: the state pool's slots of a
+    step's batch rows, each in -1 .. capacity - 1 (-1: a padding row), no
+    slot twice; the values are checked where concrete. `state`: the pool
+    (an array or a replay state), whose checkpoint must not be 8-bit.
+
+    Raises:
+      TypeError: a non-integer dtype.
+      ValueError: not of shape [batch] with batch >= 1, a concrete slot
+        outside -1 .. capacity - 1 or one used twice, or an 8-bit checkpoint.
+    """
+    if slots is None:
+        return None
+    concrete = not isinstance(slots, jax.core.Tracer)
+    values = np.asarray(slots) if concrete else None
+    slots = as_array("slots", values if concrete else slots)
+    if not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise TypeError(f"`slots` must have an integer dtype; got {slots.dtype}")
+    if slots.ndim != 1 or slots.shape[0] < 1:
+        raise ValueError(f"`slots` must have shape [batch] with batch >= 1; got {tuple(slots.shape)}")
+    if getattr(state, "scale", None) is not None:
+        raise ValueError(f"`slots` (a state pool) needs an f32 | bf16 checkpoint; got "
+                         f"{jnp.dtype(state.checkpoint.dtype).name}")
+    if concrete:
+        bad = (values < -1) | (values >= capacity)
+        if bad.any():
+            raise ValueError(f"`slots` must be in [-1, {capacity - 1}] (-1: a padding row; the pool has "
+                             f"{capacity} slots); got {values.tolist()}")
+        used, counts = np.unique(values[values >= 0], return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"`slots` must not use a slot twice in one batch; slot {int(used[counts > 1][0])} in "
+                             f"{values.tolist()}")
+    return slots.astype(jnp.int32)
+
+
+def batch_dims(shape: Sequence[int], slots) -> tuple[int, ...]:
+    """A state's shape as a step's inputs see it: axis 0 the batch of `slots` where given (a state pool)."""
+    return tuple(shape) if slots is None else (slots.shape[0], *shape[1:])
+
+
 def check_float(name: str, x, dtypes: Sequence | None = None) -> jax.Array:
     """`x` as an array with a floating dtype (one of `dtypes` if given)."""
     x = as_array(name, x)
@@ -508,14 +548,16 @@ def check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_lim
     return check_bool("dt_softplus", dt_softplus), check_dt_limit(dt_limit)
 
 
-def check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
-    """Checks of :func:`replayssm_jax.ops.mamba2_step`.
+def check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, slots=None):
+    """Checks of :func:`replayssm_jax.ops.mamba2_step` (`slots`: :func:`check_slots`).
 
     Returns:
-      (state as a JAX array, dt_softplus, dt_limit) as :func:`check_mamba2_inputs`.
+      (state as a JAX array, dt_softplus, dt_limit as :func:`check_mamba2_inputs`, slots).
     """
     state = check_state_array("state", state, MAMBA2_DIMS)
-    return (state, *check_mamba2_inputs(state.shape, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit))
+    slots = check_slots(slots, state.shape[0], state)
+    return (state, *check_mamba2_inputs(batch_dims(state.shape, slots), x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                        dt_limit), slots)
 
 
 def check_mamba2_chunked(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size):
@@ -543,15 +585,16 @@ def check_mamba2_replay_flush(state, A) -> None:
     check_no_pending_window(state)
 
 
-def check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
-    """Checks of :func:`replayssm_jax.ops.mamba2_replay_step` (but `route`).
+def check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, slots=None):
+    """Checks of :func:`replayssm_jax.ops.mamba2_replay_step` (but `route`; `slots`: :func:`check_slots`).
 
     Returns:
-      (dt_softplus, dt_limit) as :func:`check_mamba2_inputs`.
+      (dt_softplus, dt_limit as :func:`check_mamba2_inputs`, slots).
     """
     check_mamba2_replay_flush(state, A)
-    return check_mamba2_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit,
-                               groups=state.B.shape[1], state_name="state.checkpoint")
+    slots = check_slots(slots, state.checkpoint.shape[0], state)
+    return (*check_mamba2_inputs(batch_dims(state.checkpoint.shape, slots), x, dt, A, B, C, D, z, dt_bias,
+                                 dt_softplus, dt_limit, groups=state.B.shape[1], state_name="state.checkpoint"), slots)
 
 
 def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None):
@@ -660,14 +703,15 @@ def check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, *, seq=None, 
     return (K ** -0.5 if scale is None else scale), check_bool("use_qk_l2norm", use_qk_l2norm)
 
 
-def check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm):
-    """Checks of :func:`replayssm_jax.ops.gdn_step`.
+def check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots=None):
+    """Checks of :func:`replayssm_jax.ops.gdn_step` (`slots`: :func:`check_slots`).
 
     Returns:
-      (state as a JAX array, scale, use_qk_l2norm) as :func:`check_gdn_inputs`.
+      (state as a JAX array, scale, use_qk_l2norm as :func:`check_gdn_inputs`, slots).
     """
     state = check_state_array("state", state, GDN_DIMS)
-    return (state, *check_gdn_inputs(state.shape, q, k, v, g, beta, scale, use_qk_l2norm))
+    slots = check_slots(slots, state.shape[0], state)
+    return (state, *check_gdn_inputs(batch_dims(state.shape, slots), q, k, v, g, beta, scale, use_qk_l2norm), slots)
 
 
 def check_gdn_chunked(state, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size):
@@ -693,15 +737,16 @@ def check_gdn_replay_flush(state) -> None:
     check_no_pending_window(state)
 
 
-def check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm) -> tuple[float, bool]:
-    """Checks of :func:`replayssm_jax.ops.gdn_replay_step` (but `route`).
+def check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots=None):
+    """Checks of :func:`replayssm_jax.ops.gdn_replay_step` (but `route`; `slots`: :func:`check_slots`).
 
     Returns:
-      (scale, use_qk_l2norm) as :func:`check_gdn_inputs`.
+      (scale, use_qk_l2norm as :func:`check_gdn_inputs`, slots).
     """
     check_gdn_replay_flush(state)
-    return check_gdn_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, use_qk_l2norm, heads=state.k.shape[1],
-                            state_name="state.checkpoint")
+    slots = check_slots(slots, state.checkpoint.shape[0], state)
+    return (*check_gdn_inputs(batch_dims(state.checkpoint.shape, slots), q, k, v, g, beta, scale, use_qk_l2norm,
+                              heads=state.k.shape[1], state_name="state.checkpoint"), slots)
 
 
 def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree=None) -> tuple[float, bool]:

@@ -1,0 +1,234 @@
+"""Serving a request trace with continuous batching (replayssm_jax.engine.Engine): throughput, time
+to first token and per-token latency, with and without prefix caching, standard state vs ReplaySSM.
+
+Trace (one per model, the same for every configuration; seeded): `--requests` requests with
+Poisson arrivals at `--rate` requests/s; prompt lengths uniform in `--prompt-len LO,HI`, output
+lengths uniform in `--new-tokens LO,HI`; a fraction `--shared` of the prompts start with one
+shared system prompt of `--system-len` tokens (a multiple of `--prefill-chunk`, the prefix
+cache's block). Random token ids; greedy decoding; no stop token.
+
+Configurations: state standard | replay (L = `--buffer-len`) x prefix caching off | on, each an
+Engine of `--capacity` slots and a decode batch of `--batch-size` rows. Before the timed run
+the trace is run once untimed (two new tokens per request), which compiles every prefill chunk
+shape and the decode step; its time is reported apart (`warmup_compile_s`). The timed run adds each request at
+its arrival time (wall clock since the start) and steps the engine; an idle engine waits for
+the next arrival.
+
+Per configuration: `tokens_per_s` (generated tokens over the run's wall time), `ttft_ms`
+(first token time less arrival: p50 / p90 / p99), `tpot_ms` (the gaps between a request's
+tokens: p50 / p90 / p99), prefix hits and the prompt tokens they skipped. One more row per
+state: the fixed-batch `Generator` at the same batch size on `--batch-size` prompts of the mean
+prompt length and the mean output length (`generator_tokens_per_s`), the throughput target's
+reference; `vs_generator` = engine / Generator tokens/s without prefix caching.
+
+Models: bench/e2e.py's (random bfloat16 weights, bench/configs/).
+
+Usage:  python3 bench/serve.py [--models a,b] [--capacity 64] [--batch-size 64] [--requests 256]
+                               [--rate 8] [--prompt-len 128,1024] [--new-tokens 32,256] [--shared 0.5]
+                               [--system-len 512] [--prefill-chunk 256] [--buffer-len 16] [--out FOLDER]
+        python3 bench/serve.py --dry-run   (check of the script on the CPU: tiny fixture, backend xla,
+                                            4 requests, 3 slots; its numbers mean nothing)
+Writes serve.json and serve.png to --out (default bench/results/DATE-serve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import e2e  # noqa: I001  (bench/e2e.py: sets the GPU memory fraction before JAX starts, puts the checkout on sys.path)
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from models import load_model
+from models.random_init import init_model
+from replayssm_jax.engine import Engine
+from replayssm_jax.generation import Generator
+
+DRY_RUN = dict(folder=os.path.join(e2e.ROOT, "tests", "data"), models="nemotron_h_tiny", capacity=3, batch_size=3,
+               requests=4, rate=1000.0, prompt_len="9,10", new_tokens="2,3", shared=0.5, system_len=8,
+               prefill_chunk=8, buffer_len=4, backend="xla")
+
+
+@dataclasses.dataclass
+class Request:
+    arrival_s: float
+    prompt: list[int]
+    new_tokens: int
+
+
+def make_trace(n: int, rate: float, prompt_len: tuple[int, int], new_tokens: tuple[int, int], shared: float,
+               system_len: int, vocab: int, seed: int = 0) -> list[Request]:
+    """The request trace (module docstring): Poisson arrivals, uniform lengths, a shared system prompt."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, vocab, size=system_len).tolist()
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n))
+    trace = []
+    for arrival in arrivals:
+        length = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+        head = system[:length - 1] if rng.random() < shared else []
+        trace.append(Request(float(arrival), head + rng.integers(3, vocab, size=length - len(head)).tolist(),
+                             int(rng.integers(new_tokens[0], new_tokens[1] + 1))))
+    return trace
+
+
+def percentiles(values) -> dict:
+    """p50 / p90 / p99 of `values` in ms (None for none)."""
+    if not len(values):
+        return {"p50": None, "p90": None, "p99": None}
+    return {f"p{q}": float(np.percentile(np.asarray(values) * 1e3, q)) for q in (50, 90, 99)}
+
+
+def serve(engine: Engine, trace: list[Request], *, timed: bool, progress: bool) -> tuple[list, float]:
+    """Run `trace` through `engine` (arrivals in wall time where `timed`, else all at once with two new
+    tokens each: a warm-up that compiles the prefill chunks and the decode step); returns (outputs,
+    wall seconds)."""
+    pending = list(trace)
+    outputs = []
+    bar = tqdm(total=len(trace), desc="requests", disable=not progress, leave=False)
+    start = time.perf_counter()
+    while pending or engine.num_unfinished:
+        now = time.perf_counter() - start
+        while pending and (not timed or pending[0].arrival_s <= now):
+            request = pending.pop(0)
+            engine.add_request(request.prompt, request.new_tokens if timed else 2)
+        if not engine.num_unfinished:
+            time.sleep(max(0.0, pending[0].arrival_s - now))
+            continue
+        done = engine.step()
+        outputs.extend(done)
+        bar.update(len(done))
+    bar.close()
+    return outputs, time.perf_counter() - start
+
+
+def measure(model, trace, *, state: str, prefix_caching: bool, args, progress: bool) -> dict:
+    """One configuration's row."""
+    options = dict(state=state, buffer_len=args.buffer_len if state == "replay" else None,
+                   batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, max_len=args.max_len,
+                   prefix_caching=prefix_caching, backend=args.backend)
+    t0 = time.perf_counter()
+    serve(Engine(model, args.capacity, **options), trace, timed=False, progress=False)  # compiles every shape
+    compile_s = time.perf_counter() - t0
+    engine = Engine(model, args.capacity, **options)
+    outputs, wall = serve(engine, trace, timed=True, progress=progress)
+    generated = sum(o.num_generated for o in outputs)
+    ttft = [o.token_s[0] - o.arrival_s for o in outputs]
+    tpot = [b - a for o in outputs for a, b in zip(o.token_s, o.token_s[1:])]
+    return dict(state=state, prefix_caching=prefix_caching, requests=len(outputs), generated_tokens=generated,
+                wall_s=wall, tokens_per_s=generated / wall, ttft_ms=percentiles(ttft), tpot_ms=percentiles(tpot),
+                prefix_hits=engine.stats["prefix_hits"], cached_tokens=engine.stats["cached_tokens"],
+                prefill_tokens=engine.stats["prefill_tokens"], decode_steps=engine.stats["decode_steps"],
+                warmup_compile_s=compile_s)
+
+
+def generator_tokens_per_s(model, trace, *, state: str, args) -> float:
+    """The fixed-batch Generator's decode tokens/s at the engine's batch size (mean prompt and output lengths)."""
+    prompt_len = int(np.mean([len(r.prompt) for r in trace]))
+    new_tokens = max(2, int(np.mean([r.new_tokens for r in trace])))
+    prompts = [r.prompt[:prompt_len] + [3] * (prompt_len - len(r.prompt)) for r in trace[:1]] * args.batch_size
+    generator = Generator(model, state=state, buffer_len=args.buffer_len if state == "replay" else None,
+                          backend=args.backend)
+    generator.generate(prompts, new_tokens, progress=False)  # compiles
+    out = generator.generate(prompts, new_tokens, progress=False)
+    return sum(out.num_generated) / (out.prefill_s + out.decode_s)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Bars of tokens/s, p50 TTFT and p50 TPOT per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']}\n{r['state']}{' +prefix' if r['prefix_caching'] else ''}" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(4 + 2 * len(rows), 4))
+    for ax, (key, title) in zip(axes, [("tokens_per_s", "tokens/s"), ("ttft_ms", "TTFT p50 (ms)"),
+                                       ("tpot_ms", "per-token latency p50 (ms)")]):
+        values = [r[key] if key == "tokens_per_s" else (r[key]["p50"] or 0.0) for r in rows]
+        ax.bar(range(len(rows)), values)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, hi = (int(v) for v in text.split(","))
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI; got {text!r}")
+    return lo, hi
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Continuous batching of a request trace: standard vs ReplaySSM, "
+                                            "with and without prefix caching")
+    p.add_argument("--models", default=None, help=f"default: {','.join(e2e.MODELS)}")
+    p.add_argument("--capacity", type=int, default=64, help="state pool slots")
+    p.add_argument("--batch-size", type=int, default=None, help="decode batch rows (default: capacity)")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second")
+    p.add_argument("--prompt-len", default="128,1024", help="LO,HI: uniform prompt lengths")
+    p.add_argument("--new-tokens", default="32,256", help="LO,HI: uniform output lengths")
+    p.add_argument("--shared", type=float, default=0.5, help="fraction of prompts with the shared system prompt")
+    p.add_argument("--system-len", type=int, default=512, help="system prompt tokens")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prefill tokens per step (the prefix block)")
+    p.add_argument("--buffer-len", type=int, default=16, help="ReplaySSM L")
+    p.add_argument("--states", default="standard,replay")
+    p.add_argument("--backend", default=None)
+    p.add_argument("--out", default=None, help="folder for serve.json and serve.png; default "
+                                               "bench/results/DATE-serve")
+    p.add_argument("--dry-run", action="store_true", help="CPU check of the script on the tiny fixture")
+    args = p.parse_args(argv)
+    folder = None
+    if args.dry_run:
+        folder = DRY_RUN["folder"]
+        for name, value in DRY_RUN.items():
+            if name != "folder" and (getattr(args, name) == p.get_default(name) or name == "models"):
+                setattr(args, name, value)
+    args.batch_size = args.batch_size or args.capacity
+    prompt_len, new_tokens = _pair(args.prompt_len), _pair(args.new_tokens)
+    args.max_len = prompt_len[1] + new_tokens[1]
+    out_dir = args.out or os.path.join(e2e.ROOT, "bench", "results",
+                                       f"{datetime.date.today().isoformat()}-serve{'-dry-run' if args.dry_run else ''}")
+    os.makedirs(out_dir, exist_ok=True)
+    progress = sys.stderr.isatty()
+    rows, reference = [], []
+    for name in (args.models or ",".join(e2e.MODELS)).split(","):
+        model = (load_model(os.path.join(folder, name)) if folder
+                 else init_model(os.path.join(e2e.CONFIGS, f"{name}.json"), jnp.bfloat16))
+        trace = make_trace(args.requests, args.rate, prompt_len, new_tokens, args.shared, args.system_len,
+                           model.config.vocab_size)
+        for state in args.states.split(","):
+            base = generator_tokens_per_s(model, trace, state=state, args=args)
+            reference.append(dict(model=name, state=state, batch=args.batch_size, generator_tokens_per_s=base))
+            for prefix_caching in (False, True):
+                row = dict(model=name, **measure(model, trace, state=state, prefix_caching=prefix_caching, args=args,
+                                                 progress=progress))
+                row["vs_generator"] = row["tokens_per_s"] / base
+                rows.append(row)
+                print(f"{name} {state:8s} prefix={'on ' if prefix_caching else 'off'} "
+                      f"{row['tokens_per_s']:9.1f} tok/s ({row['vs_generator']:.2f}x Generator)  "
+                      f"TTFT p50 {row['ttft_ms']['p50']:8.1f} ms  TPOT p50 {row['tpot_ms']['p50'] or 0:7.2f} ms  "
+                      f"prefix hits {row['prefix_hits']}", flush=True)
+    result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=str(jax.devices()[0]),
+                  jax=jax.__version__, python=platform.python_version(), commit=e2e._commit(),
+                  config=dict(vars(args)), rows=rows, generator=reference)
+    with open(os.path.join(out_dir, "serve.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(rows, os.path.join(out_dir, "serve.png"))
+    print(f"wrote {os.path.join(out_dir, 'serve.json')} and serve.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""A state pool: the decode state of `capacity` sequences, allocated once, whose slots the decode
+step indexes.
+
+The pool is a `models.HybridCache` whose every array has `capacity` rows on axis 0, one per
+slot: each layer's ReplaySSM checkpoint, buffers and cursor (or standard SSM state), conv
+window, KV cache and length, and the position. A sequence holds one slot from its prefill to
+its last token. ``model.decode(tokens, pool.cache, slots=slots)`` (`HybridCausalLM.decode`)
+steps the sequences in `slots` (i32[batch]): the SSM kernels index the pool by slot and update
+the slot's state in place (`replayssm_jax.kernels.launch.Pool`: no gather or scatter copy of
+the states); slot -1 is a padding row, which reads and writes nothing, so a decode step of a
+fixed batch size serves any number of running sequences up to it.
+
+A prefilled sequence (a batch-1 cache of the pool's layout) enters a slot with `write` (one
+compiled in-place row update); `export` / `restore` take a slot's whole state to the host and
+back (:mod:`replayssm_jax.sequence_state`, the pending ReplaySSM records kept), for backup and
+for prefix caching.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from replayssm_jax.sequence_state import SequenceState, export_sequence, import_sequence
+
+__all__ = ["PoolError", "StatePool"]
+
+
+class PoolError(ValueError):
+    """A full pool, a slot that is not in use or not free, or a sequence of another layout."""
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_row(pool, row, slot):
+    """`pool` with slot `slot` (i32 scalar) of every array set to row 0 of `row` (donated: in place)."""
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r[0].astype(a.dtype), slot, 0), pool, row)
+
+
+class StatePool:
+    """The decode state of `capacity` sequences of one model, allocated once.
+
+    Args:
+      model: a models.* causal LM (`prefill`, `decode`).
+      capacity: slots (sequences held at once), >= 1.
+      max_len: positions of every slot's KV caches (prompt + generated tokens).
+      buffer_len: ReplaySSM buffer length L (ReplaySSM states), or None
+        (standard SSM states).
+      buffer_dtype: ReplaySSM record dtype.
+      backend: SSM op backend of the prefill that fixes the layout (replayssm_jax.ops).
+
+    Attributes:
+      cache: the HybridCache of `capacity` rows (all zeros at first: cursors,
+        lengths and positions 0).
+      capacity, max_len, buffer_len.
+
+    Raises:
+      PoolError: capacity or max_len not an int >= 1.
+      ValueError: a buffer_len the backend's kernels cannot take (`model.prefill`).
+    """
+
+    def __init__(self, model, capacity: int, *, max_len: int, buffer_len: int | None = None,
+                 buffer_dtype=jnp.float32, backend: str | None = None):
+        for name, value in (("capacity", capacity), ("max_len", max_len)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise PoolError(f"`{name}` must be an int >= 1; got {value!r}")
+        self.capacity, self.max_len, self.buffer_len = int(capacity), int(max_len), buffer_len
+        self.prefill_options = dict(replay_buffer_len=buffer_len, buffer_dtype=buffer_dtype, backend=backend)
+        shapes = jax.eval_shape(lambda: model.prefill(jnp.zeros((self.capacity, 1), jnp.int32), self.max_len,
+                                                      last_logits_only=True, **self.prefill_options)[1])
+        self.cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        self._free = list(range(self.capacity))
+        self._used: set[int] = set()
+
+    @property
+    def free_slots(self) -> int:
+        """Slots not in use."""
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """A free slot, now in use (the lowest free one). Raises PoolError when the pool is full."""
+        if not self._free:
+            raise PoolError(f"the state pool is full: all {self.capacity} slots hold a sequence")
+        slot = self._free.pop(0)
+        self._used.add(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Return `slot` to the free slots (its arrays are left as they are; a later `write` replaces
+        them). Raises PoolError for a slot that is not in use."""
+        self._check_used(slot, "release")
+        self._used.remove(slot)
+        self._free.append(slot)
+        self._free.sort()
+
+    def _check_used(self, slot, what: str) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or slot not in self._used:
+            raise PoolError(f"StatePool.{what}: `slot` must be a slot in use (one of {sorted(self._used)}); "
+                            f"got {slot!r}")
+        return int(slot)
+
+    def write(self, slot: int, row) -> None:
+        """Set slot `slot` (in use) to `row`, the batch-1 HybridCache of one prefilled sequence of the
+        pool's layout (from `model.prefill(ids [1, T], pool.max_len, **pool.prefill_options)`), in
+        place (the pool's arrays donated). The other slots are not touched.
+
+        Raises:
+          PoolError: a slot not in use, a `row` of another structure or shape (before any write).
+        """
+        slot = self._check_used(slot, "write")
+        if jax.tree.structure(row) != jax.tree.structure(self.cache):
+            raise PoolError("StatePool.write: `row` has another cache structure than the pool (another model, "
+                            "state mode or verify window room)")
+        for a, r in zip(jax.tree.leaves(self.cache), jax.tree.leaves(row)):
+            if tuple(r.shape) != (1, *a.shape[1:]):
+                raise PoolError(f"StatePool.write: `row` must be a batch-1 cache of the pool's shapes: an array of "
+                                f"shape {tuple(r.shape)} where the pool's rows are {tuple(a.shape[1:])}")
+        self.cache = _write_row(self.cache, row, jnp.int32(slot))
+
+    def export(self, slot: int, *, model: str | None = None) -> SequenceState:
+        """Slot `slot`'s whole decode state on the host (`sequence_state.export_sequence`: a ReplaySSM
+        layer's pending records kept). Raises PoolError for a slot not in use."""
+        return export_sequence(self.cache, self._check_used(slot, "export"), model=model)
+
+    def restore(self, slot: int, state: SequenceState, *, model: str | None = None) -> None:
+        """Set slot `slot` (in use) to an exported sequence state (`sequence_state.import_sequence`);
+        a state of another model or layout raises SequenceStateError and leaves the pool as it was."""
+        self.cache = import_sequence(self.cache, self._check_used(slot, "restore"), state, model=model)
+

@@ -1,0 +1,125 @@
+"""The continuous-batching engine (replayssm_jax.engine): requests of different prompt lengths arriving
+at different steps, more of them than slots, prefilled in chunks and decoded in one compiled step with
+padding rows, get the greedy tokens the fixed-batch Generator gives them; prefix caching skips the
+shared prefix's prefill and changes no token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models import load_model
+from replayssm_jax.engine import Engine, EngineError
+from replayssm_jax.generation import Generator
+from replayssm_jax.sampling import SamplingParams
+
+DATA = Path(__file__).parent / "data"
+CHUNK = 8
+# (arrival step, prompt length, max_new_tokens): 5 requests for 3 slots; prompts of one, two and three
+# chunks (whole chunks and a rest of 4: few prefill shapes to compile).
+REQUESTS = [(0, 12, 6), (0, 4, 9), (1, 20, 3), (4, 4, 7), (4, 12, 5)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(DATA / "nemotron_h_tiny")
+
+
+def _prompts(seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, size=n).tolist() for _, n, _ in REQUESTS]
+
+
+def _run(engine, prompts, stop=None, sampling=None):
+    """Outputs by request id, the requests added at their arrival steps; `stop`: request 2's stop id;
+    `sampling`: request 3's SamplingParams (the others greedy)."""
+    outputs, step = {}, 0
+    while step <= max(r[0] for r in REQUESTS) or engine.num_unfinished:
+        for i, (arrival, _, new) in enumerate(REQUESTS):
+            if arrival == step:
+                stop_ids = (stop,) if i == 2 and stop is not None else ()
+                options = dict(sampling=sampling) if i == 3 else {}
+                assert engine.add_request(prompts[i], new, stop_ids=stop_ids, **options) == i
+        outputs.update({o.request_id: o for o in engine.step()})
+        step += 1
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def generated(model):
+    """(prompts, each request's greedy tokens from one fixed-batch Generator run (ReplaySSM, L = 4) of
+    the longest max_new_tokens)."""
+    prompts = _prompts(0)
+    generator = Generator(model, state="replay", buffer_len=4, backend="xla")
+    out = generator.generate(prompts, max(r[2] for r in REQUESTS), progress=False, stop_tokens=())
+    return prompts, [list(sequence[len(prompt):]) for prompt, sequence in zip(prompts, out.sequences)]
+
+
+def _expected(prompts, tokens, stop=None):
+    """Each request's sequence: its prompt and Generator tokens cut at its max_new_tokens (request 2's
+    also after its stop token `stop`)."""
+    expected = []
+    for i, (prompt, (_, _, new), generated) in enumerate(zip(prompts, REQUESTS, tokens)):
+        generated = generated[:new]
+        if i == 2 and stop in generated:
+            generated = generated[:generated.index(stop) + 1]
+        expected.append(list(prompt) + generated)
+    return expected
+
+
+@pytest.mark.parametrize("state", ["replay", "standard"])
+def test_engine_gives_the_generator_tokens(model, generated, state):
+    """5 requests, 3 slots, a decode batch of 3: every request's sequence is the Generator's (greedy; the
+    standard state's and ReplaySSM's are the same tokens); the long prompt takes 3 prefill steps while
+    the others decode. ReplaySSM: request 2 stops at its stop token, its second generated one."""
+    prompts, tokens = generated
+    stop = tokens[2][1] if state == "replay" else None
+    engine = Engine(model, 3, state=state, buffer_len=4 if state == "replay" else None, prefill_chunk=CHUNK,
+                    max_len=40, backend="xla")
+    outputs = _run(engine, prompts, stop)
+    assert [outputs[i].sequence for i in range(len(REQUESTS))] == _expected(prompts, tokens, stop)
+    reasons = ["stop" if i == 2 and stop is not None else "length" for i in range(len(REQUESTS))]
+    assert [outputs[i].finish_reason for i in range(len(REQUESTS))] == reasons
+    if stop is not None:
+        assert outputs[2].num_generated == tokens[2].index(stop) + 1 <= 2
+    assert engine.stats["prefill_tokens"] == sum(n for _, n, _ in REQUESTS)
+    assert engine.pool.free_slots == 3
+
+
+def test_prefix_caching_skips_the_shared_prefix(model):
+    """Prompts sharing a system prompt of one block (+ 4 tokens): the later requests restore the block's
+    state and prefill only the rest; every sequence equals the engine's without the cache (whose decode
+    batch of 2 rows serves 3 slots in turns; a sampled request draws the same tokens)."""
+    rng = np.random.default_rng(1)
+    system = rng.integers(3, 250, size=CHUNK + 4).tolist()
+    tail = lambda n: rng.integers(3, 250, size=n).tolist()  # noqa: E731
+    # Request 0 is the system prompt; 2 and 4 continue its first block; 1 and 3 share nothing.
+    prompts = [system, tail(4), system + tail(8), tail(4), system[:CHUNK] + tail(4)]
+    cached = Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla", prefix_caching=True)
+    # Without the cache, and a decode batch of 2 for 3 slots (the running requests take turns).
+    plain = Engine(model, 3, buffer_len=4, batch_size=2, prefill_chunk=CHUNK, max_len=40, backend="xla")
+    sampling = SamplingParams(temperature=1.0)  # request 3 samples: its draws depend on its id and logits only
+    with_cache, without = _run(cached, prompts, sampling=sampling), _run(plain, prompts, sampling=sampling)
+    assert [with_cache[i].sequence for i in range(len(REQUESTS))] == [without[i].sequence for i in range(len(REQUESTS))]
+    assert [with_cache[i].cached_tokens for i in range(len(REQUESTS))] == [0, 0, CHUNK, 0, CHUNK]
+    assert cached.stats["prefill_tokens"] == plain.stats["prefill_tokens"] - cached.stats["cached_tokens"]
+
+
+def test_bad_requests_and_options(model):
+    """Bad options and requests: EngineError naming the argument, nothing queued."""
+    with pytest.raises(EngineError, match="`state`"):
+        Engine(model, 2, state="paged")
+    with pytest.raises(EngineError, match="`batch_size` must be <= capacity"):
+        Engine(model, 2, batch_size=3, backend="xla")
+    engine = Engine(model, 2, buffer_len=4, max_len=16, backend="xla")
+    with pytest.raises(EngineError, match="empty"):
+        engine.add_request([], 4)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.add_request([3, 999], 4)
+    with pytest.raises(EngineError, match="max_len = 16"):
+        engine.add_request([3] * 10, 7)
+    with pytest.raises(EngineError, match="`max_new_tokens`"):
+        engine.add_request([3], 0)
+    assert engine.num_unfinished == 0

@@ -1,0 +1,228 @@
+"""The state pool (replayssm_jax.pool, the ops' and the model's `slots`): the kernels step the slots of
+a pool in place and nothing else: a padding row (-1) and the slots outside the batch keep every bit;
+the stepped slots equal the reference on those rows. Bad slots are refused before any kernel runs.
+A model's decode over a pool is tested through the engine (tests/test_engine.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import load_model
+from kernel_checks import lower_for_cuda
+from replayssm_jax import kernels, ops
+from replayssm_jax.kernels import ReplayConfig, StepConfig
+from replayssm_jax.pool import PoolError, StatePool
+from replayssm_jax.sequence_state import SequenceStateError
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+DATA = Path(__file__).parent / "data"
+CAPACITY, L = 5, 4
+SLOTS = np.array([3, -1, 1], np.int32)  # a padding row between two slots, out of order
+INPUT_ROWS = np.array([0, 2])  # the batch rows that step a slot
+STEPPED, UNTOUCHED = np.array([3, 1]), np.array([0, 2, 4])
+# Cursors per slot: slot 1 fills its buffer with this step (a flush), slot 3 appends.
+CURSORS = np.array([0, L - 1, 2, 1, L - 1], np.int32)
+
+
+def _mamba2_case(rng, H=2, P=16, N=8, G=1):
+    """(pool state f32[CAPACITY, H, P, N], inputs of a batch of 3, params, the replay state's extra arg)."""
+    state = jnp.asarray(rng.normal(size=(CAPACITY, H, P, N)), jnp.float32)
+    inputs = dict(x=rng.normal(size=(3, H, P)), dt=rng.normal(size=(3, H)), B=rng.normal(size=(3, G, N)),
+                  C=rng.normal(size=(3, G, N)), z=rng.normal(size=(3, H, P)))
+    inputs = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
+    params = dict(A=-jnp.exp(jnp.asarray(rng.normal(size=H), jnp.float32)), D=jnp.ones((H,), jnp.float32),
+                  dt_bias=jnp.zeros((H,), jnp.float32))
+    return state, inputs, params, G
+
+
+def _gdn_case(rng, H=1, HV=2, K=8, V=16):
+    """As `_mamba2_case` for a Gated DeltaNet layer: state f32[CAPACITY, HV, V, K]."""
+    state = jnp.asarray(rng.normal(size=(CAPACITY, HV, V, K)) * 0.3, jnp.float32)
+    inputs = dict(q=jnp.asarray(rng.normal(size=(3, H, K)), jnp.float32),
+                  k=jnp.asarray(rng.normal(size=(3, H, K)), jnp.float32),
+                  v=jnp.asarray(rng.normal(size=(3, HV, V)), jnp.float32),
+                  g=-jnp.asarray(rng.uniform(0.05, 1.0, size=(3, HV)), jnp.float32),
+                  beta=jnp.asarray(rng.uniform(0.1, 0.9, size=(3, HV)), jnp.float32))
+    return state, inputs, {}, H
+
+
+LAYERS = {"mamba2": (_mamba2_case, ops.mamba2_step, ops.mamba2_replay_step, ops.mamba2_replay_init),
+          "gdn": (_gdn_case, ops.gdn_step, ops.gdn_replay_step, ops.gdn_replay_init)}
+
+
+def _rows(tree, rows):
+    return jax.tree.map(lambda a: np.asarray(a)[rows], tree)
+
+
+def _assert_slots(new, pool, want_rows):
+    """The stepped slots of `new` equal `want_rows` (the reference's state of batch rows INPUT_ROWS), the
+    other slots of `new` equal `pool` bit for bit."""
+    for got, before, want in zip(jax.tree.leaves(new), jax.tree.leaves(pool), jax.tree.leaves(want_rows)):
+        np.testing.assert_array_equal(np.asarray(got)[UNTOUCHED], np.asarray(before)[UNTOUCHED])
+        np.testing.assert_allclose(np.asarray(got)[STEPPED], np.asarray(want)[INPUT_ROWS], rtol=2e-5, atol=2e-5)
+
+
+def _reference_on_rows(op, pool, inputs, params, **kw):
+    """The reference step of `op` on the pool's rows SLOTS (the padding row on slot 0's values)."""
+    return op(ops.take_slots(pool, jnp.asarray(SLOTS)), **inputs, **params, backend="xla", **kw)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_standard_step_writes_only_its_slots(layer):
+    """The standard step's kernel over a pool: each batch row's slot stepped as the reference steps it; the
+    padding row and the slots outside the batch unchanged."""
+    case, step, _, _ = LAYERS[layer]
+    pool, inputs, params, _ = case(np.random.default_rng(1))
+    y, new = step(pool, **inputs, **params, backend="interpret", config=StepConfig(block_v=8),
+                  slots=jnp.asarray(SLOTS))
+    want_y, want = _reference_on_rows(step, pool, inputs, params)
+    np.testing.assert_allclose(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], rtol=2e-5, atol=2e-5)
+    _assert_slots(new, pool, want)
+
+
+@pytest.mark.parametrize("layer, route, config", [
+    ("mamba2", "output", ReplayConfig(block_v=8, fused_flush=True)),
+    ("mamba2", "output", ReplayConfig(block_v=8)),
+    ("mamba2", "direct", StepConfig(block_v=8)),
+    ("gdn", "output", ReplayConfig(block_v=8)),
+    ("gdn", "direct", StepConfig(block_v=8)),
+], ids=["mamba2-fused-flush", "mamba2-flush-launch", "mamba2-direct", "gdn-flush-launch", "gdn-direct"])
+def test_replay_step_writes_only_its_slots(layer, route, config):
+    """The replay step's launches over a pool (a flushing slot and an appending one, a padding row):
+    checkpoint, buffers and cursor of each stepped slot as the reference's; every other slot's bits
+    unchanged, the two-launch step's fresh cursors included."""
+    case, _, replay_step, init = LAYERS[layer]
+    checkpoint, inputs, params, shared = case(np.random.default_rng(2))
+    pool = init(checkpoint, L, shared)
+    pool = pool.replace(cursor=jnp.asarray(CURSORS))
+    # Records in the pool's buffers, so that the cursors' live slots hold data.
+    pool = jax.tree.map(lambda a: a + 0.01 * jnp.ones_like(a) if a.dtype == jnp.float32 else a, pool)
+    y, new = replay_step(pool, **inputs, **params, route=route, backend="interpret", config=config,
+                         slots=jnp.asarray(SLOTS))
+    want_y, want = _reference_on_rows(replay_step, pool, inputs, params, route=route)
+    np.testing.assert_allclose(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], rtol=2e-5, atol=2e-5)
+    _assert_slots(new, pool, want)
+
+
+@pytest.mark.parametrize("route, config, calls", [
+    ("output", ReplayConfig(block_v=8, fused_flush=True), 1),
+    ("output", ReplayConfig(block_v=8), 2),
+    ("direct", StepConfig(block_v=8), 1),
+], ids=["fused-flush", "flush-launch", "direct"])
+def test_pool_launches_lower_for_cuda_with_the_pool_in_place(route, config, calls):
+    """The Triton lowering takes the pool's launches (kernel_checks.lower_for_cuda: the whole Pallas ->
+    Triton lowering short of PTX), and each aliases every pool array it writes to its operand: the
+    checkpoint and buffers (operands 1..4, after the slots), the cursor in place in one launch, the copy
+    of the cursors (the operand after the inputs) in a two-launch step, the flush launch's checkpoint."""
+    checkpoint, inputs, params, G = _mamba2_case(np.random.default_rng(6))
+    pool = ops.mamba2_replay_init(checkpoint, L, G).replace(cursor=jnp.asarray(CURSORS))
+
+    text = lower_for_cuda(lambda pool, slots: kernels.mamba2_replay_step(
+        pool, inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params["D"], inputs["z"],
+        params["dt_bias"], dt_softplus=True, dt_limit=(0.0, float("inf")), route=route, config=config,
+        slots=slots), pool, jnp.asarray(SLOTS))
+    found = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
+    assert len(found) == calls and all("_pool" in line for line in found), found
+    aliases = sorted((int(o), int(i)) for o, i in
+                     re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", found[0]))
+    operands = re.search(r"custom_call @\S+\(([^)]*)\)", found[0]).group(1).count(",") + 1
+    if route == "direct":  # outputs y, checkpoint, cursor: the checkpoint and the cursor (last operand)
+        assert aliases == [(1, 1), (2, operands - 1)], found[0][:2000]
+        return
+    cursor = 5 if calls == 1 else operands - 1  # in place, or the copy passed last
+    assert aliases == [(1, 1), (2, 2), (3, 3), (4, 4), (5, cursor)], found[0][:2000]
+    if calls == 2:
+        assert re.search(r"output_tuple_indices = \[\], operand_index = 1\b", found[1]), found[1][:2000]
+
+
+# The models' layer shapes (bench/configs: Nemotron-3-Nano-4B's Mamba-2, Qwen3.5-4B's GDN).
+GPU_DIMS = {"mamba2": dict(H=96, P=80, N=128, G=8), "gdn": dict(H=16, HV=32, K=128, V=128)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+@pytest.mark.parametrize("route", [None, "output", "direct"], ids=["standard", "replay-output", "replay-direct"])
+def test_pool_kernels_compiled_at_model_shapes(layer, route):
+    """Compiled (backend pallas, default tilings) at the models' layer shapes: the standard and replay
+    steps over a pool with random buffered records (a flushing slot, an appending one, a padding row)
+    equal the reference on the stepped slots; every other slot keeps every bit."""
+    from replayssm_jax.testing import assert_close
+
+    case, step, replay_step, init = LAYERS[layer]
+    rng = np.random.default_rng(7)
+    state, inputs, params, shared = case(rng, **GPU_DIMS[layer])
+    kw = {} if route is None else {"route": route}
+    if route is None:
+        op, pool = step, state
+    else:
+        op, pool = replay_step, init(state, L, shared).replace(cursor=jnp.asarray(CURSORS))
+        pool = pool.replace(**{name: jnp.asarray(rng.uniform(-0.1, 0.1, getattr(pool, name).shape),
+                                                 getattr(pool, name).dtype) for name in pool.buffer_fields()})
+    y, new = op(pool, **inputs, **params, backend="pallas", slots=jnp.asarray(SLOTS), **kw)
+    want_y, want = _reference_on_rows(op, pool, inputs, params, **kw)
+    assert_close(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], what="y")
+    for got, before, ref in zip(jax.tree.leaves(new), jax.tree.leaves(pool), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(got)[UNTOUCHED], np.asarray(before)[UNTOUCHED])
+        assert_close(np.asarray(got)[STEPPED], np.asarray(ref)[INPUT_ROWS], what="stepped slots")
+
+
+@pytest.mark.parametrize("slots, error, match", [
+    (np.array([0, 5, 1], np.int32), ValueError, r"\[-1, 4\]"),
+    (np.array([0, -2, 1], np.int32), ValueError, r"\[-1, 4\]"),
+    (np.array([2, -1, 2], np.int32), ValueError, "slot 2 .*twice|twice.*slot 2"),
+    (np.array([0, 1], np.int32), ValueError, "batch"),
+    (np.array([[0, 1, 2]], np.int32), ValueError, r"shape \[batch\]"),
+    (np.array([0.0, 1.0, 2.0], np.float32), TypeError, "integer"),
+], ids=["above", "below", "twice", "short", "rank", "float"])
+def test_bad_slots_raise_before_any_kernel(slots, error, match):
+    """Slots out of range, used twice, of another batch or shape, or not integers: a clear error naming
+    `slots` (or the batch) before any kernel runs; the pool is unchanged."""
+    pool, inputs, params, _ = _mamba2_case(np.random.default_rng(3))
+    before = np.asarray(pool).copy()
+    with pytest.raises(error, match=match):
+        ops.mamba2_step(pool, **inputs, **params, backend="interpret", slots=slots)
+    np.testing.assert_array_equal(np.asarray(pool), before)
+
+
+def test_slots_refuse_an_8bit_checkpoint():
+    """A pool of 8-bit checkpoints is refused (ValueError naming `slots`)."""
+    checkpoint, inputs, params, G = _mamba2_case(np.random.default_rng(4))
+    pool = ops.mamba2_replay_init(checkpoint, L, G, checkpoint_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="`slots`.*f32 | bf16"):
+        ops.mamba2_replay_step(pool, **inputs, **params, backend="xla", slots=SLOTS)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(DATA / "nemotron_h_tiny")
+
+
+def test_pool_errors(model):
+    """A full pool, a slot not in use, a row or a restored state of another layout, slots of another shape
+    than the tokens or with a slot twice: each refused before anything is written (the pool unchanged)."""
+    pool = StatePool(model, 1, max_len=16, buffer_len=L, backend="xla")
+    slot = pool.allocate()
+    with pytest.raises(PoolError, match="full"):
+        pool.allocate()
+    with pytest.raises(PoolError, match="in use"):
+        pool.release(slot + 1)
+    other = StatePool(model, 1, max_len=16, backend="xla")  # standard states
+    with pytest.raises(PoolError, match="structure"):
+        pool.write(slot, other.cache)  # a batch-1 cache of another layout
+    exported = other.export(other.allocate())
+    before = jax.tree.map(np.asarray, pool.cache)
+    with pytest.raises(SequenceStateError, match="structure"):
+        pool.restore(slot, exported)
+    with pytest.raises(ValueError, match="`slots` must have the shape of `tokens`"):
+        model.decode(jnp.asarray([1, 2], jnp.int32), pool.cache, slots=jnp.asarray([0], jnp.int32), backend="xla")
+    with pytest.raises(ValueError, match="twice"):
+        model.decode(jnp.asarray([1, 2], jnp.int32), pool.cache, slots=jnp.asarray([0, 0], jnp.int32), backend="xla")
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, pool.cache), before)
+    pool.release(slot)
+    assert pool.free_slots == 1
