@@ -53,8 +53,10 @@ speculative and plain decoding is what the float32 tests check (tests/); here a
 float32 run (`--dry-run`) exits 1 on a mismatch. Each configuration runs
 `--repeats` times (a warm-up first) and the fastest decode counts; decode
 tokens/s excludes the prefill and compilation (compile seconds are reported
-apart; the drafter, the oracle's reference included, is an argument of the
-compiled round, so a new reference compiles nothing). `speedup` is against ar-standard,
+apart; the run keeps its programs in a compilation cache of its own, and the
+drafter, the oracle's reference included, is an argument of the compiled round,
+so a new reference compiles nothing; the oracle's alpha is static, so each
+alpha compiles its round once). `speedup` is against ar-standard,
 `speedup_same_state` against the AR run of the same state.
 
 `--profile` adds per configuration the GPU time of a step or round by kernel
@@ -103,7 +105,8 @@ from flax import nnx
 from models.mtp import add_mtp_head
 from models.random_init import init_model
 from replayssm_jax import ops
-from replayssm_jax.generation import GenerationError, Generator, InsufficientMemoryError, SpeculativeConfig
+from replayssm_jax.generation import (GenerationError, Generator, InsufficientMemoryError, SpeculativeConfig,
+                                      set_compile_cache)
 
 MODES = ("ar-standard", "ar-replay", "spec-standard", "spec-replay")
 TREE_MODES = ("tree-standard", "tree-replay")  # with --tree
@@ -454,6 +457,10 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(dict(meta=meta, rows=[dataclasses.asdict(r) for r in rows + more]), f, indent=1)
 
+    if jax.config.jax_compilation_cache_dir is None:
+        # Each program compiles once in this run: a mode's alpha-1 reference runs and its repeats build
+        # new Generators of the same program, which then load it (a fresh folder: no earlier run's entries).
+        set_compile_cache(tempfile.mkdtemp(prefix="spec_compile_cache_"))
     t0 = time.perf_counter()
     try:
         for name, config_dir in configs.items():
