@@ -54,9 +54,9 @@ float32 run (`--dry-run`) exits 1 on a mismatch. Each configuration runs
 `--repeats` times (a warm-up first) and the fastest decode counts; decode
 tokens/s excludes the prefill and compilation (compile seconds are reported
 apart; the run keeps its programs in a compilation cache of its own, and the
-drafter, the oracle's reference included, is an argument of the compiled round,
-so a new reference compiles nothing; the oracle's alpha is static, so each
-alpha compiles its round once). `speedup` is against ar-standard,
+drafter, the oracle's reference and alpha included, is an argument of the
+compiled round, so a mode compiles its round once for its reference runs and
+every alpha). `speedup` is against ar-standard,
 `speedup_same_state` against the AR run of the same state.
 
 `--profile` adds per configuration the GPU time of a step or round by kernel
@@ -458,8 +458,8 @@ def main(argv=None) -> int:
             json.dump(dict(meta=meta, rows=[dataclasses.asdict(r) for r in rows + more]), f, indent=1)
 
     if jax.config.jax_compilation_cache_dir is None:
-        # Each program compiles once in this run: a mode's alpha-1 reference runs and its repeats build
-        # new Generators of the same program, which then load it (a fresh folder: no earlier run's entries).
+        # Each program compiles once in this run: a mode's alpha-1 reference runs, its alphas and repeats
+        # build new Generators of the same program, which then load it (a fresh folder: no earlier entries).
         set_compile_cache(tempfile.mkdtemp(prefix="spec_compile_cache_"))
     t0 = time.perf_counter()
     try:

@@ -370,7 +370,8 @@ class OracleDrafter(StatelessDrafter):
         (prompt included), aligned with the history: position t of the
         reference is position t of the history (e.g. the target's own greedy
         output from an earlier run). Checked in :meth:`propose`.
-      alpha: float in [0, 1] (static), the probability a draft is right.
+      alpha: float in [0, 1], the probability a draft is right; a pytree leaf
+        (traced under jit: one compiled round serves every alpha).
       num_speculative_tokens: K >= 1 (static).
       vocab_size: the vocabulary size >= 2 (static), for the wrong drafts.
       branches: C >= 0 (static), the other candidates per position (0: none).
@@ -381,22 +382,25 @@ class OracleDrafter(StatelessDrafter):
     """
 
     reference: jax.Array
-    alpha: float = struct.field(pytree_node=False)
+    alpha: float
     num_speculative_tokens: int = struct.field(pytree_node=False)
     vocab_size: int = struct.field(pytree_node=False)
     branches: int = struct.field(pytree_node=False, default=0)
 
     def __post_init__(self):
         alpha = self.alpha
-        if not (isinstance(alpha, numbers.Real) and not isinstance(alpha, bool) and math.isfinite(alpha)
-                and 0.0 <= alpha <= 1.0):
+        # A traced or abstract leaf (the pytree rebuilt under jit or eval_shape) was checked at construction.
+        concrete = isinstance(alpha, (numbers.Number, str, bytes)) or alpha is None
+        if concrete and not (isinstance(alpha, numbers.Real) and not isinstance(alpha, bool) and math.isfinite(alpha)
+                             and 0.0 <= alpha <= 1.0):
             raise ValueError(f"`alpha` must be a float in [0, 1]; got {alpha!r}")
         v.check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
         v.check_positive_int("vocab_size", self.vocab_size, minimum=2)
         v.check_positive_int("branches", self.branches, minimum=0)
         if self.branches + 1 >= self.vocab_size:
             raise ValueError(f"`branches` + 1 must be < vocab_size = {self.vocab_size}; got {self.branches}")
-        object.__setattr__(self, "alpha", float(alpha))
+        if concrete:
+            object.__setattr__(self, "alpha", float(alpha))
 
     def propose(self, history, lengths, key) -> Drafts:
         """Drafts of the reference continuation, each right with probability alpha.
