@@ -189,6 +189,10 @@ def main(argv=None) -> int:
                                                "bench/results/DATE-serve")
     p.add_argument("--dry-run", action="store_true", help="CPU check of the script on the tiny fixture")
     args = p.parse_args(argv)
+    try:  # the plot at the end: refuse before the trace runs, not after
+        import matplotlib  # noqa: F401
+    except ImportError:
+        p.error("the plot needs matplotlib: install the bench extra (pip install -e '.[bench]')")
     folder = None
     if args.dry_run:
         folder = DRY_RUN["folder"]

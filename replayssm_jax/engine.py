@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from replayssm_jax.ops.dispatch import ROUTES
 from replayssm_jax.ops.validate import check_slots
 from replayssm_jax.pool import StatePool
 from replayssm_jax.sampling import SamplingParams, sample_tokens
@@ -91,6 +92,24 @@ class _Request:
     cache: object = None  # the chunked prefill's cache between chunks (batch 1, standard states)
     generated: list = dataclasses.field(default_factory=list)
     token_s: list = dataclasses.field(default_factory=list)
+
+
+def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
+    """`ids` (a 1-D sequence of integer token ids, each in [0, vocab_size)) as a list of ints."""
+    if isinstance(ids, (str, bytes)):
+        raise EngineError(f"`{name}` must be a sequence of integer token ids; got a {type(ids).__name__}")
+    try:
+        array = np.asarray(ids)
+    except ValueError as e:  # ragged nesting
+        raise EngineError(f"`{name}` must be a 1-D sequence of integer token ids; got {ids!r:.80}") from e
+    if array.ndim != 1:
+        raise EngineError(f"`{name}` must be a 1-D sequence of integer token ids; got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise EngineError(f"`{name}` must hold integer token ids; got dtype {array.dtype}")
+    bad = array[(array < 0) | (array >= vocab_size)]
+    if bad.size:
+        raise EngineError(f"`{name}` has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in array]
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
@@ -157,8 +176,8 @@ class Engine:
         its id and the token's index).
 
     Raises:
-      EngineError: an unknown state, a buffer_len with "standard", a non-positive
-        int option, batch_size above capacity.
+      EngineError: an unknown state or route, a buffer_len with "standard", a
+        non-positive int option, batch_size above capacity.
       ValueError: a buffer_len the backend's kernels cannot take.
     """
 
@@ -168,6 +187,8 @@ class Engine:
                  backend: str | None = None, route: str = "auto", seed: int = 0):
         if state not in ("replay", "standard"):
             raise EngineError(f"`state` must be 'replay' or 'standard'; got {state!r}")
+        if route not in ROUTES:
+            raise EngineError(f"`route` must be one of {', '.join(map(repr, ROUTES))}; got {route!r}")
         if state == "standard" and buffer_len is not None:
             raise EngineError(f"`buffer_len` is for state 'replay'; got {buffer_len!r} with state 'standard'")
         capacity = _positive_int("capacity", capacity)
@@ -216,15 +237,14 @@ class Engine:
           stop_ids: ids that end the request (kept in its sequence).
 
         Raises:
-          EngineError: an empty prompt, an id outside the vocabulary, max_new_tokens < 1,
+          EngineError: an empty prompt, a prompt or stop ids that are not a 1-D
+            sequence of integers, an id outside the vocabulary, max_new_tokens < 1,
             a request longer than max_len, a `sampling` that is not a SamplingParams.
         """
-        prompt = [int(t) for t in np.asarray(prompt_ids, np.int64).reshape(-1)] if len(prompt_ids) else []
+        prompt = _token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt:
             raise EngineError("`prompt_ids` must hold at least one token id; got an empty prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineError(f"`prompt_ids` has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        stop_ids = _token_ids("stop_ids", stop_ids, self.vocab_size)
         max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
         if len(prompt) + max_new_tokens > self.pool.max_len:
             raise EngineError(f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) must fit in "
@@ -232,7 +252,7 @@ class Engine:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise EngineError(f"`sampling` must be a SamplingParams or None; got {type(sampling).__name__}")
         request = _Request(self._next_id, prompt, max_new_tokens, None if sampling is None or sampling.greedy
-                           else sampling, frozenset(int(t) for t in stop_ids), time.perf_counter())
+                           else sampling, frozenset(stop_ids), time.perf_counter())
         self._next_id += 1
         self._waiting.append(request)
         return request.request_id
@@ -249,7 +269,6 @@ class Engine:
         while self._waiting and self.pool.free_slots:
             request = self._waiting.popleft()
             request.slot = self.pool.allocate()
-            self._restore_prefix(request)
             self._prefilling.append(request)
         if self._prefilling:
             self._prefill_chunk(self._prefilling[0], finished)
@@ -289,7 +308,11 @@ class Engine:
         return self._template
 
     def _prefill_chunk(self, request: _Request, finished: list) -> None:
-        """Prefill the next chunk of `request`'s prompt; after the last one, move it to its slot."""
+        """Prefill the next chunk of `request`'s prompt (before the first one, restore its longest kept
+        prefix: one that the requests prefilled before it may have kept); after the last one, move it to
+        its slot."""
+        if request.prefilled == 0:
+            self._restore_prefix(request)
         start = request.prefilled
         end = min(len(request.prompt), start + self.prefill_chunk)
         final = end == len(request.prompt)

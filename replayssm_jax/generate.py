@@ -269,7 +269,8 @@ def _check_args(args) -> list[str]:
         what = "--num-draft + 1" if args.tree is None else "--tree's 1 + TOPK * DEPTH"
         if "replay" in states and verified > buffer_len:
             raise UsageError(f"{what} = {verified} verified positions must be <= --buffer-len = {buffer_len} "
-                             f"with --state replay (raise --buffer-len or lower --num-draft)")
+                             f"with --state replay (raise --buffer-len or lower "
+                             f"{'--num-draft' if args.tree is None else 'TOPK or DEPTH'})")
     if args.new_only and args.json:
         _warn("--new-only applies to the text output; the JSON has both generated_ids and new_ids")
     return states

@@ -9,8 +9,11 @@ cache (`models.HybridCache`, or any pytree of the per-layer states of
   write count), the buffered records and the cursor, as they are. The
   pending records are kept, not folded into the checkpoint, so a restored
   sequence continues with the same buffer, flushes at the same step and
-  gives the same outputs bit for bit (a backup that folded the buffer, or
-  dropped it, would change the numbers or lose steps);
+  gives the same outputs (a backup that folded the buffer, or dropped it,
+  would change the numbers or lose steps): bit for bit in a cache of the
+  same batch size, at the same row where the checkpoint rounds
+  stochastically (its rounding noise is keyed by the batch row); XLA may
+  round a batch of another size differently, about 1e-7 relative;
 - standard SSM layers: the state; conv layers: the ring of conv inputs and
   its start;
 - attention layers: the K/V of the positions before the row's length (the

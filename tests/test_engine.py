@@ -105,6 +105,15 @@ def test_prefix_caching_skips_the_shared_prefix(model):
     assert [with_cache[i].sequence for i in range(len(REQUESTS))] == [without[i].sequence for i in range(len(REQUESTS))]
     assert [with_cache[i].cached_tokens for i in range(len(REQUESTS))] == [0, 0, CHUNK, 0, CHUNK]
     assert cached.stats["prefill_tokens"] == plain.stats["prefill_tokens"] - cached.stats["cached_tokens"]
+    # Two requests admitted in one step: the second restores the block that the first one's prefill kept
+    # just before it (the cache is looked up at a request's first prefill chunk, not at its admission).
+    block = rng.integers(3, 250, size=CHUNK).tolist()
+    pair = [block + tail(4), block + tail(4)]
+    for engine in (cached, plain):
+        assert [engine.add_request(prompt, 3) for prompt in pair] == [5, 6]
+    with_cache, without = cached.run_until_done(), plain.run_until_done()
+    assert [o.sequence for o in with_cache] == [o.sequence for o in without]
+    assert [o.cached_tokens for o in with_cache] == [0, CHUNK]
 
 
 def test_bad_requests_and_options(model):
@@ -113,11 +122,21 @@ def test_bad_requests_and_options(model):
         Engine(model, 2, state="paged")
     with pytest.raises(EngineError, match="`batch_size` must be <= capacity"):
         Engine(model, 2, batch_size=3, backend="xla")
+    with pytest.raises(EngineError, match="`route` must be one of .*; got 'fast'"):
+        Engine(model, 2, route="fast", backend="xla")
     engine = Engine(model, 2, buffer_len=4, max_len=16, backend="xla")
     with pytest.raises(EngineError, match="empty"):
         engine.add_request([], 4)
     with pytest.raises(EngineError, match="outside the vocabulary"):
         engine.add_request([3, 999], 4)
+    for prompt, match in [([1.7, 2], "integer token ids; got dtype float64"),
+                          ([[1, 2], [3, 4]], r"1-D .*shape \(2, 2\)"), ("abc", "got a str")]:
+        with pytest.raises(EngineError, match=f"`prompt_ids` must .*{match}"):
+            engine.add_request(prompt, 4)
+    with pytest.raises(EngineError, match=r"`stop_ids` must be a 1-D .*shape \(\)"):
+        engine.add_request([3], 4, stop_ids=5)
+    with pytest.raises(EngineError, match=r"`stop_ids` has token id 999 outside the vocabulary"):
+        engine.add_request([3], 4, stop_ids=[999])
     with pytest.raises(EngineError, match="max_len = 16"):
         engine.add_request([3] * 10, 7)
     with pytest.raises(EngineError, match="`max_new_tokens`"):
