@@ -36,8 +36,8 @@ from replayssm_jax.layers.cache import (
 )
 from replayssm_jax.ops.validate import check_path, check_tree
 
-__all__ = ["HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "make_verify_step", "make_commit",
-           "commit_cache", "split_params"]
+__all__ = ["HybridBlock", "HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "make_verify_step",
+           "make_commit", "commit_cache", "split_params"]
 
 
 @struct.dataclass
@@ -94,6 +94,22 @@ def check_cache(cache: HybridCache, layer_types, batch: int | None = None) -> No
         if not isinstance(state, _STATE_TYPES[kind]):
             want = " or ".join(t.__name__ for t in _STATE_TYPES[kind])
             raise ValueError(f"`cache.layers[{i}]` ({kind} layer) must be {want}; got {type(state).__name__}")
+
+
+class HybridBlock(nnx.Module):
+    """Base of the families' decoder blocks: `decode` and `verify` run the block's
+    ``_with_state(h, state, mode, **ssm_options)`` (its mixer's ``decode`` or ``verify`` on the
+    block's state, `mode` naming which; a block without a state passes None through)."""
+
+    def decode(self, h: jax.Array, state, *, route: str = "auto", backend: str | None = None, slots=None):
+        """One token. h: [batch, hidden] -> (h [batch, hidden], new state); `slots`: a state pool's rows
+        (`HybridCausalLM.decode`)."""
+        return self._with_state(h, state, "decode", route=route, backend=backend, slots=slots)
+
+    def verify(self, h: jax.Array, state, *, backend: str | None = None, tree=None):
+        """W speculative positions (the nodes of a draft `tree` if given). h: [batch, W, hidden] -> (h
+        [batch, W, hidden], state with the window pending; see the mixers' ``verify``)."""
+        return self._with_state(h, state, "verify", backend=backend, tree=tree)
 
 
 class HybridCausalLM(nnx.Module):

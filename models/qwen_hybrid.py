@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import registry
-from models.common import HybridCausalLM, attention_options
+from models.common import HybridBlock, HybridCausalLM, attention_options
 from models.config import QwenHybridConfig
 from replayssm_jax.layers import MLP, Attention, Embedding, GatedDeltaNet, Linear, MoE, RMSNorm
 from replayssm_jax.layers.linear import default_rngs
@@ -30,7 +30,7 @@ from replayssm_jax.layers.linear import default_rngs
 __all__ = ["QwenDecoderLayer", "QwenHybridForCausalLM", "weight_map"]
 
 
-class QwenDecoderLayer(nnx.Module):
+class QwenDecoderLayer(HybridBlock):
     """One decoder layer: token mixer and feed-forward, each pre-norm residual.
 
     Args:
@@ -95,16 +95,6 @@ class QwenDecoderLayer(nnx.Module):
         else:
             out, state = self.self_attn.prefill(u, max_len, state)
         return self._ffn(h + out), state
-
-    def decode(self, h: jax.Array, state, *, route: str = "auto", backend: str | None = None, slots=None):
-        """One token. h: [batch, hidden] -> (h [batch, hidden], new state); `slots`: a state pool's rows
-        (`HybridCausalLM.decode`)."""
-        return self._with_state(h, state, "decode", route=route, backend=backend, slots=slots)
-
-    def verify(self, h: jax.Array, state, *, backend: str | None = None, tree=None):
-        """W speculative positions (the nodes of a draft `tree` if given). h: [batch, W, hidden] -> (h
-        [batch, W, hidden], state with the window pending; see the mixers' ``verify``)."""
-        return self._with_state(h, state, "verify", backend=backend, tree=tree)
 
     def _with_state(self, h, state, mode, **ssm_options):
         """The mixer's `mode` ("decode" or "verify") on its state, then the MLP."""

@@ -56,8 +56,10 @@ LAYERS = {"mamba2": (_mamba2_case, ops.mamba2_step, ops.mamba2_replay_step, ops.
           "gdn": (_gdn_case, ops.gdn_step, ops.gdn_replay_step, ops.gdn_replay_init)}
 
 
-def _rows(tree, rows):
-    return jax.tree.map(lambda a: np.asarray(a)[rows], tree)
+def _with_random_records(pool, rng):
+    """`pool` with random records in its buffers, so that the cursors' live slots hold data."""
+    return pool.replace(**{name: jnp.asarray(rng.uniform(-0.1, 0.1, getattr(pool, name).shape),
+                                             getattr(pool, name).dtype) for name in pool.buffer_fields()})
 
 
 def _assert_slots(new, pool, want_rows):
@@ -99,10 +101,8 @@ def test_replay_step_writes_only_its_slots(layer, route, config):
     unchanged, the two-launch step's fresh cursors included."""
     case, _, replay_step, init = LAYERS[layer]
     checkpoint, inputs, params, shared = case(np.random.default_rng(2))
-    pool = init(checkpoint, L, shared)
-    pool = pool.replace(cursor=jnp.asarray(CURSORS))
-    # Records in the pool's buffers, so that the cursors' live slots hold data.
-    pool = jax.tree.map(lambda a: a + 0.01 * jnp.ones_like(a) if a.dtype == jnp.float32 else a, pool)
+    rng = np.random.default_rng(5)
+    pool = _with_random_records(init(checkpoint, L, shared).replace(cursor=jnp.asarray(CURSORS)), rng)
     y, new = replay_step(pool, **inputs, **params, route=route, backend="interpret", config=config,
                          slots=jnp.asarray(SLOTS))
     want_y, want = _reference_on_rows(replay_step, pool, inputs, params, route=route)
@@ -161,9 +161,7 @@ def test_pool_kernels_compiled_at_model_shapes(layer, route):
     if route is None:
         op, pool = step, state
     else:
-        op, pool = replay_step, init(state, L, shared).replace(cursor=jnp.asarray(CURSORS))
-        pool = pool.replace(**{name: jnp.asarray(rng.uniform(-0.1, 0.1, getattr(pool, name).shape),
-                                                 getattr(pool, name).dtype) for name in pool.buffer_fields()})
+        op, pool = replay_step, _with_random_records(init(state, L, shared).replace(cursor=jnp.asarray(CURSORS)), rng)
     y, new = op(pool, **inputs, **params, backend="pallas", slots=jnp.asarray(SLOTS), **kw)
     want_y, want = _reference_on_rows(op, pool, inputs, params, **kw)
     assert_close(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], what="y")
