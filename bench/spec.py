@@ -53,10 +53,11 @@ speculative and plain decoding is what the float32 tests check (tests/); here a
 float32 run (`--dry-run`) exits 1 on a mismatch. Each configuration runs
 `--repeats` times (a warm-up first) and the fastest decode counts; decode
 tokens/s excludes the prefill and compilation (compile seconds are reported
-apart; the run keeps its programs in a compilation cache of its own, and the
-drafter, the oracle's reference and alpha included, is an argument of the
-compiled round, so a mode compiles its round once for its reference runs and
-every alpha). `speedup` is against ar-standard,
+apart, in the row of a mode's first run; the drafter, the oracle's reference
+and alpha included, is an argument of the compiled round, and a mode's runs at
+one batch share one Generator (`Generator.with_speculative`), so a mode traces
+and compiles its round once for its reference runs and every alpha; the run
+also keeps its programs in a compilation cache of its own). `speedup` is against ar-standard,
 `speedup_same_state` against the AR run of the same state.
 
 `--profile` adds per configuration the GPU time of a step or round by kernel
@@ -198,17 +199,27 @@ def ideal_acceptance(alpha: float, window: int, topk: int = 1) -> float:
 
 
 class _Runner:
-    """Runs one configuration `repeats` times (the fastest decode counts), out-of-memory logged and skipped."""
+    """Runs one configuration `repeats` times (the fastest decode counts), out-of-memory logged and skipped.
+    The configurations of one state and compiled round (the oracle's reference runs and alphas) share one
+    Generator's compiled programs (`Generator.with_speculative`): each is traced and compiled once."""
 
     def __init__(self, model, prompts, new_tokens, *, buffer_len, backend, prefill_rows, repeats, log):
         self.model, self.prompts, self.new_tokens = model, prompts, new_tokens
         self.kw = dict(backend=backend, block_size=new_tokens, prefill_rows=prefill_rows)
         self.buffer_len, self.repeats, self.log = buffer_len, repeats, log
+        self._generators = {}  # (state, the round's program key): a Generator whose programs later runs reuse
+
+    def _generator(self, state, speculative):
+        key = (state, None if speculative is None else speculative.program_key)
+        if key not in self._generators:
+            self._generators[key] = Generator(self.model, state=state, speculative=speculative,
+                                              buffer_len=self.buffer_len if state == "replay" else None, **self.kw)
+        gen = self._generators[key]
+        return gen if speculative is None else gen.with_speculative(speculative)
 
     def __call__(self, label, state, speculative=None, repeats=None):
         try:
-            gen = Generator(self.model, state=state, speculative=speculative,
-                            buffer_len=self.buffer_len if state == "replay" else None, **self.kw)
+            gen = self._generator(state, speculative)
             outs = [gen.generate(self.prompts, self.new_tokens, stop_tokens=None, progress=False)
                     for _ in range(repeats or self.repeats)]
         except (jax.errors.JaxRuntimeError, InsufficientMemoryError) as err:

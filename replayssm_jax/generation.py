@@ -41,6 +41,7 @@ the prefill's temporaries (XLA's `memory_analysis`) are checked too.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import math
@@ -171,6 +172,12 @@ class SpeculativeConfig:
     def window(self) -> int:
         """The positions verified per round: W = K + 1, or the tree's N nodes."""
         return self.num_draft + 1 if self.tree is None else self.tree.size
+
+    @property
+    def program_key(self) -> tuple:
+        """What the compiled round depends on: the fields but `alpha`, `reference` and `draft_model`
+        (the oracle's alpha and reference are leaves of the drafter, an argument of the round)."""
+        return self.method, self.num_draft, self.max_ngram, self.min_ngram, self.tree
 
 
 class InsufficientMemoryError(GenerationError, MemoryError):
@@ -1038,7 +1045,7 @@ class Generator:
         jax.block_until_ready(carry)
         prefill_s = time.perf_counter() - t0 - seconds  # the drafter's prefill included, its compilation not
 
-        block_key = ("spec", self.speculative, sampling, max_new_tokens, plan.rows, plan.width, plan.max_len)
+        block_key = ("spec", self.speculative.program_key, sampling, max_new_tokens, plan.rows, plan.width, plan.max_len)
         make = lambda: make_block(  # noqa: E731
             self.graphdef, rounds=self.block_size, max_new_tokens=max_new_tokens, sampling=sampling,
             pad_id=self._pad_id, backend=self.backend).trace(self.params, drafter, carry, row_lengths, stops)
@@ -1067,6 +1074,26 @@ class Generator:
                                                         for a, r in zip(accepted, row_rounds)])
 
     # -- public -----------------------------------------------------------------------------------
+
+    def with_speculative(self, speculative: SpeculativeConfig) -> "Generator":
+        """This Generator with another `speculative` config of the same compiled round: the same
+        method, num_draft, n-gram lengths and tree (`SpeculativeConfig.program_key`), another oracle
+        `alpha` or `reference`. The two share their compiled programs, so a run of the new one
+        compiles nothing that this one has compiled (e.g. a benchmark's runs over alphas).
+
+        Raises:
+          GenerationError: `speculative` not a SpeculativeConfig, this Generator not speculative,
+            or a config of another compiled round.
+        """
+        if not isinstance(speculative, SpeculativeConfig):
+            raise GenerationError(f"`speculative` must be a SpeculativeConfig; got {type(speculative).__name__}")
+        if self.speculative is None or speculative.program_key != self.speculative.program_key:
+            have = None if self.speculative is None else self.speculative.program_key
+            raise GenerationError(f"`speculative` must keep this Generator's (method, num_draft, max_ngram, "
+                                  f"min_ngram, tree) = {have}; got {speculative.program_key}")
+        other = copy.copy(self)  # the dicts of compiled programs and estimates shared, not copied
+        other.speculative = speculative
+        return other
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: SamplingParams = FROM_CONFIG, seed: int = 0,

@@ -107,6 +107,28 @@ def test_greedy_speculative_equals_plain_greedy(name, config):
         assert out.decode_steps < NEW_TOKENS / 2  # rounds
 
 
+def test_with_speculative_reuses_the_compiled_round():
+    """Another oracle alpha on `Generator.with_speculative` compiles nothing more and keeps greedy output."""
+    ref = reference("mamba2_tiny")
+    prompts, expected = ref["prompt_ids"], ref["generated_ids"]
+    T = prompts.shape[1]
+    gen = Generator(model("mamba2_tiny"), state="replay", buffer_len=4, block_size=4,
+                    speculative=SpeculativeConfig("oracle", 2, alpha=1.0, reference=expected))
+    first = gen.generate(prompts, NEW_TOKENS, stop_tokens=None)
+    compiled = gen.compilations
+    other = gen.with_speculative(SpeculativeConfig("oracle", 2, alpha=0.0, reference=expected))
+    out = other.generate(prompts, NEW_TOKENS, stop_tokens=None)
+    assert first.compile_s > 0 and out.compile_s == 0 and other.compilations == gen.compilations == compiled
+    assert out.accepted_per_round == 1.0 and first.accepted_per_round > 2.0
+    np.testing.assert_array_equal(np.array(out.sequences), expected[:, : T + NEW_TOKENS])
+    with pytest.raises(GenerationError, match=r"`speculative` must keep this Generator's \(method, num_draft, "
+                                              r"max_ngram, min_ngram, tree\) = \('oracle', 2, 3, 1, None\); got "
+                                              r"\('oracle', 3, 3, 1, None\)"):
+        gen.with_speculative(SpeculativeConfig("oracle", 3, reference=expected))
+    with pytest.raises(GenerationError, match="`speculative` must keep"):
+        Generator(model("mamba2_tiny")).with_speculative(SpeculativeConfig("ngram", 2))
+
+
 @pytest.mark.parametrize("name, method, config", DRAFTER_PARAMS)
 def test_greedy_speculative_with_a_drafter_state_equals_plain_greedy(name, method, config, mtp_model):
     state, L, K = config
