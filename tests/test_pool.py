@@ -30,30 +30,32 @@ STEPPED, UNTOUCHED = np.array([3, 1]), np.array([0, 2, 4])
 CURSORS = np.array([0, L - 1, 2, 1, L - 1], np.int32)
 
 
-def _mamba2_case(rng, H=2, P=16, N=8, G=1):
-    """(pool state f32[CAPACITY, H, P, N], inputs of a batch of 3, params, the replay state's extra arg)."""
+def _mamba2_case(rng, H=2, P=16, N=8, G=1, lead=(3,)):
+    """(pool state f32[CAPACITY, H, P, N], inputs of a batch of 3 (`lead`: (3, W) for a verify window),
+    params, the replay state's extra arg)."""
     state = jnp.asarray(rng.normal(size=(CAPACITY, H, P, N)), jnp.float32)
-    inputs = dict(x=rng.normal(size=(3, H, P)), dt=rng.normal(size=(3, H)), B=rng.normal(size=(3, G, N)),
-                  C=rng.normal(size=(3, G, N)), z=rng.normal(size=(3, H, P)))
+    inputs = dict(x=rng.normal(size=(*lead, H, P)), dt=rng.normal(size=(*lead, H)), B=rng.normal(size=(*lead, G, N)),
+                  C=rng.normal(size=(*lead, G, N)), z=rng.normal(size=(*lead, H, P)))
     inputs = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
     params = dict(A=-jnp.exp(jnp.asarray(rng.normal(size=H), jnp.float32)), D=jnp.ones((H,), jnp.float32),
                   dt_bias=jnp.zeros((H,), jnp.float32))
     return state, inputs, params, G
 
 
-def _gdn_case(rng, H=1, HV=2, K=8, V=16):
+def _gdn_case(rng, H=1, HV=2, K=8, V=16, lead=(3,)):
     """As `_mamba2_case` for a Gated DeltaNet layer: state f32[CAPACITY, HV, V, K]."""
     state = jnp.asarray(rng.normal(size=(CAPACITY, HV, V, K)) * 0.3, jnp.float32)
-    inputs = dict(q=jnp.asarray(rng.normal(size=(3, H, K)), jnp.float32),
-                  k=jnp.asarray(rng.normal(size=(3, H, K)), jnp.float32),
-                  v=jnp.asarray(rng.normal(size=(3, HV, V)), jnp.float32),
-                  g=-jnp.asarray(rng.uniform(0.05, 1.0, size=(3, HV)), jnp.float32),
-                  beta=jnp.asarray(rng.uniform(0.1, 0.9, size=(3, HV)), jnp.float32))
+    inputs = dict(q=jnp.asarray(rng.normal(size=(*lead, H, K)), jnp.float32),
+                  k=jnp.asarray(rng.normal(size=(*lead, H, K)), jnp.float32),
+                  v=jnp.asarray(rng.normal(size=(*lead, HV, V)), jnp.float32),
+                  g=-jnp.asarray(rng.uniform(0.05, 1.0, size=(*lead, HV)), jnp.float32),
+                  beta=jnp.asarray(rng.uniform(0.1, 0.9, size=(*lead, HV)), jnp.float32))
     return state, inputs, {}, H
 
 
 LAYERS = {"mamba2": (_mamba2_case, ops.mamba2_step, ops.mamba2_replay_step, ops.mamba2_replay_init),
           "gdn": (_gdn_case, ops.gdn_step, ops.gdn_replay_step, ops.gdn_replay_init)}
+VERIFY_OPS = {"mamba2": (ops.mamba2_replay_verify, ops.mamba2_verify), "gdn": (ops.gdn_replay_verify, ops.gdn_verify)}
 
 
 def _with_random_records(pool, rng):
@@ -141,6 +143,61 @@ def test_pool_launches_lower_for_cuda_with_the_pool_in_place(route, config, call
         assert re.search(r"output_tuple_indices = \[\], operand_index = 1\b", found[1]), found[1][:2000]
 
 
+# A verify over the pool: W = 3 at the slots [2, -1, 0]; slot 2's cursor (2) + W > L flushes early, slot 0's
+# window fits behind its cursor (0); slots 1, 3, 4 are outside the batch.
+W = 3
+VERIFY_SLOTS = np.array([2, -1, 0], np.int32)
+VERIFY_STEPPED, VERIFY_UNTOUCHED = np.array([2, 0]), np.array([1, 3, 4])
+
+
+def _assert_verified_slots(y, new, pool, want_y, want_rows):
+    """The verify over the pool: the outputs of the stepped batch rows and the stepped slots' arrays equal
+    the verify on the gathered rows (`want_y`, `want_rows`), the other slots keep every bit."""
+    np.testing.assert_allclose(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], rtol=2e-5, atol=2e-5)
+    for got, before, want in zip(jax.tree.leaves(new), jax.tree.leaves(pool), jax.tree.leaves(want_rows)):
+        np.testing.assert_array_equal(np.asarray(got)[VERIFY_UNTOUCHED], np.asarray(before)[VERIFY_UNTOUCHED])
+        np.testing.assert_allclose(np.asarray(got)[VERIFY_STEPPED], np.asarray(want)[INPUT_ROWS], rtol=2e-5,
+                                   atol=2e-5)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_replay_verify_writes_only_its_slots(layer):
+    """The replay verify's launches over a pool (the early flush of slot 2, the verify kernel; interpret):
+    outputs, checkpoint, records and cursor of the batch's slots as the verify of the gathered rows (the
+    reference); every other slot's bits unchanged, its cursor included."""
+    case, _, _, init = LAYERS[layer]
+    checkpoint, inputs, params, shared = case(np.random.default_rng(8), lead=(3, W))
+    pool = _with_random_records(init(checkpoint, L, shared).replace(cursor=jnp.asarray(CURSORS)),
+                                np.random.default_rng(9))
+    slots = jnp.asarray(VERIFY_SLOTS)
+    replay_verify = VERIFY_OPS[layer][0]
+    y, new = replay_verify(pool, **inputs, **params, backend="interpret", config=ReplayConfig(block_v=8),
+                           slots=slots)
+    want_y, want = replay_verify(ops.take_slots(pool, slots), **inputs, **params, backend="xla")
+    assert new.window == W
+    _assert_verified_slots(y, new, pool, want_y, want)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_per_draft_verify_writes_only_its_slots(layer):
+    """The per-draft standard verify over a pool [CAPACITY, W + 1, heads, V, K] with its index per slot
+    (interpret): the batch's slots' W draft states and outputs as the verify of the gathered rows; the
+    other slots, and the current state of every slot, unchanged bit for bit."""
+    case = LAYERS[layer][0]
+    state, inputs, params, _ = case(np.random.default_rng(10), lead=(3, W))
+    rng = np.random.default_rng(11)
+    pool = jnp.asarray(rng.normal(size=(CAPACITY, W + 1, *state.shape[1:])) * 0.3, jnp.float32)
+    index = jnp.asarray([1, 0, 3, 2, 0], jnp.int32)
+    slots = jnp.asarray(VERIFY_SLOTS)
+    verify = VERIFY_OPS[layer][1]
+    y, new = verify(pool, index, **inputs, **params, backend="interpret", config=StepConfig(block_v=8), slots=slots)
+    want_y, want = verify(pool[np.maximum(VERIFY_SLOTS, 0)], index[np.maximum(VERIFY_SLOTS, 0)], **inputs, **params,
+                          backend="xla")
+    _assert_verified_slots(y, new, pool, want_y, want)
+    current = np.asarray(new)[np.arange(CAPACITY), np.asarray(index)]
+    np.testing.assert_array_equal(current, np.asarray(pool)[np.arange(CAPACITY), np.asarray(index)])
+
+
 # The models' layer shapes (bench/configs: Nemotron-3-Nano-4B's Mamba-2, Qwen3.5-4B's GDN).
 GPU_DIMS = {"mamba2": dict(H=96, P=80, N=128, G=8), "gdn": dict(H=16, HV=32, K=128, V=128)}
 
@@ -224,3 +281,38 @@ def test_pool_errors(model):
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, pool.cache), before)
     pool.release(slot)
     assert pool.free_slots == 1
+
+
+@pytest.mark.parametrize("buffer_len", [L, None], ids=["replay", "standard"])
+def test_model_verify_and_commit_over_a_pool(model, buffer_len):
+    """`model.verify(tokens, pool, slots=)` and `model.commit(cache, m, slots=)` at slots [2, -1, 0] (xla): the
+    logits and the committed state of the batch's slots (SSM states, conv windows, KV caches, positions) equal
+    a verify and commit of the gathered rows; every other slot's arrays keep every bit. Slot 2 flushes early,
+    slot 0's window fits behind its cursor; the standard state runs the per-draft verify on its slots. A
+    draft tree with slots is refused."""
+    rng = np.random.default_rng(12)
+    ids = jnp.asarray(rng.integers(3, 250, size=(CAPACITY, 6)), jnp.int32)
+    _, pool = model.prefill(ids, 24, replay_buffer_len=buffer_len, max_window=W, backend="xla",
+                            last_logits_only=True)
+    # Different cursors, indices, lengths and conv starts per slot.
+    _, pool = model.verify(jnp.asarray(rng.integers(3, 250, size=(CAPACITY, W)), jnp.int32), pool, backend="xla")
+    pool = model.commit(pool, jnp.asarray([1, 1, 3, 0, 3], jnp.int32))
+    tokens = jnp.asarray(rng.integers(3, 250, size=(3, W)), jnp.int32)
+    slots = jnp.asarray(VERIFY_SLOTS)
+    logits, verified = model.verify(tokens, pool, backend="xla", slots=slots)
+    want_logits, want = model.verify(tokens, ops.take_slots(pool, slots), backend="xla")
+    np.testing.assert_allclose(np.asarray(logits)[INPUT_ROWS], np.asarray(want_logits)[INPUT_ROWS], rtol=1e-5,
+                               atol=1e-5)
+    counts = jnp.asarray([2, 3, 3], jnp.int32)  # the padding row's count is dropped
+    committed, want = model.commit(verified, counts, slots=slots), model.commit(want, counts)
+    assert committed.window == 0
+    for got, before, ref in zip(jax.tree.leaves(committed), jax.tree.leaves(pool), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(got)[VERIFY_UNTOUCHED], np.asarray(before)[VERIFY_UNTOUCHED])
+        np.testing.assert_allclose(np.asarray(got)[VERIFY_STEPPED], np.asarray(ref)[INPUT_ROWS], rtol=1e-5,
+                                   atol=1e-5)
+    from replayssm_jax.speculative.tree import DraftTree
+
+    with pytest.raises(ValueError, match="`tree` with `slots`"):
+        model.verify(tokens, pool, backend="xla", slots=slots, tree=DraftTree.topk(1, W - 1))
+    with pytest.raises(ValueError, match=r"`slots` must have shape \[batch\] = \(3,\)"):
+        model.verify(tokens, pool, backend="xla", slots=slots[:2])
