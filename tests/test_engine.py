@@ -118,6 +118,20 @@ def test_speculative_engine_gives_the_generator_tokens(model, generated, state, 
         assert engine.stats["round_rows"] == sum(rounds)
 
 
+def test_int8_checkpoints_give_each_request_its_tokens_alone(model):
+    """An engine of int8 ReplaySSM checkpoints (the pool's scales and write counts indexed by slot): every
+    request's greedy sequence is the one `Generator(state_dtype=int8)` gives it alone (batch 1: the same
+    prefill, flushes and requantizations)."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 250, size=4).tolist() for _ in range(4)]  # one prefill shape: few compilations
+    engine = Engine(model, 2, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla", state_dtype="int8")
+    assert [engine.add_request(prompt, 9) for prompt in prompts] == [0, 1, 2, 3]  # 2 slots: 2 and 3 wait
+    outputs = engine.run_until_done()
+    generator = Generator(model, state="replay", buffer_len=4, backend="xla", state_dtype="int8")
+    alone = [list(generator.generate([prompt], 9, progress=False, stop_tokens=()).sequences[0]) for prompt in prompts]
+    assert [o.sequence for o in outputs] == alone
+
+
 def test_prefix_caching_skips_the_shared_prefix(model):
     """Prompts sharing a system prompt of one block (+ 4 tokens): the later requests restore the block's
     state and prefill only the rest; every sequence equals the engine's without the cache (whose decode

@@ -245,12 +245,26 @@ def test_bad_slots_raise_before_any_kernel(slots, error, match):
     np.testing.assert_array_equal(np.asarray(pool), before)
 
 
-def test_slots_refuse_an_8bit_checkpoint():
-    """A pool of 8-bit checkpoints is refused (ValueError naming `slots`)."""
-    checkpoint, inputs, params, G = _mamba2_case(np.random.default_rng(4))
-    pool = ops.mamba2_replay_init(checkpoint, L, G, checkpoint_dtype=jnp.int8)
-    with pytest.raises(ValueError, match="`slots`.*f32 | bf16"):
-        ops.mamba2_replay_step(pool, **inputs, **params, backend="xla", slots=SLOTS)
+@pytest.mark.parametrize("layer, route, config", [
+    ("mamba2", "output", ReplayConfig(block_v=8)),
+    ("gdn", "output", ReplayConfig(block_v=8, fused_flush=True)),
+], ids=["mamba2-flush-launch", "gdn-fused-flush"])
+@pytest.mark.filterwarnings("ignore:a replay checkpoint of int8:UserWarning")
+def test_replay_step_over_an_int8_pool(layer, route, config):
+    """An int8 checkpoint pool (its scales f32[CAPACITY, heads, V] and write counts i32[CAPACITY] pool arrays
+    too; launch.Quantized over the pool): the stepped slots' values, scales, counts, buffers and cursors as
+    the reference's on those rows (the flushing slot requantized, its write count advanced); every other
+    slot's bits unchanged."""
+    case, _, replay_step, init = LAYERS[layer]
+    checkpoint, inputs, params, shared = case(np.random.default_rng(13))
+    pool = init(checkpoint, L, shared, checkpoint_dtype=jnp.int8).replace(cursor=jnp.asarray(CURSORS))
+    pool = _with_random_records(pool, np.random.default_rng(14))
+    y, new = replay_step(pool, **inputs, **params, route=route, backend="interpret", config=config,
+                         slots=jnp.asarray(SLOTS))
+    want_y, want = _reference_on_rows(replay_step, pool, inputs, params, route=route)
+    np.testing.assert_allclose(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], rtol=2e-5, atol=2e-5)
+    _assert_slots(new, pool, want)
+    np.testing.assert_array_equal(np.asarray(new.counter), np.asarray(pool.counter) + np.isin(np.arange(CAPACITY), 1))
 
 
 @pytest.fixture(scope="module")

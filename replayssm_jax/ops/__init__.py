@@ -26,7 +26,9 @@ i32[capacity]) and batch row b steps slot slots[b]; -1 is a padding row,
 which reads and writes nothing (its output is unspecified); no slot twice.
 The kernels index the pool by slot (no copy of the states); "xla" gathers
 the slots' rows, steps them and scatters them back. A verify over a pool
-takes chain windows (no `tree`).
+takes chain windows (no `tree`). An 8-bit checkpoint's scales and write
+counts are indexed by slot as the checkpoint (stochastic rounding keys its
+noise by the pool's slot on the kernels, by the batch row on "xla").
 
 An explicitly requested backend that cannot run raises (no GPU for
 "pallas"; no kernel for the op); nothing falls back silently. Every error

@@ -52,13 +52,14 @@ def as_array(name: str, x):
 def check_slots(slots, capacity: int, state) -> jax.Array | None:
     """`slots` (None: no state pool) as i32[batch]: the state pool's slots of a
     step's batch rows, each in -1 .. capacity - 1 (-1: a padding row), no
-    slot twice; the values are checked where concrete. `state`: the pool
-    (an array or a replay state), whose checkpoint must not be 8-bit.
+    slot twice; the values are checked where concrete. `state`: the pool (an
+    array or a replay state, whose 8-bit checkpoint's scales and write counts
+    are pool arrays too), or None; not read.
 
     Raises:
       TypeError: a non-integer dtype.
       ValueError: not of shape [batch] with batch >= 1, a concrete slot
-        outside -1 .. capacity - 1 or one used twice, or an 8-bit checkpoint.
+        outside -1 .. capacity - 1 or one used twice.
     """
     if slots is None:
         return None
@@ -69,9 +70,6 @@ def check_slots(slots, capacity: int, state) -> jax.Array | None:
         raise TypeError(f"`slots` must have an integer dtype; got {slots.dtype}")
     if slots.ndim != 1 or slots.shape[0] < 1:
         raise ValueError(f"`slots` must have shape [batch] with batch >= 1; got {tuple(slots.shape)}")
-    if getattr(state, "scale", None) is not None:
-        raise ValueError(f"`slots` (a state pool) needs an f32 | bf16 checkpoint; got "
-                         f"{jnp.dtype(state.checkpoint.dtype).name}")
     if concrete:
         bad = (values < -1) | (values >= capacity)
         if bad.any():
