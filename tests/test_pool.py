@@ -5,6 +5,7 @@ A model's decode over a pool is tested through the engine (tests/test_engine.py)
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models import load_model
 from kernel_checks import lower_for_cuda
@@ -306,19 +308,28 @@ def test_model_verify_and_commit_over_a_pool(model, buffer_len):
     draft tree with slots is refused."""
     rng = np.random.default_rng(12)
     ids = jnp.asarray(rng.integers(3, 250, size=(CAPACITY, 6)), jnp.int32)
-    _, pool = model.prefill(ids, 24, replay_buffer_len=buffer_len, max_window=W, backend="xla",
-                            last_logits_only=True)
-    # Different cursors, indices, lengths and conv starts per slot.
-    _, pool = model.verify(jnp.asarray(rng.integers(3, 250, size=(CAPACITY, W)), jnp.int32), pool, backend="xla")
-    pool = model.commit(pool, jnp.asarray([1, 1, 3, 0, 3], jnp.int32))
+    graphdef, params = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnames=("prefill",))
+    def run(params, tokens, cache, counts, slots, prefill=False):  # compiled: eager XLA ops are slow here
+        lm = nnx.merge(graphdef, params)
+        if prefill:
+            return lm.prefill(tokens, 24, replay_buffer_len=buffer_len, max_window=W, backend="xla",
+                              last_logits_only=True)
+        logits, cache = lm.verify(tokens, cache, backend="xla", slots=slots)
+        return logits, lm.commit(cache, counts, slots=slots)
+
+    _, pool = run(params, ids, None, None, None, prefill=True)
+    # Different cursors, indices, lengths and conv starts per slot (a round at slots 0, 2, 4: the same program).
+    _, pool = run(params, jnp.asarray(rng.integers(3, 250, size=(3, W)), jnp.int32), pool,
+                  jnp.asarray([1, 3, 2], jnp.int32), jnp.asarray([0, 2, 4], jnp.int32))
     tokens = jnp.asarray(rng.integers(3, 250, size=(3, W)), jnp.int32)
     slots = jnp.asarray(VERIFY_SLOTS)
-    logits, verified = model.verify(tokens, pool, backend="xla", slots=slots)
-    want_logits, want = model.verify(tokens, ops.take_slots(pool, slots), backend="xla")
+    counts = jnp.asarray([2, 3, 3], jnp.int32)  # the padding row's count is dropped
+    logits, committed = run(params, tokens, pool, counts, slots)
+    want_logits, want = run(params, tokens, ops.take_slots(pool, slots), counts, None)
     np.testing.assert_allclose(np.asarray(logits)[INPUT_ROWS], np.asarray(want_logits)[INPUT_ROWS], rtol=1e-5,
                                atol=1e-5)
-    counts = jnp.asarray([2, 3, 3], jnp.int32)  # the padding row's count is dropped
-    committed, want = model.commit(verified, counts, slots=slots), model.commit(want, counts)
     assert committed.window == 0
     for got, before, ref in zip(jax.tree.leaves(committed), jax.tree.leaves(pool), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(got)[VERIFY_UNTOUCHED], np.asarray(before)[VERIFY_UNTOUCHED])
