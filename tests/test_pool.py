@@ -200,6 +200,47 @@ def test_per_draft_verify_writes_only_its_slots(layer):
     np.testing.assert_array_equal(current, np.asarray(pool)[np.arange(CAPACITY), np.asarray(index)])
 
 
+# (output, operand) aliases per launch (-1: a launch's only output); operand 0 is the slots. The early flush
+# writes the checkpoint, the verify kernel the three buffers; the per-draft verify its slotted state; the int8
+# replay step its values, scales and buffers and (the operand after its inputs) the copy of the cursors, its
+# flush launch the values and scales.
+EXPECTED_ALIASES = {"replay-verify": [[(-1, 1)], [(1, 2), (2, 3), (3, 4)]], "per-draft": [[(1, 1)]],
+                    "int8-step": [[(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (6, 15)], [(0, 1), (1, 2)]]}
+
+
+@pytest.mark.parametrize("launch", ["replay-verify", "per-draft", "int8-step"])
+def test_pooled_verify_and_8bit_launches_lower_for_cuda(launch):
+    """The Triton lowering takes the pooled launches of a speculative round (the replay verify's early flush
+    and verify kernel, the per-draft verify) and an int8 checkpoint pool's replay step (kernel_checks.
+    lower_for_cuda); each launch is a pool launch ("_pool" in its name) that aliases the pool arrays it writes
+    to their operands."""
+    case = _mamba2_case(np.random.default_rng(15), lead=(3,) if launch == "int8-step" else (3, W))
+    state, inputs, params, G = case
+    kw = dict(dt_softplus=True, dt_limit=(0.0, float("inf")))
+    args = (inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params["D"], inputs["z"],
+            params["dt_bias"])
+    if launch == "per-draft":
+        pool = (jnp.zeros((CAPACITY, W + 1, *state.shape[1:]), jnp.float32), jnp.zeros((CAPACITY,), jnp.int32))
+    else:
+        pool = ops.mamba2_replay_init(state, L, G, checkpoint_dtype=jnp.int8 if launch == "int8-step" else None)
+        pool = pool.replace(cursor=jnp.asarray(CURSORS))
+
+    def fn(pool, slots):
+        if launch == "replay-verify":
+            return kernels.mamba2_replay_verify(pool, *args, config=ReplayConfig(block_v=8), slots=slots, **kw)
+        if launch == "per-draft":
+            return kernels.mamba2_verify(*pool, *args, config=StepConfig(block_v=8), slots=slots, **kw)
+        return kernels.mamba2_replay_step(pool, *args, route="output", config=ReplayConfig(block_v=8), slots=slots,
+                                          **kw)
+
+    text = lower_for_cuda(fn, pool, jnp.asarray(VERIFY_SLOTS))
+    found = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
+    assert all("_pool" in line for line in found), found
+    aliases = [sorted((int(o or -1), int(i)) for o, i in
+                      re.findall(r"output_tuple_indices = \[(\d*)\], operand_index = (\d+)", line)) for line in found]
+    assert aliases == EXPECTED_ALIASES[launch], found
+
+
 # The models' layer shapes (bench/configs: Nemotron-3-Nano-4B's Mamba-2, Qwen3.5-4B's GDN).
 GPU_DIMS = {"mamba2": dict(H=96, P=80, N=128, G=8), "gdn": dict(H=16, HV=32, K=128, V=128)}
 
@@ -227,6 +268,42 @@ def test_pool_kernels_compiled_at_model_shapes(layer, route):
     for got, before, ref in zip(jax.tree.leaves(new), jax.tree.leaves(pool), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(got)[UNTOUCHED], np.asarray(before)[UNTOUCHED])
         assert_close(np.asarray(got)[STEPPED], np.asarray(ref)[INPUT_ROWS], what="stepped slots")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+@pytest.mark.parametrize("kind", ["replay-verify", "per-draft"])
+def test_pool_verify_kernels_compiled_at_model_shapes(layer, kind):
+    """Compiled (backend pallas, default tilings) at the models' layer shapes: a verify of W = 3 over a pool
+    at slots [2, -1, 0] (the replay verify with random buffered records, slot 2 flushing early; the
+    per-draft verify on a slotted state) equals the verify of the gathered rows on the reference; every
+    other slot keeps every bit."""
+    _check_pool_verify(layer, kind, "pallas", GPU_DIMS[layer])
+
+
+def _check_pool_verify(layer, kind, backend, dims):
+    """`test_pool_verify_kernels_compiled_at_model_shapes` on `backend` at layer shapes `dims`."""
+    from replayssm_jax.testing import assert_close
+
+    case, _, _, init = LAYERS[layer]
+    rng = np.random.default_rng(16)
+    state, inputs, params, shared = case(rng, **dims, lead=(3, W))
+    replay_verify, per_draft = VERIFY_OPS[layer]
+    slots = jnp.asarray(VERIFY_SLOTS)
+    rows = np.maximum(VERIFY_SLOTS, 0)
+    if kind == "replay-verify":
+        pool = _with_random_records(init(state, L, shared).replace(cursor=jnp.asarray(CURSORS)), rng)
+        y, new = replay_verify(pool, **inputs, **params, backend=backend, slots=slots)
+        want_y, want = replay_verify(ops.take_slots(pool, slots), **inputs, **params, backend="xla")
+    else:
+        pool = jnp.asarray(rng.normal(size=(CAPACITY, W + 1, *state.shape[1:])) * 0.3, jnp.float32)
+        index = jnp.asarray([1, 0, 3, 2, 0], jnp.int32)
+        y, new = per_draft(pool, index, **inputs, **params, backend=backend, slots=slots)
+        want_y, want = per_draft(pool[rows], index[rows], **inputs, **params, backend="xla")
+    assert_close(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], what="y")
+    for got, before, ref in zip(jax.tree.leaves(new), jax.tree.leaves(pool), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(got)[VERIFY_UNTOUCHED], np.asarray(before)[VERIFY_UNTOUCHED])
+        assert_close(np.asarray(got)[VERIFY_STEPPED], np.asarray(ref)[INPUT_ROWS], what="verified slots")
 
 
 @pytest.mark.parametrize("slots, error, match", [

@@ -461,9 +461,10 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         :func:`default_replay_config`).
       interpret: run the kernels in Pallas interpret mode.
       slots: None, or i32[batch] (validated): the state is a state pool of
-        capacity slots (f32 | bf16 checkpoint) and batch row b steps slot
-        slots[b], as :func:`gdn_step`; over a pool the flush launch takes
-        one batch row per program.
+        capacity slots and batch row b steps slot slots[b], as
+        :func:`gdn_step` (an 8-bit checkpoint's scales and write counts
+        indexed by slot too); over a pool the flush launch takes one batch
+        row per program.
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState).

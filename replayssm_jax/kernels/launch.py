@@ -11,10 +11,12 @@ the state (or checkpoint), the step's inputs and the buffered records as
 named tuples (an absent optional input: None), and the cursor.
 
 Over a state pool (:class:`Pool`: the state operands hold `capacity` slots
-and batch row b steps slot slots[b]) the step and replay launches take the
-same kernels: the state operands' blocks span the slot axis, each program
-views its slot (`tiles.SlotView`) and runs the kernel where the slot is not
--1 (a padding row: no read, no write). No copy of a state is made.
+and batch row b steps slot slots[b]) the step, replay, verify and per-draft
+launches take the same kernels: the state operands' blocks span the slot
+axis, each program views its slot (`tiles.SlotView`) and runs the kernel
+where the slot is not -1 (a padding row: no read, no write). No copy of a
+state is made; an 8-bit checkpoint's values, scales and rounding seeds
+(`tiles.Quantized`) are pooled operands alike.
 
 The lowering (Pallas on Triton) is private to this package. Pallas warns
 that its Triton backend is deprecated; this module silences exactly that
@@ -637,7 +639,8 @@ def replay_step(state, records, inputs, *, route: str, config: StepConfig | Repl
     direct route. replay(checkpoint, records, cursor, inputs, *, route,
     config) -> (y, checkpoint, records, cursor): the replay launches.
     slots: None, or i32[batch], the state pool's slots of the batch rows
-    (the state holds the pool; an f32 | bf16 checkpoint), passed to both.
+    (the state holds the pool; an 8-bit checkpoint's write counts advance
+    in the batch's slots only), passed to both.
 
     Returns (y, new state).
     """

@@ -663,12 +663,19 @@ def check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus
       (state, index as i32, dt_softplus, dt_limit, slots) as :func:`check_slotted_state`
       and :func:`check_mamba2_inputs`.
     """
-    x = check_ssm_float("x", x)
-    check_rank("x", x, "batch, W, nheads, head_dim")
-    W = x.shape[1]
-    state, index, dims, slots = check_slotted_state(state, index, SLOTTED_MAMBA2_DIMS, W, "x.shape[1]", tree, slots)
+    W, (state, index, dims, slots) = _per_draft_window(state, index, "x", x, "batch, W, nheads, head_dim",
+                                                       SLOTTED_MAMBA2_DIMS, tree, slots)
     return (state, index, *check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=W,
                                                seq_name="W"), slots)
+
+
+def _per_draft_window(state, index, name: str, first, layout: str, dims: str, tree, slots):
+    """(W, :func:`check_slotted_state`'s result) of a per-draft verify whose input `name` (`first`, of
+    `layout` with W on axis 1) gives the window."""
+    first = check_ssm_float(name, first)
+    check_rank(name, first, layout)
+    W = first.shape[1]
+    return W, check_slotted_state(state, index, dims, W, f"{name}.shape[1]", tree, slots)
 
 
 # --------------------------------------------------------------------------
@@ -788,9 +795,7 @@ def check_gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm, tree=
       (state, index as i32, scale, use_qk_l2norm, slots) as :func:`check_slotted_state`
       and :func:`check_gdn_inputs`.
     """
-    v = check_ssm_float("v", v)
-    check_rank("v", v, "batch, W, HV, V")
-    W = v.shape[1]
-    state, index, dims, slots = check_slotted_state(state, index, SLOTTED_GDN_DIMS, W, "v.shape[1]", tree, slots)
+    W, (state, index, dims, slots) = _per_draft_window(state, index, "v", v, "batch, W, HV, V", SLOTTED_GDN_DIMS,
+                                                       tree, slots)
     return (state, index, *check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W"),
             slots)
