@@ -175,18 +175,20 @@ def _compiled_round(graphdef, backend: str | None, samplings: tuple):
     """The jitted speculative round over a pool, the pool donated:
 
     round(params, cache, drafter, history i32[batch, max_len], lengths i32[batch], limit i32[batch], slots
-    i32[batch], request_ids i32[batch], generated i32[batch], choice i32[batch], key) -> (tokens i32[batch, W],
-    num_accepted i32[batch] in 1..W, cache).
+    i32[batch], request_ids i32[batch], generated i32[batch], choice i32[batch], key, draft_key) -> (tokens
+    i32[batch, W], num_accepted i32[batch] in 1..W, cache).
 
     Row b's known tokens are history[b, :lengths[b]] (the last one not yet consumed by its slot); the
     drafter proposes at most limit[b] tokens; choice[b] = 0 accepts greedily, i + 1 with samplings[i]
     (static: the distinct SamplingParams of the batch's sampled requests), drawing with the key
-    fold_in(fold_in(key, request_ids[b]), generated[b]) (so a request's draws depend only on it).
+    fold_in(fold_in(key, request_ids[b]), generated[b]) (so a request's draws depend only on it and the
+    engine's key); the drafter draws with draft_key.
     """
 
-    def round_(params, cache, drafter, history, lengths, limit, slots, request_ids, generated, choice, key):
+    def round_(params, cache, drafter, history, lengths, limit, slots, request_ids, generated, choice, key,
+               draft_key):
         model = nnx.merge(graphdef, params)
-        proposed, _ = drafter.draft(model, None, history, lengths, key)
+        proposed, _ = drafter.draft(model, None, history, lengths, draft_key)
         K = drafter.num_speculative_tokens
         num_drafts = jnp.minimum(proposed.num_drafts, limit)
         drafts = jnp.where(jnp.arange(K)[None, :] < num_drafts[:, None], proposed.tokens, 0)
@@ -487,11 +489,11 @@ class Engine:
         ids = [r.request_id for r in rows] + [0] * pad
         generated = [len(r.generated) for r in rows] + [0] * pad
         round_ = _compiled_round(self._graphdef, self._backend, samplings)
-        key = jax.random.fold_in(self._key, self.stats["decode_steps"])
+        draft_key = jax.random.fold_in(self._key, self.stats["decode_steps"])
         tokens, accepted, self.pool.cache = round_(
             self._params, self.pool.cache, self._drafter(self._reference[index]), jnp.asarray(self._history[index]),
             jnp.asarray(lengths), jnp.asarray(limit), slots, jnp.asarray(ids, jnp.int32),
-            jnp.asarray(generated, jnp.int32), jnp.asarray(choice, jnp.int32), key)
+            jnp.asarray(generated, jnp.int32), jnp.asarray(choice, jnp.int32), self._key, draft_key)
         self.stats["decode_steps"] += 1
         tokens, accepted = np.asarray(tokens), np.asarray(accepted)
         self.stats["round_rows"] += len(rows)

@@ -118,6 +118,25 @@ def test_speculative_engine_gives_the_generator_tokens(model, generated, state, 
         assert engine.stats["round_rows"] == sum(rounds)
 
 
+def test_speculative_sampling_depends_on_the_request_only(model, generated):
+    """A sampled request (speculative sampling's rejection rule, its draws keyed by its id and token index)
+    in n-gram rounds: the same sequence among the other requests as alone (after three one-token requests
+    that finish at their prefill, so that it keeps its id), within max_new_tokens; the greedy requests keep
+    the Generator's tokens."""
+    prompts, tokens = generated
+    options = dict(buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla",
+                   speculative=SpeculativeConfig("ngram", K))
+    sampling = SamplingParams(temperature=1.0)
+    among = _run(Engine(model, 3, **options), prompts, sampling=sampling)
+    alone = Engine(model, 3, **options)
+    assert [alone.add_request([3], 1) for _ in range(3)] + [alone.add_request(prompts[3], REQUESTS[3][2],
+                                                                              sampling=sampling)] == [0, 1, 2, 3]
+    assert alone.run_until_done()[3].sequence == among[3].sequence
+    assert among[3].num_generated == REQUESTS[3][2]
+    expected = _expected(prompts, tokens)
+    assert [among[i].sequence for i in (0, 1, 2, 4)] == [expected[i] for i in (0, 1, 2, 4)]
+
+
 def test_int8_checkpoints_give_each_request_its_tokens_alone(model):
     """An engine of int8 ReplaySSM checkpoints (the pool's scales and write counts indexed by slot): every
     request's greedy sequence is the one `Generator(state_dtype=int8)` gives it alone (batch 1: the same

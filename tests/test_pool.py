@@ -1,7 +1,10 @@
 """The state pool (replayssm_jax.pool, the ops' and the model's `slots`): the kernels step the slots of
 a pool in place and nothing else: a padding row (-1) and the slots outside the batch keep every bit;
-the stepped slots equal the reference on those rows. Bad slots are refused before any kernel runs.
-A model's decode over a pool is tested through the engine (tests/test_engine.py)."""
+the stepped slots equal the reference on those rows. So do the verify launches of a speculative round
+(the replay verify's early flush and verify kernel, the per-draft verify), an int8 checkpoint pool's
+replay step, and a model's verify and commit over a pool (every layer's state, conv window, KV cache and
+position). Bad slots are refused before any kernel runs. A model's decode over a pool is tested through
+the engine (tests/test_engine.py)."""
 
 from __future__ import annotations
 
