@@ -165,15 +165,17 @@ def _assert_verified_slots(y, new, pool, want_y, want_rows):
                                    atol=2e-5)
 
 
-@pytest.mark.parametrize("layer", sorted(LAYERS))
-def test_replay_verify_writes_only_its_slots(layer):
+@pytest.mark.parametrize("layer, checkpoint_dtype", [("gdn", None), ("mamba2", None), ("mamba2", jnp.int8)],
+                         ids=["gdn", "mamba2", "mamba2-int8"])
+def test_replay_verify_writes_only_its_slots(layer, checkpoint_dtype):
     """The replay verify's launches over a pool (the early flush of slot 2, the verify kernel; interpret):
     outputs, checkpoint, records and cursor of the batch's slots as the verify of the gathered rows (the
-    reference); every other slot's bits unchanged, its cursor included."""
+    reference); every other slot's bits unchanged, its cursor included. An int8 pool: the flushed slot's
+    values, scales and write count as the reference's."""
     case, _, _, init = LAYERS[layer]
     checkpoint, inputs, params, shared = case(np.random.default_rng(8), lead=(3, W))
-    pool = _with_random_records(init(checkpoint, L, shared).replace(cursor=jnp.asarray(CURSORS)),
-                                np.random.default_rng(9))
+    pool = _with_random_records(init(checkpoint, L, shared, checkpoint_dtype=checkpoint_dtype).replace(
+        cursor=jnp.asarray(CURSORS)), np.random.default_rng(9))
     slots = jnp.asarray(VERIFY_SLOTS)
     replay_verify = VERIFY_OPS[layer][0]
     y, new = replay_verify(pool, **inputs, **params, backend="interpret", config=ReplayConfig(block_v=8),
@@ -181,6 +183,8 @@ def test_replay_verify_writes_only_its_slots(layer):
     want_y, want = replay_verify(ops.take_slots(pool, slots), **inputs, **params, backend="xla")
     assert new.window == W
     _assert_verified_slots(y, new, pool, want_y, want)
+    if checkpoint_dtype is not None:
+        np.testing.assert_array_equal(np.asarray(new.counter), np.isin(np.arange(CAPACITY), 2))  # slot 2 flushed
 
 
 @pytest.mark.parametrize("layer", sorted(LAYERS))
