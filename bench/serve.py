@@ -2,10 +2,14 @@
 to first token and per-token latency, with and without prefix caching, standard state vs ReplaySSM.
 
 Trace (one per model, the same for every configuration; seeded): `--requests` requests with
-Poisson arrivals at `--rate` requests/s; prompt lengths uniform in `--prompt-len LO,HI`, output
-lengths uniform in `--new-tokens LO,HI`; a fraction `--shared` of the prompts start with one
+Poisson arrivals at `--rate` requests/s; prompt lengths uniform over the multiples of
+`--prompt-granule` in `--prompt-len LO,HI`, output lengths uniform in `--new-tokens LO,HI`; a
+fraction `--shared` of the prompts start with one
 shared system prompt of `--system-len` tokens (a multiple of `--prefill-chunk`, the prefix
-cache's block). Random token ids; greedy decoding; no stop token.
+cache's block). Random token ids; greedy decoding; no stop token. The engine compiles one
+prefill per distinct chunk length (a prompt's last chunk is its length modulo the chunk): with
+the default granule of 64 tokens and chunk of 256, a handful of programs per state, where
+lengths of any size would compile one per residue (hundreds, each of a whole model).
 
 Configurations: state standard | replay (L = `--buffer-len`) x prefix caching off | on, each an
 Engine of `--capacity` slots and a decode batch of `--batch-size` rows. With `--speculative
@@ -33,7 +37,8 @@ The defaults are sized for one GPU; a shorter run cuts the trace and the pool, e
 Models: bench/e2e.py's (random bfloat16 weights, bench/configs/).
 
 Usage:  python3 bench/serve.py [--models a,b] [--capacity 64] [--batch-size 64] [--requests 256]
-                               [--rate 8] [--prompt-len 128,1024] [--new-tokens 32,256] [--shared 0.5]
+                               [--rate 8] [--prompt-len 128,1024] [--prompt-granule 64]
+                               [--new-tokens 32,256] [--shared 0.5]
                                [--system-len 512] [--prefill-chunk 256] [--buffer-len 16] [--out FOLDER]
                                [--speculative ngram [--num-draft 4]] [--state-dtype int8]
         python3 bench/serve.py --dry-run   (check of the script on the CPU: tiny fixture, backend xla,
@@ -64,8 +69,8 @@ from replayssm_jax.engine import Engine
 from replayssm_jax.generation import Generator, SpeculativeConfig
 
 DRY_RUN = dict(folder=os.path.join(e2e.ROOT, "tests", "data"), models="nemotron_h_tiny", capacity=3, batch_size=3,
-               requests=4, rate=1000.0, prompt_len="9,10", new_tokens="2,3", shared=0.5, system_len=8,
-               prefill_chunk=8, buffer_len=4, backend="xla")
+               requests=4, rate=1000.0, prompt_len="9,10", prompt_granule=1, new_tokens="2,3", shared=0.5,
+               system_len=8, prefill_chunk=8, buffer_len=4, backend="xla")
 
 
 @dataclasses.dataclass
@@ -76,14 +81,15 @@ class Request:
 
 
 def make_trace(n: int, rate: float, prompt_len: tuple[int, int], new_tokens: tuple[int, int], shared: float,
-               system_len: int, vocab: int, seed: int = 0) -> list[Request]:
-    """The request trace (module docstring): Poisson arrivals, uniform lengths, a shared system prompt."""
+               system_len: int, vocab: int, seed: int = 0, granule: int = 1) -> list[Request]:
+    """The request trace (module docstring): Poisson arrivals, uniform lengths (prompts: multiples of
+    `granule` in prompt_len), a shared system prompt."""
     rng = np.random.default_rng(seed)
     system = rng.integers(3, vocab, size=system_len).tolist()
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n))
     trace = []
     for arrival in arrivals:
-        length = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+        length = granule * int(rng.integers(-(-prompt_len[0] // granule), prompt_len[1] // granule + 1))
         head = system[:length - 1] if rng.random() < shared else []
         trace.append(Request(float(arrival), head + rng.integers(3, vocab, size=length - len(head)).tolist(),
                              int(rng.integers(new_tokens[0], new_tokens[1] + 1))))
@@ -210,6 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second")
     p.add_argument("--prompt-len", default="128,1024", help="LO,HI: uniform prompt lengths")
+    p.add_argument("--prompt-granule", type=int, default=64,
+                   help="prompt lengths are multiples of this (few prefill shapes to compile)")
     p.add_argument("--new-tokens", default="32,256", help="LO,HI: uniform output lengths")
     p.add_argument("--shared", type=float, default=0.5, help="fraction of prompts with the shared system prompt")
     p.add_argument("--system-len", type=int, default=512, help="system prompt tokens")
@@ -238,6 +246,9 @@ def main(argv=None) -> int:
                 setattr(args, name, value)
     args.batch_size = args.batch_size or args.capacity
     prompt_len, new_tokens = _pair(args.prompt_len), _pair(args.new_tokens)
+    if args.prompt_granule < 1 or -(-prompt_len[0] // args.prompt_granule) * args.prompt_granule > prompt_len[1]:
+        p.error(f"--prompt-granule must be >= 1 with a multiple of it in --prompt-len {args.prompt_len}; got "
+                f"{args.prompt_granule}")
     args.max_len = prompt_len[1] + new_tokens[1]
     out_dir = args.out or os.path.join(e2e.ROOT, "bench", "results",
                                        f"{datetime.date.today().isoformat()}-serve{'-dry-run' if args.dry_run else ''}")
@@ -254,7 +265,7 @@ def main(argv=None) -> int:
         model = (load_model(os.path.join(folder, name)) if folder
                  else init_model(os.path.join(e2e.CONFIGS, f"{name}.json"), jnp.bfloat16))
         trace = make_trace(args.requests, args.rate, prompt_len, new_tokens, args.shared, args.system_len,
-                           model.config.vocab_size)
+                           model.config.vocab_size, granule=args.prompt_granule)
         base = {}
         for state, prefix_caching, speculative, state_dtype in configurations(args):
             if state not in base:
