@@ -248,6 +248,14 @@ class Engine:
         takes them. Stochastic rounding keys its noise by pool slot, so a
         request's tokens depend on its slot there (not with "nearest").
 
+    Attributes:
+      pool: the StatePool; window: W, the verify window (1 without speculation).
+      stats: a Counter of prefill_tokens, prefix_hits, cached_tokens,
+        decode_steps (decode steps, or speculative rounds), and with
+        speculation round_rows (requests stepped, summed over the rounds) and
+        accepted_tokens (the tokens the rounds committed, before any cut at a
+        stop token or max_new_tokens).
+
     Raises:
       EngineError: an unknown state or route, a buffer_len with "standard", a
         non-positive int option, batch_size above capacity; a `speculative` that
