@@ -106,10 +106,11 @@ class HybridBlock(nnx.Module):
         (`HybridCausalLM.decode`)."""
         return self._with_state(h, state, "decode", route=route, backend=backend, slots=slots)
 
-    def verify(self, h: jax.Array, state, *, backend: str | None = None, tree=None):
+    def verify(self, h: jax.Array, state, *, backend: str | None = None, tree=None, slots=None):
         """W speculative positions (the nodes of a draft `tree` if given). h: [batch, W, hidden] -> (h
-        [batch, W, hidden], state with the window pending; see the mixers' ``verify``)."""
-        return self._with_state(h, state, "verify", backend=backend, tree=tree)
+        [batch, W, hidden], state with the window pending; see the mixers' ``verify``); `slots`: a state
+        pool's rows (`HybridCausalLM.verify`)."""
+        return self._with_state(h, state, "verify", backend=backend, tree=tree, slots=slots)
 
 
 class HybridCausalLM(nnx.Module):
@@ -304,7 +305,7 @@ class HybridCausalLM(nnx.Module):
         return self._logits(h), cache
 
     def verify(self, tokens: jax.Array, cache: HybridCache, *, backend: str | None = None,
-               return_hidden: bool = False, tree=None):
+               return_hidden: bool = False, tree=None, slots=None):
         """Verify W speculative positions of every sequence in one call (DESIGN.md section 7).
 
         Args:
@@ -321,6 +322,15 @@ class HybridCausalLM(nnx.Module):
             :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes
             (static): tokens[:, t] follows node parents[t], and every layer
             reads t's path root .. t only (tree speculation).
+          slots: None, or int[batch]: `cache` is a state pool
+            (:class:`replayssm_jax.pool.StatePool`, prefilled with max_window
+            >= W) and row b verifies the sequence in slot slots[b]; -1 is a
+            padding row (its logits are unspecified; it reads and writes
+            nothing), no slot twice; a chain window only (tree None). The SSM
+            kernels index the pool by slot (the replay verify's early flush
+            and verify kernel, the per-draft verify); conv windows and KV
+            caches are indexed by XLA (the layers' ``verify`` docstrings give
+            the cost). Commit with ``commit(cache, num_accepted, slots=)``.
 
         Returns:
           (logits f32[batch, W, vocab_size]: position t gives the next token
@@ -335,18 +345,20 @@ class HybridCausalLM(nnx.Module):
             cache's batch, an id outside the vocabulary, a pending window, W
             above max_window or a replay buffer length L, or (lengths concrete)
             a KV cache without room for W more positions; a `tree` that is
-            not a DraftTree of W nodes. All before any op runs.
+            not a DraftTree of W nodes; `slots` as in `decode`, or with a
+            tree. All before any op runs.
         """
         tokens = check_input_ids(tokens, self.config.vocab_size, name="tokens")
         batch, window = tokens.shape
-        check_cache(cache, self.config.layer_types, batch)
+        slots = _check_pool_slots(cache, self.config.layer_types, slots, batch)
         _check_no_window(cache)
-        _check_room(cache, window)
+        _check_room(cache, window, slots)
         tree = check_tree(tree, window, "tokens.shape[1]")
+        ops.validate.check_no_tree_with_slots(tree, slots)
         h = self._embed(tokens)
         states = []
         for block, state in zip(self._blocks, cache.layers):
-            h, state = block.verify(h, state, backend=backend, tree=tree)
+            h, state = block.verify(h, state, backend=backend, tree=tree, slots=slots)
             states.append(state)
         cache = cache.replace(layers=tuple(states))
         if return_hidden:
@@ -354,11 +366,12 @@ class HybridCausalLM(nnx.Module):
             return self._lm_head(hidden), hidden, cache
         return self._logits(h), cache
 
-    def commit(self, cache: HybridCache, num_accepted: jax.Array, path=None) -> HybridCache:
-        """Keep the first `num_accepted` positions of the pending window (of a tree: of `path`;
-        `commit_cache`), after checking that `cache` matches the model's layers (TypeError, ValueError)."""
+    def commit(self, cache: HybridCache, num_accepted: jax.Array, path=None, slots=None) -> HybridCache:
+        """Keep the first `num_accepted` positions of the pending window (of a tree: of `path`; over a state
+        pool, of the rows `slots`: `commit_cache`), after checking that `cache` matches the model's layers
+        (TypeError, ValueError)."""
         check_cache(cache, self.config.layer_types)
-        return commit_cache(cache, num_accepted, path)
+        return commit_cache(cache, num_accepted, path, slots=slots)
 
 
 def attention_options(options: dict) -> dict:
@@ -368,7 +381,7 @@ def attention_options(options: dict) -> dict:
     return {name: options[name] for name in ("tree", "slots") if name in options}
 
 
-def commit_cache(cache: HybridCache, num_accepted, path=None) -> HybridCache:
+def commit_cache(cache: HybridCache, num_accepted, path=None, *, slots=None) -> HybridCache:
     """Keep the first `num_accepted` of the W verified positions of every row, in every layer.
 
     Args:
@@ -380,6 +393,12 @@ def commit_cache(cache: HybridCache, num_accepted, path=None) -> HybridCache:
         tree verify: per row the accepted nodes root first (m <= P); every
         layer compacts their positions to contiguous ones
         (`replayssm_jax.layers.commit_layer_state`).
+      slots: None, or int[batch]: `cache` is a state pool and row b's count
+        is slot slots[b]'s (-1: a padding row, whose count is dropped); no
+        path. The counts are scattered to one per slot (0 for the slots
+        outside the batch, which then keep every value) and the pool
+        committed as one cache: per-slot cursor, index, length, start and
+        position moves, elementwise over the capacity.
 
     Returns:
       The HybridCache after those positions, no window pending: SSM layers
@@ -387,13 +406,21 @@ def commit_cache(cache: HybridCache, num_accepted, path=None) -> HybridCache:
       windows (start moved by m), KV caches (``length += m``), ``position += m``.
 
     Raises:
-      TypeError: `cache` not a HybridCache; non-integer counts.
-      ValueError: no pending window; counts not [batch] or outside 0..W.
+      TypeError: `cache` not a HybridCache; non-integer counts or slots.
+      ValueError: no pending window; counts not [batch] or outside 0..W; bad
+        `slots` (`ops.validate.check_slots`) or a path with slots.
     """
     if not isinstance(cache, HybridCache):
         raise TypeError(f"`cache` must be a HybridCache (from `verify`); got {type(cache).__name__}")
     if cache.window == 0:
         raise ValueError("`cache` has no pending verify window; call `verify` before `commit`")
+    if slots is not None:
+        slots = ops.validate.check_slots(slots, cache.position.shape[0], None)
+        if path is not None:
+            raise ValueError("`path` with `slots`: a commit over a state pool takes chain windows only (path None)")
+        m = check_num_accepted(num_accepted, slots.shape[0], cache.window)
+        target = jnp.where(slots < 0, cache.position.shape[0], slots)  # padding rows: out of range, dropped
+        num_accepted = jnp.zeros_like(cache.position).at[target].set(m, mode="drop")
     m = check_num_accepted(num_accepted, cache.position.shape[0], cache.window)
     path = check_path(path, m, cache.window)
     m = jnp.clip(m, 0, cache.window if path is None else path.shape[1])
@@ -406,8 +433,23 @@ def _check_no_window(cache: HybridCache) -> None:
         raise ValueError(f"`cache` has a pending verify window (W = {cache.window}); call `commit` first")
 
 
-def _check_room(cache: HybridCache, window: int) -> None:
-    """Raise ValueError unless every layer of `cache` has room for a verify window of `window` positions."""
+def _check_pool_slots(cache: HybridCache, layer_types, slots, batch: int):
+    """`cache` checked against the model's layers (and, without slots, the batch); `slots` as checked by
+    `ops.validate.check_slots` (None stays None), of shape [batch] (ValueError otherwise)."""
+    if slots is None:
+        check_cache(cache, layer_types, batch)
+        return None
+    check_cache(cache, layer_types)
+    slots = ops.validate.check_slots(slots, cache.position.shape[0], None)
+    if slots.shape != (batch,):
+        raise ValueError(f"`slots` must have shape [batch] = ({batch},) (the batch of `tokens`); got "
+                         f"{tuple(slots.shape)}")
+    return slots
+
+
+def _check_room(cache: HybridCache, window: int, slots=None) -> None:
+    """Raise ValueError unless every layer of `cache` has room for a verify window of `window` positions
+    (over a state pool, in the rows of `slots`)."""
     if window > cache.max_window:
         raise ValueError(f"`tokens` has W = {window} positions; the cache holds verify windows of at most "
                          f"max_window = {cache.max_window} (prefill with a larger max_window)")
@@ -415,8 +457,12 @@ def _check_room(cache: HybridCache, window: int) -> None:
         if isinstance(state, ReplayLayerState) and window > state.replay.buffer_len:
             raise ValueError(f"`tokens` has W = {window} positions; layer {i}'s replay buffer has L = "
                              f"{state.replay.buffer_len} slots (W <= L)")
-        if isinstance(state, KVCache) and not isinstance(state.length, jax.core.Tracer):
-            longest = int(np.max(np.asarray(state.length)))
+        if isinstance(state, KVCache) and not isinstance(state.length, jax.core.Tracer) and \
+                not isinstance(slots, jax.core.Tracer):
+            lengths = np.asarray(state.length)
+            if slots is not None:
+                lengths = lengths[np.asarray(slots)[np.asarray(slots) >= 0]]
+            longest = int(np.max(lengths, initial=0))
             if longest + window > state.max_len:
                 raise ValueError(f"`tokens` has W = {window} positions; layer {i}'s KV cache holds "
                                  f"{longest} of max_len = {state.max_len} positions in its longest row (prefill "

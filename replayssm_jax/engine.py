@@ -23,8 +23,19 @@ later request whose prompt starts with a kept prefix restores the longest one an
 only the rest; the chunks after the restored prefix are those of a prefill without the cache,
 so the outputs are the same bit for bit.
 
+Speculative decoding (``speculative=SpeculativeConfig(method, K)``, methods "ngram" and
+"oracle"): step 3 is one compiled speculative round over the running requests instead of a
+decode step: the drafter proposes K tokens per row from the request's own token history (a
+per-slot array of max_len ids on the engine; "oracle": from the reference given to
+`add_request`), the target verifies W = K + 1 positions over the pool by slot
+(``model.verify(tokens, pool, slots=)``), each row accepts greedily or with the distribution-
+preserving rejection rule of its request's sampling (`replayssm_jax.speculative.acceptance`),
+and the pool commits the accepted count by slot (``model.commit(cache, m, slots=)``). A request
+gets 1..W tokens per step; a stop token or max_new_tokens among them ends it (the tokens after
+it are dropped).
+
 Greedy decoding gives each request the tokens it gets alone (`Generator`, batch 1), whatever
-the other requests and their arrival times.
+the other requests and their arrival times, with or without speculation.
 """
 
 from __future__ import annotations
@@ -41,13 +52,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from replayssm_jax.generation import GenerationError, SpeculativeConfig, _check_state_dtype
 from replayssm_jax.ops.dispatch import ROUTES
 from replayssm_jax.ops.validate import check_slots
-from replayssm_jax.pool import StatePool
+from replayssm_jax.pool import PoolError, StatePool
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.sequence_state import export_sequence, import_sequence
+from replayssm_jax.speculative.acceptance import accept_drafts, greedy_acceptance
+from replayssm_jax.speculative.drafters import Drafts, NgramDrafter, OracleDrafter
 
-__all__ = ["Engine", "EngineError", "RequestOutput"]
+__all__ = ["Engine", "EngineError", "RequestOutput", "ENGINE_SPECULATIVE_METHODS"]
+
+# The speculative methods the engine runs: drafters that read the token history only (a drafter with a
+# state of its own, "mtp" or "draft", would need its state in the pool).
+ENGINE_SPECULATIVE_METHODS = ("ngram", "oracle")
 
 
 class EngineError(ValueError):
@@ -86,6 +104,7 @@ class _Request:
     sampling: SamplingParams | None
     stop_ids: frozenset
     arrival_s: float
+    reference: list | None = None  # the oracle drafter's reference (prompt included)
     slot: int = -1
     prefilled: int = 0  # prompt tokens whose state the request holds
     cached_tokens: int = 0
@@ -125,9 +144,12 @@ def _compiled_prefill(graphdef, max_len: int, options: tuple):
     def prefill(params, ids, cache, final):
         model = nnx.merge(graphdef, params)
         chunk_options = dict(options)
-        if not final:  # the earlier chunks keep standard states (continued by the next chunk)
-            chunk_options["replay_buffer_len"] = None
-        return model.prefill(ids, max_len, last_logits_only=True, cache=cache, **chunk_options)
+        length = max_len
+        if not final:  # the earlier chunks keep standard states (continued by the next chunk), no window
+            window = chunk_options["max_window"]
+            chunk_options.update(replay_buffer_len=None, max_window=1, checkpoint_dtype=None)
+            length = max_len + window - 1  # the KV caches' length of the pool's layout (the last chunk keeps it)
+        return model.prefill(ids, length, last_logits_only=True, cache=cache, **chunk_options)
 
     return jax.jit(prefill, static_argnames=("final",))
 
@@ -146,6 +168,46 @@ def _compiled_decode(graphdef, route: str, backend: str | None):
 
 # One row's draw (a compiled program per SamplingParams).
 _sample = jax.jit(sample_tokens, static_argnums=(2,))
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_round(graphdef, backend: str | None, samplings: tuple):
+    """The jitted speculative round over a pool, the pool donated:
+
+    round(params, cache, drafter, history i32[batch, max_len], lengths i32[batch], limit i32[batch], slots
+    i32[batch], request_ids i32[batch], generated i32[batch], choice i32[batch], key, draft_key) -> (tokens
+    i32[batch, W], num_accepted i32[batch] in 1..W, cache).
+
+    Row b's known tokens are history[b, :lengths[b]] (the last one not yet consumed by its slot); the
+    drafter proposes at most limit[b] tokens; choice[b] = 0 accepts greedily, i + 1 with samplings[i]
+    (static: the distinct SamplingParams of the batch's sampled requests), drawing with the key
+    fold_in(fold_in(key, request_ids[b]), generated[b]) (so a request's draws depend only on it and the
+    engine's key); the drafter draws with draft_key.
+    """
+
+    def round_(params, cache, drafter, history, lengths, limit, slots, request_ids, generated, choice, key,
+               draft_key):
+        model = nnx.merge(graphdef, params)
+        proposed, _ = drafter.draft(model, None, history, lengths, draft_key)
+        K = drafter.num_speculative_tokens
+        num_drafts = jnp.minimum(proposed.num_drafts, limit)
+        drafts = jnp.where(jnp.arange(K)[None, :] < num_drafts[:, None], proposed.tokens, 0)
+        last = jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)
+        logits, cache = model.verify(jnp.concatenate([last, drafts], axis=1), cache, backend=backend, slots=slots)
+        accepted = greedy_acceptance(logits, drafts, num_drafts)
+        tokens, m = accepted.tokens, accepted.num_accepted
+        keys = jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(key, r), n))(request_ids, generated)
+        for i, sampling in enumerate(samplings, start=1):
+            def one(row_logits, row_drafts, count, row_key, sampling=sampling):
+                out = accept_drafts(row_logits[None], Drafts(row_drafts[None], count[None]), row_key, sampling)
+                return out.tokens[0], out.num_accepted[0]
+
+            drawn, drawn_m = jax.vmap(one)(logits, drafts, num_drafts, keys)
+            tokens = jnp.where((choice == i)[:, None], drawn, tokens)
+            m = jnp.where(choice == i, drawn_m, m)
+        return tokens, m, model.commit(cache, m, slots=slots)
+
+    return jax.jit(round_, donate_argnums=(1,))
 
 
 def _prefix_key(ids: Sequence[int]) -> str:
@@ -173,18 +235,43 @@ class Engine:
       prefix_cache_size: prefixes kept (least recently used dropped first), >= 1.
       backend: SSM op backend (replayssm_jax.ops); route: the ReplaySSM step's route.
       seed: PRNG seed of the sampled requests (a request's draws depend only on it,
-        its id and the token's index).
+        its id and the token's index) and of the oracle drafter.
+      speculative: None, or a `replayssm_jax.generation.SpeculativeConfig` of
+        method "ngram" (max_ngram, min_ngram as given) or "oracle" (alpha as
+        given; each request's reference passed to `add_request` as
+        `draft_reference`, so the config's `reference` must be empty, e.g.
+        ``()``), without a tree: each step runs one speculative round of
+        W = num_draft + 1 verified positions (module docstring).
+      state_dtype, state_rounding: the ReplaySSM checkpoints' dtype (None: the
+        model's ssm_state_dtype; float32, bfloat16, int8 or float8_e4m3fn) and an
+        8-bit checkpoint's rounding ("nearest" or "stochastic"), as `Generator`
+        takes them. Stochastic rounding keys its noise by pool slot, so a
+        request's tokens depend on its slot there (not with "nearest").
+
+    Attributes:
+      pool: the StatePool; window: W, the verify window (1 without speculation).
+      stats: a Counter of prefill_tokens, prefix_hits, cached_tokens,
+        decode_steps (decode steps, or speculative rounds), and with
+        speculation round_rows (requests stepped, summed over the rounds) and
+        accepted_tokens (the tokens the rounds committed, before any cut at a
+        stop token or max_new_tokens).
 
     Raises:
       EngineError: an unknown state or route, a buffer_len with "standard", a
-        non-positive int option, batch_size above capacity.
+        non-positive int option, batch_size above capacity; a `speculative` that
+        is not a SpeculativeConfig, of a method other than "ngram" and "oracle"
+        (the drafters with a state of their own, "mtp" and "draft", are not run
+        over a pool), with a tree or an oracle reference, or whose window
+        num_draft + 1 exceeds buffer_len with the replay state; a state_dtype
+        or rounding that `Generator` refuses (a state_dtype with "standard").
       ValueError: a buffer_len the backend's kernels cannot take.
     """
 
     def __init__(self, model, capacity: int, *, state: str = "replay", buffer_len: int | None = None,
                  buffer_dtype=jnp.float32, batch_size: int | None = None, prefill_chunk: int = 256,
                  max_len: int = 1024, prefix_caching: bool = False, prefix_cache_size: int = 64,
-                 backend: str | None = None, route: str = "auto", seed: int = 0):
+                 backend: str | None = None, route: str = "auto", seed: int = 0,
+                 speculative: SpeculativeConfig | None = None, state_dtype=None, state_rounding: str = "nearest"):
         if state not in ("replay", "standard"):
             raise EngineError(f"`state` must be 'replay' or 'standard'; got {state!r}")
         if route not in ROUTES:
@@ -201,8 +288,22 @@ class Engine:
         self.state = state
         buffer_len = (16 if buffer_len is None else _positive_int("buffer_len", buffer_len)) \
             if state == "replay" else None
-        self.pool = StatePool(model, capacity, max_len=_positive_int("max_len", max_len), buffer_len=buffer_len,
-                              buffer_dtype=buffer_dtype, backend=backend)
+        self.speculative = _check_speculative(speculative, buffer_len)
+        self.window = 1 if speculative is None else speculative.num_draft + 1
+        try:
+            state_dtype, state_rounding = _check_state_dtype(state, state_dtype, state_rounding)
+        except GenerationError as e:
+            raise EngineError(str(e)) from None
+        try:
+            self.pool = StatePool(model, capacity, max_len=_positive_int("max_len", max_len), buffer_len=buffer_len,
+                                  buffer_dtype=buffer_dtype, backend=backend, max_window=self.window,
+                                  state_dtype=state_dtype, state_rounding=state_rounding)
+        except PoolError as e:
+            raise EngineError(str(e)) from None
+        # Each slot's token history (prompt, then generated ids), read by the drafter; the oracle's references.
+        self._history = np.zeros((capacity, self.pool.max_len), np.int32)
+        self._reference = np.zeros((capacity, self.pool.max_len), np.int32)
+        self._reference_len = np.zeros((capacity,), np.int32)
         self.vocab_size = model.config.vocab_size
         self._graphdef, self._params = nnx.split(model)
         self._backend, self._route, self._key = backend, route, jax.random.key(seed)
@@ -224,10 +325,17 @@ class Engine:
         """decode(params, pool cache, tokens, slots) -> (logits, greedy tokens, pool cache), the pool donated."""
         return _compiled_decode(self._graphdef, self._route, self._backend)
 
+    def _drafter(self, references):
+        """The speculative round's drafter; "oracle": of the batch's references i32[batch, max_len]."""
+        spec = self.speculative
+        if spec.method == "ngram":
+            return NgramDrafter(spec.num_draft, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
+        return OracleDrafter(jnp.asarray(references), spec.alpha, spec.num_draft, int(self.vocab_size))
+
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-                    stop_ids: Sequence[int] = ()) -> int:
+                    stop_ids: Sequence[int] = (), draft_reference: Sequence[int] | None = None) -> int:
         """Queue a request; returns its id (0, 1, ... in order).
 
         Args:
@@ -235,12 +343,28 @@ class Engine:
           max_new_tokens: tokens to generate at most, >= 1; prompt + max_new_tokens <= max_len.
           sampling: a SamplingParams, or None (greedy).
           stop_ids: ids that end the request (kept in its sequence).
+          draft_reference: with speculative method "oracle" (required there, refused
+            otherwise): the request's full token sequence that the oracle drafts
+            from, prompt included (`OracleDrafter.reference`; its first max_len ids
+            are kept; no drafts past its end).
 
         Raises:
           EngineError: an empty prompt, a prompt or stop ids that are not a 1-D
             sequence of integers, an id outside the vocabulary, max_new_tokens < 1,
-            a request longer than max_len, a `sampling` that is not a SamplingParams.
+            a request longer than max_len, a `sampling` that is not a SamplingParams;
+            a draft_reference without the "oracle" method, or missing with it, or
+            not a 1-D sequence of ids in the vocabulary.
         """
+        oracle = self.speculative is not None and self.speculative.method == "oracle"
+        if oracle and draft_reference is None:
+            raise EngineError("`draft_reference` is required with speculative method 'oracle' (the request's token "
+                              "sequence that the oracle drafts from)")
+        if not oracle and draft_reference is not None:
+            method = None if self.speculative is None else self.speculative.method
+            raise EngineError(f"`draft_reference` applies to speculative method 'oracle' only; the engine runs "
+                              f"{method!r}")
+        reference = None if draft_reference is None else \
+            _token_ids("draft_reference", draft_reference, self.vocab_size)[: self.pool.max_len]
         prompt = _token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt:
             raise EngineError("`prompt_ids` must hold at least one token id; got an empty prompt")
@@ -252,7 +376,7 @@ class Engine:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise EngineError(f"`sampling` must be a SamplingParams or None; got {type(sampling).__name__}")
         request = _Request(self._next_id, prompt, max_new_tokens, None if sampling is None or sampling.greedy
-                           else sampling, frozenset(stop_ids), time.perf_counter())
+                           else sampling, frozenset(stop_ids), time.perf_counter(), reference)
         self._next_id += 1
         self._waiting.append(request)
         return request.request_id
@@ -269,11 +393,16 @@ class Engine:
         while self._waiting and self.pool.free_slots:
             request = self._waiting.popleft()
             request.slot = self.pool.allocate()
+            self._history[request.slot, : len(request.prompt)] = request.prompt
+            if request.reference is not None:
+                self._reference[request.slot] = 0
+                self._reference[request.slot, : len(request.reference)] = request.reference
+                self._reference_len[request.slot] = len(request.reference)
             self._prefilling.append(request)
         if self._prefilling:
             self._prefill_chunk(self._prefilling[0], finished)
         if self._running:
-            self._decode_step(finished)
+            (self._decode_step if self.speculative is None else self._speculative_step)(finished)
         return finished
 
     def run_until_done(self) -> list[RequestOutput]:
@@ -334,17 +463,53 @@ class Engine:
         self._running.append(request)
         self._emit(request, token, finished)
 
-    def _decode_step(self, finished: list) -> None:
-        """One compiled decode step of up to batch_size running requests (the others wait: round robin)."""
+    def _batch_rows(self):
+        """(up to batch_size running requests, the others waiting: round robin; their slots i32[batch_size]
+        checked, padding rows -1; the number of padding rows)."""
         rows = self._running[: self.batch_size]
         self._running = self._running[self.batch_size:] + rows
         pad = self.batch_size - len(rows)
-        tokens = np.asarray([r.generated[-1] for r in rows] + [0] * pad, np.int32)
         slots = check_slots(np.asarray([r.slot for r in rows] + [-1] * pad, np.int32), self.pool.capacity, None)
+        return rows, slots, pad
+
+    def _decode_step(self, finished: list) -> None:
+        """One compiled decode step of up to batch_size running requests (the others wait: round robin)."""
+        rows, slots, pad = self._batch_rows()
+        tokens = np.asarray([r.generated[-1] for r in rows] + [0] * pad, np.int32)
         logits, greedy, self.pool.cache = self._decode(self._params, self.pool.cache, jnp.asarray(tokens), slots)
         self.stats["decode_steps"] += 1
         for request, token in zip(rows, self._choose(logits, np.asarray(greedy), rows)):
             self._emit(request, token, finished)
+
+    def _speculative_step(self, finished: list) -> None:
+        """One compiled speculative round of up to batch_size running requests (module docstring); each
+        emits its accepted tokens up to a stop token or max_new_tokens."""
+        rows, slots, pad = self._batch_rows()
+        index = np.asarray([r.slot for r in rows] + [0] * pad)
+        lengths = np.asarray([len(r.prompt) + len(r.generated) for r in rows] + [1] * pad, np.int32)
+        K = self.speculative.num_draft
+        limit = np.full((self.batch_size,), K, np.int32)
+        if self.speculative.method == "oracle":
+            limit = np.clip(self._reference_len[index] - lengths, 0, K).astype(np.int32)
+        limit[len(rows):] = 0
+        samplings = tuple(sorted({r.sampling for r in rows if r.sampling is not None}, key=repr))
+        choice = [0 if r.sampling is None else 1 + samplings.index(r.sampling) for r in rows] + [0] * pad
+        ids = [r.request_id for r in rows] + [0] * pad
+        generated = [len(r.generated) for r in rows] + [0] * pad
+        round_ = _compiled_round(self._graphdef, self._backend, samplings)
+        draft_key = jax.random.fold_in(self._key, self.stats["decode_steps"])
+        tokens, accepted, self.pool.cache = round_(
+            self._params, self.pool.cache, self._drafter(self._reference[index]), jnp.asarray(self._history[index]),
+            jnp.asarray(lengths), jnp.asarray(limit), slots, jnp.asarray(ids, jnp.int32),
+            jnp.asarray(generated, jnp.int32), jnp.asarray(choice, jnp.int32), self._key, draft_key)
+        self.stats["decode_steps"] += 1
+        tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+        self.stats["round_rows"] += len(rows)
+        for row, request in enumerate(rows):
+            self.stats["accepted_tokens"] += int(accepted[row])
+            for token in tokens[row, : accepted[row]]:
+                if self._emit(request, int(token), finished):
+                    break
 
     def _choose(self, logits, greedy: np.ndarray, rows: list[_Request]) -> list[int]:
         """Each row's next token: the greedy one, or a draw with the request's sampling."""
@@ -355,15 +520,42 @@ class Engine:
                 tokens[i] = int(_sample(logits[i:i + 1], key, request.sampling)[0])
         return tokens
 
-    def _emit(self, request: _Request, token: int, finished: list) -> None:
-        """Append `token` to `request`; finish it (its slot freed) on a stop token or max_new_tokens."""
+    def _emit(self, request: _Request, token: int, finished: list) -> bool:
+        """Append `token` to `request` (and its slot's history); finish it (its slot freed) on a stop token
+        or max_new_tokens. Returns whether it finished."""
+        self._history[request.slot, len(request.prompt) + len(request.generated)] = token
         request.generated.append(token)
         request.token_s.append(time.perf_counter())
         reason = "stop" if token in request.stop_ids else "length" if len(request.generated) >= \
             request.max_new_tokens else None
         if reason is None:
-            return
+            return False
         self._running.remove(request)
         self.pool.release(request.slot)
         finished.append(RequestOutput(request.request_id, request.prompt + request.generated, len(request.generated),
                                       reason, request.arrival_s, request.token_s, request.cached_tokens))
+        return True
+
+
+def _check_speculative(speculative, buffer_len: int | None) -> SpeculativeConfig | None:
+    """`speculative` (None or a SpeculativeConfig the engine runs), checked; EngineError otherwise (the
+    Engine's docstring)."""
+    if speculative is None:
+        return None
+    if not isinstance(speculative, SpeculativeConfig):
+        raise EngineError(f"`speculative` must be a SpeculativeConfig or None; got {type(speculative).__name__}")
+    if speculative.method not in ENGINE_SPECULATIVE_METHODS:
+        raise EngineError(f"`speculative.method` {speculative.method!r} is not supported by the Engine (its drafter "
+                          f"keeps a state of its own, which the state pool does not hold); the Engine runs "
+                          f"{', '.join(map(repr, ENGINE_SPECULATIVE_METHODS))}")
+    if speculative.tree is not None:
+        raise EngineError("`speculative.tree` is not supported by the Engine (a verify over the state pool takes "
+                          "chain windows); give tree=None")
+    if speculative.method == "oracle" and len(speculative.reference):
+        raise EngineError("`speculative.reference` must be empty with the Engine (e.g. reference=()): each request's "
+                          "reference is its `add_request(..., draft_reference=)`")
+    window = speculative.num_draft + 1
+    if buffer_len is not None and window > buffer_len:
+        raise EngineError(f"`speculative.num_draft` + 1 = {window} verified positions must be <= `buffer_len` = "
+                          f"{buffer_len} with the replay state (a verify window fits in the buffer)")
+    return speculative

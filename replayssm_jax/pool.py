@@ -2,13 +2,18 @@
 step indexes.
 
 The pool is a `models.HybridCache` whose every array has `capacity` rows on axis 0, one per
-slot: each layer's ReplaySSM checkpoint, buffers and cursor (or standard SSM state), conv
-window, KV cache and length, and the position. A sequence holds one slot from its prefill to
-its last token. ``model.decode(tokens, pool.cache, slots=slots)`` (`HybridCausalLM.decode`)
-steps the sequences in `slots` (i32[batch]): the SSM kernels index the pool by slot and update
-the slot's state in place (`replayssm_jax.kernels.launch.Pool`: no gather or scatter copy of
-the states); slot -1 is a padding row, which reads and writes nothing, so a decode step of a
-fixed batch size serves any number of running sequences up to it.
+slot: each layer's ReplaySSM checkpoint (with an 8-bit checkpoint's scales and write counts),
+buffers and cursor (or standard SSM state), conv window, KV cache and length, and the
+position. A sequence holds one slot from its prefill to its last token.
+``model.decode(tokens, pool.cache, slots=slots)`` (`HybridCausalLM.decode`) steps the
+sequences in `slots` (i32[batch]): the SSM kernels index the pool by slot and update the
+slot's state in place (`replayssm_jax.kernels.launch.Pool`: no gather or scatter copy of the
+states); slot -1 is a padding row, which reads and writes nothing, so a decode step of a fixed
+batch size serves any number of running sequences up to it. A pool made with ``max_window =
+W`` holds verify windows of up to W positions (conv windows, KV caches, replay buffers; the
+standard state in the per-draft layout of W + 1 states per slot):
+``model.verify(tokens [batch, W], pool.cache, slots=slots)`` and ``model.commit(cache,
+num_accepted, slots=slots)`` run a speculative round over the slots in the same way.
 
 A prefilled sequence (a batch-1 cache of the pool's layout) enters a slot with `write` (one
 compiled in-place row update); `export` / `restore` take a slot's whole state to the host and
@@ -50,6 +55,14 @@ class StatePool:
         (standard SSM states).
       buffer_dtype: ReplaySSM record dtype.
       backend: SSM op backend of the prefill that fixes the layout (replayssm_jax.ops).
+      max_window: the longest verify window W the slots hold (>= 1; 1: plain
+        decoding), as `model.prefill(max_window=)`.
+      state_dtype, state_rounding: the ReplaySSM checkpoints' dtype (None: the
+        model's ssm_state_dtype; float32, bfloat16, int8 or float8_e4m3fn) and an
+        8-bit checkpoint's rounding ("nearest" or "stochastic"), as
+        `model.prefill(checkpoint_dtype=, checkpoint_rounding=)`: an 8-bit
+        checkpoint's scales f32[capacity, heads, V] and write counts
+        i32[capacity] are pool arrays, indexed by slot as the rest.
 
     Attributes:
       cache: the HybridCache of `capacity` rows (all zeros at first: cursors,
@@ -57,17 +70,26 @@ class StatePool:
       capacity, max_len, buffer_len.
 
     Raises:
-      PoolError: capacity or max_len not an int >= 1.
-      ValueError: a buffer_len the backend's kernels cannot take (`model.prefill`).
+      PoolError: capacity, max_len or max_window not an int >= 1; a
+        state_dtype with standard states (buffer_len None).
+      ValueError: a buffer_len the backend's kernels cannot take, a max_window
+        above it, an unknown state_dtype or rounding (`model.prefill`).
     """
 
     def __init__(self, model, capacity: int, *, max_len: int, buffer_len: int | None = None,
-                 buffer_dtype=jnp.float32, backend: str | None = None):
-        for name, value in (("capacity", capacity), ("max_len", max_len)):
+                 buffer_dtype=jnp.float32, backend: str | None = None, max_window: int = 1, state_dtype=None,
+                 state_rounding: str = "nearest"):
+        for name, value in (("capacity", capacity), ("max_len", max_len), ("max_window", max_window)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise PoolError(f"`{name}` must be an int >= 1; got {value!r}")
+        if buffer_len is None and state_dtype is not None:
+            raise PoolError(f"`state_dtype` applies to ReplaySSM states (a buffer_len) only; got {state_dtype!r} "
+                            "with standard states (buffer_len None)")
         self.capacity, self.max_len, self.buffer_len = int(capacity), int(max_len), buffer_len
-        self.prefill_options = dict(replay_buffer_len=buffer_len, buffer_dtype=buffer_dtype, backend=backend)
+        self.max_window = int(max_window)
+        self.prefill_options = dict(replay_buffer_len=buffer_len, buffer_dtype=buffer_dtype, backend=backend,
+                                    max_window=self.max_window, checkpoint_dtype=state_dtype,
+                                    checkpoint_rounding=state_rounding)
         shapes = jax.eval_shape(lambda: model.prefill(jnp.zeros((self.capacity, 1), jnp.int32), self.max_len,
                                                       last_logits_only=True, **self.prefill_options)[1])
         self.cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)

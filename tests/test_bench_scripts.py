@@ -550,11 +550,15 @@ def test_spec_rejects_bad_arguments(args, message, tmp_path, capsys):
 
 
 def test_serve_dry_run(tmp_path):
-    """bench/serve.py --dry-run (ReplaySSM only): a row per prefix-caching setting with every request
-    served, the Generator's reference, the JSON and the plot."""
-    assert load("serve").main(["--dry-run", "--states", "replay", "--out", str(tmp_path)]) == 0
+    """bench/serve.py --dry-run (ReplaySSM only): a row per prefix-caching setting, an n-gram speculative row
+    and an int8-checkpoint row, with every request served, the Generator's reference, the JSON and the plot."""
+    assert load("serve").main(["--dry-run", "--states", "replay", "--speculative", "ngram", "--num-draft", "2",
+                               "--state-dtype", "int8", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "serve.json").read_text())
-    assert [(r["state"], r["prefix_caching"]) for r in result["rows"]] == [("replay", False), ("replay", True)]
+    assert [(r["state"], r["prefix_caching"], r["speculative"], r["state_dtype"]) for r in result["rows"]] == [
+        ("replay", False, None, None), ("replay", True, None, None), ("replay", False, "ngram K=2", None),
+        ("replay", False, None, "int8")]
+    assert result["rows"][2]["accepted_per_round"] >= 1
     assert all(r["requests"] == 4 and r["tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in result["rows"])
     assert result["generator"][0]["generator_tokens_per_s"] > 0
     assert (tmp_path / "serve.png").stat().st_size > 0

@@ -12,7 +12,7 @@ import pytest
 
 from models import load_model
 from replayssm_jax.engine import Engine, EngineError
-from replayssm_jax.generation import Generator
+from replayssm_jax.generation import Generator, SpeculativeConfig
 from replayssm_jax.sampling import SamplingParams
 
 DATA = Path(__file__).parent / "data"
@@ -88,6 +88,69 @@ def test_engine_gives_the_generator_tokens(model, generated, state):
     assert engine.pool.free_slots == 3
 
 
+K = 2  # drafts per speculative round: W = 3 verified positions (<= L = 4)
+
+
+@pytest.mark.parametrize("state", ["replay", "standard"])
+@pytest.mark.parametrize("method, alpha", [("oracle", 1.0), ("oracle", 0.0), ("ngram", 1.0)],
+                         ids=["oracle-all", "oracle-none", "ngram"])
+def test_speculative_engine_gives_the_generator_tokens(model, generated, state, method, alpha):
+    """Speculative rounds over the pool (K = 2, W = 3): every request's sequence is the plain greedy
+    Generator's, token for token, with the oracle drafting each request's own greedy continuation at alpha 1
+    (every draft accepted: ceil((n - 1) / W) rounds for n tokens) and alpha 0 (none: n - 1 rounds), and with
+    the n-gram drafter reading each slot's history."""
+    prompts, tokens = generated
+    engine = Engine(model, 3, state=state, buffer_len=4 if state == "replay" else None, prefill_chunk=CHUNK,
+                    max_len=40, backend="xla", speculative=SpeculativeConfig(method, K, alpha=alpha, reference=()))
+    references = [list(prompt) + list(generated) for prompt, generated in zip(prompts, tokens)]
+    outputs, step = {}, 0
+    while step <= max(r[0] for r in REQUESTS) or engine.num_unfinished:
+        for i, (arrival, _, new) in enumerate(REQUESTS):
+            if arrival == step:
+                options = dict(draft_reference=references[i]) if method == "oracle" else {}
+                assert engine.add_request(prompts[i], new, **options) == i
+        outputs.update({o.request_id: o for o in engine.step()})
+        step += 1
+    assert [outputs[i].sequence for i in range(len(REQUESTS))] == _expected(prompts, tokens)
+    assert engine.pool.free_slots == 3
+    if method == "oracle":
+        rounds = [-(-(new - 1) // (K + 1)) if alpha == 1.0 else new - 1 for _, _, new in REQUESTS]
+        assert engine.stats["round_rows"] == sum(rounds)
+
+
+def test_speculative_sampling_depends_on_the_request_only(model, generated):
+    """A sampled request (speculative sampling's rejection rule, its draws keyed by its id and token index)
+    in n-gram rounds: the same sequence among the other requests as alone (after three one-token requests
+    that finish at their prefill, so that it keeps its id), within max_new_tokens; the greedy requests keep
+    the Generator's tokens."""
+    prompts, tokens = generated
+    options = dict(buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla",
+                   speculative=SpeculativeConfig("ngram", K))
+    sampling = SamplingParams(temperature=1.0)
+    among = _run(Engine(model, 3, **options), prompts, sampling=sampling)
+    alone = Engine(model, 3, **options)
+    assert [alone.add_request([3], 1) for _ in range(3)] + [alone.add_request(prompts[3], REQUESTS[3][2],
+                                                                              sampling=sampling)] == [0, 1, 2, 3]
+    assert alone.run_until_done()[3].sequence == among[3].sequence
+    assert among[3].num_generated == REQUESTS[3][2]
+    expected = _expected(prompts, tokens)
+    assert [among[i].sequence for i in (0, 1, 2, 4)] == [expected[i] for i in (0, 1, 2, 4)]
+
+
+def test_int8_checkpoints_give_each_request_its_tokens_alone(model):
+    """An engine of int8 ReplaySSM checkpoints (the pool's scales and write counts indexed by slot): every
+    request's greedy sequence is the one `Generator(state_dtype=int8)` gives it alone (batch 1: the same
+    prefill, flushes and requantizations)."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 250, size=4).tolist() for _ in range(4)]  # one prefill shape: few compilations
+    engine = Engine(model, 2, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla", state_dtype="int8")
+    assert [engine.add_request(prompt, 9) for prompt in prompts] == [0, 1, 2, 3]  # 2 slots: 2 and 3 wait
+    outputs = engine.run_until_done()
+    generator = Generator(model, state="replay", buffer_len=4, backend="xla", state_dtype="int8")
+    alone = [list(generator.generate([prompt], 9, progress=False, stop_tokens=()).sequences[0]) for prompt in prompts]
+    assert [o.sequence for o in outputs] == alone
+
+
 def test_prefix_caching_skips_the_shared_prefix(model):
     """Prompts sharing a system prompt of one block (+ 4 tokens): the later requests restore the block's
     state and prefill only the rest; every sequence equals the engine's without the cache (whose decode
@@ -124,7 +187,25 @@ def test_bad_requests_and_options(model):
         Engine(model, 2, batch_size=3, backend="xla")
     with pytest.raises(EngineError, match="`route` must be one of .*; got 'fast'"):
         Engine(model, 2, route="fast", backend="xla")
+    for speculative, match in [
+            (SpeculativeConfig("ngram", 4), r"`speculative.num_draft` \+ 1 = 5 .* <= `buffer_len` = 4"),
+            (SpeculativeConfig("mtp", 2), "'mtp' is not supported by the Engine.*runs 'ngram', 'oracle'"),
+            (SpeculativeConfig("ngram", 2, tree=(2, 2)), "`speculative.tree`"),
+            (SpeculativeConfig("oracle", 2, reference=[[1, 2]]), "`speculative.reference` must be empty"),
+            ("ngram", "`speculative` must be a SpeculativeConfig")]:
+        with pytest.raises(EngineError, match=match):
+            Engine(model, 2, buffer_len=4, backend="xla", speculative=speculative)
+    with pytest.raises(EngineError, match="`state_dtype` applies to state 'replay'"):
+        Engine(model, 2, state="standard", backend="xla", state_dtype="int8")
+    oracle = Engine(model, 2, buffer_len=4, max_len=16, backend="xla",
+                    speculative=SpeculativeConfig("oracle", 2, reference=()))
+    with pytest.raises(EngineError, match="`draft_reference` is required"):
+        oracle.add_request([3], 4)
+    with pytest.raises(EngineError, match="`draft_reference` has token id 999"):
+        oracle.add_request([3], 4, draft_reference=[3, 999])
     engine = Engine(model, 2, buffer_len=4, max_len=16, backend="xla")
+    with pytest.raises(EngineError, match="`draft_reference` applies to speculative method 'oracle' only"):
+        engine.add_request([3], 4, draft_reference=[3, 4])
     with pytest.raises(EngineError, match="empty"):
         engine.add_request([], 4)
     with pytest.raises(EngineError, match="outside the vocabulary"):
@@ -141,4 +222,4 @@ def test_bad_requests_and_options(model):
         engine.add_request([3] * 10, 7)
     with pytest.raises(EngineError, match="`max_new_tokens`"):
         engine.add_request([3], 0)
-    assert engine.num_unfinished == 0
+    assert engine.num_unfinished == oracle.num_unfinished == 0

@@ -368,10 +368,11 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret", "tree"))
-def _verify(checkpoint, records: Records, cursor, inputs: Inputs, *, scale: float, use_qk_l2norm: bool,
+def _verify(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, scale: float, use_qk_l2norm: bool,
             config: ReplayConfig, interpret: bool, tree=None):
     """A verify window's launches (early flush, verify kernel); tree: a draft
-    tree (not a chain) or None. Returns (o, checkpoint, records, cursor)."""
+    tree (not a chain) or None; over a state pool with `slots` (`launch.Pool`).
+    Returns (o, checkpoint, records, cursor)."""
     _, HV, V, K = checkpoint.shape
     H, L, W = inputs.q.shape[2], records.d.shape[2], inputs.v.shape[1]
     kernel = functools.partial(_verify_kernel, V=V, K=K, L=L, W=W, group=HV // H, scale=scale,
@@ -380,20 +381,21 @@ def _verify(checkpoint, records: Records, cursor, inputs: Inputs, *, scale: floa
     return verify_launch("gdn", kernel, flush_row, functools.partial(_block_specs, H, HV, K, L, window=next_pow2(W)),
                          checkpoint, records, cursor, _f32_decay(inputs), None,
                          jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype), window=W, per_head=(), config=config,
-                         interpret=interpret, tree=tree)
+                         interpret=interpret, tree=tree, pool=pool_of(slots, checkpoint))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret", "tree"))
-def _per_draft(state, index, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, config: StepConfig,
+def _per_draft(state, index, inputs: Inputs, slots=None, *, scale: float, use_qk_l2norm: bool, config: StepConfig,
                interpret: bool, tree=None):
-    """The per-draft verify's launch; tree: a draft tree (not a chain) or None. Returns (o, state)."""
-    _, slots, HV, V, K = state.shape
+    """The per-draft verify's launch; tree: a draft tree (not a chain) or None; over a state pool with
+    `slots`. Returns (o, state)."""
+    _, S, HV, V, K = state.shape
     H, W = inputs.q.shape[2], inputs.v.shape[1]
-    kernel = functools.partial(_per_draft_kernel, V=V, K=K, W=W, slots=slots, scale=scale,
+    kernel = functools.partial(_per_draft_kernel, V=V, K=K, W=W, slots=S, scale=scale,
                                use_qk_l2norm=use_qk_l2norm, **tree_option(tree))
     return per_draft_launch("gdn", kernel, functools.partial(_block_specs, H, HV, K, None, window=next_pow2(W)),
                             state, index, _f32_decay(inputs), jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype),
-                            window=W, config=config, interpret=interpret, tree=tree)
+                            window=W, config=config, interpret=interpret, tree=tree, pool=pool_of(slots, state))
 
 
 def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, config: StepConfig | None = None,
@@ -459,9 +461,10 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         :func:`default_replay_config`).
       interpret: run the kernels in Pallas interpret mode.
       slots: None, or i32[batch] (validated): the state is a state pool of
-        capacity slots (f32 | bf16 checkpoint) and batch row b steps slot
-        slots[b], as :func:`gdn_step`; over a pool the flush launch takes
-        one batch row per program.
+        capacity slots and batch row b steps slot slots[b], as
+        :func:`gdn_step` (an 8-bit checkpoint's scales and write counts
+        indexed by slot too); over a pool the flush launch takes one batch
+        row per program.
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState).
@@ -483,7 +486,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
 
 
 def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, tree=None,
-                      config: ReplayConfig | None = None, interpret: bool = False):
+                      config: ReplayConfig | None = None, interpret: bool = False, slots=None):
     """Verify a window of W speculative Gated DeltaNet steps (Pallas kernels); checkpoint and buffers in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.gdn_replay_verify`
@@ -518,6 +521,10 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, 
       config: a ReplayConfig (fused_flush False; its flush fields tile the
         early flush); None: :func:`default_verify_config`.
       interpret: run the kernels in Pallas interpret mode.
+      slots: None, or i32[batch] (validated): the state is a state pool of
+        capacity slots and batch row b verifies slot slots[b] in place (both
+        launches index the pool by slot; -1: a padding row, which reads and
+        writes nothing), as :func:`gdn_replay_step`.
 
     Returns:
       (o [batch, W, HV, V] in v.dtype, new GDNReplayState with window = W):
@@ -532,15 +539,15 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, 
       TypeError: a `config` that is not a ReplayConfig.
     """
     W = v.shape[1]
-    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS, tree)
+    config = verify_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, W, DIMS, tree)
     verify = functools.partial(_verify, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), config=config,
                                interpret=interpret, **tree_option(tree))
     return verify_window(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), window=W,
-                         verify=verify)
+                         verify=verify, slots=slots)
 
 
 def gdn_verify(state, index, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, tree=None,
-               config: StepConfig | None = None, interpret: bool = False):
+               config: StepConfig | None = None, interpret: bool = False, slots=None):
     """The per-draft standard verify of W speculative Gated DeltaNet steps (Pallas kernel); the state in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.gdn_verify`
@@ -564,6 +571,10 @@ def gdn_verify(state, index, q, k, v, g, beta, *, scale: float, use_qk_l2norm: b
       config: the tiling (a StepConfig); None: :func:`default_step_config`
         of one slot's state.
       interpret: run the kernel in Pallas interpret mode.
+      slots: None, or i32[batch] (validated): `state` is a state pool
+        [capacity, slots, HV, V, K] with `index` i32[capacity], and batch
+        row b verifies pool slot slots[b] in place (the kernel indexes the
+        pool: no copy; -1: a padding row, which reads and writes nothing).
 
     Returns:
       (o [batch, W, HV, V] in v.dtype, new state like state).
@@ -571,6 +582,6 @@ def gdn_verify(state, index, q, k, v, g, beta, *, scale: float, use_qk_l2norm: b
     Raises:
       ValueError, TypeError: as :func:`gdn_step`.
     """
-    config = per_draft_config_for(config, state, DIMS)
-    return _per_draft(state, index, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
-                      config=config, interpret=interpret, **tree_option(tree))
+    config = per_draft_config_for(config, batch_shaped(state, slots), DIMS)
+    return _per_draft(state, index, Inputs(q, k, v, g, beta), slots, scale=float(scale),
+                      use_qk_l2norm=bool(use_qk_l2norm), config=config, interpret=interpret, **tree_option(tree))

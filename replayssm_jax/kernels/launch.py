@@ -11,10 +11,12 @@ the state (or checkpoint), the step's inputs and the buffered records as
 named tuples (an absent optional input: None), and the cursor.
 
 Over a state pool (:class:`Pool`: the state operands hold `capacity` slots
-and batch row b steps slot slots[b]) the step and replay launches take the
-same kernels: the state operands' blocks span the slot axis, each program
-views its slot (`tiles.SlotView`) and runs the kernel where the slot is not
--1 (a padding row: no read, no write). No copy of a state is made.
+and batch row b steps slot slots[b]) the step, replay, verify and per-draft
+launches take the same kernels: the state operands' blocks span the slot
+axis, each program views its slot (`tiles.SlotView`) and runs the kernel
+where the slot is not -1 (a padding row: no read, no write). No copy of a
+state is made; an 8-bit checkpoint's values, scales and rounding seeds
+(`tiles.Quantized`) are pooled operands alike.
 
 The lowering (Pallas on Triton) is private to this package. Pallas warns
 that its Triton backend is deprecated; this module silences exactly that
@@ -433,7 +435,8 @@ def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, in
     grid, in_specs, out_specs = _replay_specs(block_specs, tiling, checkpoint, rows, pool=pool)
     first, name = None, f"{layer}_replay_flush_L{L}_{tiling.tag()}_r{rows}{'' if pool is None else '_pool'}"
     if window is not None:  # rows with cursor + W > L; the inputs this flush reads (absent ones None)
-        first, name = L - window + 1, f"{layer}_verify_flush_W{window}_L{L}_{tiling.tag()}_r{rows}"
+        first = L - window + 1
+        name = f"{layer}_verify_flush_W{window}_L{L}_{tiling.tag()}_r{rows}{'' if pool is None else '_pool'}"
         in_specs = (*in_specs[:3], _present(in_specs[3], inputs))
     kernel = functools.partial(_flush_kernel, L=L, flush_row=functools.partial(flush_row, config=tiling),
                                per_head=per_head, first=first)
@@ -457,7 +460,7 @@ def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, in
 
 def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..., BlockSpecs], checkpoint, records,
                   cursor, inputs, flush_inputs, out_shape, *, window: int, per_head: tuple[str, ...],
-                  config: ReplayConfig, interpret: bool, tree=None):
+                  config: ReplayConfig, interpret: bool, tree=None, pool: Pool | None = None):
     """A verify window's launches: the early flush, then the verify kernel.
     Checkpoint and records are updated in place.
 
@@ -476,32 +479,59 @@ def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..
     layer's block specs with the window axis on the inputs and the output.
 
     tree: the draft tree the kernel walks (not a chain), named in the
-    launch's name; None: the window.
+    launch's name; None: the window. pool: a :class:`Pool` (checkpoint,
+    records and cursor hold its slots; both launches index them by slot,
+    the early flush with one batch row per program), or None.
 
     Returns (output, checkpoint, records, new cursor: 0 for the flushed
-    rows, the cursor otherwise).
+    rows, the cursor otherwise; over a pool, the cursors of the slots
+    outside the batch unchanged).
     """
     L = records[0].shape[2]
     checkpoint = _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, flush_inputs,
-                               per_head=per_head, config=config, interpret=interpret, window=window)
-    grid, in_specs, out_specs = _replay_specs(block_specs, config, checkpoint)
+                               per_head=per_head, config=config, interpret=interpret, window=window, pool=pool)
+    grid, in_specs, out_specs = _replay_specs(block_specs, config, checkpoint, pool=pool)
     n_records, n_in = _num_leaves(records), _num_leaves(checkpoint)
-    out, records = pallas_call(
+    out, records = _launch(
         functools.partial(verify_kernel, config=config),
+        (checkpoint, records, cursor, inputs),
         grid=grid,
         in_specs=in_specs,
         out_specs=(out_specs[0], out_specs[2]),
         out_shape=(out_shape, _shapes(records)),
-        input_output_aliases={n_in + i: 1 + i for i in range(n_records)},  # the records in place
+        aliases={n_in + i: 1 + i for i in range(n_records)},  # the records in place
+        pool=pool,
+        pooled_in=(True, True, True, False),
+        pooled_out=(False, True),
         interpret=interpret,
         config=config,
-        name=f"{layer}_verify_W{window}_L{L}_{config.tag()}" + ("" if tree is None else f"_{tree.tag()}"),
-    )(checkpoint, records, cursor, inputs)
-    return out, checkpoint, records, window_start(cursor, L, window)
+        name=f"{layer}_verify_W{window}_L{L}{'' if pool is None else '_pool'}_{config.tag()}"
+             + ("" if tree is None else f"_{tree.tag()}"),
+    )
+    if pool is None:
+        return out, checkpoint, records, window_start(cursor, L, window)
+    return out, checkpoint, records, on_pool_rows(cursor, pool, lambda rows: window_start(rows, L, window))
+
+
+def in_batch(rows, slots):
+    """`rows` (bool[capacity], per slot of a pool) where the slot is one of `slots` (i32[batch]; -1:
+    none), False elsewhere; `rows` itself without a pool (slots None)."""
+    if slots is None:
+        return rows
+    target = jnp.where(slots < 0, rows.shape[0], slots)
+    return rows & jnp.zeros_like(rows).at[target].set(True, mode="drop")
+
+
+def on_pool_rows(array, pool: Pool, update):
+    """`array` (a pool's per-slot array, slots on axis 0) with the rows of the pool's slots set to
+    update(those rows) (an XLA gather and scatter of batch entries); the other slots and the padding
+    rows (-1) unchanged."""
+    target = jnp.where(pool.slots < 0, pool.capacity, pool.slots)  # out of range: dropped
+    return array.at[target].set(update(array[jnp.maximum(pool.slots, 0)]), mode="drop")
 
 
 def per_draft_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], state, index, inputs, out_shape, *,
-                     window: int, config: StepConfig, interpret: bool, tree=None):
+                     window: int, config: StepConfig, interpret: bool, tree=None, pool: Pool | None = None):
     """Launch a layer's per-draft verify kernel on a slotted standard state, updated in place (output 1).
 
     state [batch, slots, heads, V, K]; index i32[batch], the slot of each
@@ -513,7 +543,10 @@ def per_draft_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs],
     slot index: W < slots), so no program reads what another writes.
     block_specs(rows, nb): the layer's block specs with the window axis on
     the inputs and the output. tree: the draft tree the kernel walks (not a
-    chain), named in the launch's name; None: the window.
+    chain), named in the launch's name; None: the window. pool: a
+    :class:`Pool` (state and index hold its slots: [capacity, slots, ...]
+    and i32[capacity], the program of batch row b works on pool slot
+    pool.slots[b]), or None.
 
     Returns (output, state).
     """
@@ -521,18 +554,23 @@ def per_draft_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs],
     specs = block_specs(config.block_v, None)
     slotted = pl.BlockSpec((None, next_pow2(slots), None, config.block_v, next_pow2(K)),
                            lambda b, h, j: (b, 0, h, j, 0))
-    grid = (batch, heads, pl.cdiv(V, config.block_v))
-    return pallas_call(
+    grid = (batch if pool is None else pool.batch, heads, pl.cdiv(V, config.block_v))
+    return _launch(
         kernel,
+        (state, index, inputs),
         grid=grid,
         in_specs=(slotted, cursor_spec(), specs.inputs),
         out_specs=(specs.out, slotted),
         out_shape=(out_shape, _shapes(state)),
-        input_output_aliases={0: 1},
+        aliases={0: 1},
+        pool=pool,
+        pooled_in=(True, True, False),
+        pooled_out=(False, True),
         interpret=interpret,
         config=config,
-        name=f"{layer}_per_draft_W{window}_S{slots}_{config.tag()}" + ("" if tree is None else f"_{tree.tag()}"),
-    )(state, index, inputs)
+        name=f"{layer}_per_draft_W{window}_S{slots}{'' if pool is None else '_pool'}_{config.tag()}"
+             + ("" if tree is None else f"_{tree.tag()}"),
+    )
 
 
 def tree_option(tree) -> dict:
@@ -576,15 +614,18 @@ def window_start(cursor, L: int, W: int):
     return jnp.where(cursor + W > L, 0, cursor).astype(jnp.int32)
 
 
-def verify_window(state, records, inputs, *, window: int, verify):
+def verify_window(state, records, inputs, *, window: int, verify, slots=None):
     """A verify window of `window` steps on a layer's replay state.
 
     records: the state's buffers as the layer's named tuple. verify(
     checkpoint, records, cursor, inputs) -> (y, checkpoint, records,
-    cursor): the verify launches. Returns (y, new state with window = W).
+    cursor): the verify launches. slots: None, or i32[batch], the state
+    pool's slots of the batch rows (passed on to `verify`). Returns (y, new
+    state with window = W).
     """
-    written = None if state.scale is None else window_writes(state, window)
-    y, checkpoint, records, cursor = verify(checkpoint_operand(state), records, state.cursor, inputs)
+    written = None if state.scale is None else in_batch(window_writes(state, window), slots)
+    options = {} if slots is None else {"slots": slots}
+    y, checkpoint, records, cursor = verify(checkpoint_operand(state), records, state.cursor, inputs, **options)
     return y, _with_checkpoint(state, checkpoint, written, cursor=cursor, window=window, **records._asdict())
 
 
@@ -598,11 +639,13 @@ def replay_step(state, records, inputs, *, route: str, config: StepConfig | Repl
     direct route. replay(checkpoint, records, cursor, inputs, *, route,
     config) -> (y, checkpoint, records, cursor): the replay launches.
     slots: None, or i32[batch], the state pool's slots of the batch rows
-    (the state holds the pool; an f32 | bf16 checkpoint), passed to both.
+    (the state holds the pool; an 8-bit checkpoint's write counts advance
+    in the batch's slots only), passed to both.
 
     Returns (y, new state).
     """
-    written = None if state.scale is None else step_writes(state, route)  # the rows an 8-bit write counts
+    # The rows an 8-bit write counts.
+    written = None if state.scale is None else in_batch(step_writes(state, route), slots)
     options = {} if slots is None else {"slots": slots}
     if route == "direct":
         y, checkpoint, cursor = step(checkpoint_operand(state), inputs, records, state.cursor, config=config,

@@ -414,10 +414,11 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *,
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret", "tree"))
-def _verify(checkpoint, records: Records, cursor, inputs: Inputs, *, dt_softplus: bool,
+def _verify(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, dt_softplus: bool,
             dt_limit: tuple[float, float], config: ReplayConfig, interpret: bool, tree=None):
     """A verify window's launches (early flush, verify kernel); tree: a draft
-    tree (not a chain) or None. Returns (y, checkpoint, records, cursor)."""
+    tree (not a chain) or None; over a state pool with `slots` (`launch.Pool`).
+    Returns (y, checkpoint, records, cursor)."""
     _, H, P, N = checkpoint.shape
     G, L, W = inputs.B.shape[2], records.x.shape[2], inputs.x.shape[1]
     kernel = functools.partial(_verify_kernel, P=P, N=N, L=L, W=W, group=H // G, dt_softplus=dt_softplus,
@@ -428,21 +429,22 @@ def _verify(checkpoint, records: Records, cursor, inputs: Inputs, *, dt_softplus
     only_A = Inputs(*(None,) * len(Inputs._fields))._replace(A=inputs.A)
     return verify_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, inputs, only_A,
                          jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), window=W, per_head=PER_HEAD,
-                         config=config, interpret=interpret, tree=tree)
+                         config=config, interpret=interpret, tree=tree, pool=pool_of(slots, checkpoint))
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret", "tree"))
-def _per_draft(state, index, inputs: Inputs, *, dt_softplus: bool, dt_limit: tuple[float, float],
+def _per_draft(state, index, inputs: Inputs, slots=None, *, dt_softplus: bool, dt_limit: tuple[float, float],
                config: StepConfig, interpret: bool, tree=None):
-    """The per-draft verify's launch; tree: a draft tree (not a chain) or None. Returns (y, state)."""
-    _, slots, H, P, N = state.shape
+    """The per-draft verify's launch; tree: a draft tree (not a chain) or None; over a state pool with
+    `slots`. Returns (y, state)."""
+    _, S, H, P, N = state.shape
     W = inputs.x.shape[1]
-    kernel = functools.partial(_per_draft_kernel, P=P, N=N, W=W, slots=slots, dt_softplus=dt_softplus,
+    kernel = functools.partial(_per_draft_kernel, P=P, N=N, W=W, slots=S, dt_softplus=dt_softplus,
                                dt_limit=dt_limit, **tree_option(tree))
     specs = functools.partial(_block_specs, H, inputs.B.shape[2], N, None, inputs.z is not None, window=next_pow2(W))
     return per_draft_launch("mamba2", kernel, specs, state, index, _with_defaults(inputs),
                             jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), window=W, config=config,
-                            interpret=interpret, tree=tree)
+                            interpret=interpret, tree=tree, pool=pool_of(slots, state))
 
 
 def _step_options(dt_softplus, dt_limit, interpret) -> dict:
@@ -516,7 +518,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
 
 def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool,
                          dt_limit: tuple[float, float], tree=None, config: ReplayConfig | None = None,
-                         interpret: bool = False):
+                         interpret: bool = False, slots=None):
     """Verify a window of W speculative Mamba-2 steps (Pallas kernels); checkpoint and buffers in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.mamba2_replay_verify`
@@ -549,6 +551,11 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
       config: a ReplayConfig (fused_flush False; its flush fields tile the
         early flush); None: :func:`default_verify_config`.
       interpret: run the kernels in Pallas interpret mode.
+      slots: None, or i32[batch] (validated): the state is a state pool of
+        capacity slots and batch row b verifies slot slots[b] in place (the
+        early flush and the verify kernel index the pool by slot; -1: a
+        padding row, which reads and writes nothing), as
+        :func:`mamba2_replay_step`.
 
     Returns:
       (y [batch, W, H, P] in x.dtype, new Mamba2ReplayState with window =
@@ -560,15 +567,15 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
         with head_dim P and d_state N for V and K.
     """
     W = x.shape[1]
-    config = verify_config_for(config, state.checkpoint, state.buffer_len, W, DIMS, tree)
+    config = verify_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, W, DIMS, tree)
     verify = functools.partial(_verify, config=config, **_step_options(dt_softplus, dt_limit, interpret),
                                **tree_option(tree))
     return verify_window(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),
-                         window=W, verify=verify)
+                         window=W, verify=verify, slots=slots)
 
 
 def mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_limit: tuple[float, float],
-                  tree=None, config: StepConfig | None = None, interpret: bool = False):
+                  tree=None, config: StepConfig | None = None, interpret: bool = False, slots=None):
     """The per-draft standard verify of W speculative Mamba-2 steps (Pallas kernel); the state in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.mamba2_verify`
@@ -586,7 +593,8 @@ def mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: b
       x: [batch, W, H, P]; dt: [batch, W, H], raw; B, C: [batch, W, G, N];
         z: [batch, W, H, P] or None; A, D, dt_bias, dt_softplus, dt_limit:
         as :func:`mamba2_step`.
-      tree, config, interpret: as :func:`replayssm_jax.kernels.gdn_verify`.
+      tree, config, interpret, slots: as :func:`replayssm_jax.kernels.gdn_verify`
+        (a state pool [capacity, slots, H, P, N] with index i32[capacity]).
 
     Returns:
       (y [batch, W, H, P] in x.dtype, new state like state).
@@ -594,6 +602,6 @@ def mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: b
     Raises:
       ValueError, TypeError: as :func:`mamba2_step`.
     """
-    config = per_draft_config_for(config, state, DIMS)
-    return _per_draft(state, index, Inputs(x, dt, A, B, C, D, dt_bias, z), config=config,
+    config = per_draft_config_for(config, batch_shaped(state, slots), DIMS)
+    return _per_draft(state, index, Inputs(x, dt, A, B, C, D, dt_bias, z), slots, config=config,
                       **_step_options(dt_softplus, dt_limit, interpret), **tree_option(tree))

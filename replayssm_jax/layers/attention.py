@@ -257,7 +257,7 @@ class Attention(nnx.Module):
         v = cache.v.at[at].set(written.v[rows, written.length - 1], mode="drop")
         return y[:, 0], cache.replace(k=k, v=v, length=cache.length.at[target].set(written.length, mode="drop"))
 
-    def verify(self, x: jax.Array, cache: KVCache, tree=None) -> tuple[jax.Array, KVCache]:
+    def verify(self, x: jax.Array, cache: KVCache, tree=None, slots=None) -> tuple[jax.Array, KVCache]:
         """W speculative positions: K/V written at length..length+W-1, length not moved.
 
         Position t of row b has position cache.length[b] + t and attends to the
@@ -270,6 +270,12 @@ class Attention(nnx.Module):
           cache: KVCache without a pending window, with room: length + W <= max_len
             (checked where the lengths are concrete).
           tree: None or a DraftTree of W nodes.
+          slots: None, or i32[batch] (validated by the caller): `cache` is a
+            state pool of capacity rows and row b verifies slot slots[b] (-1:
+            a padding row, which changes nothing); a chain window only. XLA
+            indexing, as `decode`: the slots' K/V rows gathered (batch x
+            max_len entries, which the attention reads anyway) and only the
+            W new entries of each row scattered back.
 
         Returns:
           (y [batch, W, hidden], the cache with K/V written and ``window = W``;
@@ -278,9 +284,19 @@ class Attention(nnx.Module):
         Raises:
           ValueError: a pending window, a cache of another shape, or no room.
         """
-        tree = check_tree(tree, x.shape[1], "x.shape[1]")
-        y, written = self.extend(x, cache, tree)
-        return y, written.replace(length=cache.length, window=x.shape[1])
+        window = x.shape[1]
+        tree = check_tree(tree, window, "x.shape[1]")
+        if slots is None:
+            y, written = self.extend(x, cache, tree)
+            return y, written.replace(length=cache.length, window=window)
+        rows = take_slots(cache, slots)
+        y, written = self.extend(x, rows)
+        batch = jnp.arange(slots.shape[0])[:, None]
+        positions = rows.length[:, None] + jnp.arange(window)[None, :]  # [batch, W]
+        at = (jnp.where(slots < 0, cache.k.shape[0], slots)[:, None], positions)  # padding rows: dropped
+        k = cache.k.at[at].set(written.k[batch, positions], mode="drop")
+        v = cache.v.at[at].set(written.v[batch, positions], mode="drop")
+        return y, cache.replace(k=k, v=v, window=window)
 
     def commit(self, cache: KVCache, num_accepted, path=None) -> KVCache:
         """Keep the first `num_accepted` (int[batch], 0..W) positions of the pending window:

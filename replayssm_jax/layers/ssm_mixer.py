@@ -185,7 +185,7 @@ class SSMMixer(nnx.Module):
         return self._finish(y, z), new
 
     def verify(self, u: jax.Array, state: SSMLayerState | ReplayLayerState, *, backend: str | None = None,
-               tree=None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
+               tree=None, slots=None) -> tuple[jax.Array, SSMLayerState | ReplayLayerState]:
         """W speculative positions at once; the state comes back with the window pending.
 
         Args:
@@ -198,6 +198,14 @@ class SSMMixer(nnx.Module):
             :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes:
             position t follows its parent node (conv and SSM read t's path
             only; the standard state steps from its parent's state).
+          slots: None, or i32[batch] (validated by the caller): `state` is a
+            state pool of capacity slots and row b verifies slot slots[b]
+            (-1: a padding row, which reads and writes nothing); a chain
+            window only (tree None), and a standard state already in the
+            slotted layout of >= W + 1 states (a pool prefilled with
+            max_window >= W). The SSM verify op indexes the pool by slot;
+            the conv window is gathered for the batch's slots and its rows
+            scattered back (XLA: two copies of batch x S x conv_dim values).
 
         Returns:
           (out [batch, W, hidden], where position t assumes positions 0..t-1
@@ -212,12 +220,14 @@ class SSMMixer(nnx.Module):
           TypeError: `state` of another type.
           ValueError: a pending window, u not [batch, W, hidden], W above the
             conv window's max_window or the replay buffer length L; a `tree`
-            that is not a DraftTree of W nodes.
+            that is not a DraftTree of W nodes; with `slots`, a tree or a
+            standard state without W + 1 slotted states.
         """
         _check_state_type(self, state, "verify", (SSMLayerState, ReplayLayerState))
-        if u.ndim != 3 or u.shape[0] != state.conv_state.batch or u.shape[1] < 1:
+        batch = state.conv_state.batch if slots is None else slots.shape[0]
+        if u.ndim != 3 or u.shape[0] != batch or u.shape[1] < 1:
             raise ValueError(f"{type(self).__name__}.verify: `u` must have shape [batch, W, hidden] with batch = "
-                             f"{state.conv_state.batch}, W >= 1; got {u.shape}")
+                             f"{batch}, W >= 1; got {u.shape}")
         window = u.shape[1]
         limit = state.conv_state.max_window
         if isinstance(state, ReplayLayerState):
@@ -228,16 +238,24 @@ class SSMMixer(nnx.Module):
                              + (f", the buffer length L = {state.replay.buffer_len}"
                                 if isinstance(state, ReplayLayerState) else "") + ")")
         tree = validate.check_tree(tree, window, "u.shape[1]")
-        inputs, z, conv_state = self._ssm_inputs(u, state.conv_state, functools.partial(self.conv1d.verify,
-                                                                                         tree=tree))
+        validate.check_no_tree_with_slots(tree, slots)
+        if slots is not None and isinstance(state, SSMLayerState) and state.slots < window + 1:
+            raise ValueError(f"{type(self).__name__}.verify: `slots` with a standard state of {state.slots} slotted "
+                             f"states per row; a window of W = {window} needs W + 1 (a state pool prefilled with "
+                             f"max_window >= {window})")
+        conv_rows = state.conv_state if slots is None else ops.take_slots(state.conv_state, slots)
+        inputs, z, conv_rows = self._ssm_inputs(u, conv_rows, functools.partial(self.conv1d.verify, tree=tree))
+        conv_state = conv_rows if slots is None else ops.put_slots(state.conv_state, slots, conv_rows)
         params = self._op_params()
+        pool = {} if slots is None else {"slots": slots}
         if isinstance(state, ReplayLayerState):
-            y, replay = self.replay_verify_op(state.replay, **inputs, **params, tree=tree,
+            y, replay = self.replay_verify_op(state.replay, **inputs, **params, tree=tree, **pool,
                                               backend=ops.backend_for(self.replay_verify_op.__name__, backend))
             return self._finish(y, z), ReplayLayerState(conv_state=conv_state, replay=replay)
         if state.slots < window + 1:  # a plain state, or too few slots: the slotted layout, once
             state = state.slotted(window + 1)
-        y, ssm_state = self.verify_op(state.ssm_state, state.index, **inputs, **params, tree=tree, backend=backend)
+        y, ssm_state = self.verify_op(state.ssm_state, state.index, **inputs, **params, tree=tree, backend=backend,
+                                      **pool)
         return self._finish(y, z), state.replace(conv_state=conv_state, ssm_state=ssm_state, window=window)
 
     def commit(self, state: SSMLayerState | ReplayLayerState, num_accepted,

@@ -17,13 +17,18 @@ resolves its backend and, for a replay step, its route
            overriding the kernels' frozen tiling heuristic, or None; only the
            kernel backends take one.
 
-The decode steps (`mamba2_step`, `gdn_step` and their replay steps) also
-take ``slots``: None, or i32[batch], the rows of a state pool
+The decode steps (`mamba2_step`, `gdn_step` and their replay steps) and the
+verify ops (`*_replay_verify`, the per-draft `mamba2_verify` / `gdn_verify`)
+also take ``slots``: None, or i32[batch], the rows of a state pool
 (:mod:`replayssm_jax.pool`): the state then holds `capacity` slots on
-axis 0 and batch row b steps slot slots[b]; -1 is a padding row, which
-reads and writes nothing (its output is unspecified); no slot twice. The
-kernels index the pool by slot (no copy of the states); "xla" gathers the
-slots' rows, steps them and scatters them back. Not for 8-bit checkpoints.
+axis 0 (a per-draft state [capacity, slots, ...] with its index
+i32[capacity]) and batch row b steps slot slots[b]; -1 is a padding row,
+which reads and writes nothing (its output is unspecified); no slot twice.
+The kernels index the pool by slot (no copy of the states); "xla" gathers
+the slots' rows, steps them and scatters them back. A verify over a pool
+takes chain windows (no `tree`). An 8-bit checkpoint's scales and write
+counts are indexed by slot as the checkpoint (stochastic rounding keys its
+noise by the pool's slot on the kernels, by the batch row on "xla").
 
 An explicitly requested backend that cannot run raises (no GPU for
 "pallas"; no kernel for the op); nothing falls back silently. Every error
@@ -212,6 +217,8 @@ def _on_slots(step, state, slots):
     if slots is None:
         return step(state)
     y, rows = step(take_slots(state, slots))
+    if getattr(rows, "window", None) != getattr(state, "window", None):  # a verify's pending window (static)
+        state = state.replace(window=rows.window)
     return y, put_slots(state, slots, rows)
 
 
@@ -346,7 +353,7 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
 
 
 def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
-                  *, tree=None, backend: str | None = None, config: KernelConfig | None = None):
+                  *, tree=None, backend: str | None = None, config: KernelConfig | None = None, slots=None):
     """The per-draft standard verify of W speculative Mamba-2 steps: one state per draft position.
 
     The standard-state baseline of speculative decoding, as vLLM runs it
@@ -368,8 +375,9 @@ def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
       dt_bias, dt_softplus, dt_limit: as :func:`mamba2_step`. 1 <= W <= slots - 1.
       tree: None (a chain) or a
         :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes (static).
-      backend, config: see the module docstring (a kernel op; config a
-        StepConfig).
+      backend, config, slots: see the module docstring (a kernel op; config a
+        StepConfig; with slots, `state` is a pool [capacity, slots, ...] and
+        `index` i32[capacity]).
 
     Returns:
       (y [batch, W, nheads, head_dim] in x.dtype: y[:, t] assumes steps
@@ -385,13 +393,16 @@ def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
         W outside [1, slots - 1]; a tree of another size than W.
       RuntimeError: backend "pallas" without a GPU.
     """
-    state, index, dt_softplus, dt_limit = val.check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias,
-                                                                  dt_softplus, dt_limit, tree)
+    state, index, dt_softplus, dt_limit, slots = val.check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias,
+                                                                         dt_softplus, dt_limit, tree, slots)
     chosen = choose_backend("mamba2_verify", backend, config)
     if chosen == "xla":
-        return reference.mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree)
+        rows_index = index if slots is None else take_slots(index, slots)
+        return _on_slots(lambda s: reference.mamba2_verify(s, rows_index, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                                           dt_limit, tree), state, slots)
     return kernels.mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
-                                 dt_limit=dt_limit, tree=tree, config=config, interpret=chosen == "interpret")
+                                 dt_limit=dt_limit, tree=tree, config=config, interpret=chosen == "interpret",
+                                 **_pool_option(slots))
 
 
 def mamba2_chunked(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
@@ -480,7 +491,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
 
 def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
                          dt_limit=(0.0, INF), *, tree=None, backend: str | None = None,
-                         config: KernelConfig | None = None):
+                         config: KernelConfig | None = None, slots=None):
     """Verify a window of W speculative steps of a Mamba-2 layer (DESIGN.md section 3).
 
     Writes the W records after each row's cursor (flushing first the rows
@@ -497,8 +508,10 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
         :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes (tree
         speculation: node t reads its ancestors' steps only; a chain tree
         runs the chain's code).
-      backend, config: see the module docstring (a kernel op; config a
-        :class:`~replayssm_jax.kernels.ReplayConfig`).
+      backend, config, slots: see the module docstring (a kernel op; config a
+        :class:`~replayssm_jax.kernels.ReplayConfig`; with slots, `state` is a
+        pool of capacity slots and the window's early flush, records and
+        cursors touch the batch's slots only).
 
     Returns:
       (y [batch, W, nheads, head_dim] in x.dtype, new state with window = W):
@@ -511,14 +524,15 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
         kernel backends the kernels' limits
         (:func:`replayssm_jax.kernels.mamba2_replay_verify`).
     """
-    dt_softplus, dt_limit = val.check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                                           dt_limit, tree)
+    dt_softplus, dt_limit, slots = val.check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                                                  dt_limit, tree, slots)
     chosen = choose_backend("mamba2_replay_verify", backend, config)
     if chosen == "xla":
-        return reference.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree)
+        return _on_slots(lambda s: reference.mamba2_replay_verify(s, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                                                  dt_limit, tree), state, slots)
     return kernels.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
                                         dt_limit=dt_limit, tree=tree, config=config,
-                                        interpret=chosen == "interpret")
+                                        interpret=chosen == "interpret", **_pool_option(slots))
 
 
 def mamba2_replay_materialize(state: Mamba2ReplayState, A, *, backend: str | None = None,
@@ -627,7 +641,7 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend
 
 
 def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, tree=None,
-               backend: str | None = None, config: KernelConfig | None = None):
+               backend: str | None = None, config: KernelConfig | None = None, slots=None):
     """The per-draft standard verify of W speculative Gated DeltaNet steps: one state per draft position.
 
     As :func:`mamba2_verify`, with :func:`gdn_step` for the step (vLLM's
@@ -640,8 +654,8 @@ def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *
       q, k: [batch, W, H, K]; v: [batch, W, HV, V]; g, beta: [batch, W, HV];
       scale, use_qk_l2norm: as :func:`gdn_step`. 1 <= W <= slots - 1.
       tree: None (a chain) or a DraftTree of W nodes (static).
-      backend, config: see the module docstring (a kernel op; config a
-        StepConfig).
+      backend, config, slots: see the module docstring (a kernel op; config a
+        StepConfig; with slots, as :func:`mamba2_verify`).
 
     Returns:
       (o [batch, W, HV, V] in v.dtype, the new state, the W states at their
@@ -651,13 +665,15 @@ def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *
       TypeError, ValueError, RuntimeError: as :func:`mamba2_verify`, for
         the arguments of :func:`gdn_step`.
     """
-    state, index, scale, use_qk_l2norm = val.check_gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm,
-                                                              tree)
+    state, index, scale, use_qk_l2norm, slots = val.check_gdn_verify(state, index, q, k, v, g, beta, scale,
+                                                                     use_qk_l2norm, tree, slots)
     chosen = choose_backend("gdn_verify", backend, config)
     if chosen == "xla":
-        return reference.gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm, tree)
+        rows_index = index if slots is None else take_slots(index, slots)
+        return _on_slots(lambda s: reference.gdn_verify(s, rows_index, q, k, v, g, beta, scale, use_qk_l2norm, tree),
+                         state, slots)
     return kernels.gdn_verify(state, index, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, tree=tree,
-                              config=config, interpret=chosen == "interpret")
+                              config=config, interpret=chosen == "interpret", **_pool_option(slots))
 
 
 def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64, *,
@@ -736,7 +752,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
 
 
 def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, tree=None,
-                      backend: str | None = None, config: KernelConfig | None = None):
+                      backend: str | None = None, config: KernelConfig | None = None, slots=None):
     """Verify a window of W speculative steps of a Gated DeltaNet layer (DESIGN.md section 3).
 
     As :func:`mamba2_replay_verify`; the window's update vectors, which
@@ -752,8 +768,9 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
       g, beta: [batch, W, HV]; scale, use_qk_l2norm: as :func:`gdn_step`.
       tree: as :func:`mamba2_replay_verify` (node t's update vector from the
         delta rule along its path root .. t).
-      backend, config: see the module docstring (a kernel op; config a
-        :class:`~replayssm_jax.kernels.ReplayConfig`).
+      backend, config, slots: see the module docstring (a kernel op; config a
+        :class:`~replayssm_jax.kernels.ReplayConfig`; with slots, as
+        :func:`mamba2_replay_verify`).
 
     Returns:
       (o [batch, W, HV, V] in v.dtype, new state with window = W): o[:, t]
@@ -766,12 +783,14 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
         kernel backends the kernels' limits
         (:func:`replayssm_jax.kernels.gdn_replay_verify`).
     """
-    scale, use_qk_l2norm = val.check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree)
+    scale, use_qk_l2norm, slots = val.check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree,
+                                                              slots)
     chosen = choose_backend("gdn_replay_verify", backend, config)
     if chosen == "xla":
-        return reference.gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree)
+        return _on_slots(lambda s: reference.gdn_replay_verify(s, q, k, v, g, beta, scale, use_qk_l2norm, tree),
+                         state, slots)
     return kernels.gdn_replay_verify(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, tree=tree,
-                                     config=config, interpret=chosen == "interpret")
+                                     config=config, interpret=chosen == "interpret", **_pool_option(slots))
 
 
 def gdn_replay_materialize(state: GDNReplayState, *, backend: str | None = None,

@@ -52,13 +52,14 @@ def as_array(name: str, x):
 def check_slots(slots, capacity: int, state) -> jax.Array | None:
     """`slots` (None: no state pool) as i32[batch]: the state pool's slots of a
     step's batch rows, each in -1 .. capacity - 1 (-1: a padding row), no
-    slot twice; the values are checked where concrete. `state`: the pool
-    (an array or a replay state), whose checkpoint must not be 8-bit.
+    slot twice; the values are checked where concrete. `state`: the pool (an
+    array or a replay state, whose 8-bit checkpoint's scales and write counts
+    are pool arrays too), or None; not read.
 
     Raises:
       TypeError: a non-integer dtype.
       ValueError: not of shape [batch] with batch >= 1, a concrete slot
-        outside -1 .. capacity - 1 or one used twice, or an 8-bit checkpoint.
+        outside -1 .. capacity - 1 or one used twice.
     """
     if slots is None:
         return None
@@ -69,9 +70,6 @@ def check_slots(slots, capacity: int, state) -> jax.Array | None:
         raise TypeError(f"`slots` must have an integer dtype; got {slots.dtype}")
     if slots.ndim != 1 or slots.shape[0] < 1:
         raise ValueError(f"`slots` must have shape [batch] with batch >= 1; got {tuple(slots.shape)}")
-    if getattr(state, "scale", None) is not None:
-        raise ValueError(f"`slots` (a state pool) needs an f32 | bf16 checkpoint; got "
-                         f"{jnp.dtype(state.checkpoint.dtype).name}")
     if concrete:
         bad = (values < -1) | (values >= capacity)
         if bad.any():
@@ -597,23 +595,33 @@ def check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, 
                                  dt_softplus, dt_limit, groups=state.B.shape[1], state_name="state.checkpoint"), slots)
 
 
-def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None):
-    """Checks of :func:`replayssm_jax.ops.mamba2_replay_verify`: also 1 <= W <= L, a `tree` of W nodes.
+def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None, slots=None):
+    """Checks of :func:`replayssm_jax.ops.mamba2_replay_verify`: also 1 <= W <= L, a `tree` of W nodes
+    (`slots`: :func:`check_slots`; a tree not with slots).
 
     Returns:
-      (dt_softplus, dt_limit) as :func:`check_mamba2_inputs`.
+      (dt_softplus, dt_limit as :func:`check_mamba2_inputs`, slots).
     """
     check_mamba2_replay_flush(state, A)
+    slots = check_slots(slots, state.checkpoint.shape[0], state)
+    check_no_tree_with_slots(tree, slots)
     x = check_ssm_float("x", x)
     check_rank("x", x, "batch, W, nheads, head_dim")
     W = x.shape[1]
     check_window(W, state.buffer_len, "x.shape[1]")
     check_tree(tree, W, "x.shape[1]")
-    return check_mamba2_inputs(state.checkpoint.shape, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=W,
-                               seq_name="W", groups=state.B.shape[1], state_name="state.checkpoint")
+    return (*check_mamba2_inputs(batch_dims(state.checkpoint.shape, slots), x, dt, A, B, C, D, z, dt_bias,
+                                 dt_softplus, dt_limit, seq=W, seq_name="W", groups=state.B.shape[1],
+                                 state_name="state.checkpoint"), slots)
 
 
-def check_slotted_state(state, index, dims: str, W: int, W_name: str, tree=None):
+def check_no_tree_with_slots(tree, slots) -> None:
+    """Raise ValueError for a draft `tree` with `slots`: a state pool verifies chain windows only."""
+    if tree is not None and slots is not None:
+        raise ValueError("`tree` with `slots`: a verify over a state pool takes chain windows only (tree None)")
+
+
+def check_slotted_state(state, index, dims: str, W: int, W_name: str, tree=None, slots=None):
     """The slotted standard state of a per-draft verify, its `index` and the window.
 
     Args:
@@ -622,10 +630,12 @@ def check_slotted_state(state, index, dims: str, W: int, W_name: str, tree=None)
       W: the window length, read from `W_name`; 1 <= W <= slots - 1 (the
         current state's slot is never a draft's).
       tree: None or a DraftTree of W nodes.
+      slots: None, or the state pool's slots of the batch rows (`state` and
+        `index` then hold `capacity` rows; :func:`check_slots`).
 
     Returns:
       (state as a JAX array, index as i32, the shape of one slot's state
-      (batch, heads, V, K)).
+      (batch, heads, V, K), with the slots' batch where given; slots).
 
     Raises:
       TypeError: an 8-bit, float16 or non-floating state; a non-integer index.
@@ -633,6 +643,7 @@ def check_slotted_state(state, index, dims: str, W: int, W_name: str, tree=None)
         another shape or (concrete) out of range, W outside [1, slots - 1],
         a tree of another size.
     """
+    pool_slots = slots
     state = check_state_array("state", state, dims)
     batch, slots = state.shape[:2]
     index = check_int_range("index", index, "batch", (batch,), 0, slots - 1)
@@ -640,22 +651,31 @@ def check_slotted_state(state, index, dims: str, W: int, W_name: str, tree=None)
         raise ValueError(f"the window length W = {W_name} must be in [1, slots - 1 = {slots - 1}] (`state` has "
                          f"{slots} slots: the current state's and one per draft position); got {W}")
     check_tree(tree, W, W_name)
-    return state, index, (batch, *state.shape[2:])
+    slots = check_slots(pool_slots, batch, state)
+    check_no_tree_with_slots(tree, slots)
+    return state, index, batch_dims((batch, *state.shape[2:]), slots), slots
 
 
-def check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None):
+def check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None, slots=None):
     """Checks of :func:`replayssm_jax.ops.mamba2_verify`.
 
     Returns:
-      (state, index as i32, dt_softplus, dt_limit) as :func:`check_slotted_state`
+      (state, index as i32, dt_softplus, dt_limit, slots) as :func:`check_slotted_state`
       and :func:`check_mamba2_inputs`.
     """
-    x = check_ssm_float("x", x)
-    check_rank("x", x, "batch, W, nheads, head_dim")
-    W = x.shape[1]
-    state, index, dims = check_slotted_state(state, index, SLOTTED_MAMBA2_DIMS, W, "x.shape[1]", tree)
+    W, (state, index, dims, slots) = _per_draft_window(state, index, "x", x, "batch, W, nheads, head_dim",
+                                                       SLOTTED_MAMBA2_DIMS, tree, slots)
     return (state, index, *check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=W,
-                                               seq_name="W"))
+                                               seq_name="W"), slots)
+
+
+def _per_draft_window(state, index, name: str, first, layout: str, dims: str, tree, slots):
+    """(W, :func:`check_slotted_state`'s result) of a per-draft verify whose input `name` (`first`, of
+    `layout` with W on axis 1) gives the window."""
+    first = check_ssm_float(name, first)
+    check_rank(name, first, layout)
+    W = first.shape[1]
+    return W, check_slotted_state(state, index, dims, W, f"{name}.shape[1]", tree, slots)
 
 
 # --------------------------------------------------------------------------
@@ -749,31 +769,33 @@ def check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots=N
                               heads=state.k.shape[1], state_name="state.checkpoint"), slots)
 
 
-def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree=None) -> tuple[float, bool]:
-    """Checks of :func:`replayssm_jax.ops.gdn_replay_verify`: also 1 <= W <= L, a `tree` of W nodes.
+def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree=None, slots=None):
+    """Checks of :func:`replayssm_jax.ops.gdn_replay_verify`: also 1 <= W <= L, a `tree` of W nodes
+    (`slots`: :func:`check_slots`; a tree not with slots).
 
     Returns:
-      (scale, use_qk_l2norm) as :func:`check_gdn_inputs`.
+      (scale, use_qk_l2norm as :func:`check_gdn_inputs`, slots).
     """
     check_gdn_replay_flush(state)
+    slots = check_slots(slots, state.checkpoint.shape[0], state)
+    check_no_tree_with_slots(tree, slots)
     v = check_ssm_float("v", v)
     check_rank("v", v, "batch, W, HV, V")
     W = v.shape[1]
     check_window(W, state.buffer_len, "v.shape[1]")
     check_tree(tree, W, "v.shape[1]")
-    return check_gdn_inputs(state.checkpoint.shape, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W",
-                            heads=state.k.shape[1], state_name="state.checkpoint")
+    return (*check_gdn_inputs(batch_dims(state.checkpoint.shape, slots), q, k, v, g, beta, scale, use_qk_l2norm,
+                              seq=W, seq_name="W", heads=state.k.shape[1], state_name="state.checkpoint"), slots)
 
 
-def check_gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm, tree=None):
+def check_gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm, tree=None, slots=None):
     """Checks of :func:`replayssm_jax.ops.gdn_verify`.
 
     Returns:
-      (state, index as i32, scale, use_qk_l2norm) as :func:`check_slotted_state`
+      (state, index as i32, scale, use_qk_l2norm, slots) as :func:`check_slotted_state`
       and :func:`check_gdn_inputs`.
     """
-    v = check_ssm_float("v", v)
-    check_rank("v", v, "batch, W, HV, V")
-    W = v.shape[1]
-    state, index, dims = check_slotted_state(state, index, SLOTTED_GDN_DIMS, W, "v.shape[1]", tree)
-    return (state, index, *check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W"))
+    W, (state, index, dims, slots) = _per_draft_window(state, index, "v", v, "batch, W, HV, V", SLOTTED_GDN_DIMS,
+                                                       tree, slots)
+    return (state, index, *check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W"),
+            slots)
