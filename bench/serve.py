@@ -263,7 +263,7 @@ def main(argv=None) -> int:
                   config=dict(vars(args)), rows=rows, generator=reference)
     for name in (args.models or ",".join(e2e.MODELS)).split(","):
         model = (load_model(os.path.join(folder, name)) if folder
-                 else init_model(os.path.join(e2e.CONFIGS, f"{name}.json"), jnp.bfloat16))
+                 else init_model(os.path.join(e2e.CONFIGS, name), jnp.bfloat16))
         trace = make_trace(args.requests, args.rate, prompt_len, new_tokens, args.shared, args.system_len,
                            model.config.vocab_size, granule=args.prompt_granule)
         base = {}
