@@ -37,17 +37,25 @@ def load(name):
     return module
 
 
-@pytest.mark.parametrize("script", SCRIPTS_IMPORTING_THE_PACKAGE)
-def test_bench_scripts_measure_the_tree_on_pythonpath(script, tmp_path):
+def test_bench_scripts_measure_the_tree_on_pythonpath(tmp_path):
     """A code tree put first on PYTHONPATH (to compare with this checkout) is the one the bench scripts
-    import: they add the checkout at the end of sys.path, not in front of the tree."""
+    import: they add the checkout at the end of sys.path, not in front of the tree (each script checked
+    after its import, in one process)."""
     shutil.copytree(BENCH.parent / "replayssm_jax", tmp_path / "tree" / "replayssm_jax")
-    code = (f"import sys; sys.path.insert(0, {str(BENCH)!r}); import {script}, replayssm_jax; "
-            "print(replayssm_jax.__file__)")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "tree"), JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         check=True).stdout
-    assert out.strip() == str(tmp_path / "tree" / "replayssm_jax" / "__init__.py")
+    tree, checkout = str(tmp_path / "tree"), str(BENCH.parent)
+    code = "\n".join([
+        "import importlib, sys",
+        f"sys.path.insert(0, {str(BENCH)!r})",
+        f"for script in {SCRIPTS_IMPORTING_THE_PACKAGE!r}:",
+        "    importlib.import_module(script)",
+        f"    assert {checkout!r} not in sys.path or sys.path.index({tree!r}) < sys.path.index({checkout!r}), script",
+        "import replayssm_jax",
+        "print(replayssm_jax.__file__)",
+    ])
+    env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(tmp_path / "tree" / "replayssm_jax" / "__init__.py")
 
 
 def test_e2e_smoke(tmp_path, capsys):

@@ -31,8 +31,15 @@ FIXTURES = ["mamba2_tiny", "nemotron_h_tiny", "qwen3_5_tiny", "qwen3_next_tiny"]
 # carry) is the same for every L, so the default run takes the standard state and L = 4; L = 1 (a flush
 # every step) and L = 16 (a partly filled buffer at the end) are `slow` here, and run by default at the
 # model level with the logits (test_models.py::test_decode_matches_transformers).
-MODES = [("standard", None), ("replay", 4), pytest.param("replay", 1, marks=pytest.mark.slow),
-         pytest.param("replay", 16, marks=pytest.mark.slow)]
+MODES = [("standard", None, "standard"), ("replay", 4, "replay-L4"), ("replay", 1, "replay-L1"),
+         ("replay", 16, "replay-L16")]
+# The standard state's Generator path is the same code in every family (the families differ in their
+# layers, which test_models.py::test_decode_matches_transformers checks for both states on every fixture):
+# it runs by default on one fixture of each layer type, `slow` on the other two; L = 1 and 16 `slow`.
+GREEDY_CASES = [pytest.param(name, state, L, id=f"{name}-{mode_id}",
+                             marks=pytest.mark.slow if L in (1, 16) or (L is None and name in (
+                                 "nemotron_h_tiny", "qwen3_next_tiny")) else ())
+                for name in FIXTURES for state, L, mode_id in MODES]
 _MODELS = {}
 
 
@@ -46,8 +53,7 @@ def reference(name):
     return np.load(DATA / name / "reference.npz")
 
 
-@pytest.mark.parametrize("state, L", MODES, ids=["standard", "replay-L4", "replay-L1", "replay-L16"])
-@pytest.mark.parametrize("name", FIXTURES)
+@pytest.mark.parametrize("name, state, L", GREEDY_CASES)
 def test_greedy_tokens_match_transformers(name, state, L):
     ref = reference(name)
     prompts, expected = ref["prompt_ids"], ref["generated_ids"]
@@ -65,7 +71,10 @@ def test_generate_has_the_generator_defaults():
         assert ours[name].default == theirs[name].default, name
 
 
-@pytest.mark.parametrize("name", FIXTURES)
+# One fixture per layer type by default (the route is the layers' code, the same in every family that has
+# the layer); the other two `slow`.
+@pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_5_tiny",
+                                  *(pytest.param(n, marks=pytest.mark.slow) for n in ("mamba2_tiny", "qwen3_next_tiny"))])
 def test_direct_route_tokens_match_transformers(name):
     """The direct route (the state written every step, the buffer left to speculative decoding) decodes the
     reference's greedy tokens."""
@@ -82,7 +91,7 @@ def test_direct_route_tokens_match_transformers(name):
     np.testing.assert_array_equal(np.array(out.sequences), expected)
 
 
-@pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_5_tiny"])
+@pytest.mark.parametrize("name", ["nemotron_h_tiny", pytest.param("qwen3_5_tiny", marks=pytest.mark.slow)])
 def test_ragged_batch_equals_each_prompt_alone(name, rng):
     vocab = model(name).config.vocab_size
     prompts = [rng.integers(3, vocab, size=n).tolist() for n in (9, 3, 6)]

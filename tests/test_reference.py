@@ -242,7 +242,7 @@ def programs(draw):
 
 
 @pytest.mark.parametrize("name", TWO_CASES)
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=programs())
 def test_speculative_sequences(name, program):
     """Replay state after any sequence of steps, verifies and commits equals the
