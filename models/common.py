@@ -398,7 +398,10 @@ def commit_cache(cache: HybridCache, num_accepted, path=None, *, slots=None) -> 
         path. The counts are scattered to one per slot (0 for the slots
         outside the batch, which then keep every value) and the pool
         committed as one cache: per-slot cursor, index, length, start and
-        position moves, elementwise over the capacity.
+        position moves, elementwise over the capacity. They must be the
+        slots of the verify whose window this commits: the pool does not
+        record which slots hold a pending window, so a commit over other
+        slots moves their cursors and lengths over stale records.
 
     Returns:
       The HybridCache after those positions, no window pending: SSM layers

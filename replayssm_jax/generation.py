@@ -1083,14 +1083,20 @@ class Generator:
 
         Raises:
           GenerationError: `speculative` not a SpeculativeConfig, this Generator not speculative,
-            or a config of another compiled round.
+            a config of another compiled round, or another `draft_model`.
         """
         if not isinstance(speculative, SpeculativeConfig):
             raise GenerationError(f"`speculative` must be a SpeculativeConfig; got {type(speculative).__name__}")
-        if self.speculative is None or speculative.program_key != self.speculative.program_key:
-            have = None if self.speculative is None else self.speculative.program_key
+        if self.speculative is None:
+            raise GenerationError("with_speculative: this Generator is not speculative (`speculative` None); "
+                                  "construct one with `speculative=`")
+        if speculative.program_key != self.speculative.program_key:
             raise GenerationError(f"`speculative` must keep this Generator's (method, num_draft, max_ngram, "
-                                  f"min_ngram, tree) = {have}; got {speculative.program_key}")
+                                  f"min_ngram, tree) = {self.speculative.program_key}; got "
+                                  f"{speculative.program_key}")
+        if speculative.draft_model is not self.speculative.draft_model:  # its drafter is built at construction
+            raise GenerationError("`speculative.draft_model` must be this Generator's draft model (the same "
+                                  "object); construct a new Generator for another draft model")
         other = copy.copy(self)  # the dicts of compiled programs and estimates shared, not copied
         other.speculative = speculative
         return other

@@ -13,7 +13,10 @@ batch size serves any number of running sequences up to it. A pool made with ``m
 W`` holds verify windows of up to W positions (conv windows, KV caches, replay buffers; the
 standard state in the per-draft layout of W + 1 states per slot):
 ``model.verify(tokens [batch, W], pool.cache, slots=slots)`` and ``model.commit(cache,
-num_accepted, slots=slots)`` run a speculative round over the slots in the same way.
+num_accepted, slots=slots)`` run a speculative round over the slots in the same way; the
+commit's `slots` must be the verify's (nothing records which slots hold a pending window: a
+commit over other slots moves their cursors and lengths over stale records). A standard-state
+pool with max_window > 1 steps by verify and commit only: its decode by slot is refused.
 
 A prefilled sequence (a batch-1 cache of the pool's layout) enters a slot with `write` (one
 compiled in-place row update); `export` / `restore` take a slot's whole state to the host and

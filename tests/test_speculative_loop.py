@@ -125,8 +125,12 @@ def test_with_speculative_reuses_the_compiled_round():
                                               r"max_ngram, min_ngram, tree\) = \('oracle', 2, 3, 1, None\); got "
                                               r"\('oracle', 3, 3, 1, None\)"):
         gen.with_speculative(SpeculativeConfig("oracle", 3, reference=expected))
-    with pytest.raises(GenerationError, match="`speculative` must keep"):
+    with pytest.raises(GenerationError, match="this Generator is not speculative"):
         Generator(model("mamba2_tiny")).with_speculative(SpeculativeConfig("ngram", 2))
+    drafting = Generator(model("mamba2_tiny"), speculative=SpeculativeConfig("draft", 2, draft_model=model(
+        "mamba2_tiny")))
+    with pytest.raises(GenerationError, match="`speculative.draft_model` must be this Generator's draft model"):
+        drafting.with_speculative(SpeculativeConfig("draft", 2, draft_model="/nonexistent/folder"))
 
 
 @pytest.mark.parametrize("name, method, config", DRAFTER_PARAMS)

@@ -162,7 +162,8 @@ class SSMMixer(nnx.Module):
         slotted = isinstance(state, SSMLayerState) and state.index is not None
         if slotted and slots is not None:
             raise ValueError(f"{type(self).__name__}.decode: `slots` with a standard state in the per-draft "
-                             "layout (`index` set, from `with_window`): a state pool holds one state per slot")
+                             "layout (`index` set, from `with_window`, e.g. a StatePool with max_window > 1) is not "
+                             "supported; decode such a pool by verify windows of one position (`verify` + `commit`)")
         conv_rows = state.conv_state if slots is None else ops.take_slots(state.conv_state, slots)
         inputs, z, conv_rows = self._ssm_inputs(u, conv_rows, self.conv1d.step)
         pool = {} if slots is None else {"slots": slots}
