@@ -42,7 +42,8 @@ Usage:  python3 bench/serve.py [--models a,b] [--capacity 64] [--batch-size 64] 
                                [--system-len 512] [--prefill-chunk 256] [--buffer-len 16] [--out FOLDER]
                                [--speculative ngram [--num-draft 4]] [--state-dtype int8]
         python3 bench/serve.py --dry-run   (check of the script on the CPU: tiny fixture, backend xla,
-                                            4 requests, 3 slots; its numbers mean nothing)
+                                            4 requests sharing an 8-token system prompt, 3 slots;
+                                            its numbers mean nothing)
 Writes serve.json and serve.png to --out (default bench/results/DATE-serve).
 """
 
@@ -69,7 +70,7 @@ from replayssm_jax.engine import Engine
 from replayssm_jax.generation import Generator, SpeculativeConfig
 
 DRY_RUN = dict(folder=os.path.join(e2e.ROOT, "tests", "data"), models="nemotron_h_tiny", capacity=3, batch_size=3,
-               requests=4, rate=1000.0, prompt_len="9,10", prompt_granule=1, new_tokens="2,3", shared=0.5,
+               requests=4, rate=1000.0, prompt_len="9,10", prompt_granule=1, new_tokens="2,3", shared=1.0,
                system_len=8, prefill_chunk=8, buffer_len=4, backend="xla")
 
 

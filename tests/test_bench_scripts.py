@@ -567,6 +567,9 @@ def test_serve_dry_run(tmp_path):
         ("replay", False, None, None), ("replay", True, None, None), ("replay", False, "ngram K=2", None),
         ("replay", False, None, "int8")]
     assert result["rows"][2]["accepted_per_round"] >= 1
+    # Every dry-run prompt starts with the 8-token system prompt (one prefix block): the later requests restore it.
+    assert result["rows"][1]["prefix_hits"] > 0 and result["rows"][1]["cached_tokens"] >= 8
+    assert result["rows"][0]["prefix_hits"] == 0
     assert all(r["requests"] == 4 and r["tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in result["rows"])
     assert result["generator"][0]["generator_tokens_per_s"] > 0
     assert (tmp_path / "serve.png").stat().st_size > 0
