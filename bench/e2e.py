@@ -24,8 +24,12 @@ Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
         python3 bench/e2e.py --memory-only [--modes ...]   (bytes per sequence from shapes, any device)
         python3 bench/e2e.py --smoke     (CPU check of the script on a tiny fixture)
 --profile adds, per configuration, a breakdown of a decode step by kernel
-category (SSM kernels, GEMMs, other kernels, idle): the profiler trace of a
+category (SSM kernels, GEMMs, attention, other kernels, idle): the profiler trace of a
 third run less that of a prefill-only run (bench/step_profile.py).
+Every row (without a mesh) also gives the step's roofline: its GEMMs at the
+device's bf16 matmul rate and its weights, attention KV reads and SSM state
+traffic at the device's copy bandwidth, both measured at the start of the run
+(bench/device_rates.py, bench/step_roofline.py), and the step time over it.
 Prints a table; writes JSON to --out (default bench/results/DATE-e2e/e2e.json) after every
 configuration, so a run cut short keeps what it measured; a configuration that
 runs out of device memory is logged and skipped.
@@ -60,7 +64,9 @@ import numpy as np  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.append(ROOT)  # last: an importable replayssm_jax (installed, or a tree first on PYTHONPATH) wins
 
-import step_profile  # noqa: E402  (bench/step_profile.py; this folder leads sys.path)
+import device_rates  # noqa: E402  (bench/device_rates.py; this folder leads sys.path)
+import step_profile  # noqa: E402  (bench/step_profile.py)
+import step_roofline  # noqa: E402  (bench/step_roofline.py)
 from models import sharding  # noqa: E402
 from models.random_init import init_model  # noqa: E402
 from replayssm_jax import ops  # noqa: E402
@@ -87,6 +93,8 @@ class Row:
     max_sequences: int = 0  # the sequences whose decode caches fit --budget-gib (weights and temporaries excluded)
     speedup: float | None = None
     profile: dict | None = None  # ms per decode step by category (step_profile.CATEGORIES), and top kernels
+    roofline: dict | None = None  # the step's bound on this device (bench/step_roofline.py; None on a mesh)
+    over_roofline: float | None = None  # step_ms / roofline["ms"]
     tp: int | None = None  # the mesh's tensor-parallel and data-parallel sizes (None: no mesh, one device)
     dp: int | None = None
 
@@ -187,11 +195,12 @@ def _profile(gen, prompts, new_tokens):
     count, whether or not the trace tells the two compiled modules apart.
     """
     out = []
-    full = step_profile.decode_breakdown(
-        step_profile.trace(lambda: out.append(gen.generate(prompts, new_tokens, progress=False))))
+    traced = step_profile.trace(lambda: out.append(gen.generate(prompts, new_tokens, progress=False)))
+    hlo = gen.decode_hlo()
+    full = step_profile.decode_breakdown(traced, hlo=hlo)
     if full is None:
         return None
-    base = step_profile.decode_breakdown(step_profile.trace(lambda: gen.generate(prompts, 1, progress=False)))
+    base = step_profile.decode_breakdown(step_profile.trace(lambda: gen.generate(prompts, 1, progress=False)), hlo=hlo)
     b = step_profile.difference(full, base)
     steps = out[0].decode_steps
     return dict(ms={k: v / steps / 1e6 for k, v in b["ns"].items()},
@@ -199,12 +208,14 @@ def _profile(gen, prompts, new_tokens):
 
 
 def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log, prefill_rows=None,
-                save=lambda rows: None, profile=False, budget_bytes=100 * 2**30, mesh=None):
+                save=lambda rows: None, profile=False, budget_bytes=100 * 2**30, mesh=None, rates=None):
     """Rows of one model over batches x modes; `save(rows)` after each row. A
     configuration that runs out of device memory is logged and skipped (the
     others still run). `profile`: also break a decode step down by kernel
     category (bench/step_profile.py), from a third, traced run. `mesh`: a
-    ("dp", "tp") mesh the model runs sharded on (models.sharding), or None."""
+    ("dp", "tp") mesh the model runs sharded on (models.sharding), or None.
+    `rates`: {"copy_gbps", "matmul_tflops"} of the device (bench/device_rates.py),
+    for each row's roofline (bench/step_roofline.py; not on a mesh)."""
     model = init_model(config_dir, dtype, mesh=mesh)
     tp, dp = (None, None) if mesh is None else (mesh.shape["tp"], mesh.shape["dp"])
     shard_config = model.config if mesh is None else sharding.local_config(model.config, tp)
@@ -234,11 +245,14 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
             if m.state == "standard":
                 reference_tokens = tokens
             same = None if reference_tokens is None else bool(np.array_equal(tokens, reference_tokens))
+            roofline = None if mesh is not None or rates is None else \
+                step_roofline.decode_roofline(gen, batch, prompt_len, new_tokens, **rates)
             rows.append(Row(name, batch, mode, best.tokens_per_s, step_s * 1e3, out.compile_s, best.prefill_s,
                             best.cache_bytes / 2**30, _peak_gib(), ssm_share, same,
                             cache_bytes_per_seq=best.cache_bytes_per_sequence,
                             max_sequences=int(budget_bytes // best.cache_bytes_per_sequence),
-                            profile=_profile(gen, prompts, new_tokens) if profile else None, tp=tp, dp=dp))
+                            profile=_profile(gen, prompts, new_tokens) if profile else None, tp=tp, dp=dp,
+                            roofline=roofline, over_roofline=roofline and step_s * 1e3 / roofline["ms"]))
             log(f"{name} batch={batch} {mode}: {best.tokens_per_s:.0f} tok/s, step {step_s * 1e3:.2f} ms, "
                 f"compile {out.compile_s:.1f} s, SSM share {ssm_share:.0%}, identical={same}")
             save(rows)
@@ -357,6 +371,11 @@ def main(argv=None) -> int:
                 new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, command=" ".join(sys.argv),
                 mesh=None if mesh is None else dict(dp=mesh.shape["dp"], tp=mesh.shape["tp"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    small = jax.default_backend() == "cpu"  # the smoke run's rates only exercise the code
+    copy = device_rates.copy_bandwidth(nbytes=(8 << 20) if small else (2 << 30))
+    matmul = device_rates.matmul_tflops(n=256 if small else 8192)
+    meta.update(copy_gbps=copy, matmul_tflops=matmul)
+    rates = dict(copy_gbps=max(copy.values()), matmul_tflops=max(matmul.values()))
     rows = []
 
     def save(more):
@@ -366,7 +385,7 @@ def main(argv=None) -> int:
     for name, path in configs.items():
         rows += bench_model(name, path, batches, modes, prompt_len, new_tokens, backend, dtype,
                             lambda s: print(s, file=sys.stderr, flush=True), args.prefill_rows or None, save,
-                            args.profile, budget, mesh)
+                            args.profile, budget, mesh, rates)
         save([])
     print(f"\n{meta['date']} {meta['device']} backend={backend} commit={meta['commit']} "
           f"prompt={prompt_len} new={new_tokens} {meta['dtype']}"
@@ -378,6 +397,16 @@ def main(argv=None) -> int:
               f"{(r.speedup or float('nan')):7.2f} {r.ssm_share:5.0%} {r.cache_gib:9.2f} "
               f"{r.cache_bytes_per_seq / 2**20:8.2f} {r.max_sequences:8d} {r.peak_gib:8.1f} {r.compile_s:9.1f} "
               f"{'-' if r.identical_to_standard is None else r.identical_to_standard}")
+    bounded = [r for r in rows if r.roofline]
+    if bounded:
+        print(f"\nroofline (copy {rates['copy_gbps']:.0f} GB/s, bf16 matmul {rates['matmul_tflops']:.0f} TFLOP/s): "
+              "ms per step, its terms, and the step over it")
+        print(f"{'model':26s} {'batch':>5s} {'mode':>10s} {'step ms':>8s} {'bound ms':>8s} {'GEMM':>7s} {'attn':>7s} "
+              f"{'states':>7s} {'x bound':>7s}")
+        for r in bounded:
+            b = r.roofline
+            print(f"{r.model:26s} {r.batch:5d} {r.mode:>10s} {r.step_ms:8.2f} {b['ms']:8.2f} {b['gemm_ms']:7.2f} "
+                  f"{b['attention_ms']:7.2f} {b['state_ms']:7.2f} {r.over_roofline:7.2f}")
     profiled = [r for r in rows if r.profile]
     if profiled:
         step_profile.print_breakdowns([(f"{r.model[:18]:18s} {r.batch:4d} {r.mode:>8s}", r.profile) for r in profiled])

@@ -31,7 +31,14 @@ Method (the settings are a TimingOptions):
     once: state read (+ write for standard; for replay + the flush launch's
     re-read and write, / L), the full L-slot buffer tiles read, one record
     written, inputs and outputs),
-    achieved GB/s = bytes / time, against a device copy measured in the run.
+    achieved GB/s = bytes / time, against the device's copy bandwidth measured
+    in the run (bench/device_rates.py: the fastest of PyTorch's device copy,
+    where PyTorch sees the GPU, XLA's copy and an XLA elementwise pass).
+  * with --profile, the traced time of the layer's kernels alone
+    (`kernel_us`) beside the step's wall time (`wall_over_kernel`); with
+    --orig, each standard and replay row over the original's same variant
+    from a ../shared/anchors harness JSON of the same GPU run
+    (`kernel_over_original`, `wall_over_original`; `against_original`).
 
   * 8-bit checkpoints (--state-dtypes with int8 or float8_e4m3fn): the
     replay variants only (no standard step takes an 8-bit state), the
@@ -63,6 +70,7 @@ Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
               against the reference first, in the same run (`check_per_draft`);
               the ReplaySSM verify kernels' correctness is the GPU tests'
               (tests/test_verify_kernels.py).
+  --orig JSON the anchors harness's JSON (harness_orig.py run, same GPU command): ratios to the original.
   --dry-run   run the script on the CPU in interpret mode (numbers meaningless).
 Prints a table; writes JSON to DIR/NAME.json (default DIR: bench/results/DATE-NAME).
 Results: bench/RESULTS.md.
@@ -93,6 +101,7 @@ import numpy as np
 # first on the path, for step_profile.)
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import device_rates  # noqa: E402  (bench/device_rates.py)
 import step_profile  # noqa: E402  (bench/step_profile.py)
 
 from replayssm_jax import kernels, ops, testing  # noqa: E402
@@ -356,22 +365,6 @@ def time_cycle(step, carries, xs, steps, options: TimingOptions):
     return statistics.median(times) / per, (max(times) - min(times)) / per, compile_s, profile
 
 
-def measure_copy_bandwidth(nbytes=2 << 30, repeats=20):
-    x = jnp.ones((nbytes // 4,), f32)
-    results = {}
-    for name, fn in (("copy", lambda a: jnp.copy(a)), ("elementwise", lambda a: a * 1.0001)):
-        f = jax.jit(fn)
-        f(x).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            f(x).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        results[name] = 2 * nbytes / statistics.median(times) / 1e9
-    del x
-    return results
-
-
 def variants(bench, lengths):
     """(name, L, cursors, route) of the variants timed at a shape: the
     standard step, the replay step at each L (staggered cursors) and at one L
@@ -592,6 +585,8 @@ def main(argv=None):
     p.add_argument("--verify-configs", default="",
                    help="with --verify: also time the verify launch at these tilings, e.g. '8x4x1,16x2x1' (BVxWxT, "
                         "as --replay-configs; not fused)")
+    p.add_argument("--orig", default=None, metavar="JSON",
+                   help="a ../shared/anchors harness_orig.py JSON of the same run: each row's time over the original's")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test of this script: interpret mode, 1 state set, 1 repeat, the real shapes "
                         "(minutes per layer and state dtype; numbers meaningless)")
@@ -621,12 +616,11 @@ def main(argv=None):
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), device=dev.device_kind,
                 jax=jax.__version__, python=platform.python_version(),
                 argv=sys.argv[1:] if argv is None else list(argv), timing=dataclasses.asdict(options))
-    meta["bandwidth_gbps"] = measure_copy_bandwidth(nbytes=(1 << 20) if args.dry_run else (2 << 30))
-    # Reference bandwidth: the faster of a device copy and a fused elementwise
-    # pass (XLA's copy of 2 GiB ran slower than the elementwise pass on the H200).
-    copy_bw = max(meta["bandwidth_gbps"].values())
-    print(f"# {meta['device']}  jax {meta['jax']}  copy {copy_bw:.0f} GB/s  elementwise "
-          f"{meta['bandwidth_gbps']['elementwise']:.0f} GB/s", flush=True)
+    meta["bandwidth_gbps"] = device_rates.copy_bandwidth(nbytes=(1 << 20) if args.dry_run else (2 << 30))
+    copy_bw = max(meta["bandwidth_gbps"].values())  # the device's copy ceiling (bench/device_rates.py)
+    print(f"# {meta['device']}  jax {meta['jax']}  copy {copy_bw:.0f} GB/s  (" +
+          ", ".join(f"{k} {v:.0f}" for k, v in meta["bandwidth_gbps"].items()) + ")", flush=True)
+    original = load_original(args.orig) if args.orig else []
     rows = []
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.tag}.json")
@@ -655,9 +649,11 @@ def main(argv=None):
                                pct_copy=100 * r["gbps"] / copy_bw, passed=True)
                     if bench.quantized:  # against the f32 and bf16 checkpoints' same variant, if run before
                         row.update(_against_wider_checkpoints(rows, row))
+                    row.update(against_original(row, original))
                     rows.append(row)
                     versus = ("" if row["speedup"] is None else f"x{row['speedup']:.2f} vs std") + "".join(
-                        f" x{row[k]:.2f} {k}" for k in ("vs_float32", "vs_bfloat16") if row.get(k))
+                        f" x{row[k]:.2f} {k}" for k in ("vs_float32", "vs_bfloat16") if row.get(k)) + "".join(
+                        f" {row[k]:.2f} {k}" for k in ("kernel_over_original", "wall_over_original") if row.get(k))
                     print(f"{layer:7s} {sd:9s} b{batch:<4d} {kind:22s} {r['seconds'] * 1e6:9.2f} us "
                           f"{r['gbps']:7.0f} GB/s {row['pct_copy']:5.1f}% copy  {versus}"
                           f"  (sets {r['n_sets']}, compile {r['compile_s']:.1f}s)", flush=True)
@@ -699,6 +695,41 @@ def verify_rows(bench, base, rows, lengths, W, options: TimingOptions, configs=(
                   f"{r['seconds'] * 1e6:9.2f} us/window {r['gbps']:7.0f} GB/s  x{per_draft / r['seconds']:.2f} vs "
                   f"per-draft  (sets {r['n_sets']}, compile {r['compile_s']:.1f}s)", flush=True)
             print_kernel_times(r["kernels_us"])
+
+
+def load_original(path: str) -> list[dict]:
+    """The timed rows of a ../shared/anchors harness_orig.py JSON (the original ReplaySSM kernels and vLLM's)."""
+    with open(path) as fh:
+        return [r for r in json.load(fh)["rows"] if "us" in r]
+
+
+def against_original(row: dict, original: list[dict]) -> dict:
+    """This row's time over the original's same variant in `original` (harness rows; none: {}).
+
+    Standard step: vLLM's kernel at the best config of its tuning grid; replay-L{L} (staggered) and
+    replay-L{L}-in-step: the fork's replay kernel at its shipped config, same L and cursors.
+    kernel_over_original: the traced time of our SSM kernels (replay + flush launch; --profile) over
+    the original's CUPTI kernel time; wall_over_original: our scan's step time over its CUDA-graph
+    replay time; our kernel_us and wall_over_kernel beside them. > 1: ours slower."""
+    variant = row["variant"]
+    if variant == "standard":
+        match = dict(variant="standard", which="best")
+    elif variant.startswith("replay-L") and not variant.endswith("-direct"):
+        match = dict(variant="replay", L=row["L"], cursors=row["cursors"], config="default")
+    else:
+        return {}
+    key = dict(layer=row["layer"], state_dtype=row["state_dtype"], batch=row["batch"], **match)
+    peer = next((r for r in original if all(r.get(k) == v for k, v in key.items())), None)
+    if peer is None:
+        return {}
+    ours = sum(v["us"] for name, v in (row.get("kernels_us") or {}).items() if name.startswith(("gdn_", "mamba2_")))
+    out = dict(original_us=peer["us"], original_kernel_us=peer.get("kernel_us"),
+               wall_over_original=row["seconds"] * 1e6 / peer["us"])
+    if ours:
+        out.update(kernel_us=ours, wall_over_kernel=row["seconds"] * 1e6 / ours)
+        if peer.get("kernel_us"):
+            out["kernel_over_original"] = ours / peer["kernel_us"]
+    return out
 
 
 def _against_wider_checkpoints(rows, row) -> dict:

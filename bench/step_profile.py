@@ -8,8 +8,11 @@ steps) by category:
 
   ssm    the Pallas SSM kernels (names mamba2_* / gdn_*: standard step,
          replay, flush);
+  attention  the kernels of the attention layers' scores, softmax and values
+         over the KV caches (the XLA fusions whose ops carry the attention
+         layers' name scope in the compiled HLO given as `hlo`; none without);
   gemm   matrix products (cuBLAS / CUTLASS / XLA's Triton GEMMs): the
-         projections, the MLP or experts, the attention products, the LM head;
+         projections, the MLP or experts, the LM head;
   other  every other kernel: XLA fusions for norms, activations, the causal
          conv, softmax, RoPE, cache writes, sampling;
   idle   time inside the module windows with no kernel running (launch
@@ -31,16 +34,32 @@ import tempfile
 import jax
 from jax.profiler import ProfileData
 
-CATEGORIES = ("ssm", "gemm", "other", "idle")
+CATEGORIES = ("ssm", "gemm", "attention", "other", "idle")
 _SSM = re.compile(r"^(mamba2|gdn)_(step|replay)")
 _GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|wgmma|matmul", re.IGNORECASE)
 
 
-def category(kernel: str) -> str:
-    """"ssm", "gemm" or "other" for a GPU kernel name."""
+def category(kernel: str, attention: frozenset = frozenset()) -> str:
+    """"ssm", "attention" (a name in `attention`), "gemm" or "other" for a GPU kernel name."""
     if _SSM.match(kernel):
         return "ssm"
+    if kernel in attention:
+        return "attention"
     return "gemm" if _GEMM.search(kernel) else "other"
+
+
+_OP_NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*\bop_name="([^"]*)"', re.MULTILINE)
+
+
+def attention_kernels(hlo_texts) -> frozenset:
+    """The kernel names of the instructions in compiled HLO texts whose op_name carries the attention
+    layers' name scope (replayssm_jax.layers.attention.ATTENTION_SCOPE); XLA names a fusion's kernel
+    after the instruction, '.' and '-' written '_'."""
+    from replayssm_jax.layers.attention import ATTENTION_SCOPE
+
+    scope = f"/{ATTENTION_SCOPE}/"
+    return frozenset(m.group(1).replace(".", "_").replace("-", "_") for text in hlo_texts
+                     for m in _OP_NAME.finditer(text) if scope in m.group(2))
 
 
 def trace(fn) -> ProfileData:
@@ -65,8 +84,9 @@ def _merged_length(intervals) -> float:
     return total
 
 
-def decode_breakdown(profile: ProfileData, module: str = "jit_block", top: int = 8) -> dict | None:
-    """GPU time of the `module` windows by category, in nanoseconds.
+def decode_breakdown(profile: ProfileData, module: str = "jit_block", top: int = 8, hlo=()) -> dict | None:
+    """GPU time of the `module` windows by category, in nanoseconds; `hlo`: the compiled HLO texts of
+    the traced programs (their attention kernels: `attention_kernels`).
 
     Returns None when the trace has no GPU plane (a CPU run). Otherwise a dict:
       window_ns: summed duration of the module's executions (all of them when
@@ -90,8 +110,9 @@ def decode_breakdown(profile: ProfileData, module: str = "jit_block", top: int =
     inside = [k for k in kernels if any(s <= k[0] and k[1] <= e for s, e in windows)]
     ns = dict.fromkeys(CATEGORIES, 0.0)
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    attention = attention_kernels(hlo)
     for start, end, name in inside:
-        ns[category(name)] += end - start
+        ns[category(name, attention)] += end - start
         per_kernel[name][0] += end - start
         per_kernel[name][1] += 1
     window_ns = sum(e - s for s, e in windows)

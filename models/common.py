@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx, struct
 
 from replayssm_jax import ops
+from replayssm_jax.compilation import jit
 from replayssm_jax.layers.cache import (
     KVCache,
     ReplayLayerState,
@@ -541,7 +542,7 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
       return_hidden: also return the hidden states after the final norm (static).
     """
 
-    @jax.jit
+    @jit
     def prefill(params, input_ids):
         model = nnx.merge(graphdef, params)
         return model.prefill(input_ids, max_len, replay_buffer_len=replay_buffer_len, buffer_dtype=buffer_dtype,
@@ -565,7 +566,7 @@ def make_decode_step(graphdef, *, route: str = "auto", backend: str | None = Non
         return model.decode(tokens, cache, route=route, backend=backend, return_hidden=return_hidden,
                             **({} if slots is None else {"slots": slots}))
 
-    return jax.jit(decode_step, donate_argnums=(1,) if donate_cache else ())
+    return jit(decode_step, donate_argnums=(1,) if donate_cache else ())
 
 
 def make_verify_step(graphdef, *, backend: str | None = None, donate_cache: bool = True,
@@ -578,13 +579,13 @@ def make_verify_step(graphdef, *, backend: str | None = None, donate_cache: bool
         model = nnx.merge(graphdef, params)
         return model.verify(tokens, cache, backend=backend, return_hidden=return_hidden, tree=tree)
 
-    return jax.jit(verify, donate_argnums=(1,) if donate_cache else ())
+    return jit(verify, donate_argnums=(1,) if donate_cache else ())
 
 
 def make_commit(*, donate_cache: bool = True):
     """A jitted ``commit(cache, num_accepted, path=None) -> HybridCache`` (`commit_cache`: it needs no
     parameters), the cache donated by default."""
-    return jax.jit(commit_cache, donate_argnums=(0,) if donate_cache else ())
+    return jit(commit_cache, donate_argnums=(0,) if donate_cache else ())
 
 
 def prefill_layer_states(mixer, state, *, replay_buffer_len, buffer_dtype, max_window: int = 1, checkpoint_dtype=None,

@@ -58,6 +58,7 @@ import numpy as np
 from flax import nnx, struct
 
 from replayssm_jax import ops
+from replayssm_jax.compilation import jit
 from replayssm_jax.layers.cache import KVCache
 from replayssm_jax.ops import check_route, validate
 from replayssm_jax.sampling import SamplingParams, sample_tokens
@@ -717,7 +718,7 @@ class Generator:
             # A speculative drafter that reads hidden states gets the prefill's (every position).
             return (carry, out[1]) if self._needs_hidden else carry
 
-        return jax.jit(start)
+        return jit(start)
 
     def _block_fn(self, steps, sampling):
         """`steps` decode steps under lax.scan, donating the carry; returns it and the tokens i32[steps, rows]."""
@@ -734,7 +735,7 @@ class Generator:
 
             return jax.lax.scan(step, carry, None, length=steps)
 
-        return jax.jit(block, donate_argnums=(1,))
+        return jit(block, donate_argnums=(1,))
 
     @property
     def compilations(self) -> int:
@@ -1016,7 +1017,7 @@ class Generator:
             return drafter.init_state(nnx.merge(self.graphdef, params), start)
 
         init_key = ("spec-init", sampling, plan.rows, plan.prefix_len, plan.width, plan.max_len)
-        make = lambda: jax.jit(init).trace(self.params, drafter, start)  # noqa: E731
+        make = lambda: jit(init).trace(self.params, drafter, start)  # noqa: E731
         init, seconds = self._compile(init_key, make, f"{self.speculative.method} drafter state", progress)
         return init(self.params, drafter, start), seconds
 

@@ -7,6 +7,7 @@ an array of the state's shape and dtype.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax.numpy as jnp
@@ -141,3 +142,29 @@ def _copied_elements(lines: list[str]):
             nested = element_of(args[0], "while") is not None
         if i is not None:
             yield i, line, nested
+
+
+_CONCAT = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} concatenate\(")
+
+
+def merged_weights(hlo: str, weights) -> list[str]:
+    """Concatenations of weight matrices inside while-loop bodies (and everything they call): a
+    `concatenate` whose result is [o_1 + ... + o_k, in] (or its transpose) for k >= 2 of `weights`
+    (2-D arrays [o_i, in] of one dtype and in): XLA's dot merger joining the projections of one
+    input (replayssm_jax.compilation)."""
+    by_input = {}
+    for w in weights:
+        by_input.setdefault((_HLO_DTYPE[jnp.dtype(w.dtype).name], w.shape[1]), []).append(w.shape[0])
+    targets = set()
+    for (dtype, cols), outs in by_input.items():
+        for k in range(2, min(len(outs), 4) + 1):
+            for rows in {sum(c) for c in itertools.combinations(outs, k)}:
+                targets |= {(dtype, (rows, cols)), (dtype, (cols, rows))}
+    comps = _computations(hlo)
+    found = []
+    for name in _in_loops(comps):
+        for line in comps[name]:
+            m = _CONCAT.search(line)
+            if m and (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) in targets:
+                found.append(f"{name}: {line[:160]}")
+    return found

@@ -573,3 +573,27 @@ def test_serve_dry_run(tmp_path):
     assert all(r["requests"] == 4 and r["tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in result["rows"])
     assert result["generator"][0]["generator_tokens_per_s"] > 0
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_kernels_against_original_matches_variants():
+    """`kernels.against_original` pairs the standard step with vLLM's best config and each replay row with the
+    original's default config at the same L and cursors; other rows, and rows without a peer, get nothing."""
+    kb = load("kernels")
+    base = dict(layer="gdn", state_dtype="float32", batch=256)
+    original = [dict(base, variant="standard", which="default", us=400.0, kernel_us=390.0),
+                dict(base, variant="standard", which="best", us=300.0, kernel_us=290.0),
+                dict(base, variant="replay", L=16, cursors="in-step", config="default", us=200.0, kernel_us=180.0),
+                dict(base, variant="replay", L=16, cursors="staggered", config="default", us=210.0, kernel_us=190.0)]
+    kernels = {"gdn_replay_output_L16": {"us": 150.0}, "gdn_replay_flush_L16": {"us": 30.0}, "fusion_1": {"us": 9.0}}
+    std = kb.against_original(dict(base, variant="standard", seconds=310e-6, kernels_us={"gdn_step": {"us": 290.0}}),
+                              original)
+    assert std["wall_over_original"] == pytest.approx(310 / 300) and std["kernel_over_original"] == pytest.approx(1.0)
+    in_step = kb.against_original(dict(base, variant="replay-L16-in-step", L=16, cursors="in-step", seconds=198e-6,
+                                       kernels_us=kernels), original)
+    assert in_step["kernel_us"] == pytest.approx(180.0) and in_step["kernel_over_original"] == pytest.approx(1.0)
+    assert in_step["wall_over_kernel"] == pytest.approx(198 / 180)
+    staggered = kb.against_original(dict(base, variant="replay-L16", L=16, cursors="staggered", seconds=2e-4,
+                                         kernels_us=None), original)
+    assert staggered == {"original_us": 210.0, "original_kernel_us": 190.0, "wall_over_original": pytest.approx(200 / 210)}
+    assert kb.against_original(dict(base, variant="replay-L16-direct", L=16, cursors="empty", seconds=1e-4), original) == {}
+    assert kb.against_original(dict(base, variant="replay-L8", L=8, cursors="staggered", seconds=1e-4), original) == {}

@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from hlo_checks import carry_copies, per_step_copies
+from hlo_checks import carry_copies, merged_weights, per_step_copies
 from kernel_checks import GDN, GDNShape, Mamba2, Mamba2Shape, lower_for_cuda, replay_config
 from models import load_model
 from replayssm_jax.generation import Generator, SpeculativeConfig
@@ -241,3 +242,36 @@ def test_pallas_detector_finds_a_copy(name, rng):
 
     hlo = compiled_scan(keeps_previous, (state, state), _stack(layer, STEPS))
     assert per_step_copies(hlo, [state]), "the detector missed a forced copy"
+
+
+# ---------------------------------------------------------------------------
+# GPU: no per-step concatenation of weights (XLA's dot merger; replayssm_jax.compilation)
+
+
+def _matrices(params):
+    """The 2-D parameter arrays (the projections' weights) of `params`."""
+    return [a for a in jax.tree.leaves(params) if a.ndim == 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "nemotron_h_tiny"])
+def test_decode_loop_merges_no_weights(name):
+    """The decode loop that Generator compiles concatenates no weights (its options turn XLA's dot merger
+    off); a plain `jax.jit` of the same step does, which shows that the check can find them."""
+    model = load_model(DATA / name)
+    graphdef, params = nnx.split(model)
+    weights = _matrices(params)
+    gen = Generator(model, state="replay", backend="pallas", block_size=4, buffer_len=L)
+    gen.generate(np.load(DATA / name / "reference.npz")["prompt_ids"][:2], 5)
+    (hlo,) = gen.decode_hlo()
+    assert not merged_weights(hlo, weights), "\n".join(merged_weights(hlo, weights))
+    _, cache = model.prefill(jnp.ones((2, 4), jnp.int32), 16, replay_buffer_len=L)
+
+    def plain(params, cache, tokens):
+        def step(c, _):
+            logits, c = nnx.merge(graphdef, params).decode(tokens, c, backend="pallas")
+            return c, logits
+        return jax.lax.scan(step, cache, None, length=4)
+
+    text = jax.jit(plain).lower(params, cache, jnp.ones((2,), jnp.int32)).compile().as_text()
+    assert merged_weights(text, weights), "a plain jax.jit merged no projections: the check is not exercised"

@@ -34,6 +34,10 @@ from replayssm_jax.state import in_order
 __all__ = ["Attention", "rope_inv_freq", "apply_rope"]
 
 
+# The name scope of the attention scores and values (softmax(q k^T) v) over the KV cache.
+ATTENTION_SCOPE = "attention"
+
+
 def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
     """Default RoPE inverse frequencies, f32[rotary_dim // 2]: theta ** (-2i / rotary_dim)."""
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
@@ -135,15 +139,17 @@ class Attention(nnx.Module):
         return q, k, v, gate
 
     def _attend(self, q, k, v, mask):
-        """q [b, T, nh, D]; k, v [b, S, kvh, D]; mask bool[b, T, S] -> [b, T, nh * D]."""
+        """q [b, T, nh, D]; k, v [b, S, kvh, D]; mask bool[b, T, S] -> [b, T, nh * D]. Its ops carry the
+        name scope `ATTENTION_SCOPE` (profiles and bench/step_roofline.py tell attention apart by it)."""
         batch, seqlen, _, d = q.shape
         rep = self.num_heads // self.num_kv_heads
-        qg = q.reshape(batch, seqlen, self.num_kv_heads, rep, d)
-        scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
-        return out.reshape(batch, seqlen, self.num_heads * d)
+        with jax.named_scope(ATTENTION_SCOPE):
+            qg = q.reshape(batch, seqlen, self.num_kv_heads, rep, d)
+            scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+            scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+            out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
+            return out.reshape(batch, seqlen, self.num_heads * d)
 
     def _output(self, attn, gate):
         if gate is not None:

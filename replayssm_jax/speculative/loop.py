@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from replayssm_jax.compilation import jit
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.speculative.acceptance import accept_drafts
 from replayssm_jax.speculative.drafters import Drafts, Kept, gather_rows
@@ -238,4 +239,4 @@ def make_block(graphdef, *, rounds: int, max_new_tokens: int, sampling: Sampling
 
         return jax.lax.while_loop(cond, body, carry)
 
-    return jax.jit(block, donate_argnums=(2,))
+    return jit(block, donate_argnums=(2,))

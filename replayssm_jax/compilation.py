@@ -1,0 +1,37 @@
+"""How the library compiles a model's programs: `jax.jit` with `COMPILER_OPTIONS`.
+
+XLA's GPU pipeline merges dots that share an operand (its DotMerger pass, for
+dots whose operands and result total at most `xla_gpu_dot_merger_threshold_mb`,
+32 MiB by default): ``x @ W1.T`` and ``x @ W2.T`` become one dot of ``x`` with
+``concatenate(W1, W2)``. With weights passed as arguments (`nnx.split`'s
+params), the concatenation is not a constant: every decode step copies the
+merged weights or runs the dot as a Triton fusion that reads them piecewise.
+In Qwen3.5-4B that merged gate_proj with up_proj, in_proj_qkv with in_proj_z,
+and q/k/v_proj; at batch 256 the merged dots took 4.1 ms of a 15.2 ms decode
+step (H200, bench/RESULTS.md, 2026-12-02). A decode step is bound by reading
+the weights once, so no merge pays there: the options turn the pass off.
+
+Every program the library compiles from a model (generation, the engine,
+speculative rounds, `models.make_*`) goes through `jit`. A program of your
+own over a model's `decode` or `verify` should pass ``compiler_options=
+COMPILER_OPTIONS`` to `jax.jit` too. The options name a GPU debug option,
+which other backends accept and ignore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+__all__ = ["COMPILER_OPTIONS", "jit"]
+
+# xla_gpu_dot_merger_threshold_mb = 0: no dot is small enough to merge (DotMerger's size test is `<=`
+# a threshold of bytes; 0 admits none).
+COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
+def jit(fun: Callable, **kwargs) -> Callable:
+    """`jax.jit(fun, **kwargs)` with `COMPILER_OPTIONS` (merged under any `compiler_options` given)."""
+    options = {**COMPILER_OPTIONS, **(kwargs.pop("compiler_options", None) or {})}
+    return jax.jit(fun, compiler_options=options, **kwargs)
