@@ -4,16 +4,32 @@
 of requests. Each :meth:`Engine.step`
 
 1. admits waiting requests into free slots (first come, first served);
-2. prefills one chunk of at most `prefill_chunk` prompt tokens of the oldest admitted request
+2. dispatches one chunk of at most `prefill_chunk` prompt tokens of the oldest admitted request
    (a chunked prefill, `HybridCausalLM.prefill(..., cache=)`: a long prompt takes several steps
-   and does not stall the decoding rows); after its last chunk the request's state (converted
-   to ReplaySSM where the engine runs it) enters its slot (`StatePool.write`) and its first
-   token is chosen from the prefill's logits;
-3. decodes every running request in one compiled step of `batch_size` rows
-   (``model.decode(tokens, pool, slots=)``; the rows past the running requests are padding
-   rows, slot -1), chooses each row's next token (greedy or the request's sampling), and
-   finishes the requests that emitted a stop token or reached `max_new_tokens`, freeing their
-   slots.
+   and does not stall the decoding rows);
+3. dispatches one compiled decode step of `batch_size` rows over the running requests that may
+   take another token (``model.decode(tokens, pool, slots=)``; the rows past them are padding
+   rows, slot -1), without waiting for it. Each row's next token is chosen inside the step:
+   the argmax, or a draw with the request's sampling, whose parameters are per-row arrays
+   (`sampling.BatchSampling`), so one compiled step serves every mix of greedy and sampled
+   requests. A row that the previous step served consumes that step's token on the device;
+4. after the prompt's last chunk, writes the request's state (converted to ReplaySSM where the
+   engine runs it) into its slot (`StatePool.write`) and emits its first token, chosen inside
+   the compiled prefill (the host waits for the prefill here, while the decode step runs); the
+   request decodes from the next step on;
+5. reads the previous step's tokens to the host (the step just dispatched runs meanwhile) and
+   emits them, finishing the requests that emitted a stop token or reached `max_new_tokens`
+   and freeing their slots.
+
+So the host's bookkeeping overlaps the device's decode step. A request is never dispatched past
+its max_new_tokens (the host counts its tokens in flight), but one whose stop token the host
+reads after the next step was dispatched is computed once more: that token is dropped, and its
+slot is freed. The device runs the pool's work in dispatch order (each step or write takes the
+pool arrays that the one before returned, donated), so a request admitted into a freed slot is
+written after every step that used the slot for its previous request, and the released request
+is in no later step. A sampled request's draws are keyed by fold_in(fold_in(key, request id),
+token index): its tokens are the same in any batch. After `run_until_done` a decode step whose
+rows all finished may still be in flight; the next step reads it (and drops its tokens).
 
 Prefix caching (``prefix_caching=True``): the chunks of every prompt end at multiples of
 `prefill_chunk` tokens (the block), and the state after each whole block of a prompt is kept
@@ -29,10 +45,12 @@ decode step: the drafter proposes K tokens per row from the request's own token 
 per-slot array of max_len ids on the engine; "oracle": from the reference given to
 `add_request`), the target verifies W = K + 1 positions over the pool by slot
 (``model.verify(tokens, pool, slots=)``), each row accepts greedily or with the distribution-
-preserving rejection rule of its request's sampling (`replayssm_jax.speculative.acceptance`),
-and the pool commits the accepted count by slot (``model.commit(cache, m, slots=)``). A request
-gets 1..W tokens per step; a stop token or max_new_tokens among them ends it (the tokens after
-it are dropped).
+preserving rejection rule of its request's sampling (`speculative.acceptance.accept_drafts_batch`,
+per-row parameters as arrays: one compiled round for every mix of requests), and the pool
+commits the accepted count by slot (``model.commit(cache, m, slots=)``). A request gets 1..W
+tokens per step; a stop token or max_new_tokens among them ends it (the tokens after it are
+dropped). The round is synchronous: the next round's drafter reads the token history that the
+host keeps, so each step reads its round's tokens (after the prefill's, step 4).
 
 Greedy decoding gives each request the tokens it gets alone (`Generator`, batch 1), whatever
 the other requests and their arrival times, with or without speculation.
@@ -56,9 +74,9 @@ from replayssm_jax.generation import GenerationError, SpeculativeConfig, _check_
 from replayssm_jax.ops.dispatch import ROUTES
 from replayssm_jax.ops.validate import check_slots
 from replayssm_jax.pool import PoolError, StatePool
-from replayssm_jax.sampling import SamplingParams, sample_tokens
+from replayssm_jax.sampling import BatchSampling, SamplingParams, sample_tokens_batch
 from replayssm_jax.sequence_state import export_sequence, import_sequence
-from replayssm_jax.speculative.acceptance import accept_drafts, greedy_acceptance
+from replayssm_jax.speculative.acceptance import accept_drafts_batch
 from replayssm_jax.speculative.drafters import Drafts, NgramDrafter, OracleDrafter
 
 __all__ = ["Engine", "EngineError", "RequestOutput", "ENGINE_SPECULATIVE_METHODS"]
@@ -82,7 +100,7 @@ class RequestOutput:
       num_generated: generated tokens in `sequence`.
       finish_reason: "stop" (a stop token) or "length" (max_new_tokens).
       arrival_s, token_s: `time.perf_counter()` seconds at `add_request` and
-        when each generated token was chosen (token_s[0]: the first token,
+        when the host read each generated token (token_s[0]: the first token,
         after the prefill).
       cached_tokens: prompt tokens restored from the prefix cache (not prefilled).
     """
@@ -96,7 +114,7 @@ class RequestOutput:
     cached_tokens: int = 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Request:
     request_id: int
     prompt: list[int]
@@ -111,6 +129,29 @@ class _Request:
     cache: object = None  # the chunked prefill's cache between chunks (batch 1, standard states)
     generated: list = dataclasses.field(default_factory=list)
     token_s: list = dataclasses.field(default_factory=list)
+    pending: int = 0  # tokens of dispatched steps that the host has not read
+    done: bool = False
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """A dispatched prefill chunk: its request, token i32[1] (on the device; after the last chunk the first
+    token), the batch-1 cache after it, and whether it is the prompt's last chunk."""
+
+    request: _Request
+    token: jax.Array
+    cache: object
+    final: bool
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    """A dispatched decode step or speculative round: the requests of its first rows, its tokens on the
+    device (i32[batch_size], or a round's i32[batch_size, W]) and a round's accepted counts i32[batch_size]."""
+
+    rows: list
+    tokens: jax.Array
+    accepted: jax.Array | None = None
 
 
 def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
@@ -137,11 +178,24 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+def _choose(logits, key, request_ids, counts, sampling: BatchSampling):
+    """i32[batch]: each row's next token from logits f32[batch, vocab]: the argmax for a greedy row, else a
+    draw with the row's sampling and the key fold_in(fold_in(key, request_ids[b]), counts[b]) (i32[batch]: the
+    request's id and the token's index), so a request's draws depend only on it and the engine's key."""
+    keys = jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(key, r), n))(request_ids, counts)
+    return sample_tokens_batch(logits, keys, sampling)
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled_prefill(graphdef, max_len: int, options: tuple):
-    """The jitted chunk prefill of a model structure and pool layout (shared by the engines of one model)."""
+    """The jitted chunk prefill of a model structure and pool layout (shared by the engines of one model):
 
-    def prefill(params, ids, cache, final):
+    prefill(params, ids i32[1, T], cache | None, key, request_id i32[1], sampling: BatchSampling of 1 row,
+    final) -> (token i32[1], batch-1 cache); after the last chunk (`final`) the request's first token
+    (`_choose`, token index 0), before it 0.
+    """
+
+    def prefill(params, ids, cache, key, request_id, sampling, final):
         model = nnx.merge(graphdef, params)
         chunk_options = dict(options)
         length = max_len
@@ -149,43 +203,51 @@ def _compiled_prefill(graphdef, max_len: int, options: tuple):
             window = chunk_options["max_window"]
             chunk_options.update(replay_buffer_len=None, max_window=1, checkpoint_dtype=None)
             length = max_len + window - 1  # the KV caches' length of the pool's layout (the last chunk keeps it)
-        return model.prefill(ids, length, last_logits_only=True, cache=cache, **chunk_options)
+        logits, cache = model.prefill(ids, length, last_logits_only=True, cache=cache, **chunk_options)
+        if not final:
+            return jnp.zeros((1,), jnp.int32), cache
+        return _choose(logits, key, request_id, jnp.zeros((1,), jnp.int32), sampling), cache
 
     return jax.jit(prefill, static_argnames=("final",))
 
 
 @functools.lru_cache(maxsize=32)
 def _compiled_decode(graphdef, route: str, backend: str | None):
-    """The jitted decode step over a pool (greedy tokens on the device), the pool donated."""
+    """The jitted decode step over a pool, the pool donated:
 
-    def decode(params, cache, tokens, slots):
+    decode(params, cache, previous i32[batch], source i32[batch], host_tokens i32[batch], slots i32[batch], key,
+    request_ids i32[batch], counts i32[batch], sampling: BatchSampling) -> (tokens i32[batch], cache).
+
+    Row b consumes previous[source[b]] (the token an earlier step chose on the device, not yet read by the
+    host) where source[b] >= 0, else host_tokens[b]; its next token is chosen on the device (`_choose`, with
+    counts[b] the token's index), so one program serves every mix of greedy and sampled rows.
+    """
+
+    def decode(params, cache, previous, source, host_tokens, slots, key, request_ids, counts, sampling):
         model = nnx.merge(graphdef, params)
+        tokens = jnp.where(source >= 0, previous[jnp.maximum(source, 0)], host_tokens)
         logits, cache = model.decode(tokens, cache, route=route, backend=backend, slots=slots)
-        return logits, jnp.argmax(logits, -1).astype(jnp.int32), cache
+        return _choose(logits, key, request_ids, counts, sampling), cache
 
     return jax.jit(decode, donate_argnums=(1,))
 
 
-# One row's draw (a compiled program per SamplingParams).
-_sample = jax.jit(sample_tokens, static_argnums=(2,))
-
-
 @functools.lru_cache(maxsize=32)
-def _compiled_round(graphdef, backend: str | None, samplings: tuple):
+def _compiled_round(graphdef, backend: str | None):
     """The jitted speculative round over a pool, the pool donated:
 
     round(params, cache, drafter, history i32[batch, max_len], lengths i32[batch], limit i32[batch], slots
-    i32[batch], request_ids i32[batch], generated i32[batch], choice i32[batch], key, draft_key) -> (tokens
-    i32[batch, W], num_accepted i32[batch] in 1..W, cache).
+    i32[batch], request_ids i32[batch], generated i32[batch], sampling: BatchSampling, key, draft_key) ->
+    (tokens i32[batch, W], num_accepted i32[batch] in 1..W, cache).
 
     Row b's known tokens are history[b, :lengths[b]] (the last one not yet consumed by its slot); the
-    drafter proposes at most limit[b] tokens; choice[b] = 0 accepts greedily, i + 1 with samplings[i]
-    (static: the distinct SamplingParams of the batch's sampled requests), drawing with the key
+    drafter proposes at most limit[b] tokens; the row accepts greedily or with the rejection rule of its
+    sampling (`accept_drafts_batch`, traced: one program for every mix of rows), drawing with the key
     fold_in(fold_in(key, request_ids[b]), generated[b]) (so a request's draws depend only on it and the
     engine's key); the drafter draws with draft_key.
     """
 
-    def round_(params, cache, drafter, history, lengths, limit, slots, request_ids, generated, choice, key,
+    def round_(params, cache, drafter, history, lengths, limit, slots, request_ids, generated, sampling, key,
                draft_key):
         model = nnx.merge(graphdef, params)
         proposed, _ = drafter.draft(model, None, history, lengths, draft_key)
@@ -194,18 +256,9 @@ def _compiled_round(graphdef, backend: str | None, samplings: tuple):
         drafts = jnp.where(jnp.arange(K)[None, :] < num_drafts[:, None], proposed.tokens, 0)
         last = jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)
         logits, cache = model.verify(jnp.concatenate([last, drafts], axis=1), cache, backend=backend, slots=slots)
-        accepted = greedy_acceptance(logits, drafts, num_drafts)
-        tokens, m = accepted.tokens, accepted.num_accepted
         keys = jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(key, r), n))(request_ids, generated)
-        for i, sampling in enumerate(samplings, start=1):
-            def one(row_logits, row_drafts, count, row_key, sampling=sampling):
-                out = accept_drafts(row_logits[None], Drafts(row_drafts[None], count[None]), row_key, sampling)
-                return out.tokens[0], out.num_accepted[0]
-
-            drawn, drawn_m = jax.vmap(one)(logits, drafts, num_drafts, keys)
-            tokens = jnp.where((choice == i)[:, None], drawn, tokens)
-            m = jnp.where(choice == i, drawn_m, m)
-        return tokens, m, model.commit(cache, m, slots=slots)
+        accepted = accept_drafts_batch(logits, Drafts(drafts, num_drafts), keys, sampling)
+        return accepted.tokens, accepted.num_accepted, model.commit(cache, accepted.num_accepted, slots=slots)
 
     return jax.jit(round_, donate_argnums=(1,))
 
@@ -251,7 +304,7 @@ class Engine:
     Attributes:
       pool: the StatePool; window: W, the verify window (1 without speculation).
       stats: a Counter of prefill_tokens, prefix_hits, cached_tokens,
-        decode_steps (decode steps, or speculative rounds), and with
+        decode_steps (decode steps dispatched, or speculative rounds), and with
         speculation round_rows (requests stepped, summed over the rounds) and
         accepted_tokens (the tokens the rounds committed, before any cut at a
         stop token or max_new_tokens).
@@ -310,6 +363,8 @@ class Engine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prefilling: list[_Request] = []
         self._running: list[_Request] = []
+        self._decoding: _Dispatched | None = None  # the last decode step, its tokens not yet read
+        self._no_tokens = jnp.zeros((self.batch_size,), jnp.int32)
         self._prefixes: collections.OrderedDict[str, object] = collections.OrderedDict()
         self._template = None  # a zero batch-1 standard cache: the prefix cache's restore target
         self._next_id = 0
@@ -317,12 +372,13 @@ class Engine:
 
     @property
     def _prefill(self):
-        """prefill(params, ids [1, T], cache | None, final) -> (logits [1, vocab], batch-1 cache)."""
+        """prefill(params, ids [1, T], cache | None, key, request_id, sampling, final) -> (token i32[1],
+        batch-1 cache) (`_compiled_prefill`)."""
         return _compiled_prefill(self._graphdef, self.pool.max_len, tuple(sorted(self.pool.prefill_options.items())))
 
     @property
     def _decode(self):
-        """decode(params, pool cache, tokens, slots) -> (logits, greedy tokens, pool cache), the pool donated."""
+        """The compiled decode step (`_compiled_decode`), the pool donated."""
         return _compiled_decode(self._graphdef, self._route, self._backend)
 
     def _drafter(self, references):
@@ -387,22 +443,19 @@ class Engine:
         return len(self._waiting) + len(self._prefilling) + len(self._running)
 
     def step(self) -> list[RequestOutput]:
-        """One engine step: admit, one prefill chunk, one decode step of the running requests.
-        Returns the requests that finished in it."""
+        """One engine step: admit, one prefill chunk, one decode step (or speculative round) of the running
+        requests (module docstring). Returns the requests that finished in it."""
         finished: list[RequestOutput] = []
-        while self._waiting and self.pool.free_slots:
-            request = self._waiting.popleft()
-            request.slot = self.pool.allocate()
-            self._history[request.slot, : len(request.prompt)] = request.prompt
-            if request.reference is not None:
-                self._reference[request.slot] = 0
-                self._reference[request.slot, : len(request.reference)] = request.reference
-                self._reference_len[request.slot] = len(request.reference)
-            self._prefilling.append(request)
-        if self._prefilling:
-            self._prefill_chunk(self._prefilling[0], finished)
-        if self._running:
-            (self._decode_step if self.speculative is None else self._speculative_step)(finished)
+        self._admit()
+        chunk = self._dispatch_prefill(self._prefilling[0]) if self._prefilling else None
+        if self.speculative is None:
+            previous, self._decoding = self._decoding, self._dispatch_decode()
+        else:
+            previous = self._dispatch_round()  # read in this step: the round is synchronous
+        if chunk is not None:
+            self._finish_prefill(chunk, finished)
+        if previous is not None:
+            self._read(previous, finished)
         return finished
 
     def run_until_done(self) -> list[RequestOutput]:
@@ -413,6 +466,18 @@ class Engine:
         return sorted(outputs, key=lambda o: o.request_id)
 
     # -- the step's parts -------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots (first come, first served)."""
+        while self._waiting and self.pool.free_slots:
+            request = self._waiting.popleft()
+            request.slot = self.pool.allocate()
+            self._history[request.slot, : len(request.prompt)] = request.prompt
+            if request.reference is not None:
+                self._reference[request.slot] = 0
+                self._reference[request.slot, : len(request.reference)] = request.reference
+                self._reference_len[request.slot] = len(request.reference)
+            self._prefilling.append(request)
 
     def _restore_prefix(self, request: _Request) -> None:
         """Start `request` from the longest kept prefix of its prompt (whole blocks, short of the whole prompt)."""
@@ -431,60 +496,93 @@ class Engine:
 
     def _prefix_template(self):
         if self._template is None:
-            shapes = jax.eval_shape(lambda p: self._prefill(p, jnp.zeros((1, 1), jnp.int32), None, False)[1],
+            greedy = BatchSampling.of([None])
+            shapes = jax.eval_shape(lambda p: self._prefill(p, jnp.zeros((1, 1), jnp.int32), None, self._key,
+                                                            jnp.zeros((1,), jnp.int32), greedy, False)[1],
                                     self._params)
             self._template = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         return self._template
 
-    def _prefill_chunk(self, request: _Request, finished: list) -> None:
-        """Prefill the next chunk of `request`'s prompt (before the first one, restore its longest kept
-        prefix: one that the requests prefilled before it may have kept); after the last one, move it to
-        its slot."""
+    def _dispatch_prefill(self, request: _Request) -> _Chunk:
+        """Dispatch the next chunk of `request`'s prompt, not waiting for it (before the first one, restore
+        its longest kept prefix: one that the requests prefilled before it may have kept)."""
         if request.prefilled == 0:
             self._restore_prefix(request)
         start = request.prefilled
         end = min(len(request.prompt), start + self.prefill_chunk)
         final = end == len(request.prompt)
         ids = jnp.asarray([request.prompt[start:end]], jnp.int32)
-        logits, cache = self._prefill(self._params, ids, request.cache, final)
+        token, cache = self._prefill(self._params, ids, request.cache, self._key,
+                                     jnp.asarray([request.request_id], jnp.int32), BatchSampling.of([request.sampling]),
+                                     final)
         request.prefilled, request.cache = end, None if final else cache
         self.stats["prefill_tokens"] += end - start
-        if self.prefix_caching and not final:  # end is a multiple of the block
-            key = _prefix_key(request.prompt[:end])
+        return _Chunk(request, token, cache, final)
+
+    def _finish_prefill(self, chunk: _Chunk, finished: list) -> None:
+        """Keep a whole block's prefix (prefix caching); after the last chunk, move the request to its slot
+        and emit its first token (waiting for the prefill)."""
+        request = chunk.request
+        if self.prefix_caching and not chunk.final:  # the chunk ends at a multiple of the block
+            key = _prefix_key(request.prompt[:request.prefilled])
             if key not in self._prefixes:
-                self._prefixes[key] = export_sequence(cache, 0)
+                self._prefixes[key] = export_sequence(chunk.cache, 0)
                 while len(self._prefixes) > self.prefix_cache_size:
                     self._prefixes.popitem(last=False)
-        if not final:
+        if not chunk.final:
             return
         self._prefilling.remove(request)
-        self.pool.write(request.slot, cache)
-        token = self._choose(logits, np.asarray(jnp.argmax(logits, -1)), [request])[0]
+        self.pool.write(request.slot, chunk.cache)
         self._running.append(request)
-        self._emit(request, token, finished)
+        self._emit(request, int(np.asarray(chunk.token)[0]), finished)
 
     def _batch_rows(self):
-        """(up to batch_size running requests, the others waiting: round robin; their slots i32[batch_size]
-        checked, padding rows -1; the number of padding rows)."""
-        rows = self._running[: self.batch_size]
-        self._running = self._running[self.batch_size:] + rows
+        """(up to batch_size running requests that may take another token, the others waiting: round robin;
+        their slots i32[batch_size] checked, padding rows -1; the number of padding rows), or None when no
+        request may take another token (each has a dispatched step that gives its last one)."""
+        ready = [r for r in self._running if len(r.generated) + r.pending < r.max_new_tokens]
+        rows = ready[: self.batch_size]
+        if not rows:
+            return None
+        chosen = set(rows)
+        self._running = [r for r in self._running if r not in chosen] + rows
         pad = self.batch_size - len(rows)
         slots = check_slots(np.asarray([r.slot for r in rows] + [-1] * pad, np.int32), self.pool.capacity, None)
         return rows, slots, pad
 
-    def _decode_step(self, finished: list) -> None:
-        """One compiled decode step of up to batch_size running requests (the others wait: round robin)."""
-        rows, slots, pad = self._batch_rows()
-        tokens = np.asarray([r.generated[-1] for r in rows] + [0] * pad, np.int32)
-        logits, greedy, self.pool.cache = self._decode(self._params, self.pool.cache, jnp.asarray(tokens), slots)
-        self.stats["decode_steps"] += 1
-        for request, token in zip(rows, self._choose(logits, np.asarray(greedy), rows)):
-            self._emit(request, token, finished)
+    def _row_arrays(self, rows: list[_Request], pad: int):
+        """(request ids i32[batch_size], the next token's index i32[batch_size], BatchSampling): padding rows 0
+        and greedy."""
+        ids = np.asarray([r.request_id for r in rows] + [0] * pad, np.int32)
+        counts = np.asarray([len(r.generated) + r.pending for r in rows] + [0] * pad, np.int32)
+        return ids, counts, BatchSampling.of([r.sampling for r in rows] + [None] * pad)
 
-    def _speculative_step(self, finished: list) -> None:
-        """One compiled speculative round of up to batch_size running requests (module docstring); each
-        emits its accepted tokens up to a stop token or max_new_tokens."""
-        rows, slots, pad = self._batch_rows()
+    def _dispatch_decode(self) -> _Dispatched | None:
+        """Dispatch one compiled decode step of up to batch_size running requests, not waiting for it; a
+        row that the previous, unread step served continues from that step's token on the device."""
+        batch = self._batch_rows()
+        if batch is None:
+            return None
+        rows, slots, pad = batch
+        previous = self._decoding
+        served = {} if previous is None else {r: i for i, r in enumerate(previous.rows)}
+        source = np.asarray([served.get(r, -1) for r in rows] + [-1] * pad, np.int32)
+        host = np.asarray([0 if r in served else r.generated[-1] for r in rows] + [0] * pad, np.int32)
+        ids, counts, sampling = self._row_arrays(rows, pad)
+        tokens, self.pool.cache = self._decode(
+            self._params, self.pool.cache, self._no_tokens if previous is None else previous.tokens, source, host,
+            slots, self._key, ids, counts, sampling)
+        for request in rows:
+            request.pending += 1
+        self.stats["decode_steps"] += 1
+        return _Dispatched(rows, tokens)
+
+    def _dispatch_round(self) -> _Dispatched | None:
+        """Dispatch one compiled speculative round of up to batch_size running requests (module docstring)."""
+        batch = self._batch_rows()
+        if batch is None:
+            return None
+        rows, slots, pad = batch
         index = np.asarray([r.slot for r in rows] + [0] * pad)
         lengths = np.asarray([len(r.prompt) + len(r.generated) for r in rows] + [1] * pad, np.int32)
         K = self.speculative.num_draft
@@ -492,33 +590,34 @@ class Engine:
         if self.speculative.method == "oracle":
             limit = np.clip(self._reference_len[index] - lengths, 0, K).astype(np.int32)
         limit[len(rows):] = 0
-        samplings = tuple(sorted({r.sampling for r in rows if r.sampling is not None}, key=repr))
-        choice = [0 if r.sampling is None else 1 + samplings.index(r.sampling) for r in rows] + [0] * pad
-        ids = [r.request_id for r in rows] + [0] * pad
-        generated = [len(r.generated) for r in rows] + [0] * pad
-        round_ = _compiled_round(self._graphdef, self._backend, samplings)
+        ids, generated, sampling = self._row_arrays(rows, pad)
+        round_ = _compiled_round(self._graphdef, self._backend)
         draft_key = jax.random.fold_in(self._key, self.stats["decode_steps"])
         tokens, accepted, self.pool.cache = round_(
             self._params, self.pool.cache, self._drafter(self._reference[index]), jnp.asarray(self._history[index]),
-            jnp.asarray(lengths), jnp.asarray(limit), slots, jnp.asarray(ids, jnp.int32),
-            jnp.asarray(generated, jnp.int32), jnp.asarray(choice, jnp.int32), self._key, draft_key)
+            jnp.asarray(lengths), jnp.asarray(limit), slots, ids, generated, sampling, self._key, draft_key)
+        for request in rows:
+            request.pending += 1
         self.stats["decode_steps"] += 1
-        tokens, accepted = np.asarray(tokens), np.asarray(accepted)
         self.stats["round_rows"] += len(rows)
-        for row, request in enumerate(rows):
-            self.stats["accepted_tokens"] += int(accepted[row])
+        return _Dispatched(rows, tokens, accepted)
+
+    def _read(self, dispatched: _Dispatched, finished: list) -> None:
+        """Read a dispatched step's tokens to the host (waiting for it) and emit them, a round's accepted
+        tokens of each row up to a stop token or max_new_tokens; a request that finished after the step was
+        dispatched (at a stop token the host had not read yet) gets nothing from it."""
+        tokens = np.asarray(dispatched.tokens).reshape(self.batch_size, -1)
+        accepted = np.ones(self.batch_size, np.int32) if dispatched.accepted is None else \
+            np.asarray(dispatched.accepted)
+        for row, request in enumerate(dispatched.rows):
+            request.pending -= 1
+            if request.done:
+                continue
+            if dispatched.accepted is not None:
+                self.stats["accepted_tokens"] += int(accepted[row])
             for token in tokens[row, : accepted[row]]:
                 if self._emit(request, int(token), finished):
                     break
-
-    def _choose(self, logits, greedy: np.ndarray, rows: list[_Request]) -> list[int]:
-        """Each row's next token: the greedy one, or a draw with the request's sampling."""
-        tokens = [int(t) for t in greedy[: len(rows)]]
-        for i, request in enumerate(rows):
-            if request.sampling is not None:
-                key = jax.random.fold_in(jax.random.fold_in(self._key, request.request_id), len(request.generated))
-                tokens[i] = int(_sample(logits[i:i + 1], key, request.sampling)[0])
-        return tokens
 
     def _emit(self, request: _Request, token: int, finished: list) -> bool:
         """Append `token` to `request` (and its slot's history); finish it (its slot freed) on a stop token
@@ -530,6 +629,7 @@ class Engine:
             request.max_new_tokens else None
         if reason is None:
             return False
+        request.done = True
         self._running.remove(request)
         self.pool.release(request.slot)
         finished.append(RequestOutput(request.request_id, request.prompt + request.generated, len(request.generated),

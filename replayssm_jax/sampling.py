@@ -1,4 +1,11 @@
-"""Next-token choice: greedy, temperature, top-k and top-p (nucleus) sampling."""
+"""Next-token choice: greedy, temperature, top-k and top-p (nucleus) sampling.
+
+Two forms: one `SamplingParams` for the whole batch, a static argument of compiled code
+(:func:`processed_logits`, :func:`token_log_probs`, :func:`sample_tokens`), and per-row
+parameters as arrays, `BatchSampling`, traced (:func:`processed_logits_batch`,
+:func:`sample_tokens_batch`): one compiled program serves any mix of greedy and sampled rows, and
+a row's result is the one the static form gives it with its own params.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,12 @@ import dataclasses
 import math
 import numbers
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,3 +168,132 @@ def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> 
     logits = processed_logits(logits, params)
     keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(logits.shape[0]))
     return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+@struct.dataclass
+class BatchSampling:
+    """Per-row SamplingParams of a batch, as arrays (traced under `jax.jit`).
+
+    Attributes:
+      temperature: f32[batch], >= 0; 0: the row decodes greedily.
+      top_k: i32[batch], >= 0 (0: all tokens).
+      top_p: f32[batch] in (0, 1] (1: all tokens).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @property
+    def greedy(self) -> jax.Array:
+        """bool[batch]: the rows that take the argmax (temperature 0)."""
+        return self.temperature == 0
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams | None]) -> "BatchSampling":
+        """The rows' params (None: greedy, as SamplingParams())."""
+        rows = [SamplingParams() if p is None else p for p in params]
+        for p in rows:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"`params` must hold SamplingParams or None; got {type(p).__name__}")
+        return cls(temperature=jnp.asarray(np.asarray([p.temperature for p in rows], np.float32)),
+                   top_k=jnp.asarray(np.asarray([p.top_k for p in rows], np.int32)),
+                   top_p=jnp.asarray(np.asarray([p.top_p for p in rows], np.float32)))
+
+
+def _check_batch_sampling(sampling, batch: int) -> BatchSampling:
+    if not isinstance(sampling, BatchSampling):
+        raise TypeError(f"`sampling` must be a BatchSampling; got {type(sampling).__name__}")
+    for name in ("temperature", "top_k", "top_p"):
+        shape = tuple(jnp.shape(getattr(sampling, name)))
+        if shape != (batch,):
+            raise ValueError(f"`sampling.{name}` must have shape [batch] = {(batch,)}; got {shape}")
+    return sampling
+
+
+def _per_row(x: jax.Array, ndim: int) -> jax.Array:
+    """x [batch] as [batch, 1, ..., 1] (`ndim` axes), to broadcast over a row's other axes."""
+    return x.reshape(x.shape + (1,) * (ndim - 1))
+
+
+def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`logits` f32[batch, ..., vocab] with -inf at the tokens that each row's top_k i32 and then top_p f32
+    ([batch, 1, ..., 1]) remove; top_k 0 or >= vocab and top_p 1 remove none (as :func:`processed_logits`)."""
+    vocab = logits.shape[-1]
+    ordered = jnp.sort(logits, axis=-1)[..., ::-1]
+    index = jnp.broadcast_to(jnp.clip(top_k - 1, 0, vocab - 1), ordered.shape[:-1] + (1,))
+    kth = jnp.where((top_k > 0) & (top_k < vocab), jnp.take_along_axis(ordered, index, axis=-1), -jnp.inf)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+    cutoff = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+    cutoff = jnp.where(top_p < 1.0, cutoff, -jnp.inf)
+    return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+def processed_logits_batch(logits: jax.Array, sampling: BatchSampling) -> jax.Array:
+    """:func:`processed_logits` with each row's own params.
+
+    Args:
+      logits: f32 | bf16[batch, ..., vocab] (e.g. [batch, vocab] or [batch, W, vocab]).
+      sampling: BatchSampling of `batch` rows.
+
+    Returns:
+      f32[batch, ..., vocab]: row b is processed_logits(logits[b], params of row b). The
+      top-k / top-p sort runs only when some row filters.
+
+    Raises:
+      TypeError: `sampling` not a BatchSampling. ValueError: its arrays not [batch].
+    """
+    logits = logits.astype(jnp.float32)
+    sampling = _check_batch_sampling(sampling, logits.shape[0])
+    greedy = _per_row(sampling.greedy, logits.ndim)
+    temperature = jnp.where(greedy, 1.0, _per_row(sampling.temperature, logits.ndim))
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
+    top_k, top_p = _per_row(sampling.top_k, logits.ndim), _per_row(sampling.top_p, logits.ndim)
+    filters = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1.0))
+    scaled = jax.lax.cond(filters, _filter_top_k_top_p, lambda x, k, p: x, scaled, top_k, top_p)
+    point = jnp.where(jnp.arange(logits.shape[-1]) == jnp.argmax(logits, axis=-1)[..., None], 0.0, -jnp.inf)
+    return jnp.where(greedy, point, scaled)
+
+
+def _check_row_keys(keys, batch: int) -> jax.Array:
+    """Per-row PRNG keys: typed keys [batch] or raw u32[batch, 2]; TypeError otherwise."""
+    if isinstance(keys, jax.Array):
+        if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) and keys.shape == (batch,):
+            return keys
+        if keys.dtype == jnp.uint32 and keys.shape == (batch, 2):
+            return keys
+    raise TypeError(f"`keys` must be one PRNG key per row: typed keys of shape {(batch,)} or u32 of shape "
+                    f"{(batch, 2)}; got {getattr(keys, 'dtype', type(keys).__name__)} with shape "
+                    f"{getattr(keys, 'shape', None)}")
+
+
+def sample_tokens_batch(logits: jax.Array, keys: jax.Array, sampling: BatchSampling) -> jax.Array:
+    """Choose one token per row with the row's own params and key.
+
+    Args:
+      logits: f32 | bf16[batch, vocab].
+      keys: PRNG keys [batch] (typed) or u32[batch, 2]: row b draws with keys[b] only,
+        so its token does not depend on the other rows (unused by greedy rows).
+      sampling: BatchSampling of `batch` rows.
+
+    Returns:
+      i32[batch]: the argmax for a greedy row, else a draw from
+      softmax(processed_logits_batch(logits, sampling)[b]) with keys[b] (the token
+      `sample_tokens(logits[b:b + 1], k, params)` gives where fold_in(k, 0) = keys[b]).
+      A batch without a sampled row computes the argmax only.
+
+    Raises:
+      TypeError: bad `keys` or `sampling`. ValueError: `sampling`'s arrays not [batch].
+    """
+    sampling = _check_batch_sampling(sampling, logits.shape[0])
+    keys = _check_row_keys(keys, logits.shape[0])
+    greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
+    def draw():
+        drawn = jax.vmap(jax.random.categorical)(keys, processed_logits_batch(logits, sampling)).astype(jnp.int32)
+        return jnp.where(sampling.greedy, greedy, drawn)
+
+    return jax.lax.cond(jnp.all(sampling.greedy), lambda: greedy, draw)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from models import load_model
-from replayssm_jax.engine import Engine, EngineError
+from replayssm_jax.engine import Engine, EngineError, _compiled_round
 from replayssm_jax.generation import Generator, SpeculativeConfig
 from replayssm_jax.sampling import SamplingParams
 
@@ -32,16 +32,16 @@ def _prompts(seed):
     return [rng.integers(3, 250, size=n).tolist() for _, n, _ in REQUESTS]
 
 
-def _run(engine, prompts, stop=None, sampling=None):
-    """Outputs by request id, the requests added at their arrival steps; `stop`: request 2's stop id;
-    `sampling`: request 3's SamplingParams (the others greedy)."""
+def _run(engine, prompts, stops=None, samplings=None):
+    """Outputs by request id, the requests added at their arrival steps; `stops`: {request: its stop id};
+    `samplings`: {request: its SamplingParams} (the others greedy)."""
+    stops, samplings = stops or {}, samplings or {}
     outputs, step = {}, 0
     while step <= max(r[0] for r in REQUESTS) or engine.num_unfinished:
         for i, (arrival, _, new) in enumerate(REQUESTS):
             if arrival == step:
-                stop_ids = (stop,) if i == 2 and stop is not None else ()
-                options = dict(sampling=sampling) if i == 3 else {}
-                assert engine.add_request(prompts[i], new, stop_ids=stop_ids, **options) == i
+                stop_ids = (stops[i],) if stops.get(i) is not None else ()
+                assert engine.add_request(prompts[i], new, stop_ids=stop_ids, sampling=samplings.get(i)) == i
         outputs.update({o.request_id: o for o in engine.step()})
         step += 1
     return outputs
@@ -57,14 +57,15 @@ def generated(model):
     return prompts, [list(sequence[len(prompt):]) for prompt, sequence in zip(prompts, out.sequences)]
 
 
-def _expected(prompts, tokens, stop=None):
-    """Each request's sequence: its prompt and Generator tokens cut at its max_new_tokens (request 2's
-    also after its stop token `stop`)."""
+def _expected(prompts, tokens, stops=None):
+    """Each request's sequence: its prompt and Generator tokens cut at its max_new_tokens (and after its stop
+    token, `stops`: {request: its stop id})."""
+    stops = stops or {}
     expected = []
     for i, (prompt, (_, _, new), generated) in enumerate(zip(prompts, REQUESTS, tokens)):
         generated = generated[:new]
-        if i == 2 and stop in generated:
-            generated = generated[:generated.index(stop) + 1]
+        if stops.get(i) in generated:
+            generated = generated[:generated.index(stops[i]) + 1]
         expected.append(list(prompt) + generated)
     return expected
 
@@ -78,8 +79,8 @@ def test_engine_gives_the_generator_tokens(model, generated, state):
     stop = tokens[2][1] if state == "replay" else None
     engine = Engine(model, 3, state=state, buffer_len=4 if state == "replay" else None, prefill_chunk=CHUNK,
                     max_len=40, backend="xla")
-    outputs = _run(engine, prompts, stop)
-    assert [outputs[i].sequence for i in range(len(REQUESTS))] == _expected(prompts, tokens, stop)
+    outputs = _run(engine, prompts, {2: stop})
+    assert [outputs[i].sequence for i in range(len(REQUESTS))] == _expected(prompts, tokens, {2: stop})
     reasons = ["stop" if i == 2 and stop is not None else "length" for i in range(len(REQUESTS))]
     assert [outputs[i].finish_reason for i in range(len(REQUESTS))] == reasons
     if stop is not None:
@@ -127,7 +128,7 @@ def test_speculative_sampling_depends_on_the_request_only(model, generated):
     options = dict(buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla",
                    speculative=SpeculativeConfig("ngram", K))
     sampling = SamplingParams(temperature=1.0)
-    among = _run(Engine(model, 3, **options), prompts, sampling=sampling)
+    among = _run(Engine(model, 3, **options), prompts, samplings={3: sampling})
     alone = Engine(model, 3, **options)
     assert [alone.add_request([3], 1) for _ in range(3)] + [alone.add_request(prompts[3], REQUESTS[3][2],
                                                                               sampling=sampling)] == [0, 1, 2, 3]
@@ -135,6 +136,49 @@ def test_speculative_sampling_depends_on_the_request_only(model, generated):
     assert among[3].num_generated == REQUESTS[3][2]
     expected = _expected(prompts, tokens)
     assert [among[i].sequence for i in (0, 1, 2, 4)] == [expected[i] for i in (0, 1, 2, 4)]
+
+
+def test_staggered_stops_free_slots_that_new_requests_reuse(model, generated):
+    """Stop tokens end requests 0, 1 and 3 at their 3rd, 2nd and 4th tokens while the others are admitted
+    into 2 slots: the step dispatched before the host reads a stop token computes one more token of the
+    stopped request (dropped), and the request admitted into its slot is written after that step; every
+    sequence is the Generator's, cut at its stop token."""
+    prompts, tokens = generated
+    stops = {0: tokens[0][2], 1: tokens[1][1], 3: tokens[3][3]}
+    engine = Engine(model, 2, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla")
+    outputs = _run(engine, prompts, stops)
+    assert [outputs[i].sequence for i in range(len(REQUESTS))] == _expected(prompts, tokens, stops)
+    assert [outputs[i].finish_reason for i in range(len(REQUESTS))] == ["stop", "stop", "length", "stop", "length"]
+    assert engine.pool.free_slots == 2 and all(len(o.token_s) == o.num_generated for o in outputs.values())
+
+
+MIXED = {1: SamplingParams(0.8, top_k=5), 2: SamplingParams(1.0, top_p=0.9), 3: SamplingParams(1.0),
+         4: SamplingParams(0.5, top_k=3, top_p=0.8)}
+
+
+@pytest.mark.parametrize("speculative", [None, SpeculativeConfig("ngram", K)], ids=["decode", "ngram"])
+def test_mixed_sampling_compiles_one_step(model, generated, speculative):
+    """Requests of four different SamplingParams and a greedy one, 4 slots and a batch of 2 rows (the
+    running requests take turns, so the batch's mix changes every step): one compiled decode step (or
+    speculative round) serves every mix; each sampled request draws the tokens it draws alone (its draws
+    keyed by its id and token index; alone after one-token requests that keep its id), the greedy one
+    gets the Generator's tokens."""
+    prompts, tokens = generated
+    options = dict(buffer_len=4, batch_size=2, prefill_chunk=CHUNK, max_len=40, backend="xla",
+                   speculative=speculative)
+    engine = Engine(model, 4, **options)
+    step = engine._decode if speculative is None else _compiled_round(engine._graphdef, engine._backend)
+    before = step._cache_size()
+    among = _run(engine, prompts, samplings=MIXED)
+    assert step._cache_size() - before == 1
+    assert among[0].sequence == _expected(prompts, tokens)[0]
+    for i, sampling in MIXED.items():
+        alone = Engine(model, 4, **options)
+        ids = [alone.add_request([3], 1) for _ in range(i)] + [alone.add_request(prompts[i], REQUESTS[i][2],
+                                                                                 sampling=sampling)]
+        assert ids == list(range(i + 1))
+        assert alone.run_until_done()[i].sequence == among[i].sequence, i
+        assert among[i].num_generated == REQUESTS[i][2]
 
 
 def test_int8_checkpoints_give_each_request_its_tokens_alone(model):
@@ -164,7 +208,8 @@ def test_prefix_caching_skips_the_shared_prefix(model):
     # Without the cache, and a decode batch of 2 for 3 slots (the running requests take turns).
     plain = Engine(model, 3, buffer_len=4, batch_size=2, prefill_chunk=CHUNK, max_len=40, backend="xla")
     sampling = SamplingParams(temperature=1.0)  # request 3 samples: its draws depend on its id and logits only
-    with_cache, without = _run(cached, prompts, sampling=sampling), _run(plain, prompts, sampling=sampling)
+    samplings = {3: sampling}
+    with_cache, without = _run(cached, prompts, samplings=samplings), _run(plain, prompts, samplings=samplings)
     assert [with_cache[i].sequence for i in range(len(REQUESTS))] == [without[i].sequence for i in range(len(REQUESTS))]
     assert [with_cache[i].cached_tokens for i in range(len(REQUESTS))] == [0, 0, CHUNK, 0, CHUNK]
     assert cached.stats["prefill_tokens"] == plain.stats["prefill_tokens"] - cached.stats["cached_tokens"]

@@ -1,7 +1,8 @@
 """The acceptance rules: greedy on hand-made logits and against plain greedy
 decoding of a toy bigram model; speculative sampling keeps the target's
 distribution (chi-square on a 5-token vocabulary, and a wrong residual fails
-the same check); the edge cases and bad input."""
+the same check); the edge cases and bad input; the per-row forms (params as
+arrays) give each row its own params' result."""
 
 from __future__ import annotations
 
@@ -12,12 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from replayssm_jax.sampling import SamplingParams, sample_tokens, token_log_probs
+from replayssm_jax.sampling import (
+    BatchSampling,
+    SamplingParams,
+    processed_logits,
+    processed_logits_batch,
+    sample_tokens,
+    sample_tokens_batch,
+    token_log_probs,
+)
 from replayssm_jax.speculative import (
     Drafts,
     NgramDrafter,
     OracleDrafter,
     accept_drafts,
+    accept_drafts_batch,
     acceptance,
     greedy_acceptance,
     sampling_acceptance,
@@ -319,3 +329,57 @@ def test_bad_accept_drafts_arguments():
         accept_drafts(LOGITS, (DRAFTS, NUM), KEY, SamplingParams())
     with pytest.raises(TypeError, match="`params` must be a SamplingParams; got float"):
         accept_drafts(LOGITS, Drafts(DRAFTS, NUM), KEY, 0.0)
+
+
+# Per-row params of one batch: greedy, plain, top-k, top-p, both, a top-k of the whole vocabulary.
+MIXED = [None, SamplingParams(0.7), SamplingParams(1.0, top_k=3), SamplingParams(1.3, top_p=0.6),
+         SamplingParams(0.9, top_k=5, top_p=0.8), SamplingParams(1.0, top_k=20)]
+
+
+def test_batch_sampling_gives_each_row_its_params_result(rng):
+    """processed_logits_batch, sample_tokens_batch and accept_drafts_batch (one jitted program, params traced):
+    row b equals the static form's result with row b's params alone (bit for bit, keys[b] = fold_in(k, 0));
+    an all-greedy batch gives the argmax and greedy acceptance."""
+    batch = len(MIXED)
+    logits = jnp.asarray(rng.normal(size=(batch, 3, 20)) * 2, jnp.float32)
+    drafts = Drafts(jnp.asarray(rng.integers(0, 20, size=(batch, 2)), jnp.int32),
+                    jnp.asarray([2, 1, 2, 0, 2, 1], jnp.int32),
+                    jax.nn.softmax(jnp.asarray(rng.normal(size=(batch, 2, 20)), jnp.float32), axis=-1))
+    sampling = BatchSampling.of(MIXED)
+    row_keys = [jax.random.key(b) for b in range(batch)]
+    keys = jnp.stack([jax.random.fold_in(k, 0) for k in row_keys])
+    processed = jax.jit(processed_logits_batch)(logits, sampling)
+    tokens = jax.jit(sample_tokens_batch)(logits[:, 0], keys, sampling)
+    accepted = jax.jit(accept_drafts_batch)(logits, drafts, keys, sampling)
+    for b, params in enumerate(MIXED):
+        params = params or SamplingParams()
+        np.testing.assert_array_equal(np.asarray(processed[b]), np.asarray(processed_logits(logits[b], params)))
+        alone = sample_tokens(logits[b:b + 1, 0], row_keys[b], params)
+        assert int(tokens[b]) == int(alone[0]), b
+        row = Drafts(drafts.tokens[b:b + 1], drafts.num_drafts[b:b + 1], drafts.q_probs[b:b + 1])
+        alone = accept_drafts(logits[b:b + 1], row, row_keys[b], params)
+        np.testing.assert_array_equal(np.asarray(accepted.tokens[b]), np.asarray(alone.tokens[0]), err_msg=str(b))
+        assert int(accepted.num_accepted[b]) == int(alone.num_accepted[0]), b
+    greedy = BatchSampling.of([None] * batch)
+    np.testing.assert_array_equal(np.asarray(sample_tokens_batch(logits[:, 0], keys, greedy)),
+                                  np.asarray(jnp.argmax(logits[:, 0], -1)))
+    expected = greedy_acceptance(logits, drafts.tokens, drafts.num_drafts)
+    np.testing.assert_array_equal(np.asarray(accept_drafts_batch(logits, drafts, keys, greedy).tokens),
+                                  np.asarray(expected.tokens))
+
+
+def test_bad_batch_sampling_arguments():
+    sampling = BatchSampling.of([None, SamplingParams(1.0)])
+    keys = jnp.stack([KEY, KEY])
+    with pytest.raises(TypeError, match="`params` must hold SamplingParams or None; got float"):
+        BatchSampling.of([None, 1.0])
+    with pytest.raises(TypeError, match="`sampling` must be a BatchSampling; got SamplingParams"):
+        sample_tokens_batch(LOGITS[:, 0], keys, SamplingParams())
+    with pytest.raises(ValueError, match=r"`sampling.temperature` must have shape \[batch\] = \(2,\); got \(1,\)"):
+        processed_logits_batch(LOGITS, BatchSampling.of([None]))
+    with pytest.raises(TypeError, match=r"`keys` must be one PRNG key per row: typed keys of shape \(2,\)"):
+        sample_tokens_batch(LOGITS[:, 0], KEY, sampling)
+    with pytest.raises(TypeError, match="`drafts` must be a Drafts; got tuple"):
+        accept_drafts_batch(LOGITS, (DRAFTS, NUM), keys, sampling)
+    with pytest.raises(ValueError, match=r"`num_drafts` must have shape \[batch\]"):
+        accept_drafts_batch(LOGITS, Drafts(DRAFTS, NUM[:1]), keys, sampling)

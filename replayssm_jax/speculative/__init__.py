@@ -24,6 +24,7 @@
 from replayssm_jax.speculative.acceptance import (
     Accepted,
     accept_drafts,
+    accept_drafts_batch,
     greedy_acceptance,
     sampling_acceptance,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "StatelessDrafter",
     "TreeAccepted",
     "accept_drafts",
+    "accept_drafts_batch",
     "as_tree",
     "check_history",
     "choose_drafts",

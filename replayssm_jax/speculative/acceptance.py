@@ -18,6 +18,9 @@ longest prefix it accepts) and one more token from the target: m = a + 1 in
   Speculative Sampling"): each emitted token has exactly the target's
   distribution p (after temperature, top-k and top-p, as plain sampling).
 - :func:`accept_drafts`: the rule that `SamplingParams` calls for.
+- :func:`accept_drafts_batch`: each row's rule from its own params
+  (`BatchSampling`, traced) and its own key: one compiled program for any mix
+  of greedy and sampled rows.
 
 Rows with fewer drafts are padded: drafts[b, j] for j >= num_drafts[b] are
 always rejected and do not change the distribution of what is emitted, so a
@@ -36,7 +39,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from replayssm_jax.ops import validate as v
-from replayssm_jax.sampling import SamplingParams, token_log_probs
+from replayssm_jax.sampling import (BatchSampling, SamplingParams, _check_batch_sampling, _check_row_keys,
+                                    processed_logits_batch, token_log_probs)
 from replayssm_jax.speculative import _checks
 from replayssm_jax.speculative.drafters import Drafts
 
@@ -194,17 +198,23 @@ def sampling_acceptance(logits, drafts, num_drafts, key, params: SamplingParams,
     logits, drafts, num_drafts, q_probs = _check_round(logits, drafts, num_drafts, q_probs)
     key = _checks.check_key(key)
     fill_id = _check_fill_id(fill_id)
-    batch, window, vocab = logits.shape
-    k = window - 1
+    accept_key, token_key = _checks.row_keys(key, logits.shape[0], 2)
+    return _sampling_rule(token_log_probs(logits, params), drafts, num_drafts, accept_key, token_key, q_probs,
+                          fill_id)
 
-    log_p = token_log_probs(logits, params)  # [batch, W, vocab]
+
+def _sampling_rule(log_p, drafts, num_drafts, accept_key, token_key, q_probs, fill_id: int) -> Accepted:
+    """Speculative sampling's rule (:func:`sampling_acceptance`) from the target's log p f32[batch, W, vocab]
+    (-inf where removed), drafts i32[batch, K], num_drafts i32[batch], row b drawing with accept_key[b] and
+    token_key[b] only; q_probs f32[batch, K, vocab] or None (a deterministic drafter)."""
+    batch, window, vocab = log_p.shape
+    k = window - 1
     p = jnp.exp(log_p)
     in_vocab = (drafts >= 0) & (drafts < vocab)
     index = jnp.clip(drafts, 0, vocab - 1)[..., None]
     p_draft = jnp.take_along_axis(p[:, :k], index, axis=-1)[..., 0]  # [batch, K]
     q_draft = 1.0 if q_probs is None else jnp.take_along_axis(q_probs.astype(jnp.float32), index, axis=-1)[..., 0]
 
-    accept_key, token_key = _checks.row_keys(key, batch, 2)
     u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(accept_key)  # in [0, 1)
     real = jnp.arange(k)[None, :] < num_drafts[:, None]
     accepted = _checks.prefix_length(real & in_vocab & (u * q_draft < p_draft))
@@ -255,3 +265,49 @@ def accept_drafts(logits, drafts: Drafts, key, params: SamplingParams, *, fill_i
         return greedy_acceptance(logits, drafts.tokens, drafts.num_drafts, fill_id=fill_id)
     return sampling_acceptance(logits, drafts.tokens, drafts.num_drafts, key, params, drafts.q_probs,
                                fill_id=fill_id)
+
+
+def accept_drafts_batch(logits, drafts: Drafts, keys, sampling: BatchSampling, *, fill_id: int = 0) -> Accepted:
+    """Accept a drafter's proposals, each row by the rule its own params call for.
+
+    Row b: :func:`greedy_acceptance` where sampling.greedy[b], else
+    speculative sampling (:func:`sampling_acceptance`'s rule) from
+    softmax(processed_logits_batch(logits, sampling)[b]), drawing with keys[b]
+    only (split in two: the acceptance tests, the extra token), so a row's
+    tokens depend only on its logits, drafts, params and key. A batch without
+    a sampled row runs the greedy rule only.
+
+    Args:
+      logits: f32 | bf16[batch, W, vocab], the target's logits at W = K + 1
+        positions.
+      drafts: Drafts(tokens [batch, K], num_drafts [batch], q_probs).
+      keys: PRNG keys [batch] (typed) or u32[batch, 2], one per row.
+      sampling: BatchSampling of `batch` rows (traced).
+      fill_id: the id written after the new tokens (static).
+
+    Returns:
+      Accepted(tokens i32[batch, W], num_accepted i32[batch] in 1..W).
+
+    Raises:
+      TypeError: `drafts` not a Drafts, `sampling` not a BatchSampling, bad
+        `keys`; dtypes as in :func:`sampling_acceptance`.
+      ValueError: shapes as in :func:`sampling_acceptance`; `sampling`'s
+        arrays not [batch].
+    """
+    if not isinstance(drafts, Drafts):
+        raise TypeError(f"`drafts` must be a Drafts; got {type(drafts).__name__}")
+    logits, tokens, num_drafts, q_probs = _check_round(logits, drafts.tokens, drafts.num_drafts, drafts.q_probs)
+    sampling = _check_batch_sampling(sampling, logits.shape[0])
+    keys = _check_row_keys(keys, logits.shape[0])
+    fill_id = _check_fill_id(fill_id)
+    greedy = greedy_acceptance(logits, tokens, num_drafts, fill_id=fill_id)
+
+    def sample():
+        accept_key, token_key = jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, 2))(keys), 0, 1)
+        log_p = jax.nn.log_softmax(processed_logits_batch(logits, sampling), axis=-1)
+        drawn = _sampling_rule(log_p, tokens, num_drafts, accept_key, token_key, q_probs, fill_id)
+        rows = sampling.greedy
+        return Accepted(tokens=jnp.where(rows[:, None], greedy.tokens, drawn.tokens),
+                        num_accepted=jnp.where(rows, greedy.num_accepted, drawn.num_accepted))
+
+    return jax.lax.cond(jnp.all(sampling.greedy), lambda: greedy, sample)
