@@ -14,12 +14,14 @@ the weights once, so no merge pays there: the options turn the pass off.
 Every program the library compiles from a model (generation, the engine,
 speculative rounds, `models.make_*`) goes through `jit`. A program of your
 own over a model's `decode` or `verify` should pass ``compiler_options=
-COMPILER_OPTIONS`` to `jax.jit` too. The options name a GPU debug option,
-which other backends accept and ignore.
+COMPILER_OPTIONS`` to its top-level `jax.jit` too (JAX takes compiler options
+there only; a library program called inside it follows the outer program's).
+The options name a GPU debug option, which other backends accept and ignore.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -31,7 +33,27 @@ __all__ = ["COMPILER_OPTIONS", "jit"]
 COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
+class _Jitted:
+    """`jax.jit(fun, **kwargs)` that compiles with `COMPILER_OPTIONS` when called at the top level (JAX takes
+    compiler options on a top-level jit only): a call with a traced argument (under an outer `jit`,
+    `eval_shape`, `grad`, ...) runs the plain jit, inlined into the outer program, whose own options
+    apply. `lower`, `trace`, `eval_shape` and the other attributes are those of the top-level jit."""
+
+    def __init__(self, fun: Callable, kwargs: dict):
+        options = {**COMPILER_OPTIONS, **(kwargs.pop("compiler_options", None) or {})}
+        self._top = jax.jit(fun, compiler_options=options, **kwargs)
+        self._nested = jax.jit(fun, **kwargs)
+        functools.update_wrapper(self, fun)
+
+    def __call__(self, *args, **kwargs):
+        nested = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs)))
+        return (self._nested if nested else self._top)(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._top, name)
+
+
 def jit(fun: Callable, **kwargs) -> Callable:
-    """`jax.jit(fun, **kwargs)` with `COMPILER_OPTIONS` (merged under any `compiler_options` given)."""
-    options = {**COMPILER_OPTIONS, **(kwargs.pop("compiler_options", None) or {})}
-    return jax.jit(fun, compiler_options=options, **kwargs)
+    """`jax.jit(fun, **kwargs)` compiled with `COMPILER_OPTIONS` (merged under any `compiler_options` given)
+    at the top level, and usable inside another traced function (`_Jitted`)."""
+    return _Jitted(fun, kwargs)

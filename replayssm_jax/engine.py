@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from replayssm_jax.compilation import jit
 from replayssm_jax.generation import GenerationError, SpeculativeConfig, _check_state_dtype
 from replayssm_jax.ops.dispatch import ROUTES
 from replayssm_jax.ops.validate import check_slots
@@ -208,7 +209,7 @@ def _compiled_prefill(graphdef, max_len: int, options: tuple):
             return jnp.zeros((1,), jnp.int32), cache
         return _choose(logits, key, request_id, jnp.zeros((1,), jnp.int32), sampling), cache
 
-    return jax.jit(prefill, static_argnames=("final",))
+    return jit(prefill, static_argnames=("final",))
 
 
 @functools.lru_cache(maxsize=32)
@@ -229,7 +230,7 @@ def _compiled_decode(graphdef, route: str, backend: str | None):
         logits, cache = model.decode(tokens, cache, route=route, backend=backend, slots=slots)
         return _choose(logits, key, request_ids, counts, sampling), cache
 
-    return jax.jit(decode, donate_argnums=(1,))
+    return jit(decode, donate_argnums=(1,))
 
 
 @functools.lru_cache(maxsize=32)
@@ -260,7 +261,7 @@ def _compiled_round(graphdef, backend: str | None):
         accepted = accept_drafts_batch(logits, Drafts(drafts, num_drafts), keys, sampling)
         return accepted.tokens, accepted.num_accepted, model.commit(cache, accepted.num_accepted, slots=slots)
 
-    return jax.jit(round_, donate_argnums=(1,))
+    return jit(round_, donate_argnums=(1,))
 
 
 def _prefix_key(ids: Sequence[int]) -> str:

@@ -192,12 +192,12 @@ def test_e2e_profile_table(tmp_path, capsys, monkeypatch):
                      "--out", str(tmp_path / "cpu.json"), "--profile"]) == 0
     assert "no GPU plane" in capsys.readouterr().out
     # The traced runs alternate: the configuration's (prefill + decode), then the prefill alone.
-    full = dict(window_ns=9e6, ns=dict(ssm=2e6, gemm=3e6, other=2e6, idle=2e6),
+    full = dict(window_ns=9e6, ns=dict(ssm=2e6, gemm=3e6, attention=1e6, other=1e6, idle=2e6),
                 kernels={"gdn_replay_x": (2e6, 5), "gemm_a": (3e6, 8), "trsm": (1e6, 1)})
-    prefill = dict(window_ns=4e6, ns=dict(ssm=0.0, gemm=2e6, other=1e6, idle=1e6),
+    prefill = dict(window_ns=4e6, ns=dict(ssm=0.0, gemm=2e6, attention=0.0, other=1e6, idle=1e6),
                    kernels={"gemm_a": (2e6, 3), "trsm": (1e6, 1)})
     breakdowns = iter([full, prefill] * 4)
-    monkeypatch.setattr(e2e.step_profile, "decode_breakdown", lambda profile: next(breakdowns))
+    monkeypatch.setattr(e2e.step_profile, "decode_breakdown", lambda profile, hlo=(): next(breakdowns))
     assert e2e.main(["--smoke", "--models", "nemotron_h_tiny", "--batches", "1", "--modes", "2",
                      "--out", str(tmp_path / "e2e.json"), "--profile"]) == 0
     row = json.loads((tmp_path / "e2e.json").read_text())["rows"][0]
@@ -206,6 +206,23 @@ def test_e2e_profile_table(tmp_path, capsys, monkeypatch):
     # the prefill's kernels are gone from the decode's list
     assert [name for name, _, _ in row["profile"]["top"]] == ["gdn_replay_x", "gemm_a"]
     assert "ms per decode step" in capsys.readouterr().out
+
+
+def test_step_profile_attention_kernels():
+    """Kernels of HLO instructions under the attention layers' name scope count as attention, named as XLA
+    names a fusion's kernel ('.' and '-' as '_'); others keep their category by name."""
+    step_profile = load("step_profile")
+    hlo = ('  %gemm_fusion_dot.224 = f32[16,256,64]{2,1,0} fusion(%a, %b), kind=kCustom, '
+           'metadata={op_name="jit(block)/while/body/attention/dot_general"}\n'
+           '  ROOT %loop_reduce-fusion.3 = f32[4]{0} fusion(%c), kind=kLoop, '
+           'metadata={op_name="jit(block)/while/body/attention/reduce_max"}\n'
+           '  %gemm_fusion_dot.113 = bf16[256,128]{1,0} fusion(%x, %w), kind=kCustom, '
+           'metadata={op_name="jit(block)/while/body/dot_general"}\n')
+    attention = step_profile.attention_kernels([hlo])
+    assert attention == {"gemm_fusion_dot_224", "loop_reduce_fusion_3"}
+    assert [step_profile.category(k, attention) for k in ("gemm_fusion_dot_224", "gemm_fusion_dot_113",
+                                                          "gdn_replay_output_L16", "loop_reduce_fusion_3")] == \
+        ["attention", "gemm", "ssm", "attention"]
 
 
 def test_step_profile_breakdown():
@@ -227,7 +244,7 @@ def test_step_profile_breakdown():
     # the module ran 10 us; kernels covered [1, 4] and [6, 7] us of it (the GEMM overlapping
     # the SSM kernel counts once in the union); the GEMM at 21 us belongs to jit_start
     assert b["window_ns"] == 10_000
-    assert b["ns"] == dict(ssm=3000, gemm=2000, other=1000, idle=6000)
+    assert b["ns"] == dict(ssm=3000, gemm=2000, attention=0.0, other=1000, idle=6000)
     assert b["top"][0] == ("mamba2_replay_output_L8", 3000, 1)
     assert step_profile.decode_breakdown(ProfileData.from_text_proto('planes { id: 1 name: "/host:CPU" }')) is None
 
