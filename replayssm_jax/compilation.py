@@ -34,10 +34,11 @@ COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
 class _Jitted:
-    """`jax.jit(fun, **kwargs)` that compiles with `COMPILER_OPTIONS` when called at the top level (JAX takes
-    compiler options on a top-level jit only): a call with a traced argument (under an outer `jit`,
-    `eval_shape`, `grad`, ...) runs the plain jit, inlined into the outer program, whose own options
-    apply. `lower`, `trace`, `eval_shape` and the other attributes are those of the top-level jit."""
+    """`jax.jit(fun, **kwargs)` that compiles with `COMPILER_OPTIONS` when called at the top level. JAX takes
+    compiler options on a top-level jit only and refuses them on a nested one (under an outer `jit`,
+    `eval_shape`, `grad`, ...): such a call runs the plain jit instead, inlined into the outer program, whose
+    own options apply. `lower`, `trace`, `eval_shape` and the other attributes are those of the top-level jit.
+    (A call looks at no argument: flattening a model's parameters costs milliseconds per call.)"""
 
     def __init__(self, fun: Callable, kwargs: dict):
         options = {**COMPILER_OPTIONS, **(kwargs.pop("compiler_options", None) or {})}
@@ -46,8 +47,12 @@ class _Jitted:
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args, **kwargs):
-        nested = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs)))
-        return (self._nested if nested else self._top)(*args, **kwargs)
+        try:
+            return self._top(*args, **kwargs)
+        except ValueError as e:
+            if "compiler_options" not in str(e) or "top-level" not in str(e):
+                raise
+        return self._nested(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._top, name)

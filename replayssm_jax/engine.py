@@ -32,12 +32,15 @@ token index): its tokens are the same in any batch. After `run_until_done` a dec
 rows all finished may still be in flight; the next step reads it (and drops its tokens).
 
 Prefix caching (``prefix_caching=True``): the chunks of every prompt end at multiples of
-`prefill_chunk` tokens (the block), and the state after each whole block of a prompt is kept
-(on the host, as `sequence_state.export_sequence` of the chunked prefill's cache, which holds
-standard SSM states: nothing is pending), keyed by a hash of the prompt's ids up to there. A
-later request whose prompt starts with a kept prefix restores the longest one and prefills
-only the rest; the chunks after the restored prefix are those of a prefill without the cache,
-so the outputs are the same bit for bit.
+`prefill_chunk` tokens (the block), and the state after each whole block of a prompt is kept,
+keyed by a hash of the prompt's ids up to there: the chunked prefill's batch-1 cache (standard
+SSM states, nothing pending), on the device as it is (`prefix_store="device"`, the default: no
+copy, since the prefill does not donate its cache; a later chunk reads the kept arrays) or on
+the host (`prefix_store="host"`: `sequence_state.export_sequence`, a device-to-host copy per
+kept block and a copy back per restore, for prefixes that do not fit the device). A later
+request whose prompt starts with a kept prefix restores the longest one and prefills only the
+rest; the chunks after the restored prefix are those of a prefill without the cache, so the
+outputs are the same bit for bit.
 
 Speculative decoding (``speculative=SpeculativeConfig(method, K)``, methods "ngram" and
 "oracle"): step 3 is one compiled speculative round over the running requests instead of a
@@ -73,7 +76,6 @@ from flax import nnx
 from replayssm_jax.compilation import jit
 from replayssm_jax.generation import GenerationError, SpeculativeConfig, _check_state_dtype
 from replayssm_jax.ops.dispatch import ROUTES
-from replayssm_jax.ops.validate import check_slots
 from replayssm_jax.pool import PoolError, StatePool
 from replayssm_jax.sampling import BatchSampling, SamplingParams, sample_tokens_batch
 from replayssm_jax.sequence_state import export_sequence, import_sequence
@@ -287,6 +289,8 @@ class Engine:
       max_len: positions per slot (prompt + max_new_tokens of any request).
       prefix_caching: keep and reuse prompt prefixes' states (module docstring).
       prefix_cache_size: prefixes kept (least recently used dropped first), >= 1.
+      prefix_store: where kept prefixes live, "device" (the default; each holds a batch-1
+        cache of max_len positions in device memory) or "host" (module docstring).
       backend: SSM op backend (replayssm_jax.ops); route: the ReplaySSM step's route.
       seed: PRNG seed of the sampled requests (a request's draws depend only on it,
         its id and the token's index) and of the oracle drafter.
@@ -311,7 +315,7 @@ class Engine:
         stop token or max_new_tokens).
 
     Raises:
-      EngineError: an unknown state or route, a buffer_len with "standard", a
+      EngineError: an unknown state, route or prefix_store, a buffer_len with "standard", a
         non-positive int option, batch_size above capacity; a `speculative` that
         is not a SpeculativeConfig, of a method other than "ngram" and "oracle"
         (the drafters with a state of their own, "mtp" and "draft", are not run
@@ -324,6 +328,7 @@ class Engine:
     def __init__(self, model, capacity: int, *, state: str = "replay", buffer_len: int | None = None,
                  buffer_dtype=jnp.float32, batch_size: int | None = None, prefill_chunk: int = 256,
                  max_len: int = 1024, prefix_caching: bool = False, prefix_cache_size: int = 64,
+                 prefix_store: str = "device",
                  backend: str | None = None, route: str = "auto", seed: int = 0,
                  speculative: SpeculativeConfig | None = None, state_dtype=None, state_rounding: str = "nearest"):
         if state not in ("replay", "standard"):
@@ -338,6 +343,9 @@ class Engine:
             raise EngineError(f"`batch_size` must be <= capacity = {capacity}; got {self.batch_size}")
         self.prefill_chunk = _positive_int("prefill_chunk", prefill_chunk)
         self.prefix_cache_size = _positive_int("prefix_cache_size", prefix_cache_size)
+        if prefix_store not in ("device", "host"):
+            raise EngineError(f"`prefix_store` must be 'device' or 'host'; got {prefix_store!r}")
+        self.prefix_store = prefix_store
         self.prefix_caching = bool(prefix_caching)
         self.state = state
         buffer_len = (16 if buffer_len is None else _positive_int("buffer_len", buffer_len)) \
@@ -370,17 +378,13 @@ class Engine:
         self._template = None  # a zero batch-1 standard cache: the prefix cache's restore target
         self._next_id = 0
         self.stats = collections.Counter()
-
-    @property
-    def _prefill(self):
-        """prefill(params, ids [1, T], cache | None, key, request_id, sampling, final) -> (token i32[1],
-        batch-1 cache) (`_compiled_prefill`)."""
-        return _compiled_prefill(self._graphdef, self.pool.max_len, tuple(sorted(self.pool.prefill_options.items())))
-
-    @property
-    def _decode(self):
-        """The compiled decode step (`_compiled_decode`), the pool donated."""
-        return _compiled_decode(self._graphdef, self._route, self._backend)
+        # The compiled programs, looked up once (shared by the engines of one model): the lookup hashes the
+        # model's graphdef, which takes milliseconds (a step that looked them up each time spent 6 ms per
+        # call in it on the qwen3_5_tiny fixture, CPU, 2026-12-02).
+        self._prefill = _compiled_prefill(self._graphdef, self.pool.max_len,
+                                          tuple(sorted(self.pool.prefill_options.items())))  # `_compiled_prefill`
+        self._decode = _compiled_decode(self._graphdef, self._route, self._backend)  # the pool donated
+        self._round = None if speculative is None else _compiled_round(self._graphdef, self._backend)
 
     def _drafter(self, references):
         """The speculative round's drafter; "oracle": of the batch's references i32[batch, max_len]."""
@@ -489,7 +493,9 @@ class Engine:
             key = _prefix_key(request.prompt[:end])
             if key in self._prefixes:
                 self._prefixes.move_to_end(key)
-                request.cache = import_sequence(self._prefix_template(), 0, self._prefixes[key])
+                kept = self._prefixes[key]
+                request.cache = kept if self.prefix_store == "device" else \
+                    import_sequence(self._prefix_template(), 0, kept)
                 request.prefilled = request.cached_tokens = end
                 self.stats["prefix_hits"] += 1
                 self.stats["cached_tokens"] += end
@@ -527,7 +533,7 @@ class Engine:
         if self.prefix_caching and not chunk.final:  # the chunk ends at a multiple of the block
             key = _prefix_key(request.prompt[:request.prefilled])
             if key not in self._prefixes:
-                self._prefixes[key] = export_sequence(chunk.cache, 0)
+                self._prefixes[key] = chunk.cache if self.prefix_store == "device" else export_sequence(chunk.cache, 0)
                 while len(self._prefixes) > self.prefix_cache_size:
                     self._prefixes.popitem(last=False)
         if not chunk.final:
@@ -539,8 +545,9 @@ class Engine:
 
     def _batch_rows(self):
         """(up to batch_size running requests that may take another token, the others waiting: round robin;
-        their slots i32[batch_size] checked, padding rows -1; the number of padding rows), or None when no
-        request may take another token (each has a dispatched step that gives its last one)."""
+        their slots i32[batch_size] (NumPy; distinct, as the pool allocates them), padding rows -1; the number
+        of padding rows), or None when no request may take another token (each has a dispatched step that
+        gives its last one)."""
         ready = [r for r in self._running if len(r.generated) + r.pending < r.max_new_tokens]
         rows = ready[: self.batch_size]
         if not rows:
@@ -548,8 +555,7 @@ class Engine:
         chosen = set(rows)
         self._running = [r for r in self._running if r not in chosen] + rows
         pad = self.batch_size - len(rows)
-        slots = check_slots(np.asarray([r.slot for r in rows] + [-1] * pad, np.int32), self.pool.capacity, None)
-        return rows, slots, pad
+        return rows, np.asarray([r.slot for r in rows] + [-1] * pad, np.int32), pad
 
     def _row_arrays(self, rows: list[_Request], pad: int):
         """(request ids i32[batch_size], the next token's index i32[batch_size], BatchSampling): padding rows 0
@@ -592,9 +598,8 @@ class Engine:
             limit = np.clip(self._reference_len[index] - lengths, 0, K).astype(np.int32)
         limit[len(rows):] = 0
         ids, generated, sampling = self._row_arrays(rows, pad)
-        round_ = _compiled_round(self._graphdef, self._backend)
         draft_key = jax.random.fold_in(self._key, self.stats["decode_steps"])
-        tokens, accepted, self.pool.cache = round_(
+        tokens, accepted, self.pool.cache = self._round(
             self._params, self.pool.cache, self._drafter(self._reference[index]), jnp.asarray(self._history[index]),
             jnp.asarray(lengths), jnp.asarray(limit), slots, ids, generated, sampling, self._key, draft_key)
         for request in rows:

@@ -196,9 +196,10 @@ class BatchSampling:
         for p in rows:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"`params` must hold SamplingParams or None; got {type(p).__name__}")
-        return cls(temperature=jnp.asarray(np.asarray([p.temperature for p in rows], np.float32)),
-                   top_k=jnp.asarray(np.asarray([p.top_k for p in rows], np.int32)),
-                   top_p=jnp.asarray(np.asarray([p.top_p for p in rows], np.float32)))
+        # NumPy arrays: a jitted call takes them with its other arguments, no separate transfer each.
+        return cls(temperature=np.asarray([p.temperature for p in rows], np.float32),
+                   top_k=np.asarray([p.top_k for p in rows], np.int32),
+                   top_p=np.asarray([p.top_p for p in rows], np.float32))
 
 
 def _check_batch_sampling(sampling, batch: int) -> BatchSampling:

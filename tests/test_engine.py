@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from models import load_model
-from replayssm_jax.engine import Engine, EngineError, _compiled_round
+from replayssm_jax.engine import Engine, EngineError
 from replayssm_jax.generation import Generator, SpeculativeConfig
 from replayssm_jax.sampling import SamplingParams
 
@@ -167,7 +167,7 @@ def test_mixed_sampling_compiles_one_step(model, generated, speculative):
     options = dict(buffer_len=4, batch_size=2, prefill_chunk=CHUNK, max_len=40, backend="xla",
                    speculative=speculative)
     engine = Engine(model, 4, **options)
-    step = engine._decode if speculative is None else _compiled_round(engine._graphdef, engine._backend)
+    step = engine._decode if speculative is None else engine._round
     before = step._cache_size()
     among = _run(engine, prompts, samplings=MIXED)
     assert step._cache_size() - before == 1
@@ -195,7 +195,8 @@ def test_int8_checkpoints_give_each_request_its_tokens_alone(model):
     assert [o.sequence for o in outputs] == alone
 
 
-def test_prefix_caching_skips_the_shared_prefix(model):
+@pytest.mark.parametrize("store", ["device", "host"])
+def test_prefix_caching_skips_the_shared_prefix(model, store):
     """Prompts sharing a system prompt of one block (+ 4 tokens): the later requests restore the block's
     state and prefill only the rest; every sequence equals the engine's without the cache (whose decode
     batch of 2 rows serves 3 slots in turns; a sampled request draws the same tokens)."""
@@ -204,7 +205,8 @@ def test_prefix_caching_skips_the_shared_prefix(model):
     tail = lambda n: rng.integers(3, 250, size=n).tolist()  # noqa: E731
     # Request 0 is the system prompt; 2 and 4 continue its first block; 1 and 3 share nothing.
     prompts = [system, tail(4), system + tail(8), tail(4), system[:CHUNK] + tail(4)]
-    cached = Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla", prefix_caching=True)
+    cached = Engine(model, 3, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla", prefix_caching=True,
+                    prefix_store=store)
     # Without the cache, and a decode batch of 2 for 3 slots (the running requests take turns).
     plain = Engine(model, 3, buffer_len=4, batch_size=2, prefill_chunk=CHUNK, max_len=40, backend="xla")
     sampling = SamplingParams(temperature=1.0)  # request 3 samples: its draws depend on its id and logits only
@@ -232,6 +234,8 @@ def test_bad_requests_and_options(model):
         Engine(model, 2, batch_size=3, backend="xla")
     with pytest.raises(EngineError, match="`route` must be one of .*; got 'fast'"):
         Engine(model, 2, route="fast", backend="xla")
+    with pytest.raises(EngineError, match="`prefix_store` must be 'device' or 'host'; got 'disk'"):
+        Engine(model, 2, prefix_caching=True, prefix_store="disk", backend="xla")
     for speculative, match in [
             (SpeculativeConfig("ngram", 4), r"`speculative.num_draft` \+ 1 = 5 .* <= `buffer_len` = 4"),
             (SpeculativeConfig("mtp", 2), "'mtp' is not supported by the Engine.*runs 'ngram', 'oracle'"),
