@@ -10,10 +10,9 @@ attention over the KV caches, and the SSM kernels over their states. Its bound i
   live length only (the positions a step must read, not the cache's allocated max_len);
 - SSM states (the Pallas kernels, which are no dots of the jaxpr; with the "xla" backend the
   ops' reference form adds dots to the GEMMs, so the bound means something on the kernel
-  backends only): standard state 2 |S| (read and
-  written); ReplaySSM checkpoint |S| (1 + 2 / L) (read, and re-read and written once per flush)
-  and buffer records B (1 + 1 / L) (read, one of L slots written); the conv ring R W / S (W - 1
-  of its S columns read, one written).
+  backends only): standard state 2 |S| (read and written); ReplaySSM checkpoint |S| (1 + 2 / L)
+  (read, and re-read and written once per flush) and buffer records B (1 + 1 / L) (read, one of
+  L slots written); the conv ring R W / S (W - 1 of its S columns read, one written).
 
 Elementwise work (norms, gates, the conv's arithmetic, sampling) is left out: the sum is a lower
 bound. `decode_roofline` derives every term from the shapes of the model's compiled decode

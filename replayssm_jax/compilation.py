@@ -1,8 +1,8 @@
 """How the library compiles a model's programs: `jax.jit` with `COMPILER_OPTIONS`.
 
-XLA's GPU pipeline merges dots that share an operand (its DotMerger pass, for
-dots whose operands and result total at most `xla_gpu_dot_merger_threshold_mb`,
-32 MiB by default): ``x @ W1.T`` and ``x @ W2.T`` become one dot of ``x`` with
+XLA's GPU pipeline merges dots that share an operand (its DotMerger pass, where
+one of them has at most `xla_gpu_dot_merger_threshold_mb` of operands and
+result): ``x @ W1.T`` and ``x @ W2.T`` become one dot of ``x`` with
 ``concatenate(W1, W2)``. With weights passed as arguments (`nnx.split`'s
 params), the concatenation is not a constant: every decode step copies the
 merged weights or runs the dot as a Triton fusion that reads them piecewise.
