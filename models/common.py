@@ -527,7 +527,7 @@ def split_params(model: nnx.Module):
 
 def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None, buffer_dtype=jnp.float32,
                  last_logits_only: bool = False, backend: str | None = None, max_window: int = 1,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, checkpoint_dtype=None, checkpoint_rounding: str = "nearest"):
     """A jitted ``prefill(params, input_ids) -> (logits, HybridCache)`` (``(logits, hidden,
     HybridCache)`` with return_hidden, as `HybridCausalLM.prefill`).
 
@@ -540,6 +540,9 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
       backend: SSM op backend (replayssm_jax.ops).
       max_window: the longest speculative verify window (1: plain decoding).
       return_hidden: also return the hidden states after the final norm (static).
+      checkpoint_dtype, checkpoint_rounding: the ReplaySSM checkpoints' dtype (None: the model's
+        ssm_state_dtype; int8 or float8_e4m3fn: 8-bit) and an 8-bit checkpoint's rounding, as
+        `HybridCausalLM.prefill` takes them.
     """
 
     @jit
@@ -547,7 +550,8 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
         model = nnx.merge(graphdef, params)
         return model.prefill(input_ids, max_len, replay_buffer_len=replay_buffer_len, buffer_dtype=buffer_dtype,
                              backend=backend, last_logits_only=last_logits_only, max_window=max_window,
-                             return_hidden=return_hidden)
+                             return_hidden=return_hidden, checkpoint_dtype=checkpoint_dtype,
+                             checkpoint_rounding=checkpoint_rounding)
 
     return prefill
 

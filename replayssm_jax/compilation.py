@@ -54,6 +54,10 @@ class _Jitted:
                 raise
         return self._nested(*args, **kwargs)
 
+    def __get__(self, obj, objtype=None):
+        """As a method (a decorated function in a class body), bound to its instance as `jax.jit`'s is."""
+        return self if obj is None else functools.partial(self, obj)
+
     def __getattr__(self, name):
         return getattr(self._top, name)
 

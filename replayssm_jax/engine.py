@@ -28,11 +28,13 @@ slot is freed. The device runs the pool's work in dispatch order (each step or w
 pool arrays that the one before returned, donated), so a request admitted into a freed slot is
 written after every step that used the slot for its previous request, and the released request
 is in no later step. A sampled request's draws are keyed by fold_in(fold_in(key, request id),
-token index): its tokens are the same in any batch. After `run_until_done` a decode step whose
+token index): its tokens are the same in any batch (of one engine mode: a speculative engine
+draws by the acceptance rule, so its sampled tokens differ from a plain engine's). After `run_until_done` a decode step whose
 rows all finished may still be in flight; the next step reads it (and drops its tokens).
 
 Prefix caching (``prefix_caching=True``): the chunks of every prompt end at multiples of
-`prefill_chunk` tokens (the block), and the state after each whole block of a prompt is kept,
+`prefill_chunk` tokens (the block), and the state after each whole block of a prompt that
+ends before the prompt's end is kept (the last chunk's state enters the pool's layout),
 keyed by a hash of the prompt's ids up to there: the chunked prefill's batch-1 cache (standard
 SSM states, nothing pending), on the device as it is (`prefix_store="device"`, the default: no
 copy, since the prefill does not donate its cache; a later chunk reads the kept arrays) or on
@@ -292,7 +294,7 @@ class Engine:
       prefix_store: where kept prefixes live, "device" (the default; each holds a batch-1
         cache of max_len positions in device memory) or "host" (module docstring).
       backend: SSM op backend (replayssm_jax.ops); route: the ReplaySSM step's route.
-      seed: PRNG seed of the sampled requests (a request's draws depend only on it,
+      seed: int in [0, 2**32 - 1], the PRNG seed of the sampled requests (a request's draws depend only on it,
         its id and the token's index) and of the oracle drafter.
       speculative: None, or a `replayssm_jax.generation.SpeculativeConfig` of
         method "ngram" (max_ngram, min_ngram as given) or "oracle" (alpha as
@@ -346,7 +348,9 @@ class Engine:
         if prefix_store not in ("device", "host"):
             raise EngineError(f"`prefix_store` must be 'device' or 'host'; got {prefix_store!r}")
         self.prefix_store = prefix_store
-        self.prefix_caching = bool(prefix_caching)
+        if not isinstance(prefix_caching, bool):
+            raise EngineError(f"`prefix_caching` must be a bool; got {prefix_caching!r}")
+        self.prefix_caching = prefix_caching
         self.state = state
         buffer_len = (16 if buffer_len is None else _positive_int("buffer_len", buffer_len)) \
             if state == "replay" else None
@@ -368,7 +372,9 @@ class Engine:
         self._reference_len = np.zeros((capacity,), np.int32)
         self.vocab_size = model.config.vocab_size
         self._graphdef, self._params = nnx.split(model)
-        self._backend, self._route, self._key = backend, route, jax.random.key(seed)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+            raise EngineError(f"`seed` must be an int in [0, 2**32 - 1]; got {seed!r}")
+        self._backend, self._route, self._key = backend, route, jax.random.key(int(seed))
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prefilling: list[_Request] = []
         self._running: list[_Request] = []
@@ -403,7 +409,7 @@ class Engine:
           prompt_ids: the prompt's token ids (non-empty, each in [0, vocab_size)).
           max_new_tokens: tokens to generate at most, >= 1; prompt + max_new_tokens <= max_len.
           sampling: a SamplingParams, or None (greedy).
-          stop_ids: ids that end the request (kept in its sequence).
+          stop_ids: ids that end the request (kept in its sequence); None or () for none.
           draft_reference: with speculative method "oracle" (required there, refused
             otherwise): the request's full token sequence that the oracle drafts
             from, prompt included (`OracleDrafter.reference`; its first max_len ids
@@ -421,15 +427,15 @@ class Engine:
             raise EngineError("`draft_reference` is required with speculative method 'oracle' (the request's token "
                               "sequence that the oracle drafts from)")
         if not oracle and draft_reference is not None:
-            method = None if self.speculative is None else self.speculative.method
+            runs = "no speculation" if self.speculative is None else f"method {self.speculative.method!r}"
             raise EngineError(f"`draft_reference` applies to speculative method 'oracle' only; the engine runs "
-                              f"{method!r}")
+                              f"{runs}")
         reference = None if draft_reference is None else \
             _token_ids("draft_reference", draft_reference, self.vocab_size)[: self.pool.max_len]
         prompt = _token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt:
             raise EngineError("`prompt_ids` must hold at least one token id; got an empty prompt")
-        stop_ids = _token_ids("stop_ids", stop_ids, self.vocab_size)
+        stop_ids = _token_ids("stop_ids", () if stop_ids is None else stop_ids, self.vocab_size)
         max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
         if len(prompt) + max_new_tokens > self.pool.max_len:
             raise EngineError(f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) must fit in "

@@ -3,6 +3,8 @@ and usable inside another traced function (where JAX refuses compiler options)."
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,3 +39,22 @@ def test_jit_keeps_the_jit_api_and_keywords():
     assert f.lower(jnp.ones(()), n=2).compile()(jnp.ones(())) == 2.0
     assert f._cache_size() == 1
     assert f.trace(jnp.ones(()), n=4).jaxpr is not None
+
+
+def test_jit_decorates_a_method():
+    class Scaled:
+        def __init__(self, factor):
+            self.factor = factor
+
+        def __hash__(self):
+            return hash(self.factor)
+
+        def __eq__(self, other):
+            return isinstance(other, Scaled) and other.factor == self.factor
+
+        @functools.partial(jit, static_argnums=0)
+        def apply(self, x):
+            return x * self.factor
+
+    assert Scaled(3.0).apply(jnp.ones(2)).tolist() == [3.0, 3.0]
+    assert Scaled.apply(Scaled(2.0), jnp.ones(1)).tolist() == [2.0]

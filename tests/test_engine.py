@@ -236,6 +236,11 @@ def test_bad_requests_and_options(model):
         Engine(model, 2, route="fast", backend="xla")
     with pytest.raises(EngineError, match="`prefix_store` must be 'device' or 'host'; got 'disk'"):
         Engine(model, 2, prefix_caching=True, prefix_store="disk", backend="xla")
+    with pytest.raises(EngineError, match="`prefix_caching` must be a bool; got 'no'"):
+        Engine(model, 2, prefix_caching="no", backend="xla")
+    for seed in (-1, 2**32, 1.5, True):
+        with pytest.raises(EngineError, match=r"`seed` must be an int in \[0, 2\*\*32 - 1\]"):
+            Engine(model, 2, seed=seed, backend="xla")
     for speculative, match in [
             (SpeculativeConfig("ngram", 4), r"`speculative.num_draft` \+ 1 = 5 .* <= `buffer_len` = 4"),
             (SpeculativeConfig("mtp", 2), "'mtp' is not supported by the Engine.*runs 'ngram', 'oracle'"),
@@ -253,7 +258,8 @@ def test_bad_requests_and_options(model):
     with pytest.raises(EngineError, match="`draft_reference` has token id 999"):
         oracle.add_request([3], 4, draft_reference=[3, 999])
     engine = Engine(model, 2, buffer_len=4, max_len=16, backend="xla")
-    with pytest.raises(EngineError, match="`draft_reference` applies to speculative method 'oracle' only"):
+    with pytest.raises(EngineError, match="`draft_reference` applies to speculative method 'oracle' only; the "
+                                          "engine runs no speculation"):
         engine.add_request([3], 4, draft_reference=[3, 4])
     with pytest.raises(EngineError, match="empty"):
         engine.add_request([], 4)
@@ -272,3 +278,4 @@ def test_bad_requests_and_options(model):
     with pytest.raises(EngineError, match="`max_new_tokens`"):
         engine.add_request([3], 0)
     assert engine.num_unfinished == oracle.num_unfinished == 0
+    assert engine.add_request([3], 2, stop_ids=None) == 0  # None: no stop ids, as ()
