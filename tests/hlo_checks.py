@@ -54,12 +54,17 @@ def _in_loops(comps: dict[str, list[str]]) -> set[str]:
 def per_step_copies(hlo: str, protected) -> list[str]:
     """Copies inside while-loop bodies (and everything they call) whose result
     has the shape and dtype of one of `protected` (arrays or ShapeDtypeStructs)."""
+    return _in_loop_results(hlo, _COPY, {(_HLO_DTYPE[jnp.dtype(a.dtype).name], tuple(a.shape)) for a in protected})
+
+
+def _in_loop_results(hlo: str, pattern: re.Pattern, targets: set) -> list[str]:
+    """The instructions inside while-loop bodies (and everything they call) that `pattern` matches (its
+    groups: HLO dtype, dims) with a (dtype, shape) in `targets`, one line each."""
     comps = _computations(hlo)
-    targets = {(_HLO_DTYPE[jnp.dtype(a.dtype).name], tuple(a.shape)) for a in protected}
     found = []
     for name in _in_loops(comps):
         for line in comps[name]:
-            m = _COPY.search(line)
+            m = pattern.search(line)
             if m and (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) in targets:
                 found.append(f"{name}: {line[:160]}")
     return found
@@ -160,11 +165,4 @@ def merged_weights(hlo: str, weights) -> list[str]:
         for k in range(2, min(len(outs), 4) + 1):
             for rows in {sum(c) for c in itertools.combinations(outs, k)}:
                 targets |= {(dtype, (rows, cols)), (dtype, (cols, rows))}
-    comps = _computations(hlo)
-    found = []
-    for name in _in_loops(comps):
-        for line in comps[name]:
-            m = _CONCAT.search(line)
-            if m and (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) in targets:
-                found.append(f"{name}: {line[:160]}")
-    return found
+    return _in_loop_results(hlo, _CONCAT, targets)
