@@ -39,7 +39,8 @@ Models: bench/e2e.py's (random bfloat16 weights, bench/configs/).
 Usage:  python3 bench/serve.py [--models a,b] [--capacity 64] [--batch-size 64] [--requests 256]
                                [--rate 8] [--prompt-len 128,1024] [--prompt-granule 64]
                                [--new-tokens 32,256] [--shared 0.5]
-                               [--system-len 512] [--prefill-chunk 256] [--buffer-len 16] [--out FOLDER]
+                               [--system-len 512] [--prefill-chunk 256] [--prefill-batch 1] [--buffer-len 16]
+                               [--out FOLDER]
                                [--speculative ngram [--num-draft 4]] [--state-dtype int8]
         python3 bench/serve.py --dry-run   (check of the script on the CPU: tiny fixture, backend xla,
                                             4 requests sharing an 8-token system prompt, 3 slots;
@@ -133,6 +134,7 @@ def measure(model, trace, *, state: str, prefix_caching: bool, args, progress: b
     ReplaySSM checkpoints' dtype, None: the model's)."""
     options = dict(state=state, buffer_len=args.buffer_len if state == "replay" else None,
                    batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, max_len=args.max_len,
+                   prefill_batch=args.prefill_batch,
                    prefix_caching=prefix_caching, backend=args.backend, state_dtype=state_dtype,
                    speculative=SpeculativeConfig(args.speculative, args.num_draft) if speculative else None)
     t0 = time.perf_counter()
@@ -223,6 +225,8 @@ def main(argv=None) -> int:
     p.add_argument("--shared", type=float, default=0.5, help="fraction of prompts with the shared system prompt")
     p.add_argument("--system-len", type=int, default=512, help="system prompt tokens")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prefill tokens per step (the prefix block)")
+    p.add_argument("--prefill-batch", type=int, default=1,
+                   help="requests whose chunks one engine step prefills together (Engine's prefill_batch)")
     p.add_argument("--buffer-len", type=int, default=16, help="ReplaySSM L")
     p.add_argument("--states", default="standard,replay")
     p.add_argument("--speculative", default=None, choices=("ngram",),

@@ -6,7 +6,10 @@ of requests. Each :meth:`Engine.step`
 1. admits waiting requests into free slots (first come, first served);
 2. dispatches one chunk of at most `prefill_chunk` prompt tokens of the oldest admitted request
    (a chunked prefill, `HybridCausalLM.prefill(..., cache=)`: a long prompt takes several steps
-   and does not stall the decoding rows);
+   and does not stall the decoding rows), in one call with the chunks of up to `prefill_batch`
+   - 1 more admitted requests whose chunks have its length and kind (all first chunks, or all
+   continuing a cache; all last chunks or none). With `prefill_batch` > 1 the requests admitted
+   together look the prefix cache up together, before any of them keeps a block;
 3. dispatches one compiled decode step of `batch_size` rows over the running requests that may
    take another token (``model.decode(tokens, pool, slots=)``; the rows past them are padding
    rows, slot -1), without waiting for it. Each row's next token is chosen inside the step:
@@ -140,12 +143,13 @@ class _Request:
 
 @dataclasses.dataclass
 class _Chunk:
-    """A dispatched prefill chunk: its request, token i32[1] (on the device; after the last chunk the first
-    token), the batch-1 cache after it, and whether it is the prompt's last chunk."""
+    """A dispatched prefill of one chunk of each of its requests: their tokens i32[n] (on the device; after
+    the prompts' last chunk their first tokens; n >= the requests: padding rows repeat the first), the
+    batch-1 cache of each after it, and whether the chunks are the prompts' last."""
 
-    request: _Request
-    token: jax.Array
-    cache: object
+    requests: list
+    tokens: jax.Array
+    caches: tuple
     final: bool
 
 
@@ -193,14 +197,16 @@ def _choose(logits, key, request_ids, counts, sampling: BatchSampling):
 
 @functools.lru_cache(maxsize=32)
 def _compiled_prefill(graphdef, max_len: int, options: tuple):
-    """The jitted chunk prefill of a model structure and pool layout (shared by the engines of one model):
+    """The jitted chunk prefill of n requests at once, for a model structure and pool layout (shared by the
+    engines of one model):
 
-    prefill(params, ids i32[1, T], cache | None, key, request_id i32[1], sampling: BatchSampling of 1 row,
-    final) -> (token i32[1], batch-1 cache); after the last chunk (`final`) the request's first token
-    (`_choose`, token index 0), before it 0.
+    prefill(params, ids i32[n, T], caches (n batch-1 caches) | None, key, request_ids i32[n], sampling:
+    BatchSampling of n rows, final) -> (tokens i32[n], n batch-1 caches); after the prompts' last chunk
+    (`final`) each request's first token (`_choose`, token index 0), before it 0. The n caches are stacked
+    into one batch for the model's prefill and split again inside the program.
     """
 
-    def prefill(params, ids, cache, key, request_id, sampling, final):
+    def prefill(params, ids, caches, key, request_ids, sampling, final):
         model = nnx.merge(graphdef, params)
         chunk_options = dict(options)
         length = max_len
@@ -208,10 +214,13 @@ def _compiled_prefill(graphdef, max_len: int, options: tuple):
             window = chunk_options["max_window"]
             chunk_options.update(replay_buffer_len=None, max_window=1, checkpoint_dtype=None)
             length = max_len + window - 1  # the KV caches' length of the pool's layout (the last chunk keeps it)
+        cache = None if caches is None else jax.tree.map(lambda *rows: jnp.concatenate(rows), *caches)
         logits, cache = model.prefill(ids, length, last_logits_only=True, cache=cache, **chunk_options)
+        n = ids.shape[0]
+        rows = tuple(jax.tree.map(lambda a, i=i: a[i:i + 1], cache) for i in range(n))
         if not final:
-            return jnp.zeros((1,), jnp.int32), cache
-        return _choose(logits, key, request_id, jnp.zeros((1,), jnp.int32), sampling), cache
+            return jnp.zeros((n,), jnp.int32), rows
+        return _choose(logits, key, request_ids, jnp.zeros((n,), jnp.int32), sampling), rows
 
     return jit(prefill, static_argnames=("final",))
 
@@ -268,6 +277,12 @@ def _compiled_round(graphdef, backend: str | None):
     return jit(round_, donate_argnums=(1,))
 
 
+def _prefill_rows(requests: int, prefill_batch: int) -> int:
+    """The rows of a prefill call of `requests` requests: the next power of two, at most prefill_batch (a
+    handful of compiled shapes per chunk length)."""
+    return min(1 << (requests - 1).bit_length(), prefill_batch)
+
+
 def _prefix_key(ids: Sequence[int]) -> str:
     """The prefix cache's key of a prompt prefix: a hash of its ids (and so of its length)."""
     return hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest()
@@ -285,9 +300,13 @@ class Engine:
       batch_size: rows of the compiled decode step (>= 1; default: capacity); at most
         that many running requests decode per step (in arrival order, round robin
         when more are running).
-      prefill_chunk: prompt tokens prefilled per step (>= 1); with prefix caching
-        also the block whose boundaries the cache keeps. Each distinct chunk length
-        compiles one prefill (at most two per prompt length: whole chunks and the rest).
+      prefill_chunk: prompt tokens prefilled per request and step (>= 1); with prefix
+        caching also the block whose boundaries the cache keeps. Each distinct chunk
+        length compiles a prefill (whole chunks and the rest; first chunks, later ones
+        and restored prefixes apart; each row count of prefill_batch apart).
+      prefill_batch: requests whose next chunks one step prefills together (>= 1; the
+        chunks of one length, in one call of 1, 2, 4, ... rows up to prefill_batch,
+        padded by repeating a row). 1: one request per step.
       max_len: positions per slot (prompt + max_new_tokens of any request).
       prefix_caching: keep and reuse prompt prefixes' states (module docstring).
       prefix_cache_size: prefixes kept (least recently used dropped first), >= 1.
@@ -330,7 +349,7 @@ class Engine:
     def __init__(self, model, capacity: int, *, state: str = "replay", buffer_len: int | None = None,
                  buffer_dtype=jnp.float32, batch_size: int | None = None, prefill_chunk: int = 256,
                  max_len: int = 1024, prefix_caching: bool = False, prefix_cache_size: int = 64,
-                 prefix_store: str = "device",
+                 prefix_store: str = "device", prefill_batch: int = 1,
                  backend: str | None = None, route: str = "auto", seed: int = 0,
                  speculative: SpeculativeConfig | None = None, state_dtype=None, state_rounding: str = "nearest"):
         if state not in ("replay", "standard"):
@@ -344,6 +363,7 @@ class Engine:
         if self.batch_size > capacity:
             raise EngineError(f"`batch_size` must be <= capacity = {capacity}; got {self.batch_size}")
         self.prefill_chunk = _positive_int("prefill_chunk", prefill_chunk)
+        self.prefill_batch = _positive_int("prefill_batch", prefill_batch)
         self.prefix_cache_size = _positive_int("prefix_cache_size", prefix_cache_size)
         if prefix_store not in ("device", "host"):
             raise EngineError(f"`prefix_store` must be 'device' or 'host'; got {prefix_store!r}")
@@ -458,7 +478,7 @@ class Engine:
         requests (module docstring). Returns the requests that finished in it."""
         finished: list[RequestOutput] = []
         self._admit()
-        chunk = self._dispatch_prefill(self._prefilling[0]) if self._prefilling else None
+        chunk = self._dispatch_prefill() if self._prefilling else None
         if self.speculative is None:
             previous, self._decoding = self._decoding, self._dispatch_decode()
         else:
@@ -511,43 +531,60 @@ class Engine:
         if self._template is None:
             greedy = BatchSampling.of([None])
             shapes = jax.eval_shape(lambda p: self._prefill(p, jnp.zeros((1, 1), jnp.int32), None, self._key,
-                                                            jnp.zeros((1,), jnp.int32), greedy, False)[1],
+                                                            jnp.zeros((1,), jnp.int32), greedy, False)[1][0],
                                     self._params)
             self._template = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         return self._template
 
-    def _dispatch_prefill(self, request: _Request) -> _Chunk:
-        """Dispatch the next chunk of `request`'s prompt, not waiting for it (before the first one, restore
-        its longest kept prefix: one that the requests prefilled before it may have kept)."""
-        if request.prefilled == 0:
-            self._restore_prefix(request)
-        start = request.prefilled
-        end = min(len(request.prompt), start + self.prefill_chunk)
-        final = end == len(request.prompt)
-        ids = jnp.asarray([request.prompt[start:end]], jnp.int32)
-        token, cache = self._prefill(self._params, ids, request.cache, self._key,
-                                     jnp.asarray([request.request_id], jnp.int32), BatchSampling.of([request.sampling]),
-                                     final)
-        request.prefilled, request.cache = end, None if final else cache
-        self.stats["prefill_tokens"] += end - start
-        return _Chunk(request, token, cache, final)
+    def _dispatch_prefill(self) -> _Chunk:
+        """Dispatch the next chunk of the oldest prefilling request, and of up to prefill_batch - 1 more whose
+        chunk has its length, is as much their prompt's last and starts from a cache as much as its own (before
+        a request's first chunk, restore its longest kept prefix: one that the requests prefilled before it may
+        have kept); one call over a bucket of rows (`_prefill_rows`), not waiting for it."""
+        def chunk_of(request):
+            if request.prefilled == 0:
+                self._restore_prefix(request)
+            end = min(len(request.prompt), request.prefilled + self.prefill_chunk)
+            return end - request.prefilled, end == len(request.prompt), request.cache is None
+
+        first = chunk_of(self._prefilling[0])
+        requests = [self._prefilling[0]]
+        for request in self._prefilling[1:]:
+            if len(requests) == self.prefill_batch:
+                break
+            if chunk_of(request) == first:
+                requests.append(request)
+        rows = requests + [requests[0]] * (_prefill_rows(len(requests), self.prefill_batch) - len(requests))
+        length, final, fresh = first
+        ids = np.asarray([r.prompt[r.prefilled:r.prefilled + length] for r in rows], np.int32)
+        caches = None if fresh else tuple(r.cache for r in rows)
+        tokens, out = self._prefill(self._params, ids, caches, self._key,
+                                    np.asarray([r.request_id for r in rows], np.int32),
+                                    BatchSampling.of([r.sampling for r in rows]), final)
+        for request, cache in zip(requests, out):
+            request.prefilled += length
+            request.cache = None if final else cache
+            self.stats["prefill_tokens"] += length
+        return _Chunk(requests, tokens, out, final)
 
     def _finish_prefill(self, chunk: _Chunk, finished: list) -> None:
-        """Keep a whole block's prefix (prefix caching); after the last chunk, move the request to its slot
-        and emit its first token (waiting for the prefill)."""
-        request = chunk.request
-        if self.prefix_caching and not chunk.final:  # the chunk ends at a multiple of the block
-            key = _prefix_key(request.prompt[:request.prefilled])
-            if key not in self._prefixes:
-                self._prefixes[key] = chunk.cache if self.prefix_store == "device" else export_sequence(chunk.cache, 0)
-                while len(self._prefixes) > self.prefix_cache_size:
-                    self._prefixes.popitem(last=False)
+        """Keep a whole block's prefix of each request (prefix caching); after the last chunks, move the
+        requests to their slots and emit their first tokens (waiting for the prefill)."""
+        for request, cache in zip(chunk.requests, chunk.caches):
+            if self.prefix_caching and not chunk.final:  # the chunk ends at a multiple of the block
+                key = _prefix_key(request.prompt[:request.prefilled])
+                if key not in self._prefixes:
+                    self._prefixes[key] = cache if self.prefix_store == "device" else export_sequence(cache, 0)
+                    while len(self._prefixes) > self.prefix_cache_size:
+                        self._prefixes.popitem(last=False)
         if not chunk.final:
             return
-        self._prefilling.remove(request)
-        self.pool.write(request.slot, chunk.cache)
-        self._running.append(request)
-        self._emit(request, int(np.asarray(chunk.token)[0]), finished)
+        tokens = np.asarray(chunk.tokens)
+        for request, cache, token in zip(chunk.requests, chunk.caches, tokens):
+            self._prefilling.remove(request)
+            self.pool.write(request.slot, cache)
+            self._running.append(request)
+            self._emit(request, int(token), finished)
 
     def _batch_rows(self):
         """(up to batch_size running requests that may take another token, the others waiting: round robin;

@@ -279,3 +279,23 @@ def test_bad_requests_and_options(model):
         engine.add_request([3], 0)
     assert engine.num_unfinished == oracle.num_unfinished == 0
     assert engine.add_request([3], 2, stop_ids=None) == 0  # None: no stop ids, as ()
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_batched_prefill_gives_each_request_its_tokens(model, prefix_caching):
+    """prefill_batch = 4: the chunks of up to four requests of one length and kind run in one call (three of
+    them padded to 4 rows); every sequence equals the engine's with one request's chunk per step."""
+    rng = np.random.default_rng(2)
+    system = rng.integers(3, 250, size=CHUNK).tolist()
+    prompts = [system + rng.integers(3, 250, size=n).tolist() for n in (4, 4, 9, CHUNK, 4)] + \
+        [rng.integers(3, 250, size=n).tolist() for n in (3, 3, 3)]
+    samplings = {1: SamplingParams(temperature=1.0, top_k=20)}
+    options = dict(buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla", prefix_caching=prefix_caching)
+    outputs = []
+    for engine in (Engine(model, 6, prefill_batch=4, **options), Engine(model, 6, **options)):
+        for i, prompt in enumerate(prompts):
+            assert engine.add_request(prompt, 4, sampling=samplings.get(i)) == i
+        outputs.append(engine.run_until_done())
+        assert engine.stats["prefill_tokens"] + engine.stats["cached_tokens"] == sum(map(len, prompts))
+    batched, single = outputs
+    assert [o.sequence for o in batched] == [o.sequence for o in single]
