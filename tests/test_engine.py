@@ -195,7 +195,7 @@ def test_int8_checkpoints_give_each_request_its_tokens_alone(model):
     assert [o.sequence for o in outputs] == alone
 
 
-@pytest.mark.parametrize("store", ["device", "host"])
+@pytest.mark.parametrize("store", ["device", pytest.param("host", marks=pytest.mark.slow)])
 def test_prefix_caching_skips_the_shared_prefix(model, store):
     """Prompts sharing a system prompt of one block (+ 4 tokens): the later requests restore the block's
     state and prefill only the rest; every sequence equals the engine's without the cache (whose decode
@@ -281,7 +281,7 @@ def test_bad_requests_and_options(model):
     assert engine.add_request([3], 2, stop_ids=None) == 0  # None: no stop ids, as ()
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("prefix_caching", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_batched_prefill_gives_each_request_its_tokens(model, prefix_caching):
     """prefill_batch = 4: the chunks of up to four requests of one length and kind run in one call (three of
     them padded to 4 rows); every sequence equals the engine's with one request's chunk per step."""
