@@ -127,13 +127,17 @@ def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
         kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if params.top_p < 1.0:
-        ordered = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-        kept = jnp.where(before < params.top_p, ordered, jnp.inf)
-        cutoff = jnp.min(kept, axis=-1, keepdims=True)
+        cutoff = _nucleus_cutoff(jnp.sort(logits, axis=-1)[..., ::-1], params.top_p)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return logits
+
+
+def _nucleus_cutoff(ordered: jax.Array, top_p) -> jax.Array:
+    """The smallest logit that top-p keeps, [..., 1], from the logits sorted in descending order: the most
+    likely tokens are kept while the mass of the more likely ones is < top_p (a float, or f32[..., 1])."""
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+    return jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
 
 
 def token_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -226,10 +230,7 @@ def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     kth = jnp.where((top_k > 0) & (top_k < vocab), jnp.take_along_axis(ordered, index, axis=-1), -jnp.inf)
     logits = jnp.where(logits < kth, -jnp.inf, logits)
     ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-    cutoff = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
-    cutoff = jnp.where(top_p < 1.0, cutoff, -jnp.inf)
+    cutoff = jnp.where(top_p < 1.0, _nucleus_cutoff(ordered, top_p), -jnp.inf)
     return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
