@@ -16,6 +16,7 @@ the models' layers (Qwen3.5-4B GDN, Nemotron-3-Nano-4B Mamba-2).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -187,6 +188,23 @@ def test_replay_tilings(backend, case, config, L, poison, route, rng):
     layer, shape = case
     check_replay(layer(shape, rng, jnp.bfloat16), L, route, *DTYPES["bf16in-f32state"], backend,
                  steps=L // 2 + 2, config=config, poison=poison)
+
+
+@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+def test_launch_order_changes_no_number(case, rng):
+    """A launch in memory order (`memory_order=True`) and one with batch rows first give the same bits: the
+    standard step, and the replay step (mixed cursors: flushing rows, a fused and a separate flush)."""
+    layer, shape = case
+    layer = layer(shape, rng)
+    state, inp = layer.state(), layer.draw()
+    replay = layer.replay_state(4, jnp.float32, jnp.float32, mixed_cursors(layer.s.batch, 4))
+    runs = [(lambda config: layer.step(state, inp, "interpret", config), kernels.StepConfig(block_v=8))]
+    runs += [(lambda config: layer.replay_step(replay, inp, "output", "interpret", config),
+              kernels.ReplayConfig(block_v=8, num_warps=2, tiles=2, fused_flush=fused)) for fused in (False, True)]
+    for run, config in runs:
+        reversed_out, batch_first_out = (run(dataclasses.replace(config, memory_order=order)) for order in (True, False))
+        for a, b in zip(jax.tree.leaves(reversed_out), jax.tree.leaves(batch_first_out)):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=config.tag())
 
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
@@ -381,6 +399,7 @@ TILING_FIELD_ERRORS = [
     (dict(block_v=8, num_warps=3), ValueError, "`config.num_warps` must be one of 1, 2, 4, 8, 16; got 3"),
     (dict(block_v=8, num_stages=2.5), TypeError, "`config.num_stages` must be an int; got float 2.5"),
     (dict(block_v=8, num_stages=0), ValueError, "`config.num_stages` must be >= 1; got 0"),
+    (dict(block_v=8, memory_order=1), TypeError, "`config.memory_order` must be a bool; got int"),
 ]
 
 
@@ -442,8 +461,10 @@ def test_heuristics_plan_for_132_sms_without_a_gpu():
     assert kernels.default_replay_config(4, 32, 128, 128, jnp.float32, 16) == kernels.ReplayConfig(
         block_v=16, num_warps=4, fused_flush=True)
     assert kernels.default_replay_config(256, 32, 128, 128, jnp.float32, 16) == kernels.ReplayConfig(
-        block_v=64, num_warps=4, tiles=2)
-    assert kernels.default_replay_config(256, 32, 128, 128, jnp.bfloat16, 16).block_v == 128
+        block_v=64, num_warps=4, tiles=2, memory_order=False)
+    assert kernels.default_replay_config(256, 32, 128, 128, jnp.bfloat16, 16) == kernels.ReplayConfig(
+        block_v=64, num_warps=2, tiles=2)
+    assert kernels.default_replay_config(256, 32, 128, 128, jnp.int8, 16).block_v == 128
     assert kernels.default_step_config(64, 32, 128, 128, jnp.float32) == kernels.StepConfig(block_v=32, num_warps=4)
     assert kernels.default_step_config(8, 96, 80, 128, jnp.bfloat16) == kernels.StepConfig(block_v=16, num_warps=2)
 

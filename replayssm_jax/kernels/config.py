@@ -86,8 +86,9 @@ class _Tiling:
     block_v: int
     num_warps: int = 4
     num_stages: int = 1
+    memory_order: bool = True
 
-    _FLAGS: ClassVar[tuple[str, ...]] = ()  # bool fields; every other field is an int
+    _FLAGS: ClassVar[tuple[str, ...]] = ("memory_order",)  # bool fields; every other field is an int
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -108,7 +109,8 @@ class _Tiling:
             raise ValueError(f"`config.num_stages` must be >= 1; got {self.num_stages}")
 
     def _launch_tag(self, tiles: int) -> str:
-        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}_t{tiles}"
+        order = "" if self.memory_order else "_bfirst"
+        return f"bv{self.block_v}_w{self.num_warps}_s{self.num_stages}_t{tiles}{order}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +124,13 @@ class StepConfig(_Tiling):
         power of two.
       num_warps: Triton warps per program, one of 1, 2, 4, 8, 16.
       num_stages: Triton software-pipelining stages, >= 1.
+      memory_order: True: the programs are launched in the state's memory
+        order (row tiles fastest, then heads, then batch rows; the launch
+        grid is the kernel grid reversed); False: batch rows fastest.
 
     Raises:
-      TypeError: a field that is not an int (numpy ints are taken).
+      TypeError: a field that is not an int (numpy ints are taken), or
+        memory_order not a bool.
       ValueError: block_v not a power of two, num_warps not in {1, 2, 4, 8,
         16}, or num_stages < 1.
     """
@@ -140,8 +146,10 @@ class ReplayConfig(_Tiling):
     replay kernel and its flush.
 
     Attributes:
-      block_v, num_warps, num_stages: the replay kernel's tile rows (a power
-        of two), Triton warps and pipelining stages, as :class:`StepConfig`.
+      block_v, num_warps, num_stages, memory_order: the replay kernel's tile
+        rows (a power of two), Triton warps, pipelining stages and launch
+        order, as :class:`StepConfig` (the flush launch takes the same
+        order).
       tiles: row tiles per program, >= 1. A replay program forms the
         per-head quantities (buffer scores, decay weights) once and then
         loops over its `tiles` row tiles, so the grid is
@@ -179,7 +187,7 @@ class ReplayConfig(_Tiling):
     flush_warps: int = 0
     flush_rows: int = 0
 
-    _FLAGS: ClassVar[tuple[str, ...]] = ("fused_flush",)
+    _FLAGS: ClassVar[tuple[str, ...]] = ("memory_order", "fused_flush")
 
     def __post_init__(self):
         super().__post_init__()
@@ -220,13 +228,14 @@ class ReplayConfig(_Tiling):
         min(block_v, FUSED_FLUSH_ROWS))."""
         rows = self.flush_block_v or min(self.block_v, FUSED_FLUSH_ROWS)
         return ReplayConfig(block_v=rows, num_warps=self.num_warps, num_stages=self.num_stages,
+                            memory_order=self.memory_order,
                             tiles=self.tiles * self.block_v // rows)
 
     def flush_launch_tiling(self) -> ReplayConfig:
         """The tiling of the flush launch: one tile per program, of flush_block_v
         rows on flush_warps warps (0: the replay kernel's)."""
         return ReplayConfig(block_v=self.flush_block_v or self.block_v, num_warps=self.flush_warps or self.num_warps,
-                            num_stages=self.num_stages)
+                            num_stages=self.num_stages, memory_order=self.memory_order)
 
 
 def default_flush_rows(batch: int) -> int:
@@ -264,7 +273,9 @@ def default_step_config(batch: int, heads: int, V: int, K: int, state_dtype) -> 
     at most 4 warps (8 warps on a 64-row bf16 tile ran 16% slower); one tile
     per program, shrunk until there are at least ~8 programs per SM. (A bf16
     tile of 16 KiB, 64 rows of K = 128, ran 2-4% slower than 32 rows at
-    batch 64-256 and equal at 512: bench/RESULTS.md, 2026-11-30.)
+    batch 64-256 and equal at 512: bench/RESULTS.md, 2026-11-30.) The
+    programs are launched in memory order (`StepConfig.memory_order`): at
+    batch 256, 5-9% faster than batch rows first (2026-12-02).
 
     Args: batch, heads (GDN: HV), V (rows: GDN V, Mamba-2 P) and K (columns:
     GDN K, Mamba-2 N) of the state; state_dtype: its dtype (the same tiling
@@ -280,7 +291,9 @@ def default_replay_config(batch: int, heads: int, V: int, K: int, state_dtype, b
     """The frozen heuristic of the replay step (output and state routes).
 
     Tiles of up to 64 rows (again preferring a divisor of V) on at most 4
-    warps, and one program loops over all tiles of a head, so the per-head
+    warps (2 for a 64-row tile of a 2-byte state, whose programs are
+    launched in memory order; f32 and 8-bit states' batch rows first), and
+    one program loops over all tiles of a head, so the per-head
     work on the buffer (the buffered keys' scores, the decay weights) is
     done once per head, as long as that leaves at least ~4 programs per SM;
     otherwise the head is split over more programs, and with one tile per
@@ -299,17 +312,27 @@ def default_replay_config(batch: int, heads: int, V: int, K: int, state_dtype, b
         return ReplayConfig(block_v=_divisor_rows(min(rows_pow2, 16), V), num_warps=4, num_stages=1, tiles=1,
                             fused_flush=True)
     # About 32 KiB of state per tile when V is a power of two (f32: 64 rows,
-    # bf16: 128; GDN bf16 at batch 256 ran 174 us on 128 rows against 183 us
-    # on 64); 64 rows otherwise (Mamba-2's P = 80: the divisor rule takes 16).
+    # 8-bit: 128); 64 rows otherwise (Mamba-2's P = 80: the divisor rule
+    # takes 16). A 2-byte state holds 64 rows on half the warps and launches
+    # its programs in memory order (GDN bf16: 134.6 us at batch 256 and 45.9
+    # us at 64, against 146.7 and 50.1 on 128 rows and 4 warps and 157 and
+    # 48 on 64 rows and 4; Mamba-2 bf16 245.6 against 257.3 us batch rows
+    # first); f32 and 8-bit states launch batch rows first (f32 at batch
+    # 256: GDN 218.4 against 219.5 us, Mamba-2 402.4 against 409.8 us in
+    # memory order). bench/RESULTS.md, 2026-12-02.
     itemsize = jnp.dtype(state_dtype).itemsize
-    rows = min(rows_pow2, max(64, 32768 // itemsize // BK)) if V == rows_pow2 else min(rows_pow2, 64)
+    two_byte = itemsize == 2
+    rows = min(rows_pow2, 64 if two_byte or V != rows_pow2 else max(64, 32768 // itemsize // BK))
     rows = _divisor_rows(rows, V)
     n_tiles = tiles = cdiv(V, rows)
     while tiles > 1 and batch * heads * cdiv(n_tiles, tiles) < 4 * num_sms():
         tiles = cdiv(tiles, 2)
     if tiles == 1:
         rows = _fill_rows(rows, batch * heads, V)
-    return ReplayConfig(block_v=rows, num_warps=_warps(rows, K), num_stages=1, tiles=tiles)
+    warps = _warps(rows, K)
+    if two_byte and rows == 64:
+        warps = max(1, warps // 2)
+    return ReplayConfig(block_v=rows, num_warps=warps, num_stages=1, tiles=tiles, memory_order=two_byte)
 
 
 def replay_is_one_launch(batch: int, heads: int, V: int, K: int, state_dtype, buffer_len: int) -> bool:

@@ -25,6 +25,7 @@ message (a Mosaic GPU port is expected, DESIGN.md section 5).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -62,14 +63,44 @@ class BlockSpecs(NamedTuple):
     records: Any
 
 
-def pallas_call(kernel, *, interpret: bool, config: StepConfig | ReplayConfig, **kwargs):
-    """`pl.pallas_call` with the Triton compiler params (num_warps, num_stages) of `config`."""
+def pallas_call(kernel, *, interpret: bool, config: StepConfig | ReplayConfig, grid=(), in_specs=None,
+                out_specs=None, **kwargs):
+    """`pl.pallas_call` with the Triton compiler params (num_warps, num_stages) of `config`.
+
+    A kernel grid of three axes (batch rows, heads, row tiles), when
+    `config.memory_order`, is launched reversed: the GPU starts programs
+    with the launch grid's first axis fastest, so programs that run at the
+    same time then work on neighbouring state tiles. The kernel and its
+    block specs still see the (batch, heads, row tiles) grid.
+    """
+    if len(grid) == 3 and config.memory_order:
+        kernel, grid, in_specs, out_specs = _launched_reversed(kernel, grid, in_specs, out_specs)
     return pl.pallas_call(
         kernel,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        grid=grid,
+        **({} if in_specs is None else dict(in_specs=in_specs)),
+        **({} if out_specs is None else dict(out_specs=out_specs)),
         **kwargs,
     )
+
+
+def _launched_reversed(kernel, grid, in_specs, out_specs):
+    """(kernel, grid, in_specs, out_specs) of a launch on the reversed grid that runs `kernel` on `grid`."""
+
+    def reversed_spec(spec):
+        if spec.index_map is None:
+            return spec
+        index_map = spec.index_map
+        return dataclasses.replace(spec, index_map=lambda *ids: index_map(*ids[::-1]))
+
+    def run(*refs):
+        with hoisted_program_ids(3, launch_axes=(2, 1, 0)):
+            kernel(*refs)
+
+    specs = [None if x is None else jax.tree.map(reversed_spec, x, is_leaf=_is_spec) for x in (in_specs, out_specs)]
+    return run, tuple(grid[::-1]), *specs
 
 
 class Pool(NamedTuple):

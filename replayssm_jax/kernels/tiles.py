@@ -184,11 +184,16 @@ def program_id(axis: int) -> jax.Array:
 
 
 @contextlib.contextmanager
-def hoisted_program_ids(ndim: int):
+def hoisted_program_ids(ndim: int, launch_axes: tuple[int, ...] | None = None):
     """Read the `ndim` program ids here, at a kernel's top level, for the `program_id` calls of the
     body traced within (interpret mode cannot read a program id inside a branch, such as the
-    `pl.when` that skips a state pool's padding rows)."""
-    _GRID.append(tuple(pl.program_id(axis) for axis in range(ndim)))
+    `pl.when` that skips a state pool's padding rows). launch_axes: the launch grid's axis of
+    each of the kernel's grid axes (None: the same axes). Within an outer `hoisted_program_ids`
+    (the launch's, `launch.pallas_call`) the ids read there stand."""
+    if _GRID:
+        yield
+        return
+    _GRID.append(tuple(pl.program_id(axis) for axis in (launch_axes or range(ndim))))
     try:
         yield
     finally:
