@@ -336,7 +336,8 @@ class Engine:
         stop token or max_new_tokens).
 
     Raises:
-      EngineError: an unknown state, route or prefix_store, a buffer_len with "standard", a
+      EngineError: an unknown state, route or prefix_store, prefix_store "host" without
+        prefix_caching, a buffer_len with "standard", a
         non-positive int option, batch_size above capacity; a `speculative` that
         is not a SpeculativeConfig, of a method other than "ngram" and "oracle"
         (the drafters with a state of their own, "mtp" and "draft", are not run
@@ -370,6 +371,9 @@ class Engine:
         self.prefix_store = prefix_store
         if not isinstance(prefix_caching, bool):
             raise EngineError(f"`prefix_caching` must be a bool; got {prefix_caching!r}")
+        if prefix_store != "device" and not prefix_caching:
+            raise EngineError(f"`prefix_store` says where kept prefixes live, which needs prefix_caching=True; got "
+                              f"prefix_store={prefix_store!r} with prefix_caching=False")
         self.prefix_caching = prefix_caching
         self.state = state
         buffer_len = (16 if buffer_len is None else _positive_int("buffer_len", buffer_len)) \

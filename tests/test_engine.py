@@ -236,6 +236,8 @@ def test_bad_requests_and_options(model):
         Engine(model, 2, route="fast", backend="xla")
     with pytest.raises(EngineError, match="`prefix_store` must be 'device' or 'host'; got 'disk'"):
         Engine(model, 2, prefix_caching=True, prefix_store="disk", backend="xla")
+    with pytest.raises(EngineError, match="needs prefix_caching=True; got prefix_store='host' with prefix_caching=False"):
+        Engine(model, 2, prefix_store="host", backend="xla")
     with pytest.raises(EngineError, match="`prefix_caching` must be a bool; got 'no'"):
         Engine(model, 2, prefix_caching="no", backend="xla")
     for seed in (-1, 2**32, 1.5, True):
