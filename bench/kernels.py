@@ -108,7 +108,8 @@ from replayssm_jax import kernels, ops, testing  # noqa: E402
 from replayssm_jax.kernels import ReplayConfig, StepConfig  # noqa: E402
 from replayssm_jax.layers.cache import committed_index  # noqa: E402
 from replayssm_jax.state import dequantize, is_quantized  # noqa: E402
-from replayssm_jax.testing import CASE_TABLES, GDNShape, Mamba2Shape, closeness, tolerance_dtype  # noqa: E402,F401
+from replayssm_jax.testing import (CASE_TABLES, GDNShape, Mamba2Shape, closeness,  # noqa: E402,F401
+                                   closeness_on_device, tolerance_dtype)
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -251,7 +252,7 @@ def _take(xs, t):
 def _compared(pairs, dtype) -> dict:
     """The comparison of each (actual, expected) of `pairs` with the tolerance of `dtype`
     (replayssm_jax.testing.TOLERANCES): the worst one's errors, and `ok` if all passed."""
-    cs = [closeness(a, e, dtype) for a, e in pairs]
+    cs = [closeness_on_device(a, e, dtype) for a, e in pairs]
     worst = max(cs, key=lambda c: (not c.ok, c.max_abs / max(c.allowed, 1e-30)))
     return dict(worst.as_dict(), ok=all(c.ok for c in cs))
 
