@@ -285,31 +285,52 @@ def matvec(S: jax.Array, vec: jax.Array) -> jax.Array:
     return jnp.sum(S * vec[None, :], axis=1)
 
 
-def for_each_row_tile(V: int, tiling, split, tile) -> None:
-    """Run `tile(rows, row_mask)` over this program's row tiles.
+def row_tile(V: int, tiling, split, r):
+    """(rows, row_mask) of row tile r (an int or a traced index) of program `split` along the rows under
+    `tiling` (a ReplayConfig): rows, a `pl.ds` of block_v rows relative to the program's block of
+    block_v * tiles rows; row_mask, bool[block_v] (rows < V), None when V is a multiple of block_v."""
+    BV = tiling.block_v
+    mask = None if V % BV == 0 else (split * tiling.tiles + r) * BV + lane_ids(BV) < V
+    start = r * BV if isinstance(r, int) else pl.multiple_of(r * BV, BV)
+    return pl.ds(start, BV), mask
+
+
+def for_each_row_tile(V: int, tiling, split, tile, prefetch=None) -> None:
+    """Run `tile(rows, row_mask)` (see :func:`row_tile`) over this program's row tiles.
 
     tiling: a ReplayConfig (its block_v rows per tile, `tiles` tiles per
     program). split: the program's index along the rows (`pl.program_id(2)`,
     read at the kernel's top level: interpret mode cannot read it inside a
-    branch). rows: a `pl.ds` of block_v rows, relative to the program's block
-    of block_v * tiles rows; row_mask: bool[block_v] (rows < V), None when V
-    is a multiple of block_v.
+    branch). prefetch: None, or (load, values): load(rows, row_mask) reads
+    a tile's checkpoint values and `values` are the first tile's, read by
+    the caller (before its per-head work); each tile then runs as
+    tile(rows, row_mask, values), and the loop reads the next tile's values
+    before it runs the current one (`ReplayConfig.prefetch`).
     """
-    BV, tiles = tiling.block_v, tiling.tiles
-    n_tiles = -(-V // BV)
-    first = split * tiles
+    tiles = tiling.tiles
+    n_tiles = -(-V // tiling.block_v)
+    count = tiles if n_tiles % tiles == 0 else jnp.minimum(tiles, n_tiles - split * tiles)
+    if prefetch is None:
+        def body(r, carry):
+            tile(*row_tile(V, tiling, split, r))
+            return carry
+    else:
+        load, values = prefetch
 
-    def body(r, carry):
-        mask = None if V % BV == 0 else (first + r) * BV + lane_ids(BV) < V
-        start = r * BV if isinstance(r, int) else pl.multiple_of(r * BV, BV)
-        tile(pl.ds(start, BV), mask)
-        return carry
+        def body(r, values):
+            # The next tile's address stays inside the program's block; after the last tile the read is masked off.
+            rows, mask = row_tile(V, tiling, split, jnp.minimum(r + 1, tiles - 1))
+            upcoming = load(rows, mask_and(mask, r + 1 < count, (tiling.block_v,)))
+            tile(*row_tile(V, tiling, split, r), values)
+            return upcoming
 
     if tiles == 1:
-        body(0, 0)
+        if prefetch is None:
+            body(0, 0)
+        else:
+            tile(*row_tile(V, tiling, split, 0), values)
     else:
-        count = tiles if n_tiles % tiles == 0 else jnp.minimum(tiles, n_tiles - first)
-        jax.lax.fori_loop(0, count, body, 0)
+        jax.lax.fori_loop(0, count, body, 0 if prefetch is None else values)
 
 
 def pick_row(tile: jax.Array, t: int) -> jax.Array:
