@@ -14,7 +14,10 @@ models' prefill and decode programs), so two settings make it cheaper:
     function) already compiled is loaded instead of compiled again. Its
     folder is REPLAYSSM_TEST_COMPILE_CACHE if set (kept), else a new
     temporary folder, removed when the run ends;
-    REPLAYSSM_TEST_NO_COMPILE_CACHE=1 turns the cache off.
+    REPLAYSSM_TEST_NO_COMPILE_CACHE=1 turns the cache off. A test that
+    switches the cache (the command's `--compile-cache` / `--no-compile-cache`
+    call `set_compile_cache`) has it switched back when it ends, so the tests
+    that follow it in the same worker keep loading from the run's folder.
 """
 
 from __future__ import annotations
@@ -58,6 +61,19 @@ def pytest_unconfigure(config):
     if _created_cache is not None:
         shutil.rmtree(_created_cache, ignore_errors=True)
         os.environ.pop(COMPILE_CACHE, None)
+
+
+@pytest.fixture(autouse=True)
+def _restore_compile_cache():
+    """JAX's persistent compilation cache folder as before the test (see the module docstring)."""
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != before:
+        from replayssm_jax.generation import set_compile_cache
+
+        set_compile_cache(before)
 
 
 @pytest.fixture
