@@ -509,8 +509,10 @@ def test_doc_links_resolve(doc):
     assert not broken, f"{doc}: {len(broken)} of {len(links)} links do not resolve: {broken}"
 
 
+@pytest.mark.slow
 def test_spec_dry_run(tmp_path, capsys):
-    """bench/spec.py --dry-run: the four modes on the tiny Qwen3.5 fixture (backend xla, float32), each
+    """bench/spec.py --dry-run (`slow`: test_spec_replay_and_tree_dry_run runs the script's paths on the
+    ReplaySSM state by default): the four modes on the tiny Qwen3.5 fixture (backend xla, float32), each
     speculative mode's oracle reference its own (it reproduces its reference at alpha 1 and equals the same
     state's AR output), greedy speculative tokens equal to that reference, the per-draft state slots counted
     in the standard state's memory per sequence (the speculative caches' conv windows also hold W - 1 more
@@ -541,23 +543,42 @@ def test_spec_dry_run(tmp_path, capsys):
     assert "spec-replay" in capsys.readouterr().out
 
 
-def test_spec_tree_dry_run(tmp_path):
-    """bench/spec.py --dry-run --tree 2,2 on the ReplaySSM state (tree-standard is skipped without its AR
-    run; test_spec_dry_run covers the standard state's modes): tree-replay after ar-replay, its greedy run
-    equal to its own reference, the tree's 5 nodes verified a round, the full depth accepted at alpha 1."""
-    # alpha 1: the measured run is its reference run's configuration (a hit of the compile cache).
-    args = ["--dry-run", "--alphas", "1", "--buffer-len", "8", "--tree", "2,2", "--modes", "ar-replay"]
+def test_spec_replay_and_tree_dry_run(tmp_path, capsys):
+    """bench/spec.py --dry-run --tree 2,2 on the ReplaySSM state (L 8; tree-standard is skipped without its
+    AR run; test_spec_dry_run, `slow`, adds the standard state's modes): ar-replay, then spec-replay with the
+    oracle at alpha 0.8 and 1 and with the random MTP head (`--drafters`), then tree-replay at both alphas;
+    each speculative mode's oracle reference its own (it reproduces its reference at alpha 1 and equals the
+    AR output), every speculative row's greedy tokens equal to its reference, the tree's 5 nodes verified a
+    round, the full depth accepted at alpha 1."""
+    # The alphas of a mode share its compiled round (Generator.with_speculative).
+    args = ["--dry-run", "--alphas", "0.8,1", "--buffer-len", "8", "--tree", "2,2", "--modes", "ar-replay,spec-replay"]
     assert load("spec").main(args + ["--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "spec.json").read_text())
-    rows = {r["mode"]: r for r in report["rows"]}
-    assert list(rows) == ["ar-replay", "tree-replay"] and report["meta"]["tree"] == [2, 2]
-    r = rows["tree-replay"]
-    assert r["identical_to_reference"] and r["verified_per_round"] == 5 and r["tokens_per_s"] > 0
+    rows = {(r["mode"], r["drafter"], r["alpha"]): r for r in report["rows"]}
+    assert list(rows) == [("ar-replay", None, None), ("spec-replay", "oracle", 0.8), ("spec-replay", "oracle", 1.0),
+                          ("spec-replay", "mtp", None), ("tree-replay", "oracle", 0.8), ("tree-replay", "oracle", 1.0)]
+    assert report["meta"]["tree"] == [2, 2] and report["meta"]["drafters"] == ["oracle", "mtp"]
+    assert report["meta"]["backend"] == "xla" and report["meta"]["num_draft"] == 3
+    ar = rows[("ar-replay", None, None)]
+    assert ar["tokens_per_s"] > 0 and ar["identical_to_reference"] is None
+    speculative = [r for key, r in rows.items() if key[0] != "ar-replay"]
+    assert all(r["identical_to_reference"] and r["tokens_per_s"] > 0 for r in speculative)
+    mtp = rows[("spec-replay", "mtp", None)]
+    assert mtp["alpha"] is None and mtp["accepted_per_round"] >= 1
+    prompt_new = report["meta"]["new_tokens"]
+    r = rows[("spec-replay", "oracle", 0.8)]
+    assert 1.0 <= r["accepted_per_round"] <= 4
+    assert r["reference_converged"] and r["reference_runs"] == 1 and r["ar_agreeing_tokens"] == prompt_new
+    assert abs(r["ideal_accepted"] - (1 - 0.8**4) / 0.2) < 1e-12 and r["speedup_same_state"] > 0
+    assert r["max_sequences"] == int(100 * 2**30 // r["round_bytes_per_seq"])
+    r = rows[("tree-replay", "oracle", 1.0)]
+    assert r["verified_per_round"] == 5
     assert r["accepted_per_round"] > 2 and r["ideal_accepted"] == 3.0  # the full depth but in the last rounds
-    assert r["round_bytes_per_seq"] > rows["ar-replay"]["round_bytes_per_seq"]
+    assert r["round_bytes_per_seq"] > ar["round_bytes_per_seq"]
     # The oracle's tree: a right draft goes deeper, a right other candidate ends the path.
     assert load("spec").ideal_acceptance(0.8, 3, 2) == pytest.approx(1 + sum(0.8**d * (0.8 + 0.2 * 0.8)
                                                                              for d in range(2)))
+    assert "tree-replay" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -576,9 +597,11 @@ def test_spec_rejects_bad_arguments(args, message, tmp_path, capsys):
 
 def test_serve_dry_run(tmp_path):
     """bench/serve.py --dry-run (ReplaySSM only): a row per prefix-caching setting, an n-gram speculative row
-    and an int8-checkpoint row, with every request served, the Generator's reference, the JSON and the plot."""
+    and an int8-checkpoint row, with every request served, the Generator's reference, the JSON and the plot.
+    Prompts of 16 tokens, two whole chunks of 8: one prefill shape per configuration to compile (the
+    engine's chunks with a rest: tests/test_engine.py)."""
     assert load("serve").main(["--dry-run", "--states", "replay", "--speculative", "ngram", "--num-draft", "2",
-                               "--state-dtype", "int8", "--out", str(tmp_path)]) == 0
+                               "--state-dtype", "int8", "--prompt-len", "16,16", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "serve.json").read_text())
     assert [(r["state"], r["prefix_caching"], r["speculative"], r["state_dtype"]) for r in result["rows"]] == [
         ("replay", False, None, None), ("replay", True, None, None), ("replay", False, "ngram K=2", None),

@@ -33,12 +33,14 @@ FIXTURES = ["mamba2_tiny", "nemotron_h_tiny", "qwen3_5_tiny", "qwen3_next_tiny"]
 # model level with the logits (test_models.py::test_decode_matches_transformers).
 MODES = [("standard", None, "standard"), ("replay", 4, "replay-L4"), ("replay", 1, "replay-L1"),
          ("replay", 16, "replay-L16")]
-# The standard state's Generator path is the same code in every family (the families differ in their
-# layers, which test_models.py::test_decode_matches_transformers checks for both states on every fixture):
-# it runs by default on one fixture of each layer type, `slow` on the other two; L = 1 and 16 `slow`.
+# The Generator's path is the same code in every family (the families differ in their layers, which
+# test_models.py::test_decode_matches_transformers checks for both states on every fixture): each state
+# runs by default on one fixture of each layer type (the standard state on mamba2_tiny and qwen3_5_tiny,
+# L = 4 on the two with attention layers too, nemotron_h_tiny and qwen3_5_tiny), `slow` on the other
+# two; L = 1 and 16 `slow`.
+_DEFAULT_GREEDY = {None: ("mamba2_tiny", "qwen3_5_tiny"), 4: ("nemotron_h_tiny", "qwen3_5_tiny")}
 GREEDY_CASES = [pytest.param(name, state, L, id=f"{name}-{mode_id}",
-                             marks=pytest.mark.slow if L in (1, 16) or (L is None and name in (
-                                 "nemotron_h_tiny", "qwen3_next_tiny")) else ())
+                             marks=() if name in _DEFAULT_GREEDY.get(L, ()) else pytest.mark.slow)
                 for name in FIXTURES for state, L, mode_id in MODES]
 _MODELS = {}
 

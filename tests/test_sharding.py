@@ -5,7 +5,9 @@ The sharded tests need four devices, which XLA's CPU backend simulates with
 of the suite runs on one device, so in the ordinary run `test_sharded_suite`
 runs this file again in a subprocess with that flag (and the suite's compile
 cache), and the tests below are skipped in the parent process; in the
-subprocess they run and `test_sharded_suite` is skipped.
+subprocess they run and `test_sharded_suite` is skipped. The subprocess runs
+the tests of the parent's marker selection: the default cases by default,
+the `slow` ones (`SLOW_CASES`) with `-m slow`.
 
 What runs (the combinations cover the code paths rather than the full
 product, which would compile about 50 generators):
@@ -66,13 +68,17 @@ needs_devices = pytest.mark.skipif(not SIMULATED, reason=f"needs {DEVICES} devic
 
 
 @pytest.mark.skipif(SIMULATED, reason="this process has the simulated devices: the tests run here")
-def test_sharded_suite():
-    """This file's tests, in a process with four simulated CPU devices."""
+@pytest.mark.parametrize("markers", [pytest.param("not gpu and not slow", id="default"),
+                                     pytest.param("slow and not gpu", id="slow", marks=pytest.mark.slow)])
+def test_sharded_suite(markers):
+    """This file's tests of the run's markers, in a process with four simulated CPU devices: the default
+    cases by default, the `slow` ones with `-m slow`."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}").strip()
     env["JAX_PLATFORMS"] = "cpu"  # the simulated devices also on a machine with GPUs
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                          __file__], env=env, capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
+                          "-m", markers, __file__], env=env, capture_output=True, text=True,
+                         cwd=pathlib.Path(__file__).parents[1])
     assert run.returncode == 0, f"the sharded tests failed:\n{run.stdout[-6000:]}\n{run.stderr[-3000:]}"
     assert " passed" in run.stdout and "skipped" in run.stdout, run.stdout[-2000:]
 
@@ -104,8 +110,10 @@ CASES = [  # (fixture, tp, dp, state, backend)
 
 
 # The kernels under the mesh by default with the replay state; the standard state's interpreted case `slow`
-# (its xla case runs).
-SLOW_CASES = {("qwen3_5_tiny", 2, 2, "standard", "interpret")}
+# (its xla case runs). nemotron_h_tiny on "xla" `slow`: its layers run on "xla" by default at tp = 4
+# (test_tp4_random_weights_match_unsharded), the loaded fixture at tp = 2, dp = 2 on the kernels, the
+# Mamba-2 replay checkpoints' in-place check on mamba2_tiny.
+SLOW_CASES = {("qwen3_5_tiny", 2, 2, "standard", "interpret"), ("nemotron_h_tiny", 2, 2, "replay", "xla")}
 
 
 @needs_devices

@@ -3,7 +3,8 @@
 Greedy speculative decoding must emit plain greedy decoding's tokens exactly,
 whatever the drafts: the fixtures' `generated_ids` are plain greedy output
 (tests/test_generation.py checks them against transformers'). Each fixture
-runs two of the configurations below (every configuration on two fixtures):
+runs two of the configurations below (every configuration on two fixtures; the
+first of each fixture by default, the second `slow`):
 the n-gram drafter and the oracle drafter at alpha 1 (every draft accepted),
 0 (none) and 0.6 (mixed), with ReplaySSM at L = 4 and 8 with W = L (early
 flushes) and with the standard state. The drafters with a state run on every
@@ -41,6 +42,11 @@ CONFIGS = [
     ("oracle", 0.6, "replay", 4, 3),
 ]
 CASES = [(name, CONFIGS[(i + j) % len(CONFIGS)]) for i, name in enumerate(FIXTURES) for j in (0, 2)]
+# The default run keeps each fixture's first configuration (every configuration on one fixture; with the
+# drafter cases below, both layer types under each state); the second of each fixture is `slow`.
+CASE_PARAMS = [pytest.param(name, config, id=f"{name}-{config[0]}{'' if config[1] is None else config[1]}-"
+                                             f"{config[2]}{config[3] or ''}",
+                            marks=() if k % 2 == 0 else pytest.mark.slow) for k, (name, config) in enumerate(CASES)]
 # (state, L, K) for the drafters with a state
 STATE_CONFIGS = [("replay", 4, 3), ("replay", 8, 7), ("standard", None, 2)]
 DRAFTER_CASES = [(name, method, STATE_CONFIGS[(i + j) % len(STATE_CONFIGS)])
@@ -87,8 +93,7 @@ def speculative(method, K, alpha=None, reference_ids=None):
     return SpeculativeConfig("oracle", K, alpha=alpha, reference=reference_ids)
 
 
-@pytest.mark.parametrize("name, config", CASES, ids=[f"{n}-{c[0]}{'' if c[1] is None else c[1]}-{c[2]}{c[3] or ''}"
-                                                      for n, c in CASES])
+@pytest.mark.parametrize("name, config", CASE_PARAMS)
 def test_greedy_speculative_equals_plain_greedy(name, config):
     method, alpha, state, L, K = config
     ref = reference(name)
