@@ -65,10 +65,10 @@ from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, per_draft_la
                                           step_launch, tree_option, verify_launch, verify_window,
                                           window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
-from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar,
-                                         program_id)
-from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, row_tile, stochastic,
-                                         store, store_checkpoint, tile_mask, tile_row_ids)
+from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_first_tile, load_live,
+                                         load_scalar, program_id)
+from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
+                                         store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.state import GDNReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -154,16 +154,11 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                    records_out: Records, cursor_out, *, V, K, L, group, scale, use_qk_l2norm, route, config, programs):
     """The replay kernel (output and state routes) on a program's row tiles of one head and batch row."""
     BL, BK, BV = records.g.shape[0], inputs.q.shape[-1], config.block_v
-    split = program_id(2)
-    kmask = lane_mask(BK, K)
-
-    def load_tile(rows, vmask):
-        return load_checkpoint(checkpoint_ref, rows, tile_mask(vmask, kmask, (BV, BK)), vmask)
-
-    # With prefetch, the first checkpoint tile is read before the per-head work.
-    prefetch = (load_tile, load_tile(*row_tile(V, config, split, 0))) if config.prefetch else None
-    _, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
+    if config.prefetch:  # the first checkpoint tile, read before the per-head work
+        first_tile = load_first_tile(checkpoint_ref, V, config, BK, lane_mask(BK, K))
+    kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
     count = read_cursor(cursor_ref)  # live records; the new one goes to slot `count`
+    split = program_id(2)
     live = lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
 
     # Per-head work, once per program: the decay weights of the live slots
@@ -178,9 +173,13 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     carried = jnp.exp(total)  # decay of the checkpoint up to the last live slot
     append = count < L  # a row that entered full has no free slot (the flush absorbs this step)
 
+    def load_tile(rows, vmask):
+        return load_checkpoint(checkpoint_ref, rows, tile_mask(vmask, kmask, (BV, BK)), vmask)
+
     def tile(rows, vmask, S_c=None):
+        tmask = tile_mask(vmask, kmask, (BV, BK))
         if S_c is None:
-            S_c = load_tile(rows, vmask)  # the one read of the checkpoint
+            S_c = load_checkpoint(checkpoint_ref, rows, tmask, vmask)  # the one read of the checkpoint
         U = load_live(records.d.at[:, rows], live, L, vmask)
         v = load(inputs.v.at[rows], vmask)
         if route == "output":
@@ -201,7 +200,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     run_replay_program(tile, flush_row, V=V, L=L, config=config, split=split, count=count, append=append,
                        group=group, decay_record=lambda: load_scalar(inputs.g), decay_out=records_out.g, key=k,
                        key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs,
-                       prefetch=prefetch)
+                       prefetch=(load_tile, first_tile) if config.prefetch else None)
 
 
 def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, tmask, L):
