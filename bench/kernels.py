@@ -108,7 +108,7 @@ from replayssm_jax import kernels, ops, testing  # noqa: E402
 from replayssm_jax.kernels import ReplayConfig, StepConfig  # noqa: E402
 from replayssm_jax.layers.cache import committed_index  # noqa: E402
 from replayssm_jax.state import dequantize, is_quantized  # noqa: E402
-from replayssm_jax.testing import (CASE_TABLES, GDNShape, Mamba2Shape, closeness,  # noqa: E402,F401
+from replayssm_jax.testing import (CASE_TABLES, GDNShape, Mamba2Shape,  # noqa: E402,F401
                                    closeness_on_device, tolerance_dtype)
 
 f32, bf16 = jnp.float32, jnp.bfloat16
