@@ -507,24 +507,22 @@ def parse_config(spec: str, kind: str = "replay") -> StepConfig | ReplayConfig:
     program, 0 for the default) -> ReplayConfig. "standard": 'BVxW' or
     'BVxWx1xS' (one tile per program, no flush) -> StepConfig. A 'b' after
     the main fields (e.g. '64x4x2b', '64x4x2fb') launches the batch rows
-    fastest (`memory_order=False`); a 'p' (replay only) prefetches the
-    checkpoint tiles (`prefetch=True`). Missing
+    fastest (`memory_order=False`). Missing
     trailing fields take their defaults. Raises ValueError for a spec that
     does not parse or (standard) has tiles or flush fields."""
     head, colon, flush = spec.partition(":")
-    suffix = head[len(head.rstrip("fbp")):]  # f: fused flush; b: batch rows launched fastest; p: prefetch
-    fused, memory_order, prefetch = "f" in suffix, "b" not in suffix, "p" in suffix
+    suffix = head[len(head.rstrip("fb")):]  # f: fused flush; b: batch rows launched fastest
+    fused, memory_order = "f" in suffix, "b" not in suffix
     main = _spec_ints(spec, head[:len(head) - len(suffix)], 4)
     bv, warps, tiles, stages = main + [None, 4, 1, 1][len(main):]  # the configs' defaults
     fbv, fwarps, frows = (_spec_ints(spec, flush, 3) + [0, 0, 0])[:3] if colon else (0, 0, 0)
     if kind == "standard":
-        if tiles != 1 or fused or prefetch or colon:
+        if tiles != 1 or fused or colon:
             raise ValueError(f"config spec {spec!r}: the standard step takes one tile per program and no flush "
                              "('BVxW' or 'BVxWx1xSTAGES', optionally 'b')")
         return StepConfig(block_v=bv, num_warps=warps, num_stages=stages, memory_order=memory_order)
     return ReplayConfig(block_v=bv, num_warps=warps, num_stages=stages, tiles=tiles, fused_flush=fused,
-                        flush_block_v=fbv, flush_warps=fwarps, flush_rows=frows, memory_order=memory_order,
-                        prefetch=prefetch)
+                        flush_block_v=fbv, flush_warps=fwarps, flush_rows=frows, memory_order=memory_order)
 
 
 def _spec_ints(spec: str, part: str, most: int) -> list[int]:

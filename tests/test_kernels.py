@@ -54,14 +54,12 @@ SHAPES = {
 }
 KERNEL_BACKENDS = ("interpret", "pallas")
 # Replay tilings compiled at the model shape: (block_v, num_warps, tiles,
-# fused_flush[, (flush_block_v, flush_warps, flush_rows)]), or a ReplayConfig
-# (the heuristics' tilings with the checkpoint tiles prefetched).
+# fused_flush[, (flush_block_v, flush_warps, flush_rows)]).
 GPU_TILINGS = {
     GDN: [(32, 4, 4, False), (64, 8, 2, True), (16, 2, 3, False), (4, 1, 1, True), (64, 4, 2, False, (16, 2, 1)),
-          (64, 4, 2, True, (32, 0, 0)), kernels.ReplayConfig(block_v=64, num_warps=4, tiles=2, prefetch=True),
-          kernels.ReplayConfig(block_v=64, num_warps=2, tiles=2, prefetch=True)],
+          (64, 4, 2, True, (32, 0, 0))],
     Mamba2: [(16, 2, 5, False), (32, 4, 3, True), (16, 2, 2, False), (8, 1, 1, True), (16, 2, 5, False, (8, 1, 2)),
-             (16, 2, 5, True, (8, 0, 0)), kernels.ReplayConfig(block_v=16, num_warps=2, tiles=5, prefetch=True)],
+             (16, 2, 5, True, (8, 0, 0))],
 }
 # Tilings the heuristic picks only at other shapes, interpreted: several row
 # tiles per program (a static and a dynamic trip count, rows padded past V).
@@ -79,12 +77,6 @@ TILINGS = [
     # replay kernel's, one row and a block of rows per program.
     (kernels.ReplayConfig(block_v=16, num_warps=4, tiles=2, flush_block_v=4, flush_warps=1, flush_rows=1), 4),
     (kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, flush_block_v=32, flush_rows=2), 16),
-    # The checkpoint tiles prefetched: a loop of several tiles (the last program's trip count dynamic where
-    # the tiles do not divide V), one tile, and with the fused flush.
-    (kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, prefetch=True), 4),
-    (kernels.ReplayConfig(block_v=8, num_warps=2, tiles=2, prefetch=True), 16),
-    (kernels.ReplayConfig(block_v=16, num_warps=4, tiles=1, prefetch=True), 4),
-    (kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, fused_flush=True, prefetch=True), 16),
 ]
 
 
@@ -104,9 +96,7 @@ def on(backend, *values, id, slow=False):
 
 
 def gpu_tiling_config(tiling):
-    """kernels.ReplayConfig of a GPU_TILINGS entry (a tuple, or a ReplayConfig as it is)."""
-    if isinstance(tiling, kernels.ReplayConfig):
-        return tiling
+    """kernels.ReplayConfig of a GPU_TILINGS entry."""
     block_v, warps, tiles, fused, *flush = tiling
     flush_block_v, flush_warps, flush_rows = flush[0] if flush else (0, 0, 0)
     return kernels.ReplayConfig(block_v=block_v, num_warps=warps, tiles=tiles, fused_flush=fused,
@@ -201,27 +191,20 @@ def test_replay_tilings(backend, case, config, L, poison, route, rng):
 
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
-def test_launch_options_change_no_number(case, rng):
-    """The launch options that only schedule work give the same bits either way: the launch order
-    (`memory_order`) of the standard step and the replay step, and the replay kernel's prefetched
-    checkpoint tiles (`prefetch`), each with a fused and a separate flush (mixed cursors: flushing rows),
-    prefetch also on an int8 checkpoint."""
+def test_launch_order_changes_no_number(case, rng):
+    """A launch in memory order (`memory_order=True`) and one with batch rows first give the same bits: the
+    standard step, and the replay step (mixed cursors: flushing rows, a fused and a separate flush)."""
     layer, shape = case
     layer = layer(shape, rng)
     state, inp = layer.state(), layer.draw()
-    cursors = mixed_cursors(layer.s.batch, 4)
-    replays = {dtype: layer.replay_state(4, dtype, jnp.float32, cursors) for dtype in (jnp.float32, jnp.int8)}
-    runs = [(lambda config: layer.step(state, inp, "interpret", config), kernels.StepConfig(block_v=8),
-             "memory_order")]
-    runs += [(lambda config, rs=replays[dtype]: layer.replay_step(rs, inp, "output", "interpret", config),
-              kernels.ReplayConfig(block_v=8, num_warps=2, tiles=2, fused_flush=fused), option)
-             for fused in (False, True) for option, dtype in (("memory_order", jnp.float32),
-                                                              ("prefetch", jnp.float32), ("prefetch", jnp.int8))]
-    for run, config, option in runs:
-        on_out, off_out = (run(dataclasses.replace(config, **{option: value})) for value in (True, False))
-        for a, b in zip(jax.tree.leaves(on_out), jax.tree.leaves(off_out), strict=True):
-            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                          err_msg=f"{config.tag()} {option}")
+    replay = layer.replay_state(4, jnp.float32, jnp.float32, mixed_cursors(layer.s.batch, 4))
+    runs = [(lambda config: layer.step(state, inp, "interpret", config), kernels.StepConfig(block_v=8))]
+    runs += [(lambda config: layer.replay_step(replay, inp, "output", "interpret", config),
+              kernels.ReplayConfig(block_v=8, num_warps=2, tiles=2, fused_flush=fused)) for fused in (False, True)]
+    for run, config in runs:
+        reversed_out, batch_first_out = (run(dataclasses.replace(config, memory_order=order)) for order in (True, False))
+        for a, b in zip(jax.tree.leaves(reversed_out), jax.tree.leaves(batch_first_out)):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=config.tag())
 
 
 @pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
@@ -439,7 +422,6 @@ def test_step_config_has_no_replay_fields():
     (dict(block_v=8, tiles=0), ValueError, "`config.tiles` must be >= 1; got 0"),
     (dict(block_v=8, tiles=1.5), TypeError, "`config.tiles` must be an int; got float 1.5"),
     (dict(block_v=8, fused_flush="yes"), TypeError, "`config.fused_flush` must be a bool; got str"),
-    (dict(block_v=8, prefetch=None), TypeError, "`config.prefetch` must be a bool; got NoneType"),
     (dict(block_v=8, flush_block_v=24), ValueError, "`config.flush_block_v` must be 0 (default) or a power of two; got 24"),
     (dict(block_v=8, flush_rows=-2), ValueError, "`config.flush_rows` must be 0 (default) or a power of two; got -2"),
     (dict(block_v=8, flush_warps=3), ValueError, "`config.flush_warps` must be 0 (default) or one of 1, 2, 4, 8, 16; got 3"),
@@ -576,8 +558,7 @@ def test_kernels_lower_for_cuda(case, L, dtypes, rng):
         assert ("atomic_rmw" in text) == (key != "standard" and key[1]), key
 
 
-@pytest.mark.parametrize("case", [c for c in cases(GPU_TILINGS) if isinstance(c[1], tuple) and len(c[1]) == 5],
-                         ids=case_id)
+@pytest.mark.parametrize("case", [c for c in cases(GPU_TILINGS) if len(c[1]) == 5], ids=case_id)
 def test_flush_tilings_lower_for_cuda(case, rng):
     """The flush on its own tiling (GPU_TILINGS: the flush launch's, or the
     fused flush's sub-tiles), lowered for Triton on the CPU."""
@@ -591,18 +572,6 @@ def test_flush_tilings_lower_for_cuda(case, rng):
     else:
         assert text.count("__gpu$xla.gpu.triton") == 2
         assert f"flush_L8_bv{config.flush_block_v}_w{config.flush_warps}_s1_t1_r{config.flush_rows}" in text
-
-
-@pytest.mark.parametrize("case", [c for c in cases(GPU_TILINGS) if isinstance(c[1], kernels.ReplayConfig)],
-                         ids=lambda case: f"{case[0].__name__}-{case[1].tag()}")
-def test_prefetch_lowers_for_cuda(case, rng):
-    """The replay kernel with its checkpoint tiles prefetched (the next tile's values carried through the
-    tile loop), lowered for Triton on the CPU at the model shape, f32 and bf16 checkpoints."""
-    layer = case[0](GPU_SHAPES[case[0]][0], rng, jnp.bfloat16)
-    for state_dtype in (jnp.float32, jnp.bfloat16):
-        rs = layer.replay_state(16, state_dtype, jnp.bfloat16, np.zeros(layer.s.batch))
-        text = lower_for_cuda(lambda r, i: layer.kernel_replay_step(r, i, "output", case[1]), rs, layer.draw())
-        assert text.count("__gpu$xla.gpu.triton") == 2 and f"output_L16_{case[1].tag()}" in text
 
 
 @pytest.mark.parametrize("case", cases(GPU_SHAPES, first_only=True), ids=case_id)

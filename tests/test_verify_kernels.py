@@ -210,8 +210,6 @@ def test_verify_limits_before_any_launch(case, rng):
     window = draw_window(layer, 2)
     with pytest.raises(ValueError, match=re.escape("`config.fused_flush` must be False for the verify window")):
         call(rs, window, kernels.ReplayConfig(block_v=4, fused_flush=True))
-    with pytest.raises(ValueError, match=re.escape("`config.prefetch` must be False for the verify window")):
-        call(rs, window, kernels.ReplayConfig(block_v=4, prefetch=True))
     with pytest.raises(TypeError, match=re.escape("`config` must be a replayssm_jax.kernels.ReplayConfig or None "
                                                   "for the verify window; got StepConfig")):
         verify(layer, rs, window, "interpret", kernels.StepConfig(block_v=4))

@@ -171,11 +171,6 @@ class ReplayConfig(_Tiling):
         that must divide the batch. With fused_flush only flush_block_v may
         be set: the rows of the fused flush's sub-tiles, at most block_v
         (0: min(block_v, FUSED_FLUSH_ROWS)).
-      prefetch: True: a replay program reads its first checkpoint tile
-        before its per-head work on the buffer, and each tile's successor
-        before it works on the tile (two tiles' registers; the readout
-        only: the flush reads as without). Not yet timed on a GPU; False in
-        every heuristic.
 
     Raises:
       TypeError: a field of the wrong type (ints, numpy ints included;
@@ -191,9 +186,8 @@ class ReplayConfig(_Tiling):
     flush_block_v: int = 0
     flush_warps: int = 0
     flush_rows: int = 0
-    prefetch: bool = False
 
-    _FLAGS: ClassVar[tuple[str, ...]] = ("memory_order", "fused_flush", "prefetch")
+    _FLAGS: ClassVar[tuple[str, ...]] = ("memory_order", "fused_flush")
 
     def __post_init__(self):
         super().__post_init__()
@@ -219,10 +213,10 @@ class ReplayConfig(_Tiling):
         return bool(self.flush_block_v or self.flush_warps or self.flush_rows)
 
     def tag(self) -> str:
-        """The tiling in a kernel's name, e.g. "bv64_w4_s1_t2", "bv16_w4_s1_t1_fused_f8x0x0", "bv64_w4_s1_t2_pf"."""
+        """The tiling in a kernel's name, e.g. "bv64_w4_s1_t2", "bv16_w4_s1_t1_fused_f8x0x0"."""
         fused = "_fused" if self.fused_flush else ""
         flush = f"_f{self.flush_block_v}x{self.flush_warps}x{self.flush_rows}" if self.has_flush_tiling else ""
-        return f"{self._launch_tag(self.tiles)}{fused}{flush}{'_pf' if self.prefetch else ''}"
+        return f"{self._launch_tag(self.tiles)}{fused}{flush}"
 
     def splits(self, V: int) -> int:
         """Programs per head along the rows: cdiv(cdiv(V, block_v), tiles)."""
@@ -510,8 +504,7 @@ def verify_config_for(config: ReplayConfig | None, checkpoint, buffer_len: int, 
       ValueError: V or K above MAX_HEAD_DIM; L above MAX_BUFFER_LEN; W
         outside [1, L]; block_v or flush_block_v above V rounded up to a
         power of two; flush_rows not dividing the batch; fused_flush True
-        (the verify's early flush is a launch of its own) or prefetch True
-        (the replay kernel's).
+        (the verify's early flush is a launch of its own).
       TypeError: a `config` that is not a ReplayConfig.
     """
     rows_name = _check_dims(checkpoint, dims)
@@ -524,8 +517,5 @@ def verify_config_for(config: ReplayConfig | None, checkpoint, buffer_len: int, 
     if config.fused_flush:
         raise ValueError("`config.fused_flush` must be False for the verify window (its early flush is a launch "
                          "of its own); got True")
-    if config.prefetch:
-        raise ValueError("`config.prefetch` must be False for the verify window (it schedules the replay "
-                         "kernel's reads); got True")
     _check_replay_fit(config, batch, V, rows_name)
     return config

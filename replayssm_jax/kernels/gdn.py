@@ -65,8 +65,8 @@ from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, per_draft_la
                                           step_launch, tree_option, verify_launch, verify_window,
                                           window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
-from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_first_tile, load_live,
-                                         load_scalar, program_id)
+from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar,
+                                         program_id)
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
                                          store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.state import GDNReplayState
@@ -154,8 +154,6 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                    records_out: Records, cursor_out, *, V, K, L, group, scale, use_qk_l2norm, route, config, programs):
     """The replay kernel (output and state routes) on a program's row tiles of one head and batch row."""
     BL, BK, BV = records.g.shape[0], inputs.q.shape[-1], config.block_v
-    if config.prefetch:  # the first checkpoint tile, read before the per-head work
-        first_tile = load_first_tile(checkpoint_ref, V, config, BK, lane_mask(BK, K))
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
     count = read_cursor(cursor_ref)  # live records; the new one goes to slot `count`
     split = program_id(2)
@@ -173,13 +171,9 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     carried = jnp.exp(total)  # decay of the checkpoint up to the last live slot
     append = count < L  # a row that entered full has no free slot (the flush absorbs this step)
 
-    def load_tile(rows, vmask):
-        return load_checkpoint(checkpoint_ref, rows, tile_mask(vmask, kmask, (BV, BK)), vmask)
-
-    def tile(rows, vmask, S_c=None):
+    def tile(rows, vmask):
         tmask = tile_mask(vmask, kmask, (BV, BK))
-        if S_c is None:
-            S_c = load_checkpoint(checkpoint_ref, rows, tmask, vmask)  # the one read of the checkpoint
+        S_c = load_checkpoint(checkpoint_ref, rows, tmask, vmask)  # the one read of the checkpoint
         U = load_live(records.d.at[:, rows], live, L, vmask)
         v = load(inputs.v.at[rows], vmask)
         if route == "output":
@@ -199,8 +193,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     # The shared records: the step's g, and its k normalized, not scaled.
     run_replay_program(tile, flush_row, V=V, L=L, config=config, split=split, count=count, append=append,
                        group=group, decay_record=lambda: load_scalar(inputs.g), decay_out=records_out.g, key=k,
-                       key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs,
-                       prefetch=(load_tile, first_tile) if config.prefetch else None)
+                       key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs)
 
 
 def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, tmask, L):

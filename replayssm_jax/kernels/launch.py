@@ -363,8 +363,7 @@ def _reseeded(written, operand):
 
 
 def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig, split, count, append, group: int,
-                       decay_record, decay_out, key, key_out, key_mask, cursor_out, programs: int,
-                       prefetch=None) -> None:
+                       decay_record, decay_out, key, key_out, key_mask, cursor_out, programs: int) -> None:
     """The replay kernel's program after its per-head work (see `replay_launch`).
 
     Runs tile(rows, row_mask) over the program's row tiles (the readout,
@@ -379,11 +378,9 @@ def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig,
     the cursor: moved in place by a one-launch step (`advance_cursor`,
     `programs` programs per row), written to a fresh array by the head's
     first program of head 0 otherwise (the flush launch reads the old one).
-    split: `pl.program_id(2)`, read at the kernel's top level. prefetch:
-    None, or (load, first tile's values) with config.prefetch
-    (`tiles.for_each_row_tile`).
+    split: `pl.program_id(2)`, read at the kernel's top level.
     """
-    for_each_row_tile(V, config, split, tile, prefetch)
+    for_each_row_tile(V, config, split, tile)
     if config.fused_flush:
 
         @pl.when(count >= L - 1)

@@ -61,8 +61,8 @@ from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, per_draft_la
                                           step_launch, tree_option, verify_launch, verify_window,
                                           window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
-from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_first_tile, load_live,
-                                         load_scalar, program_id)
+from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar,
+                                         program_id)
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
                                          store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.state import Mamba2ReplayState
@@ -190,8 +190,6 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                    programs):
     """The replay kernel (output and state routes) on a program's row tiles of one head and batch row."""
     BL, BN, BP = records.dt.shape[0], inputs.B.shape[0], config.block_v
-    if config.prefetch:  # the first checkpoint tile, read before the per-head work
-        first_tile = load_first_tile(checkpoint_ref, P, config, BN, lane_mask(BN, N))
     nmask, dt, A, Bv = _record_inputs(inputs, records.B.dtype, N, dt_softplus, dt_limit)
     Cv = load(inputs.C, nmask)
     D = load_scalar(inputs.D)
@@ -208,13 +206,9 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     decay = jnp.exp(dt * A)
     append = count < L  # a row that entered full has no free slot (the flush absorbs this step)
 
-    def load_tile(rows, pmask):
-        return load_checkpoint(checkpoint_ref, rows, tile_mask(pmask, nmask, (BP, BN)), pmask)
-
-    def tile(rows, pmask, S_c=None):
+    def tile(rows, pmask):
         tmask = tile_mask(pmask, nmask, (BP, BN))
-        if S_c is None:
-            S_c = load_checkpoint(checkpoint_ref, rows, tmask, pmask)  # the one read of the checkpoint
+        S_c = load_checkpoint(checkpoint_ref, rows, tmask, pmask)  # the one read of the checkpoint
         X = load_live(records.x.at[:, rows], live, L, pmask)
         x, x_rec = _load_x_record(inputs.x, records.x.dtype, rows, pmask)
         u = dt * x_rec
@@ -235,8 +229,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     # The shared records: the step's processed dt, and B as buffered.
     run_replay_program(tile, flush_row, V=P, L=L, config=config, split=split, count=count, append=append,
                        group=group, decay_record=lambda: dt, decay_out=records_out.dt, key=Bv, key_out=records_out.B,
-                       key_mask=nmask, cursor_out=cursor_out, programs=programs,
-                       prefetch=(load_tile, first_tile) if config.prefetch else None)
+                       key_mask=nmask, cursor_out=cursor_out, programs=programs)
 
 
 def _materialize(checkpoint_ref, records: Records, count, rows, pmask, nmask, tmask, L, A):

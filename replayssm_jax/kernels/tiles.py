@@ -285,63 +285,31 @@ def matvec(S: jax.Array, vec: jax.Array) -> jax.Array:
     return jnp.sum(S * vec[None, :], axis=1)
 
 
-def row_tile(V: int, BV: int, first, r):
-    """(rows, row_mask) of row tile r (an int or a traced index) of a program whose first tile is tile
-    `first` along the rows (split * tiles): rows, a `pl.ds` of BV rows relative to the program's block;
-    row_mask, bool[BV] (rows < V), None when V is a multiple of BV."""
-    mask = None if V % BV == 0 else (first + r) * BV + lane_ids(BV) < V
-    start = r * BV if isinstance(r, int) else pl.multiple_of(r * BV, BV)
-    return pl.ds(start, BV), mask
-
-
-def load_first_tile(checkpoint, V: int, tiling, cols: int, col_mask):
-    """f32[block_v, cols]: the checkpoint values (`load_checkpoint`) of the program's first row tile
-    under `tiling` (a ReplayConfig), at V rows of `cols` columns (col_mask: bool[cols] or None), for a
-    kernel that reads it before its other work (`ReplayConfig.prefetch`)."""
-    BV = tiling.block_v
-    rows, mask = row_tile(V, BV, program_id(2) * tiling.tiles, 0)
-    return load_checkpoint(checkpoint, rows, tile_mask(mask, col_mask, (BV, cols)), mask)
-
-
-def for_each_row_tile(V: int, tiling, split, tile, prefetch=None) -> None:
-    """Run `tile(rows, row_mask)` (see :func:`row_tile`) over this program's row tiles.
+def for_each_row_tile(V: int, tiling, split, tile) -> None:
+    """Run `tile(rows, row_mask)` over this program's row tiles.
 
     tiling: a ReplayConfig (its block_v rows per tile, `tiles` tiles per
     program). split: the program's index along the rows (`pl.program_id(2)`,
     read at the kernel's top level: interpret mode cannot read it inside a
-    branch). prefetch: None, or (load, values): load(rows, row_mask) reads
-    a tile's checkpoint values and `values` are the first tile's, read by
-    the caller (before its per-head work); each tile then runs as
-    tile(rows, row_mask, values), and the loop reads the next tile's values
-    before it runs the current one (`ReplayConfig.prefetch`).
+    branch). rows: a `pl.ds` of block_v rows, relative to the program's block
+    of block_v * tiles rows; row_mask: bool[block_v] (rows < V), None when V
+    is a multiple of block_v.
     """
     BV, tiles = tiling.block_v, tiling.tiles
     n_tiles = -(-V // BV)
     first = split * tiles
-    if prefetch is None:
-        init = 0
 
-        def body(r, carry):
-            tile(*row_tile(V, BV, first, r))
-            return carry
-    else:
-        load, init = prefetch
-
-        def body(r, values):
-            # The next tile's address stays inside the program's block; after the last tile the read is masked off.
-            rows, mask = row_tile(V, BV, first, jnp.minimum(r + 1, tiles - 1))
-            upcoming = load(rows, mask_and(mask, r + 1 < count, (BV,)))
-            tile(*row_tile(V, BV, first, r), values)
-            return upcoming
+    def body(r, carry):
+        mask = None if V % BV == 0 else (first + r) * BV + lane_ids(BV) < V
+        start = r * BV if isinstance(r, int) else pl.multiple_of(r * BV, BV)
+        tile(pl.ds(start, BV), mask)
+        return carry
 
     if tiles == 1:
-        if prefetch is None:
-            body(0, 0)
-        else:
-            tile(*row_tile(V, BV, first, 0), init)
+        body(0, 0)
     else:
         count = tiles if n_tiles % tiles == 0 else jnp.minimum(tiles, n_tiles - first)
-        jax.lax.fori_loop(0, count, body, init)
+        jax.lax.fori_loop(0, count, body, 0)
 
 
 def pick_row(tile: jax.Array, t: int) -> jax.Array:
