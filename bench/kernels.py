@@ -14,12 +14,18 @@ Method (the settings are a TimingOptions):
     flushed) is compared with the reference state, within the tests'
     tolerance (replayssm_jax.testing.TOLERANCES) of the bench's dtypes. A
     timing counts only if its shape passed.
-  * timing: a jitted `lax.scan` over the L steps of a flush cycle (cursor
-    through 0..L-1, flushes included; the standard step uses 16 steps), with
-    the carry donated. The carry holds `n_sets` independent copies of the
-    layer's state ("layers"), each stepped once per scan step, so that the
-    states together exceed the L2 (>= 240 MB, at most 64 copies) and every
-    step reads its state from HBM. Wall clock around `chained_calls` calls
+  * timing: a jitted, fully unrolled cycle of the L steps of a flush cycle
+    (cursor through 0..L-1, flushes included; the standard step uses 16
+    steps), with the carry donated. The carry holds `n_sets` independent
+    copies of the layer's state ("layers"), each stepped once per step, so
+    that the states together exceed the L2 (>= 240 MB, at most 64 copies)
+    and every step reads its state from HBM. Every step takes the same
+    inputs (one step's q/k/v/gates, or x/B/C/dt, a non-donated argument): a
+    decode step's inputs come from the projection GEMM, and slicing step t's
+    inputs out of a stacked [L, ...] array, or a while loop around the steps,
+    adds XLA memcpy launches and gaps that are the benchmark's, not the
+    step's (2026-12-02: 5-15 us a step at batch 256,
+    bench/results/2026-12-02-prefetch/hlo). Wall clock around `chained_calls` calls
     dispatched back to back (each on the last one's carry) and
     `block_until_ready`, median of repeats after a compile and warm-up run;
     per-step time = median / (chained_calls * steps * n_sets).
@@ -130,11 +136,11 @@ class TimingOptions:
     backend: "pallas" (the compiled kernels, on a GPU) or "interpret" (Pallas
         interpret mode: a CPU check of a script, whose times mean nothing).
     repeats: timed repeats of a cycle; the median counts.
-    min_sets, max_sets, l2_target_bytes: a scan step steps n_sets_for(bench)
+    min_sets, max_sets, l2_target_bytes: a step steps n_sets_for(bench)
         copies of the layer's state, as many as hold l2_target_bytes together
         (far above the H200's 50 MiB L2, so every step reads its state from
         HBM), within [min_sets, max_sets].
-    standard_steps: scan steps of a timed standard cycle (a replay cycle is a
+    standard_steps: steps of a timed standard cycle (a replay cycle is a
         flush cycle: L steps).
     chained_calls: calls of the jitted cycle per repeat, each on the last
         one's carry. One call alone also times the host's dispatch of its
@@ -317,10 +323,10 @@ def n_sets_for(bench, options: TimingOptions) -> int:
     return int(min(options.max_sets, max(options.min_sets, math.ceil(options.l2_target_bytes / per))))
 
 
-def kernel_times(f, carries, xs, per):
+def kernel_times(f, carries, inp, per):
     """GPU microseconds per step of each kernel of one traced run of f; None without a GPU trace."""
     out = []
-    trace = step_profile.trace(lambda: out.append(jax.block_until_ready(f(carries, xs))))
+    trace = step_profile.trace(lambda: out.append(jax.block_until_ready(f(carries, inp))))
     b = step_profile.decode_breakdown(trace, module="jit_cycle", top=12)
     if b is None:
         return None, out[0][0]
@@ -329,40 +335,40 @@ def kernel_times(f, carries, xs, per):
     return times, out[0][0]
 
 
-def time_cycle(step, carries, xs, steps, options: TimingOptions):
-    """Median seconds per (step x set) of a jitted, donated scan over `steps`
+def time_cycle(step, carries, inp, steps, options: TimingOptions):
+    """Median seconds per (step x set) of a jitted, donated cycle of `steps`
+    unrolled steps, each stepping every carry on the same inputs `inp`
     (`options.chained_calls` calls per repeat), its spread, the compile
     seconds, and (`options.profile`) the kernel times per step."""
 
-    def cycle(carries, xs):
-        def body(cs, inp):
-            ys, new = [], []
-            for c in cs:
+    def cycle(carries, inp):
+        y = None
+        for _ in range(steps):
+            new = []
+            for c in carries:
                 y, c = step(c, inp)
-                ys.append(y)
                 new.append(c)
-            return tuple(new), ys[-1]
-
-        return jax.lax.scan(body, carries, xs)
+            carries = tuple(new)
+        return carries, y
 
     f = jax.jit(cycle, donate_argnums=0)
     t0 = time.perf_counter()
-    carries, ys = f(carries, xs)
-    jax.block_until_ready((carries, ys))
+    carries, y = f(carries, inp)
+    jax.block_until_ready((carries, y))
     compile_s = time.perf_counter() - t0
-    carries, ys = f(carries, xs)
-    jax.block_until_ready((carries, ys))
+    carries, y = f(carries, inp)
+    jax.block_until_ready((carries, y))
     times = []
     for _ in range(options.repeats):
         t0 = time.perf_counter()
         for _ in range(options.chained_calls):  # dispatched back to back: the host's work hides behind the GPU's
-            carries, ys = f(carries, xs)
-        jax.block_until_ready((carries, ys))
+            carries, y = f(carries, inp)
+        jax.block_until_ready((carries, y))
         times.append((time.perf_counter() - t0) / options.chained_calls)
     per = steps * len(carries)
     profile = None
     if options.profile:
-        profile, carries = kernel_times(f, carries, xs, per)
+        profile, carries = kernel_times(f, carries, inp, per)
     return statistics.median(times) / per, (max(times) - min(times)) / per, compile_s, profile
 
 
@@ -407,18 +413,16 @@ def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="o
     n = n_sets_for(bench, options)
     if L is None:
         carries = tuple(bench.state() for _ in range(n))
-        xs = bench.inputs(options.standard_steps)
         step = lambda c, inp: bench.step(c, inp, options.backend, config)  # noqa: E731
         steps = options.standard_steps
         bytes_step = standard_bytes(bench)
     else:
         cur = np.arange(bench.b) % L if cursors == "staggered" else np.zeros(bench.b)
         carries = tuple(bench.replay_init(bench.state(), L, bench.dtype, cur) for _ in range(n))
-        xs = bench.inputs(L)
         step = lambda c, inp: bench.replay_step(c, inp, route, options.backend, config)  # noqa: E731
         steps = L
         bytes_step = standard_bytes(bench) if route == "direct" else replay_bytes(bench, L)
-    t, spread, compile_s, profile = time_cycle(step, carries, xs, steps, options)
+    t, spread, compile_s, profile = time_cycle(step, carries, bench.random_inputs((bench.b,)), steps, options)
     return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_step, gbps=bytes_step / t / 1e9,
                 kernels_us=profile)
 
@@ -463,8 +467,8 @@ def run_verify_variant(bench, L, W, per_draft: bool, options: TimingOptions, con
     tiles read, W records written; per-draft: the current state read once and W states written)."""
     n = n_sets_for(bench, options)
     windows = max(1, L // W)
-    xs = bench.random_inputs((windows, bench.b, W))
-    xs["num_accepted"] = jnp.full((windows, bench.b), W, jnp.int32)
+    window = bench.random_inputs((bench.b, W))
+    window["num_accepted"] = jnp.full((bench.b,), W, jnp.int32)
     if per_draft:
         carries = tuple(bench.slotted_state(W + 1) for _ in range(n))
 
@@ -484,7 +488,7 @@ def run_verify_variant(bench, L, W, per_draft: bool, options: TimingOptions, con
 
         read, written = bench.buffer_bytes(L)
         bytes_window = bench.state_bytes() * (1 + 2 / windows) + read + W * written + W * bench.io_bytes()
-    t, spread, compile_s, profile = time_cycle(step, carries, xs, windows, options)
+    t, spread, compile_s, profile = time_cycle(step, carries, window, windows, options)
     return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_window,
                 gbps=bytes_window / t / 1e9, kernels_us=profile)
 
@@ -713,7 +717,7 @@ def against_original(row: dict, original: list[dict]) -> dict:
     Standard step: vLLM's kernel at the best config of its tuning grid; replay-L{L} (staggered) and
     replay-L{L}-in-step: the fork's replay kernel at its shipped config, same L and cursors.
     kernel_over_original: the traced time of our SSM kernels (replay + flush launch; --profile) over
-    the original's CUPTI kernel time; wall_over_original: our scan's step time over its CUDA-graph
+    the original's CUPTI kernel time; wall_over_original: our cycle's step time over its CUDA-graph
     replay time; our kernel_us and wall_over_kernel beside them. > 1: ours slower."""
     variant = row["variant"]
     if variant == "standard":

@@ -1,8 +1,11 @@
-"""Inspection of optimized HLO: copies of protected arrays inside loop bodies.
+"""Inspection of optimized HLO: copies of protected arrays inside loop bodies,
+and the work of a compiled step besides its kernels.
 
 A decode loop that updates its state in place compiles to a while loop whose
 body (and the computations it calls) holds no `copy` / `copy-start` producing
-an array of the state's shape and dtype.
+an array of the state's shape and dtype. A decode step that is its kernels
+alone compiles to an entry computation of Triton custom calls and plumbing
+(`work_besides_kernels`).
 """
 
 from __future__ import annotations
@@ -166,3 +169,25 @@ def merged_weights(hlo: str, weights) -> list[str]:
             for rows in {sum(c) for c in itertools.combinations(outs, k)}:
                 targets |= {(dtype, (rows, cols)), (dtype, (cols, rows))}
     return _in_loop_results(hlo, _CONCAT, targets)
+
+
+# Entry instructions that launch nothing: arguments, constants, views of a buffer, tuples.
+PLUMBING = frozenset({"parameter", "constant", "bitcast", "tuple", "get-tuple-element"})
+
+
+def work_besides_kernels(hlo: str) -> list[str]:
+    """The entry computation's instructions that are neither a Pallas Triton kernel (a custom call to
+    `__gpu$xla.gpu.triton`) nor plumbing (PLUMBING): every copy, fusion, memcpy or other launch that a
+    compiled step runs besides its kernels."""
+    entry = next(line for line in hlo.splitlines() if line.startswith("ENTRY "))
+    name = _COMPUTATION.match(entry).group(1)
+    found = []
+    for line in _computations(hlo)[name]:
+        m = _INSTRUCTION.match(_COMMENT.sub("", line))
+        if m is None:
+            continue
+        op = m.group(3)
+        if op in PLUMBING or (op == "custom-call" and 'custom_call_target="__gpu$xla.gpu.triton"' in line):
+            continue
+        found.append(line[:300])
+    return found

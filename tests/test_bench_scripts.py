@@ -637,3 +637,14 @@ def test_kernels_against_original_matches_variants():
     assert staggered == {"original_us": 210.0, "original_kernel_us": 190.0, "wall_over_original": pytest.approx(200 / 210)}
     assert kb.against_original(dict(base, variant="replay-L16-direct", L=16, cursors="empty", seconds=1e-4), original) == {}
     assert kb.against_original(dict(base, variant="replay-L8", L=8, cursors="staggered", seconds=1e-4), original) == {}
+
+
+def test_conv_update_dry_run(tmp_path, capsys):
+    """bench/conv_update.py --dry-run: both model shapes checked (the kernel's step against the XLA form's),
+    both forms timed, the table printed."""
+    assert load("conv_update").main(["--dry-run", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "conv_update.json").read_text())["rows"]
+    assert [(r["shape"], r["batch"]) for r in rows] == [("qwen3.5-4b-gdn", 2), ("nemotron3-nano-4b", 2)]
+    assert all(r["check"]["ok"] and r["check"]["ring_equal"] and r["interpret"]["us"] > 0 for r in rows)
+    assert "| qwen3.5-4b-gdn | 2 |" in out

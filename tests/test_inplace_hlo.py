@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hlo_checks import carry_copies, merged_weights, per_step_copies
+from hlo_checks import carry_copies, merged_weights, per_step_copies, work_besides_kernels
 from kernel_checks import GDN, GDNShape, Mamba2, Mamba2Shape, lower_for_cuda, replay_config
 from models import load_model
 from replayssm_jax.generation import Generator, SpeculativeConfig
@@ -111,6 +111,17 @@ def test_detector_finds_a_copy(name, rng):
     assert carry_copies(hlo), "carry_copies missed a forced copy"
 
 
+def test_work_detector_finds_work():
+    """`work_besides_kernels` passes plumbing (a donated argument reshaped: a bitcast) and
+    finds any computation (here a multiply, compiled on the CPU) or copy (a returned argument not donated)."""
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 6)), jnp.float32)
+    plumbing = jax.jit(lambda x: x.reshape(6, 4), donate_argnums=0).lower(x).compile().as_text()
+    assert work_besides_kernels(plumbing) == []
+    for fn in (lambda x: x * 2.0, lambda x: x):
+        work = jax.jit(fn).lower(x).compile().as_text()
+        assert work_besides_kernels(work), work
+
+
 @pytest.mark.parametrize("name", ["gdn", "mamba2"])
 def test_xla_standard_step_in_place(name, rng):
     layer = _layers(rng)[name]
@@ -179,10 +190,11 @@ def test_kernel_aliases_checkpoint_and_buffers(name, fused, rng):
     rs = layer.replay_state(L, jnp.float32, jnp.float32, np.array([0, L - 1]))
     calls = _custom_calls(rs, layer, replay_config(layer, L, jnp.float32, fused_flush=fused))
     assert len(calls) == (1 if fused else 2), calls
+    assert calls[0].count("tensor<2xi32>") == (2 if fused else 3), calls[0][:2000]  # the cursor in and out, entry
     aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
-    # replay: outputs 1..4 (checkpoint, the three buffers) alias operands 0..3; output 5, the new cursor, aliases
-    # operand 4 in one launch, and is a fresh array when a flush launch follows (which reads the old cursors)
-    expected = [(1, 0), (2, 1), (3, 2), (4, 3)] + ([(5, 4)] if fused else [])
+    # replay: outputs 1..5 (checkpoint, the three buffers, the cursor) alias operands 0..4; before a flush launch
+    # output 6, the cursors at entry that the flush launch reads, is a fresh array
+    expected = [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4)]
     assert sorted((int(o), int(i)) for o, i in aliases) == expected, calls[0][:2000]
     if not fused:
         # the flush launch: its one output (the checkpoint) aliases operand 0
@@ -221,12 +233,33 @@ def test_direct_route_aliases_checkpoint_and_cursor(name, rng):
 @pytest.mark.parametrize(("route", "fused"), [("output", False), ("state", False), ("output", True), ("state", True),
                                               ("direct", None)])
 def test_pallas_replay_step_in_place(name, route, fused, rng):
-    """No per-step copy of the checkpoint or buffers; nor of the cursor in a one-launch step (fused, direct)."""
+    """No per-step copy of the checkpoint, the buffers or the cursor."""
     layer = _layers(rng)[name]
     rs = layer.replay_state(L, jnp.float32, jnp.bfloat16, np.array([0, L - 1]))
     config = None if route == "direct" else replay_config(layer, L, jnp.float32, fused_flush=fused)
     hlo = compiled_scan(replay_step(layer, "pallas", route, config), rs, _stack(layer, STEPS))
-    _check_no_copy(hlo, _replay_arrays(rs) + ([rs.cursor] if route == "direct" or fused else []))
+    _check_no_copy(hlo, _replay_arrays(rs) + [rs.cursor])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+@pytest.mark.parametrize("step", ["standard", "output", "output-fused", "direct"])
+def test_pallas_step_is_its_kernels(name, step, rng):
+    """One step of a layer's op on backend "pallas" (the standard step; the replay step on the output route
+    with a flush launch or the fused flush, and on the direct route), jitted alone with its state donated
+    and compiled: its entry computation launches the Triton kernels and nothing else, no copy of the state,
+    buffers or cursor and no XLA op between the kernels (`hlo_checks.work_besides_kernels`)."""
+    layer = _layers(rng)[name]
+    if step == "standard":
+        carry, fn = layer.state(jnp.float32), standard_step(layer, "pallas")
+    else:
+        route, _, fused = step.partition("-")
+        carry = layer.replay_state(L, jnp.float32, jnp.bfloat16, np.array([0, L - 1]))
+        config = None if route == "direct" else replay_config(layer, L, jnp.float32, fused_flush=bool(fused))
+        fn = replay_step(layer, "pallas", route, config)
+    hlo = jax.jit(fn, donate_argnums=0).lower(carry, layer.draw()).compile().as_text()
+    found = work_besides_kernels(hlo)
+    assert not found, "work besides the kernels:\n" + "\n".join(found)
 
 
 @pytest.mark.gpu

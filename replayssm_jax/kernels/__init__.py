@@ -59,9 +59,10 @@ reference's rounding bit for bit. The scales are written in place with the
 values; the rows' write counts advance outside the launches. An f32 or
 bf16 checkpoint is a plain array: those kernels are unchanged.
 
-A one-launch step (fused flush, direct route) moves the cursor in place
-(:mod:`replayssm_jax.kernels.cursor`); a two-launch step writes it to a
-fresh array, as its flush launch still reads the old cursors.
+Every replay step moves the cursor in place
+(:mod:`replayssm_jax.kernels.cursor`); a two-launch step's replay kernel
+also writes the cursors at entry to a fresh array, which its flush launch
+reads.
 
 Modules: :mod:`~.config` (configs, heuristics, limits), :mod:`~.launch`
 (pallas_call plumbing), :mod:`~.tiles` (ref views, masked loads,
@@ -75,21 +76,29 @@ from __future__ import annotations
 from replayssm_jax.kernels.config import (
     MAX_BUFFER_LEN,
     MAX_HEAD_DIM,
+    ConvConfig,
     ReplayConfig,
     StepConfig,
+    default_conv_config,
     default_replay_config,
     default_step_config,
     default_verify_config,
     replay_is_one_launch,
 )
+from replayssm_jax.kernels.conv import ACTIVATIONS as CONV_ACTIVATIONS
+from replayssm_jax.kernels.conv import conv_update
 from replayssm_jax.kernels.gdn import gdn_replay_step, gdn_replay_verify, gdn_step, gdn_verify
 from replayssm_jax.kernels.mamba2 import mamba2_replay_step, mamba2_replay_verify, mamba2_step, mamba2_verify
 
 __all__ = [
+    "CONV_ACTIVATIONS",
+    "ConvConfig",
     "MAX_BUFFER_LEN",
     "MAX_HEAD_DIM",
     "ReplayConfig",
     "StepConfig",
+    "conv_update",
+    "default_conv_config",
     "default_replay_config",
     "default_step_config",
     "default_verify_config",

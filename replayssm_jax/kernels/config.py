@@ -140,6 +140,28 @@ class StepConfig(_Tiling):
         return self._launch_tag(1)
 
 
+
+@dataclasses.dataclass(frozen=True)
+class ConvConfig(StepConfig):
+    """Static tiling of the conv update's kernel (:func:`replayssm_jax.kernels.conv_update`): grid (batch,
+    cdiv(C, block_v)), `block_v` channels per program (a power of two); num_warps, num_stages as
+    :class:`StepConfig`. Its grid has two axes, so `memory_order` does not apply. Raises as StepConfig."""
+
+    def tag(self) -> str:
+        """The tiling in the kernel's name, e.g. "bc512_w4"."""
+        return f"bc{self.block_v}_w{self.num_warps}"
+
+
+# Channels per program of the conv update: 4 KiB of bf16 inputs a column, a
+# few hundred programs per wave at the models' conv_dim (8192, 9728).
+CONV_BLOCK = 512
+
+
+def default_conv_config(channels: int) -> ConvConfig:
+    """The conv update's tiling for `channels` (C): CONV_BLOCK channels (C rounded up to a power of two
+    where smaller) on 4 warps."""
+    return ConvConfig(block_v=min(CONV_BLOCK, next_pow2(channels)), num_warps=4)
+
 @dataclasses.dataclass(frozen=True)
 class ReplayConfig(_Tiling):
     """Static tiling of the replay step's output and state routes: the
@@ -373,9 +395,10 @@ def _check_tile_rows(config, fields: tuple[str, ...], rows: int, rows_name: str)
 
 
 def _check_row_programs(config, programs: int) -> None:
-    """A one-launch step counts its programs per batch row above the cursor's bits (`cursor.advance_cursor`)."""
+    """A step that moves the cursor counts its programs per batch row above the cursor's bits
+    (`cursor.advance_cursor`)."""
     if programs > MAX_ROW_PROGRAMS:
-        raise ValueError(f"a one-launch replay step counts at most {MAX_ROW_PROGRAMS} programs per batch row; "
+        raise ValueError(f"a replay step counts at most {MAX_ROW_PROGRAMS} programs per batch row; "
                          f"the tiling {config.tag()} has {programs} (pass a `config` with larger row tiles)")
 
 
@@ -405,8 +428,8 @@ def step_config_for(config: StepConfig | None, state, dims, *, direct: bool = Fa
 
     Raises:
       ValueError: V or K above MAX_HEAD_DIM; block_v above V rounded up to a
-        power of two; or (direct route, a one-launch step) more than
-        MAX_ROW_PROGRAMS programs per batch row.
+        power of two; or (direct route) more than MAX_ROW_PROGRAMS
+        programs per batch row.
       TypeError: a `config` that is not a StepConfig.
     """
     return _fit_step_config(config, state, _check_dims(state, dims), direct)
@@ -440,8 +463,8 @@ def replay_config_for(config: StepConfig | ReplayConfig | None, checkpoint, buff
       ValueError: a route not in ROUTES ("auto" is resolved before the
         kernels); V or K above MAX_HEAD_DIM; L above MAX_BUFFER_LEN;
         block_v or flush_block_v above V rounded up to a power of two;
-        flush_rows not dividing the batch; or (fused flush, direct route:
-        one-launch steps) more than MAX_ROW_PROGRAMS programs per batch row.
+        flush_rows not dividing the batch; or more than MAX_ROW_PROGRAMS
+        programs per batch row (the replay kernel's, or the direct route's).
       TypeError: a `config` of the other class.
     """
     if route not in ROUTES:
@@ -455,8 +478,7 @@ def replay_config_for(config: StepConfig | ReplayConfig | None, checkpoint, buff
     batch, heads, V, K = checkpoint.shape
     config = config or default_replay_config(batch, heads, V, K, checkpoint.dtype, buffer_len)
     _check_replay_fit(config, batch, V, rows_name)
-    if config.fused_flush:
-        _check_row_programs(config, heads * config.splits(V))
+    _check_row_programs(config, heads * config.splits(V))
     return config
 
 

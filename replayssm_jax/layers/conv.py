@@ -24,26 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from replayssm_jax import ops
 from replayssm_jax.layers.cache import ConvWindow
 from replayssm_jax.layers.linear import default_rngs
+from replayssm_jax.reference.conv import ACTIVATIONS
 from replayssm_jax.state import in_order
 
 __all__ = ["CausalConv1d", "ACTIVATIONS"]
-
-
-def _relu2(x):
-    return jnp.square(jax.nn.relu(x))
-
-
-ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "relu2": _relu2,
-    "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "identity": lambda x: x,
-}
 
 
 def get_activation(name: str):
@@ -171,12 +158,15 @@ class CausalConv1d(nnx.Module):
         conv_state, y = in_order(conv_state, y)  # the live inputs are read before the ring is written
         return y, conv_state.write(x)
 
-    def step(self, x: jax.Array, conv_state: ConvWindow) -> tuple[jax.Array, ConvWindow]:
-        """Decode: one new time step, its input written into the ring in place.
+    def step(self, x: jax.Array, conv_state: ConvWindow, *,
+             backend: str | None = None) -> tuple[jax.Array, ConvWindow]:
+        """Decode: one new time step, its input written into the ring in place
+        (`replayssm_jax.ops.conv_update`: one kernel launch on the kernel backends).
 
         Args:
           x: [batch, C], the new input.
           conv_state: `ConvWindow` of this conv's width and channels.
+          backend: passed to `ops.conv_update`.
 
         Returns:
           (y [batch, C] of x.dtype, the ConvWindow with x live and the oldest input dropped).
@@ -187,9 +177,12 @@ class CausalConv1d(nnx.Module):
         batch, channels = x.shape
         if channels != self.channels:
             raise ValueError(f"CausalConv1d.step: `x` must have shape [batch, {self.channels}]; got {x.shape}")
-        y, window = self.verify(x[:, None, :], conv_state)
+        self._check_window(conv_state, batch, 1, "step")
+        y, columns = ops.conv_update(x, conv_state.columns, conv_state.start, self.weight[...][:, 0, :],
+                                     None if self.bias is None else self.bias[...], self.activation, backend=backend)
+        window = conv_state.replace(columns=columns)
         window, y = in_order(window, y)  # the write has read start before start moves
-        return y[:, 0], window.advance(1)
+        return y, window.advance(1)
 
 
 def tree_taps(tree, width: int) -> np.ndarray:

@@ -165,7 +165,7 @@ class SSMMixer(nnx.Module):
                              "layout (`index` set, from `with_window`, e.g. a StatePool with max_window > 1) is not "
                              "supported; decode such a pool by verify windows of one position (`verify` + `commit`)")
         conv_rows = state.conv_state if slots is None else ops.take_slots(state.conv_state, slots)
-        inputs, z, conv_rows = self._ssm_inputs(u, conv_rows, self.conv1d.step)
+        inputs, z, conv_rows = self._ssm_inputs(u, conv_rows, functools.partial(self.conv1d.step, backend=backend))
         pool = {} if slots is None else {"slots": slots}
         if slotted:  # verify one position, commit it
             y, ssm_state = self.verify_op(state.ssm_state, state.index, **{k: v[:, None] for k, v in inputs.items()},

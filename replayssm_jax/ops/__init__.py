@@ -88,6 +88,7 @@ __all__ = [
     "backend_for",
     "check_buffer_len",
     "check_route",
+    "conv_update",
     "default_backend",
     "gdn_chunked",
     "gdn_replay_flush",
@@ -138,6 +139,50 @@ KernelConfig = kernels.StepConfig | kernels.ReplayConfig
 
 # --------------------------------------------------------------------------
 # Replay states
+
+
+def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", *, backend: str | None = None,
+                config=None):
+    """One decode step of the short causal conv (Mamba-2's and GDN's conv1d) on its ring of inputs.
+
+    With xp_j = columns[b, (start + j) mod S] for j < W - 1 and xp_{W-1} = x:
+    y[b, c] = act(bias[c] + sum_j weight[c, j] xp_j[b, c]) (f32 arithmetic),
+    and x written at ring slot (start + W - 1) mod S; start is the caller's
+    to move (`replayssm_jax.layers.cache.ConvWindow.advance`). The kernel
+    (one launch, grid over rows and channel blocks) reads the W - 1 live
+    columns and x and writes y and the new column, the ring in place when
+    donated; the reference writes the ring with a select over every slot.
+
+    Args:
+      x: [batch, C], the new inputs (bf16 or f32).
+      columns: [batch, S, C] (S >= W), the ring: `ConvWindow.columns`.
+      start: int[batch] in [0, S), the slot of each row's oldest live input.
+      weight: [C, W], the conv's [C, 1, W] weight reshaped; bias: [C] or None.
+      activation: a name of :data:`replayssm_jax.reference.conv.ACTIVATIONS`;
+        the kernel computes silu / swish, relu, relu2 and identity, and the
+        backend None runs the others on "xla".
+      backend, config: as every op (module docstring); a
+        :class:`replayssm_jax.kernels.ConvConfig` for the kernel.
+
+    Returns:
+      (y [batch, C] of x's dtype, the ring [batch, S, C] with x written).
+
+    Raises:
+      TypeError, ValueError: bad arguments (`validate.check_conv_update`), an
+        activation that an explicitly requested kernel backend does not compute.
+    """
+    x, columns, start, weight, bias, activation = val.check_conv_update(
+        x, columns, start, weight, bias, activation, reference.conv.ACTIVATIONS)
+    if backend is None and activation not in kernels.CONV_ACTIVATIONS:
+        backend = "xla"  # an activation that the kernel does not compute
+    chosen = choose_backend("conv_update", backend, config)
+    if chosen == "xla":
+        return reference.conv_update(x, columns, start, weight, bias, activation)
+    if activation not in kernels.CONV_ACTIVATIONS:
+        raise ValueError(f"`activation` {activation!r}: the conv kernel computes {', '.join(kernels.CONV_ACTIVATIONS)}"
+                         " (use backend='xla' or None)")
+    return kernels.conv_update(x, columns, start, weight, bias, activation=activation, config=config,
+                               interpret=chosen == "interpret")
 
 
 def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=jnp.float32, checkpoint_dtype=None,

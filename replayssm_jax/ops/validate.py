@@ -799,3 +799,27 @@ def check_gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm, tree=
                                                        tree, slots)
     return (state, index, *check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W"),
             slots)
+
+
+def check_conv_update(x, columns, start, weight, bias, activation, activations):
+    """The arguments of `ops.conv_update` (x [batch, C]; the ring columns [batch, S, C] with S >= W; start
+    i32[batch] in [0, S); weight [C, W]; bias [C] or None; activation a name of `activations`)."""
+    x = check_ssm_float("x", x)
+    check_rank("x", x, "batch, C")
+    batch, C = x.shape
+    weight = check_ssm_float("weight", weight)
+    check_rank("weight", weight, "C, W")
+    if weight.shape[0] != C:
+        raise ValueError(f"`weight` must have shape [C, W] with C = {C} (axis 1 of `x`); got {tuple(weight.shape)}")
+    W = weight.shape[1]
+    columns = check_ssm_float("columns", columns)
+    check_rank("columns", columns, "batch, S, C")
+    check_shape("columns", columns, "batch, S, C", (batch, columns.shape[1], C))
+    if columns.shape[1] < W:
+        raise ValueError(f"`columns` must hold at least W = {W} slots (axis 1, S = W - 1 + max_window); "
+                         f"got {columns.shape[1]}")
+    start = check_int_range("start", start, "batch", (batch,), 0, columns.shape[1] - 1)
+    bias = optional_ssm_arg("bias", bias, "C", (C,))
+    if activation not in activations:
+        raise ValueError(f"`activation` must be one of {sorted(activations)}; got {activation!r}")
+    return x, columns, start, weight, bias, activation

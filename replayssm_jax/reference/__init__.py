@@ -41,6 +41,7 @@ return garbage. Call :mod:`replayssm_jax.ops` with backend="xla" for the
 same math with every argument checked.
 """
 
+from replayssm_jax.reference.conv import conv_update
 from replayssm_jax.reference.gdn import (
     gdn_chunked,
     gdn_replay_flush,
@@ -70,6 +71,7 @@ from replayssm_jax.state import (
 __all__ = [
     "GDNReplayState",
     "Mamba2ReplayState",
+    "conv_update",
     "gdn_chunked",
     "gdn_replay_flush",
     "gdn_replay_init",

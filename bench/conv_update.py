@@ -1,0 +1,134 @@
+"""The conv update of one decode step, its XLA form against its kernel (`ops.conv_update`), on a GPU.
+
+One SSM layer's short causal conv at the models' conv_dim (Qwen3.5-4B's GDN: C = 2 H K + HV V = 8192, no
+bias; Nemotron-3-Nano-4B's Mamba-2: C = d_inner + 2 G N = 9728, with bias), W = 4, bf16 inputs and ring,
+`CausalConv1d.step` on backend "xla" (a gather of the live columns, the conv, a select over the whole ring)
+and on "pallas" (one launch): the step's wall time per layer step (bench/kernels.py's timing: an unrolled,
+donated cycle of 16 steps over enough independent windows to exceed the L2, every step on the same
+inputs), with --profile the traced kernels per step, and the bytes per step of each form at the device's
+copy bandwidth measured in the run. Both forms are first checked against each other (y within bf16
+rounding, the ring equal).
+
+Usage (GPU): python3 bench/conv_update.py [--batches 1,64,256,512] [--profile] [--out DIR]
+             python3 bench/conv_update.py --dry-run   (CPU: interpret mode, numbers meaningless)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import device_rates  # noqa: E402
+import kernels as kb  # noqa: E402
+
+from replayssm_jax.layers.cache import ConvWindow  # noqa: E402
+from replayssm_jax.layers.conv import CausalConv1d  # noqa: E402
+
+SHAPES = {"qwen3.5-4b-gdn": (8192, False), "nemotron3-nano-4b": (9728, True)}
+W = 4
+STEPS = 16
+
+
+def make(C: int, bias: bool, batch: int, rng):
+    """(conv, window, x): a conv of C channels with random weights (and bias), a bf16 ring of random live
+    inputs at random starts, and a step's bf16 inputs."""
+    conv = CausalConv1d(C, W, bias=bias, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    if bias:
+        conv.bias[...] = jnp.asarray(rng.standard_normal(C), jnp.float32)
+    window = ConvWindow.from_conv_state(jnp.asarray(rng.standard_normal((batch, C, W - 1)), jnp.bfloat16))
+    window = window.replace(columns=jnp.asarray(rng.standard_normal(window.columns.shape), jnp.bfloat16),
+                            start=jnp.asarray(rng.integers(0, window.slots, batch), jnp.int32))
+    return conv, window, jnp.asarray(rng.standard_normal((batch, C)), jnp.bfloat16)
+
+
+def check(conv, window, x, backend: str) -> dict:
+    """The kernel's step against the XLA form's: y's largest difference (bf16) and the ring's equality."""
+    y_x, w_x = conv.step(x, window, backend="xla")
+    y_k, w_k = conv.step(x, window, backend=backend)
+    err = float(jnp.max(jnp.abs(y_k.astype(jnp.float32) - y_x.astype(jnp.float32))))
+    scale = float(jnp.max(jnp.abs(y_x.astype(jnp.float32))))
+    ring = bool(jnp.array_equal(w_k.columns, w_x.columns)) and bool(jnp.array_equal(w_k.start, w_x.start))
+    return dict(max_abs_err=err, ok=ring and err <= 8e-3 * max(scale, 1.0), ring_equal=ring)
+
+
+def bytes_per_step(batch: int, C: int, S: int, form: str) -> int:
+    """Traffic model (bf16): "pallas" reads x and the W - 1 live columns and writes y and one column; "xla"
+    reads x and the live columns and writes y, then reads and writes the whole ring (S columns)."""
+    column = 2 * batch * C
+    return column * ((W - 1) + 1 + 1 + 1) if form == "pallas" else column * ((W - 1) + 1 + 1 + 2 * S)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="1,64,256,512")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--dry-run", action="store_true", help="CPU: interpret mode, batch 2, one repeat")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        options, batches, kernel = kb.TimingOptions.dry_run(profile=args.profile), [2], "interpret"
+    else:
+        if jax.default_backend() != "gpu":
+            sys.exit("bench/conv_update.py needs a GPU (or --dry-run)")
+        options = kb.TimingOptions(repeats=args.repeats, profile=args.profile)
+        batches, kernel = [int(b) for b in args.batches.split(",")], "pallas"
+    out = args.out or (tempfile.mkdtemp(prefix="conv_dry_run_") if args.dry_run else kb.results_folder("conv"))
+    os.makedirs(out, exist_ok=True)
+    copy_bw = max(device_rates.copy_bandwidth(nbytes=(1 << 20) if args.dry_run else (2 << 30)).values())
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, (C, bias) in SHAPES.items():
+        for batch in batches:
+            conv, window, x = make(C, bias, batch, rng)
+            chk = check(conv, window, x, kernel)
+            row = dict(shape=name, C=C, batch=batch, check=chk)
+            if not chk["ok"]:
+                print(f"FAILED check {name} b{batch}: {chk}", flush=True)
+                rows.append(row)
+                continue
+            per = window.columns.nbytes
+            sets = int(min(options.max_sets, max(options.min_sets, -(-options.l2_target_bytes // per))))
+            for form in ("xla", kernel):
+                windows = tuple(make(C, bias, batch, rng)[1] for _ in range(sets))
+
+                def step(w, x, form=form):
+                    y, w = conv.step(x, w, backend=form)
+                    return y, w
+
+                t, spread, compile_s, profile = kb.time_cycle(step, windows, x, STEPS, options)
+                nbytes = bytes_per_step(batch, C, window.slots, "xla" if form == "xla" else "pallas")
+                row[form] = dict(us=t * 1e6, spread_us=spread * 1e6, compile_s=compile_s, sets=sets, bytes=nbytes,
+                                 at_copy_us=nbytes / copy_bw / 1e3, kernels_us=profile)
+                print(f"{name:18s} b{batch:<4d} {form:9s} {t * 1e6:8.2f} us  (bytes at copy rate "
+                      f"{nbytes / copy_bw / 1e3:6.2f} us)", flush=True)
+                kb.print_kernel_times(profile)
+            rows.append(row)
+    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                device=jax.devices()[0].device_kind, copy_gbps=copy_bw, timing=dataclasses.asdict(options),
+                argv=sys.argv[1:] if argv is None else list(argv))
+    with open(os.path.join(out, "conv_update.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"\n| shape | batch | XLA us | kernel us | XLA / kernel | kernel at copy rate us |\n|---|---|---|---|---|---|")
+    for r in rows:
+        if kernel in r:
+            print(f"| {r['shape']} | {r['batch']} | {r['xla']['us']:.2f} | {r[kernel]['us']:.2f} | "
+                  f"{r['xla']['us'] / r[kernel]['us']:.2f} | {r[kernel]['at_copy_us']:.2f} |")
+    print("JSON:", os.path.join(out, "conv_update.json"))
+    return 0 if all(r["check"]["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
