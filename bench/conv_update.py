@@ -4,8 +4,8 @@ One SSM layer's short causal conv at the models' conv_dim (Qwen3.5-4B's GDN: C =
 bias; Nemotron-3-Nano-4B's Mamba-2: C = d_inner + 2 G N = 9728, with bias), W = 4, bf16 inputs and ring,
 `CausalConv1d.step` on backend "xla" (a gather of the live columns, the conv, a select over the whole ring)
 and on "pallas" (one launch): the step's wall time per layer step (bench/kernels.py's timing: an unrolled,
-donated cycle of 16 steps over enough independent windows to exceed the L2, every step on the same
-inputs), with --profile the traced kernels per step, and the bytes per step of each form at the device's
+donated cycle of 16 steps over enough windows to exceed the L2, each step's input the step before's output,
+as layers follow each other: XLA fuses the same step of independent windows into one launch), with --profile the traced kernels per step, and the bytes per step of each form at the device's
 copy bandwidth measured in the run. Both forms are first checked against each other (y within bf16
 rounding, the ring equal).
 
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
                     y, w = conv.step(x, w, backend=form)
                     return y, w
 
-                t, spread, compile_s, profile = kb.time_cycle(step, windows, x, STEPS, options)
+                t, spread, compile_s, profile = kb.time_cycle(step, windows, x, STEPS, options, chain=True)
                 nbytes = bytes_per_step(batch, C, window.slots, "xla" if form == "xla" else "pallas")
                 row[form] = dict(us=t * 1e6, spread_us=spread * 1e6, compile_s=compile_s, sets=sets, bytes=nbytes,
                                  at_copy_us=nbytes / copy_bw / 1e3, kernels_us=profile)

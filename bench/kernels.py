@@ -335,9 +335,12 @@ def kernel_times(f, carries, inp, per):
     return times, out[0][0]
 
 
-def time_cycle(step, carries, inp, steps, options: TimingOptions):
+def time_cycle(step, carries, inp, steps, options: TimingOptions, chain: bool = False):
     """Median seconds per (step x set) of a jitted, donated cycle of `steps`
     unrolled steps, each stepping every carry on the same inputs `inp`
+    (`chain`: on the output of the step before, as layers follow each other,
+    so that XLA cannot fuse the steps of independent carries into one
+    launch; the output must then have the inputs' structure)
     (`options.chained_calls` calls per repeat), its spread, the compile
     seconds, and (`options.profile`) the kernel times per step."""
 
@@ -347,6 +350,7 @@ def time_cycle(step, carries, inp, steps, options: TimingOptions):
             new = []
             for c in carries:
                 y, c = step(c, inp)
+                inp = y if chain else inp
                 new.append(c)
             carries = tuple(new)
         return carries, y
