@@ -59,10 +59,9 @@ reference's rounding bit for bit. The scales are written in place with the
 values; the rows' write counts advance outside the launches. An f32 or
 bf16 checkpoint is a plain array: those kernels are unchanged.
 
-Every replay step moves the cursor in place
-(:mod:`replayssm_jax.kernels.cursor`); a two-launch step's replay kernel
-also writes the cursors at entry to a fresh array, which its flush launch
-reads.
+A one-launch step (fused flush, direct route) moves the cursor in place
+(:mod:`replayssm_jax.kernels.cursor`); a two-launch step writes it to a
+fresh array, as its flush launch still reads the old cursors.
 
 Modules: :mod:`~.config` (configs, heuristics, limits), :mod:`~.launch`
 (pallas_call plumbing), :mod:`~.tiles` (ref views, masked loads,

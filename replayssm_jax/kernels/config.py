@@ -395,10 +395,9 @@ def _check_tile_rows(config, fields: tuple[str, ...], rows: int, rows_name: str)
 
 
 def _check_row_programs(config, programs: int) -> None:
-    """A step that moves the cursor counts its programs per batch row above the cursor's bits
-    (`cursor.advance_cursor`)."""
+    """A one-launch step counts its programs per batch row above the cursor's bits (`cursor.advance_cursor`)."""
     if programs > MAX_ROW_PROGRAMS:
-        raise ValueError(f"a replay step counts at most {MAX_ROW_PROGRAMS} programs per batch row; "
+        raise ValueError(f"a one-launch replay step counts at most {MAX_ROW_PROGRAMS} programs per batch row; "
                          f"the tiling {config.tag()} has {programs} (pass a `config` with larger row tiles)")
 
 
@@ -428,8 +427,8 @@ def step_config_for(config: StepConfig | None, state, dims, *, direct: bool = Fa
 
     Raises:
       ValueError: V or K above MAX_HEAD_DIM; block_v above V rounded up to a
-        power of two; or (direct route) more than MAX_ROW_PROGRAMS
-        programs per batch row.
+        power of two; or (direct route, a one-launch step) more than
+        MAX_ROW_PROGRAMS programs per batch row.
       TypeError: a `config` that is not a StepConfig.
     """
     return _fit_step_config(config, state, _check_dims(state, dims), direct)
@@ -463,8 +462,8 @@ def replay_config_for(config: StepConfig | ReplayConfig | None, checkpoint, buff
       ValueError: a route not in ROUTES ("auto" is resolved before the
         kernels); V or K above MAX_HEAD_DIM; L above MAX_BUFFER_LEN;
         block_v or flush_block_v above V rounded up to a power of two;
-        flush_rows not dividing the batch; or more than MAX_ROW_PROGRAMS
-        programs per batch row (the replay kernel's, or the direct route's).
+        flush_rows not dividing the batch; or (fused flush, direct route:
+        one-launch steps) more than MAX_ROW_PROGRAMS programs per batch row.
       TypeError: a `config` of the other class.
     """
     if route not in ROUTES:
@@ -478,7 +477,8 @@ def replay_config_for(config: StepConfig | ReplayConfig | None, checkpoint, buff
     batch, heads, V, K = checkpoint.shape
     config = config or default_replay_config(batch, heads, V, K, checkpoint.dtype, buffer_len)
     _check_replay_fit(config, batch, V, rows_name)
-    _check_row_programs(config, heads * config.splits(V))
+    if config.fused_flush:
+        _check_row_programs(config, heads * config.splits(V))
     return config
 
 

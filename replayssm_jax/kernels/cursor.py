@@ -4,18 +4,15 @@ A row's cursor (i32, 0..L) counts its buffered records. A replay step
 appends its record at slot `cursor` and moves the cursor to cursor + 1, or
 to 0 where the step flushes (`next_cursor`).
 
-Every replay step moves the cursor in place, without a copy into the
-caller's carry. Every program of a row reads the row's cursor, so none may
-overwrite it before the others have read it. So each program, after its
-read, adds ARRIVAL to the cursor (an atomic add, which leaves the low bits,
-the cursor itself, unchanged) and the program whose add completes the count
-stores the new cursor (`advance_cursor`). Between launches the high bits are
-zero again: the array holds plain cursors 0..L. A two-launch step's replay
-kernel also stores each row's cursor at entry into a fresh array
-(`store_entry_cursor`), which its flush launch reads: a temporary of the
-step, where a fresh array of new cursors would have to be copied into the
-carry of a decode loop every step (2026-12-02: a memcpy launch per layer
-step).
+A one-launch replay step (fused flush, direct route) moves the cursor in
+place, without a copy into the caller's carry. Every program of a row reads
+the row's cursor, so none may overwrite it before the others have read it.
+So each program, after its read, adds ARRIVAL to the cursor (an atomic add,
+which leaves the low bits, the cursor itself, unchanged) and the program
+whose add completes the count stores the new cursor (`advance_cursor`).
+Between launches the high bits are zero again: the array holds plain
+cursors 0..L. A two-launch step writes the new cursors to a fresh array
+(`store_cursor`), as its flush launch still reads the old ones.
 """
 
 from __future__ import annotations
@@ -73,14 +70,14 @@ def advance_cursor(cursor_ref, cursor, new, programs: int) -> None:
             cursor_ref[0] = new
 
 
-def store_entry_cursor(entry_ref, cursor, writer) -> None:
-    """Store the row's cursor at entry into `entry_ref` (a fresh array: a
-    two-launch step's flush launch reads it), from the one program where
-    `writer`."""
+def store_cursor(cursor_out_ref, cursor, L: int, writer) -> None:
+    """Store the row's cursor after this step (`next_cursor`) into a fresh
+    array, from the one program where `writer` (two-launch replay steps: the
+    flush launch still reads the old cursors)."""
 
     @pl.when(writer)
     def _():
-        entry_ref[0] = cursor
+        cursor_out_ref[0] = next_cursor(cursor, L)
 
 
 def for_each_flushing_row(cursor_ref, L: int, flush, first: int | None = None) -> None:

@@ -151,8 +151,7 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
 
 
 def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, o_ref, checkpoint_out,
-                   records_out: Records, cursor_out, entry_out=None, *, V, K, L, group, scale, use_qk_l2norm, route,
-                   config, programs):
+                   records_out: Records, cursor_out, *, V, K, L, group, scale, use_qk_l2norm, route, config, programs):
     """The replay kernel (output and state routes) on a program's row tiles of one head and batch row."""
     BL, BK, BV = records.g.shape[0], inputs.q.shape[-1], config.block_v
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
@@ -194,8 +193,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     # The shared records: the step's g, and its k normalized, not scaled.
     run_replay_program(tile, flush_row, V=V, L=L, config=config, split=split, count=count, append=append,
                        group=group, decay_record=lambda: load_scalar(inputs.g), decay_out=records_out.g, key=k,
-                       key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, entry_out=entry_out,
-                       programs=programs)
+                       key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs)
 
 
 def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, tmask, L):
@@ -475,8 +473,9 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
       ValueError: a route other than the three; V or K above MAX_HEAD_DIM
         (256), L above MAX_BUFFER_LEN (64); a `config.block_v` or
         `flush_block_v` above V rounded up to a power of two, a
-        `config.flush_rows` that does not divide the batch; a replay
-        kernel or direct route of more than 32767 programs per batch row.
+        `config.flush_rows` that does not divide the batch; a one-launch
+        step (fused flush, direct route) of more than 32767 programs per
+        batch row.
       TypeError: a `config` of the other class than the route takes.
     """
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)

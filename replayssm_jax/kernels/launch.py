@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows, next_pow2
 from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, next_cursor,
-                                          store_entry_cursor)
+                                          store_cursor)
 from replayssm_jax.kernels.tiles import (Quantized, SlotView, for_each_row_tile, hoisted_program_ids, lane_ids,
                                          mask_and, program_id, store, store_window)
 from replayssm_jax.state import advance_counter, row_seeds, step_writes, window_writes
@@ -146,17 +146,19 @@ def _pool_specs(specs, capacity: int):
     return jax.tree.map(whole_axis, specs, is_leaf=_is_spec)
 
 
-def _slot_kernel(kernel, squeezed):
+def _slot_kernel(kernel, squeezed, n_in: int, n_fresh: int):
     """`kernel` over a state pool: kernel(*inputs, *outputs) with each pooled
     argument's refs replaced by their slot's `SlotView`s, run where the slot
     is not -1. squeezed: per argument (inputs, then outputs), None (not
     pooled) or a tree of bools (the launch's batch axis squeezed in that
-    ref's block)."""
+    ref's block). The `n_fresh` operands after the inputs only initialise
+    outputs (aliased) and are not passed on."""
 
-    def run(slots_ref, *args):
+    def run(slots_ref, *refs):
         with hoisted_program_ids(3):
             slot = slots_ref[0]
             index = jnp.maximum(slot, 0)
+            args = (*refs[:n_in], *refs[n_in + n_fresh:])
             views = [arg if flags is None else jax.tree.map(lambda ref, sq: SlotView(ref, index, sq), arg, flags)
                      for arg, flags in zip(args, squeezed)]
 
@@ -168,22 +170,33 @@ def _slot_kernel(kernel, squeezed):
 
 
 def _launch(kernel, operands: tuple, *, in_specs: tuple, out_specs: tuple, out_shape: tuple, aliases: dict,
-            pool: Pool | None = None, pooled_in: tuple = (), pooled_out: tuple = (), **kwargs):
+            pool: Pool | None = None, pooled_in: tuple = (), pooled_out: tuple = (), fresh: dict | None = None,
+            **kwargs):
     """`pallas_call(kernel, ...)(*operands)`; over a state pool (`pool` given)
     the pooled operands and outputs (flags `pooled_in`, `pooled_out`, one
-    per top-level argument) get blocks spanning the slot axis, and the slots
-    come first (a block of one per batch row)."""
+    per top-level argument) get blocks spanning the slot axis, the slots
+    come first (a block of one per batch row), and `fresh` {output index:
+    array} names pooled outputs that are not updated in place: their array
+    (the pool's old values) is passed after the operands, aliased to the
+    output, so that the slots a launch does not write keep their values."""
     if pool is None:
         return pallas_call(kernel, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                            input_output_aliases=aliases, **kwargs)(*operands)
+    fresh = fresh or {}
+    n_in = _num_leaves(operands)
+    out_starts = [_num_leaves(out_shape[:i]) for i in range(len(out_shape))]
     squeezed = [jax.tree.map(lambda spec: spec.block_shape[0] is None, spec, is_leaf=_is_spec) if pooled else None
                 for spec, pooled in zip((*in_specs, *out_specs), (*pooled_in, *pooled_out))]
     specs_in = tuple(_pool_specs(spec, pool.capacity) if pooled else spec for spec, pooled in zip(in_specs, pooled_in))
     specs_out = tuple(_pool_specs(spec, pool.capacity) if pooled else spec
                       for spec, pooled in zip(out_specs, pooled_out))
+    extra = tuple(fresh.values())
+    extra_specs = tuple(specs_out[i] for i in fresh)
     aliases = {1 + i: o for i, o in aliases.items()}
-    return pallas_call(_slot_kernel(kernel, squeezed), in_specs=(cursor_spec(), *specs_in), out_specs=specs_out,
-                       out_shape=out_shape, input_output_aliases=aliases, **kwargs)(pool.slots, *operands)
+    aliases.update({1 + n_in + k: out_starts[i] for k, i in enumerate(fresh)})
+    return pallas_call(_slot_kernel(kernel, squeezed, len(in_specs), len(extra)),
+                       in_specs=(cursor_spec(), *specs_in, *extra_specs), out_specs=specs_out, out_shape=out_shape,
+                       input_output_aliases=aliases, **kwargs)(pool.slots, *operands, *extra)
 
 
 def _shapes(tree):
@@ -293,12 +306,11 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     False) the flush launch. Checkpoint and records are updated in place.
 
     replay_kernel(checkpoint_ref, records, cursor_ref, inputs, out_ref,
-    checkpoint_out, records_out, cursor_out[, entry_out], *, config,
-    programs): grid (batch, heads, config.splits(V)); programs = the row's
-    programs. The cursor moves in place (`cursor.advance_cursor`); a
-    two-launch step's kernel also gets entry_out, a fresh i32[batch] (by
-    slot over a pool) for the cursors at entry, which its flush launch
-    reads.
+    checkpoint_out, records_out, cursor_out, *, config, programs): grid
+    (batch, heads, config.splits(V)); programs = the row's programs. The
+    cursor is moved in place by a one-launch step (fused flush); a
+    two-launch step writes it to a fresh array, as its flush launch reads
+    the old one.
 
     flush_row(checkpoint_ref, records, inputs, checkpoint_out, *, cursor,
     split, config): writes one flushing row's state (the refs: that row's,
@@ -310,7 +322,8 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     per_head: the fields of `inputs` without a batch axis, which the flush
     launch reads whole. pool: a :class:`Pool` (checkpoint, records and
     cursor hold its slots), or None; over a pool the flush launch takes one
-    batch row per program (its rows' slots are not contiguous).
+    batch row per program (its rows' slots are not contiguous), and a
+    two-launch step's new cursors go to a copy of the pool's cursors.
 
     Returns (output, checkpoint, records, new cursor).
     """
@@ -319,26 +332,27 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     n_in, n_out = _num_leaves(checkpoint), _num_leaves(_written(checkpoint))
     aliases = {i: 1 + i for i in range(n_out)}  # checkpoint and records in place
     aliases.update({n_in + i: 1 + n_out + i for i in range(n_records)})
-    aliases[n_in + n_records] = 1 + n_out + n_records  # the cursor in place
-    entry = () if config.fused_flush else (cursor,)  # a two-launch step: the cursors at entry, fresh
+    if config.fused_flush:
+        aliases[n_in + n_records] = 1 + n_out + n_records  # one launch: the cursor in place
     operand = checkpoint
-    out, checkpoint, records, new_cursor, *entry = _launch(
+    out, checkpoint, records, new_cursor = _launch(
         functools.partial(replay_kernel, config=config, programs=grid[1] * grid[2]),
         (checkpoint, records, cursor, inputs),
         grid=grid,
         in_specs=in_specs,
-        out_specs=(*out_specs, *(out_specs[-1] for _ in entry)),
-        out_shape=(out_shape, _shapes(_written(checkpoint)), _shapes(records), _shapes(cursor), *_shapes(entry)),
+        out_specs=out_specs,
+        out_shape=(out_shape, _shapes(_written(checkpoint)), _shapes(records), _shapes(cursor)),
         aliases=aliases,
         pool=pool,
         pooled_in=(True, True, True, False),
-        pooled_out=(False, True, True, True, *(True for _ in entry)),
+        pooled_out=(False, True, True, True),
+        fresh=None if config.fused_flush else {3: cursor},
         interpret=interpret,
         config=config,
         name=f"{layer}_replay_{route}_L{records[0].shape[2]}{'' if pool is None else '_pool'}_{config.tag()}",
     )
-    if entry:  # the flush reads the seeds of the replay kernel's operand
-        checkpoint = _flush_launch(layer, flush_row, block_specs, _reseeded(checkpoint, operand), records, entry[0],
+    if not config.fused_flush:  # the flush reads the seeds of the replay kernel's operand
+        checkpoint = _flush_launch(layer, flush_row, block_specs, _reseeded(checkpoint, operand), records, cursor,
                                    inputs, per_head=per_head, config=config, interpret=interpret, pool=pool)
     return out, checkpoint, records, new_cursor
 
@@ -349,8 +363,7 @@ def _reseeded(written, operand):
 
 
 def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig, split, count, append, group: int,
-                       decay_record, decay_out, key, key_out, key_mask, cursor_out, entry_out,
-                       programs: int) -> None:
+                       decay_record, decay_out, key, key_out, key_mask, cursor_out, programs: int) -> None:
     """The replay kernel's program after its per-head work (see `replay_launch`).
 
     Runs tile(rows, row_mask) over the program's row tiles (the readout,
@@ -362,9 +375,9 @@ def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig,
     f32[BL] by the head's first program, the key f32[BK] (valid lanes
     key_mask) into key_out by the first program of the first head of each
     key group of `group` heads, so that no element has two writers. Last,
-    the cursor, moved in place (`advance_cursor`, `programs` programs per
-    row), and (entry_out not None: a two-launch step) the cursor at entry,
-    stored into entry_out by the first program of head 0.
+    the cursor: moved in place by a one-launch step (`advance_cursor`,
+    `programs` programs per row), written to a fresh array by the head's
+    first program of head 0 otherwise (the flush launch reads the old one).
     split: `pl.program_id(2)`, read at the kernel's top level.
     """
     for_each_row_tile(V, config, split, tile)
@@ -379,9 +392,10 @@ def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig,
     store(decay_out, jnp.broadcast_to(decay_record(), (BL,)), (lane_ids(BL) == count) & append & first)
     leader = first & (program_id(1) % group == 0)
     store(key_out.at[count], key, mask_and(key_mask, append & leader, key.shape))
-    if entry_out is not None:  # the flush launch reads the cursors at entry
-        store_entry_cursor(entry_out, count, first & (program_id(1) == 0))
-    advance_cursor(cursor_out, count, next_cursor(count, L), programs)
+    if config.fused_flush:  # one launch: the cursor moves in place
+        advance_cursor(cursor_out, count, next_cursor(count, L), programs)
+    else:  # the flush launch reads the old cursors: a fresh array
+        store_cursor(cursor_out, count, L, first & (program_id(1) == 0))
 
 
 def run_verify_program(tile, *, V: int, W: int, config: ReplayConfig, split, start, group: int, decay_window,

@@ -186,8 +186,8 @@ def _buffer_weights(dt_ref, live, L, count, A):
 
 
 def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, checkpoint_out,
-                   records_out: Records, cursor_out, entry_out=None, *, P, N, L, group, dt_softplus, dt_limit, route,
-                   config, programs):
+                   records_out: Records, cursor_out, *, P, N, L, group, dt_softplus, dt_limit, route, config,
+                   programs):
     """The replay kernel (output and state routes) on a program's row tiles of one head and batch row."""
     BL, BN, BP = records.dt.shape[0], inputs.B.shape[0], config.block_v
     nmask, dt, A, Bv = _record_inputs(inputs, records.B.dtype, N, dt_softplus, dt_limit)
@@ -229,8 +229,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     # The shared records: the step's processed dt, and B as buffered.
     run_replay_program(tile, flush_row, V=P, L=L, config=config, split=split, count=count, append=append,
                        group=group, decay_record=lambda: dt, decay_out=records_out.dt, key=Bv, key_out=records_out.B,
-                       key_mask=nmask, cursor_out=cursor_out, entry_out=entry_out,
-                       programs=programs)
+                       key_mask=nmask, cursor_out=cursor_out, programs=programs)
 
 
 def _materialize(checkpoint_ref, records: Records, count, rows, pmask, nmask, tmask, L, A):
