@@ -4,7 +4,7 @@ One SSM layer's short causal conv at the models' conv_dim (Qwen3.5-4B's GDN: C =
 bias; Nemotron-3-Nano-4B's Mamba-2: C = d_inner + 2 G N = 9728, with bias), W = 4, bf16 inputs and ring,
 `CausalConv1d.step` on backend "xla" (a gather of the live columns, the conv, a select over the whole ring)
 and on "pallas" (one launch): the step's wall time per layer step (bench/kernels.py's timing: an unrolled,
-donated cycle of 16 steps over enough windows to exceed the L2, each step's input the step before's output,
+donated cycle of 16 steps over enough windows to exceed the L2 (at most 16), each step's input the step before's output,
 as layers follow each other: XLA fuses the same step of independent windows into one launch), with --profile the traced kernels per step, and the bytes per step of each form at the device's
 copy bandwidth measured in the run. Both forms are first checked against each other (y within bf16
 rounding, the ring equal).
@@ -83,7 +83,9 @@ def main(argv=None) -> int:
     else:
         if jax.default_backend() != "gpu":
             sys.exit("bench/conv_update.py needs a GPU (or --dry-run)")
-        options = kb.TimingOptions(repeats=args.repeats, profile=args.profile)
+        # At most 16 windows: a cycle of 16 chained steps over 64 windows at batch 1 compiled, for the XLA
+        # form, for over a minute (1024 steps of several fusions each).
+        options = kb.TimingOptions(repeats=args.repeats, profile=args.profile, max_sets=16)
         batches, kernel = [int(b) for b in args.batches.split(",")], "pallas"
     out = args.out or (tempfile.mkdtemp(prefix="conv_dry_run_") if args.dry_run else kb.results_folder("conv"))
     os.makedirs(out, exist_ok=True)
