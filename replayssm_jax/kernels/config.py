@@ -140,7 +140,6 @@ class StepConfig(_Tiling):
         return self._launch_tag(1)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ConvConfig(StepConfig):
     """Static tiling of the conv update's kernel (:func:`replayssm_jax.kernels.conv_update`): grid (batch,
@@ -161,6 +160,7 @@ def default_conv_config(channels: int) -> ConvConfig:
     """The conv update's tiling for `channels` (C): CONV_BLOCK channels (C rounded up to a power of two
     where smaller) on 4 warps."""
     return ConvConfig(block_v=min(CONV_BLOCK, next_pow2(channels)), num_warps=4)
+
 
 @dataclasses.dataclass(frozen=True)
 class ReplayConfig(_Tiling):

@@ -13,7 +13,8 @@ resolves its backend and, for a replay step, its route
            else "xla".
   config   a :class:`replayssm_jax.kernels.StepConfig` (standard steps, the
            replay step's direct route) or :class:`~replayssm_jax.kernels.ReplayConfig`
-           (the replay step's output and state routes, the verify window)
+           (the replay step's output and state routes, the verify window) or
+           :class:`~replayssm_jax.kernels.ConvConfig` (the conv update)
            overriding the kernels' frozen tiling heuristic, or None; only the
            kernel backends take one.
 
@@ -138,11 +139,11 @@ KernelConfig = kernels.StepConfig | kernels.ReplayConfig
 
 
 # --------------------------------------------------------------------------
-# Replay states
+# The conv update
 
 
 def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", *, backend: str | None = None,
-                config=None):
+                config: kernels.ConvConfig | None = None):
     """One decode step of the short causal conv (Mamba-2's and GDN's conv1d) on its ring of inputs.
 
     With xp_j = columns[b, (start + j) mod S] for j < W - 1 and xp_{W-1} = x:
@@ -183,6 +184,10 @@ def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", 
                          " (use backend='xla' or None)")
     return kernels.conv_update(x, columns, start, weight, bias, activation=activation, config=config,
                                interpret=chosen == "interpret")
+
+
+# --------------------------------------------------------------------------
+# Replay states
 
 
 def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=jnp.float32, checkpoint_dtype=None,
