@@ -76,10 +76,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default=None)
-    p.add_argument("--dry-run", action="store_true", help="CPU: interpret mode, batch 2, one repeat")
+    p.add_argument("--dry-run", action="store_true", help="CPU: interpret mode, batch 2, one repeat, 2 steps")
     args = p.parse_args(argv)
-    if args.dry_run:
+    steps = STEPS
+    if args.dry_run:  # interpret mode, two steps a cycle
         options, batches, kernel = kb.TimingOptions.dry_run(profile=args.profile), [2], "interpret"
+        steps = 2
     else:
         if jax.default_backend() != "gpu":
             sys.exit("bench/conv_update.py needs a GPU (or --dry-run)")
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
                     y, w = conv.step(x, w, backend=form)
                     return y, w
 
-                t, spread, compile_s, profile = kb.time_cycle(step, windows, x, STEPS, options, chain=True)
+                t, spread, compile_s, profile = kb.time_cycle(step, windows, x, steps, options, chain=True)
                 nbytes = bytes_per_step(batch, C, window.slots, "xla" if form == "xla" else "pallas")
                 row[form] = dict(us=t * 1e6, spread_us=spread * 1e6, compile_s=compile_s, sets=sets, bytes=nbytes,
                                  at_copy_us=nbytes / copy_bw / 1e3, kernels_us=profile)
