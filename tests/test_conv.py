@@ -92,7 +92,7 @@ def test_kernel_lowers_for_cuda(rng):
     args = draw(rng, 8, 8192, 4, 1, jnp.bfloat16, jnp.bfloat16, False)
     text = lower_for_cuda(lambda *a: kernels.conv_update(*a), *args)
     calls = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
-    assert len(calls) == 1 and "conv_update_w4_bc512_w4" in calls[0], calls
+    assert len(calls) == 1 and "conv_update_w4_bc512_w4_s1" in calls[0], calls
     aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
     assert aliases == [("1", "1")], calls[0][:2000]
 
@@ -141,3 +141,23 @@ def test_backend_none_runs_other_activations_on_xla(rng):
     y, _ = ops.conv_update(*args, "gelu")
     want, _ = ops.conv_update(*args, "gelu", backend="xla")
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
+@pytest.mark.parametrize("x, message", [
+    (np.ones((2, 1, 8), np.float32), "`x` must be an array of shape [batch, 8]; got (2, 1, 8)"),
+    (np.ones((8,), np.float32), "`x` must be an array of shape [batch, 8]; got (8,)"),
+    ([[1.0] * 8], "`x` must be an array of shape [batch, 8]; got list"),
+    (np.ones((3, 8), np.float32), "columns [batch, S, C] = (3, S, 8) (batch: axis 0 of `x`); got width 4"),
+])
+def test_layer_step_names_a_bad_x(x, message, rng):
+    conv = CausalConv1d(8, 4, bias=False, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    window = ConvWindow.from_conv_state(jnp.asarray(rng.standard_normal((2, 8, 3)), jnp.float32))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        conv.step(x, window, backend="interpret")
+
+
+def test_config_with_an_activation_the_kernel_does_not_compute(rng):
+    """backend=None with gelu runs the reference, so a ConvConfig there is refused, naming the activation."""
+    with pytest.raises(TypeError, match=re.escape("`config` tunes the conv kernel, which does not compute "
+                                                  "`activation` 'gelu'")):
+        ops.conv_update(*draw(rng, 2, 8, 4, 1, jnp.float32), "gelu", config=kernels.ConvConfig(block_v=8))

@@ -141,14 +141,14 @@ class StepConfig(_Tiling):
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvConfig(StepConfig):
+class ConvConfig(_Tiling):
     """Static tiling of the conv update's kernel (:func:`replayssm_jax.kernels.conv_update`): grid (batch,
     cdiv(C, block_v)), `block_v` channels per program (a power of two); num_warps, num_stages as
     :class:`StepConfig`. Its grid has two axes, so `memory_order` does not apply. Raises as StepConfig."""
 
     def tag(self) -> str:
-        """The tiling in the kernel's name, e.g. "bc512_w4"."""
-        return f"bc{self.block_v}_w{self.num_warps}"
+        """The tiling in the kernel's name, e.g. "bc512_w4_s1"."""
+        return f"bc{self.block_v}_w{self.num_warps}_s{self.num_stages}"
 
 
 # Channels per program of the conv update: 4 KiB of bf16 inputs a column, a

@@ -85,8 +85,8 @@ class CausalConv1d(nnx.Module):
             raise TypeError(f"CausalConv1d.{what}: `conv_state` must be a ConvWindow; got {type(window).__name__}")
         if window.width != self.kernel_size or window.columns.shape[::2] != (batch, self.channels):
             raise ValueError(f"CausalConv1d.{what}: `conv_state` must be a ConvWindow of width W = "
-                             f"{self.kernel_size} with columns [batch, S, C] = ({batch}, S, {self.channels}); "
-                             f"got width {window.width}, columns {window.columns.shape}")
+                             f"{self.kernel_size} with columns [batch, S, C] = ({batch}, S, {self.channels}) (batch: "
+                             f"axis 0 of `x`); got width {window.width}, columns {window.columns.shape}")
         if seqlen > window.max_window:
             raise ValueError(f"CausalConv1d.{what}: `x` has {seqlen} positions; the conv window holds at most "
                              f"max_window = {window.max_window} (prefill with a larger max_window)")
@@ -174,10 +174,10 @@ class CausalConv1d(nnx.Module):
         Raises:
           TypeError, ValueError: as `verify`.
         """
-        batch, channels = x.shape
-        if channels != self.channels:
-            raise ValueError(f"CausalConv1d.step: `x` must have shape [batch, {self.channels}]; got {x.shape}")
-        self._check_window(conv_state, batch, 1, "step")
+        if getattr(x, "ndim", None) != 2 or x.shape[1] != self.channels:
+            raise ValueError(f"CausalConv1d.step: `x` must be an array of shape [batch, {self.channels}]; got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+        self._check_window(conv_state, x.shape[0], 1, "step")
         y, columns = ops.conv_update(x, conv_state.columns, conv_state.start, self.weight[...][:, 0, :],
                                      None if self.bias is None else self.bias[...], self.activation, backend=backend)
         window = conv_state.replace(columns=columns)

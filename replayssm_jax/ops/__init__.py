@@ -175,6 +175,9 @@ def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", 
     x, columns, start, weight, bias, activation = val.check_conv_update(
         x, columns, start, weight, bias, activation, reference.conv.ACTIVATIONS)
     if backend is None and activation not in kernels.CONV_ACTIVATIONS:
+        if config is not None:
+            raise TypeError(f"`config` tunes the conv kernel, which does not compute `activation` {activation!r} "
+                            "(backend=None runs it on 'xla'); pass config=None")
         backend = "xla"  # an activation that the kernel does not compute
     chosen = choose_backend("conv_update", backend, config)
     if chosen == "xla":
