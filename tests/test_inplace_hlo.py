@@ -192,13 +192,15 @@ def test_kernel_aliases_checkpoint_and_buffers(name, fused, rng):
     assert len(calls) == (1 if fused else 2), calls
     aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
     # replay: outputs 1..4 (checkpoint, the three buffers) alias operands 0..3; output 5, the new cursor, aliases
-    # operand 4 in one launch, and is a fresh array when a flush launch follows (which reads the old cursors)
+    # operand 4 in one launch, and is a fresh array (the cursors at entry) when a flush launch follows
     expected = [(1, 0), (2, 1), (3, 2), (4, 3)] + ([(5, 4)] if fused else [])
     assert sorted((int(o), int(i)) for o, i in aliases) == expected, calls[0][:2000]
     if not fused:
-        # the flush launch: its one output (the checkpoint) aliases operand 0
-        assert re.search(r"output_operand_aliases = \[#stablehlo.output_operand_alias<output_tuple_indices = \[\], "
-                         r"operand_index = 0", calls[1]), calls[1][:2000]
+        # the flush launch: the checkpoint (output 0) aliases operand 0, the cursor moved in place (output 1)
+        # its last operand
+        flush = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[1])
+        last = re.search(r"custom_call @\S+\(([^)]*)\)", calls[1]).group(1).count(",")
+        assert sorted((int(o), int(i)) for o, i in flush) == [(0, 0), (1, last)], calls[1][:2000]
 
 
 # ---------------------------------------------------------------------------
@@ -232,12 +234,13 @@ def test_direct_route_aliases_checkpoint_and_cursor(name, rng):
 @pytest.mark.parametrize(("route", "fused"), [("output", False), ("state", False), ("output", True), ("state", True),
                                               ("direct", None)])
 def test_pallas_replay_step_in_place(name, route, fused, rng):
-    """No per-step copy of the checkpoint or buffers; nor of the cursor in a one-launch step (fused, direct)."""
+    """No per-step copy of the checkpoint, the buffers or the cursor, in one launch (fused, direct) or two."""
     layer = _layers(rng)[name]
     rs = layer.replay_state(L, jnp.float32, jnp.bfloat16, np.array([0, L - 1]))
     config = None if route == "direct" else replay_config(layer, L, jnp.float32, fused_flush=fused)
     hlo = compiled_scan(replay_step(layer, "pallas", route, config), rs, _stack(layer, STEPS))
-    _check_no_copy(hlo, _replay_arrays(rs) + ([rs.cursor] if route == "direct" or fused else []))
+    _check_no_copy(hlo, _replay_arrays(rs) + [rs.cursor])
+    _check_carry_in_place(hlo)
 
 
 @pytest.mark.gpu

@@ -11,8 +11,14 @@ So each program, after its read, adds ARRIVAL to the cursor (an atomic add,
 which leaves the low bits, the cursor itself, unchanged) and the program
 whose add completes the count stores the new cursor (`advance_cursor`).
 Between launches the high bits are zero again: the array holds plain
-cursors 0..L. A two-launch step writes the new cursors to a fresh array
-(`store_cursor`), as its flush launch still reads the old ones.
+cursors 0..L.
+
+A two-launch step moves it in place without atomics: its replay kernel,
+which reads the cursor in every program, writes each row's cursor at entry
+to a fresh array (`store_entry_cursor`), and its flush launch reads only
+that array, so that one program per block of rows may store the new
+cursors in place (`store_next_cursors`). No cursor is copied into the
+caller's carry by either step.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from replayssm_jax.kernels.tiles import RowRef, SlotView, lane_ids, load
+from replayssm_jax.kernels.tiles import RowRef, SlotView, lane_ids, load, store
 
 ARRIVAL = 1 << 16
 MAX_ROW_PROGRAMS = (1 << 15) - 1  # arrivals per row that fit in the int32 above the cursor's 16 bits
@@ -70,14 +76,25 @@ def advance_cursor(cursor_ref, cursor, new, programs: int) -> None:
             cursor_ref[0] = new
 
 
-def store_cursor(cursor_out_ref, cursor, L: int, writer) -> None:
-    """Store the row's cursor after this step (`next_cursor`) into a fresh
-    array, from the one program where `writer` (two-launch replay steps: the
-    flush launch still reads the old cursors)."""
+def store_entry_cursor(entry_ref, cursor, writer) -> None:
+    """Store the row's cursor at entry (i32 scalar `cursor`) into the fresh
+    array i32[batch] of a two-launch step, from the one program where
+    `writer`: its flush launch reads that copy, not the cursor that it moves."""
 
     @pl.when(writer)
     def _():
-        cursor_out_ref[0] = next_cursor(cursor, L)
+        entry_ref[0] = cursor
+
+
+def store_next_cursors(entry_ref, cursor_out_ref, L: int, writer) -> None:
+    """Store the cursors after this step (`next_cursor` of the block's cursors
+    at entry, entry_ref i32[nb]) in place into cursor_out_ref, from the one
+    program of the block where `writer` (the flush launch of a two-launch
+    step, which reads no cursor but the entry copy)."""
+
+    @pl.when(writer)
+    def _():
+        store(cursor_out_ref, next_cursor(load(entry_ref, None, jnp.int32), L), None)
 
 
 def for_each_flushing_row(cursor_ref, L: int, flush, first: int | None = None) -> None:

@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows, next_pow2
 from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, next_cursor,
-                                          store_cursor)
+                                          store_entry_cursor, store_next_cursors)
 from replayssm_jax.kernels.tiles import (Quantized, SlotView, for_each_row_tile, hoisted_program_ids, lane_ids,
                                          mask_and, program_id, store, store_window)
 from replayssm_jax.state import advance_counter, row_seeds, step_writes, window_writes
@@ -146,19 +146,17 @@ def _pool_specs(specs, capacity: int):
     return jax.tree.map(whole_axis, specs, is_leaf=_is_spec)
 
 
-def _slot_kernel(kernel, squeezed, n_in: int, n_fresh: int):
+def _slot_kernel(kernel, squeezed):
     """`kernel` over a state pool: kernel(*inputs, *outputs) with each pooled
     argument's refs replaced by their slot's `SlotView`s, run where the slot
     is not -1. squeezed: per argument (inputs, then outputs), None (not
     pooled) or a tree of bools (the launch's batch axis squeezed in that
-    ref's block). The `n_fresh` operands after the inputs only initialise
-    outputs (aliased) and are not passed on."""
+    ref's block)."""
 
-    def run(slots_ref, *refs):
+    def run(slots_ref, *args):
         with hoisted_program_ids(3):
             slot = slots_ref[0]
             index = jnp.maximum(slot, 0)
-            args = (*refs[:n_in], *refs[n_in + n_fresh:])
             views = [arg if flags is None else jax.tree.map(lambda ref, sq: SlotView(ref, index, sq), arg, flags)
                      for arg, flags in zip(args, squeezed)]
 
@@ -170,33 +168,24 @@ def _slot_kernel(kernel, squeezed, n_in: int, n_fresh: int):
 
 
 def _launch(kernel, operands: tuple, *, in_specs: tuple, out_specs: tuple, out_shape: tuple, aliases: dict,
-            pool: Pool | None = None, pooled_in: tuple = (), pooled_out: tuple = (), fresh: dict | None = None,
-            **kwargs):
+            pool: Pool | None = None, pooled_in: tuple = (), pooled_out: tuple = (), **kwargs):
     """`pallas_call(kernel, ...)(*operands)`; over a state pool (`pool` given)
     the pooled operands and outputs (flags `pooled_in`, `pooled_out`, one
-    per top-level argument) get blocks spanning the slot axis, the slots
-    come first (a block of one per batch row), and `fresh` {output index:
-    array} names pooled outputs that are not updated in place: their array
-    (the pool's old values) is passed after the operands, aliased to the
-    output, so that the slots a launch does not write keep their values."""
+    per top-level argument) get blocks spanning the slot axis, and the
+    slots come first (a block of one per batch row). A pooled output that
+    no operand aliases holds the launch's writes only (its other slots
+    are undefined)."""
     if pool is None:
         return pallas_call(kernel, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                            input_output_aliases=aliases, **kwargs)(*operands)
-    fresh = fresh or {}
-    n_in = _num_leaves(operands)
-    out_starts = [_num_leaves(out_shape[:i]) for i in range(len(out_shape))]
     squeezed = [jax.tree.map(lambda spec: spec.block_shape[0] is None, spec, is_leaf=_is_spec) if pooled else None
                 for spec, pooled in zip((*in_specs, *out_specs), (*pooled_in, *pooled_out))]
     specs_in = tuple(_pool_specs(spec, pool.capacity) if pooled else spec for spec, pooled in zip(in_specs, pooled_in))
     specs_out = tuple(_pool_specs(spec, pool.capacity) if pooled else spec
                       for spec, pooled in zip(out_specs, pooled_out))
-    extra = tuple(fresh.values())
-    extra_specs = tuple(specs_out[i] for i in fresh)
     aliases = {1 + i: o for i, o in aliases.items()}
-    aliases.update({1 + n_in + k: out_starts[i] for k, i in enumerate(fresh)})
-    return pallas_call(_slot_kernel(kernel, squeezed, len(in_specs), len(extra)),
-                       in_specs=(cursor_spec(), *specs_in, *extra_specs), out_specs=specs_out, out_shape=out_shape,
-                       input_output_aliases=aliases, **kwargs)(pool.slots, *operands, *extra)
+    return pallas_call(_slot_kernel(kernel, squeezed), in_specs=(cursor_spec(), *specs_in), out_specs=specs_out,
+                       out_shape=out_shape, input_output_aliases=aliases, **kwargs)(pool.slots, *operands)
 
 
 def _shapes(tree):
@@ -307,10 +296,11 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
 
     replay_kernel(checkpoint_ref, records, cursor_ref, inputs, out_ref,
     checkpoint_out, records_out, cursor_out, *, config, programs): grid
-    (batch, heads, config.splits(V)); programs = the row's programs. The
-    cursor is moved in place by a one-launch step (fused flush); a
-    two-launch step writes it to a fresh array, as its flush launch reads
-    the old one.
+    (batch, heads, config.splits(V)); programs = the row's programs. A
+    one-launch step (fused flush) moves the cursor in place (cursor_out is
+    the cursor); in a two-launch step cursor_out is a fresh array of the
+    cursors at entry, which the flush launch reads while it moves the
+    cursor in place (`cursor.store_next_cursors`).
 
     flush_row(checkpoint_ref, records, inputs, checkpoint_out, *, cursor,
     split, config): writes one flushing row's state (the refs: that row's,
@@ -322,8 +312,7 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     per_head: the fields of `inputs` without a batch axis, which the flush
     launch reads whole. pool: a :class:`Pool` (checkpoint, records and
     cursor hold its slots), or None; over a pool the flush launch takes one
-    batch row per program (its rows' slots are not contiguous), and a
-    two-launch step's new cursors go to a copy of the pool's cursors.
+    batch row per program (its rows' slots are not contiguous).
 
     Returns (output, checkpoint, records, new cursor).
     """
@@ -335,7 +324,7 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     if config.fused_flush:
         aliases[n_in + n_records] = 1 + n_out + n_records  # one launch: the cursor in place
     operand = checkpoint
-    out, checkpoint, records, new_cursor = _launch(
+    out, checkpoint, records, moved = _launch(
         functools.partial(replay_kernel, config=config, programs=grid[1] * grid[2]),
         (checkpoint, records, cursor, inputs),
         grid=grid,
@@ -346,15 +335,17 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
         pool=pool,
         pooled_in=(True, True, True, False),
         pooled_out=(False, True, True, True),
-        fresh=None if config.fused_flush else {3: cursor},
         interpret=interpret,
         config=config,
         name=f"{layer}_replay_{route}_L{records[0].shape[2]}{'' if pool is None else '_pool'}_{config.tag()}",
     )
-    if not config.fused_flush:  # the flush reads the seeds of the replay kernel's operand
-        checkpoint = _flush_launch(layer, flush_row, block_specs, _reseeded(checkpoint, operand), records, cursor,
-                                   inputs, per_head=per_head, config=config, interpret=interpret, pool=pool)
-    return out, checkpoint, records, new_cursor
+    if config.fused_flush:
+        return out, checkpoint, records, moved
+    # `moved` holds the cursors at entry; the flush reads the seeds of the replay kernel's operand
+    checkpoint, cursor = _flush_launch(layer, flush_row, block_specs, _reseeded(checkpoint, operand), records, moved,
+                                       inputs, per_head=per_head, config=config, interpret=interpret, pool=pool,
+                                       cursor=cursor)
+    return out, checkpoint, records, cursor
 
 
 def _reseeded(written, operand):
@@ -376,8 +367,9 @@ def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig,
     key_mask) into key_out by the first program of the first head of each
     key group of `group` heads, so that no element has two writers. Last,
     the cursor: moved in place by a one-launch step (`advance_cursor`,
-    `programs` programs per row), written to a fresh array by the head's
-    first program of head 0 otherwise (the flush launch reads the old one).
+    `programs` programs per row); otherwise its value at entry stored to
+    the fresh array cursor_out by the first program of head 0, for the flush
+    launch, which moves the cursor.
     split: `pl.program_id(2)`, read at the kernel's top level.
     """
     for_each_row_tile(V, config, split, tile)
@@ -394,8 +386,8 @@ def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig,
     store(key_out.at[count], key, mask_and(key_mask, append & leader, key.shape))
     if config.fused_flush:  # one launch: the cursor moves in place
         advance_cursor(cursor_out, count, next_cursor(count, L), programs)
-    else:  # the flush launch reads the old cursors: a fresh array
-        store_cursor(cursor_out, count, L, first & (program_id(1) == 0))
+    else:  # the flush launch reads this copy and moves the cursor
+        store_entry_cursor(cursor_out, count, first & (program_id(1) == 0))
 
 
 def run_verify_program(tile, *, V: int, W: int, config: ReplayConfig, split, start, group: int, decay_window,
@@ -436,15 +428,20 @@ def _checkpoint_view(checkpoint, row):
     return _row_views(checkpoint, row) if isinstance(checkpoint, Quantized) else row(checkpoint)
 
 
-def _flush_kernel(checkpoint_ref, records, cursor_ref, inputs, checkpoint_out, *, L, flush_row, per_head, first):
-    """The flush launch: a program holds one row tile of one head for a block of batch rows."""
-    split = program_id(2)  # read here: interpret mode cannot read it inside a branch
+def _flush_kernel(checkpoint_ref, records, cursor_ref, inputs, *outputs, L, flush_row, per_head, first):
+    """The flush launch: a program holds one row tile of one head for a block of batch rows. outputs:
+    (checkpoint_out,), or (cursor, checkpoint_out, cursor_out) where the launch also moves the cursor
+    (cursor_ref: the cursors at entry; cursor, the array moved, is not read)."""
+    checkpoint_out, cursor_out = (outputs[0], None) if len(outputs) == 1 else outputs[1:]
+    head, split = program_id(1), program_id(2)  # read here: interpret mode cannot read them inside a branch
 
     def flush(row, cursor):
         flush_row(_checkpoint_view(checkpoint_ref, row), _row_views(records, row), _row_views(inputs, row, per_head),
                   _checkpoint_view(checkpoint_out, row), cursor=cursor, split=split)
 
     for_each_flushing_row(cursor_ref, L, flush, first)
+    if cursor_out is not None:
+        store_next_cursors(cursor_ref, cursor_out, L, (head == 0) & (split == 0))
 
 
 def _present(specs, operands):
@@ -454,12 +451,15 @@ def _present(specs, operands):
     return specs._replace(**{name: None for name, operand in operands._asdict().items() if operand is None})
 
 
-def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, inputs, *, per_head, config, interpret,
-                  window=None, pool: Pool | None = None):
+def _flush_launch(layer, flush_row, block_specs, checkpoint, records, entry, inputs, *, per_head, config, interpret,
+                  window=None, pool: Pool | None = None, cursor=None):
     """The flush launch of a two-launch replay step (see `replay_launch`), or
     (window W given) the early flush of a verify window (see
-    `verify_launch`); returns the checkpoint, updated in place. Over a
-    `pool`: one batch row per program."""
+    `verify_launch`), on the rows whose cursors at entry `entry` i32[batch]
+    call for it; returns the checkpoint, updated in place, or, given the
+    replay step's `cursor` (the array that `entry` copies), (checkpoint,
+    cursor moved in place by one step). Over a `pool`: one batch row per
+    program."""
     L = records[0].shape[2]
     rows = 1 if pool is not None else config.flush_rows or default_flush_rows(checkpoint.shape[0])
     tiling = config.flush_launch_tiling()
@@ -471,22 +471,29 @@ def _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, in
         in_specs = (*in_specs[:3], _present(in_specs[3], inputs))
     kernel = functools.partial(_flush_kernel, L=L, flush_row=functools.partial(flush_row, config=tiling),
                                per_head=per_head, first=first)
-    (checkpoint,) = _launch(  # one output, in a tuple: a Quantized output is itself a tuple
+    n_out = _num_leaves(_written(checkpoint))
+    aliases = {i: i for i in range(n_out)}
+    operands, out_specs, out_shape = (checkpoint, records, entry, inputs), (out_specs[1],), (_shapes(_written(checkpoint)),)
+    if cursor is not None:  # the cursor, moved in place: the last operand and output
+        aliases[_num_leaves(operands)] = n_out
+        operands, in_specs = (*operands, cursor), (*in_specs, in_specs[2])
+        out_specs, out_shape = (*out_specs, in_specs[2]), (*out_shape, _shapes(cursor))
+    outs = _launch(
         kernel,
-        (checkpoint, records, cursor, inputs),
+        operands,
         grid=grid,
         in_specs=in_specs,
-        out_specs=(out_specs[1],),
-        out_shape=(_shapes(_written(checkpoint)),),
-        aliases={i: i for i in range(_num_leaves(_written(checkpoint)))},
+        out_specs=out_specs,
+        out_shape=out_shape,
+        aliases=aliases,
         pool=pool,
-        pooled_in=(True, True, True, False),
-        pooled_out=(True,),
+        pooled_in=(True, True, True, False, True)[:len(operands)],
+        pooled_out=(True, True)[:len(out_shape)],
         interpret=interpret,
         config=tiling,
         name=name,
     )
-    return checkpoint
+    return outs[0] if cursor is None else outs  # a Quantized checkpoint is itself a tuple
 
 
 def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..., BlockSpecs], checkpoint, records,
