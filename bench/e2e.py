@@ -208,15 +208,18 @@ def _profile(gen, prompts, new_tokens):
 
 
 def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log, prefill_rows=None,
-                save=lambda rows: None, profile=False, budget_bytes=100 * 2**30, mesh=None, rates=None):
+                save=lambda rows: None, profile=False, budget_bytes=100 * 2**30, mesh=None, rates=None,
+                ssm_state_dtype=jnp.float32):
     """Rows of one model over batches x modes; `save(rows)` after each row. A
     configuration that runs out of device memory is logged and skipped (the
     others still run). `profile`: also break a decode step down by kernel
     category (bench/step_profile.py), from a third, traced run. `mesh`: a
     ("dp", "tp") mesh the model runs sharded on (models.sharding), or None.
     `rates`: {"copy_gbps", "matmul_tflops"} of the device (bench/device_rates.py),
-    for each row's roofline (bench/step_roofline.py; not on a mesh)."""
-    model = init_model(config_dir, dtype, mesh=mesh)
+    for each row's roofline (bench/step_roofline.py; not on a mesh). `ssm_state_dtype`: the model's
+    SSM state dtype (float32 or bfloat16), which the standard state and the checkpoints of a mode
+    without ':FORMAT' keep."""
+    model = init_model(config_dir, dtype, mesh=mesh, ssm_state_dtype=ssm_state_dtype)
     tp, dp = (None, None) if mesh is None else (mesh.shape["tp"], mesh.shape["dp"])
     shard_config = model.config if mesh is None else sharding.local_config(model.config, tp)
     n_ssm = len(_ssm_layers(model.config))
@@ -270,13 +273,14 @@ def _generator(model, m: Mode, **kw) -> Generator:
                      state_rounding=m.rounding, **kw)
 
 
-def memory_rows(name, config_dir, modes, prompt_len, new_tokens, dtype, budget_bytes) -> list[dict]:
+def memory_rows(name, config_dir, modes, prompt_len, new_tokens, dtype, budget_bytes,
+                ssm_state_dtype=jnp.float32) -> list[dict]:
     """Per mode, the decode cache's bytes per sequence for prompts of `prompt_len` tokens and
     `new_tokens` new ones, and the sequences that fit `budget_bytes`: from shapes alone (an
     abstract model, `Generator.memory_estimate` of one row; nothing allocated, any device)."""
     from flax import nnx
 
-    model = nnx.eval_shape(lambda: init_model(config_dir, dtype))
+    model = nnx.eval_shape(lambda: init_model(config_dir, dtype, ssm_state_dtype=ssm_state_dtype))
     rows = []
     for mode in modes:
         with warnings.catch_warnings():  # the fp8 formats warn: measured all the same
@@ -303,6 +307,9 @@ def main(argv=None) -> int:
                    help="'standard' and ReplaySSM buffer lengths; 'Ld' (e.g. '16d'): the direct route; ':FORMAT' "
                         f"after either: the checkpoints' dtype and rounding ({', '.join(CHECKPOINT_FORMATS)}; "
                         "e.g. '16:int8')")
+    p.add_argument("--ssm-state-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the models' SSM state dtype: the standard state's, and the checkpoints' of a mode without "
+                        "':FORMAT'")
     p.add_argument("--budget-gib", type=float, default=100.0, help="cache memory budget for max_sequences")
     p.add_argument("--memory-only", action="store_true",
                    help="only the caches' bytes per sequence and the sequences in --budget-gib, from shapes "
@@ -356,19 +363,22 @@ def main(argv=None) -> int:
               f"{args.budget_gib:g} GiB, from shapes:")
         print(f"{'model':26s} {'mode':>10s} {'MiB/seq':>9s} {'max seqs':>8s}")
         memory = [r for name, path in configs.items()
-                  for r in memory_rows(name, path, modes, prompt_len, new_tokens, dtype, budget)]
+                  for r in memory_rows(name, path, modes, prompt_len, new_tokens, dtype, budget,
+                                       jnp.dtype(args.ssm_state_dtype))]
         for r in memory:
             print(f"{r['model']:26s} {r['mode']:>10s} {r['cache_bytes_per_seq'] / 2**20:9.2f} {r['max_sequences']:8d}")
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(dict(meta=dict(date=datetime.date.today().isoformat(), commit=_commit(), prompt_len=prompt_len,
-                                     new_tokens=new_tokens, budget_gib=args.budget_gib, command=" ".join(sys.argv)),
+                                     new_tokens=new_tokens, budget_gib=args.budget_gib,
+                                     ssm_state_dtype=args.ssm_state_dtype, command=" ".join(sys.argv)),
                            memory=memory), f, indent=1)
         print(f"JSON: {args.out}")
         return 0
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=_commit(), prompt_len=prompt_len,
-                new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, command=" ".join(sys.argv),
+                new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, ssm_state_dtype=args.ssm_state_dtype,
+                command=" ".join(sys.argv),
                 mesh=None if mesh is None else dict(dp=mesh.shape["dp"], tp=mesh.shape["tp"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     small = jax.default_backend() == "cpu"  # the smoke run's rates only exercise the code
@@ -385,10 +395,10 @@ def main(argv=None) -> int:
     for name, path in configs.items():
         rows += bench_model(name, path, batches, modes, prompt_len, new_tokens, backend, dtype,
                             lambda s: print(s, file=sys.stderr, flush=True), args.prefill_rows or None, save,
-                            args.profile, budget, mesh, rates)
+                            args.profile, budget, mesh, rates, jnp.dtype(args.ssm_state_dtype))
         save([])
     print(f"\n{meta['date']} {meta['device']} backend={backend} commit={meta['commit']} "
-          f"prompt={prompt_len} new={new_tokens} {meta['dtype']}"
+          f"prompt={prompt_len} new={new_tokens} {meta['dtype']} ssm_state={args.ssm_state_dtype}"
           + ("" if mesh is None else f" mesh dp={mesh.shape['dp']} tp={mesh.shape['tp']}"))
     print(f"{'model':26s} {'batch':>5s} {'mode':>10s} {'tok/s':>10s} {'step ms':>8s} {'speedup':>7s} "
           f"{'SSM%':>5s} {'cache GiB':>9s} {'MiB/seq':>8s} {'max seqs':>8s} {'peak GiB':>8s} {'compile s':>9s} same")

@@ -60,14 +60,24 @@ def test_bench_scripts_measure_the_tree_on_pythonpath(tmp_path):
 
 def test_e2e_smoke(tmp_path, capsys):
     """The three kinds of mode: the standard state, ReplaySSM, ReplaySSM on the direct route ('Ld'); the
-    same greedy tokens in each."""
+    same greedy tokens in each. With --ssm-state-dtype bfloat16: the states in bf16, half the f32 states'
+    bytes per sequence (from shapes, --memory-only)."""
     out = tmp_path / "e2e.json"
     assert load("e2e").main(["--smoke", "--models", "nemotron_h_tiny", "--batches", "2", "--modes",
-                             "standard,2,3d", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+                             "standard,2,3d", "--ssm-state-dtype", "bfloat16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["ssm_state_dtype"] == "bfloat16"
+    rows = result["rows"]
     assert [r["mode"] for r in rows] == ["standard", "2", "3d"]
     assert all(r["tokens_per_s"] > 0 and r["identical_to_standard"] for r in rows)
     assert "nemotron_h_tiny" in capsys.readouterr().out
+    per_seq = {}
+    for dtype in ("float32", "bfloat16"):
+        path = tmp_path / f"memory_{dtype}.json"
+        assert load("e2e").main(["--smoke", "--models", "nemotron_h_tiny", "--memory-only", "--modes", "standard",
+                                 "--ssm-state-dtype", dtype, "--out", str(path)]) == 0
+        per_seq[dtype] = json.loads(path.read_text())["memory"][0]["cache_bytes_per_seq"]
+    assert per_seq["bfloat16"] < per_seq["float32"], per_seq
 
 
 def test_e2e_checkpoint_formats_and_memory_only(tmp_path, capsys):
