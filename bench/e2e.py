@@ -12,11 +12,12 @@ prefills a random prompt and decodes the new tokens in one compiled
 `lax.scan` block (jit, carry donated); the run is repeated after a warm-up
 and the faster decode wall time counts. Throughput = batch x decode steps /
 decode seconds. Beside it: compile seconds, the decode cache's size and the
-process's peak GPU memory, and the share
-of a decode step spent in the SSM kernels, estimated by timing the layer's
-SSM op alone (a jitted scan over the same batch and state) times the number
-of SSM layers, over the measured step time. Greedy tokens of every mode are
-compared with the standard state's.
+process's peak GPU memory, and the share of a decode step spent in the SSM
+kernels: with --profile, their traced time in the step; otherwise estimated
+by timing the layer's SSM op alone (same batch, state dtype and checkpoint
+format; bench/kernels.py's timing cycle) times the number of SSM layers, over
+the measured step time. Greedy tokens of every mode are compared with the
+standard state's.
 
 Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
                              [--modes standard,8,16,32,16d,16:int8] [--prompt-len 512] [--new-tokens 256]
@@ -40,8 +41,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
+import math
 import os
 import platform
 import subprocess
@@ -65,6 +68,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.append(ROOT)  # last: an importable replayssm_jax (installed, or a tree first on PYTHONPATH) wins
 
 import device_rates  # noqa: E402  (bench/device_rates.py; this folder leads sys.path)
+import kernels as kernel_bench  # noqa: E402  (bench/kernels.py: its timing cycle)
 import step_profile  # noqa: E402  (bench/step_profile.py)
 import step_roofline  # noqa: E402  (bench/step_roofline.py)
 from models import sharding  # noqa: E402
@@ -74,6 +78,7 @@ from replayssm_jax.generation import Generator  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "bench", "configs")
 MODELS = ("nemotron3_nano_4b_like", "qwen3_5_4b_like")
+SHARE_SETS = 8  # state copies of the SSM share's timing (`_ssm_op_time`): its compile grows with them
 
 
 @dataclasses.dataclass
@@ -142,48 +147,43 @@ def _ssm_layers(config):
     return [i for i, t in enumerate(config.layer_types) if t in ("mamba", "gdn")]
 
 
-def _ssm_op_time(c, batch, mode: Mode, backend, steps=16) -> float:
-    """Seconds per decode step of one SSM layer's op alone (config `c`, same batch, state, checkpoint
-    format, backend; on a mesh, one device's shard: the local config and batch / dp)."""
+def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16) -> float:
+    """Seconds per decode step of one SSM layer's op alone (config `c`, same batch, state dtype,
+    checkpoint format, backend; on a mesh, one device's shard: the local config and batch / dp),
+    timed as bench/kernels.py times a layer (`time_cycle`: an unrolled cycle on fixed inputs over
+    copies of the state, here at most `SHARE_SETS`; at small batches they fit in the L2, so the
+    estimate is then low)."""
     state, L, route = mode.state, mode.L or 1, mode.route
     fmt = dict(checkpoint_dtype=mode.state_dtype, rounding=mode.rounding)
-    key = jax.random.key(1)
-    k = jax.random.split(key, 6)
+    k = jax.random.split(jax.random.key(1), 6)
     bf16 = jnp.bfloat16
     if "mamba" in c.layer_types:
         H, P, N, G = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.n_groups
-        s = jax.random.normal(k[0], (batch, H, P, N), jnp.float32) * 0.1
-        xs = dict(x=jax.random.normal(k[1], (steps, batch, H, P), bf16), dt=jax.random.normal(k[2], (steps, batch, H), bf16),
-                  B=jax.random.normal(k[3], (steps, batch, G, N), bf16), C=jax.random.normal(k[4], (steps, batch, G, N), bf16))
+        shape, groups = (batch, H, P, N), G
+        inputs = dict(x=jax.random.normal(k[1], (batch, H, P), bf16), dt=jax.random.normal(k[2], (batch, H), bf16),
+                      B=jax.random.normal(k[3], (batch, G, N), bf16), C=jax.random.normal(k[4], (batch, G, N), bf16))
         A = -jnp.exp(jax.random.normal(k[5], (H,)))
-        if state == "standard":
-            carry, fn = s, lambda st, i: ops.mamba2_step(st, **i, A=A, backend=backend)
-        else:
-            carry = ops.mamba2_replay_init(s, L, G, buffer_dtype=bf16, **fmt)
-            fn = lambda st, i: ops.mamba2_replay_step(st, **i, A=A, route=route, backend=backend)  # noqa: E731
+        init, step = ops.mamba2_replay_init, functools.partial(ops.mamba2_step, A=A, backend=backend)
+        replay = functools.partial(ops.mamba2_replay_step, A=A, route=route, backend=backend)
     else:
         H, HV, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        s = jax.random.normal(k[0], (batch, HV, V, K), jnp.float32) * 0.1
-        xs = dict(q=jax.random.normal(k[1], (steps, batch, H, K), bf16), k=jax.random.normal(k[2], (steps, batch, H, K), bf16),
-                  v=jax.random.normal(k[3], (steps, batch, HV, V), bf16),
-                  g=-jnp.exp(jax.random.normal(k[4], (steps, batch, HV))), beta=jax.nn.sigmoid(jax.random.normal(k[5], (steps, batch, HV))))
-        if state == "standard":
-            carry, fn = s, lambda st, i: ops.gdn_step(st, **i, backend=backend)
-        else:
-            carry = ops.gdn_replay_init(s, L, H, buffer_dtype=bf16, **fmt)
-            fn = lambda st, i: ops.gdn_replay_step(st, **i, route=route, backend=backend)  # noqa: E731
-
-    def loop(carry, xs):
-        return jax.lax.scan(lambda c, i: fn(c, i)[::-1], carry, xs)[0]
-
-    run = jax.jit(loop, donate_argnums=0)
-    carry = jax.block_until_ready(run(carry, xs))
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(run(carry, xs))
-        times.append(time.perf_counter() - t0)
-    return min(times) / steps
+        shape, groups = (batch, HV, V, K), H
+        inputs = dict(q=jax.random.normal(k[1], (batch, H, K), bf16), k=jax.random.normal(k[2], (batch, H, K), bf16),
+                      v=jax.random.normal(k[3], (batch, HV, V), bf16), g=-jnp.exp(jax.random.normal(k[4], (batch, HV))),
+                      beta=jax.nn.sigmoid(jax.random.normal(k[5], (batch, HV))))
+        init, step = ops.gdn_replay_init, functools.partial(ops.gdn_step, backend=backend)
+        replay = functools.partial(ops.gdn_replay_step, route=route, backend=backend)
+    options = kernel_bench.TimingOptions(repeats=3, max_sets=SHARE_SETS)
+    sets = max(1, min(SHARE_SETS, math.ceil(options.l2_target_bytes / (math.prod(shape) * state_dtype.itemsize))))
+    states = [jax.random.normal(key, shape, jnp.float32).astype(state_dtype) * 0.1
+              for key in jax.random.split(k[0], sets)]
+    if state == "standard":
+        carries, fn = tuple(states), lambda st, i: step(st, **i)
+    else:
+        carries = tuple(init(s, L, groups, buffer_dtype=bf16, **fmt) for s in states)
+        fn = lambda st, i: replay(st, **i)  # noqa: E731
+    seconds, *_ = kernel_bench.time_cycle(fn, carries, inputs, steps, options)
+    return seconds
 
 
 def _profile(gen, prompts, new_tokens):
@@ -243,7 +243,12 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                 continue
             best = min((out, again), key=lambda o: o.decode_s)
             step_s = best.decode_s / best.decode_steps
-            ssm_share = n_ssm * _ssm_op_time(shard_config, max(batch // (dp or 1), 1), m, backend) / step_s
+            breakdown = _profile(gen, prompts, new_tokens) if profile else None
+            if breakdown is not None:  # measured: the SSM kernels' time in the traced step
+                ssm_share = breakdown["ms"]["ssm"] / (step_s * 1e3)
+            else:
+                ssm_share = n_ssm * _ssm_op_time(shard_config, max(batch // (dp or 1), 1), m, backend,
+                                                 ssm_state_dtype) / step_s
             tokens = np.array(best.sequences)
             if m.state == "standard":
                 reference_tokens = tokens
@@ -254,7 +259,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                             best.cache_bytes / 2**30, _peak_gib(), ssm_share, same,
                             cache_bytes_per_seq=best.cache_bytes_per_sequence,
                             max_sequences=int(budget_bytes // best.cache_bytes_per_sequence),
-                            profile=_profile(gen, prompts, new_tokens) if profile else None, tp=tp, dp=dp,
+                            profile=breakdown, tp=tp, dp=dp,
                             roofline=roofline, over_roofline=roofline and step_s * 1e3 / roofline["ms"]))
             log(f"{name} batch={batch} {mode}: {best.tokens_per_s:.0f} tok/s, step {step_s * 1e3:.2f} ms, "
                 f"compile {out.compile_s:.1f} s, SSM share {ssm_share:.0%}, identical={same}")
