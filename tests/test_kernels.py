@@ -520,7 +520,7 @@ def test_kernel_limits_before_any_launch(rng):
         with pytest.raises(ValueError, match=re.escape("a one-launch replay step counts at most 32767 programs per "
                                                        f"batch row; the tiling {config.tag()} has 65536")):
             kernels.gdn_replay_step(rs, **inp, **kw, route=route, config=config)
-    # two launches: the replay kernel's cursor is a fresh array, no count
+    # two launches: the flush launch moves the cursor, no count
     o, _ = kernels.gdn_replay_step(rs, **inp, **kw, route="output", config=kernels.ReplayConfig(block_v=16, tiles=4),
                                    interpret=True)
     assert o.shape == inp["v"].shape

@@ -59,9 +59,10 @@ reference's rounding bit for bit. The scales are written in place with the
 values; the rows' write counts advance outside the launches. An f32 or
 bf16 checkpoint is a plain array: those kernels are unchanged.
 
-A one-launch step (fused flush, direct route) moves the cursor in place
-(:mod:`replayssm_jax.kernels.cursor`); a two-launch step writes it to a
-fresh array, as its flush launch still reads the old cursors.
+Every replay step moves the cursor in place
+(:mod:`replayssm_jax.kernels.cursor`): a one-launch step (fused flush,
+direct route) by counting arrivals, a two-launch step in its flush launch,
+which reads the replay kernel's copy of the cursors at entry.
 
 Modules: :mod:`~.config` (configs, heuristics, limits), :mod:`~.launch`
 (pallas_call plumbing), :mod:`~.tiles` (ref views, masked loads,
