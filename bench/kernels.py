@@ -559,12 +559,15 @@ def sweep_configs(bench, L, overrides=None):
     return default, list(dict.fromkeys([default, flipped] + fixed))
 
 
-def sweep(bench, base, rows, lengths, options: TimingOptions, overrides=None):
-    """Time the standard and replay kernels over the tilings of sweep_configs; append a row each to `rows`."""
-    for kind, L in [("standard", None)] + [(f"replay-L{L}", L) for L in lengths]:
+def sweep(bench, base, rows, lengths, options: TimingOptions, overrides=None, routes=("output",)):
+    """Time the standard and replay kernels over the tilings of sweep_configs, the replay step on each of
+    `routes` ("output", "state"; variant "replay-L16" or "replay-L16-state"); append a row each to `rows`."""
+    replays = [(f"replay-L{L}" + ("" if route == "output" else f"-{route}"), L, route)
+               for L in lengths for route in routes]
+    for kind, L, route in [("standard", None, None)] + replays:
         default, configs = sweep_configs(bench, L, overrides)
         for cfg in configs:
-            r = run_variant(bench, L, "staggered", options, cfg)
+            r = run_variant(bench, L, "staggered", options, cfg, route=route or "output")
             is_default = cfg == default
             rows.append(dict(base, variant=kind, L=L, config=dataclasses.asdict(cfg), default=is_default, **r))
             print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} {cfg.tag():24s}"
@@ -590,6 +593,9 @@ def main(argv=None):
     p.add_argument("--replay-configs", default="",
                    help="with --sweep: replay tilings instead of SWEEP_CONFIGS, e.g. '16x4x1f,64x4x2,64x4x2:32x2x4' "
                         "(BVxWxT or BVxWxTxSTAGES, f: fused; after ':' the flush launch's BVxWxROWS)")
+    p.add_argument("--sweep-routes", default="output",
+                   help="with --sweep: the replay step's routes to time, of output,state (the state route forms "
+                        "the state tile with the rank-L dot, on the tensor cores)")
     p.add_argument("--profile", action="store_true", help="trace a run of each variant: GPU time per kernel and step")
     p.add_argument("--verify", type=int, default=0, metavar="W",
                    help="also time speculative verify windows of W positions (all accepted) at each L >= W: "
@@ -612,6 +618,9 @@ def main(argv=None):
                                    for x in specs.split(",")]
             except (ValueError, TypeError) as e:
                 p.error(f"--{kind}-configs: {e}")
+    routes = tuple(args.sweep_routes.split(","))
+    if not set(routes) <= {"output", "state"}:
+        p.error(f"--sweep-routes: routes of output, state; got {args.sweep_routes!r}")
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix="kernels_dry_run_") if args.dry_run else results_folder(args.tag)
     try:
@@ -650,7 +659,7 @@ def main(argv=None):
                     rows.append(dict(base, variant="check", passed=False))
                     continue
                 if args.sweep:
-                    sweep(bench, base, rows, lengths, options, overrides)
+                    sweep(bench, base, rows, lengths, options, overrides, routes)
                 std = None
                 for kind, L, cursors, route in [] if args.sweep else variants(bench, lengths):
                     r = run_variant(bench, L, cursors, options, route=route)

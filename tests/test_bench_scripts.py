@@ -151,6 +151,26 @@ def test_kernels_timing_options(monkeypatch):
     assert std["seconds"] > 0 and replay["seconds"] > 0 and std["kernels_us"] is None  # no profile asked
 
 
+def test_kernels_sweep_times_each_route(monkeypatch):
+    """`--sweep --sweep-routes output,state`: each replay tiling is timed on both routes (interpret mode, tiny
+    shape), as variants of their own; the state route's rows run the replay step with route "state"."""
+    from replayssm_jax.kernels import ReplayConfig, StepConfig
+
+    kb = load("kernels")
+    bench = kb.make_bench("gdn", 2, "float32", None, shape=kb.GDNShape(H=1, HV=2, K=16, V=16))
+    routes, replay = [], bench.replay_step
+    monkeypatch.setattr(bench, "replay_step", lambda *args: routes.append(args[2]) or replay(*args))
+    rows = []
+    overrides = {"standard": [StepConfig(16, 1)], "replay": [ReplayConfig(16, 1, tiles=1)]}
+    kb.sweep(bench, dict(layer="gdn"), rows, (4,), kb.TimingOptions.dry_run(standard_steps=2), overrides,
+             ("output", "state"))
+    variants = [r["variant"] for r in rows]
+    assert variants.count("standard") >= 1 and variants.count("replay-L4") == variants.count("replay-L4-state") >= 1
+    assert set(routes) == {"output", "state"} and all(r["seconds"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        kb.main(["--sweep-routes", "output,direct", "--dry-run"])
+
+
 def test_kernels_verify_rows_time_the_per_draft_launch(monkeypatch, capsys):
     """`bench/kernels.py --verify W` checks the per-draft standard verify launch against the reference, then
     times it (one launch per window on a slotted state, the commit an index move; traffic: the state read
