@@ -61,7 +61,8 @@ Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
               SWEEP_CONFIGS (or --standard-configs / --replay-configs) instead
               of the table (after the same check), then print the default and
               the fastest tiling of each variant;
-              its results are how the frozen heuristics in kernels/config.py are chosen.
+              its results are how the frozen heuristics in kernels/config.py are chosen;
+              --sweep-routes output,state times each replay tiling on both routes.
   --profile   also trace one more run of each variant (bench/step_profile.py)
               and report the GPU time per step of each kernel (replay, flush
               launch, standard step, XLA fusions): where a step's time goes.
