@@ -105,7 +105,7 @@ def test_standard_step_writes_only_its_slots(layer):
 def test_replay_step_writes_only_its_slots(layer, route, config):
     """The replay step's launches over a pool (a flushing slot and an appending one, a padding row):
     checkpoint, buffers and cursor of each stepped slot as the reference's; every other slot's bits
-    unchanged, the two-launch step's fresh cursors included."""
+    unchanged, the cursors included (moved in place by the flush launch of a two-launch step)."""
     case, _, replay_step, init = LAYERS[layer]
     checkpoint, inputs, params, shared = case(np.random.default_rng(2))
     rng = np.random.default_rng(5)
