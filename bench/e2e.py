@@ -50,7 +50,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from typing import NamedTuple
 
