@@ -296,6 +296,24 @@ def memory_rows(name, config_dir, modes, prompt_len, new_tokens, dtype, budget_b
     return rows
 
 
+def _positive_ints(text: str) -> list[int]:
+    """argparse type of a comma-separated list of ints >= 1 ('1,64,256')."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1 (e.g. '1,64,256'); got {text!r}")
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1; got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    values = _positive_ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer >= 1; got {text!r}")
+    return values[0]
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
@@ -306,7 +324,8 @@ def _commit() -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="End-to-end decode throughput: standard vs ReplaySSM")
     p.add_argument("--models", default=None, help=f"default: {','.join(MODELS)} (with --smoke: the tiny fixtures)")
-    p.add_argument("--batches", default=None, help="default: 1,16,64,128,256,512 (with --smoke: 1,2)")
+    p.add_argument("--batches", type=_positive_ints, default=None,
+                   help="default: 1,16,64,128,256,512 (with --smoke: 1,2)")
     p.add_argument("--modes", default="standard,8,16,32",
                    help="'standard' and ReplaySSM buffer lengths; 'Ld' (e.g. '16d'): the direct route; ':FORMAT' "
                         f"after either: the checkpoints' dtype and rounding ({', '.join(CHECKPOINT_FORMATS)}; "
@@ -318,8 +337,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory-only", action="store_true",
                    help="only the caches' bytes per sequence and the sequences in --budget-gib, from shapes "
                         "(no weights allocated, no decoding; any device)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=_positive_int, default=None, help="default: 512 (with --smoke: 8)")
+    p.add_argument("--new-tokens", type=_positive_int, default=None, help="default: 256 (with --smoke: 6)")
     p.add_argument("--backend", default=None)
     p.add_argument("--prefill-rows", type=int, default=64,
                    help="rows per prefill pass (the prefill of 512 x 512 tokens at once may not fit); 0: all at once")
@@ -343,13 +362,17 @@ def main(argv=None) -> int:
                   os.path.join(ROOT, "bench", "results", f"{datetime.date.today().isoformat()}-e2e"))
         args.out = os.path.join(folder, "e2e.json")
     if args.smoke:
-        folder, names = os.path.join(ROOT, "tests", "data"), args.models or "qwen3_next_tiny,nemotron_h_tiny"
-        batches, prompt_len, new_tokens, dtype = args.batches or "1,2", 8, 6, jnp.float32
+        folder, names, dtype = os.path.join(ROOT, "tests", "data"), args.models or "qwen3_next_tiny,nemotron_h_tiny", jnp.float32
+        batches, prompt_len, new_tokens = args.batches or [1, 2], args.prompt_len or 8, args.new_tokens or 6
     else:
-        folder, names = CONFIGS, args.models or ",".join(MODELS)
-        batches, prompt_len, new_tokens, dtype = args.batches or "1,16,64,128,256,512", args.prompt_len, args.new_tokens, jnp.bfloat16
+        folder, names, dtype = CONFIGS, args.models or ",".join(MODELS), jnp.bfloat16
+        batches = args.batches or [1, 16, 64, 128, 256, 512]
+        prompt_len, new_tokens = args.prompt_len or 512, args.new_tokens or 256
     configs = {m: os.path.join(folder, m) for m in names.split(",")}
-    batches = [int(b) for b in batches.split(",")]
+    for name, path in configs.items():
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            p.error(f"--models: {name!r} has no config.json in {folder} (models there: "
+                    f"{', '.join(sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, 'config.json'))))})")
     modes = args.modes.split(",")
     backend = ops.resolve_backend(args.backend)
     for mode in modes:
@@ -363,8 +386,8 @@ def main(argv=None) -> int:
         p.error(f"--budget-gib: must be > 0; got {args.budget_gib}")
     budget = args.budget_gib * 2**30
     if args.memory_only:
-        print(f"decode cache per sequence (prompt {prompt_len}, {new_tokens} new tokens) and sequences in "
-              f"{args.budget_gib:g} GiB, from shapes:")
+        print(f"decode cache per sequence (prompt {prompt_len}, {new_tokens} new tokens, SSM state "
+              f"{args.ssm_state_dtype}) and sequences in {args.budget_gib:g} GiB, from shapes:")
         print(f"{'model':26s} {'mode':>10s} {'MiB/seq':>9s} {'max seqs':>8s}")
         memory = [r for name, path in configs.items()
                   for r in memory_rows(name, path, modes, prompt_len, new_tokens, dtype, budget,

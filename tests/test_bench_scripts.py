@@ -105,6 +105,20 @@ def test_e2e_rejects_bad_modes(mode, tmp_path, capsys):
     assert not list(tmp_path.iterdir())  # refused before anything ran
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--batches", "-2"], "argument --batches: expected integers >= 1; got '-2'"),
+    (["--batches", "1,,2"], "argument --batches: expected comma-separated integers >= 1 (e.g. '1,64,256'); got '1,,2'"),
+    (["--new-tokens", "0"], "argument --new-tokens: expected integers >= 1; got '0'"),
+    (["--prompt-len", "4,8"], "argument --prompt-len: expected one integer >= 1; got '4,8'"),
+    (["--models", "no_such_model"], "--models: 'no_such_model' has no config.json in"),
+])
+def test_e2e_rejects_bad_sizes_and_models(args, expected, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load("e2e").main(["--smoke", *args, "--out", str(tmp_path / "e2e.json")])
+    assert expected in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_e2e_rejects_a_buffer_above_the_kernels_limit(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load("e2e").main(["--smoke", "--modes", "standard,65d", "--backend", "interpret",
