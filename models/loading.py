@@ -79,7 +79,8 @@ def check_folder(path: str | os.PathLike) -> str:
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"checkpoint folder {path!r} does not exist")
+        what = "is a file, not a folder" if os.path.exists(path) else "does not exist"
+        raise CheckpointNotFoundError(f"checkpoint folder {path!r} {what}")
     return path
 
 

@@ -428,6 +428,9 @@ def test_bad_decode_tokens_are_named():
 def test_missing_config_and_weights(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
         load_model(tmp_path / "nowhere")
+    (tmp_path / "a_file").write_text("{}")
+    with pytest.raises(CheckpointNotFoundError, match="'.*a_file' is a file, not a folder"):
+        load_model(tmp_path / "a_file")
     dst = copy_fixture("mamba2_tiny", tmp_path)
     os.remove(dst / "config.json")
     with pytest.raises(CheckpointNotFoundError, match=r"config.json: no such file"):
