@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", default=None, help="prompt text (tokenizer.json if the checkpoint has one, else UTF-8 bytes as ids)")
     src.add_argument("--prompt-ids", default=None, help='token ids, rows separated by ";" and ids by ",": "1,2,3;4,5"')
     p.add_argument("--chat", action="store_true",
-                   help="wrap the prompt as a user message in the checkpoint's chat template (tokenizer_config.json)")
+                   help="wrap the prompt as a user message in the checkpoint's chat template "
+                        "(chat_template.jinja, else tokenizer_config.json's chat_template)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     p.add_argument("--state", choices=STATES, default=None, help="default: replay")
     p.add_argument("--buffer-len", type=int, default=None, help=f"ReplaySSM buffer length L (default {DEFAULT_BUFFER_LEN})")
