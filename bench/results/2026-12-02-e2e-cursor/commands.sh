@@ -16,3 +16,8 @@ python3 bench/e2e.py --models qwen3_5_4b_like --batches 256 --modes standard,16 
 python3 bench/e2e.py --models nemotron3_nano_4b_like --batches 256 --modes standard,16 --ssm-state-dtype bfloat16 --prompt-len 128 --new-tokens 64 --out e2e_nemotron3_nano_4b_like_b256_bfloat16.json
 python3 bench/e2e.py --models qwen3_5_4b_like --batches 1 --modes standard,16 --ssm-state-dtype float32 --prompt-len 128 --new-tokens 64 --out e2e_qwen3_5_4b_like_b1_float32.json
 python3 bench/e2e.py --models nemotron3_nano_4b_like --batches 1 --modes standard,16 --ssm-state-dtype float32 --prompt-len 128 --new-tokens 64 --out e2e_nemotron3_nano_4b_like_b1_float32.json
+# 5. Against the original at batch 256, f32 state, after the cursor change (tree of 9dd5719, kernels of fb2f696),
+#    in one GPU command:
+python3 .anchors/harness_orig.py run --out original_and_vllm_b256.json --batches 256 --lengths 16 --deadline-s 45
+python3 bench/kernels.py --profile --repeats 3 --layers gdn,mamba2 --state-dtypes float32 --batches 256 --lengths 16 \
+  --orig original_and_vllm_b256.json --out . --tag ours_b256_f32
