@@ -62,7 +62,8 @@ Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
               of the table (after the same check), then print the default and
               the fastest tiling of each variant;
               its results are how the frozen heuristics in kernels/config.py are chosen;
-              --sweep-routes output,state times each replay tiling on both routes.
+              --sweep-routes output,state times each replay tiling on both routes,
+              --sweep-cursors staggered,in-step from both kinds of cursors.
   --profile   also trace one more run of each variant (bench/step_profile.py)
               and report the GPU time per step of each kernel (replay, flush
               launch, standard step, XLA fusions): where a step's time goes.
@@ -560,15 +561,18 @@ def sweep_configs(bench, L, overrides=None):
     return default, list(dict.fromkeys([default, flipped] + fixed))
 
 
-def sweep(bench, base, rows, lengths, options: TimingOptions, overrides=None, routes=("output",)):
+def sweep(bench, base, rows, lengths, options: TimingOptions, overrides=None, routes=("output",),
+          cursors=("staggered",)):
     """Time the standard and replay kernels over the tilings of sweep_configs, the replay step on each of
-    `routes` ("output", "state"; variant "replay-L16" or "replay-L16-state"); append a row each to `rows`."""
-    replays = [(f"replay-L{L}" + ("" if route == "output" else f"-{route}"), L, route)
-               for L in lengths for route in routes]
-    for kind, L, route in [("standard", None, None)] + replays:
+    `routes` ("output", "state") from each of `cursors` ("staggered", "in-step": the rows of a decode loop
+    that started together, which all flush in the same step); variants "replay-L16", "replay-L16-state",
+    "replay-L16-in-step", ...; append a row each to `rows`."""
+    replays = [(f"replay-L{L}" + "".join(f"-{x}" for x in (route, start) if x not in ("output", "staggered")),
+                L, route, start) for L in lengths for route in routes for start in cursors]
+    for kind, L, route, start in [("standard", None, None, None)] + replays:
         default, configs = sweep_configs(bench, L, overrides)
         for cfg in configs:
-            r = run_variant(bench, L, "staggered", options, cfg, route=route or "output")
+            r = run_variant(bench, L, start, options, cfg, route=route or "output")
             is_default = cfg == default
             rows.append(dict(base, variant=kind, L=L, config=dataclasses.asdict(cfg), default=is_default, **r))
             print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} {cfg.tag():24s}"
@@ -597,6 +601,9 @@ def main(argv=None):
     p.add_argument("--sweep-routes", default="output",
                    help="with --sweep: the replay step's routes to time, of output,state (the state route forms "
                         "the state tile with the rank-L dot, on the tensor cores)")
+    p.add_argument("--sweep-cursors", default="staggered",
+                   help="with --sweep: the replay rows' cursors at the start, of staggered,in-step (in step: every "
+                        "row flushes in the same step, as in a decode loop whose rows started together)")
     p.add_argument("--profile", action="store_true", help="trace a run of each variant: GPU time per kernel and step")
     p.add_argument("--verify", type=int, default=0, metavar="W",
                    help="also time speculative verify windows of W positions (all accepted) at each L >= W: "
@@ -619,9 +626,11 @@ def main(argv=None):
                                    for x in specs.split(",")]
             except (ValueError, TypeError) as e:
                 p.error(f"--{kind}-configs: {e}")
-    routes = tuple(args.sweep_routes.split(","))
+    routes, starts = tuple(args.sweep_routes.split(",")), tuple(args.sweep_cursors.split(","))
     if not set(routes) <= {"output", "state"}:
         p.error(f"--sweep-routes: routes of output, state; got {args.sweep_routes!r}")
+    if not set(starts) <= {"staggered", "in-step"}:
+        p.error(f"--sweep-cursors: of staggered, in-step; got {args.sweep_cursors!r}")
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix="kernels_dry_run_") if args.dry_run else results_folder(args.tag)
     try:
@@ -660,7 +669,7 @@ def main(argv=None):
                     rows.append(dict(base, variant="check", passed=False))
                     continue
                 if args.sweep:
-                    sweep(bench, base, rows, lengths, options, overrides, routes)
+                    sweep(bench, base, rows, lengths, options, overrides, routes, starts)
                 std = None
                 for kind, L, cursors, route in [] if args.sweep else variants(bench, lengths):
                     r = run_variant(bench, L, cursors, options, route=route)

@@ -165,24 +165,29 @@ def test_kernels_timing_options(monkeypatch):
     assert std["seconds"] > 0 and replay["seconds"] > 0 and std["kernels_us"] is None  # no profile asked
 
 
-def test_kernels_sweep_times_each_route(monkeypatch):
-    """`--sweep --sweep-routes output,state`: each replay tiling is timed on both routes (interpret mode, tiny
-    shape), as variants of their own; the state route's rows run the replay step with route "state"."""
+def test_kernels_sweep_times_each_route_and_cursors(monkeypatch):
+    """`--sweep --sweep-routes output,state --sweep-cursors staggered,in-step`: each replay tiling is timed on
+    both routes from both kinds of cursors (interpret mode, tiny shape), as variants of their own; the state
+    route's rows run the replay step with route "state", the in-step rows start with every cursor at 0."""
     from replayssm_jax.kernels import ReplayConfig, StepConfig
 
     kb = load("kernels")
     bench = kb.make_bench("gdn", 2, "float32", None, shape=kb.GDNShape(H=1, HV=2, K=16, V=16))
-    routes, replay = [], bench.replay_step
+    routes, starts, replay, init = [], [], bench.replay_step, bench.replay_init
     monkeypatch.setattr(bench, "replay_step", lambda *args: routes.append(args[2]) or replay(*args))
+    monkeypatch.setattr(bench, "replay_init", lambda *args: starts.append(tuple(int(c) for c in args[3])) or init(*args))
     rows = []
     overrides = {"standard": [StepConfig(16, 1)], "replay": [ReplayConfig(16, 1, tiles=1)]}
     kb.sweep(bench, dict(layer="gdn"), rows, (4,), kb.TimingOptions.dry_run(standard_steps=2), overrides,
-             ("output", "state"))
+             ("output", "state"), ("staggered", "in-step"))
     variants = [r["variant"] for r in rows]
-    assert variants.count("standard") >= 1 and variants.count("replay-L4") == variants.count("replay-L4-state") >= 1
-    assert set(routes) == {"output", "state"} and all(r["seconds"] > 0 for r in rows)
-    with pytest.raises(SystemExit):
-        kb.main(["--sweep-routes", "output,direct", "--dry-run"])
+    replays = ("replay-L4", "replay-L4-state", "replay-L4-in-step", "replay-L4-state-in-step")
+    assert variants.count("standard") >= 1 and len({variants.count(v) for v in replays}) == 1
+    assert set(routes) == {"output", "state"} and set(starts) == {(0, 1), (0, 0)}
+    assert all(r["seconds"] > 0 for r in rows)
+    for flag in ("--sweep-routes", "--sweep-cursors"):
+        with pytest.raises(SystemExit):
+            kb.main([flag, "output,direct", "--dry-run"])
 
 
 def test_kernels_verify_rows_time_the_per_draft_launch(monkeypatch, capsys):
