@@ -510,6 +510,18 @@ SWEEP_CONFIGS = {
 }
 
 
+def subset_of(*allowed: str):
+    """argparse type: a comma-separated list of `allowed` names -> tuple of them."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(text.split(","))
+        if not set(names) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"expected names of {', '.join(allowed)}; got {text!r}")
+        return names
+
+    return parse
+
+
 def parse_config(spec: str, kind: str = "replay") -> StepConfig | ReplayConfig:
     """A tiling spec -> the config of `kind`'s launch. "replay": 'BVxWxT',
     'BVxWxTxS' (S: num_stages), 'BVxWxTf' (f: fused flush) or
@@ -598,10 +610,10 @@ def main(argv=None):
     p.add_argument("--replay-configs", default="",
                    help="with --sweep: replay tilings instead of SWEEP_CONFIGS, e.g. '16x4x1f,64x4x2,64x4x2:32x2x4' "
                         "(BVxWxT or BVxWxTxSTAGES, f: fused; after ':' the flush launch's BVxWxROWS)")
-    p.add_argument("--sweep-routes", default="output",
+    p.add_argument("--sweep-routes", type=subset_of("output", "state"), default=("output",),
                    help="with --sweep: the replay step's routes to time, of output,state (the state route forms "
                         "the state tile with the rank-L dot, on the tensor cores)")
-    p.add_argument("--sweep-cursors", default="staggered",
+    p.add_argument("--sweep-cursors", type=subset_of("staggered", "in-step"), default=("staggered",),
                    help="with --sweep: the replay rows' cursors at the start, of staggered,in-step (in step: every "
                         "row flushes in the same step, as in a decode loop whose rows started together)")
     p.add_argument("--profile", action="store_true", help="trace a run of each variant: GPU time per kernel and step")
@@ -626,11 +638,6 @@ def main(argv=None):
                                    for x in specs.split(",")]
             except (ValueError, TypeError) as e:
                 p.error(f"--{kind}-configs: {e}")
-    routes, starts = tuple(args.sweep_routes.split(",")), tuple(args.sweep_cursors.split(","))
-    if not set(routes) <= {"output", "state"}:
-        p.error(f"--sweep-routes: routes of output, state; got {args.sweep_routes!r}")
-    if not set(starts) <= {"staggered", "in-step"}:
-        p.error(f"--sweep-cursors: of staggered, in-step; got {args.sweep_cursors!r}")
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix="kernels_dry_run_") if args.dry_run else results_folder(args.tag)
     try:
@@ -669,7 +676,7 @@ def main(argv=None):
                     rows.append(dict(base, variant="check", passed=False))
                     continue
                 if args.sweep:
-                    sweep(bench, base, rows, lengths, options, overrides, routes, starts)
+                    sweep(bench, base, rows, lengths, options, overrides, args.sweep_routes, args.sweep_cursors)
                 std = None
                 for kind, L, cursors, route in [] if args.sweep else variants(bench, lengths):
                     r = run_variant(bench, L, cursors, options, route=route)
