@@ -362,17 +362,18 @@ def main(argv=None) -> int:
                   os.path.join(ROOT, "bench", "results", f"{datetime.date.today().isoformat()}-e2e"))
         args.out = os.path.join(folder, "e2e.json")
     if args.smoke:
-        folder, names, dtype = os.path.join(ROOT, "tests", "data"), args.models or "qwen3_next_tiny,nemotron_h_tiny", jnp.float32
+        folder, dtype = os.path.join(ROOT, "tests", "data"), jnp.float32
+        names = args.models or "qwen3_next_tiny,nemotron_h_tiny"
         batches, prompt_len, new_tokens = args.batches or [1, 2], args.prompt_len or 8, args.new_tokens or 6
     else:
         folder, names, dtype = CONFIGS, args.models or ",".join(MODELS), jnp.bfloat16
         batches = args.batches or [1, 16, 64, 128, 256, 512]
         prompt_len, new_tokens = args.prompt_len or 512, args.new_tokens or 256
     configs = {m: os.path.join(folder, m) for m in names.split(",")}
+    known = sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, "config.json")))
     for name, path in configs.items():
         if not os.path.isfile(os.path.join(path, "config.json")):
-            p.error(f"--models: {name!r} has no config.json in {folder} (models there: "
-                    f"{', '.join(sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, 'config.json'))))})")
+            p.error(f"--models: {name!r} has no config.json in {folder} (models there: {', '.join(known)})")
     modes = args.modes.split(",")
     backend = ops.resolve_backend(args.backend)
     for mode in modes:

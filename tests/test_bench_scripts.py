@@ -175,7 +175,8 @@ def test_kernels_sweep_times_each_route_and_cursors(monkeypatch):
     bench = kb.make_bench("gdn", 2, "float32", None, shape=kb.GDNShape(H=1, HV=2, K=16, V=16))
     routes, starts, replay, init = [], [], bench.replay_step, bench.replay_init
     monkeypatch.setattr(bench, "replay_step", lambda *args: routes.append(args[2]) or replay(*args))
-    monkeypatch.setattr(bench, "replay_init", lambda *args: starts.append(tuple(int(c) for c in args[3])) or init(*args))
+    monkeypatch.setattr(bench, "replay_init",
+                        lambda *args: starts.append(tuple(int(c) for c in args[3])) or init(*args))
     rows = []
     overrides = {"standard": [StepConfig(16, 1)], "replay": [ReplayConfig(16, 1, tiles=1)]}
     kb.sweep(bench, dict(layer="gdn"), rows, (4,), kb.TimingOptions.dry_run(standard_steps=2), overrides,

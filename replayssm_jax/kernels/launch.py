@@ -473,7 +473,8 @@ def _flush_launch(layer, flush_row, block_specs, checkpoint, records, entry, inp
                                per_head=per_head, first=first)
     n_out = _num_leaves(_written(checkpoint))
     aliases = {i: i for i in range(n_out)}
-    operands, out_specs, out_shape = (checkpoint, records, entry, inputs), (out_specs[1],), (_shapes(_written(checkpoint)),)
+    operands = (checkpoint, records, entry, inputs)
+    out_specs, out_shape = (out_specs[1],), (_shapes(_written(checkpoint)),)
     if cursor is not None:  # the cursor, moved in place: the last operand and output
         aliases[_num_leaves(operands)] = n_out
         operands, in_specs = (*operands, cursor), (*in_specs, in_specs[2])
