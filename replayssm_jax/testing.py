@@ -369,7 +369,7 @@ class GDN(_Layer):
         an 8-bit `state_dtype` quantizes the checkpoint with `rounding`."""
         s = self.s
         k = np.asarray(self._n(s.batch, s.H, L, s.K))
-        k /= np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)  # not in place: a jax draw is read-only
         return ref.GDNReplayState(
             **self._checkpoint(state_dtype, rounding),
             d=jnp.asarray(self._n(s.batch, s.HV, L, s.V, scale=0.5), buffer_dtype),

@@ -246,6 +246,18 @@ def test_replay_routes_mixed_in_one_loop(case, routes, configs, rng):
                  steps=len(routes), config=configs)
 
 
+@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+def test_direct_route_dot_fold(case, rng):
+    """`StepConfig.dot_fold`: the direct route folds a row's live records as one rank-L update on the tensor
+    cores (L = 16, 16-row tiles: the dot's sizes), as Generator's lockstep flush does after L - 1 buffered
+    steps; a second direct step folds nothing (count 0). Dead slots poisoned."""
+    layer, shape = case
+    routes = ("output",) * 5 + ("direct", "output", "output", "direct", "direct")
+    check_replay(layer(shape, rng, jnp.bfloat16), 16, routes, *DTYPES["bf16in-f32state"], "interpret",
+                 steps=len(routes), config={"direct": kernels.StepConfig(block_v=16, num_warps=2, dot_fold=True)},
+                 poison=True)
+
+
 @pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
 def test_auto_route_is_the_picked_route(case, rng):
     """route="auto" on these latency-bound grids: the kernels' direct route
@@ -401,9 +413,12 @@ TILING_FIELD_ERRORS = [
     (dict(block_v=8, num_stages=0), ValueError, "`config.num_stages` must be >= 1; got 0"),
     (dict(block_v=8, memory_order=1), TypeError, "`config.memory_order` must be a bool; got int"),
 ]
+STEP_FIELD_ERRORS = TILING_FIELD_ERRORS + [
+    (dict(block_v=8, dot_fold="dot"), TypeError, "`config.dot_fold` must be a bool; got str"),
+]
 
 
-@pytest.mark.parametrize(("fields", "error", "message"), TILING_FIELD_ERRORS)
+@pytest.mark.parametrize(("fields", "error", "message"), STEP_FIELD_ERRORS)
 def test_step_config_rejects_bad_fields(fields, error, message):
     with pytest.raises(error, match=re.escape(message)):
         kernels.StepConfig(**fields)
@@ -467,6 +482,11 @@ def test_heuristics_plan_for_132_sms_without_a_gpu():
     assert kernels.default_replay_config(256, 32, 128, 128, jnp.int8, 16).block_v == 128
     assert kernels.default_step_config(64, 32, 128, 128, jnp.float32) == kernels.StepConfig(block_v=32, num_warps=4)
     assert kernels.default_step_config(8, 96, 80, 128, jnp.bfloat16) == kernels.StepConfig(block_v=16, num_warps=2)
+    # The direct route folds with the rank-L dot where the grid is not latency-bound (> 132 programs' heads).
+    assert kernels.default_direct_config(256, 32, 128, 128, jnp.float32) == kernels.StepConfig(
+        block_v=32, num_warps=4, dot_fold=True)
+    assert not kernels.default_direct_config(4, 32, 128, 128, jnp.float32).dot_fold
+    assert kernels.StepConfig(block_v=32, dot_fold=True).tag() == "bv32_w4_s1_t1_dotfold"
 
 
 def test_mamba2_errors_before_any_kernel(rng):

@@ -127,17 +127,32 @@ class StepConfig(_Tiling):
       memory_order: True: the programs are launched in the state's memory
         order (row tiles fastest, then heads, then batch rows; the launch
         grid is the kernel grid reversed); False: batch rows fastest.
+      dot_fold: the direct route's fold of a row's live records into its
+        tile (the standard step ignores it). False: one record per loop
+        iteration, whose registers are a state tile and one record. True:
+        the whole buffer as one rank-L update on the tensor cores, as the
+        flush (`replay_math.replay_records`): for full buffers at large
+        grids, as Generator's lockstep flush step, where the loop's
+        dependent loads take a latency each (GDN f32, batch 256, 15 live
+        records: 350.8 us a step against 595.6 with the loop, the standard
+        step 283; bench/RESULTS.md, 2026-12-02). Either way a row without
+        records (count 0, plain decoding) skips the fold.
 
     Raises:
       TypeError: a field that is not an int (numpy ints are taken), or
-        memory_order not a bool.
+        memory_order or dot_fold not a bool.
       ValueError: block_v not a power of two, num_warps not in {1, 2, 4, 8,
         16}, or num_stages < 1.
     """
 
+    dot_fold: bool = False
+
+    _FLAGS: ClassVar[tuple[str, ...]] = ("memory_order", "dot_fold")
+
     def tag(self) -> str:
-        """The tiling in a kernel's name, e.g. "bv32_w4_s1_t1" (t1: one tile per program)."""
-        return self._launch_tag(1)
+        """The tiling in a kernel's name, e.g. "bv32_w4_s1_t1" (t1: one tile per program; "_dotfold" with
+        dot_fold)."""
+        return self._launch_tag(1) + ("_dotfold" if self.dot_fold else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +324,19 @@ def default_step_config(batch: int, heads: int, V: int, K: int, state_dtype) -> 
     return StepConfig(block_v=rows, num_warps=_warps(rows, K), num_stages=1)
 
 
+def default_direct_config(batch: int, heads: int, V: int, K: int, state_dtype) -> StepConfig:
+    """The frozen heuristic of the replay step's direct route: the standard
+    step's tiling (:func:`default_step_config`), folding the live records
+    with one rank-L dot (`StepConfig.dot_fold`) where the grid is not
+    latency-bound (batch x heads above the number of SMs): there a direct
+    step runs where buffers are full (Generator's lockstep flush). Latency-
+    bound grids, where "auto" takes the direct route at every step (count 0,
+    or a few records after a speculative commit), keep the loop. Args: as
+    :func:`default_step_config`."""
+    config = default_step_config(batch, heads, V, K, state_dtype)
+    return dataclasses.replace(config, dot_fold=batch * heads > num_sms())
+
+
 def default_replay_config(batch: int, heads: int, V: int, K: int, state_dtype, buffer_len: int) -> ReplayConfig:
     """The frozen heuristic of the replay step (output and state routes).
 
@@ -444,7 +472,8 @@ def _fit_step_config(config, state, rows_name: str, direct: bool) -> StepConfig:
     _check_type(config, StepConfig, "the replay step's direct route (the standard step's kernel)" if direct
                 else "the standard step")
     batch, heads, V, K = state.shape
-    config = config or default_step_config(batch, heads, V, K, state.dtype)
+    default = default_direct_config if direct else default_step_config
+    config = config or default(batch, heads, V, K, state.dtype)
     _check_tile_rows(config, ("block_v",), V, rows_name)
     if direct:
         _check_row_programs(config, heads * cdiv(V, config.block_v))

@@ -121,10 +121,11 @@ def _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale, wmask=None):
 
 
 def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref, o_ref, state_out_ref, cursor_out_ref,
-                 *, V, K, scale, use_qk_l2norm, programs):
+                 *, V, K, L, scale, use_qk_l2norm, dot_fold, programs):
     """The standard step on one state tile. Given the row's records and cursor
     (not None), the replay step's direct route: the live records are first
-    folded into the checkpoint tile, and the cursor is set to 0 in place."""
+    folded into the checkpoint tile (one at a time, or with dot_fold all L
+    slots as one rank-L update), and the cursor is set to 0 in place."""
     direct = records is not None
     if direct:
         count = read_cursor(cursor_ref)  # first: the fold's trip count waits on it
@@ -145,8 +146,8 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
 
     if not direct:
         return finish(S)
-    fold_live_records(S, count, lambda i: (records.g[i], load(records.d.at[i], vmask), load(records.k.at[i], kmask)),
-                      finish)
+    record, whole = _record_loaders(records, pl.ds(0, BV), vmask, kmask, L)
+    fold_live_records(S, count, record, finish, whole if dot_fold else None, L, state_ref.dtype)
     advance_cursor(cursor_out_ref, count, jnp.int32(0), programs)
 
 
@@ -196,9 +197,10 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                        key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs)
 
 
-def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, tmask, L):
-    """f32[BV, BK]: the checkpoint tile of `rows` (its mask `tmask`) after the row's first `count`
-    buffered records (`replay_records`)."""
+def _record_loaders(records: Records, rows, vmask, kmask, L):
+    """The loaders of `replay_records` for the state rows `rows` (a `pl.ds`):
+    record(i) -> (g_i, d_i [BV], k_i [BK]) of slot i, and all_records(live)
+    -> (g [BL], d [BL, BV], k [BL, BK] as buffered), dead slots zeroed."""
 
     def record(i):
         return records.g[i], load(records.d.at[i, rows], vmask), load(records.k.at[i], kmask)
@@ -207,8 +209,14 @@ def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, tm
         return (load_live(records.g, live, L), load_live(records.d.at[:, rows], live, L, vmask),
                 load_live(records.k, live, L, kmask, records.k.dtype))
 
+    return record, all_records
+
+
+def _materialize(checkpoint_ref, records: Records, count, rows, vmask, kmask, tmask, L):
+    """f32[BV, BK]: the checkpoint tile of `rows` (its mask `tmask`) after the row's first `count`
+    buffered records (`replay_records`)."""
     S_c = load_checkpoint(checkpoint_ref, rows, tmask, vmask)
-    return replay_records(S_c, count, L, record, all_records, checkpoint_ref.dtype)
+    return replay_records(S_c, count, L, *_record_loaders(records, rows, vmask, kmask, L), checkpoint_ref.dtype)
 
 
 def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out, *, cursor, split, config, V, K, L,
@@ -345,7 +353,8 @@ def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *,
     `slots` (`launch.Pool`). Returns (o, state, cursor or None)."""
     H, HV, K = inputs.q.shape[1], state.shape[1], state.shape[3]
     L = None if records is None else records.d.shape[2]
-    kernel = functools.partial(_step_kernel, V=state.shape[2], K=K, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    kernel = functools.partial(_step_kernel, V=state.shape[2], K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                               dot_fold=config.dot_fold)
     return step_launch("gdn", kernel, functools.partial(_block_specs, H, HV, K, L), state, _f32_decay(inputs),
                        jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype), records, cursor, config=config,
                        interpret=interpret, pool=pool_of(slots, state))

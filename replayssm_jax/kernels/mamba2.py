@@ -136,10 +136,11 @@ def _skip_and_gate(y, skip, gate):
 
 
 def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref, y_ref, state_out_ref,
-                 cursor_out_ref, *, P, N, dt_softplus, dt_limit, programs):
+                 cursor_out_ref, *, P, N, L, dt_softplus, dt_limit, dot_fold, programs):
     """The standard step on one state tile. Given the row's records and cursor
     (not None), the replay step's direct route: the live records are first
-    folded into the checkpoint tile, and the cursor is set to 0 in place."""
+    folded into the checkpoint tile (one at a time, or with dot_fold all L
+    slots as one rank-L update), and the cursor is set to 0 in place."""
     direct = records is not None
     if direct:
         count = read_cursor(cursor_ref)  # first: the fold's trip count waits on it
@@ -155,12 +156,8 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
 
     if not direct:
         return finish(S)
-
-    def record(i):
-        dt_i = records.dt[i]
-        return dt_i * A, dt_i * load(records.x.at[i], pmask), load(records.B.at[i], nmask)
-
-    fold_live_records(S, count, record, finish)
+    record, whole = _record_loaders(records, pl.ds(0, state_ref.shape[0]), pmask, nmask, L, A)
+    fold_live_records(S, count, record, finish, whole if dot_fold else None, L, state_ref.dtype)
     advance_cursor(cursor_out_ref, count, jnp.int32(0), programs)
 
 
@@ -232,9 +229,11 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                        key_mask=nmask, cursor_out=cursor_out, programs=programs)
 
 
-def _materialize(checkpoint_ref, records: Records, count, rows, pmask, nmask, tmask, L, A):
-    """f32[BP, BN]: the checkpoint tile of `rows` (its mask `tmask`) after the row's first `count`
-    buffered records (`replay_records`), with the head's A."""
+def _record_loaders(records: Records, rows, pmask, nmask, L, A):
+    """The loaders of `replay_records` for the state rows `rows` (a `pl.ds`),
+    with the head's A: record(i) -> (dt_i A, dt_i x_i [BP], B_i [BN]) of
+    slot i, and all_records(live) -> (dt A [BL], dt x [BL, BP], B [BL, BN]
+    as buffered), dead slots zeroed."""
 
     def record(i):
         dt_i = records.dt[i]
@@ -245,8 +244,14 @@ def _materialize(checkpoint_ref, records: Records, count, rows, pmask, nmask, tm
         return (dts * A, dts[:, None] * load_live(records.x.at[:, rows], live, L, pmask),
                 load_live(records.B, live, L, nmask, records.B.dtype))
 
+    return record, all_records
+
+
+def _materialize(checkpoint_ref, records: Records, count, rows, pmask, nmask, tmask, L, A):
+    """f32[BP, BN]: the checkpoint tile of `rows` (its mask `tmask`) after the row's first `count`
+    buffered records (`replay_records`), with the head's A."""
     S_c = load_checkpoint(checkpoint_ref, rows, tmask, pmask)
-    return replay_records(S_c, count, L, record, all_records, checkpoint_ref.dtype)
+    return replay_records(S_c, count, L, *_record_loaders(records, rows, pmask, nmask, L, A), checkpoint_ref.dtype)
 
 
 def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out, *, cursor, split, config, P, N, L,
@@ -390,7 +395,8 @@ def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *,
     `slots` (`launch.Pool`). Returns (y, state, cursor or None)."""
     _, H, P, N = state.shape
     L = None if records is None else records.x.shape[2]
-    kernel = functools.partial(_step_kernel, P=P, N=N, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    kernel = functools.partial(_step_kernel, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                               dot_fold=config.dot_fold)
     specs = functools.partial(_block_specs, H, inputs.B.shape[1], N, L, inputs.z is not None)
     return step_launch("mamba2", kernel, specs, state, _with_defaults(inputs),
                        jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), records, cursor, config=config,

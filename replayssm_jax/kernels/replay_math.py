@@ -163,11 +163,15 @@ def apply_records(S: jax.Array, count, record) -> jax.Array:
     return jax.lax.fori_loop(0, count, body, S)
 
 
-def fold_live_records(S: jax.Array, count, record, finish) -> None:
-    """finish(S after the row's `count` live records): the direct route's fold (`apply_records`).
+def fold_live_records(S: jax.Array, count, record, finish, records=None, L: int = 0, state_dtype=None) -> None:
+    """finish(S after the row's `count` live records): the direct route's fold.
 
-    A row without records (count == 0: plain decoding) runs finish on the
-    loaded tile in a branch of its own, so no state tile leaves a loop or a
+    One record per loop iteration (`apply_records`), or, given `records`
+    (the whole-buffer loader of `replay_records`, with the buffer length L
+    and the state's dtype), the buffer at once as the flush folds it
+    (`replay_records`: one rank-L dot where the tile's sizes allow). A row
+    without records (count == 0: plain decoding) runs finish on the loaded
+    tile in a branch of its own, so no state tile leaves a loop or a
     branch: one that does cost the launch ~0.3 us even when the loop ran no
     iteration (bench/RESULTS.md, 2026-11-30). finish stores its results; it
     is traced twice.
@@ -179,4 +183,7 @@ def fold_live_records(S: jax.Array, count, record, finish) -> None:
 
     @pl.when(count > 0)
     def _():
-        finish(apply_records(S, count, record))
+        if records is None:
+            finish(apply_records(S, count, record))
+        else:
+            finish(replay_records(S, count, L, record, records, state_dtype))
