@@ -115,25 +115,31 @@ class Mode(NamedTuple):
     route: str
     state_dtype: str | None = None  # the ReplaySSM checkpoints' (None: the model's ssm_state_dtype, float32)
     rounding: str = "nearest"
+    lockstep: bool | None = None  # Generator's `lockstep` (None: its default, on where it applies)
 
 
 def _mode(mode: str) -> Mode:
     """The Mode of a --modes entry: 'standard' (route "auto", which the standard
-    state ignores); 'L', ReplaySSM with buffer length L on the output route;
-    'Ld', the same on the direct route; either followed by ':FORMAT', the
-    checkpoints' dtype and rounding (`CHECKPOINT_FORMATS`: f32, bf16, int8,
-    int8sr, fp8, fp8sr; 'sr': stochastic rounding), e.g. '16:int8'.
-    Raises ValueError for anything else."""
+    state ignores); 'L', ReplaySSM with buffer length L on the output route
+    (Generator's default `lockstep`: every row's flush in one direct step a
+    cycle, where it applies); 'Lf', the same with the replay step's own
+    flush launch (lockstep off); 'Ld', the direct route; each followed
+    optionally by ':FORMAT', the checkpoints' dtype and rounding
+    (`CHECKPOINT_FORMATS`: f32, bf16, int8, int8sr, fp8, fp8sr; 'sr':
+    stochastic rounding), e.g. '16:int8'. Raises ValueError for anything else."""
     if mode == "standard":
         return Mode("standard", None, "auto")
     length, sep, fmt = mode.partition(":")
-    digits = length.removesuffix("d")
+    suffix = length[-1:] if length[-1:] in ("d", "f") else ""
+    digits = length.removesuffix(suffix) if suffix else length
     if not (digits.isascii() and digits.isdigit()) or int(digits) < 1 or (sep and fmt not in CHECKPOINT_FORMATS):
         raise ValueError(f"mode {mode!r}: expected 'standard', a buffer length L >= 1, or L then 'd' (the direct "
-                         f"route, e.g. '16d'), optionally then ':' and a checkpoint format of "
-                         f"{', '.join(CHECKPOINT_FORMATS)} (e.g. '16:int8')")
+                         f"route, e.g. '16d') or 'f' (the replay step's own flush, no lockstep, e.g. '16f'), "
+                         f"optionally then ':' and a checkpoint format of {', '.join(CHECKPOINT_FORMATS)} "
+                         f"(e.g. '16:int8')")
     dtype, rounding = CHECKPOINT_FORMATS[fmt] if fmt else (None, "nearest")
-    return Mode("replay", int(digits), "direct" if length.endswith("d") else "output", dtype, rounding)
+    return Mode("replay", int(digits), "direct" if suffix == "d" else "output", dtype, rounding,
+                False if suffix == "f" else None)
 
 
 def _peak_gib() -> float:
@@ -274,7 +280,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
 
 def _generator(model, m: Mode, **kw) -> Generator:
     return Generator(model, state=m.state, buffer_len=m.L, route=m.route, state_dtype=m.state_dtype,
-                     state_rounding=m.rounding, **kw)
+                     state_rounding=m.rounding, lockstep=m.lockstep, **kw)
 
 
 def memory_rows(name, config_dir, modes, prompt_len, new_tokens, dtype, budget_bytes,

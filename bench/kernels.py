@@ -30,9 +30,12 @@ Method (the settings are a TimingOptions):
     `block_until_ready`, median of repeats after a compile and warm-up run;
     per-step time = median / (chained_calls * steps * n_sets).
   * replay rows at staggered cursors (row r starts at r mod L) unless the
-    variant says "in-step" (all rows start at 0 and flush together); at
-    batches where the default replay step is one launch, also the direct
-    route from empty buffers (plain decoding: the state written every step).
+    variant says "in-step" (all rows start at 0 and flush together) or
+    "lockstep" (from cursors 0, a cycle of L - 1 replay steps without a
+    flush and one direct step that flushes every row: Generator's
+    `lockstep` schedule); at batches where the default replay step is one
+    launch, also the direct route from empty buffers (plain decoding: the
+    state written every step).
   * bytes per step from a traffic model (each array the kernels touch,
     once: state read (+ write for standard; for replay + the flush launch's
     re-read and write, / L), the full L-slot buffer tiles read, one record
@@ -339,19 +342,24 @@ def kernel_times(f, carries, inp, per):
 
 def time_cycle(step, carries, inp, steps, options: TimingOptions, chain: bool = False):
     """Median seconds per (step x set) of a jitted, donated cycle of `steps`
-    unrolled steps, each stepping every carry on the same inputs `inp`
+    unrolled steps (`step`, or step[t] at step t where `step` is a sequence
+    of `steps` step functions), each stepping every carry on the same inputs `inp`
     (`chain`: on the output of the step before, as layers follow each other,
     so that XLA cannot fuse the steps of independent carries into one
     launch; the output must then have the inputs' structure)
     (`options.chained_calls` calls per repeat), its spread, the compile
     seconds, and (`options.profile`) the kernel times per step."""
 
+    schedule = list(step) if isinstance(step, (list, tuple)) else [step] * steps
+    if len(schedule) != steps:
+        raise ValueError(f"`step` must be one function or {steps} (one per step); got {len(schedule)}")
+
     def cycle(carries, inp):
         y = None
-        for _ in range(steps):
+        for step_t in schedule:
             new = []
             for c in carries:
-                y, c = step(c, inp)
+                y, c = step_t(c, inp)
                 inp = y if chain else inp
                 new.append(c)
             carries = tuple(new)
@@ -382,8 +390,9 @@ def variants(bench, lengths):
     """(name, L, cursors, route) of the variants timed at a shape: the
     standard step, the replay step at each L (staggered cursors) and at one L
     in step, and, where the default replay step is one launch (a
-    latency-bound batch), the direct route from empty buffers. An 8-bit
-    checkpoint: the replay variants on the output route only."""
+    latency-bound batch), the direct route from empty buffers, elsewhere the
+    lockstep schedule (`run_variant`). An 8-bit checkpoint: the replay
+    variants on the output route only."""
     if bench.quantized:
         yield from ((f"replay-L{L}", L, "staggered", "output") for L in lengths)
         return
@@ -394,6 +403,8 @@ def variants(bench, lengths):
     yield (f"replay-L{L}-in-step", L, "in-step", "output")
     if kernels.replay_is_one_launch(bench.b, *bench.heads_dims(), bench.sd, L):
         yield (f"replay-L{L}-direct", L, "empty", "direct")
+    else:  # Generator's lockstep applies where some layer is not on the direct route
+        yield (f"replay-L{L}-lockstep", L, "lockstep", "output")
 
 
 def standard_bytes(bench) -> float:
@@ -401,19 +412,22 @@ def standard_bytes(bench) -> float:
     return 2 * bench.state_bytes() + bench.io_bytes()
 
 
-def replay_bytes(bench, L) -> float:
+def replay_bytes(bench, L, lockstep: bool = False) -> float:
     """Traffic model of one ReplaySSM step, averaged over a flush cycle: the
     checkpoint read once, re-read and written by the flush launch once per L
-    steps, the L-slot buffer tiles read and one record written, inputs and outputs."""
+    steps (lockstep: read by L - 1 replay steps and read and written by one
+    direct step a cycle), the L-slot buffer tiles read and one record
+    written, inputs and outputs."""
     read, written = bench.buffer_bytes(L)
-    return bench.state_bytes() * (1 + 2 / L) + read + written + bench.io_bytes()
+    return bench.state_bytes() * (1 + (1 if lockstep else 2) / L) + read + written + bench.io_bytes()
 
 
 def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="output"):
     """Time one variant: the standard step (L None) or the replay step with
     buffer length L from `cursors` ("staggered": row r at r mod L; "in-step"
-    or "empty": all at 0) on `route`, with the kernels' `config` (None: the
-    heuristic). Returns seconds per step, spread, compile seconds, the number
+    or "empty": all at 0; "lockstep": all at 0, and the cycle's last step on
+    the direct route at its default tiling, which flushes every row) on
+    `route`, with the kernels' `config` (None: the heuristic). Returns seconds per step, spread, compile seconds, the number
     of state sets, bytes per step and GB/s from the traffic model, and the
     kernel times per step (None unless `options.profile`)."""
     n = n_sets_for(bench, options)
@@ -427,7 +441,9 @@ def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="o
         carries = tuple(bench.replay_init(bench.state(), L, bench.dtype, cur) for _ in range(n))
         step = lambda c, inp: bench.replay_step(c, inp, route, options.backend, config)  # noqa: E731
         steps = L
-        bytes_step = standard_bytes(bench) if route == "direct" else replay_bytes(bench, L)
+        bytes_step = standard_bytes(bench) if route == "direct" else replay_bytes(bench, L, cursors == "lockstep")
+        if cursors == "lockstep":
+            step = [step] * (L - 1) + [lambda c, inp: bench.replay_step(c, inp, "direct", options.backend)]
     t, spread, compile_s, profile = time_cycle(step, carries, bench.random_inputs((bench.b,)), steps, options)
     return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_step, gbps=bytes_step / t / 1e9,
                 kernels_us=profile)
@@ -745,7 +761,8 @@ def against_original(row: dict, original: list[dict]) -> dict:
     """This row's time over the original's same variant in `original` (harness rows; none: {}).
 
     Standard step: vLLM's kernel at the best config of its tuning grid; replay-L{L} (staggered) and
-    replay-L{L}-in-step: the fork's replay kernel at its shipped config, same L and cursors.
+    replay-L{L}-in-step: the fork's replay kernel at its shipped config, same L and cursors;
+    replay-L{L}-lockstep: the same against its rows in step (every row flushes in one step of L).
     kernel_over_original: the traced time of our SSM kernels (replay + flush launch; --profile) over
     the original's CUPTI kernel time; wall_over_original: our cycle's step time over its CUDA-graph
     replay time; our kernel_us and wall_over_kernel beside them. > 1: ours slower."""
@@ -753,7 +770,8 @@ def against_original(row: dict, original: list[dict]) -> dict:
     if variant == "standard":
         match = dict(variant="standard", which="best")
     elif variant.startswith("replay-L") and not variant.endswith("-direct"):
-        match = dict(variant="replay", L=row["L"], cursors=row["cursors"], config="default")
+        cursors = "in-step" if row["cursors"] == "lockstep" else row["cursors"]
+        match = dict(variant="replay", L=row["L"], cursors=cursors, config="default")
     else:
         return {}
     key = dict(layer=row["layer"], state_dtype=row["state_dtype"], batch=row["batch"], **match)

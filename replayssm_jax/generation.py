@@ -59,9 +59,10 @@ from flax import nnx, struct
 
 from replayssm_jax import ops
 from replayssm_jax.compilation import jit
-from replayssm_jax.layers.cache import KVCache
+from replayssm_jax.layers.cache import KVCache, ReplayLayerState
 from replayssm_jax.ops import check_route, validate
 from replayssm_jax.sampling import SamplingParams, sample_tokens
+from replayssm_jax.state import is_quantized
 
 STATES = ("standard", "replay")
 
@@ -592,6 +593,25 @@ class Generator:
       block_size: decode steps per compiled block (progress, `on_token` and
         early stop happen between blocks; the last block runs the rest
         rounded up to a power of two where that stays <= block_size).
+      lockstep: with state "replay", flush every row's buffer in the same
+        decode step. The rows of a Generator step together from the
+        prefill (every cursor 0), so every L-th step all of them are full:
+        lockstep decodes each cycle of L steps as L - 1 steps on `route`
+        without a flush, then one step on the direct route (the standard
+        step's kernel, folding the row's L - 1 buffered records into its
+        checkpoint tile first: one read and one write of each checkpoint a
+        cycle, as the flush, and that step's readout with it), where the
+        replay step reads the checkpoint once more and writes it in a flush
+        launch. The same math (the flush of the reference, DESIGN.md
+        section 2), up to the rounding of that step's record to the buffer's
+        dtype, which the direct step does not round. None (default): on
+        where it applies and pays: a kernel backend, block_size a multiple
+        of L, plain decoding (`speculative` None), a float checkpoint (an
+        8-bit one warns on the direct route), some SSM layer not on the
+        direct route at the batch (`route` "direct", or "auto" on a
+        latency-bound grid, decodes every step directly anyway). True: the
+        same, except that the backend and the layers' routes are not
+        asked (xla included); False: off (every replay step may flush).
       prefill_rows: rows per prefill pass, or None for the whole batch at
         once. Prefill memory grows with batch x prompt length (attention
         scores, chunked-scan intermediates); passes of `prefill_rows` rows
@@ -631,7 +651,7 @@ class Generator:
 
     def __init__(self, model, *, state="replay", buffer_len=None, buffer_dtype=jnp.float32, backend=None,
                  route="auto", block_size=16, prefill_rows=None, generation_config=None, speculative=None,
-                 state_dtype=None, state_rounding="nearest", mesh=None):
+                 state_dtype=None, state_rounding="nearest", mesh=None, lockstep=None):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise GenerationError(f"`model` must be a model of this package (an nnx.Module with a `config`, e.g. "
                                   f"from models.load_model); got {type(model).__name__}")
@@ -683,6 +703,7 @@ class Generator:
                 raise GenerationError(str(e)) from None
         self.state = state
         self.buffer_len = buffer_len if state == "replay" else None
+        self.lockstep = self._check_lockstep(lockstep, route, block_size)
         self.buffer_dtype = buffer_dtype
         self.route = route
         self.block_size = block_size
@@ -697,6 +718,46 @@ class Generator:
         self.graphdef, self.params = nnx.split(model)
         self._compiled = {}
         self._estimates = {}
+
+    def _check_lockstep(self, lockstep, route: str, block_size: int) -> bool | None:
+        """`lockstep` (see the class docstring) once checked against the rest of the configuration: False
+        where it cannot apply (None asked), a GenerationError where True was asked."""
+        if lockstep is not None and not isinstance(lockstep, (bool, np.bool_)):
+            raise GenerationError(f"`lockstep` must be True, False or None; got {lockstep!r}")
+        if lockstep is False:
+            return False
+        blockers = []
+        if self.state != "replay":
+            blockers.append(f"state {self.state!r} (no buffer)")
+        elif block_size % self.buffer_len:
+            blockers.append(f"block_size = {block_size} not a multiple of buffer_len = {self.buffer_len}")
+        if self.speculative is not None:
+            blockers.append("speculative decoding (its rounds commit windows of varying length)")
+        if route == "direct":
+            blockers.append("route 'direct' (every step already writes the state)")
+        if self.state_dtype is not None and is_quantized(self.state_dtype):
+            blockers.append(f"an 8-bit checkpoint ({self.state_dtype})")
+        if blockers and lockstep:
+            raise GenerationError(f"`lockstep=True` needs a replay state whose buffer_len divides block_size, plain "
+                                  f"decoding, a route other than 'direct' and a float checkpoint; got "
+                                  f"{'; '.join(blockers)}")
+        if blockers:
+            return False
+        return bool(lockstep) if lockstep is not None else None
+
+    def _lockstep_len(self, cache) -> int | None:
+        """L where this Generator's decode blocks run in lockstep (`lockstep`) on `cache` (its shapes), else
+        None."""
+        if self.lockstep is False:
+            return None
+        if self.lockstep is None:
+            if self.backend == "xla":
+                return None
+            routes = {ops.resolve_route(self.route, self.backend, s.replay) for s in cache.layers
+                      if isinstance(s, ReplayLayerState)}
+            if routes <= {"direct"}:
+                return None
+        return self.buffer_len
 
     def _start_fn(self, prefix_len, max_len, sampling):
         """prefill(prompts[:, :prefix_len]) and the choice of the token at position prefix_len."""
@@ -726,14 +787,33 @@ class Generator:
         def block(params, carry, prompts, lengths, stop_ids):
             model = nnx.merge(self.graphdef, params)
 
-            def step(carry, _):
-                logits, cache = model.decode(carry.token, carry.cache, route=self.route, backend=self.backend)
+            def step(carry, route):
+                logits, cache = model.decode(carry.token, carry.cache, route=route, backend=self.backend)
                 pos = carry.pos + 1
                 token, done = _choose(logits, pos, prompts, lengths, carry.key, carry.done, stop_ids,
                                       self._pad_id, sampling)
                 return carry.replace(cache=cache, token=token, pos=pos, done=done), token
 
-            return jax.lax.scan(step, carry, None, length=steps)
+            def run(carry, n: int):  # n steps on the Generator's route; tokens i32[n, rows]
+                return jax.lax.scan(lambda c, _: step(c, self.route), carry, None, length=n)
+
+            L = self._lockstep_len(carry.cache)
+            if L is None:
+                return run(carry, steps)
+
+            def cycle(carry, _):  # from cursors 0: L - 1 steps without a flush, then every row's flush
+                carry, tokens = run(carry, L - 1)
+                carry, last = step(carry, "direct")
+                return carry, jnp.concatenate([tokens, last[None]])
+
+            # A block starts at cursors 0 (block_size is a multiple of L); the last block's tail of
+            # steps % L steps flushes no row.
+            carry, tokens = jax.lax.scan(cycle, carry, None, length=steps // L)
+            tokens = tokens.reshape(-1, tokens.shape[-1])
+            if steps % L:
+                carry, tail = run(carry, steps % L)
+                tokens = jnp.concatenate([tokens, tail])
+            return carry, tokens
 
         return jit(block, donate_argnums=(1,))
 

@@ -86,6 +86,8 @@ def test_e2e_checkpoint_formats_and_memory_only(tmp_path, capsys):
     e2e = load("e2e")
     assert e2e._mode("16d:int8sr") == e2e.Mode("replay", 16, "direct", "int8", "stochastic")
     assert e2e._mode("8:bf16") == e2e.Mode("replay", 8, "output", "bfloat16", "nearest")
+    assert e2e._mode("16f") == e2e.Mode("replay", 16, "output", lockstep=False)  # the replay step's own flush
+    assert e2e._mode("16").lockstep is None
     out = tmp_path / "memory.json"
     assert e2e.main(["--smoke", "--models", "qwen3_5_tiny", "--memory-only", "--modes", "standard,4,4:bf16,4:int8",
                      "--budget-gib", "1", "--out", str(out)]) == 0
@@ -96,7 +98,7 @@ def test_e2e_checkpoint_formats_and_memory_only(tmp_path, capsys):
     assert "4:int8" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("mode", ["16x", "d", "0", "-4", "16dd", "\u00b2", "16:int4", "16:"])
+@pytest.mark.parametrize("mode", ["16x", "d", "0", "-4", "16dd", "16fd", "f", "\u00b2", "16:int4", "16:"])
 def test_e2e_rejects_bad_modes(mode, tmp_path, capsys):
     with pytest.raises(SystemExit):
         load("e2e").main(["--smoke", "--modes", f"standard,{mode}", "--out", str(tmp_path / "e2e.json")])
@@ -135,7 +137,8 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     bench = kb.make_bench("gdn", 2, "float32", kb.np.random.default_rng(0), shape=small)
     assert [v[0] for v in kb.variants(bench, (4, 8))] == ["standard", "replay-L4", "replay-L8", "replay-L4-in-step",
                                                           "replay-L4-direct"]
-    assert "direct" not in [v[3] for v in kb.variants(kb.make_bench("gdn", 256, "float32", None), (16,))]
+    large = [v[0] for v in kb.variants(kb.make_bench("gdn", 256, "float32", None), (16,))]
+    assert large == ["standard", "replay-L16", "replay-L16-in-step", "replay-L16-lockstep"]  # no direct route
     out = kb.check(bench, (4,), "interpret")
     assert out["ok"] and out["direct_L4"]["cursor_zero"] and out["direct_L4"]["y"]["ok"]
     # the check is live: a "direct" step that buffers instead (cursor not 0) fails it
@@ -163,6 +166,15 @@ def test_kernels_timing_options(monkeypatch):
     assert seen == [(3, 1, options), (4, 1, options)]
     assert std["bytes"] == kb.standard_bytes(bench) and replay["bytes"] == kb.replay_bytes(bench, 4)
     assert std["seconds"] > 0 and replay["seconds"] > 0 and std["kernels_us"] is None  # no profile asked
+    # lockstep: from cursors 0, L - 1 replay steps on the route, then the direct step that flushes every row.
+    routes, starts, step, init = [], [], bench.replay_step, bench.replay_init
+    monkeypatch.setattr(bench, "replay_step", lambda *args: routes.append(args[2]) or step(*args))
+    monkeypatch.setattr(bench, "replay_init", lambda *args: starts.append(tuple(int(c) for c in args[3])) or init(*args))
+    lockstep = kb.run_variant(bench, 4, "lockstep", options)
+    assert routes == ["output"] * 3 + ["direct"] and starts == [(0, 0)]
+    assert lockstep["bytes"] == kb.replay_bytes(bench, 4, lockstep=True) < replay["bytes"]
+    with pytest.raises(ValueError, match="`step` must be one function or 4"):
+        cycle([step] * 3, (), None, 4, options)
 
 
 def test_kernels_sweep_times_each_route_and_cursors(monkeypatch):

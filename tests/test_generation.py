@@ -93,6 +93,56 @@ def test_direct_route_tokens_match_transformers(name):
     np.testing.assert_array_equal(np.array(out.sequences), expected)
 
 
+def _traced_routes(monkeypatch, m) -> list:
+    """The `route` of each trace of m's decode (a list the calls append to)."""
+    routes, decode = [], type(m).decode
+
+    def traced(self, *args, route="auto", **kw):
+        routes.append(route)
+        return decode(self, *args, route=route, **kw)
+
+    monkeypatch.setattr(type(m), "decode", traced)
+    return routes
+
+
+@pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_5_tiny"])
+def test_lockstep_decodes_the_reference_tokens(name, monkeypatch):
+    """lockstep: each cycle of L steps runs L - 1 steps on the route and then every row's flush as one direct
+    step; L = 3 and blocks of 6 (39 steps: 6 blocks, then one of 4: a cycle and a tail of one step). The greedy
+    tokens are transformers'. With the default (None) on the kernels, the tiny batch's layers take the direct
+    route (latency-bound grids), so every step is direct and no cycle is compiled."""
+    ref = reference(name)
+    prompts, expected = ref["prompt_ids"], ref["generated_ids"]
+    m = model(name)
+    routes = _traced_routes(monkeypatch, m)
+    gen = Generator(m, state="replay", buffer_len=3, route="output", lockstep=True, block_size=6)
+    out = gen.generate(prompts, expected.shape[1] - prompts.shape[1])
+    np.testing.assert_array_equal(np.array(out.sequences), expected)
+    assert set(routes) == {"output", "direct"}, routes
+    routes.clear()
+    gen = Generator(m, state="replay", buffer_len=3, backend="interpret", block_size=6)
+    assert gen.lockstep is None  # on where it applies
+    gen.generate(prompts[:1, :4], 3)
+    assert set(routes) == {"auto"}, routes
+
+
+def test_lockstep_errors():
+    m = model("mamba2_tiny")
+    with pytest.raises(GenerationError, match="block_size = 6 not a multiple of buffer_len = 4"):
+        Generator(m, state="replay", buffer_len=4, block_size=6, lockstep=True)
+    with pytest.raises(GenerationError, match=r"got state 'standard' \(no buffer\)"):
+        Generator(m, state="standard", lockstep=True)
+    with pytest.raises(GenerationError, match="route 'direct'"):
+        Generator(m, state="replay", buffer_len=4, route="direct", lockstep=True)
+    with pytest.raises(GenerationError, match=r"an 8-bit checkpoint \(int8\)"):
+        Generator(m, state="replay", buffer_len=4, state_dtype=jnp.int8, lockstep=True)
+    with pytest.raises(GenerationError, match="`lockstep` must be True, False or None; got 'yes'"):
+        Generator(m, state="replay", buffer_len=4, lockstep="yes")
+    # None where it cannot apply: off, silently.
+    assert Generator(m, state="replay", buffer_len=4, block_size=6).lockstep is False
+    assert Generator(m, state="standard").lockstep is False
+
+
 @pytest.mark.parametrize("name", ["nemotron_h_tiny", pytest.param("qwen3_5_tiny", marks=pytest.mark.slow)])
 def test_ragged_batch_equals_each_prompt_alone(name, rng):
     vocab = model(name).config.vocab_size
