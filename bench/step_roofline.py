@@ -11,8 +11,10 @@ attention over the KV caches, and the SSM kernels over their states. Its bound i
 - SSM states (the Pallas kernels, which are no dots of the jaxpr; with the "xla" backend the
   ops' reference form adds dots to the GEMMs, so the bound means something on the kernel
   backends only): standard state 2 |S| (read and written); ReplaySSM checkpoint |S| (1 + 2 / L)
-  (read, and re-read and written once per flush) and buffer records B (1 + 1 / L) (read, one of
-  L slots written); the conv ring R W / S (W - 1 of its S columns read, one written).
+  (read, and re-read and written once per flush), |S| (1 + 1 / L) where the Generator decodes in
+  lockstep (read, and written by the direct step that flushes every row once per L steps), and
+  buffer records B (1 + 1 / L) (read, one of L slots written); the conv ring R W / S (W - 1 of its
+  S columns read, one written).
 
 Elementwise work (norms, gates, the conv's arithmetic, sampling) is left out: the sum is a lower
 bound. `decode_roofline` derives every term from the shapes of the model's compiled decode
@@ -67,9 +69,9 @@ def dot_costs(jaxpr, max_len: int, live_len: int, times: int = 1):
             yield from dot_costs(sub, max_len, live_len, times * count)
 
 
-def state_bytes(cache) -> int:
+def state_bytes(cache, lockstep: bool = False) -> int:
     """Bytes the SSM kernels and conv rings of one decode step must move (module docstring), from the
-    cache's shapes."""
+    cache's shapes; `lockstep`: every row's flush as one direct step a cycle (Generator's lockstep)."""
     total = 0
     for layer in cache.layers:
         if isinstance(layer, (SSMLayerState, ReplayLayerState)):
@@ -83,7 +85,7 @@ def state_bytes(cache) -> int:
             checkpoint = _nbytes(replay.checkpoint) + (0 if replay.scale is None else _nbytes(replay.scale))
             per_row = {id(x) for x in (replay.checkpoint, replay.scale, replay.cursor, replay.counter)}
             records = sum(_nbytes(a) for a in jax.tree.leaves(replay) if id(a) not in per_row)
-            total += checkpoint * (1 + 2 / L) + records * (1 + 1 / L)
+            total += checkpoint * (1 + (1 if lockstep else 2) / L) + records * (1 + 1 / L)
     return int(total)
 
 
@@ -114,7 +116,7 @@ def decode_roofline(gen, batch: int, prompt_len: int, new_tokens: int, copy_gbps
     costs = list(dot_costs(jaxpr, max_len, prompt_len + new_tokens // 2))
     gemm_s = sum(max(b / bandwidth, f / rate) for kind, b, f in costs if kind == "gemm")
     attention_s = sum(b / bandwidth for kind, b, _ in costs if kind == "attention")
-    states = state_bytes(cache)
+    states = state_bytes(cache, lockstep=gen.lockstep_cycle(cache) is not None)
     state_s = states / bandwidth
     return dict(ms=1e3 * (gemm_s + attention_s + state_s), gemm_ms=1e3 * gemm_s, attention_ms=1e3 * attention_s,
                 state_ms=1e3 * state_s, weights_gib=sum(b for kind, b, _ in costs if kind == "gemm") / 2**30,

@@ -745,9 +745,10 @@ class Generator:
             return False
         return bool(lockstep) if lockstep is not None else None
 
-    def _lockstep_len(self, cache) -> int | None:
-        """L where this Generator's decode blocks run in lockstep (`lockstep`) on `cache` (its shapes), else
-        None."""
+    def lockstep_cycle(self, cache) -> int | None:
+        """The cycle L (the buffer length) where this Generator's decode blocks run in lockstep (see
+        `lockstep`) on a cache like `cache` (only its shapes and dtypes are read: the layers' routes at its
+        batch), else None."""
         if self.lockstep is False:
             return None
         if self.lockstep is None:
@@ -797,7 +798,7 @@ class Generator:
             def run(carry, n: int):  # n steps on the Generator's route; tokens i32[n, rows]
                 return jax.lax.scan(lambda c, _: step(c, self.route), carry, None, length=n)
 
-            L = self._lockstep_len(carry.cache)
+            L = self.lockstep_cycle(carry.cache)
             if L is None:
                 return run(carry, steps)
 

@@ -710,3 +710,27 @@ def test_conv_update_dry_run(tmp_path, capsys):
     assert [(r["shape"], r["batch"]) for r in rows] == [("qwen3.5-4b-gdn", 2), ("nemotron3-nano-4b", 2)]
     assert all(r["check"]["ok"] and r["check"]["ring_equal"] and r["interpret"]["us"] > 0 for r in rows)
     assert "| qwen3.5-4b-gdn | 2 |" in out
+
+
+def test_step_roofline_counts_the_lockstep_flush():
+    """bench/step_roofline.py: a Generator in lockstep moves each checkpoint 1 + 1/L times a step (read, and
+    written by the direct step once a cycle) where the replay step's flush moves it 1 + 2/L times."""
+    import jax
+    import numpy as np
+
+    from models import load_model
+    from replayssm_jax.generation import Generator
+    from replayssm_jax.layers.cache import ReplayLayerState
+
+    roofline = load("step_roofline")
+    model = load_model(pathlib.Path(__file__).parent / "data" / "nemotron_h_tiny")
+    bounds = {}
+    for lockstep in (False, True):
+        gen = Generator(model, state="replay", buffer_len=4, backend="xla", route="output", lockstep=lockstep)
+        bounds[lockstep] = roofline.decode_roofline(gen, 2, 8, 8, copy_gbps=1.0, matmul_tflops=1.0)
+    ids = np.zeros((2, 8), np.int32)
+    cache = jax.eval_shape(lambda: model.prefill(ids, 16, replay_buffer_len=4, backend="xla")[1])
+    checkpoints = sum(np.prod(layer.replay.checkpoint.shape) * layer.replay.checkpoint.dtype.itemsize
+                      for layer in cache.layers if isinstance(layer, ReplayLayerState))
+    saved = (bounds[False]["state_gib"] - bounds[True]["state_gib"]) * 2**30
+    assert checkpoints > 0 and saved == pytest.approx(checkpoints / 4, rel=1e-6)

@@ -142,18 +142,42 @@ def test_xla_replay_step_in_place(name, route, rng):
     _check_carry_in_place(hlo)
 
 
+def _per_row_scalars(found):
+    """`carry_copies` lines that copy more than one value per batch row (an i32[batch] or a scalar left out)."""
+    return [line for line in found if not re.search(r"= \w+\[\d*\]\{?0?\}? copy", line)]
+
+
 @pytest.mark.parametrize("backend", ["xla", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("state", ["standard", "replay"])
 @pytest.mark.parametrize("name", ["qwen3_5_tiny", "mamba2_tiny"])
 def test_decode_loop_carry_in_place(name, state, backend):
-    """Generator's compiled decode loop copies no leaf of its carry (with
-    "interpret": none but the kernels' operands, which the Pallas
-    interpreter stages through its own loop; "pallas", on a GPU: none)."""
-    replay = dict(buffer_len=L, route="output") if state == "replay" else {}
+    """Generator's compiled decode loop, one step an iteration (the replay
+    state with lockstep off), copies no leaf of its carry (with "interpret":
+    none but the kernels' operands, which the Pallas interpreter stages
+    through its own loop; "pallas", on a GPU: none)."""
+    replay = dict(buffer_len=L, route="output", lockstep=False) if state == "replay" else {}
     gen = Generator(load_model(DATA / name), state=state, backend=backend, block_size=4, **replay)
     gen.generate(np.load(DATA / name / "reference.npz")["prompt_ids"][:2], 5)  # one block of 4 steps
     (hlo,) = gen.decode_hlo()
     _check_carry_in_place(hlo, staged=backend != "interpret")
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "mamba2_tiny"])
+def test_lockstep_loop_carry_in_place(name, backend):
+    """Generator's lockstep loop (a cycle of L steps an iteration: a loop of
+    L - 1 buffered steps, then the direct step) copies none of the
+    checkpoints, buffers, conv windows or KV caches of its carry; per-row
+    scalars (cursors, the conv windows' starts, i32[batch]) may be copied
+    once a cycle, into and out of the inner loop. Two cycles, so that the
+    cycle's loop stays a loop."""
+    gen = Generator(load_model(DATA / name), state="replay", backend=backend, block_size=2 * L, buffer_len=L,
+                    route="output", lockstep=True)
+    gen.generate(np.load(DATA / name / "reference.npz")["prompt_ids"][:2], 2 * L + 1)
+    (hlo,) = gen.decode_hlo()
+    assert hlo.count(" while(") >= 2, "the cycle's loop and its buffered steps' loop"
+    found = _per_row_scalars(carry_copies(hlo, staged=backend != "interpret"))
+    assert not found, "per-cycle copies of the lockstep loop's states:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("state, backend", [("standard", "xla"), ("replay", "xla"),
