@@ -20,7 +20,7 @@ the measured step time. Greedy tokens of every mode are compared with the
 standard state's.
 
 Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
-                             [--modes standard,8,16,32,16d,16:int8] [--prompt-len 512] [--new-tokens 256]
+                             [--modes standard,8,16,32,16f,16d,16:int8] [--prompt-len 512] [--new-tokens 256]
                              [--prefill-rows 64] [--profile] [--budget-gib 100]
         python3 bench/e2e.py --memory-only [--modes ...]   (bytes per sequence from shapes, any device)
         python3 bench/e2e.py --smoke     (CPU check of the script on a tiny fixture)
@@ -333,9 +333,10 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=_positive_ints, default=None,
                    help="default: 1,16,64,128,256,512 (with --smoke: 1,2)")
     p.add_argument("--modes", default="standard,8,16,32",
-                   help="'standard' and ReplaySSM buffer lengths; 'Ld' (e.g. '16d'): the direct route; ':FORMAT' "
-                        f"after either: the checkpoints' dtype and rounding ({', '.join(CHECKPOINT_FORMATS)}; "
-                        "e.g. '16:int8')")
+                   help="'standard' and ReplaySSM buffer lengths (Generator's default lockstep flush where it "
+                        "applies); 'Lf' (e.g. '16f'): the replay step's own flush, no lockstep; 'Ld': the direct "
+                        f"route; ':FORMAT' after any: the checkpoints' dtype and rounding "
+                        f"({', '.join(CHECKPOINT_FORMATS)}; e.g. '16:int8')")
     p.add_argument("--ssm-state-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the models' SSM state dtype: the standard state's, and the checkpoints' of a mode without "
                         "':FORMAT'")

@@ -427,9 +427,10 @@ def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="o
     buffer length L from `cursors` ("staggered": row r at r mod L; "in-step"
     or "empty": all at 0; "lockstep": all at 0, and the cycle's last step on
     the direct route at its default tiling, which flushes every row) on
-    `route`, with the kernels' `config` (None: the heuristic). Returns seconds per step, spread, compile seconds, the number
-    of state sets, bytes per step and GB/s from the traffic model, and the
-    kernel times per step (None unless `options.profile`)."""
+    `route`, with the kernels' `config` (None: the heuristic). Returns
+    seconds per step, spread, compile seconds, the number of state sets,
+    bytes per step and GB/s from the traffic model, and the kernel times per
+    step (None unless `options.profile`)."""
     n = n_sets_for(bench, options)
     if L is None:
         carries = tuple(bench.state() for _ in range(n))

@@ -482,7 +482,7 @@ def test_heuristics_plan_for_132_sms_without_a_gpu():
     assert kernels.default_replay_config(256, 32, 128, 128, jnp.int8, 16).block_v == 128
     assert kernels.default_step_config(64, 32, 128, 128, jnp.float32) == kernels.StepConfig(block_v=32, num_warps=4)
     assert kernels.default_step_config(8, 96, 80, 128, jnp.bfloat16) == kernels.StepConfig(block_v=16, num_warps=2)
-    # The direct route folds with the rank-L dot where the grid is not latency-bound (> 132 programs' heads).
+    # The direct route folds with the rank-L dot where the grid is not latency-bound (batch x heads > 132).
     assert kernels.default_direct_config(256, 32, 128, 128, jnp.float32) == kernels.StepConfig(
         block_v=32, num_warps=4, dot_fold=True)
     assert not kernels.default_direct_config(4, 32, 128, 128, jnp.float32).dot_fold

@@ -133,10 +133,11 @@ class StepConfig(_Tiling):
         the whole buffer as one rank-L update on the tensor cores, as the
         flush (`replay_math.replay_records`): for full buffers at large
         grids, as Generator's lockstep flush step, where the loop's
-        dependent loads take a latency each (GDN f32, batch 256, 15 live
-        records: 350.8 us a step against 595.6 with the loop, the standard
-        step 283; bench/RESULTS.md, 2026-12-02). Either way a row without
-        records (count 0, plain decoding) skips the fold.
+        dependent loads take a latency each (batch 256, f32, 15 live
+        records: GDN 387 us a step against 596 with the loop, Mamba-2 730
+        against 1308; the standard steps 286 and 536; bench/RESULTS.md,
+        2026-12-02). Either way a row without records (count 0, plain
+        decoding) skips the fold.
 
     Raises:
       TypeError: a field that is not an int (numpy ints are taken), or
