@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel device groups: the batch rows split over them (default 1 with --tp)")
     p.add_argument("--block-size", type=int, default=16,
                    help="decode steps (speculative rounds) per compiled block (default 16)")
+    p.add_argument("--lockstep", choices=("auto", "on", "off"), default=None,
+                   help="flush every row's buffer in one direct step per cycle of L steps (Generator's lockstep): "
+                        "auto (default: where it applies), on (an error where it cannot: --block-size not a "
+                        "multiple of --buffer-len, --speculative, --route direct, an 8-bit --state-dtype), off; "
+                        "--state replay only")
     p.add_argument("--speculative", type=_speculative_method, default=None, metavar="{ngram,mtp,draft:DIR}",
                    help="speculative decoding: a drafter proposes --num-draft tokens per round, the model verifies "
                         "them in one call. ngram: prompt lookup; mtp: the checkpoint's multi-token prediction head "
@@ -215,7 +220,7 @@ def _flag_names(message: str) -> str:
     for name, flag in (("`buffer_len`", "--buffer-len"), ("`max_new_tokens`", "--max-new-tokens"),
                        ("`stop_tokens`", "--stop"), ("`seed`", "--seed"), ("`block_size`", "--block-size"),
                        ("`temperature`", "--temperature"), ("`top_k`", "--top-k"), ("`top_p`", "--top-p"),
-                       ("`prompts`", "the prompts")):
+                       ("`prompts`", "the prompts"), ("`lockstep=True`", "--lockstep on")):
         message = message.replace(name, flag)
     return message
 
@@ -246,7 +251,7 @@ def _check_args(args) -> list[str]:
     states = ["standard", "replay"] if args.compare else [args.state or "replay"]
     if states == ["standard"]:
         for flag, value in (("--buffer-len", args.buffer_len), ("--route", args.route),
-                            ("--state-dtype", args.state_dtype)):
+                            ("--state-dtype", args.state_dtype), ("--lockstep", args.lockstep)):
             if value is not None:
                 _warn(f"{flag} applies to --state replay only; the standard state ignores it")
     if args.state_rounding is not None and args.state_dtype not in ("int8", "float8_e4m3fn"):
@@ -353,6 +358,10 @@ def _speculative(args, draft_model=None) -> SpeculativeConfig | None:
     return SpeculativeConfig(args.speculative, k, tree=args.tree)
 
 
+# --lockstep's choices as Generator's `lockstep`.
+_LOCKSTEP = {"auto": None, "on": True, "off": False}
+
+
 def _generator(model, state, args, backend, generation_config=None, draft_model=None, mesh=None) -> Generator:
     replay = state == "replay"
     return Generator(model, state=state, buffer_len=(args.buffer_len or DEFAULT_BUFFER_LEN) if replay else None,
@@ -360,7 +369,8 @@ def _generator(model, state, args, backend, generation_config=None, draft_model=
                      block_size=args.block_size, generation_config=generation_config,
                      speculative=_speculative(args, draft_model), state_dtype=args.state_dtype if replay else None,
                      state_rounding=(args.state_rounding or "nearest") if replay and args.state_dtype in
-                     ("int8", "float8_e4m3fn") else "nearest", mesh=mesh)
+                     ("int8", "float8_e4m3fn") else "nearest", mesh=mesh,
+                     lockstep=_LOCKSTEP[args.lockstep or "auto"] if replay else None)
 
 
 def _mesh(args, config):
@@ -447,6 +457,7 @@ def _summary(out, gen, tokenizer, draft_checkpoint=None) -> dict:
         "state": gen.state,
         "buffer_len": gen.buffer_len,
         "route": gen.route if gen.state == "replay" else None,
+        "lockstep": out.lockstep,
         "backend": gen.backend,
         "generated_ids": out.sequences,
         "new_ids": out.new_ids,

@@ -236,6 +236,10 @@ class GenerationOutput:
       row_accepted_per_round: speculative decoding: per row, the mean new
         tokens per round over the rounds in which it generated (None for a
         row without such a round); None otherwise.
+      lockstep: whether the decode blocks flushed every row's buffer in one
+        direct step a cycle (`Generator`'s `lockstep`, as resolved for this
+        request's batch); False for the standard state and speculative
+        decoding, and where nothing was decoded.
     """
 
     sequences: list[list[int]]
@@ -250,6 +254,7 @@ class GenerationOutput:
     decode_tokens: int | None = None
     row_accepted_per_round: list[float | None] | None = None
     cache_rows: int = 0
+    lockstep: bool = False
 
     @property
     def cache_bytes_per_sequence(self) -> int:
@@ -606,12 +611,15 @@ class Generator:
         section 2), up to the rounding of that step's record to the buffer's
         dtype, which the direct step does not round. None (default): on
         where it applies and pays: a kernel backend, block_size a multiple
-        of L, plain decoding (`speculative` None), a float checkpoint (an
-        8-bit one warns on the direct route), some SSM layer not on the
-        direct route at the batch (`route` "direct", or "auto" on a
-        latency-bound grid, decodes every step directly anyway). True: the
-        same, except that the backend and the layers' routes are not
-        asked (xla included); False: off (every replay step may flush).
+        of L, plain decoding (`speculative` None), a float32 or bfloat16
+        checkpoint (the direct route warns on an 8-bit one, so lockstep
+        stays off there), some SSM layer not on the direct route at the batch
+        (`route` "direct", or "auto" on a latency-bound grid, decodes every
+        step directly anyway). True: on wherever the state, block_size,
+        `speculative`, `route` and checkpoint allow it, whatever the backend
+        and the layers' routes (xla included); False: off (every replay
+        step may flush). `GenerationOutput.lockstep` says whether a request
+        ran in lockstep.
       prefill_rows: rows per prefill pass, or None for the whole batch at
         once. Prefill memory grows with batch x prompt length (attention
         scores, chunked-scan intermediates); passes of `prefill_rows` rows
@@ -645,7 +653,10 @@ class Generator:
         loaded or whose vocab_size differs from the model's; with a mesh,
         a config that tp does not divide (naming the config key), a
         prefill_rows that dp does not divide, a ShardedLM on another mesh,
-        or speculative method "mtp" or "draft".
+        or speculative method "mtp" or "draft"; `lockstep` not True, False
+        or None, or True with the standard state, a block_size that
+        buffer_len does not divide, `speculative`, route "direct" or an
+        8-bit state_dtype.
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
@@ -739,7 +750,7 @@ class Generator:
             blockers.append(f"an 8-bit checkpoint ({self.state_dtype})")
         if blockers and lockstep:
             raise GenerationError(f"`lockstep=True` needs a replay state whose buffer_len divides block_size, plain "
-                                  f"decoding, a route other than 'direct' and a float checkpoint; got "
+                                  f"decoding, a route other than 'direct' and a float32 or bfloat16 checkpoint; got "
                                   f"{'; '.join(blockers)}")
         if blockers:
             return False
@@ -1280,7 +1291,8 @@ class Generator:
         decode_s = time.perf_counter() - t0
         sequences, counts = stream.finish(prompts)
         return GenerationOutput(sequences, counts, prefill_s, decode_s, compile_s, steps, _nbytes(carry.cache),
-                                prompt_lengths=lengths.tolist(), cache_rows=plan.rows)
+                                prompt_lengths=lengths.tolist(), cache_rows=plan.rows,
+                                lockstep=self.lockstep_cycle(carry_info.cache) is not None)
 
 
 class _Stream:
@@ -1416,9 +1428,10 @@ def _check_int(name, value, low, high=None) -> int:
 
 def generate(model, prompts, max_new_tokens: int, *, state="replay", buffer_len=None, buffer_dtype=jnp.float32,
              backend=None, route="auto", generation_config=None, sampling=FROM_CONFIG, seed=0, stop_tokens=FROM_CONFIG,
-             progress=None, on_token=None, speculative=None) -> GenerationOutput:
+             progress=None, on_token=None, speculative=None, block_size=16, lockstep=None) -> GenerationOutput:
     """One-call generation: `Generator(model, ...).generate(prompts, ...)`; see both."""
     generator = Generator(model, state=state, buffer_len=buffer_len, buffer_dtype=buffer_dtype, backend=backend,
-                          route=route, generation_config=generation_config, speculative=speculative)
+                          route=route, generation_config=generation_config, speculative=speculative,
+                          block_size=block_size, lockstep=lockstep)
     return generator.generate(prompts, max_new_tokens, sampling=sampling, seed=seed, stop_tokens=stop_tokens,
                               progress=progress, on_token=on_token)

@@ -120,6 +120,23 @@ def test_command_prompt_ids_on_fixture(capsys):
         assert report["state"] == "replay" and report["buffer_len"] == 3 and report["route"] == route
 
 
+def test_lockstep_option(capsys):
+    """--lockstep on: the reference's tokens, and the JSON says the decode ran in lockstep; auto (the default) on
+    the xla backend: off; on with a block size that L does not divide: a usage error naming both flags."""
+    ref = reference("qwen3_next_tiny")
+    ids = ";".join(",".join(map(str, row)) for row in ref["prompt_ids"])
+    n = ref["generated_ids"].shape[1] - ref["prompt_ids"].shape[1]
+    argv = ["--checkpoint", str(DATA / "qwen3_next_tiny"), "--prompt-ids", ids, "--max-new-tokens", str(n),
+            "--buffer-len", "3", "--block-size", "6", "--route", "output", "--stop", "", "--json"]
+    for flag, lockstep in ((["--lockstep", "on"], True), ([], False)):
+        assert main(argv + flag) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["generated_ids"] == ref["generated_ids"].tolist() and report["lockstep"] is lockstep
+    assert main(argv[:-1] + ["--lockstep", "on", "--block-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--lockstep on needs" in err and "block_size = 4 not a multiple of buffer_len = 3" in err
+
+
 def test_default_stop_is_the_checkpoints_eos(capsys):
     """The issue's command: sampled rows end at generation_config.json's eos_token_id (2)."""
     report = run_json(["--checkpoint", str(DATA / "nemotron_h_tiny"), "--prompt-ids",

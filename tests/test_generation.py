@@ -119,10 +119,11 @@ def test_lockstep_decodes_the_reference_tokens(name, monkeypatch):
     out = gen.generate(prompts, expected.shape[1] - prompts.shape[1])
     np.testing.assert_array_equal(np.array(out.sequences), expected)
     assert set(routes) == {"output", "direct"}, routes
+    assert out.lockstep
     routes.clear()
     gen = Generator(m, state="replay", buffer_len=3, backend="interpret", block_size=6)
     assert gen.lockstep is None  # on where it applies
-    gen.generate(prompts[:1, :4], 3)
+    assert not gen.generate(prompts[:1, :4], 3).lockstep
     assert set(routes) == {"auto"}, routes
 
 
