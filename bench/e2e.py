@@ -95,6 +95,7 @@ class Row:
     identical_to_standard: bool | None
     cache_bytes_per_seq: int = 0  # the decode cache's bytes per sequence
     max_sequences: int = 0  # the sequences whose decode caches fit --budget-gib (weights and temporaries excluded)
+    lockstep: bool = False  # whether the decode ran in Generator's lockstep (GenerationOutput.lockstep)
     speedup: float | None = None
     profile: dict | None = None  # ms per decode step by category (step_profile.CATEGORIES), and top kernels
     roofline: dict | None = None  # the step's bound on this device (bench/step_roofline.py; None on a mesh)
@@ -263,7 +264,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
             rows.append(Row(name, batch, mode, best.tokens_per_s, step_s * 1e3, out.compile_s, best.prefill_s,
                             best.cache_bytes / 2**30, _peak_gib(), ssm_share, same,
                             cache_bytes_per_seq=best.cache_bytes_per_sequence,
-                            max_sequences=int(budget_bytes // best.cache_bytes_per_sequence),
+                            max_sequences=int(budget_bytes // best.cache_bytes_per_sequence), lockstep=best.lockstep,
                             profile=breakdown, tp=tp, dp=dp,
                             roofline=roofline, over_roofline=roofline and step_s * 1e3 / roofline["ms"]))
             log(f"{name} batch={batch} {mode}: {best.tokens_per_s:.0f} tok/s, step {step_s * 1e3:.2f} ms, "

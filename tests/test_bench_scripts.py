@@ -70,6 +70,7 @@ def test_e2e_smoke(tmp_path, capsys):
     rows = result["rows"]
     assert [r["mode"] for r in rows] == ["standard", "2", "3d"]
     assert all(r["tokens_per_s"] > 0 and r["identical_to_standard"] for r in rows)
+    assert not any(r["lockstep"] for r in rows)  # the smoke's xla backend: Generator's default keeps it off
     assert "nemotron_h_tiny" in capsys.readouterr().out
     per_seq = {}
     for dtype in ("float32", "bfloat16"):
