@@ -422,12 +422,14 @@ def replay_bytes(bench, L, lockstep: bool = False) -> float:
     return bench.state_bytes() * (1 + (1 if lockstep else 2) / L) + read + written + bench.io_bytes()
 
 
-def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="output"):
+def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="output", direct_config=None):
     """Time one variant: the standard step (L None) or the replay step with
     buffer length L from `cursors` ("staggered": row r at r mod L; "in-step"
     or "empty": all at 0; "lockstep": all at 0, and the cycle's last step on
-    the direct route at its default tiling, which flushes every row) on
-    `route`, with the kernels' `config` (None: the heuristic). Returns
+    the direct route at its default tiling, which flushes every row, the
+    L - 1 others on the append route where `route` is "output") on
+    `route`, with the kernels' `config` (None: the heuristic; the lockstep
+    cycle's direct step: `direct_config`, None its heuristic). Returns
     seconds per step, spread, compile seconds, the number of state sets,
     bytes per step and GB/s from the traffic model, and the kernel times per
     step (None unless `options.profile`)."""
@@ -443,8 +445,10 @@ def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="o
         step = lambda c, inp: bench.replay_step(c, inp, route, options.backend, config)  # noqa: E731
         steps = L
         bytes_step = standard_bytes(bench) if route == "direct" else replay_bytes(bench, L, cursors == "lockstep")
-        if cursors == "lockstep":
-            step = [step] * (L - 1) + [lambda c, inp: bench.replay_step(c, inp, "direct", options.backend)]
+        if cursors == "lockstep":  # as Generator's lockstep: the output route's buffered steps without a flush
+            buffered = "append" if route == "output" else route
+            step = [lambda c, inp: bench.replay_step(c, inp, buffered, options.backend, config)] * (L - 1)
+            step.append(lambda c, inp: bench.replay_step(c, inp, "direct", options.backend, direct_config))
     t, spread, compile_s, profile = time_cycle(step, carries, bench.random_inputs((bench.b,)), steps, options)
     return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_step, gbps=bytes_step / t / 1e9,
                 kernels_us=profile)
@@ -594,17 +598,24 @@ def sweep(bench, base, rows, lengths, options: TimingOptions, overrides=None, ro
           cursors=("staggered",)):
     """Time the standard and replay kernels over the tilings of sweep_configs, the replay step on each of
     `routes` ("output", "state") from each of `cursors` ("staggered", "in-step": the rows of a decode loop
-    that started together, which all flush in the same step); variants "replay-L16", "replay-L16-state",
-    "replay-L16-in-step", ...; append a row each to `rows`."""
+    that started together, which all flush in the same step; "lockstep": `run_variant`'s cycle, the swept
+    tiling on its L - 1 replay steps, and then, at the default tiling, each of the direct step's tilings
+    `overrides["direct"]`, if any); variants "replay-L16", "replay-L16-state", "replay-L16-in-step", ...;
+    append a row each to `rows`."""
     replays = [(f"replay-L{L}" + "".join(f"-{x}" for x in (route, start) if x not in ("output", "staggered")),
                 L, route, start) for L in lengths for route in routes for start in cursors]
     for kind, L, route, start in [("standard", None, None, None)] + replays:
         default, configs = sweep_configs(bench, L, overrides)
-        for cfg in configs:
-            r = run_variant(bench, L, start, options, cfg, route=route or "output")
-            is_default = cfg == default
-            rows.append(dict(base, variant=kind, L=L, config=dataclasses.asdict(cfg), default=is_default, **r))
-            print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} {cfg.tag():24s}"
+        runs = [(cfg, None) for cfg in configs]
+        if start == "lockstep":
+            runs += [(default, direct) for direct in (overrides or {}).get("direct", [])]
+        for cfg, direct in runs:
+            r = run_variant(bench, L, start, options, cfg, route=route or "output", direct_config=direct)
+            is_default = cfg == default and direct is None
+            rows.append(dict(base, variant=kind, L=L, config=dataclasses.asdict(cfg), default=is_default,
+                             direct_config=direct and dataclasses.asdict(direct), **r))
+            tag = cfg.tag() + ("" if direct is None else f" direct {direct.tag()}")
+            print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} {tag:24s}"
                   f" {r['seconds'] * 1e6:9.2f} us {r['gbps']:7.0f} GB/s{'  (default)' if is_default else ''}",
                   flush=True)
             print_kernel_times(r["kernels_us"])
@@ -630,10 +641,14 @@ def main(argv=None):
     p.add_argument("--sweep-routes", type=subset_of("output", "state"), default=("output",),
                    help="with --sweep: the replay step's routes to time, of output,state (the state route forms "
                         "the state tile with the rank-L dot, on the tensor cores)")
-    p.add_argument("--sweep-cursors", type=subset_of("staggered", "in-step"), default=("staggered",),
-                   help="with --sweep: the replay rows' cursors at the start, of staggered,in-step (in step: every "
-                        "row flushes in the same step, as in a decode loop whose rows started together)")
+    p.add_argument("--sweep-cursors", type=subset_of("staggered", "in-step", "lockstep"), default=("staggered",),
+                   help="with --sweep: the replay rows' cursors at the start, of staggered,in-step,lockstep (in "
+                        "step: every row flushes in the same step, as in a decode loop whose rows started together; "
+                        "lockstep: in step, the cycle's last step on the direct route at its default tiling)")
     p.add_argument("--profile", action="store_true", help="trace a run of each variant: GPU time per kernel and step")
+    p.add_argument("--direct-configs", default="",
+                   help="with --sweep and --sweep-cursors lockstep: the lockstep cycle's direct step at these tilings "
+                        "(as --standard-configs; folding with the rank-L dot, StepConfig.dot_fold)")
     p.add_argument("--verify", type=int, default=0, metavar="W",
                    help="also time speculative verify windows of W positions (all accepted) at each L >= W: "
                         "ReplaySSM's verify kernel + commit against the per-draft standard path; times per window")
@@ -648,11 +663,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     overrides = {}  # --standard-configs / --replay-configs
     for kind, specs in (("standard", args.standard_configs), ("replay", args.replay_configs),
-                        ("verify", args.verify_configs)):
+                        ("verify", args.verify_configs), ("direct", args.direct_configs)):
         if specs:
             try:
-                overrides[kind] = [parse_config(x, "standard" if kind == "standard" else "replay")
+                overrides[kind] = [parse_config(x, "replay" if kind in ("replay", "verify") else "standard")
                                    for x in specs.split(",")]
+                if kind == "direct":
+                    overrides[kind] = [dataclasses.replace(c, dot_fold=True) for c in overrides[kind]]
             except (ValueError, TypeError) as e:
                 p.error(f"--{kind}-configs: {e}")
     if args.out is None:

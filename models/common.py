@@ -257,7 +257,8 @@ class HybridCausalLM(nnx.Module):
           cache: from `prefill` or a previous `decode`.
           route: the ReplaySSM step's route, "output", "state", "direct" (replayssm_jax.ops) or
             "auto": resolved per layer by shape (replayssm_jax.ops.resolve_route: the direct
-            route at latency-bound batches, else the output route; the reference takes "output").
+            route at latency-bound batches, else the output route; the reference takes "output");
+            or "append" (the output route without the flush, replayssm_jax.ops.STEP_ROUTES).
           backend: SSM op backend.
           return_hidden: also return the hidden state after the final norm (static).
           slots: None, or int[batch]: `cache` is a state pool

@@ -601,8 +601,10 @@ class Generator:
       lockstep: with state "replay", flush every row's buffer in the same
         decode step. The rows of a Generator step together from the
         prefill (every cursor 0), so every L-th step all of them are full:
-        lockstep decodes each cycle of L steps as L - 1 steps on `route`
-        without a flush, then one step on the direct route (the standard
+        lockstep decodes each cycle of L steps as L - 1 steps without a
+        flush (the append route, `replayssm_jax.ops`: the output route's
+        kernel alone; on `route` "state", that route, whose flush launch
+        finds no row), then one step on the direct route (the standard
         step's kernel, folding the row's L - 1 buffered records into its
         checkpoint tile first: one read and one write of each checkpoint a
         cycle, as the flush, and that step's readout with it), where the
@@ -806,15 +808,17 @@ class Generator:
                                       self._pad_id, sampling)
                 return carry.replace(cache=cache, token=token, pos=pos, done=done), token
 
-            def run(carry, n: int):  # n steps on the Generator's route; tokens i32[n, rows]
-                return jax.lax.scan(lambda c, _: step(c, self.route), carry, None, length=n)
+            def run(carry, n: int, route: str):  # n steps on `route`; tokens i32[n, rows]
+                return jax.lax.scan(lambda c, _: step(c, route), carry, None, length=n)
 
             L = self.lockstep_cycle(carry.cache)
             if L is None:
-                return run(carry, steps)
+                return run(carry, steps, self.route)
+            # No row fills its buffer before the cycle's last step: the output route needs no flush there.
+            buffered = "state" if self.route == "state" else "append"
 
             def cycle(carry, _):  # from cursors 0: L - 1 steps without a flush, then every row's flush
-                carry, tokens = run(carry, L - 1)
+                carry, tokens = run(carry, L - 1, buffered)
                 carry, last = step(carry, "direct")
                 return carry, jnp.concatenate([tokens, last[None]])
 
@@ -823,7 +827,7 @@ class Generator:
             carry, tokens = jax.lax.scan(cycle, carry, None, length=steps // L)
             tokens = tokens.reshape(-1, tokens.shape[-1])
             if steps % L:
-                carry, tail = run(carry, steps % L)
+                carry, tail = run(carry, steps % L, buffered)
                 tokens = jnp.concatenate([tokens, tail])
             return carry, tokens
 

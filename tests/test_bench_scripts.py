@@ -5,6 +5,7 @@ loaded with bench/ first on sys.path, as `python3 bench/x.py` runs it."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -167,12 +168,13 @@ def test_kernels_timing_options(monkeypatch):
     assert seen == [(3, 1, options), (4, 1, options)]
     assert std["bytes"] == kb.standard_bytes(bench) and replay["bytes"] == kb.replay_bytes(bench, 4)
     assert std["seconds"] > 0 and replay["seconds"] > 0 and std["kernels_us"] is None  # no profile asked
-    # lockstep: from cursors 0, L - 1 replay steps on the route, then the direct step that flushes every row.
+    # lockstep: from cursors 0, L - 1 replay steps on the append route (the output route without a flush), then
+    # the direct step that flushes every row.
     routes, starts, step, init = [], [], bench.replay_step, bench.replay_init
     monkeypatch.setattr(bench, "replay_step", lambda *args: routes.append(args[2]) or step(*args))
     monkeypatch.setattr(bench, "replay_init", lambda *args: starts.append(tuple(int(c) for c in args[3])) or init(*args))
     lockstep = kb.run_variant(bench, 4, "lockstep", options)
-    assert routes == ["output"] * 3 + ["direct"] and starts == [(0, 0)]
+    assert routes == ["append"] * 3 + ["direct"] and starts == [(0, 0)]
     assert lockstep["bytes"] == kb.replay_bytes(bench, 4, lockstep=True) < replay["bytes"]
     with pytest.raises(ValueError, match="`step` must be one function or 4"):
         cycle([step] * 3, (), None, 4, options)
@@ -202,6 +204,16 @@ def test_kernels_sweep_times_each_route_and_cursors(monkeypatch):
     for flag in ("--sweep-routes", "--sweep-cursors"):
         with pytest.raises(SystemExit):
             kb.main([flag, "output,direct", "--dry-run"])
+    # lockstep cursors: each replay tiling on the cycle's append steps, then the direct step's tilings
+    # (`--direct-configs`) at the default replay tiling
+    calls, rows = [], []
+    monkeypatch.setattr(bench, "replay_step", lambda *args: calls.append(args[2:]) or replay(*args))
+    direct = StepConfig(16, 1, dot_fold=True)
+    kb.sweep(bench, dict(layer="gdn"), rows, (4,), kb.TimingOptions.dry_run(standard_steps=2),
+             dict(overrides, direct=[direct]), ("output",), ("lockstep",))
+    lockstep = [r for r in rows if r["variant"] == "replay-L4-lockstep"]
+    assert [r["direct_config"] for r in lockstep] == [None] * (len(lockstep) - 1) + [dataclasses.asdict(direct)]
+    assert {c[0] for c in calls} == {"append", "direct"} and ("direct", "interpret", direct) in calls
 
 
 def test_kernels_verify_rows_time_the_per_draft_launch(monkeypatch, capsys):

@@ -107,10 +107,11 @@ def _traced_routes(monkeypatch, m) -> list:
 
 @pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_5_tiny"])
 def test_lockstep_decodes_the_reference_tokens(name, monkeypatch):
-    """lockstep: each cycle of L steps runs L - 1 steps on the route and then every row's flush as one direct
-    step; L = 3 and blocks of 6 (39 steps: 6 blocks, then one of 4: a cycle and a tail of one step). The greedy
-    tokens are transformers'. With the default (None) on the kernels, the tiny batch's layers take the direct
-    route (latency-bound grids), so every step is direct and no cycle is compiled."""
+    """lockstep: each cycle of L steps runs L - 1 steps on the append route (the output route without a flush)
+    and then every row's flush as one direct step; L = 3 and blocks of 6 (39 steps: 6 blocks, then one of 4: a
+    cycle and a tail of one step). The greedy tokens are transformers'. With the default (None) on the kernels,
+    the tiny batch's layers take the direct route (latency-bound grids), so every step is direct and no cycle is
+    compiled."""
     ref = reference(name)
     prompts, expected = ref["prompt_ids"], ref["generated_ids"]
     m = model(name)
@@ -118,7 +119,7 @@ def test_lockstep_decodes_the_reference_tokens(name, monkeypatch):
     gen = Generator(m, state="replay", buffer_len=3, route="output", lockstep=True, block_size=6)
     out = gen.generate(prompts, expected.shape[1] - prompts.shape[1])
     np.testing.assert_array_equal(np.array(out.sequences), expected)
-    assert set(routes) == {"output", "direct"}, routes
+    assert set(routes) == {"append", "direct"}, routes
     assert out.lockstep
     routes.clear()
     gen = Generator(m, state="replay", buffer_len=3, backend="interpret", block_size=6)

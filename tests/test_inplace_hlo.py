@@ -201,25 +201,30 @@ def test_speculative_loop_carry_in_place(name, state, backend):
     assert not found, "per-round copies of the speculative loop's states:\n" + "\n".join(found)
 
 
-def _custom_calls(rs, layer, config):
+def _custom_calls(rs, layer, config, route="output"):
     """The replay step's Triton custom calls, lowered for CUDA (see kernel_checks.lower_for_cuda)."""
-    text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "output", config), rs, layer.draw())
+    text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, route, config), rs, layer.draw())
     return [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
 
 
 @pytest.mark.parametrize("name", ["gdn", "mamba2"])
-@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
-def test_kernel_aliases_checkpoint_and_buffers(name, fused, rng):
+@pytest.mark.parametrize("mode", ["flush-launch", "fused-flush", "append"])
+def test_kernel_aliases_checkpoint_and_buffers(name, mode, rng):
+    """The replay step's launches alias checkpoint, buffers and cursor: one launch with the flush fused; one
+    on the append route (no flush), whose cursor XLA moves; else the replay kernel and the flush launch."""
     layer = _layers(rng)[name]
     rs = layer.replay_state(L, jnp.float32, jnp.float32, np.array([0, L - 1]))
-    calls = _custom_calls(rs, layer, replay_config(layer, L, jnp.float32, fused_flush=fused))
-    assert len(calls) == (1 if fused else 2), calls
+    fused = mode == "fused-flush"
+    calls = _custom_calls(rs, layer, replay_config(layer, L, jnp.float32, fused_flush=fused),
+                          "append" if mode == "append" else "output")
+    one_launch = mode != "flush-launch"
+    assert len(calls) == (1 if one_launch else 2), calls
     aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
     # replay: outputs 1..4 (checkpoint, the three buffers) alias operands 0..3; output 5, the new cursor, aliases
     # operand 4 in one launch, and is a fresh array (the cursors at entry) when a flush launch follows
     expected = [(1, 0), (2, 1), (3, 2), (4, 3)] + ([(5, 4)] if fused else [])
     assert sorted((int(o), int(i)) for o, i in aliases) == expected, calls[0][:2000]
-    if not fused:
+    if not one_launch:
         # the flush launch: the checkpoint (output 0) aliases operand 0, the cursor moved in place (output 1)
         # its last operand
         flush = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[1])

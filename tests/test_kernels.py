@@ -42,6 +42,7 @@ from kernel_checks import (
     lower_for_cuda,
     mixed_cursors,
     replay_config,
+    tolerance_dtype,
 )
 from replayssm_jax import kernels, ops
 
@@ -258,6 +259,46 @@ def test_direct_route_dot_fold(case, rng):
                  poison=True)
 
 
+@pytest.mark.parametrize(("backend", "case"), [on(backend, (layer, shapes[0]), id=case_id((layer, shapes[0])))
+                                             for backend, table in (("interpret", CPU_SHAPES), ("pallas", GPU_SHAPES))
+                                             for layer, shapes in table.items()])
+def test_append_route(backend, case, rng):
+    """route="append" (Generator's lockstep buffered steps): the output route without the flush. From
+    cursors 0 .. L - 2: append, append, output steps on the kernels against the reference's
+    output route step by step: outputs and materialized states within tolerance; the append steps write no
+    checkpoint (bit for bit), and their rows that fill the buffer keep cursor L until the output step
+    flushes them. A row that entered full cannot take an append step: ops raise ValueError on a concrete
+    cursor; under a trace its outputs are NaN and its state is kept bit for bit, on both backends."""
+    layer, shape = case
+    layer = layer(shape, rng, jnp.bfloat16)
+    L, batch = 4, layer.s.batch
+    tol = tolerance_dtype(jnp.bfloat16, jnp.float32)
+    rs = rs_ref = layer.replay_state(L, jnp.float32, jnp.float32, np.arange(batch, dtype=np.int32) % (L - 1))
+    for t, route in enumerate(("append", "append", "output")):
+        inp, cursor = layer.draw(), np.asarray(rs.cursor)
+        y, new = layer.replay_step(rs, inp, route, backend)
+        y_ref, rs_ref = layer.replay_step(rs_ref, inp, "output", "xla")
+        assert_close(y, y_ref, tol, what=f"output, step {t} ({route})")
+        assert_close(layer.materialize(new), layer.materialize(rs_ref), tol, what=f"state, step {t} ({route})")
+        after = np.minimum(cursor + 1, L) if route == "append" else np.where(cursor >= L - 1, 0, cursor + 1)
+        np.testing.assert_array_equal(np.asarray(new.cursor), after, err_msg=f"cursor, step {t}")
+        if route == "append":
+            np.testing.assert_array_equal(np.asarray(new.checkpoint), np.asarray(rs.checkpoint))
+        rs = new
+    assert (np.asarray(rs.cursor) != np.asarray(rs_ref.cursor)).any()  # the flushes came at other steps
+
+    full = layer.replay_state(L, jnp.float32, jnp.float32, np.where(np.arange(batch) == 0, L, 1).astype(np.int32))
+    inp = layer.draw()
+    with pytest.raises(ValueError, match=r"route 'append'.*rows \[0\] are full"):
+        layer.replay_step(full, inp, "append", backend)
+    for on_backend in (backend, "xla"):
+        y, new = jax.jit(lambda s, i, b=on_backend: layer.replay_step(s, i, "append", b))(full, inp)
+        assert np.isnan(np.asarray(y[0], np.float32)).all() and np.isfinite(np.asarray(y[1:], np.float32)).all()
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(full)):
+            np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]), err_msg=f"{on_backend}: row 0 changed")
+        np.testing.assert_array_equal(np.asarray(new.cursor)[1:], 2)
+
+
 @pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
 def test_auto_route_is_the_picked_route(case, rng):
     """route="auto" on these latency-bound grids: the kernels' direct route
@@ -309,7 +350,8 @@ def test_auto_route_at_model_shapes(layer, batch, picked):
     assert route_of("auto", config=kernels.ReplayConfig(block_v=16)) == "output"
     for route in ("output", "state", "direct"):
         assert route_of(route) == route
-    with pytest.raises(ValueError, match="`route` must be one of 'output', 'state', 'direct', 'auto'; got 'fast'"):
+    with pytest.raises(ValueError,
+                       match="`route` must be one of 'output', 'state', 'direct', 'auto', 'append'; got 'fast'"):
         route_of("fast")
 
 
@@ -531,8 +573,8 @@ def test_kernel_limits_before_any_launch(rng):
     layer = GDN(GDNShape(batch=1, H=1, HV=1024, K=4, V=64), rng)
     rs, inp = layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(1)), layer.draw()
     kw = dict(scale=0.5, use_qk_l2norm=True)
-    with pytest.raises(ValueError, match=re.escape("`route` must be one of 'output', 'state', 'direct' (the kernels "
-                                                   "take a resolved route); got 'auto'")):
+    with pytest.raises(ValueError, match=re.escape("`route` must be one of 'output', 'state', 'direct', 'append' "
+                                                   "(the kernels take a resolved route); got 'auto'")):
         kernels.gdn_replay_step(rs, **inp, **kw, route="auto")
     # 1024 heads x 64 one-row tiles: 65536 programs per row
     for route, config in (("direct", kernels.StepConfig(block_v=1, num_warps=1)),

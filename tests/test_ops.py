@@ -39,7 +39,8 @@ def test_auto_route_at_model_shapes(layer, batch, picked):
     for route in ("output", "state", "direct"):
         assert ops.resolve_route(route, "interpret", rs) == route
         assert ops.resolve_route(route, "xla", rs) == route
-    with pytest.raises(ValueError, match="`route` must be one of 'output', 'state', 'direct', 'auto'; got 'fast'"):
+    with pytest.raises(ValueError,
+                       match="`route` must be one of 'output', 'state', 'direct', 'auto', 'append'; got 'fast'"):
         ops.resolve_route("fast", "interpret", rs)
 
 

@@ -18,7 +18,7 @@ touch the same state element.
   step's direct route runs the same kernel with the row's buffered records
   and cursor: its live records are folded into its checkpoint tile first,
   and the cursor is set to 0 in place.
-- :func:`gdn_replay_step` on the output and state routes: the replay
+- :func:`gdn_replay_step` on the output, state and append routes: the replay
   kernel, grid (batch, HV, splits): a program forms the per-head terms
   once (decay weights of the live slots, the buffered keys' scores against
   k and q), then loops over its row tiles; one read of each checkpoint
@@ -29,7 +29,8 @@ touch the same state element.
   this step) and writes it in place, fused into the replay kernel or as a
   second launch (:func:`replayssm_jax.kernels.launch.replay_launch`).
   `route="state"` makes the replay kernel form S_{j-1} in every step and
-  read o from S_j instead.
+  read o from S_j instead; `route="append"` runs the output route's kernel
+  alone (no flush; the cursor moved by an XLA op after it).
 - :func:`gdn_replay_verify`: a verify window of W steps. The rows whose
   window does not fit behind the cursor flush their buffered records first
   (the flush launch); then the verify kernel, grid (batch, HV, splits),
@@ -153,7 +154,7 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
 
 def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, o_ref, checkpoint_out,
                    records_out: Records, cursor_out, *, V, K, L, group, scale, use_qk_l2norm, route, config, programs):
-    """The replay kernel (output and state routes) on a program's row tiles of one head and batch row."""
+    """The replay kernel (output, state and append routes) on a program's row tiles of one head and batch row."""
     BL, BK, BV = records.g.shape[0], inputs.q.shape[-1], config.block_v
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
     count = read_cursor(cursor_ref)  # live records; the new one goes to slot `count`
@@ -177,7 +178,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
         S_c = load_checkpoint(checkpoint_ref, rows, tmask, vmask)  # the one read of the checkpoint
         U = load_live(records.d.at[:, rows], live, L, vmask)
         v = load(inputs.v.at[rows], vmask)
-        if route == "output":
+        if route != "state":
             # exp(g) S_{j-1} k and exp(g) S_{j-1} q without forming S_{j-1}.
             Sk = decay * (carried * matvec(S_c, k) + jnp.sum(a_k[:, None] * U, axis=0))
             d = beta * (v - Sk)
@@ -186,6 +187,8 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
             S = decay * rank_update(carried * S_c, w[:, None] * U, Kb, checkpoint_ref.dtype)
             d = beta * (v - matvec(S, k))
             o = matvec(S + d[:, None] * k[None, :], q)
+        if route == "append":  # a row that entered full cannot take the step: NaN, its state unchanged
+            o = jnp.where(append, o, jnp.nan)
         store(o_ref.at[rows], o, vmask)
         store(records_out.d.at[count, rows], d, mask_and(vmask, append, (BV,)))  # the d rows are this program's
 
@@ -194,7 +197,8 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     # The shared records: the step's g, and its k normalized, not scaled.
     run_replay_program(tile, flush_row, V=V, L=L, config=config, split=split, count=count, append=append,
                        group=group, decay_record=lambda: load_scalar(inputs.g), decay_out=records_out.g, key=k,
-                       key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs)
+                       key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs,
+                       flush=route != "append")
 
 
 def _record_loaders(records: Records, rows, vmask, kmask, L):
@@ -363,7 +367,7 @@ def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *,
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "route", "config", "interpret"))
 def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, scale: float,
             use_qk_l2norm: bool, route: str, config: ReplayConfig, interpret: bool):
-    """The replay step's launches (output and state routes); over a state pool with `slots`
+    """The replay step's launches (output, state and append routes); over a state pool with `slots`
     (`launch.Pool`). Returns (o, checkpoint, records, cursor)."""
     _, HV, V, K = checkpoint.shape
     H, L = inputs.q.shape[1], records.d.shape[2]
@@ -462,9 +466,12 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         cursor i32[batch] in 0..L).
       q, k, v, g, beta, scale, use_qk_l2norm: as :func:`gdn_step`.
       route: "output" (o from one read of the checkpoint plus the buffer),
-        "state" (the state formed for the readout; same numbers) or
-        "direct" (the standard step's kernel on the checkpoint with the
-        row's live records folded in: cursor 0, no record appended).
+        "state" (the state formed for the readout; same numbers), "direct"
+        (the standard step's kernel on the checkpoint with the row's live
+        records folded in: cursor 0, no record appended) or "append" (the
+        output route without a flush, one launch: a row's record goes to
+        its free slot, and a row that fills its buffer keeps it full, cursor
+        L; a row that entered full gets NaN outputs and keeps its state).
       config: a StepConfig for the direct route, a ReplayConfig for the
         others; None: the default (:func:`default_step_config`,
         :func:`default_replay_config`).
@@ -479,12 +486,12 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
       (o [batch, HV, V] in v.dtype, new GDNReplayState).
 
     Raises:
-      ValueError: a route other than the three; V or K above MAX_HEAD_DIM
+      ValueError: a route other than the four; V or K above MAX_HEAD_DIM
         (256), L above MAX_BUFFER_LEN (64); a `config.block_v` or
         `flush_block_v` above V rounded up to a power of two, a
         `config.flush_rows` that does not divide the batch; a one-launch
-        step (fused flush, direct route) of more than 32767 programs per
-        batch row.
+        step (fused flush, direct or append route) of more than 32767
+        programs per batch row.
       TypeError: a `config` of the other class than the route takes.
     """
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)

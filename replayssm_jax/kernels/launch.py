@@ -292,7 +292,12 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
                   cursor, inputs, out_shape, *, per_head: tuple[str, ...], route: str, config: ReplayConfig,
                   interpret: bool, pool: Pool | None = None):
     """The replay step's launches: the replay kernel, then (config.fused_flush
-    False) the flush launch. Checkpoint and records are updated in place.
+    False, a route other than "append") the flush launch. Checkpoint and
+    records are updated in place. On the append route the replay kernel
+    flushes no row and the cursor moves by an XLA op after it, min(cursor +
+    1, L), as a verify window's does (in place in the kernel, with the
+    arrival count of `cursor.advance_cursor`, it cost more than the flush
+    launch it saves: bench/RESULTS.md, 2026-12-02).
 
     replay_kernel(checkpoint_ref, records, cursor_ref, inputs, out_ref,
     checkpoint_out, records_out, cursor_out, *, config, programs): grid
@@ -321,7 +326,8 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     n_in, n_out = _num_leaves(checkpoint), _num_leaves(_written(checkpoint))
     aliases = {i: 1 + i for i in range(n_out)}  # checkpoint and records in place
     aliases.update({n_in + i: 1 + n_out + i for i in range(n_records)})
-    if config.fused_flush:
+    one_launch = config.fused_flush and route != "append"
+    if one_launch:
         aliases[n_in + n_records] = 1 + n_out + n_records  # one launch: the cursor in place
     operand = checkpoint
     out, checkpoint, records, moved = _launch(
@@ -339,8 +345,12 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
         config=config,
         name=f"{layer}_replay_{route}_L{records[0].shape[2]}{'' if pool is None else '_pool'}_{config.tag()}",
     )
-    if config.fused_flush:
+    if one_launch:
         return out, checkpoint, records, moved
+    if route == "append":  # no flush; `moved` is not written
+        L = records[0].shape[2]
+        step = lambda rows: jnp.minimum(rows + 1, L)  # noqa: E731
+        return out, checkpoint, records, step(cursor) if pool is None else on_pool_rows(cursor, pool, step)
     # `moved` holds the cursors at entry; the flush reads the seeds of the replay kernel's operand
     checkpoint, cursor = _flush_launch(layer, flush_row, block_specs, _reseeded(checkpoint, operand), records, moved,
                                        inputs, per_head=per_head, config=config, interpret=interpret, pool=pool,
@@ -354,13 +364,16 @@ def _reseeded(written, operand):
 
 
 def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig, split, count, append, group: int,
-                       decay_record, decay_out, key, key_out, key_mask, cursor_out, programs: int) -> None:
+                       decay_record, decay_out, key, key_out, key_mask, cursor_out, programs: int,
+                       flush: bool = True) -> None:
     """The replay kernel's program after its per-head work (see `replay_launch`).
 
     Runs tile(rows, row_mask) over the program's row tiles (the readout,
     which also stores the program's rows of the new update record); with
     config.fused_flush, then flush_row(config=its sub-tiling) where the
-    row's buffer is full after this step (count >= L - 1). Then the row's
+    row's buffer is full after this step (count >= L - 1). flush=False
+    (the append route): no flush, fused or launched, and no cursor written
+    (the launch moves it). Then the row's
     shared records at slot `count` where `append` (the row has a free slot):
     the log decay decay_record() (f32 scalar, formed here) into decay_out
     f32[BL] by the head's first program, the key f32[BK] (valid lanes
@@ -373,7 +386,7 @@ def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig,
     split: `pl.program_id(2)`, read at the kernel's top level.
     """
     for_each_row_tile(V, config, split, tile)
-    if config.fused_flush:
+    if config.fused_flush and flush:
 
         @pl.when(count >= L - 1)
         def _():
@@ -384,6 +397,8 @@ def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig,
     store(decay_out, jnp.broadcast_to(decay_record(), (BL,)), (lane_ids(BL) == count) & append & first)
     leader = first & (program_id(1) % group == 0)
     store(key_out.at[count], key, mask_and(key_mask, append & leader, key.shape))
+    if not flush:  # the append route: the launch moves the cursor
+        return
     if config.fused_flush:  # one launch: the cursor moves in place
         advance_cursor(cursor_out, count, next_cursor(count, L), programs)
     else:  # the flush launch reads this copy and moves the cursor

@@ -16,7 +16,7 @@ P, all N columns).
   direct route runs the same kernel with the row's buffered records and
   cursor: its live records are folded into its checkpoint tile first, and
   the cursor is set to 0 in place.
-- :func:`mamba2_replay_step` on the output and state routes: the replay
+- :func:`mamba2_replay_step` on the output, state and append routes: the replay
   kernel, grid (batch, H, splits): a program forms the per-head terms once
   (decay weights of the live slots, the buffered B's scores against C) and
   loops over its row tiles, reading each checkpoint tile once:
@@ -26,7 +26,8 @@ P, all N columns).
   row whose buffer is now full and writes them in place, fused into the
   replay kernel or as a second launch
   (:func:`replayssm_jax.kernels.launch.replay_launch`). `route="state"`
-  makes the replay kernel form S in every step.
+  makes the replay kernel form S in every step; `route="append"` runs the
+  output route's kernel alone (no flush; the cursor moved by an XLA op after it).
 
 - :func:`mamba2_replay_verify`: a verify window of W steps. The rows whose
   window does not fit behind the cursor flush their buffered records first
@@ -185,7 +186,7 @@ def _buffer_weights(dt_ref, live, L, count, A):
 def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, checkpoint_out,
                    records_out: Records, cursor_out, *, P, N, L, group, dt_softplus, dt_limit, route, config,
                    programs):
-    """The replay kernel (output and state routes) on a program's row tiles of one head and batch row."""
+    """The replay kernel (output, state and append routes) on a program's row tiles of one head and batch row."""
     BL, BN, BP = records.dt.shape[0], inputs.B.shape[0], config.block_v
     nmask, dt, A, Bv = _record_inputs(inputs, records.B.dtype, N, dt_softplus, dt_limit)
     Cv = load(inputs.C, nmask)
@@ -209,7 +210,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
         X = load_live(records.x.at[:, rows], live, L, pmask)
         x, x_rec = _load_x_record(inputs.x, records.x.dtype, rows, pmask)
         u = dt * x_rec
-        if route == "output":
+        if route != "state":
             y = decay * (carried * matvec(S_c, Cv) + jnp.sum(a_c[:, None] * X, axis=0)) + bc * u
         else:
             S = decay * rank_update(carried * S_c, w[:, None] * X, Bb, checkpoint_ref.dtype) + u[:, None] * Bv[None, :]
@@ -218,6 +219,8 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
         if inputs.z is not None:
             z = load(inputs.z.at[rows], pmask)
             y = y * (z * jax.nn.sigmoid(z))
+        if route == "append":  # a row that entered full cannot take the step: NaN, its state unchanged
+            y = jnp.where(append, y, jnp.nan)
         store(y_ref.at[rows], y, pmask)
         store(records_out.x.at[count, rows], x_rec, mask_and(pmask, append, (BP,)))  # the x rows are this program's
 
@@ -226,7 +229,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     # The shared records: the step's processed dt, and B as buffered.
     run_replay_program(tile, flush_row, V=P, L=L, config=config, split=split, count=count, append=append,
                        group=group, decay_record=lambda: dt, decay_out=records_out.dt, key=Bv, key_out=records_out.B,
-                       key_mask=nmask, cursor_out=cursor_out, programs=programs)
+                       key_mask=nmask, cursor_out=cursor_out, programs=programs, flush=route != "append")
 
 
 def _record_loaders(records: Records, rows, pmask, nmask, L, A):
@@ -406,7 +409,7 @@ def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *,
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "route", "config", "interpret"))
 def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, dt_softplus: bool,
             dt_limit: tuple[float, float], route: str, config: ReplayConfig, interpret: bool):
-    """The replay step's launches (output and state routes); over a state pool with `slots`
+    """The replay step's launches (output, state and append routes); over a state pool with `slots`
     (`launch.Pool`). Returns (y, checkpoint, records, cursor)."""
     _, H, P, N = checkpoint.shape
     G, L = inputs.B.shape[1], records.x.shape[2]

@@ -70,6 +70,7 @@ from replayssm_jax.ops.dispatch import (
     BACKENDS,
     KERNEL_OPS,
     ROUTES,
+    STEP_ROUTES,
     backend_for,
     check_buffer_len,
     check_route,
@@ -86,6 +87,7 @@ __all__ = [
     "KERNEL_OPS",
     "Mamba2ReplayState",
     "ROUTES",
+    "STEP_ROUTES",
     "backend_for",
     "check_buffer_len",
     "check_route",
@@ -238,6 +240,20 @@ def _checkpoint_format(layer: str, checkpoint_dtype, rounding):
                       "(bench/RESULTS.md, 8-bit checkpoints, 2026-12-01); a bfloat16 checkpoint is safer",
                       UserWarning, stacklevel=3)
     return dtype, rounding
+
+
+def _check_append(state, route: str, slots) -> None:
+    """On the append route, a ValueError for a concrete cursor with a full buffer in a batch row (that row
+    cannot take the step; under a trace the kernels give it NaN outputs and leave its state, as the
+    reference does). With `slots`, the rows are the batch's slots (-1: padding, not checked)."""
+    if route != "append" or any(isinstance(a, jax.core.Tracer) for a in (state.cursor, slots)):
+        return
+    cursor = state.cursor if slots is None else jnp.where(slots >= 0, state.cursor[jnp.maximum(slots, 0)], 0)
+    full = [int(r) for r in jnp.flatnonzero(cursor >= state.buffer_len)]
+    if full:
+        raise ValueError(f"route 'append' needs a free buffer slot in every row (cursor < buffer_len = "
+                         f"{state.buffer_len}); rows {full[:8]} are full: step them on the 'output' or 'direct' "
+                         "route, which flush")
 
 
 def _warn_direct_8bit(state, route: str) -> None:
@@ -512,7 +528,11 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
         written back at once: cursor 0, no record appended; the standard
         step's traffic, for latency-bound batches, the buffer kept for
         speculative decoding), or "auto" (:func:`resolve_route`). All give
-        the same numbers up to float32 rounding.
+        the same numbers up to float32 rounding. Also "append": the output
+        route without the flush (one launch on the kernel backends), for a
+        schedule that flushes the rows itself, as the `Generator`'s lockstep
+        cycles do: a row that fills its buffer keeps it full (cursor L)
+        until a step on another route flushes it.
       backend, config, slots: see the module docstring (a kernel op; with
         slots, `state` is a pool of capacity slots).
 
@@ -525,6 +545,9 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
         malformed state, a pending verify window, an unknown route, or B /
         C with another n_groups than the state's; on the kernel backends the
         kernels' limits (:func:`replayssm_jax.kernels.mamba2_replay_step`).
+      ValueError: route "append" with a concrete cursor at buffer_len in
+        some batch row (no free slot; under a trace that row's outputs are
+        NaN and its state is left unchanged).
       ValueError: `slots` not of shape [batch], a concrete slot outside
         [-1, capacity) or used twice, a pool of 8-bit checkpoints;
         TypeError: `slots` not integers.
@@ -534,6 +557,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     chosen = choose_backend("mamba2_replay_step", backend, config)
     route = resolve_route(route, chosen, _rows_shape(state, slots), config)
     _warn_direct_8bit(state, route)
+    _check_append(state, route, slots)
     if chosen == "xla":
         return _on_slots(lambda s: reference.mamba2_replay_step(s, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                                                 dt_limit, route), state, slots)
@@ -774,7 +798,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
       state: GDNReplayState with no pending verify window.
       q, k, v, g, beta, scale, use_qk_l2norm: as :func:`gdn_step`; q and k
         with the state's H.
-      route: "output", "state", "direct" or "auto", as
+      route: "output", "state", "direct", "auto" or "append", as
         :func:`mamba2_replay_step`.
       backend, config, slots: see the module docstring (a kernel op; with
         slots, `state` is a pool of capacity slots).
@@ -788,7 +812,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         malformed state (a checkpoint in transformers' layout is named as
         such), a pending verify window, an unknown route, or q / k with
         another H than the state's; on the kernel backends the kernels'
-        limits (:func:`replayssm_jax.kernels.gdn_replay_step`).
+        limits (:func:`replayssm_jax.kernels.gdn_replay_step`); route
+        "append" on a full row, as :func:`mamba2_replay_step`.
       ValueError: `slots` not of shape [batch], a concrete slot outside
         [-1, capacity) or used twice, a pool of 8-bit checkpoints;
         TypeError: `slots` not integers.
@@ -797,6 +822,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     chosen = choose_backend("gdn_replay_step", backend, config)
     route = resolve_route(route, chosen, _rows_shape(state, slots), config)
     _warn_direct_8bit(state, route)
+    _check_append(state, route, slots)
     if chosen == "xla":
         return _on_slots(lambda s: reference.gdn_replay_step(s, q, k, v, g, beta, scale, use_qk_l2norm, route),
                          state, slots)

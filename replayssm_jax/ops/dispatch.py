@@ -17,7 +17,11 @@ checkpoint plus the buffer, no state formed), "state" (the state formed for
 the readout), "direct" (the buffered records folded into the checkpoint,
 then a standard step written back at once) and "auto", resolved here by
 :func:`resolve_route`. All three routes give the same numbers up to float32
-rounding.
+rounding. One replay step also takes "append" (:data:`STEP_ROUTES`): the
+output route without the flush, for a schedule that flushes its rows
+itself (the `Generator`'s lockstep cycles); a decode loop of such steps
+alone would fill the buffers, so the loops (Generator, engine, CLI) take
+:data:`ROUTES` only.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from replayssm_jax import kernels
 
 BACKENDS = ("pallas", "interpret", "xla")
 ROUTES = ("output", "state", "direct", "auto")
+STEP_ROUTES = ROUTES + ("append",)
 
 # Ops with a Pallas kernel; the others run the reference on every backend
 # choice of None and raise for an explicit "pallas" / "interpret".
@@ -121,21 +126,21 @@ def backend_for(op: str, backend: str | None) -> str:
     return chosen if op in KERNEL_OPS else "xla"
 
 
-def check_route(route: str) -> str:
-    """`route` if it is one of :data:`ROUTES`.
+def check_route(route: str, routes: tuple[str, ...] = ROUTES) -> str:
+    """`route` if it is one of `routes` (a decode loop's :data:`ROUTES`, or one step's :data:`STEP_ROUTES`).
 
     Raises:
-      ValueError: an unknown route.
+      ValueError: another route.
     """
-    if route not in ROUTES:
-        raise ValueError(f"`route` must be one of {', '.join(map(repr, ROUTES))}; got {route!r}")
+    if route not in routes:
+        raise ValueError(f"`route` must be one of {', '.join(map(repr, routes))}; got {route!r}")
     return route
 
 
 def resolve_route(route: str, backend: str, state, config=None) -> str:
     """The route a replay step on `backend` takes for `route` on `state`.
 
-    "output", "state" and "direct" are taken as given. "auto" is, on the
+    "output", "state", "direct" and "append" are taken as given. "auto" is, on the
     kernel backends ("pallas", "interpret"), the direct route where the
     default replay step is one launch
     (:func:`replayssm_jax.kernels.replay_is_one_launch`: a latency-bound
@@ -151,19 +156,19 @@ def resolve_route(route: str, backend: str, state, config=None) -> str:
     round at every step), "auto" is the output route.
 
     Args:
-      route: one of :data:`ROUTES`.
+      route: one of :data:`STEP_ROUTES`.
       backend: a resolved backend, "pallas", "interpret" or "xla".
       state: the Mamba2ReplayState or GDNReplayState of the step (only its
         shapes and dtypes are read).
       config: the caller's kernel config, or None.
 
     Returns:
-      "output", "state" or "direct".
+      "output", "state", "direct" or "append".
 
     Raises:
       ValueError: an unknown route.
     """
-    if check_route(route) != "auto":
+    if check_route(route, STEP_ROUTES) != "auto":
         return route
     if backend == "xla" or state.scale is not None:  # an 8-bit checkpoint: rounded at the flush only
         return "output"

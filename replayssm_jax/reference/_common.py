@@ -105,7 +105,7 @@ def state_readout(checkpoint, u, k, lg, count, q) -> jax.Array:
 
 
 # The replay step's readout per route ("direct" takes a standard step instead).
-READOUTS = {"output": replay_readout, "state": state_readout}
+READOUTS = {"output": replay_readout, "state": state_readout, "append": replay_readout}
 
 
 def causal_decay(lg: jax.Array, strict: bool = False, ancestors=None) -> tuple[jax.Array, jax.Array]:
@@ -280,6 +280,16 @@ def direct_step(state, unify: Callable, step: Callable):
     """
     y, S = step(replay_materialize(state.checkpoint, *unify(state), state.cursor))
     return y, state.replace(checkpoint=S.astype(state.checkpoint.dtype), cursor=jnp.zeros_like(state.cursor))
+
+
+def refuse_full_rows(entered_full: jax.Array, before, y: jax.Array, after):
+    """The append route's result for rows that entered with a full buffer
+    (bool[batch] `entered_full`), which have no slot for the step: NaN
+    outputs and the state `before` the step; the other rows take `y` and
+    `after`. Returns (y, state)."""
+    y = jnp.where(entered_full.reshape((-1,) + (1,) * (y.ndim - 1)), jnp.nan, y)
+    keep = lambda a, b: jnp.where(entered_full.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+    return y, jax.tree.map(keep, before, after)
 
 
 def make_room(state, W: int, unify: Callable):

@@ -209,8 +209,10 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         unrounded. "direct" folds each row's live records into its
         checkpoint and takes a standard step on it, written back at once
         (cursor 0, no record appended); its output is the other routes' up
-        to f32 rounding. ("auto" is resolved by
-        :func:`replayssm_jax.ops.gdn_replay_step`.)
+        to f32 rounding. "append" is the output route without the flush: a
+        row that fills its buffer keeps it full (cursor L), and a row that
+        entered full gets NaN outputs and its state unchanged. ("auto" is
+        resolved by :func:`replayssm_jax.ops.gdn_replay_step`.)
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
@@ -225,6 +227,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         return c.direct_step(state, unify, lambda S: gdn_step(S, q, k, v, g, beta, scale, use_qk_l2norm))
     HV = state.checkpoint.shape[1]
     entered_full = state.cursor == state.buffer_len
+    before = state
     state = c.make_room(state, 1, unify)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
     qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
@@ -237,7 +240,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     # o = S_j q with S_j = exp(g) S_{j-1} + d k^T; this step enters through the
     # unrounded d and k (the buffer may round them to bf16 for later steps).
     o = decay * prev_q + jnp.sum(kh * qh, axis=-1, keepdims=True) * d
-    flush = (state.cursor + 1 == state.buffer_len) | entered_full
+    flush = ((state.cursor + 1 == state.buffer_len) | entered_full) & (route != "append")
     as_stored = lambda x, dtype: jnp.where(entered_full[:, None, None], x, x.astype(dtype).astype(f32))  # noqa: E731
     S = decay[..., None] * prev + as_stored(d, state.d.dtype)[..., None] * as_stored(kh, state.k.dtype)[:, :, None, :]
     state, (o, S, flush, d, k, g) = in_order(state, (o, S, flush, d, k, g))
@@ -248,7 +251,10 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         g=write_slots(state.g, g[:, :, None], state.cursor),
     )
     buffers, flush = in_order(buffers, flush)
-    return o.astype(v.dtype), buffers.replace(cursor=jnp.where(flush, 0, buffers.cursor + 1))
+    buffers = buffers.replace(cursor=jnp.where(flush, 0, buffers.cursor + 1))
+    if route == "append":
+        o, buffers = c.refuse_full_rows(entered_full, before, o, buffers)
+    return o.astype(v.dtype), buffers
 
 
 def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, tree=None):

@@ -201,7 +201,10 @@ def mamba2_replay_step(
         "direct" folds each row's live records into its checkpoint and takes
         a standard step on it, written back at once (cursor 0, no record
         appended). All three give the same numbers up to float32 rounding.
-        ("auto" is resolved by :func:`replayssm_jax.ops.mamba2_replay_step`.)
+        "append" is the output route without the flush: a row that fills its
+        buffer keeps it full (cursor L), and a row that entered full gets NaN
+        outputs and its state unchanged. ("auto" is resolved by
+        :func:`replayssm_jax.ops.mamba2_replay_step`.)
 
     Returns:
       (y [batch, nheads, head_dim] in x.dtype, new Mamba2ReplayState).
@@ -217,6 +220,7 @@ def mamba2_replay_step(
                              lambda S: mamba2_step(S, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit))
     H = state.checkpoint.shape[1]
     entered_full = state.cursor == state.buffer_len
+    before = state
     state = c.make_room(state, 1, lambda s: unify(s, A))
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     state, dt = in_order(state, dt)  # the early flush has read the buffers
@@ -230,9 +234,11 @@ def mamba2_replay_step(
     Ch = c.expand_heads(C.astype(f32), H, axis=1)
     y = c.READOUTS[route](state.checkpoint, *unify(state, A), state.cursor, Ch)
     y = _skip_and_gate(y, x, D, z, head_axis=1)
-    flush = (state.cursor == state.buffer_len) | entered_full
+    flush = ((state.cursor == state.buffer_len) | entered_full) & (route != "append")
     state, (y, flush) = in_order(state, (y, flush))
     state = c.flush_where(state, flush, lambda s: unify(s, A))
+    if route == "append":
+        y, state = c.refuse_full_rows(entered_full, before, y, state)
     return y.astype(x.dtype), state
 
 
