@@ -490,8 +490,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         (256), L above MAX_BUFFER_LEN (64); a `config.block_v` or
         `flush_block_v` above V rounded up to a power of two, a
         `config.flush_rows` that does not divide the batch; a one-launch
-        step (fused flush, direct or append route) of more than 32767
-        programs per batch row.
+        step (fused flush, direct route) of more than 32767 programs per
+        batch row.
       TypeError: a `config` of the other class than the route takes.
     """
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
