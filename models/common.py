@@ -258,7 +258,10 @@ class HybridCausalLM(nnx.Module):
           route: the ReplaySSM step's route, "output", "state", "direct" (replayssm_jax.ops) or
             "auto": resolved per layer by shape (replayssm_jax.ops.resolve_route: the direct
             route at latency-bound batches, else the output route; the reference takes "output");
-            or "append" (the output route without the flush, replayssm_jax.ops.STEP_ROUTES).
+            or "append" (the output route without the flush, replayssm_jax.ops.STEP_ROUTES; a row
+            whose buffer is full cannot take it: ValueError on a concrete cursor, and under a trace
+            NaN logits with that row's SSM states kept while its conv windows, attention caches and
+            position move on, which leaves the row unusable).
           backend: SSM op backend.
           return_hidden: also return the hidden state after the final norm (static).
           slots: None, or int[batch]: `cache` is a state pool

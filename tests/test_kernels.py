@@ -289,7 +289,7 @@ def test_append_route(backend, case, rng):
 
     full = layer.replay_state(L, jnp.float32, jnp.float32, np.where(np.arange(batch) == 0, L, 1).astype(np.int32))
     inp = layer.draw()
-    with pytest.raises(ValueError, match=r"route 'append'.*rows \[0\] are full"):
+    with pytest.raises(ValueError, match=r"route 'append'.*batch rows \[0\] are full"):
         layer.replay_step(full, inp, "append", backend)
     for on_backend in (backend, "xla"):
         y, new = jax.jit(lambda s, i, b=on_backend: layer.replay_step(s, i, "append", b))(full, inp)

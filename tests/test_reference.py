@@ -156,6 +156,26 @@ def test_replay_bf16_checkpoint_and_buffer(name, rng):
 
 
 @pytest.mark.parametrize("name", TWO_CASES)
+def test_a_full_row_rounds_its_bf16_checkpoint_once(name, rng):
+    """Rows filled by append steps (cursor L) then stepped: the flush absorbs the L records and this step in
+    f32 and rounds the bf16 checkpoint once, so the output and state routes give the direct route's output
+    to f32 rounding (a rounding between the early flush and the step moved it ~1e-3), and all three write
+    the same checkpoint to bf16 rounding."""
+    case = make_case(name, rng)
+    rs = case.replay_init(jnp.asarray(case.initial_state(), jnp.bfloat16), 4, buffer_dtype=jnp.float32)
+    for _ in range(4):
+        _, rs = case.replay_step(rs, case.draw(), route="append")
+    assert np.asarray(rs.cursor).tolist() == [4] * len(rs.cursor)
+    inp = case.draw()
+    y_direct, direct = case.replay_step(rs, inp, route="direct")
+    for route in ("output", "state"):
+        y, new = case.replay_step(rs, inp, route=route)
+        assert_close(y, y_direct, jnp.float32, f"{route} route's output")
+        assert_close(new.checkpoint, direct.checkpoint, jnp.bfloat16, f"{route} route's checkpoint")
+        assert new.checkpoint.dtype == jnp.bfloat16 and not np.asarray(new.cursor).any()
+
+
+@pytest.mark.parametrize("name", TWO_CASES)
 def test_rows_with_different_cursors(name, rng):
     """A window accepted 0, 2 and all W steps puts the rows at three cursors;
     the rows then flush on different steps and still match the recurrence."""

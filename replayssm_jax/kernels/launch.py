@@ -294,10 +294,10 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     """The replay step's launches: the replay kernel, then (config.fused_flush
     False, a route other than "append") the flush launch. Checkpoint and
     records are updated in place. On the append route the replay kernel
-    flushes no row and the cursor moves by an XLA op after it, min(cursor +
-    1, L), as a verify window's does (in place in the kernel, with the
-    arrival count of `cursor.advance_cursor`, it cost more than the flush
-    launch it saves: bench/RESULTS.md, 2026-12-02).
+    flushes no row and an XLA op after it moves the cursor, min(cursor + 1,
+    L) (moved in place in the kernel, with the arrival count of
+    `cursor.advance_cursor`, it cost more than the flush launch it saves:
+    bench/RESULTS.md, 2026-12-02).
 
     replay_kernel(checkpoint_ref, records, cursor_ref, inputs, out_ref,
     checkpoint_out, records_out, cursor_out, *, config, programs): grid

@@ -141,7 +141,9 @@ class SSMMixer(nnx.Module):
           route: the ReplaySSM step's route, "output", "state", "direct" (same numbers) or "auto"
             (resolved by replayssm_jax.ops.resolve_route: on the kernel backends the direct route where
             the default replay step is one launch, else the output route), or "append" (the output
-            route without the flush, for a schedule that flushes the rows itself).
+            route without the flush, for a schedule that flushes the rows itself; on a row with a full
+            buffer: ValueError on a concrete cursor, and under a trace NaN outputs, the SSM state kept
+            and the conv window moved on).
           backend: passed to replayssm_jax.ops.
           slots: None, or i32[batch]: `state` is a state pool of capacity
             slots (:mod:`replayssm_jax.pool`) and row b steps slot slots[b]

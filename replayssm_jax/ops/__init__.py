@@ -245,15 +245,16 @@ def _checkpoint_format(layer: str, checkpoint_dtype, rounding):
 def _check_append(state, route: str, slots) -> None:
     """On the append route, a ValueError for a concrete cursor with a full buffer in a batch row (that row
     cannot take the step; under a trace the kernels give it NaN outputs and leave its state, as the
-    reference does). With `slots`, the rows are the batch's slots (-1: padding, not checked)."""
+    reference does). With `slots`, batch row b is pool slot slots[b] (-1: padding, not checked)."""
     if route != "append" or any(isinstance(a, jax.core.Tracer) for a in (state.cursor, slots)):
         return
     cursor = state.cursor if slots is None else jnp.where(slots >= 0, state.cursor[jnp.maximum(slots, 0)], 0)
     full = [int(r) for r in jnp.flatnonzero(cursor >= state.buffer_len)]
     if full:
+        where = "" if slots is None else f" (pool slots {[int(slots[r]) for r in full[:8]]})"
         raise ValueError(f"route 'append' needs a free buffer slot in every row (cursor < buffer_len = "
-                         f"{state.buffer_len}); rows {full[:8]} are full: step them on the 'output' or 'direct' "
-                         "route, which flush")
+                         f"{state.buffer_len}); batch rows {full[:8]}{where} are full: step them on another "
+                         "route ('output', 'state' or 'direct'), which flushes them")
 
 
 def _warn_direct_8bit(state, route: str) -> None:
@@ -408,7 +409,7 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
         backends also the kernels' limits (:func:`replayssm_jax.kernels.mamba2_step`).
       RuntimeError: backend "pallas" without a GPU.
       ValueError: `slots` not of shape [batch], a concrete slot outside
-        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        [-1, capacity) or used twice;
         TypeError: `slots` not integers.
     """
     state, dt_softplus, dt_limit, slots = val.check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
@@ -549,7 +550,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
         some batch row (no free slot; under a trace that row's outputs are
         NaN and its state is left unchanged).
       ValueError: `slots` not of shape [batch], a concrete slot outside
-        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        [-1, capacity) or used twice;
         TypeError: `slots` not integers.
     """
     dt_softplus, dt_limit, slots = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
@@ -706,7 +707,7 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend
         (:func:`replayssm_jax.kernels.gdn_step`).
       RuntimeError: backend "pallas" without a GPU.
       ValueError: `slots` not of shape [batch], a concrete slot outside
-        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        [-1, capacity) or used twice;
         TypeError: `slots` not integers.
     """
     state, scale, use_qk_l2norm, slots = val.check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots)
@@ -815,7 +816,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         limits (:func:`replayssm_jax.kernels.gdn_replay_step`); route
         "append" on a full row, as :func:`mamba2_replay_step`.
       ValueError: `slots` not of shape [batch], a concrete slot outside
-        [-1, capacity) or used twice, a pool of 8-bit checkpoints;
+        [-1, capacity) or used twice;
         TypeError: `slots` not integers.
     """
     scale, use_qk_l2norm, slots = val.check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots)

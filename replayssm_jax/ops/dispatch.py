@@ -133,7 +133,8 @@ def check_route(route: str, routes: tuple[str, ...] = ROUTES) -> str:
       ValueError: another route.
     """
     if route not in routes:
-        raise ValueError(f"`route` must be one of {', '.join(map(repr, routes))}; got {route!r}")
+        why = " (a route of one replay step, `ops.STEP_ROUTES`, not of a decode loop)" if route in STEP_ROUTES else ""
+        raise ValueError(f"`route` must be one of {', '.join(map(repr, routes))}; got {route!r}{why}")
     return route
 
 

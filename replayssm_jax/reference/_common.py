@@ -315,6 +315,17 @@ def on_f32_checkpoint(state, written: jax.Array, op: Callable):
 
 
 
+def on_widened_checkpoint(state, op: Callable):
+    """Run `op(state) -> (output, new state)` on a state with a bfloat16
+    (not float32) checkpoint widened to float32, and narrow the new
+    checkpoint back: a step that flushes twice in f32 (a row that entered
+    full: the early flush, then this step's) rounds once, as the kernels
+    do; the rows it does not write come back bit for bit (bf16 -> f32 ->
+    bf16 is exact)."""
+    output, new = op(state.replace(checkpoint=state.checkpoint.astype(f32)))
+    return output, new.replace(checkpoint=new.checkpoint.astype(state.checkpoint.dtype))
+
+
 def reading_f32_checkpoint(state, op: Callable):
     """Run `op(state) -> (output, new state)`, which writes no checkpoint row
     (a verify window after its early flush), on a state with an 8-bit

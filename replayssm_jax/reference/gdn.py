@@ -218,10 +218,14 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
       (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
       :func:`gdn_step`'s output on the same step sequence. An 8-bit
       checkpoint is read dequantized and written quantized once per write
-      (:func:`replayssm_jax.reference._common.on_f32_checkpoint`).
+      (:func:`replayssm_jax.reference._common.on_f32_checkpoint`), a
+      bfloat16 one rounded once per step (`on_widened_checkpoint`).
     """
     if state.scale is not None:
         return c.on_f32_checkpoint(state, step_writes(state, route), lambda s: gdn_replay_step(
+            s, q, k, v, g, beta, scale, use_qk_l2norm, route))
+    if state.checkpoint.dtype != f32:  # bfloat16: written once per step, as the kernels write it
+        return c.on_widened_checkpoint(state, lambda s: gdn_replay_step(
             s, q, k, v, g, beta, scale, use_qk_l2norm, route))
     if route == "direct":
         return c.direct_step(state, unify, lambda S: gdn_step(S, q, k, v, g, beta, scale, use_qk_l2norm))

@@ -210,10 +210,14 @@ def mamba2_replay_step(
       (y [batch, nheads, head_dim] in x.dtype, new Mamba2ReplayState).
       y equals :func:`mamba2_step`'s output on the same step sequence.
       An 8-bit checkpoint is read dequantized and written quantized once
-      per write (:func:`replayssm_jax.reference._common.on_f32_checkpoint`).
+      per write (:func:`replayssm_jax.reference._common.on_f32_checkpoint`),
+      a bfloat16 one rounded once per step (`on_widened_checkpoint`).
     """
     if state.scale is not None:
         return c.on_f32_checkpoint(state, step_writes(state, route), lambda s: mamba2_replay_step(
+            s, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, route))
+    if state.checkpoint.dtype != f32:  # bfloat16: written once per step, as the kernels write it
+        return c.on_widened_checkpoint(state, lambda s: mamba2_replay_step(
             s, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, route))
     if route == "direct":
         return c.direct_step(state, lambda s: unify(s, A),
