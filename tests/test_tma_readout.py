@@ -1,0 +1,210 @@
+"""The Gated DeltaNet append route on Mosaic GPU (replayssm_jax.kernels.tma_readout).
+
+On the CPU: the config's and the limits' errors (raised before any launch),
+the XLA prelude's terms and shared records against the reference's append
+step (the readout formula of the module docstring evaluated on the terms
+in jnp), and the kernel lowered for CUDA (Mosaic GPU's layouts, the d
+records aliased in place). On a GPU (`pytest -m gpu`): the compiled step
+against the reference's append step, from staggered cursors with dead slots
+holding inf, a full row under a trace, both checkpoint dtypes and tilings.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cases import assert_close
+from kernel_checks import GDN, GDNShape
+from replayssm_jax import kernels, ops, reference
+from replayssm_jax.kernels import tma_readout
+from replayssm_jax.testing import tolerance_dtype
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+L = 8
+SHAPE = GDNShape(batch=5, H=2, HV=4, K=64, V=128)
+
+
+def _layer(rng, shape=SHAPE, dtype=bf16):
+    return GDN(shape, rng, dtype)
+
+
+def _state(layer, checkpoint_dtype, buffer_dtype, cursor):
+    """A replay state whose dead slots (slot >= cursor) hold inf in every record (a rejected draft's)."""
+    rs = layer.replay_state(L, checkpoint_dtype, buffer_dtype, cursor)
+    dead = np.arange(L) >= np.asarray(cursor)[:, None]
+    poison = lambda a, axis: jnp.where(jnp.asarray(np.expand_dims(dead, (1,) + tuple(range(3, 3 + axis)))),
+                                       jnp.inf, a)  # noqa: E731
+    return rs.replace(d=poison(rs.d, 1), k=poison(rs.k, 1), g=poison(rs.g, 0))
+
+
+def _check_records(new, want, cursor, dtype, what):
+    """Records [batch, heads, L, n]: the slot at each row's cursor within the tolerance of `dtype`, every other
+    slot (dead slots' inf included) bit for bit."""
+    new, want = np.asarray(new, np.float32), np.asarray(want, np.float32)
+    slot = np.broadcast_to((np.arange(L) == np.asarray(cursor)[:, None])[:, None, :, None], new.shape)
+    assert_close(new[slot], want[slot], dtype, what=f"the new {what} records")
+    np.testing.assert_array_equal(new[~slot], want[~slot], err_msg=f"{what} records at other slots")
+
+
+def _reference(rs, inp, scale):
+    return jax.jit(lambda s, i: reference.gdn_replay_step(s, **i, scale=scale, use_qk_l2norm=True,
+                                                          route="append"))(rs, inp)
+
+
+# ---------------------------------------------------------------------------
+# CPU: config, limits, prelude, lowering
+
+
+@pytest.mark.parametrize(("changes", "error", "match"), [
+    (dict(block_v=32), ValueError, r"`config.block_v` must be 64 or 128.*got 32"),
+    (dict(stages=0), ValueError, r"`config.stages` must be >= 1; got 0"),
+    (dict(programs_per_sm=0), ValueError, r"`config.programs_per_sm` must be >= 1; got 0"),
+    (dict(stages=2.0), TypeError, r"`config.stages` must be an int; got float"),
+    (dict(block_v=True), TypeError, r"`config.block_v` must be an int; got bool"),
+])
+def test_config_errors(changes, error, match):
+    with pytest.raises(error, match=match):
+        kernels.TMAReadoutConfig(**changes)
+    assert kernels.TMAReadoutConfig(block_v=np.int64(128)).block_v == 128
+
+
+def test_limits_raise_before_any_launch(rng):
+    """Each limit of the Mosaic GPU kernel is an error naming it, raised before a launch (on the CPU too)."""
+    layer = _layer(rng)
+    rs, inp = layer.replay_state(L, f32, bf16, np.zeros(SHAPE.batch, np.int32)), layer.draw()
+    config = kernels.TMAReadoutConfig()
+
+    def step(rs, route="append", config=config, **kw):
+        return kernels.gdn_replay_step(rs, **inp, scale=0.1, use_qk_l2norm=True, route=route, config=config, **kw)
+
+    with pytest.raises(NotImplementedError, match="compiled on a GPU only"):
+        step(rs, interpret=True)
+    with pytest.raises(NotImplementedError, match="no state pool"):
+        step(rs, slots=jnp.arange(SHAPE.batch, dtype=jnp.int32))
+    with pytest.raises(TypeError, match=r"append route only; got route 'output' \(use a ReplayConfig\)"):
+        step(rs, route="output")
+    with pytest.raises(TypeError, match=r"got route 'direct' \(use a StepConfig\)"):
+        step(rs, route="direct")
+    with pytest.raises(ValueError, match=r"L \(buffer length\) a multiple of 8.*L = 4"):
+        step(layer.replay_state(4, f32, bf16, np.zeros(SHAPE.batch, np.int32)))
+    with pytest.raises(ValueError, match=r"V \(value dim\) a multiple of `config.block_v` = 128; got V = 64"):
+        narrow = _layer(rng, GDNShape(batch=2, H=2, HV=4, K=64, V=64))
+        kernels.gdn_replay_step(narrow.replay_state(L, f32, bf16, np.zeros(2, np.int32)), **narrow.draw(), scale=0.1,
+                                use_qk_l2norm=True, route="append", config=kernels.TMAReadoutConfig(block_v=128))
+    with pytest.raises(ValueError, match=r"K \(key dim\) a multiple of 64 for a bfloat16 checkpoint.*K = 32"):
+        thin = _layer(rng, GDNShape(batch=2, H=2, HV=4, K=32, V=64))
+        kernels.gdn_replay_step(thin.replay_state(L, bf16, bf16, np.zeros(2, np.int32)), **thin.draw(), scale=0.1,
+                                use_qk_l2norm=True, route="append", config=config)
+    with pytest.raises(ValueError, match=r"4 stages of 128 rows need \d+ bytes of shared memory"):
+        wide = _layer(rng, GDNShape(batch=2, H=2, HV=4, K=128, V=128))
+        kernels.gdn_replay_step(wide.replay_state(L, f32, bf16, np.zeros(2, np.int32)), **wide.draw(), scale=0.1,
+                                use_qk_l2norm=True, route="append",
+                                config=kernels.TMAReadoutConfig(block_v=128, stages=4))
+    with pytest.raises(TypeError, match="ReplayConfig"):  # the Mamba-2 kernels take no TMAReadoutConfig
+        from kernel_checks import Mamba2, Mamba2Shape
+        m = Mamba2(Mamba2Shape(batch=2, H=4, P=64, N=64, G=2), rng)
+        m.kernel_replay_step(m.replay_state(L, f32, f32, np.zeros(2, np.int32)), m.draw(), "append", config)
+    with pytest.raises(TypeError, match="'xla' backend"):
+        ops.gdn_replay_step(rs, **inp, route="append", backend="xla", config=config)
+
+
+@pytest.mark.parametrize("buffer_dtype", [f32, bf16])
+def test_prelude_terms_give_the_reference_append_step(buffer_dtype, rng):
+    """The prelude's terms, put through the kernel's readout formula in jnp, give the reference's append
+    outputs; its shared records are the reference's k and g records bit for bit (a full row's untouched);
+    dead slots hold inf and change nothing. f32 activations: the f32 tolerance."""
+    layer = _layer(rng, dtype=f32)
+    cursor = np.array([0, 3, 7, 8, 5], np.int32)  # row 3 entered full
+    rs, inp = _state(layer, f32, buffer_dtype, cursor), layer.draw()
+    scale = SHAPE.K ** -0.5
+    o_ref, rs_ref = _reference(rs, inp, scale)
+    qn, kn, terms = tma_readout.head_terms(rs, inp["q"], inp["k"], inp["g"], inp["beta"], scale=scale,
+                                           use_qk_l2norm=True)
+    group = SHAPE.HV // SHAPE.H
+    live = (np.arange(L) < cursor[:, None])[:, None, :, None]
+    U = jnp.where(live, rs.d.astype(f32), 0.0)
+    S = rs.checkpoint.astype(f32)
+    carried, kq, decay, beta = (terms[:, :, 2, i][..., None] for i in range(4))
+
+    def read(x, a):
+        return carried * jnp.einsum("bhvk,bhk->bhv", S, jnp.repeat(x, group, 1), precision="highest") + \
+            jnp.einsum("bhl,bhlv->bhv", a, U, precision="highest")
+
+    d = beta * (inp["v"].astype(f32) - decay * read(kn, terms[:, :, 0]))
+    o = decay * read(qn, terms[:, :, 1]) + kq * d
+    rows = cursor < L
+    assert_close(o[rows], o_ref[rows], f32, what="outputs of the rows with a free slot")
+    new = tma_readout.append_shared_records(rs, kn, inp["g"])
+    _check_records(new.k, rs_ref.k, cursor, tolerance_dtype(buffer_dtype), "k")
+    np.testing.assert_array_equal(np.asarray(new.g), np.asarray(rs_ref.g))
+    assert np.isfinite(np.asarray(terms)).all()
+
+
+@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config"), [
+    (f32, bf16, bf16, kernels.TMAReadoutConfig()),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=3)),
+    (f32, f32, f32, kernels.TMAReadoutConfig(programs_per_sm=1, stages=1)),
+], ids=["f32-bf16-default", "bf16-bf16-128x3", "f32-f32-f32act-64x1"])
+def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, rng):
+    """The whole Mosaic GPU lowering on the CPU (layout inference, the swizzled tile's transforms, the
+    pipeline's copies), short of compiling: one Mosaic GPU custom call, its d records aliased in place."""
+    layer = _layer(rng, dtype=act)
+    rs = layer.replay_state(L, checkpoint_dtype, buffer_dtype, np.arange(SHAPE.batch, dtype=np.int32) % L)
+    step = jax.jit(lambda rs, inp: layer.kernel_replay_step(rs, inp, "append", config))
+    text = step.trace(rs, layer.draw()).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"stablehlo\.custom_call @(\w+)\(", text)
+    assert [c for c in calls if c.startswith("mosaic_gpu")] == ["mosaic_gpu_v2"], calls
+    assert re.search(r"@mosaic_gpu_v2\([^\n]*output_operand_aliases = \[#stablehlo\.output_operand_alias<"
+                     r"output_tuple_indices = \[1\], operand_index = 6", text), "the d records are not aliased"
+
+
+# ---------------------------------------------------------------------------
+# GPU: the compiled kernel against the reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape"), [
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), SHAPE),
+    (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128, programs_per_sm=1), SHAPE),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(stages=3), SHAPE),
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+], ids=["f32-bf16", "f32-f32-f32act-128", "bf16-bf16-3stages", "model-b67"])
+def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
+    """From staggered cursors with inf in the dead slots: outputs and new records within the tolerance of
+    the case's dtypes (f32 throughout: the f32 tolerance), every other slot, the checkpoint and the k and g
+    records at other slots bit for bit, the cursor moved."""
+    layer = _layer(rng, shape, act)
+    cursor = (np.arange(shape.batch) * 3 % L).astype(np.int32)
+    rs, inp = _state(layer, checkpoint_dtype, buffer_dtype, cursor), layer.draw()
+    scale = shape.K ** -0.5
+    o_ref, rs_ref = _reference(rs, inp, scale)
+    o, new = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "append", config))(rs, inp)
+    tol = tolerance_dtype(act, checkpoint_dtype, buffer_dtype)
+    assert_close(o, o_ref, tol, what="outputs")
+    np.testing.assert_array_equal(np.asarray(new.checkpoint), np.asarray(rs.checkpoint))
+    np.testing.assert_array_equal(np.asarray(new.cursor), np.minimum(cursor + 1, L))
+    _check_records(new.d, rs_ref.d, cursor, tol, "d")
+    _check_records(new.k, rs_ref.k, cursor, tolerance_dtype(buffer_dtype), "k")
+    np.testing.assert_array_equal(np.asarray(new.g), np.asarray(rs_ref.g))
+
+
+@pytest.mark.gpu
+def test_compiled_full_row_keeps_its_state(rng):
+    """A row that entered full, under a trace: NaN outputs, its state kept bit for bit; the others step."""
+    layer = _layer(rng)
+    cursor = np.array([L, 2, L, 0, 5], np.int32)
+    rs, inp = _state(layer, f32, bf16, cursor), layer.draw()
+    o, new = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "append", kernels.TMAReadoutConfig()))(rs, inp)
+    o_ref, _ = _reference(rs, inp, SHAPE.K ** -0.5)
+    full = cursor == L
+    assert np.isnan(np.asarray(o, np.float32)[full]).all()
+    assert_close(o[~full], o_ref[~full], tolerance_dtype(bf16), what="outputs of the other rows")
+    for name in ("checkpoint", "d", "k", "g"):
+        np.testing.assert_array_equal(np.asarray(getattr(new, name))[full], np.asarray(getattr(rs, name))[full],
+                                      err_msg=f"{name} of a full row changed")
+    np.testing.assert_array_equal(np.asarray(new.cursor), np.minimum(cursor + 1, L))
