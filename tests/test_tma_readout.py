@@ -51,8 +51,8 @@ def _check_records(new, want, cursor, dtype, what):
     np.testing.assert_array_equal(new[~slot], want[~slot], err_msg=f"{what} records at other slots")
 
 
-def _reference(rs, inp, scale):
-    return jax.jit(lambda s, i: reference.gdn_replay_step(s, **i, scale=scale, use_qk_l2norm=True,
+def _reference(rs, inp, scale, use_qk_l2norm=True):
+    return jax.jit(lambda s, i: reference.gdn_replay_step(s, **i, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                                           route="append"))(rs, inp)
 
 
@@ -100,31 +100,61 @@ def test_limits_raise_before_any_launch(rng):
         thin = _layer(rng, GDNShape(batch=2, H=2, HV=4, K=32, V=64))
         kernels.gdn_replay_step(thin.replay_state(L, bf16, bf16, np.zeros(2, np.int32)), **thin.draw(), scale=0.1,
                                 use_qk_l2norm=True, route="append", config=config)
-    with pytest.raises(ValueError, match=r"4 stages of 128 rows need \d+ bytes of shared memory"):
-        wide = _layer(rng, GDNShape(batch=2, H=2, HV=4, K=128, V=128))
-        kernels.gdn_replay_step(wide.replay_state(L, f32, bf16, np.zeros(2, np.int32)), **wide.draw(), scale=0.1,
-                                use_qk_l2norm=True, route="append",
-                                config=kernels.TMAReadoutConfig(block_v=128, stages=4))
-    with pytest.raises(TypeError, match="ReplayConfig"):  # the Mamba-2 kernels take no TMAReadoutConfig
+    with pytest.raises(TypeError, match=r"must be a replayssm_jax.kernels.ReplayConfig or None for the replay "
+                                        r"step's append route; got TMAReadoutConfig"):  # not a Mamba-2 config
         from kernel_checks import Mamba2, Mamba2Shape
         m = Mamba2(Mamba2Shape(batch=2, H=4, P=64, N=64, G=2), rng)
         m.kernel_replay_step(m.replay_state(L, f32, f32, np.zeros(2, np.int32)), m.draw(), "append", config)
     with pytest.raises(TypeError, match="'xla' backend"):
         ops.gdn_replay_step(rs, **inp, route="append", backend="xla", config=config)
+    with pytest.raises(TypeError, match="append route only, which route='auto' never takes"):
+        ops.gdn_replay_step(rs, **inp, route="auto", backend="interpret", config=config)
 
 
-@pytest.mark.parametrize("buffer_dtype", [f32, bf16])
-def test_prelude_terms_give_the_reference_append_step(buffer_dtype, rng):
+def _abstract(batch, K=128, V=128, L=16, checkpoint=f32, d=bf16, act=bf16, H=16, HV=32):
+    """(abstract replay state, abstract v) of a GDN layer: shapes only, nothing allocated."""
+    state = jax.eval_shape(lambda: ops.gdn_replay_init(jnp.zeros((batch, HV, V, K), checkpoint), L, H, d))
+    return state, jax.ShapeDtypeStruct((batch, HV, V), act)
+
+
+@pytest.mark.parametrize(("case", "config", "match"), [
+    (dict(K=512), None, r"K \(key dim\) a multiple of 32 for a float32 checkpoint.*at most 256; got K = 512"),
+    (dict(L=72), None, r"L \(buffer length\) a multiple of 8.*at most 64; got L = 72"),
+    (dict(d=jnp.float8_e4m3fn), None, "f32 or bf16 d records; got float8_e4m3fn"),
+    (dict(act=jnp.float16), None, "f32 or bf16 v; got float16"),
+    (dict(batch=200, d=f32), dict(block_v=128, stages=3), r"3 stages of 128 rows need 233672 bytes of shared memory, "
+                                                         r"above a program's 232448"),
+], ids=["K-512", "L-72", "fp8-records", "f16-v", "smem"])
+def test_limits_on_shapes(case, config, match):
+    """The shape limits, on abstract states (the shared-memory bound at a batch where the pipeline keeps every
+    stage: Mosaic GPU's lowering allocates 233504 bytes there and refuses)."""
+    state, v = _abstract(**{"batch": 4, **case})
+    with pytest.raises(ValueError, match=match):
+        tma_readout.check_tma_readout(state, v, kernels.TMAReadoutConfig(**(config or {})), interpret=False,
+                                      slots=None)
+
+
+def test_shared_memory_counts_the_stages_a_program_keeps():
+    """The pipeline keeps at most a program's steps: 4 stages of 128 rows fit at batch 2 (one step a
+    program), not at batch 256."""
+    config = kernels.TMAReadoutConfig(block_v=128, stages=4)
+    small, big = (tma_readout.smem_bytes(*_abstract(b, d=f32), config) for b in (2, 256))
+    assert small < tma_readout.SMEM_BYTES < big
+
+
+@pytest.mark.parametrize(("buffer_dtype", "use_qk_l2norm", "scale"), [(f32, True, None), (bf16, True, None),
+                                                                    (f32, False, 0.3)])
+def test_prelude_terms_give_the_reference_append_step(buffer_dtype, use_qk_l2norm, scale, rng):
     """The prelude's terms, put through the kernel's readout formula in jnp, give the reference's append
     outputs; its shared records are the reference's k and g records bit for bit (a full row's untouched);
     dead slots hold inf and change nothing. f32 activations: the f32 tolerance."""
     layer = _layer(rng, dtype=f32)
     cursor = np.array([0, 3, 7, 8, 5], np.int32)  # row 3 entered full
     rs, inp = _state(layer, f32, buffer_dtype, cursor), layer.draw()
-    scale = SHAPE.K ** -0.5
-    o_ref, rs_ref = _reference(rs, inp, scale)
+    scale = SHAPE.K ** -0.5 if scale is None else scale
+    o_ref, rs_ref = _reference(rs, inp, scale, use_qk_l2norm)
     qn, kn, terms = tma_readout.head_terms(rs, inp["q"], inp["k"], inp["g"], inp["beta"], scale=scale,
-                                           use_qk_l2norm=True)
+                                           use_qk_l2norm=use_qk_l2norm)
     group = SHAPE.HV // SHAPE.H
     live = (np.arange(L) < cursor[:, None])[:, None, :, None]
     U = jnp.where(live, rs.d.astype(f32), 0.0)
@@ -145,18 +175,30 @@ def test_prelude_terms_give_the_reference_append_step(buffer_dtype, rng):
     assert np.isfinite(np.asarray(terms)).all()
 
 
-@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config"), [
-    (f32, bf16, bf16, kernels.TMAReadoutConfig()),
-    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=3)),
-    (f32, f32, f32, kernels.TMAReadoutConfig(programs_per_sm=1, stages=1)),
-], ids=["f32-bf16-default", "bf16-bf16-128x3", "f32-f32-f32act-64x1"])
-def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, rng):
+MODEL = GDNShape(batch=200, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer
+
+
+@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape", "buffer_len"), [
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), SHAPE, L),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=3), SHAPE, L),
+    (f32, f32, f32, kernels.TMAReadoutConfig(programs_per_sm=1, stages=1), SHAPE, L),
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(stages=3), MODEL, 16),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=2), MODEL.with_batch(300), 16),
+], ids=["f32-bf16-default", "bf16-bf16-128x3", "f32-f32-f32act-64x1", "model-b200-3stages", "model-b300-bf16"])
+def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, shape, buffer_len, rng):
     """The whole Mosaic GPU lowering on the CPU (layout inference, the swizzled tile's transforms, the
-    pipeline's copies), short of compiling: one Mosaic GPU custom call, its d records aliased in place."""
-    layer = _layer(rng, dtype=act)
-    rs = layer.replay_state(L, checkpoint_dtype, buffer_dtype, np.arange(SHAPE.batch, dtype=np.int32) % L)
+    pipeline's copies and, at the model's shape, its stages rotating over many items a program and a
+    cursor of more than 256 rows), short of compiling: one Mosaic GPU custom call, its d records aliased
+    in place. The model cases on abstract inputs (nothing allocated)."""
+    layer = _layer(rng, shape, act)
     step = jax.jit(lambda rs, inp: layer.kernel_replay_step(rs, inp, "append", config))
-    text = step.trace(rs, layer.draw()).lower(lowering_platforms=("cuda",)).as_text()
+    if shape is SHAPE:
+        args = (layer.replay_state(buffer_len, checkpoint_dtype, buffer_dtype,
+                                   np.arange(shape.batch, dtype=np.int32) % buffer_len), layer.draw())
+    else:
+        state, _ = _abstract(shape.batch, L=buffer_len, checkpoint=checkpoint_dtype, d=buffer_dtype)
+        args = (state, jax.eval_shape(layer.draw))
+    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = re.findall(r"stablehlo\.custom_call @(\w+)\(", text)
     assert [c for c in calls if c.startswith("mosaic_gpu")] == ["mosaic_gpu_v2"], calls
     assert re.search(r"@mosaic_gpu_v2\([^\n]*output_operand_aliases = \[#stablehlo\.output_operand_alias<"

@@ -13,11 +13,13 @@ GPU kernel (:func:`gdn_append_tma`):
   k_i . q (0 in dead slots), and exp(sum of the live g), k . q, exp(g) and
   beta; it appends the step's shared records (k normalized, not scaled,
   and g) at each row's cursor, in place;
-- the kernel's programs, `config.programs_per_sm` per SM, each walk their
-  share of the (batch row, value head, row tile) items, strided over the
-  grid; `plgpu.emit_pipeline` copies an item's checkpoint tile [block_v, K],
-  its d records [L, block_v], terms, q, k and v into shared memory
-  `config.stages` items ahead (TMA), and the item's compute forms, with
+- the kernel's programs, `config.programs_per_sm` per SM (at most one per
+  item), each walk their share of the (batch row, value head, row tile)
+  items, strided over the grid; `plgpu.emit_pipeline` copies an item's
+  checkpoint tile [block_v, K], its d records [L, block_v], terms, q, k and
+  v into shared memory up to `config.stages` - 1 items ahead of the one it
+  computes (TMA; the stages capped at the program's items), and the
+  item's compute forms, with
   S_c the checkpoint tile and d_i its buffered update vectors (DESIGN.md
   section 2, `replay_math`'s form of the replay):
 
@@ -37,13 +39,17 @@ On the H200 at batch 256 with an f32 checkpoint (Qwen3.5-4B's layer, L =
 Triton append kernel took 167 us (bench/RESULTS.md, 2026-12-02, "A Mosaic
 GPU readout").
 
-Limits (checked before any launch, :func:`check_tma_readout`): an f32 or
-bf16 checkpoint (not 8-bit), no state pool, the compiled GPU kernel only
-(Mosaic GPU's interpreter has no predicated copies, which the pipeline's
-stores use), K a multiple of the swizzled tile's width (32 columns of f32,
-64 of bf16), V a multiple of block_v, L a multiple of 8 (every shared
-memory stage buffer a multiple of 128 bytes: the TMA copies' alignment),
-and the pipeline's stages within a program's shared memory.
+Limits (checked before the prelude and the launch, :func:`check_tma_readout`):
+f32 or bf16 checkpoint, d records and v (no 8-bit checkpoint), no state
+pool, the compiled GPU kernel only (Mosaic GPU's interpreter has no
+predicated copies, which the pipeline's stores use), K a multiple of the
+swizzled tile's width (32 columns of f32, 64 of bf16) and at most 256 (one
+TMA copy), V a multiple of block_v, L a multiple of 8 (with f32 or bf16
+records, every shared-memory stage buffer a multiple of 128 bytes, the TMA
+copies' alignment) and at most 64, and a program's shared memory
+(:func:`smem_bytes`: Mosaic GPU rounds each allocation up to 1 KiB) within
+227 KiB. Above about 113 KiB a program, two no longer share an SM: the
+grid then runs in more than one wave.
 """
 
 from __future__ import annotations
@@ -64,10 +70,13 @@ f32 = jnp.float32
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a vector over the rows of a [rows, cols] WGMMA-layout tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # a vector over its columns
 SMEM_BYTES = 227 * 1024  # shared memory a program may hold (H100, H200)
+SMEM_ALIGN = 1024  # bytes: Mosaic GPU rounds each shared-memory allocation up to this
 TMA_ALIGN = 128  # bytes: each stage's buffer starts on this boundary
+TMA_MAX = 256  # elements along any dimension of one TMA copy
 SWIZZLE = 128  # bytes: the checkpoint tile's shared-memory swizzle
 TERMS = 4  # rows of an item's terms: a_k, a_q, the scalars, padding
-CURSOR_PAD = 256  # the cursor copied to shared memory in blocks of this many entries (1 KiB)
+MAX_K = 256  # key dim: q and k are one copy each
+MAX_L = 64  # buffer slots (the kernels' MAX_BUFFER_LEN): the readout's slot loop is unrolled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +89,9 @@ class TMAReadoutConfig:
       stages: items a program holds in shared memory, >= 1 (the pipeline
         copies up to stages - 1 items ahead of the one it computes).
       programs_per_sm: persistent programs per SM, >= 1 (the grid is
-        num_sms() * programs_per_sm programs).
+        num_sms() * programs_per_sm programs, at most one per item; they
+        run at once only where that many programs' shared memory fits an
+        SM).
 
     Raises:
       TypeError: a field that is not an int (numpy ints accepted).
@@ -104,13 +115,37 @@ class TMAReadoutConfig:
                 raise ValueError(f"`config.{name}` must be >= 1; got {getattr(self, name)}")
 
 
-def _stage_bytes(state: GDNReplayState, v, config: TMAReadoutConfig) -> int:
-    """Shared-memory bytes of one pipeline stage: the item's checkpoint tile, d records, terms, q and k (f32),
-    v, and its two outputs (o, the d record)."""
-    BV, (_, _, _, K), L = config.block_v, state.checkpoint.shape, state.buffer_len
+def _align(n: int, to: int = SMEM_ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _grid(batch: int, HV: int, V: int, config: TMAReadoutConfig) -> tuple[int, int, int]:
+    """(items, programs, steps): the (batch row, value head, row tile) items, the persistent programs (at most
+    one per item) and the pipeline steps of a program."""
+    items = batch * HV * (V // config.block_v)
+    programs = min(items, num_sms() * config.programs_per_sm)
+    return items, programs, -(-items // programs)
+
+
+def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig) -> int:
+    """Shared-memory bytes of a program: each pipelined buffer (the item's checkpoint tile, d records, terms, q
+    and k in f32, v; its outputs o and the d record) times the stages the pipeline keeps (`config.stages`,
+    at most the program's steps) and the cursor, each allocation rounded up to SMEM_ALIGN, and Mosaic GPU's
+    reduction scratch and barriers (8 bytes each; counted for every buffer's stages, a bound). Within 0.2 KiB
+    above what the lowering allocates at the shapes tried (2026-12-02)."""
+    batch, HV, V, K = state.checkpoint.shape
+    BV, L = config.block_v, state.buffer_len
     d_size, v_size = state.d.dtype.itemsize, v.dtype.itemsize
-    return (BV * K * state.checkpoint.dtype.itemsize + L * BV * d_size + TERMS * L * 4 + 2 * K * 4
-            + 2 * BV * v_size + BV * d_size)
+    buffers = (BV * K * state.checkpoint.dtype.itemsize, L * BV * d_size, TERMS * L * 4, K * 4, K * 4, BV * v_size,
+               BV * v_size, BV * d_size)
+    stages = min(config.stages, _grid(batch, HV, V, config)[2])
+    scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + stages * len(buffers))
+    return sum(_align(stages * b) for b in buffers) + _align(_cursor_rows(batch) * TMA_MAX * 4) + scratch
+
+
+def _cursor_rows(batch: int) -> int:
+    """Rows of TMA_MAX entries the cursor is copied to shared memory in (one copy of [rows, TMA_MAX])."""
+    return -(-batch // TMA_MAX)
 
 
 def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, interpret: bool, slots) -> None:
@@ -122,10 +157,11 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
     Raises:
       NotImplementedError: interpret mode, a state pool (slots), an 8-bit
         checkpoint.
-      ValueError: a checkpoint that is not f32 or bf16; K not a multiple of
-        the swizzled tile's width (32 f32 or 64 bf16 columns); V not a
-        multiple of config.block_v; L not a multiple of 8; a pipeline of
-        `config.stages` stages above a program's shared memory.
+      ValueError: a checkpoint, d records or v that are not f32 or bf16; K
+        not a multiple of the swizzled tile's width (32 f32 or 64 bf16
+        columns) or above MAX_K; V not a multiple of config.block_v; L not a
+        multiple of 8 or above MAX_L; a program's shared memory
+        (:func:`smem_bytes`) above SMEM_BYTES.
     """
     if interpret:
         raise NotImplementedError("the TMA readout (a TMAReadoutConfig) runs compiled on a GPU only: Mosaic GPU's "
@@ -137,28 +173,27 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
     if state.scale is not None:
         raise NotImplementedError(f"the TMA readout takes an f32 or bf16 checkpoint; got an 8-bit checkpoint "
                                   f"({state.checkpoint.dtype}); use a ReplayConfig")
+    wide = (jnp.dtype(f32), jnp.dtype(jnp.bfloat16))
+    for name, dtype in (("checkpoint", state.checkpoint.dtype), ("d records", state.d.dtype), ("v", v.dtype)):
+        if jnp.dtype(dtype) not in wide:
+            raise ValueError(f"the TMA readout takes f32 or bf16 {name}; got {jnp.dtype(dtype)}")
     dtype = jnp.dtype(state.checkpoint.dtype)
-    if dtype not in (jnp.dtype(f32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"the TMA readout takes an f32 or bf16 checkpoint; got {dtype}")
     _, _, V, K = state.checkpoint.shape
     width = SWIZZLE // dtype.itemsize
-    if K % width:
+    if K % width or K > MAX_K:
         raise ValueError(f"the TMA readout takes K (key dim) a multiple of {width} for a {dtype} checkpoint (its "
-                         f"swizzled tile's columns); got K = {K}")
+                         f"swizzled tile's columns), at most {MAX_K}; got K = {K}")
     if V % config.block_v:
         raise ValueError(f"the TMA readout takes V (value dim) a multiple of `config.block_v` = {config.block_v}; "
                          f"got V = {V}")
-    if state.buffer_len % 8:
+    L = state.buffer_len
+    if L % 8 or L > MAX_L:
         raise ValueError(f"the TMA readout takes L (buffer length) a multiple of 8 (each shared-memory stage "
-                         f"{TMA_ALIGN}-byte aligned); got L = {state.buffer_len}")
-    need = config.stages * _stage_bytes(state, v, config) + _padded(state.batch) * 4
+                         f"{TMA_ALIGN}-byte aligned), at most {MAX_L}; got L = {L}")
+    need = smem_bytes(state, v, config)
     if need > SMEM_BYTES:
         raise ValueError(f"the TMA readout's {config.stages} stages of {config.block_v} rows need {need} bytes of "
                          f"shared memory, above a program's {SMEM_BYTES}; lower `config.stages` or `config.block_v`")
-
-
-def _padded(batch: int) -> int:
-    return -(-batch // CURSOR_PAD) * CURSOR_PAD
 
 
 def head_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2norm: bool):
@@ -218,13 +253,12 @@ def _swizzled(dtype):
     return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(SWIZZLE))
 
 
-def _readout_kernel(items: tuple[int, int, int], L: int, group: int, config: TMAReadoutConfig, programs: int,
-                    checkpoint_dtype):
-    """The kernel body over `items` = (batch, HV, row tiles) (see the module docstring)."""
-    batch, HV, NV = items
-    count_items = batch * HV * NV
-    steps = -(-count_items // programs)  # the last step's items past the end repeat the last one (same writes)
+def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMAReadoutConfig, checkpoint_dtype):
+    """The kernel body over the items of `shape` = (batch, HV, V) (see the module docstring)."""
+    batch, HV, V = shape
     BV = config.block_v
+    NV = V // BV
+    count_items, programs, steps = _grid(batch, HV, V, config)  # past the end: the last item again (same writes)
 
     def body(ck_ref, terms_ref, cursor_ref, q_ref, k_ref, v_ref, d_ref, o_ref, cursor_smem, barrier):
         program = lax.axis_index("program")
@@ -238,8 +272,11 @@ def _readout_kernel(items: tuple[int, int, int], L: int, group: int, config: TMA
         def spec(shape, index, transforms=()):
             return plgpu.BlockSpec(shape, lambda step: index(*item(step)), transforms=transforms)
 
+        def cursor_of(b):
+            return cursor_smem[b // TMA_MAX, b % TMA_MAX]
+
         def record_slot(b):  # a full row writes its last record back unchanged
-            return jnp.minimum(cursor_smem[b], L - 1)
+            return jnp.minimum(cursor_of(b), L - 1)
 
         K = ck_ref.shape[-1]
         in_specs = [
@@ -255,7 +292,7 @@ def _readout_kernel(items: tuple[int, int, int], L: int, group: int, config: TMA
 
         def compute(index, S_s, U_s, terms_s, q_s, k_s, v_s, o_s, d_s):
             b, _, _ = item(index[0])
-            count = cursor_smem[b]
+            count = cursor_of(b)
             carried, kq, decay, beta = terms_s[2, 0], terms_s[2, 1], terms_s[2, 2], terms_s[2, 3]
             acc_k = acc_q = plgpu.layout_cast(jnp.zeros((BV,), f32), ROW)
             for i in range(L):  # static: independent loads; the slot's weights are scalars in shared memory
@@ -308,13 +345,14 @@ def gdn_append_tma(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use
     batch, HV, V, _ = state.checkpoint.shape
     H, L = state.k.shape[1], state.buffer_len
     qn, kn, terms = head_terms(state, q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    programs = num_sms() * config.programs_per_sm
-    body = _readout_kernel((batch, HV, V // config.block_v), L, HV // H, config, programs, state.checkpoint.dtype)
+    programs = _grid(batch, HV, V, config)[1]
+    body = _readout_kernel((batch, HV, V), L, HV // H, config, state.checkpoint.dtype)
     name = f"gdn_append_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}"  # as the profiles name it
+    rows = _cursor_rows(batch)
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(programs,),
                           grid_names=("program",), kernel_name=name,
-                          scratch_types=[plgpu.SMEM((_padded(batch),), jnp.int32), plgpu.Barrier(num_barriers=1)])
-    cursor = jnp.pad(state.cursor, (0, _padded(batch) - batch))
+                          scratch_types=[plgpu.SMEM((rows, TMA_MAX), jnp.int32), plgpu.Barrier(num_barriers=1)])
+    cursor = jnp.pad(state.cursor, (0, rows * TMA_MAX - batch)).reshape(rows, TMA_MAX)
     d_ref = jax.new_ref(state.d)  # written in place: the kernel's d records
     o = kernel(state.checkpoint, terms, cursor, qn, kn, v, d_ref)
     state = append_shared_records(state, kn, g).replace(d=d_ref[...])
