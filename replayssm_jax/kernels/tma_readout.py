@@ -63,7 +63,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from replayssm_jax.kernels.config import num_sms
+from replayssm_jax.kernels.config import MAX_BUFFER_LEN, num_sms
 from replayssm_jax.state import GDNReplayState
 
 f32 = jnp.float32
@@ -76,7 +76,7 @@ TMA_MAX = 256  # elements along any dimension of one TMA copy
 SWIZZLE = 128  # bytes: the checkpoint tile's shared-memory swizzle
 TERMS = 4  # rows of an item's terms: a_k, a_q, the scalars, padding
 MAX_K = 256  # key dim: q and k are one copy each
-MAX_L = 64  # buffer slots (the kernels' MAX_BUFFER_LEN): the readout's slot loop is unrolled
+MAX_L = MAX_BUFFER_LEN  # buffer slots, as the other kernels (the readout's slot loop is unrolled)
 
 
 @dataclasses.dataclass(frozen=True)
