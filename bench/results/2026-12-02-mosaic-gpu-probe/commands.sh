@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 2026-12-02, one H200 (lent device), from the repository root at fcf9233's tree plus these probe files,
+# 2026-12-02, one H200, from the repository root at fcf9233's tree plus these probe files,
 # PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false. The probe (gdn_mgpu.py) is the GDN
 # append route's readout on Mosaic GPU in three forms: one item per program (`gdn_append`), persistent
 # programs pipelining their items (`gdn_append_pipelined`, mode full / noslots / read) and the same with the
