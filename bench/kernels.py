@@ -12,8 +12,10 @@ Method (the settings are a TimingOptions):
     steps (all rows in step, cursor 0 -> L) whose outputs are compared with
     the reference standard step and whose final checkpoint (every row has
     flushed) is compared with the reference state, within the tests'
-    tolerance (replayssm_jax.testing.TOLERANCES) of the bench's dtypes. A
-    timing counts only if its shape passed.
+    tolerance (replayssm_jax.testing.TOLERANCES) of the bench's dtypes;
+    where the GDN append route's Mosaic GPU kernel applies, also one
+    lockstep cycle (L - 1 append steps on it, then the direct step) against
+    the same reference. A timing counts only if its shape passed.
   * timing: a jitted, fully unrolled cycle of the L steps of a flush cycle
     (cursor through 0..L-1, flushes included; the standard step uses 16
     steps), with the carry donated. The carry holds `n_sets` independent
@@ -33,7 +35,11 @@ Method (the settings are a TimingOptions):
     variant says "in-step" (all rows start at 0 and flush together) or
     "lockstep" (from cursors 0, a cycle of L - 1 replay steps without a
     flush and one direct step that flushes every row: Generator's
-    `lockstep` schedule); at batches where the default replay step is one
+    `lockstep` schedule, its append steps at the library's default, which
+    is the Mosaic GPU kernel kernels.TMAReadoutConfig for a GDN layer's f32
+    checkpoint at batch >= 256 on a Hopper-class GPU; where that kernel
+    takes the shape, the other append kernel beside it: "-lockstep-triton"
+    (the Triton kernel's default ReplayConfig) or "-lockstep-tma"); at batches where the default replay step is one
     launch, also the direct route from empty buffers (plain decoding: the
     state written every step).
   * bytes per step from a traffic model (each array the kernels touch,
@@ -116,7 +122,7 @@ import device_rates  # noqa: E402  (bench/device_rates.py)
 import step_profile  # noqa: E402  (bench/step_profile.py)
 
 from replayssm_jax import kernels, ops, testing  # noqa: E402
-from replayssm_jax.kernels import ReplayConfig, StepConfig  # noqa: E402
+from replayssm_jax.kernels import ReplayConfig, StepConfig, tma_readout  # noqa: E402
 from replayssm_jax.layers.cache import committed_index  # noqa: E402
 from replayssm_jax.state import dequantize, is_quantized  # noqa: E402
 from replayssm_jax.testing import (CASE_TABLES, GDNShape, Mamba2Shape,  # noqa: E402,F401
@@ -293,21 +299,27 @@ def _check(bench, lengths, backend, config_std):
     # Per L one flush cycle from empty buffers; then, at the longest L, the
     # direct route after buffered steps: the first direct step folds the
     # records, and the checkpoint then follows the standard state.
+    # Where the TMA readout applies, one lockstep cycle with its append
+    # steps (and the direct step that flushes them).
     L = max(lengths)
-    runs = [(f"replay_L{L}", ["output"] * L) for L in lengths] + [
-        (f"direct_L{L}", ["output"] * (L // 2 + 1) + ["direct"] * 3)]
-    for (name, routes), L in zip(runs, list(lengths) + [L]):
+    runs = [(f"replay_L{L}", ["output"] * L, None) for L in lengths] + [
+        (f"direct_L{L}", ["output"] * (L // 2 + 1) + ["direct"] * 3, None)]
+    runs_L = list(lengths) + [L]
+    if tma_applies(bench, L, backend):
+        runs.append((f"tma_lockstep_L{L}", ["append"] * (L - 1) + ["direct"], kernels.TMAReadoutConfig()))
+        runs_L.append(L)
+    for (name, routes, tma), L in zip(runs, runs_L):
         rs = bench.replay_init(state, L, bench.dtype, np.zeros(bench.b))
         s_r, ys = state.astype(f32), []
         for t, route in enumerate(routes):
-            y_k, rs = bench.replay_step(rs, _take(xs, t), route, backend)
+            y_k, rs = bench.replay_step(rs, _take(xs, t), route, backend, tma if route == "append" else None)
             y_r, s_r = bench.step(s_r, _take(xs, t), "xla")
             ys.append((y_k, y_r))
         checkpoint = dequantize(rs.checkpoint, rs.scale)  # an 8-bit checkpoint as read; else as it is
         out[name] = {"y": _compared(ys, tol), "checkpoint": _compared([(checkpoint, s_r)], tol),
                      "cursor_zero": bool((np.asarray(rs.cursor) == 0).all())}
     out["ok"] = all(out[key]["ok"] for key in ("standard_y", "standard_state")) and all(
-        out[name]["y"]["ok"] and out[name]["checkpoint"]["ok"] and out[name]["cursor_zero"] for name, _ in runs)
+        out[name]["y"]["ok"] and out[name]["checkpoint"]["ok"] and out[name]["cursor_zero"] for name, *_ in runs)
     return out
 
 
@@ -386,25 +398,61 @@ def time_cycle(step, carries, inp, steps, options: TimingOptions, chain: bool = 
     return statistics.median(times) / per, (max(times) - min(times)) / per, compile_s, profile
 
 
-def variants(bench, lengths):
-    """(name, L, cursors, route) of the variants timed at a shape: the
-    standard step, the replay step at each L (staggered cursors) and at one L
-    in step, and, where the default replay step is one launch (a
+def _abstract_step(bench, L):
+    """(replay state, v) of the bench at buffer length L as shapes (nothing drawn)."""
+    checkpoint = jax.ShapeDtypeStruct((bench.b, *bench.heads_dims()), f32 if bench.quantized else bench.sd)
+    state = jax.eval_shape(lambda c: bench.replay_init(c, L, bench.dtype), checkpoint)
+    return state, jax.ShapeDtypeStruct((bench.b, bench.s.HV, bench.s.V), bench.dtype)
+
+
+def tma_applies(bench, L, backend) -> bool:
+    """Whether the GDN append route's Mosaic GPU kernel (kernels.TMAReadoutConfig) takes this bench's state
+    at buffer length L on `backend` (compiled only; checked on the state's shapes, nothing drawn)."""
+    if bench.layer != "gdn" or backend != "pallas":
+        return False
+    try:
+        tma_readout.check_tma_readout(*_abstract_step(bench, L), kernels.TMAReadoutConfig(), interpret=False,
+                                      slots=None)
+    except (ValueError, NotImplementedError):
+        return False
+    return True
+
+
+def tma_is_default(bench, L) -> bool:
+    """Whether the append route takes the Mosaic GPU kernel by default here (tma_readout.default_tma_readout:
+    an f32 checkpoint of batch >= 256 on a Hopper-class GPU)."""
+    return bench.layer == "gdn" and tma_readout.default_tma_readout(
+        *_abstract_step(bench, L), interpret=False, slots=None) is not None
+
+
+def variants(bench, lengths, backend="pallas"):
+    """(name, L, cursors, route, config) of the variants timed at a shape:
+    the standard step, the replay step at each L (staggered cursors) and at
+    one L in step, and, where the default replay step is one launch (a
     latency-bound batch), the direct route from empty buffers, elsewhere the
-    lockstep schedule (`run_variant`). An 8-bit checkpoint: the replay
-    variants on the output route only."""
+    lockstep schedule (`run_variant`), and, where the Mosaic GPU append
+    kernel takes the shape (`tma_applies`), the lockstep schedule on the
+    append kernel the default does not take: "-lockstep-triton" where the
+    default is the Mosaic GPU kernel (`tma_is_default`), else
+    "-lockstep-tma". An 8-bit checkpoint: the replay
+    variants on the output route only. config None: the kernels' heuristic."""
     if bench.quantized:
-        yield from ((f"replay-L{L}", L, "staggered", "output") for L in lengths)
+        yield from ((f"replay-L{L}", L, "staggered", "output", None) for L in lengths)
         return
-    yield ("standard", None, None, None)
+    yield ("standard", None, None, None, None)
     for L in lengths:
-        yield (f"replay-L{L}", L, "staggered", "output")
+        yield (f"replay-L{L}", L, "staggered", "output", None)
     L = 16 if 16 in lengths else lengths[0]
-    yield (f"replay-L{L}-in-step", L, "in-step", "output")
+    yield (f"replay-L{L}-in-step", L, "in-step", "output", None)
     if kernels.replay_is_one_launch(bench.b, *bench.heads_dims(), bench.sd, L):
-        yield (f"replay-L{L}-direct", L, "empty", "direct")
+        yield (f"replay-L{L}-direct", L, "empty", "direct", None)
     else:  # Generator's lockstep applies where some layer is not on the direct route
-        yield (f"replay-L{L}-lockstep", L, "lockstep", "output")
+        yield (f"replay-L{L}-lockstep", L, "lockstep", "output", None)
+        if tma_applies(bench, L, backend) and tma_is_default(bench, L):  # the Triton append kernel beside it
+            yield (f"replay-L{L}-lockstep-triton", L, "lockstep", "output",
+                   kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L))
+        elif tma_applies(bench, L, backend):
+            yield (f"replay-L{L}-lockstep-tma", L, "lockstep", "output", kernels.TMAReadoutConfig())
 
 
 def standard_bytes(bench) -> float:
@@ -712,8 +760,8 @@ def main(argv=None):
                 if args.sweep:
                     sweep(bench, base, rows, lengths, options, overrides, args.sweep_routes, args.sweep_cursors)
                 std = None
-                for kind, L, cursors, route in [] if args.sweep else variants(bench, lengths):
-                    r = run_variant(bench, L, cursors, options, route=route)
+                for kind, L, cursors, route, config in [] if args.sweep else variants(bench, lengths, options.backend):
+                    r = run_variant(bench, L, cursors, options, config=config, route=route)
                     if L is None:
                         std = r["seconds"]
                     row = dict(base, variant=kind, L=L, cursors=cursors, route=route, **r,
@@ -780,10 +828,12 @@ def against_original(row: dict, original: list[dict]) -> dict:
 
     Standard step: vLLM's kernel at the best config of its tuning grid; replay-L{L} (staggered) and
     replay-L{L}-in-step: the fork's replay kernel at its shipped config, same L and cursors;
-    replay-L{L}-lockstep: the same against its rows in step (every row flushes in one step of L).
-    kernel_over_original: the traced time of our SSM kernels (replay + flush launch; --profile) over
-    the original's CUPTI kernel time; wall_over_original: our cycle's step time over its CUDA-graph
-    replay time; our kernel_us and wall_over_kernel beside them. > 1: ours slower."""
+    replay-L{L}-lockstep (and -lockstep-tma, -lockstep-triton): the same against its rows in step (every row
+    flushes in one step of L). kernel_over_original: the traced time of our SSM kernels (replay + flush
+    launch; --profile; a row whose step ran the Mosaic GPU append kernel: every kernel of its step, the
+    kernel's XLA prelude included) over the original's
+    CUPTI kernel time; wall_over_original: our cycle's step time over its CUDA-graph replay time; our
+    kernel_us and wall_over_kernel beside them. > 1: ours slower."""
     variant = row["variant"]
     if variant == "standard":
         match = dict(variant="standard", which="best")
@@ -796,7 +846,9 @@ def against_original(row: dict, original: list[dict]) -> dict:
     peer = next((r for r in original if all(r.get(k) == v for k, v in key.items())), None)
     if peer is None:
         return {}
-    ours = sum(v["us"] for name, v in (row.get("kernels_us") or {}).items() if name.startswith(("gdn_", "mamba2_")))
+    whole_step = any(name.startswith("gdn_append_tma") for name in (row.get("kernels_us") or {}))
+    ours = sum(v["us"] for name, v in (row.get("kernels_us") or {}).items()
+               if name != "(idle)" and (whole_step or name.startswith(("gdn_", "mamba2_"))))
     out = dict(original_us=peer["us"], original_kernel_us=peer.get("kernel_us"),
                wall_over_original=row["seconds"] * 1e6 / peer["us"])
     if ours:

@@ -139,8 +139,21 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     bench = kb.make_bench("gdn", 2, "float32", kb.np.random.default_rng(0), shape=small)
     assert [v[0] for v in kb.variants(bench, (4, 8))] == ["standard", "replay-L4", "replay-L8", "replay-L4-in-step",
                                                           "replay-L4-direct"]
-    large = [v[0] for v in kb.variants(kb.make_bench("gdn", 256, "float32", None), (16,))]
-    assert large == ["standard", "replay-L16", "replay-L16-in-step", "replay-L16-lockstep"]  # no direct route
+    large = kb.make_bench("gdn", 256, "float32", None)
+    assert [v[0] for v in kb.variants(large, (16,), "interpret")] == [  # no direct route
+        "standard", "replay-L16", "replay-L16-in-step", "replay-L16-lockstep"]
+    tma = [v for v in kb.variants(large, (16,), "pallas") if v[0].endswith("-tma")]  # compiled only
+    assert [(v[0], v[2], type(v[4]).__name__) for v in tma] == [("replay-L16-lockstep-tma", "lockstep",
+                                                                  "TMAReadoutConfig")]
+    assert not kb.tma_applies(kb.make_bench("mamba2", 256, "float32", None), 16, "pallas")
+    assert not kb.tma_applies(large, 4, "pallas")  # L not a multiple of 8
+    assert not kb.tma_is_default(large, 16)  # no Hopper-class GPU here
+    assert large.inputs(1)["v"].shape == (1, 256, 32, 128)  # the checks drew nothing: the bench's key stays usable
+    hopper = type("Device", (), dict(platform="gpu", compute_capability="9.0", core_count=132))()
+    monkeypatch.setattr(kb.jax, "devices", lambda *a: [hopper])  # the append route's default: the Mosaic GPU kernel
+    triton = [v for v in kb.variants(large, (16,), "pallas") if "-lockstep-" in v[0]]
+    assert [(v[0], type(v[4]).__name__) for v in triton] == [("replay-L16-lockstep-triton", "ReplayConfig")]
+    monkeypatch.undo()
     out = kb.check(bench, (4,), "interpret")
     assert out["ok"] and out["direct_L4"]["cursor_zero"] and out["direct_L4"]["y"]["ok"]
     # the check is live: a "direct" step that buffers instead (cursor not 0) fails it
@@ -715,6 +728,15 @@ def test_kernels_against_original_matches_variants():
     staggered = kb.against_original(dict(base, variant="replay-L16", L=16, cursors="staggered", seconds=2e-4,
                                          kernels_us=None), original)
     assert staggered == {"original_us": 210.0, "original_kernel_us": 190.0, "wall_over_original": pytest.approx(200 / 210)}
+    mosaic = {"gdn_append_tma_L16_bv64_st2_p264_mosaic_gpu_kernel": {"us": 150.0}, "gdn_direct_bv32": {"us": 30.0},
+              "input_reduce_fusion": {"us": 9.0}, "(idle)": {"us": 4.0}}
+    for variant in ("replay-L16-lockstep-tma", "replay-L16-lockstep"):  # the Mosaic GPU kernel, named or default
+        tma = kb.against_original(dict(base, variant=variant, L=16, cursors="lockstep", seconds=2e-4,
+                                       kernels_us=mosaic), original)
+        assert tma["kernel_us"] == pytest.approx(189.0)  # every kernel of the step (its XLA prelude), not the idle
+    triton = kb.against_original(dict(base, variant="replay-L16-lockstep-triton", L=16, cursors="lockstep",
+                                      seconds=2e-4, kernels_us={**kernels, "(idle)": {"us": 4.0}}), original)
+    assert triton["kernel_us"] == pytest.approx(180.0)  # the SSM kernels only
     assert kb.against_original(dict(base, variant="replay-L16-direct", L=16, cursors="empty", seconds=1e-4), original) == {}
     assert kb.against_original(dict(base, variant="replay-L8", L=8, cursors="staggered", seconds=1e-4), original) == {}
 

@@ -47,6 +47,12 @@ Launches and their configs:
   for the flushed rows, whose cursor becomes 0). The checkpoint of the
   other rows and every cursor are left as they are until
   :func:`replayssm_jax.state.replay_commit`.
+- Gated DeltaNet replay step, append route, on Mosaic GPU
+  (:mod:`replayssm_jax.kernels.tma_readout`, :class:`TMAReadoutConfig`):
+  an XLA prelude forms the per-head terms and appends the shared k and g
+  records; one persistent kernel pipelines each work item's checkpoint
+  tile and d records into shared memory by TMA copies and writes the
+  outputs and d records. Compiled GPU only; f32 and bf16 checkpoints.
 
 8-bit checkpoints (int8, float8_e4m3fn; :mod:`replayssm_jax.state`) take
 the same kernels: a launch gets the checkpoint as a
@@ -90,6 +96,7 @@ from replayssm_jax.kernels.conv import ACTIVATIONS as CONV_ACTIVATIONS
 from replayssm_jax.kernels.conv import conv_update
 from replayssm_jax.kernels.gdn import gdn_replay_step, gdn_replay_verify, gdn_step, gdn_verify
 from replayssm_jax.kernels.mamba2 import mamba2_replay_step, mamba2_replay_verify, mamba2_step, mamba2_verify
+from replayssm_jax.kernels.tma_readout import TMAReadoutConfig
 
 __all__ = [
     "CONV_ACTIVATIONS",
@@ -98,6 +105,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "ReplayConfig",
     "StepConfig",
+    "TMAReadoutConfig",
     "conv_update",
     "default_conv_config",
     "default_direct_config",

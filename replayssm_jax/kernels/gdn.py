@@ -70,6 +70,7 @@ from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_
                                          program_id)
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
                                          store_checkpoint, tile_mask, tile_row_ids)
+from replayssm_jax.kernels.tma_readout import TMAReadoutConfig, check_tma_readout, default_tma_readout, gdn_append_tma
 from replayssm_jax.state import GDNReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -450,7 +451,8 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, conf
 
 
 def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, route: str,
-                    config: StepConfig | ReplayConfig | None = None, interpret: bool = False, slots=None):
+                    config: StepConfig | ReplayConfig | TMAReadoutConfig | None = None, interpret: bool = False,
+                    slots=None):
     """One ReplaySSM Gated DeltaNet decode step (Pallas kernels); checkpoint, buffers and cursor in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.gdn_replay_step`
@@ -474,7 +476,14 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         L; a row that entered full gets NaN outputs and keeps its state).
       config: a StepConfig for the direct route, a ReplayConfig for the
         others; None: the default (:func:`default_step_config`,
-        :func:`default_replay_config`).
+        :func:`default_replay_config`). The append route also takes a
+        :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig`: the
+        same step as an XLA prelude and one Mosaic GPU kernel whose TMA
+        copies stream the checkpoint tiles through shared memory
+        (:func:`~replayssm_jax.kernels.tma_readout.gdn_append_tma`); None
+        on the append route takes it where
+        :func:`~replayssm_jax.kernels.tma_readout.default_tma_readout` says
+        (an f32 checkpoint of batch >= 256 on a Hopper-class GPU).
       interpret: run the kernels in Pallas interpret mode.
       slots: None, or i32[batch] (validated): the state is a state pool of
         capacity slots and batch row b steps slot slots[b], as
@@ -492,8 +501,20 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         `config.flush_rows` that does not divide the batch; a one-launch
         step (fused flush, direct route) of more than 32767 programs per
         batch row.
-      TypeError: a `config` of the other class than the route takes.
+      TypeError: a `config` of the other class than the route takes (a
+        TMAReadoutConfig on another route than "append").
+      NotImplementedError, ValueError: a TMAReadoutConfig beyond the
+        Mosaic GPU kernel's limits (:func:`~replayssm_jax.kernels.tma_readout.check_tma_readout`).
     """
+    if config is None and route == "append":
+        config = default_tma_readout(state, v, interpret=interpret, slots=slots)
+    if isinstance(config, TMAReadoutConfig):
+        if route != "append":
+            raise TypeError(f"a TMAReadoutConfig tiles the append route only; got route {route!r} (use a "
+                            f"{'StepConfig' if route == 'direct' else 'ReplayConfig'})")
+        check_tma_readout(state, v, config, interpret=interpret, slots=slots)
+        return gdn_append_tma(state, q, k, v, g, beta, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
+                              config=config)
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     kw = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), interpret=interpret)
     return replay_step(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), route=route,

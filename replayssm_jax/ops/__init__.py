@@ -13,10 +13,13 @@ resolves its backend and, for a replay step, its route
            else "xla".
   config   a :class:`replayssm_jax.kernels.StepConfig` (standard steps, the
            replay step's direct route) or :class:`~replayssm_jax.kernels.ReplayConfig`
-           (the replay step's output and state routes, the verify window) or
-           :class:`~replayssm_jax.kernels.ConvConfig` (the conv update)
-           overriding the kernels' frozen tiling heuristic, or None; only the
-           kernel backends take one.
+           (the replay step's output, state and append routes, the verify
+           window) or :class:`~replayssm_jax.kernels.ConvConfig` (the conv
+           update) overriding the kernels' frozen tiling heuristic, or None;
+           only the kernel backends take one. The GDN replay step's append
+           route also takes a :class:`~replayssm_jax.kernels.TMAReadoutConfig`:
+           its Mosaic GPU form (compiled, "pallas" only;
+           :mod:`replayssm_jax.kernels.tma_readout`).
 
 The decode steps (`mamba2_step`, `gdn_step` and their replay steps) and the
 verify ops (`*_replay_verify`, the per-draft `mamba2_verify` / `gdn_verify`)
@@ -137,7 +140,7 @@ UNSAFE_CHECKPOINTS = {
 }
 
 # The `config` a kernel op takes (None: the heuristic).
-KernelConfig = kernels.StepConfig | kernels.ReplayConfig
+KernelConfig = kernels.StepConfig | kernels.ReplayConfig | kernels.TMAReadoutConfig
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,389 @@
+"""The Gated DeltaNet replay step's append route on Mosaic GPU: the
+checkpoint tiles streamed into shared memory by TMA copies, pipelined.
+
+The append route (:func:`replayssm_jax.kernels.gdn_replay_step`,
+route="append") reads each row's checkpoint once and appends this step's
+record; nothing is flushed. Here it runs as an XLA prelude and one Mosaic
+GPU kernel (:func:`gdn_append_tma`):
+
+- the prelude forms the per-head terms, which need no checkpoint: q and k
+  L2-normalized (q scaled), the live slots' decay weights w_i (suffix sums
+  of the buffered log decays, as `replay_math.replay_weights`), the
+  buffered keys' weighted scores a_k[i] = w_i k_i . k and a_q[i] = w_i
+  k_i . q (0 in dead slots), and exp(sum of the live g), k . q, exp(g) and
+  beta; it appends the step's shared records (k normalized, not scaled,
+  and g) at each row's cursor, in place;
+- the kernel's programs, `config.programs_per_sm` per SM (at most one per
+  item), each walk their share of the (batch row, value head, row tile)
+  items, strided over the grid; `plgpu.emit_pipeline` copies an item's
+  checkpoint tile [block_v, K], its d records [L, block_v], terms, q, k and
+  v into shared memory up to `config.stages` - 1 items ahead of the one it
+  computes (TMA; the stages capped at the program's items), and the
+  item's compute forms, with
+  S_c the checkpoint tile and d_i its buffered update vectors (DESIGN.md
+  section 2, `replay_math`'s form of the replay):
+
+      Sk = exp(g) (carried S_c k + sum_i a_k[i] d_i),   d = beta (v - Sk),
+      o  = exp(g) (carried S_c q + sum_i a_q[i] d_i) + (k . q) d,
+
+  and the pipeline stores o and the row's new d record at slot `cursor`.
+- one XLA op moves the cursor to min(cursor + 1, L), as on the Triton
+  append route.
+
+A row that entered full (cursor == L) has no free slot: its outputs are NaN
+and its state is kept bit for bit (its last d record is written back as it
+was; its k and g records are not written), as on the Triton route.
+
+On the H200 at batch 256 with an f32 checkpoint (Qwen3.5-4B's layer, L =
+16) the kernel took 137-139 us and the prelude about 5 us, where the
+Triton append kernel took 167 us (bench/RESULTS.md, 2026-12-02, "A Mosaic
+GPU readout").
+
+Limits (checked before the prelude and the launch, :func:`check_tma_readout`):
+f32 or bf16 checkpoint, d records and v (no 8-bit checkpoint), no state
+pool, the compiled GPU kernel only (Mosaic GPU's interpreter has no
+predicated copies, which the pipeline's stores use), K a multiple of the
+swizzled tile's width (32 columns of f32, 64 of bf16) and at most 256 (one
+TMA copy), V a multiple of block_v, L a multiple of 8 (with f32 or bf16
+records, every shared-memory stage buffer a multiple of 128 bytes, the TMA
+copies' alignment) and at most 64, and a program's shared memory
+(:func:`smem_bytes`: Mosaic GPU rounds each allocation up to 1 KiB) within
+227 KiB. Above about 113 KiB a program, two no longer share an SM: the
+grid then runs in more than one wave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from replayssm_jax.kernels.config import MAX_BUFFER_LEN, num_sms
+from replayssm_jax.state import GDNReplayState
+
+f32 = jnp.float32
+ROW = plgpu.Layout.WGMMA.reduce(1)  # a vector over the rows of a [rows, cols] WGMMA-layout tile
+COL = plgpu.Layout.WGMMA.reduce(0)  # a vector over its columns
+SMEM_BYTES = 227 * 1024  # shared memory a program may hold (H100, H200)
+SMEM_ALIGN = 1024  # bytes: Mosaic GPU rounds each shared-memory allocation up to this
+TMA_ALIGN = 128  # bytes: each stage's buffer starts on this boundary
+TMA_MAX = 256  # elements along any dimension of one TMA copy
+SWIZZLE = 128  # bytes: the checkpoint tile's shared-memory swizzle
+TERMS = 4  # rows of an item's terms: a_k, a_q, the scalars, padding
+MAX_K = 256  # key dim: q and k are one copy each
+MAX_L = MAX_BUFFER_LEN  # buffer slots, as the other kernels (the readout's slot loop is unrolled)
+
+
+@dataclasses.dataclass(frozen=True)
+class TMAReadoutConfig:
+    """Tiling of the append route's Mosaic GPU kernel (:func:`gdn_append_tma`).
+
+    Attributes:
+      block_v: checkpoint rows of a work item, 64 or 128 (the WGMMA
+        register layout's tiles are 64 rows).
+      stages: items a program holds in shared memory, >= 1 (the pipeline
+        copies up to stages - 1 items ahead of the one it computes).
+      programs_per_sm: persistent programs per SM, >= 1 (the grid is
+        num_sms() * programs_per_sm programs, at most one per item; they
+        run at once only where that many programs' shared memory fits an
+        SM).
+
+    Raises:
+      TypeError: a field that is not an int (numpy ints accepted).
+      ValueError: block_v not 64 or 128, stages or programs_per_sm < 1.
+    """
+
+    block_v: int = 64
+    stages: int = 2
+    programs_per_sm: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"`config.{field.name}` must be an int; got {type(value).__name__} {value!r}")
+            object.__setattr__(self, field.name, int(value))
+        if self.block_v not in (64, 128):
+            raise ValueError(f"`config.block_v` must be 64 or 128 (WGMMA-layout rows); got {self.block_v}")
+        for name in ("stages", "programs_per_sm"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`config.{name}` must be >= 1; got {getattr(self, name)}")
+
+
+def _align(n: int, to: int = SMEM_ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _grid(batch: int, HV: int, V: int, config: TMAReadoutConfig) -> tuple[int, int, int]:
+    """(items, programs, steps): the (batch row, value head, row tile) items, the persistent programs (at most
+    one per item) and the pipeline steps of a program."""
+    items = batch * HV * (V // config.block_v)
+    programs = min(items, num_sms() * config.programs_per_sm)
+    return items, programs, -(-items // programs)
+
+
+def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig) -> int:
+    """Shared-memory bytes of a program: each pipelined buffer (the item's checkpoint tile, d records, terms, q
+    and k in f32, v; its outputs o and the d record) times the stages the pipeline keeps (`config.stages`,
+    at most the program's steps) and the cursor, each allocation rounded up to SMEM_ALIGN, and Mosaic GPU's
+    reduction scratch and barriers (8 bytes each; counted for every buffer's stages, a bound). Within 0.2 KiB
+    above what the lowering allocates at the shapes tried (2026-12-02)."""
+    batch, HV, V, K = state.checkpoint.shape
+    BV, L = config.block_v, state.buffer_len
+    d_size, v_size = state.d.dtype.itemsize, v.dtype.itemsize
+    buffers = (BV * K * state.checkpoint.dtype.itemsize, L * BV * d_size, TERMS * L * 4, K * 4, K * 4, BV * v_size,
+               BV * v_size, BV * d_size)
+    stages = min(config.stages, _grid(batch, HV, V, config)[2])
+    scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + stages * len(buffers))
+    return sum(_align(stages * b) for b in buffers) + _align(_cursor_rows(batch) * TMA_MAX * 4) + scratch
+
+
+def _cursor_rows(batch: int) -> int:
+    """Rows of TMA_MAX entries the cursor is copied to shared memory in (one copy of [rows, TMA_MAX])."""
+    return -(-batch // TMA_MAX)
+
+
+def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, interpret: bool, slots) -> None:
+    """Raise where the append route's Mosaic GPU kernel cannot take this step (before any launch).
+
+    Args: the validated state and v of :func:`gdn_append_tma`, its config,
+    and the caller's `interpret` and `slots` (a state pool).
+
+    Raises:
+      NotImplementedError: interpret mode, a state pool (slots), an 8-bit
+        checkpoint.
+      ValueError: a checkpoint, d records or v that are not f32 or bf16; K
+        not a multiple of the swizzled tile's width (32 f32 or 64 bf16
+        columns) or above MAX_K; V not a multiple of config.block_v; L not a
+        multiple of 8 or above MAX_L; a program's shared memory
+        (:func:`smem_bytes`) above SMEM_BYTES.
+    """
+    if interpret:
+        raise NotImplementedError("the TMA readout (a TMAReadoutConfig) runs compiled on a GPU only: Mosaic GPU's "
+                                  "interpreter has no predicated copies; use a ReplayConfig to interpret the append "
+                                  "route")
+    if slots is not None:
+        raise NotImplementedError("the TMA readout (a TMAReadoutConfig) takes no state pool (`slots`); use a "
+                                  "ReplayConfig")
+    if state.scale is not None:
+        raise NotImplementedError(f"the TMA readout takes an f32 or bf16 checkpoint; got an 8-bit checkpoint "
+                                  f"({state.checkpoint.dtype}); use a ReplayConfig")
+    wide = (jnp.dtype(f32), jnp.dtype(jnp.bfloat16))
+    for name, dtype in (("checkpoint", state.checkpoint.dtype), ("d records", state.d.dtype), ("v", v.dtype)):
+        if jnp.dtype(dtype) not in wide:
+            raise ValueError(f"the TMA readout takes f32 or bf16 {name}; got {jnp.dtype(dtype)}")
+    dtype = jnp.dtype(state.checkpoint.dtype)
+    _, _, V, K = state.checkpoint.shape
+    width = SWIZZLE // dtype.itemsize
+    if K % width or K > MAX_K:
+        raise ValueError(f"the TMA readout takes K (key dim) a multiple of {width} for a {dtype} checkpoint (its "
+                         f"swizzled tile's columns), at most {MAX_K}; got K = {K}")
+    if V % config.block_v:
+        raise ValueError(f"the TMA readout takes V (value dim) a multiple of `config.block_v` = {config.block_v}; "
+                         f"got V = {V}")
+    L = state.buffer_len
+    if L % 8 or L > MAX_L:
+        raise ValueError(f"the TMA readout takes L (buffer length) a multiple of 8 (each shared-memory stage "
+                         f"{TMA_ALIGN}-byte aligned), at most {MAX_L}; got L = {L}")
+    need = smem_bytes(state, v, config)
+    if need > SMEM_BYTES:
+        raise ValueError(f"the TMA readout's {config.stages} stages of {config.block_v} rows need {need} bytes of "
+                         f"shared memory, above a program's {SMEM_BYTES}; lower `config.stages` or `config.block_v`")
+
+
+DEFAULT_MIN_BATCH = 256  # batch rows from which the append route takes this kernel by default (f32 checkpoint)
+
+
+def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> TMAReadoutConfig | None:
+    """The append route's default Mosaic GPU tiling, or None where the
+    Triton append kernel stays the default: a TMAReadoutConfig() on a
+    Hopper-class GPU (compute capability 9.x) for an f32 checkpoint with at
+    least DEFAULT_MIN_BATCH rows, where :func:`check_tma_readout` takes the
+    step. Raises nothing.
+
+    Measured on the H200 (bench/RESULTS.md, 2026-12-02, "The TMA readout in
+    the library"): Qwen3.5-4B's GDN layer in the lockstep cycle, L = 16,
+    kernel time over the original's 1.08 (batch 256) and 1.07 (512) with
+    it, 1.15 and 1.17 without; at batch 64 (1.13 against 1.15, wall time
+    longer) and with a bf16 checkpoint (0.92 against 0.89 at batch 256) it
+    does not pay.
+    """
+    device = jax.devices()[0]
+    capability = str(getattr(device, "compute_capability", "")) if device.platform == "gpu" else ""
+    if (interpret or slots is not None or not capability.startswith("9") or state.scale is not None
+            or jnp.dtype(state.checkpoint.dtype) != jnp.dtype(f32) or state.checkpoint.shape[0] < DEFAULT_MIN_BATCH):
+        return None
+    config = TMAReadoutConfig()
+    try:
+        check_tma_readout(state, v, config, interpret=interpret, slots=slots)
+    except (ValueError, NotImplementedError):
+        return None
+    return config
+
+
+def head_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2norm: bool):
+    """The prelude's per-head terms of one append step (XLA, no checkpoint read).
+
+    Args:
+      state: the GDNReplayState before the step (its k and g records and
+        cursor are read; dead slots may hold anything, inf included).
+      q, k [batch, H, K]; g f32[batch, HV]; beta [batch, HV]: the step's
+        inputs; scale, use_qk_l2norm: as :func:`replayssm_jax.ops.gdn_step`.
+
+    Returns:
+      (qn f32[batch, H, K] normalized and scaled, kn f32[batch, H, K]
+      normalized, terms f32[batch, HV, 4, L]): terms[:, :, 0] = a_k and
+      terms[:, :, 1] = a_q, the live slots' weighted key scores (0 in dead
+      slots); terms[:, :, 2, :4] = (exp of the live slots' summed log
+      decays, k . q, exp(g), beta); terms[:, :, 3] = 0.
+    """
+    L, (_, H, _), HV = state.buffer_len, q.shape, g.shape[1]
+    qn, kn = q.astype(f32), k.astype(f32)
+    if use_qk_l2norm:
+        qn = qn * lax.rsqrt(jnp.sum(qn * qn, -1, keepdims=True) + 1e-6)
+        kn = kn * lax.rsqrt(jnp.sum(kn * kn, -1, keepdims=True) + 1e-6)
+    qn = qn * scale
+    live = jnp.arange(L) < state.cursor[:, None, None]
+    lg = jnp.where(live, state.g, 0.0)
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(lg, -1), -1), -1)  # sum over slots j >= i
+    later = jnp.concatenate([suffix[..., 1:], jnp.zeros_like(suffix[..., :1])], -1)  # j > i: no cancellation
+    w = jnp.where(live, jnp.exp(later), 0.0)
+    keys = state.k.astype(f32)  # elementwise products and sums: f32 on every GPU (no TF32 dot)
+
+    def scores(x):
+        return jnp.repeat(jnp.sum(keys * x[:, :, None, :], -1), HV // H, axis=1)
+
+    a_k = jnp.where(live, w * scores(kn), 0.0)
+    a_q = jnp.where(live, w * scores(qn), 0.0)
+    kq = jnp.repeat(jnp.sum(kn * qn, -1), HV // H, axis=1)
+    scalars = jnp.stack([jnp.exp(suffix[..., 0]), kq, jnp.exp(g.astype(f32)), beta.astype(f32)], -1)
+    scalars = jnp.pad(scalars, ((0, 0), (0, 0), (0, L - scalars.shape[-1])))
+    return qn, kn, jnp.stack([a_k, a_q, scalars, jnp.zeros_like(a_k)], 2)
+
+
+def append_shared_records(state: GDNReplayState, kn, g) -> GDNReplayState:
+    """The state with this step's k record (kn [batch, H, K], normalized, in the buffer's dtype) and g record
+    (f32[batch, HV]) at each row's cursor, in place (scatters); a row full at entry (cursor == L) writes
+    neither."""
+    batch, H, HV = state.batch, kn.shape[1], g.shape[1]
+    slot = state.cursor[:, None]  # slot L is out of bounds: dropped
+    rows = jnp.arange(batch)[:, None]
+    k = state.k.at[rows, jnp.arange(H)[None, :], slot].set(kn.astype(state.k.dtype), mode="drop")
+    g_rec = state.g.at[rows, jnp.arange(HV)[None, :], slot].set(g.astype(f32), mode="drop")
+    return state.replace(k=k, g=g_rec)
+
+
+def _swizzled(dtype):
+    """Shared-memory transforms of a checkpoint tile read in the WGMMA register layout."""
+    return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMAReadoutConfig, checkpoint_dtype):
+    """The kernel body over the items of `shape` = (batch, HV, V) (see the module docstring)."""
+    batch, HV, V = shape
+    BV = config.block_v
+    NV = V // BV
+    count_items, programs, steps = _grid(batch, HV, V, config)  # past the end: the last item again (same writes)
+
+    def body(ck_ref, terms_ref, cursor_ref, q_ref, k_ref, v_ref, d_ref, o_ref, cursor_smem, barrier):
+        program = lax.axis_index("program")
+        plgpu.copy_gmem_to_smem(cursor_ref, cursor_smem, barrier.at[0])
+        plgpu.barrier_wait(barrier.at[0])
+
+        def item(step):  # (batch row, value head, row tile) of this program's step
+            i = jnp.minimum(step * programs + program, count_items - 1)
+            return i // (HV * NV), (i // NV) % HV, i % NV
+
+        def spec(shape, index, transforms=()):
+            return plgpu.BlockSpec(shape, lambda step: index(*item(step)), transforms=transforms)
+
+        def cursor_of(b):
+            return cursor_smem[b // TMA_MAX, b % TMA_MAX]
+
+        def record_slot(b):  # a full row writes its last record back unchanged
+            return jnp.minimum(cursor_of(b), L - 1)
+
+        K = ck_ref.shape[-1]
+        in_specs = [
+            spec((None, None, BV, K), lambda b, h, j: (b, h, j, 0), _swizzled(checkpoint_dtype)),
+            spec((None, None, L, BV), lambda b, h, j: (b, h, 0, j)),  # d records
+            spec((None, None, TERMS, L), lambda b, h, j: (b, h, 0, 0)),
+            spec((None, None, K), lambda b, h, j: (b, h // group, 0)),
+            spec((None, None, K), lambda b, h, j: (b, h // group, 0)),
+            spec((None, None, BV), lambda b, h, j: (b, h, j)),
+        ]
+        out_specs = [spec((None, None, BV), lambda b, h, j: (b, h, j)),
+                     spec((None, None, None, BV), lambda b, h, j: (b, h, record_slot(b), j))]
+
+        def compute(index, S_s, U_s, terms_s, q_s, k_s, v_s, o_s, d_s):
+            b, _, _ = item(index[0])
+            count = cursor_of(b)
+            carried, kq, decay, beta = terms_s[2, 0], terms_s[2, 1], terms_s[2, 2], terms_s[2, 3]
+            acc_k = acc_q = plgpu.layout_cast(jnp.zeros((BV,), f32), ROW)
+            for i in range(L):  # static: independent loads; the slot's weights are scalars in shared memory
+                u = plgpu.load(U_s.at[i], layout=ROW).astype(f32)
+                u = jnp.where(jnp.broadcast_to(i < count, u.shape), u, jnp.zeros_like(u))  # dead slots: 0
+                acc_k = acc_k + terms_s[0, i] * u
+                acc_q = acc_q + terms_s[1, i] * u
+            qv = plgpu.load(q_s, layout=COL)
+            kv = plgpu.load(k_s, layout=COL)
+            S = plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
+            Sk = decay * (carried * jnp.sum(S * kv[None, :], axis=1) + acc_k)
+            Sq = decay * (carried * jnp.sum(S * qv[None, :], axis=1) + acc_q)
+            d = beta * (plgpu.load(v_s, layout=ROW).astype(f32) - Sk)
+            full = jnp.broadcast_to(count >= L, d.shape)
+            o = jnp.where(full, jnp.full_like(d, jnp.nan), Sq + kq * d)
+            o_s[...] = o.astype(o_s.dtype)
+            d_s[...] = jnp.where(full, plgpu.load(U_s.at[L - 1], layout=ROW), d.astype(d_s.dtype))
+
+        plgpu.emit_pipeline(compute, grid=(steps,), in_specs=in_specs, out_specs=out_specs,
+                            max_concurrent_steps=config.stages)(
+            ck_ref, d_ref, terms_ref, q_ref, k_ref, v_ref, o_ref, d_ref)
+
+    return body
+
+
+def gdn_append_tma(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
+                   config: TMAReadoutConfig | None = None):
+    """One append-route step of a Gated DeltaNet replay state: the XLA prelude and the Mosaic GPU kernel.
+
+    Takes validated arguments (:func:`replayssm_jax.ops.gdn_replay_step`
+    with route="append"), as the Triton append route; the caller checks
+    the kernel's limits first (:func:`check_tma_readout`).
+
+    Args:
+      state: a GDNReplayState (checkpoint f32 | bf16[batch, HV, V, K],
+        records d [batch, HV, L, V], k [batch, H, L, K], g f32[batch, HV, L],
+        cursor i32[batch] in 0..L).
+      q, k [batch, H, K]; v [batch, HV, V]; g f32[batch, HV] (log decay);
+      beta [batch, HV]; scale, use_qk_l2norm: as
+        :func:`replayssm_jax.ops.gdn_step`.
+      config: a TMAReadoutConfig (None: its defaults).
+
+    Returns:
+      (o [batch, HV, V] in v.dtype, new GDNReplayState): the records
+      appended at each row's cursor and the cursor moved to min(cursor + 1,
+      L); the checkpoint unchanged. A row full at entry: NaN outputs, its
+      state unchanged.
+    """
+    config = config or TMAReadoutConfig()
+    batch, HV, V, _ = state.checkpoint.shape
+    H, L = state.k.shape[1], state.buffer_len
+    qn, kn, terms = head_terms(state, q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    programs = _grid(batch, HV, V, config)[1]
+    body = _readout_kernel((batch, HV, V), L, HV // H, config, state.checkpoint.dtype)
+    name = f"gdn_append_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}"  # as the profiles name it
+    rows = _cursor_rows(batch)
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(programs,),
+                          grid_names=("program",), kernel_name=name,
+                          scratch_types=[plgpu.SMEM((rows, TMA_MAX), jnp.int32), plgpu.Barrier(num_barriers=1)])
+    cursor = jnp.pad(state.cursor, (0, rows * TMA_MAX - batch)).reshape(rows, TMA_MAX)
+    d_ref = jax.new_ref(state.d)  # written in place: the kernel's d records
+    o = kernel(state.checkpoint, terms, cursor, qn, kn, v, d_ref)
+    state = append_shared_records(state, kn, g).replace(d=d_ref[...])
+    return o, state.replace(cursor=jnp.minimum(state.cursor + 1, L))

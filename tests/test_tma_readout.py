@@ -1,0 +1,297 @@
+"""The Gated DeltaNet append route on Mosaic GPU (replayssm_jax.kernels.tma_readout).
+
+On the CPU: the config's and the limits' errors (raised before any launch),
+the XLA prelude's terms and shared records against the reference's append
+step (the readout formula of the module docstring evaluated on the terms
+in jnp), and the kernel lowered for CUDA (Mosaic GPU's layouts, the d
+records aliased in place). On a GPU (`pytest -m gpu`): the compiled step
+against the reference's append step, from staggered cursors with dead slots
+holding inf, a full row under a trace, both checkpoint dtypes and tilings.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cases import assert_close
+from kernel_checks import GDN, GDNShape
+from replayssm_jax import kernels, ops, reference
+from replayssm_jax.kernels import tma_readout
+from replayssm_jax.testing import tolerance_dtype
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+L = 8
+SHAPE = GDNShape(batch=5, H=2, HV=4, K=64, V=128)
+
+
+def _layer(rng, shape=SHAPE, dtype=bf16):
+    return GDN(shape, rng, dtype)
+
+
+def _state(layer, checkpoint_dtype, buffer_dtype, cursor):
+    """A replay state whose dead slots (slot >= cursor) hold inf in every record (a rejected draft's)."""
+    rs = layer.replay_state(L, checkpoint_dtype, buffer_dtype, cursor)
+    dead = np.arange(L) >= np.asarray(cursor)[:, None]
+    poison = lambda a, axis: jnp.where(jnp.asarray(np.expand_dims(dead, (1,) + tuple(range(3, 3 + axis)))),
+                                       jnp.inf, a)  # noqa: E731
+    return rs.replace(d=poison(rs.d, 1), k=poison(rs.k, 1), g=poison(rs.g, 0))
+
+
+def _check_records(new, want, cursor, dtype, what):
+    """Records [batch, heads, L, n]: the slot at each row's cursor within the tolerance of `dtype`, every other
+    slot (dead slots' inf included) bit for bit."""
+    new, want = np.asarray(new, np.float32), np.asarray(want, np.float32)
+    slot = np.broadcast_to((np.arange(L) == np.asarray(cursor)[:, None])[:, None, :, None], new.shape)
+    assert_close(new[slot], want[slot], dtype, what=f"the new {what} records")
+    np.testing.assert_array_equal(new[~slot], want[~slot], err_msg=f"{what} records at other slots")
+
+
+def _reference(rs, inp, scale, use_qk_l2norm=True):
+    return jax.jit(lambda s, i: reference.gdn_replay_step(s, **i, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                                          route="append"))(rs, inp)
+
+
+# ---------------------------------------------------------------------------
+# CPU: config, limits, prelude, lowering
+
+
+@pytest.mark.parametrize(("changes", "error", "match"), [
+    (dict(block_v=32), ValueError, r"`config.block_v` must be 64 or 128.*got 32"),
+    (dict(stages=0), ValueError, r"`config.stages` must be >= 1; got 0"),
+    (dict(programs_per_sm=0), ValueError, r"`config.programs_per_sm` must be >= 1; got 0"),
+    (dict(stages=2.0), TypeError, r"`config.stages` must be an int; got float"),
+    (dict(block_v=True), TypeError, r"`config.block_v` must be an int; got bool"),
+])
+def test_config_errors(changes, error, match):
+    with pytest.raises(error, match=match):
+        kernels.TMAReadoutConfig(**changes)
+    assert kernels.TMAReadoutConfig(block_v=np.int64(128)).block_v == 128
+
+
+def test_limits_raise_before_any_launch(rng):
+    """Each limit of the Mosaic GPU kernel is an error naming it, raised before a launch (on the CPU too)."""
+    layer = _layer(rng)
+    rs, inp = layer.replay_state(L, f32, bf16, np.zeros(SHAPE.batch, np.int32)), layer.draw()
+    config = kernels.TMAReadoutConfig()
+
+    def step(rs, route="append", config=config, **kw):
+        return kernels.gdn_replay_step(rs, **inp, scale=0.1, use_qk_l2norm=True, route=route, config=config, **kw)
+
+    with pytest.raises(NotImplementedError, match="compiled on a GPU only"):
+        step(rs, interpret=True)
+    with pytest.raises(NotImplementedError, match="no state pool"):
+        step(rs, slots=jnp.arange(SHAPE.batch, dtype=jnp.int32))
+    with pytest.raises(TypeError, match=r"append route only; got route 'output' \(use a ReplayConfig\)"):
+        step(rs, route="output")
+    with pytest.raises(TypeError, match=r"got route 'direct' \(use a StepConfig\)"):
+        step(rs, route="direct")
+    with pytest.raises(ValueError, match=r"L \(buffer length\) a multiple of 8.*L = 4"):
+        step(layer.replay_state(4, f32, bf16, np.zeros(SHAPE.batch, np.int32)))
+    with pytest.raises(ValueError, match=r"V \(value dim\) a multiple of `config.block_v` = 128; got V = 64"):
+        narrow = _layer(rng, GDNShape(batch=2, H=2, HV=4, K=64, V=64))
+        kernels.gdn_replay_step(narrow.replay_state(L, f32, bf16, np.zeros(2, np.int32)), **narrow.draw(), scale=0.1,
+                                use_qk_l2norm=True, route="append", config=kernels.TMAReadoutConfig(block_v=128))
+    with pytest.raises(ValueError, match=r"K \(key dim\) a multiple of 64 for a bfloat16 checkpoint.*K = 32"):
+        thin = _layer(rng, GDNShape(batch=2, H=2, HV=4, K=32, V=64))
+        kernels.gdn_replay_step(thin.replay_state(L, bf16, bf16, np.zeros(2, np.int32)), **thin.draw(), scale=0.1,
+                                use_qk_l2norm=True, route="append", config=config)
+    with pytest.raises(TypeError, match=r"must be a replayssm_jax.kernels.ReplayConfig or None for the replay "
+                                        r"step's append route; got TMAReadoutConfig"):  # not a Mamba-2 config
+        from kernel_checks import Mamba2, Mamba2Shape
+        m = Mamba2(Mamba2Shape(batch=2, H=4, P=64, N=64, G=2), rng)
+        m.kernel_replay_step(m.replay_state(L, f32, f32, np.zeros(2, np.int32)), m.draw(), "append", config)
+    with pytest.raises(TypeError, match="'xla' backend"):
+        ops.gdn_replay_step(rs, **inp, route="append", backend="xla", config=config)
+    with pytest.raises(TypeError, match="append route only, which route='auto' never takes"):
+        ops.gdn_replay_step(rs, **inp, route="auto", backend="interpret", config=config)
+
+
+def _abstract(batch, K=128, V=128, L=16, checkpoint=f32, d=bf16, act=bf16, H=16, HV=32):
+    """(abstract replay state, abstract v) of a GDN layer: shapes only, nothing allocated."""
+    state = jax.eval_shape(lambda: ops.gdn_replay_init(jnp.zeros((batch, HV, V, K), checkpoint), L, H, d))
+    return state, jax.ShapeDtypeStruct((batch, HV, V), act)
+
+
+@pytest.mark.parametrize(("case", "config", "match"), [
+    (dict(K=512), None, r"K \(key dim\) a multiple of 32 for a float32 checkpoint.*at most 256; got K = 512"),
+    (dict(L=72), None, r"L \(buffer length\) a multiple of 8.*at most 64; got L = 72"),
+    (dict(d=jnp.float8_e4m3fn), None, "f32 or bf16 d records; got float8_e4m3fn"),
+    (dict(act=jnp.float16), None, "f32 or bf16 v; got float16"),
+    (dict(batch=200, d=f32), dict(block_v=128, stages=3), r"3 stages of 128 rows need 233672 bytes of shared memory, "
+                                                         r"above a program's 232448"),
+], ids=["K-512", "L-72", "fp8-records", "f16-v", "smem"])
+def test_limits_on_shapes(case, config, match):
+    """The shape limits, on abstract states (the shared-memory bound at a batch where the pipeline keeps every
+    stage: Mosaic GPU's lowering allocates 233504 bytes there and refuses)."""
+    state, v = _abstract(**{"batch": 4, **case})
+    with pytest.raises(ValueError, match=match):
+        tma_readout.check_tma_readout(state, v, kernels.TMAReadoutConfig(**(config or {})), interpret=False,
+                                      slots=None)
+
+
+def test_shared_memory_counts_the_stages_a_program_keeps():
+    """The pipeline keeps at most a program's steps: 4 stages of 128 rows fit at batch 2 (one step a
+    program), not at batch 256."""
+    config = kernels.TMAReadoutConfig(block_v=128, stages=4)
+    small, big = (tma_readout.smem_bytes(*_abstract(b, d=f32), config) for b in (2, 256))
+    assert small < tma_readout.SMEM_BYTES < big
+
+
+class _Device:
+    """A stand-in for jax.devices()[0]: its platform, compute capability and SM count."""
+
+    def __init__(self, platform="gpu", compute_capability="9.0", core_count=132):
+        self.platform, self.compute_capability, self.core_count = platform, compute_capability, core_count
+
+
+@pytest.mark.parametrize(("device", "case", "kw", "takes"), [
+    (_Device(), dict(batch=256), {}, True),
+    (_Device(), dict(batch=512), {}, True),
+    (_Device(), dict(batch=255), {}, False),
+    (_Device(), dict(batch=256, checkpoint=bf16), {}, False),
+    (_Device(), dict(batch=256, L=4), {}, False),
+    (_Device(), dict(batch=256), dict(interpret=True), False),
+    (_Device(), dict(batch=256), dict(slots=jnp.arange(256)), False),
+    (_Device(compute_capability="8.0"), dict(batch=256), {}, False),
+    (_Device(platform="cpu"), dict(batch=256), {}, False),
+], ids=["b256", "b512", "b255", "bf16", "L4", "interpret", "pool", "sm80", "cpu"])
+def test_default_tiling_of_the_append_route(device, case, kw, takes, monkeypatch):
+    """The append route takes the Mosaic GPU kernel by default only where it was measured to pay (an f32
+    checkpoint of batch >= 256, compiled, on a Hopper-class GPU) and where the kernel takes the step."""
+    monkeypatch.setattr(jax, "devices", lambda *a: [device])
+    state, v = _abstract(**case)
+    config = tma_readout.default_tma_readout(state, v, interpret=kw.get("interpret", False), slots=kw.get("slots"))
+    assert config == (kernels.TMAReadoutConfig() if takes else None)
+
+
+@pytest.mark.parametrize(("buffer_dtype", "use_qk_l2norm", "scale"), [(f32, True, None), (bf16, True, None),
+                                                                    (f32, False, 0.3)])
+def test_prelude_terms_give_the_reference_append_step(buffer_dtype, use_qk_l2norm, scale, rng):
+    """The prelude's terms, put through the kernel's readout formula in jnp, give the reference's append
+    outputs; its shared records are the reference's k and g records bit for bit (a full row's untouched);
+    dead slots hold inf and change nothing. f32 activations: the f32 tolerance."""
+    layer = _layer(rng, dtype=f32)
+    cursor = np.array([0, 3, 7, 8, 5], np.int32)  # row 3 entered full
+    rs, inp = _state(layer, f32, buffer_dtype, cursor), layer.draw()
+    scale = SHAPE.K ** -0.5 if scale is None else scale
+    o_ref, rs_ref = _reference(rs, inp, scale, use_qk_l2norm)
+    qn, kn, terms = tma_readout.head_terms(rs, inp["q"], inp["k"], inp["g"], inp["beta"], scale=scale,
+                                           use_qk_l2norm=use_qk_l2norm)
+    group = SHAPE.HV // SHAPE.H
+    live = (np.arange(L) < cursor[:, None])[:, None, :, None]
+    U = jnp.where(live, rs.d.astype(f32), 0.0)
+    S = rs.checkpoint.astype(f32)
+    carried, kq, decay, beta = (terms[:, :, 2, i][..., None] for i in range(4))
+
+    def read(x, a):
+        return carried * jnp.einsum("bhvk,bhk->bhv", S, jnp.repeat(x, group, 1), precision="highest") + \
+            jnp.einsum("bhl,bhlv->bhv", a, U, precision="highest")
+
+    d = beta * (inp["v"].astype(f32) - decay * read(kn, terms[:, :, 0]))
+    o = decay * read(qn, terms[:, :, 1]) + kq * d
+    rows = cursor < L
+    assert_close(o[rows], o_ref[rows], f32, what="outputs of the rows with a free slot")
+    new = tma_readout.append_shared_records(rs, kn, inp["g"])
+    _check_records(new.k, rs_ref.k, cursor, tolerance_dtype(buffer_dtype), "k")
+    np.testing.assert_array_equal(np.asarray(new.g), np.asarray(rs_ref.g))
+    assert np.isfinite(np.asarray(terms)).all()
+
+
+MODEL = GDNShape(batch=200, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer
+
+
+@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape", "buffer_len"), [
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), SHAPE, L),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=3), SHAPE, L),
+    (f32, f32, f32, kernels.TMAReadoutConfig(programs_per_sm=1, stages=1), SHAPE, L),
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(stages=3), MODEL, 16),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=2), MODEL.with_batch(300), 16),
+], ids=["f32-bf16-default", "bf16-bf16-128x3", "f32-f32-f32act-64x1", "model-b200-3stages", "model-b300-bf16"])
+def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, shape, buffer_len, rng):
+    """The whole Mosaic GPU lowering on the CPU (layout inference, the swizzled tile's transforms, the
+    pipeline's copies and, at the model's shape, its stages rotating over many items a program and a
+    cursor of more than 256 rows), short of compiling: one Mosaic GPU custom call, its d records aliased
+    in place. The model cases on abstract inputs (nothing allocated)."""
+    layer = _layer(rng, shape, act)
+    step = jax.jit(lambda rs, inp: layer.kernel_replay_step(rs, inp, "append", config))
+    if shape is SHAPE:
+        args = (layer.replay_state(buffer_len, checkpoint_dtype, buffer_dtype,
+                                   np.arange(shape.batch, dtype=np.int32) % buffer_len), layer.draw())
+    else:
+        state, _ = _abstract(shape.batch, L=buffer_len, checkpoint=checkpoint_dtype, d=buffer_dtype)
+        args = (state, jax.eval_shape(layer.draw))
+    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"stablehlo\.custom_call @(\w+)\(", text)
+    assert [c for c in calls if c.startswith("mosaic_gpu")] == ["mosaic_gpu_v2"], calls
+    assert re.search(r"@mosaic_gpu_v2\([^\n]*output_operand_aliases = \[#stablehlo\.output_operand_alias<"
+                     r"output_tuple_indices = \[1\], operand_index = 6", text), "the d records are not aliased"
+
+
+# ---------------------------------------------------------------------------
+# GPU: the compiled kernel against the reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape"), [
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), SHAPE),
+    (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128, programs_per_sm=1), SHAPE),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(stages=3), SHAPE),
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+], ids=["f32-bf16", "f32-f32-f32act-128", "bf16-bf16-3stages", "model-b67"])
+def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
+    """From staggered cursors with inf in the dead slots: outputs and new records within the tolerance of
+    the case's dtypes (f32 throughout: the f32 tolerance), every other slot, the checkpoint and the k and g
+    records at other slots bit for bit, the cursor moved."""
+    layer = _layer(rng, shape, act)
+    cursor = (np.arange(shape.batch) * 3 % L).astype(np.int32)
+    rs, inp = _state(layer, checkpoint_dtype, buffer_dtype, cursor), layer.draw()
+    scale = shape.K ** -0.5
+    o_ref, rs_ref = _reference(rs, inp, scale)
+    o, new = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "append", config))(rs, inp)
+    tol = tolerance_dtype(act, checkpoint_dtype, buffer_dtype)
+    assert_close(o, o_ref, tol, what="outputs")
+    np.testing.assert_array_equal(np.asarray(new.checkpoint), np.asarray(rs.checkpoint))
+    np.testing.assert_array_equal(np.asarray(new.cursor), np.minimum(cursor + 1, L))
+    _check_records(new.d, rs_ref.d, cursor, tol, "d")
+    _check_records(new.k, rs_ref.k, cursor, tolerance_dtype(buffer_dtype), "k")
+    np.testing.assert_array_equal(np.asarray(new.g), np.asarray(rs_ref.g))
+
+
+@pytest.mark.gpu
+def test_default_append_route_at_batch_256(rng):
+    """config=None on the append route at batch 256 with an f32 checkpoint: the Mosaic GPU kernel where
+    default_tma_readout takes it (on an H100 or H200), within the tolerance of the reference."""
+    shape = GDNShape(batch=256, H=4, HV=8, K=128, V=128)
+    layer = _layer(rng, shape)
+    cursor = (np.arange(shape.batch) * 5 % 16).astype(np.int32)
+    rs, inp = layer.replay_state(16, f32, bf16, cursor), layer.draw()
+    step = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "append", None))
+    calls = re.findall(r"custom_call @(\w+)\(", step.trace(rs, inp).lower().as_text())
+    expected = tma_readout.default_tma_readout(rs, inp["v"], interpret=False, slots=None) is not None
+    assert ("mosaic_gpu_v2" in calls) == expected, calls
+    o, new = step(rs, inp)
+    o_ref, rs_ref = _reference(rs, inp, shape.K ** -0.5)
+    assert_close(o, o_ref, tolerance_dtype(bf16, f32), what="outputs")
+    np.testing.assert_array_equal(np.asarray(new.cursor), np.minimum(cursor + 1, 16))
+
+
+@pytest.mark.gpu
+def test_compiled_full_row_keeps_its_state(rng):
+    """A row that entered full, under a trace: NaN outputs, its state kept bit for bit; the others step."""
+    layer = _layer(rng)
+    cursor = np.array([L, 2, L, 0, 5], np.int32)
+    rs, inp = _state(layer, f32, bf16, cursor), layer.draw()
+    o, new = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "append", kernels.TMAReadoutConfig()))(rs, inp)
+    o_ref, _ = _reference(rs, inp, SHAPE.K ** -0.5)
+    full = cursor == L
+    assert np.isnan(np.asarray(o, np.float32)[full]).all()
+    assert_close(o[~full], o_ref[~full], tolerance_dtype(bf16), what="outputs of the other rows")
+    for name in ("checkpoint", "d", "k", "g"):
+        np.testing.assert_array_equal(np.asarray(getattr(new, name))[full], np.asarray(getattr(rs, name))[full],
+                                      err_msg=f"{name} of a full row changed")
+    np.testing.assert_array_equal(np.asarray(new.cursor), np.minimum(cursor + 1, L))
