@@ -3,8 +3,8 @@
 # PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false. The probe (gdn_mgpu.py) is the GDN
 # append route's readout on Mosaic GPU in three forms: one item per program (`gdn_append`), persistent
 # programs pipelining their items (`gdn_append_pipelined`, mode full / noslots / read) and the same with the
-# per-head terms formed by an XLA prelude (`gdn_append_pre`, the form a library kernel
-# would take). It writes o and the d records (the k and g records are not written). time_probe.py times each form
+# per-head terms formed by an XLA prelude (`gdn_append_pre`, the form replayssm_jax/kernels/tma_readout.py
+# takes). It writes o and the d records (the k and g records are not written). time_probe.py times each form
 # against our Triton append kernel in one process (a lockstep cycle of L - 1 = 15 append steps from cursor 0,
 # batch 256, L = 16, bf16 activations and buffers) after comparing one step's outputs and d records with it.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
