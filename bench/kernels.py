@@ -299,15 +299,19 @@ def _check(bench, lengths, backend, config_std):
     # Per L one flush cycle from empty buffers; then, at the longest L, the
     # direct route after buffered steps: the first direct step folds the
     # records, and the checkpoint then follows the standard state.
-    # Where the TMA readout applies, one lockstep cycle with its append
-    # steps (and the direct step that flushes them).
+    # Where the TMA readout applies, one lockstep cycle on each append
+    # kernel (and the direct step that flushes them), at the timed
+    # variants' lockstep L.
     L = max(lengths)
     runs = [(f"replay_L{L}", ["output"] * L, None) for L in lengths] + [
         (f"direct_L{L}", ["output"] * (L // 2 + 1) + ["direct"] * 3, None)]
     runs_L = list(lengths) + [L]
+    L = lockstep_length(lengths)
     if tma_applies(bench, L, backend):
-        runs.append((f"tma_lockstep_L{L}", ["append"] * (L - 1) + ["direct"], kernels.TMAReadoutConfig()))
-        runs_L.append(L)
+        triton = kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L)
+        for name, config in (("tma", kernels.TMAReadoutConfig()), ("triton", triton)):
+            runs.append((f"{name}_lockstep_L{L}", ["append"] * (L - 1) + ["direct"], config))
+            runs_L.append(L)
     for (name, routes, tma), L in zip(runs, runs_L):
         rs = bench.replay_init(state, L, bench.dtype, np.zeros(bench.b))
         s_r, ys = state.astype(f32), []
@@ -340,14 +344,20 @@ def n_sets_for(bench, options: TimingOptions) -> int:
     return int(min(options.max_sets, max(options.min_sets, math.ceil(options.l2_target_bytes / per))))
 
 
+ALL_KERNELS = "(all kernels)"  # kernel_times' entry summing every kernel of the step
+
+
 def kernel_times(f, carries, inp, per):
-    """GPU microseconds per step of each kernel of one traced run of f; None without a GPU trace."""
+    """GPU microseconds per step of the 12 longest kernels of one traced run of f, of all its kernels
+    (ALL_KERNELS) and of idle time ("(idle)"); None without a GPU trace."""
     out = []
     trace = step_profile.trace(lambda: out.append(jax.block_until_ready(f(carries, inp))))
     b = step_profile.decode_breakdown(trace, module="jit_cycle", top=12)
     if b is None:
         return None, out[0][0]
     times = {name: dict(us=ns / per / 1e3, launches_per_step=n / per) for name, ns, n in b["top"]}
+    every = b["kernels"].values()  # every kernel of the cycle, not only the `top` longest
+    times[ALL_KERNELS] = dict(us=sum(ns for ns, _ in every) / per / 1e3, launches_per_step=sum(n for _, n in every) / per)
     times["(idle)"] = dict(us=b["ns"]["idle"] / per / 1e3, launches_per_step=0)
     return times, out[0][0]
 
@@ -425,6 +435,11 @@ def tma_is_default(bench, L) -> bool:
         *_abstract_step(bench, L), interpret=False, slots=None) is not None
 
 
+def lockstep_length(lengths) -> int:
+    """The buffer length of the in-step and lockstep variants: 16 where timed, else the first length."""
+    return 16 if 16 in lengths else lengths[0]
+
+
 def variants(bench, lengths, backend="pallas"):
     """(name, L, cursors, route, config) of the variants timed at a shape:
     the standard step, the replay step at each L (staggered cursors) and at
@@ -442,7 +457,7 @@ def variants(bench, lengths, backend="pallas"):
     yield ("standard", None, None, None, None)
     for L in lengths:
         yield (f"replay-L{L}", L, "staggered", "output", None)
-    L = 16 if 16 in lengths else lengths[0]
+    L = lockstep_length(lengths)
     yield (f"replay-L{L}-in-step", L, "in-step", "output", None)
     if kernels.replay_is_one_launch(bench.b, *bench.heads_dims(), bench.sd, L):
         yield (f"replay-L{L}-direct", L, "empty", "direct", None)
@@ -831,7 +846,7 @@ def against_original(row: dict, original: list[dict]) -> dict:
     replay-L{L}-lockstep (and -lockstep-tma, -lockstep-triton): the same against its rows in step (every row
     flushes in one step of L). kernel_over_original: the traced time of our SSM kernels (replay + flush
     launch; --profile; a row whose step ran the Mosaic GPU append kernel: every kernel of its step, the
-    kernel's XLA prelude included) over the original's
+    kernel's XLA prelude included, ALL_KERNELS) over the original's
     CUPTI kernel time; wall_over_original: our cycle's step time over its CUDA-graph replay time; our
     kernel_us and wall_over_kernel beside them. > 1: ours slower."""
     variant = row["variant"]
@@ -846,9 +861,12 @@ def against_original(row: dict, original: list[dict]) -> dict:
     peer = next((r for r in original if all(r.get(k) == v for k, v in key.items())), None)
     if peer is None:
         return {}
-    whole_step = any(name.startswith("gdn_append_tma") for name in (row.get("kernels_us") or {}))
-    ours = sum(v["us"] for name, v in (row.get("kernels_us") or {}).items()
-               if name != "(idle)" and (whole_step or name.startswith(("gdn_", "mamba2_"))))
+    times = row.get("kernels_us") or {}
+    if any(name.startswith("gdn_append_tma") for name in times):  # the whole step: the kernel's XLA prelude too
+        ours = times[ALL_KERNELS]["us"] if ALL_KERNELS in times else sum(  # before ALL_KERNELS: the longest only
+            v["us"] for name, v in times.items() if name != "(idle)")
+    else:
+        ours = sum(v["us"] for name, v in times.items() if name.startswith(("gdn_", "mamba2_")))
     out = dict(original_us=peer["us"], original_kernel_us=peer.get("kernel_us"),
                wall_over_original=row["seconds"] * 1e6 / peer["us"])
     if ours:

@@ -139,6 +139,8 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     bench = kb.make_bench("gdn", 2, "float32", kb.np.random.default_rng(0), shape=small)
     assert [v[0] for v in kb.variants(bench, (4, 8))] == ["standard", "replay-L4", "replay-L8", "replay-L4-in-step",
                                                           "replay-L4-direct"]
+    device = type("Device", (), dict(platform="cpu", compute_capability="", core_count=None))()
+    monkeypatch.setattr(kb.jax, "devices", lambda *a: [device])  # a CPU host, wherever the suite runs
     large = kb.make_bench("gdn", 256, "float32", None)
     assert [v[0] for v in kb.variants(large, (16,), "interpret")] == [  # no direct route
         "standard", "replay-L16", "replay-L16-in-step", "replay-L16-lockstep"]
@@ -149,8 +151,8 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     assert not kb.tma_applies(large, 4, "pallas")  # L not a multiple of 8
     assert not kb.tma_is_default(large, 16)  # no Hopper-class GPU here
     assert large.inputs(1)["v"].shape == (1, 256, 32, 128)  # the checks drew nothing: the bench's key stays usable
-    hopper = type("Device", (), dict(platform="gpu", compute_capability="9.0", core_count=132))()
-    monkeypatch.setattr(kb.jax, "devices", lambda *a: [hopper])  # the append route's default: the Mosaic GPU kernel
+    device.platform, device.compute_capability, device.core_count = "gpu", "9.0", 132  # an H200: the append
+    # route's default is the Mosaic GPU kernel
     triton = [v for v in kb.variants(large, (16,), "pallas") if "-lockstep-" in v[0]]
     assert [(v[0], type(v[4]).__name__) for v in triton] == [("replay-L16-lockstep-triton", "ReplayConfig")]
     monkeypatch.undo()

@@ -55,6 +55,7 @@ grid then runs in more than one wave.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import jax
@@ -63,7 +64,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from replayssm_jax.kernels.config import MAX_BUFFER_LEN, num_sms
+from replayssm_jax.kernels.config import MAX_BUFFER_LEN, MAX_HEAD_DIM, num_sms
 from replayssm_jax.state import GDNReplayState
 
 f32 = jnp.float32
@@ -148,6 +149,12 @@ def _cursor_rows(batch: int) -> int:
     return -(-batch // TMA_MAX)
 
 
+def _compute_capability() -> str | None:
+    """The compute capability of JAX's first device ("9.0" on an H100 or H200); None off a GPU."""
+    device = jax.devices()[0]
+    return str(getattr(device, "compute_capability", "")) if device.platform == "gpu" else None
+
+
 def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, interpret: bool, slots) -> None:
     """Raise where the append route's Mosaic GPU kernel cannot take this step (before any launch).
 
@@ -156,7 +163,9 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
 
     Raises:
       NotImplementedError: interpret mode, a state pool (slots), an 8-bit
-        checkpoint.
+        checkpoint, a GPU other than a Hopper-class one (compute capability
+        9.x: the kernel's TMA copies and WGMMA register layouts; off a GPU,
+        as when lowering for CUDA on a CPU host, nothing is checked here).
       ValueError: a checkpoint, d records or v that are not f32 or bf16; K
         not a multiple of the swizzled tile's width (32 f32 or 64 bf16
         columns) or above MAX_K; V not a multiple of config.block_v; L not a
@@ -170,6 +179,10 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
     if slots is not None:
         raise NotImplementedError("the TMA readout (a TMAReadoutConfig) takes no state pool (`slots`); use a "
                                   "ReplayConfig")
+    capability = _compute_capability()
+    if capability is not None and not capability.startswith("9."):
+        raise NotImplementedError(f"the TMA readout (a TMAReadoutConfig) runs on a Hopper-class GPU (compute "
+                                  f"capability 9.x); this GPU's is {capability!r}; use a ReplayConfig")
     if state.scale is not None:
         raise NotImplementedError(f"the TMA readout takes an f32 or bf16 checkpoint; got an 8-bit checkpoint "
                                   f"({state.checkpoint.dtype}); use a ReplayConfig")
@@ -203,26 +216,29 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> 
     """The append route's default Mosaic GPU tiling, or None where the
     Triton append kernel stays the default: a TMAReadoutConfig() on a
     Hopper-class GPU (compute capability 9.x) for an f32 checkpoint with at
-    least DEFAULT_MIN_BATCH rows, where :func:`check_tma_readout` takes the
-    step. Raises nothing.
+    least DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM (the Triton
+    kernels' bound), where :func:`check_tma_readout` takes the step and the
+    programs' shared memory lets all of them run at once (`programs_per_sm`
+    a SM). Raises nothing.
 
     Measured on the H200 (bench/RESULTS.md, 2026-12-02, "The TMA readout in
     the library"): Qwen3.5-4B's GDN layer in the lockstep cycle, L = 16,
-    kernel time over the original's 1.08 (batch 256) and 1.07 (512) with
-    it, 1.15 and 1.17 without; at batch 64 (1.13 against 1.15, wall time
-    longer) and with a bf16 checkpoint (0.92 against 0.89 at batch 256) it
-    does not pay.
+    wall time over the original's 1.14 (batch 256) and 1.12 (512) with it,
+    1.20 and 1.19 on the Triton append kernel; at batch 64 (wall 1.41
+    against 1.24) and with a bf16 checkpoint (1.02 against 0.95 at batch
+    256) it does not pay.
     """
-    device = jax.devices()[0]
-    capability = str(getattr(device, "compute_capability", "")) if device.platform == "gpu" else ""
-    if (interpret or slots is not None or not capability.startswith("9") or state.scale is not None
-            or jnp.dtype(state.checkpoint.dtype) != jnp.dtype(f32) or state.checkpoint.shape[0] < DEFAULT_MIN_BATCH):
+    batch, _, V, _ = state.checkpoint.shape
+    if (_compute_capability() is None or jnp.dtype(state.checkpoint.dtype) != jnp.dtype(f32)
+            or batch < DEFAULT_MIN_BATCH or V > MAX_HEAD_DIM):
         return None
     config = TMAReadoutConfig()
     try:
         check_tma_readout(state, v, config, interpret=interpret, slots=slots)
     except (ValueError, NotImplementedError):
         return None
+    if smem_bytes(state, v, config) > SMEM_BYTES // config.programs_per_sm:
+        return None  # its programs would not all fit the SMs at once, a shape not measured
     return config
 
 
@@ -348,13 +364,16 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
     return body
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config"))
 def gdn_append_tma(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
                    config: TMAReadoutConfig | None = None):
     """One append-route step of a Gated DeltaNet replay state: the XLA prelude and the Mosaic GPU kernel.
 
     Takes validated arguments (:func:`replayssm_jax.ops.gdn_replay_step`
     with route="append"), as the Triton append route; the caller checks
-    the kernel's limits first (:func:`check_tma_readout`).
+    the kernel's limits first (:func:`check_tma_readout`). Jitted (scale,
+    use_qk_l2norm and config static): an eager call, as in an eager
+    `jax.shard_map`, returns arrays, not the d records' `jax.Ref`.
 
     Args:
       state: a GDNReplayState (checkpoint f32 | bf16[batch, HV, V, K],
