@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from cases import assert_close
-from kernel_checks import GDN, GDNShape
+from kernel_checks import GDN, GDNShape, lower_for_cuda
 from replayssm_jax import kernels, ops, reference
+from replayssm_jax.kernels import gdn as gdn_kernels
 from replayssm_jax.kernels import tma_readout
 from replayssm_jax.testing import tolerance_dtype
 
@@ -33,10 +34,10 @@ def _layer(rng, shape=SHAPE, dtype=bf16):
     return GDN(shape, rng, dtype)
 
 
-def _state(layer, checkpoint_dtype, buffer_dtype, cursor):
+def _state(layer, checkpoint_dtype, buffer_dtype, cursor, buffer_len=L):
     """A replay state whose dead slots (slot >= cursor) hold inf in every record (a rejected draft's)."""
-    rs = layer.replay_state(L, checkpoint_dtype, buffer_dtype, cursor)
-    dead = np.arange(L) >= np.asarray(cursor)[:, None]
+    rs = layer.replay_state(buffer_len, checkpoint_dtype, buffer_dtype, cursor)
+    dead = np.arange(buffer_len) >= np.asarray(cursor)[:, None]
     poison = lambda a, axis: jnp.where(jnp.asarray(np.expand_dims(dead, (1,) + tuple(range(3, 3 + axis)))),
                                        jnp.inf, a)  # noqa: E731
     return rs.replace(d=poison(rs.d, 1), k=poison(rs.k, 1), g=poison(rs.g, 0))
@@ -216,6 +217,37 @@ def test_prelude_terms_give_the_reference_append_step(buffer_dtype, use_qk_l2nor
     assert np.isfinite(np.asarray(terms)).all()
 
 
+@pytest.mark.parametrize(("shape", "buffer_len", "buffer_dtype", "use_qk_l2norm"), [
+    (SHAPE, L, bf16, True),
+    (SHAPE, L, f32, False),
+    (GDNShape(batch=4, H=2, HV=6, K=96, V=64), 24, bf16, True),
+], ids=["bf16-records", "f32-records-no-norm", "group3-K96-L24"])
+def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtype, use_qk_l2norm, rng):
+    """The Triton prelude launch (interpreted) against `head_terms` and `append_shared_records`: q, k and the
+    terms within the f32 tolerance, the k and g records bit for bit (a full row's untouched, dead slots' inf
+    kept), the cursor at entry in the readout's layout and after the step. Padded lanes (a key dim, a buffer
+    length and a key group not powers of two) are neither read nor written."""
+    layer = _layer(rng, shape, f32)
+    cursor = (np.arange(shape.batch) * 7 % (buffer_len + 1)).astype(np.int32)
+    cursor[-1] = buffer_len  # a row that entered full
+    rs, inp = _state(layer, f32, buffer_dtype, cursor, buffer_len), layer.draw()
+    scale = 0.3
+    qn, kn, terms = tma_readout.head_terms(rs, inp["q"], inp["k"], inp["g"], inp["beta"], scale=scale,
+                                           use_qk_l2norm=use_qk_l2norm)
+    want = tma_readout.append_shared_records(rs, kn, inp["g"])
+    records = gdn_kernels.Records(rs.d, rs.k, rs.g)
+    got = gdn_kernels._head_terms(records, rs.cursor, gdn_kernels._f32_decay(gdn_kernels.Inputs(**inp)), scale=scale,
+                                  use_qk_l2norm=use_qk_l2norm, interpret=True)
+    qn_k, kn_k, terms_k, entry, shared, cursor_next = got
+    for name, a, b in (("qn", qn_k, qn), ("kn", kn_k, kn), ("terms", terms_k, terms)):
+        assert_close(a, b, f32, what=f"the prelude's {name}")
+    np.testing.assert_array_equal(np.asarray(shared.k, np.float32), np.asarray(want.k, np.float32))
+    np.testing.assert_array_equal(np.asarray(shared.g), np.asarray(want.g))
+    assert entry.shape == (tma_readout.cursor_rows(shape.batch) * tma_readout.TMA_MAX,)
+    np.testing.assert_array_equal(np.asarray(entry)[:shape.batch], cursor)
+    np.testing.assert_array_equal(np.asarray(cursor_next), np.minimum(cursor + 1, buffer_len))
+
+
 MODEL = GDNShape(batch=200, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer
 
 
@@ -232,16 +264,18 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
     cursor of more than 256 rows), short of compiling: one Mosaic GPU custom call, its d records aliased
     in place. The model cases on abstract inputs (nothing allocated)."""
     layer = _layer(rng, shape, act)
-    step = jax.jit(lambda rs, inp: layer.kernel_replay_step(rs, inp, "append", config))
     if shape is SHAPE:
         args = (layer.replay_state(buffer_len, checkpoint_dtype, buffer_dtype,
                                    np.arange(shape.batch, dtype=np.int32) % buffer_len), layer.draw())
     else:
         state, _ = _abstract(shape.batch, L=buffer_len, checkpoint=checkpoint_dtype, d=buffer_dtype)
         args = (state, jax.eval_shape(layer.draw))
-    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = re.findall(r"stablehlo\.custom_call @(\w+)\(", text)
-    assert [c for c in calls if c.startswith("mosaic_gpu")] == ["mosaic_gpu_v2"], calls
+    text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "append", config), *args)
+    calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)\(", text)
+    assert sorted(calls) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls  # the prelude, the readout: no other
+    assert re.search(r"@__gpu\$xla\.gpu\.triton\([^\n]*output_operand_aliases = \[#stablehlo\.output_operand_alias<"
+                     r"output_tuple_indices = \[4\], operand_index = 0[^\n]*output_tuple_indices = \[5\], "
+                     r"operand_index = 1", text), "the prelude's k and g records are not aliased"
     assert re.search(r"@mosaic_gpu_v2\([^\n]*output_operand_aliases = \[#stablehlo\.output_operand_alias<"
                      r"output_tuple_indices = \[1\], operand_index = 6", text), "the d records are not aliased"
 
@@ -256,7 +290,8 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
     (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128, programs_per_sm=1), SHAPE),
     (bf16, bf16, bf16, kernels.TMAReadoutConfig(stages=3), SHAPE),
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
-], ids=["f32-bf16", "f32-f32-f32act-128", "bf16-bf16-3stages", "model-b67"])
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=7, H=2, HV=6, K=96, V=64)),
+], ids=["f32-bf16", "f32-f32-f32act-128", "bf16-bf16-3stages", "model-b67", "group3-K96"])
 def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
     """From staggered cursors with inf in the dead slots: outputs and new records within the tolerance of
     the case's dtypes (f32 throughout: the f32 tolerance), every other slot, the checkpoint and the k and g

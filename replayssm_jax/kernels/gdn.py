@@ -30,7 +30,11 @@ touch the same state element.
   second launch (:func:`replayssm_jax.kernels.launch.replay_launch`).
   `route="state"` makes the replay kernel form S_{j-1} in every step and
   read o from S_j instead; `route="append"` runs the output route's kernel
-  alone (no flush; the cursor moved by an XLA op after it).
+  alone (no flush; the cursor moved by an XLA op after it). With a
+  TMAReadoutConfig the append route is instead two launches: a Triton
+  prelude, grid (batch, H), that forms the per-head terms and writes the
+  shared records and the cursor (`_head_terms`), and the Mosaic GPU readout
+  (`tma_readout.gdn_append_tma`).
 - :func:`gdn_replay_verify`: a verify window of W steps. The rows whose
   window does not fit behind the cursor flush their buffered records first
   (the flush launch); then the verify kernel, grid (batch, HV, splits),
@@ -63,18 +67,22 @@ from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, p
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
 from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, per_draft_launch, pool_of, replay_launch,
                                           replay_step, run_replay_program, run_verify_program, run_window,
-                                          step_launch, tree_option, verify_launch, verify_window,
-                                          window_start)
+                                          step_launch, tree_option, triton_params, verify_launch,
+                                          verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar,
-                                         program_id)
-from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
+                                         mask_and, program_id)
+from replayssm_jax.kernels.tiles import (load_checkpoint, matvec, row_ids, row_mask, stochastic, store,
                                          store_checkpoint, tile_mask, tile_row_ids)
-from replayssm_jax.kernels.tma_readout import TMAReadoutConfig, check_tma_readout, default_tma_readout, gdn_append_tma
+from replayssm_jax.kernels.tma_readout import (TERMS, TMA_MAX, TMAReadoutConfig, check_tma_readout, cursor_rows,
+                                               default_tma_readout, gdn_append_tma)
 from replayssm_jax.state import GDNReplayState
 
 # The state's rows and columns, as the size errors name them.
 DIMS = (("value dim", "V"), ("key dim", "K"))
+# Warps of a program of the Mosaic GPU readout's prelude launch: at batch 256 (Qwen3.5-4B's layer, f32, L = 16)
+# it took 10.5 us on the H200, 11.0 with 2 warps, 13.4 with 4 (2026-12-02).
+TERMS_WARPS = 1
 
 
 class Inputs(NamedTuple):
@@ -200,6 +208,79 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                        group=group, decay_record=lambda: load_scalar(inputs.g), decay_out=records_out.g, key=k,
                        key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs,
                        flush=route != "append")
+
+
+def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, terms_ref, entry_ref,
+                  records_out: Records, cursor_out, *, K, L, group, scale, use_qk_l2norm):
+    """The prelude of the append route's Mosaic GPU readout on one (batch row, key head): q and k
+    normalized, the per-head terms of the key head's `group` value heads
+    (`tma_readout.head_terms`: a_k, a_q, then exp of the live log decays'
+    sum, k . q, exp(g), beta), the shared records (k, g) at the cursor where
+    the row has a free slot, and, from the row's head 0, its cursor at entry
+    (for the readout) and after the step (min(cursor + 1, L))."""
+    h = program_id(1)
+    kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
+    count = read_cursor(cursor_ref)
+    BL = records.k.shape[0]
+    lanes, lmask = lane_ids(BL), lane_mask(BL, L)
+    live = lanes < count
+    keys = load_live(records.k, live, L, kmask)
+    score_k, score_q = jnp.sum(keys * k[None, :], axis=1), jnp.sum(keys * q[None, :], axis=1)
+    kq = jnp.sum(k * q)
+    append = count < L  # a row that entered full writes no record
+    store(qn_ref, q, kmask)
+    store(kn_ref, k, kmask)
+    store(records_out.k.at[count], k, mask_and(kmask, append, k.shape))
+    for j in range(group):  # the key head's value heads
+        hv = h * group + j
+        g, beta = inputs.g[hv].astype(f32), inputs.beta[hv].astype(f32)
+        total, w = replay_weights(load_live(records.g.at[hv], live, L), count)
+        scalars = jnp.where(lanes == 0, jnp.exp(total), jnp.where(lanes == 1, kq, jnp.where(
+            lanes == 2, jnp.exp(g), jnp.where(lanes == 3, beta, 0.0))))
+        rows = lane_ids(TERMS)[:, None]  # the terms' rows: a_k, a_q, the scalars, zeros
+        tile = jnp.where(rows == 0, (w * score_k)[None, :], jnp.where(rows == 1, (w * score_q)[None, :], jnp.where(
+            rows == 2, scalars[None, :], 0.0)))
+        store(terms_ref.at[hv], tile, tile_mask(None, lmask, (TERMS, BL)))
+        store(records_out.g.at[hv], jnp.broadcast_to(g, (BL,)), (lanes == count) & append)
+
+    @pl.when(h == 0)
+    def _():
+        entry_ref[0] = count
+        cursor_out[0] = jnp.minimum(count + 1, L)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret"))
+def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, interpret: bool):
+    """The append route's prelude for the Mosaic GPU readout: one Triton launch, grid (batch, H).
+
+    Returns (qn, kn f32[batch, H, K], terms f32[batch, HV, TERMS, L], entry
+    i32[rows * TMA_MAX] (each row's cursor at entry, then unwritten
+    padding), k and g records (written in place), the cursor after the
+    step); the pure-JAX form is `tma_readout.head_terms` and
+    `tma_readout.append_shared_records`."""
+    batch, H, K = inputs.q.shape
+    HV, L = inputs.v.shape[1], records.d.shape[2]
+    BK, BL, BH = next_pow2(K), next_pow2(L), next_pow2(HV)
+    head = pl.BlockSpec((None, None, BK), lambda b, h: (b, h, 0))
+    heads = pl.BlockSpec((None, BH), lambda b, h: (b, 0))
+    row = pl.BlockSpec((1,), lambda b, h: (b,))
+    g_spec = pl.BlockSpec((None, BH, BL), lambda b, h: (b, 0, 0))
+    k_spec = pl.BlockSpec((None, None, BL, BK), lambda b, h: (b, h, 0, 0))
+    kernel = functools.partial(_terms_kernel, K=K, L=L, group=HV // H, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    out_shape = (jax.ShapeDtypeStruct((batch, H, K), f32), jax.ShapeDtypeStruct((batch, H, K), f32),
+                 jax.ShapeDtypeStruct((batch, HV, TERMS, L), f32),
+                 jax.ShapeDtypeStruct((cursor_rows(batch) * TMA_MAX,), jnp.int32),
+                 Records(d=None, k=jax.ShapeDtypeStruct(records.k.shape, records.k.dtype),
+                         g=jax.ShapeDtypeStruct(records.g.shape, f32)),
+                 jax.ShapeDtypeStruct((batch,), jnp.int32))
+    return pl.pallas_call(
+        kernel, grid=(batch, H), interpret=interpret, name=f"gdn_append_terms_L{L}",
+        compiler_params=triton_params(TERMS_WARPS),
+        in_specs=(Records(d=None, k=k_spec, g=g_spec), row, Inputs(q=head, k=head, v=None, g=heads, beta=heads)),
+        out_specs=(head, head, pl.BlockSpec((None, BH, TERMS, BL), lambda b, h: (b, 0, 0, 0)), row,
+                   Records(d=None, k=k_spec, g=g_spec), row),
+        out_shape=out_shape, input_output_aliases={0: 4, 1: 5},
+    )(records._replace(d=None), cursor, inputs._replace(v=None))
 
 
 def _record_loaders(records: Records, rows, vmask, kmask, L):
@@ -412,6 +493,19 @@ def _per_draft(state, index, inputs: Inputs, slots=None, *, scale: float, use_qk
                             window=W, config=config, interpret=interpret, tree=tree, pool=pool_of(slots, state))
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config"))
+def _append_tma(state: GDNReplayState, inputs: Inputs, *, scale: float, use_qk_l2norm: bool,
+                config: TMAReadoutConfig):
+    """The append route on Mosaic GPU: the prelude launch (`_head_terms`), then the readout
+    (`tma_readout.gdn_append_tma`). Jitted: an eager call, as in an eager `jax.shard_map`, returns arrays,
+    not the d records' `jax.Ref`. Returns (o, new GDNReplayState)."""
+    records = Records(state.d, state.k, state.g)
+    qn, kn, terms, entry, shared, cursor = _head_terms(records, state.cursor, _f32_decay(inputs), scale=scale,
+                                                       use_qk_l2norm=use_qk_l2norm, interpret=False)
+    o, d = gdn_append_tma(state, qn, kn, terms, entry, inputs.v, config)
+    return o, state.replace(d=d, k=shared.k, g=shared.g, cursor=cursor)
+
+
 def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, config: StepConfig | None = None,
              interpret: bool = False, slots=None):
     """One standard Gated DeltaNet decode step (Pallas kernel); the state is updated in place.
@@ -478,8 +572,9 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         others; None: the default (:func:`default_step_config`,
         :func:`default_replay_config`). The append route also takes a
         :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig`: the
-        same step as an XLA prelude and one Mosaic GPU kernel whose TMA
-        copies stream the checkpoint tiles through shared memory
+        same step as a Triton prelude launch (the per-head terms and the
+        shared records) and one Mosaic GPU kernel whose TMA copies stream
+        the checkpoint tiles through shared memory
         (:func:`~replayssm_jax.kernels.tma_readout.gdn_append_tma`); None
         on the append route takes it where
         :func:`~replayssm_jax.kernels.tma_readout.default_tma_readout` says
@@ -513,8 +608,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
             raise TypeError(f"a TMAReadoutConfig tiles the append route only; got route {route!r} (use a "
                             f"{'StepConfig' if route == 'direct' else 'ReplayConfig'})")
         check_tma_readout(state, v, config, interpret=interpret, slots=slots)
-        return gdn_append_tma(state, q, k, v, g, beta, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
-                              config=config)
+        return _append_tma(state, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
+                           config=config)
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     kw = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), interpret=interpret)
     return replay_step(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), route=route,

@@ -63,6 +63,11 @@ class BlockSpecs(NamedTuple):
     records: Any
 
 
+def triton_params(num_warps: int, num_stages: int = 1):
+    """The Triton compiler params of a launch: warps per program, software-pipelining stages."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
 def pallas_call(kernel, *, interpret: bool, config: StepConfig | ReplayConfig, grid=(), in_specs=None,
                 out_specs=None, **kwargs):
     """`pl.pallas_call` with the Triton compiler params (num_warps, num_stages) of `config`.
@@ -78,7 +83,7 @@ def pallas_call(kernel, *, interpret: bool, config: StepConfig | ReplayConfig, g
     return pl.pallas_call(
         kernel,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=triton_params(config.num_warps, config.num_stages),
         grid=grid,
         **({} if in_specs is None else dict(in_specs=in_specs)),
         **({} if out_specs is None else dict(out_specs=out_specs)),

@@ -3,18 +3,21 @@ checkpoint tiles streamed into shared memory by TMA copies, pipelined.
 
 The append route (:func:`replayssm_jax.kernels.gdn_replay_step`,
 route="append") reads each row's checkpoint once and appends this step's
-record; nothing is flushed. Here it runs as an XLA prelude and one Mosaic
-GPU kernel (:func:`gdn_append_tma`):
+record; nothing is flushed. Here it runs as two launches:
 
-- the prelude forms the per-head terms, which need no checkpoint: q and k
-  L2-normalized (q scaled), the live slots' decay weights w_i (suffix sums
-  of the buffered log decays, as `replay_math.replay_weights`), the
-  buffered keys' weighted scores a_k[i] = w_i k_i . k and a_q[i] = w_i
-  k_i . q (0 in dead slots), and exp(sum of the live g), k . q, exp(g) and
-  beta; it appends the step's shared records (k normalized, not scaled,
-  and g) at each row's cursor, in place;
-- the kernel's programs, `config.programs_per_sm` per SM (at most one per
-  item), each walk their share of the (batch row, value head, row tile)
+- a Triton prelude (`replayssm_jax.kernels.gdn._head_terms`, grid (batch,
+  H); its pure-JAX form is :func:`head_terms` and
+  :func:`append_shared_records`) forms the per-head terms, which need no
+  checkpoint: q and k L2-normalized (q scaled), the live slots' decay
+  weights w_i (suffix sums of the buffered log decays, as
+  `replay_math.replay_weights`), the buffered keys' weighted scores
+  a_k[i] = w_i k_i . k and a_q[i] = w_i k_i . q (0 in dead slots), and
+  exp(sum of the live g), k . q, exp(g) and beta; it appends the step's
+  shared records (k normalized, not scaled, and g) at each row's cursor,
+  in place, and writes each row's cursor at entry (for the readout) and
+  after the step, min(cursor + 1, L);
+- the Mosaic GPU readout (:func:`gdn_append_tma`): its programs,
+  `config.programs_per_sm` per SM (at most one per item), each walk their share of the (batch row, value head, row tile)
   items, strided over the grid; `plgpu.emit_pipeline` copies an item's
   checkpoint tile [block_v, K], its d records [L, block_v], terms, q, k and
   v into shared memory up to `config.stages` - 1 items ahead of the one it
@@ -27,8 +30,6 @@ GPU kernel (:func:`gdn_append_tma`):
       o  = exp(g) (carried S_c q + sum_i a_q[i] d_i) + (k . q) d,
 
   and the pipeline stores o and the row's new d record at slot `cursor`.
-- one XLA op moves the cursor to min(cursor + 1, L), as on the Triton
-  append route.
 
 A row that entered full (cursor == L) has no free slot: its outputs are NaN
 and its state is kept bit for bit (its last d record is written back as it
@@ -55,7 +56,6 @@ grid then runs in more than one wave.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 
 import jax
@@ -141,10 +141,10 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig) -> int:
                BV * v_size, BV * d_size)
     stages = min(config.stages, _grid(batch, HV, V, config)[2])
     scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + stages * len(buffers))
-    return sum(_align(stages * b) for b in buffers) + _align(_cursor_rows(batch) * TMA_MAX * 4) + scratch
+    return sum(_align(stages * b) for b in buffers) + _align(cursor_rows(batch) * TMA_MAX * 4) + scratch
 
 
-def _cursor_rows(batch: int) -> int:
+def cursor_rows(batch: int) -> int:
     """Rows of TMA_MAX entries the cursor is copied to shared memory in (one copy of [rows, TMA_MAX])."""
     return -(-batch // TMA_MAX)
 
@@ -243,7 +243,8 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> 
 
 
 def head_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2norm: bool):
-    """The prelude's per-head terms of one append step (XLA, no checkpoint read).
+    """The per-head terms of one append step in pure JAX (no checkpoint read): what the Triton prelude
+    launch forms, against which it is tested.
 
     Args:
       state: the GDNReplayState before the step (its k and g records and
@@ -284,8 +285,8 @@ def head_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2n
 
 def append_shared_records(state: GDNReplayState, kn, g) -> GDNReplayState:
     """The state with this step's k record (kn [batch, H, K], normalized, in the buffer's dtype) and g record
-    (f32[batch, HV]) at each row's cursor, in place (scatters); a row full at entry (cursor == L) writes
-    neither."""
+    (f32[batch, HV]) at each row's cursor (scatters; the pure-JAX form of the prelude launch's writes); a
+    row full at entry (cursor == L) writes neither."""
     batch, H, HV = state.batch, kn.shape[1], g.shape[1]
     slot = state.cursor[:, None]  # slot L is out of bounds: dropped
     rows = jnp.arange(batch)[:, None]
@@ -364,45 +365,39 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
     return body
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config"))
-def gdn_append_tma(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
-                   config: TMAReadoutConfig | None = None):
-    """One append-route step of a Gated DeltaNet replay state: the XLA prelude and the Mosaic GPU kernel.
+def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMAReadoutConfig):
+    """The append step's readout on Mosaic GPU, after its prelude: the outputs and the d records.
 
-    Takes validated arguments (:func:`replayssm_jax.ops.gdn_replay_step`
-    with route="append"), as the Triton append route; the caller checks
-    the kernel's limits first (:func:`check_tma_readout`). Jitted (scale,
-    use_qk_l2norm and config static): an eager call, as in an eager
-    `jax.shard_map`, returns arrays, not the d records' `jax.Ref`.
+    Takes the prelude's outputs (the Triton launch of
+    :func:`replayssm_jax.kernels.gdn_replay_step`'s append route; their
+    pure-JAX form is :func:`head_terms`) on validated arguments whose
+    limits the caller checked (:func:`check_tma_readout`). Traced inside
+    the caller's jit: the d records' `jax.Ref` is read back here.
 
     Args:
-      state: a GDNReplayState (checkpoint f32 | bf16[batch, HV, V, K],
-        records d [batch, HV, L, V], k [batch, H, L, K], g f32[batch, HV, L],
-        cursor i32[batch] in 0..L).
-      q, k [batch, H, K]; v [batch, HV, V]; g f32[batch, HV] (log decay);
-      beta [batch, HV]; scale, use_qk_l2norm: as
-        :func:`replayssm_jax.ops.gdn_step`.
-      config: a TMAReadoutConfig (None: its defaults).
+      state: the GDNReplayState before the step (checkpoint f32 |
+        bf16[batch, HV, V, K], d records [batch, HV, L, V]; its cursor is
+        not read: `entry` holds it).
+      qn, kn: f32[batch, H, K], q normalized and scaled, k normalized.
+      terms: f32[batch, HV, TERMS, L], as :func:`head_terms` returns them.
+      entry: i32[rows * TMA_MAX] (rows = cdiv(batch, TMA_MAX)), each row's
+        cursor at entry in its first `batch` entries (the rest unread).
+      v: [batch, HV, V]; config: a TMAReadoutConfig.
 
     Returns:
-      (o [batch, HV, V] in v.dtype, new GDNReplayState): the records
-      appended at each row's cursor and the cursor moved to min(cursor + 1,
-      L); the checkpoint unchanged. A row full at entry: NaN outputs, its
-      state unchanged.
+      (o [batch, HV, V] in v.dtype, d records like state.d): the step's d
+      record at each row's cursor, in place; a row full at entry (cursor ==
+      L): NaN outputs, its d records unchanged.
     """
-    config = config or TMAReadoutConfig()
     batch, HV, V, _ = state.checkpoint.shape
     H, L = state.k.shape[1], state.buffer_len
-    qn, kn, terms = head_terms(state, q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm)
     programs = _grid(batch, HV, V, config)[1]
     body = _readout_kernel((batch, HV, V), L, HV // H, config, state.checkpoint.dtype)
     name = f"gdn_append_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}"  # as the profiles name it
-    rows = _cursor_rows(batch)
+    rows = cursor_rows(batch)
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(programs,),
                           grid_names=("program",), kernel_name=name,
                           scratch_types=[plgpu.SMEM((rows, TMA_MAX), jnp.int32), plgpu.Barrier(num_barriers=1)])
-    cursor = jnp.pad(state.cursor, (0, rows * TMA_MAX - batch)).reshape(rows, TMA_MAX)
     d_ref = jax.new_ref(state.d)  # written in place: the kernel's d records
-    o = kernel(state.checkpoint, terms, cursor, qn, kn, v, d_ref)
-    state = append_shared_records(state, kn, g).replace(d=d_ref[...])
-    return o, state.replace(cursor=jnp.minimum(state.cursor + 1, L))
+    o = kernel(state.checkpoint, terms, entry.reshape(rows, TMA_MAX), qn, kn, v, d_ref)
+    return o, d_ref[...]
