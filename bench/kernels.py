@@ -37,7 +37,8 @@ Method (the settings are a TimingOptions):
     flush and one direct step that flushes every row: Generator's
     `lockstep` schedule, its append steps at the library's default, which
     is the Mosaic GPU kernel kernels.TMAReadoutConfig for a GDN layer's f32
-    checkpoint at batch >= 256 on a Hopper-class GPU; where that kernel
+    checkpoint at batch >= 64 or bf16 one at batch >= 256 on a Hopper-class
+    GPU; where that kernel
     takes the shape, the other append kernel beside it: "-lockstep-triton"
     (the Triton kernel's default ReplayConfig) or "-lockstep-tma"); at batches where the default replay step is one
     launch, also the direct route from empty buffers (plain decoding: the
@@ -430,7 +431,7 @@ def tma_applies(bench, L, backend) -> bool:
 
 def tma_is_default(bench, L) -> bool:
     """Whether the append route takes the Mosaic GPU kernel by default here (tma_readout.default_tma_readout:
-    an f32 checkpoint of batch >= 256 on a Hopper-class GPU)."""
+    an f32 checkpoint of batch >= 64 or a bf16 one of batch >= 256 on a Hopper-class GPU)."""
     return bench.layer == "gdn" and tma_readout.default_tma_readout(
         *_abstract_step(bench, L), interpret=False, slots=None) is not None
 
@@ -846,7 +847,7 @@ def against_original(row: dict, original: list[dict]) -> dict:
     replay-L{L}-lockstep (and -lockstep-tma, -lockstep-triton): the same against its rows in step (every row
     flushes in one step of L). kernel_over_original: the traced time of our SSM kernels (replay + flush
     launch; --profile; a row whose step ran the Mosaic GPU append kernel: every kernel of its step, the
-    kernel's XLA prelude included, ALL_KERNELS) over the original's
+    kernel's prelude launch and any XLA op included, ALL_KERNELS) over the original's
     CUPTI kernel time; wall_over_original: our cycle's step time over its CUDA-graph replay time; our
     kernel_us and wall_over_kernel beside them. > 1: ours slower."""
     variant = row["variant"]
@@ -862,7 +863,7 @@ def against_original(row: dict, original: list[dict]) -> dict:
     if peer is None:
         return {}
     times = row.get("kernels_us") or {}
-    if any(name.startswith("gdn_append_tma") for name in times):  # the whole step: the kernel's XLA prelude too
+    if any(name.startswith("gdn_append_tma") for name in times):  # the whole step: its prelude launch too
         ours = times[ALL_KERNELS]["us"] if ALL_KERNELS in times else sum(  # before ALL_KERNELS: the longest only
             v["us"] for name, v in times.items() if name != "(idle)")
     else:

@@ -162,8 +162,10 @@ def test_a_gpu_before_hopper_is_refused(monkeypatch):
 @pytest.mark.parametrize(("device", "case", "kw", "takes"), [
     (_Device(), dict(batch=256), {}, True),
     (_Device(), dict(batch=512), {}, True),
-    (_Device(), dict(batch=255), {}, False),
-    (_Device(), dict(batch=256, checkpoint=bf16), {}, False),
+    (_Device(), dict(batch=64), {}, True),
+    (_Device(), dict(batch=63), {}, False),
+    (_Device(), dict(batch=256, checkpoint=bf16), {}, True),
+    (_Device(), dict(batch=255, checkpoint=bf16), {}, False),
     (_Device(), dict(batch=256, L=4), {}, False),
     (_Device(), dict(batch=256), dict(interpret=True), False),
     (_Device(), dict(batch=256), dict(slots=jnp.arange(256)), False),
@@ -172,11 +174,12 @@ def test_a_gpu_before_hopper_is_refused(monkeypatch):
     (_Device(platform="cpu"), dict(batch=256), {}, False),
     (_Device(), dict(batch=256, V=320), {}, False),
     (_Device(), dict(batch=256, K=256), {}, False),
-], ids=["b256", "b512", "b255", "bf16", "L4", "interpret", "pool", "sm80", "sm100", "cpu", "V320", "K256-smem"])
+], ids=["b256", "b512", "b64", "b63", "bf16-b256", "bf16-b255", "L4", "interpret", "pool", "sm80", "sm100",
+       "cpu", "V320", "K256-smem"])
 def test_default_tiling_of_the_append_route(device, case, kw, takes, monkeypatch):
     """The append route takes the Mosaic GPU kernel by default only where it was measured to pay (an f32
-    checkpoint of batch >= 256, compiled, on a Hopper-class GPU), where the kernel takes the step and its
-    programs fit the SMs at once (K = 256 in f32: one program's shared memory above half an SM's), and
+    checkpoint of batch >= 64 or a bf16 one of batch >= 256, compiled, on a Hopper-class GPU), where the
+    kernel takes the step and its programs fit the SMs at once (K = 256 in f32: one program's shared memory above half an SM's), and
     with V within the Triton kernels' bound."""
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
     state, v = _abstract(**case)

@@ -36,9 +36,9 @@ and its state is kept bit for bit (its last d record is written back as it
 was; its k and g records are not written), as on the Triton route.
 
 On the H200 at batch 256 with an f32 checkpoint (Qwen3.5-4B's layer, L =
-16) the kernel took 137-139 us and the prelude about 5 us, where the
-Triton append kernel took 167 us (bench/RESULTS.md, 2026-12-02, "A Mosaic
-GPU readout").
+16) the readout took 138-141 us a launch and the prelude launch 10, where
+the Triton append kernel took 172 (bench/RESULTS.md, 2026-12-03, "The TMA
+readout's prelude in one launch").
 
 Limits (checked before the prelude and the launch, :func:`check_tma_readout`):
 f32 or bf16 checkpoint, d records and v (no 8-bit checkpoint), no state
@@ -209,28 +209,30 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
                          f"shared memory, above a program's {SMEM_BYTES}; lower `config.stages` or `config.block_v`")
 
 
-DEFAULT_MIN_BATCH = 256  # batch rows from which the append route takes this kernel by default (f32 checkpoint)
+# Batch rows from which the append route takes this kernel by default, by checkpoint dtype: the smallest
+# batch at which it was measured to pay.
+DEFAULT_MIN_BATCH = {jnp.dtype(f32): 64, jnp.dtype(jnp.bfloat16): 256}
 
 
 def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> TMAReadoutConfig | None:
     """The append route's default Mosaic GPU tiling, or None where the
     Triton append kernel stays the default: a TMAReadoutConfig() on a
-    Hopper-class GPU (compute capability 9.x) for an f32 checkpoint with at
-    least DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM (the Triton
-    kernels' bound), where :func:`check_tma_readout` takes the step and the
-    programs' shared memory lets all of them run at once (`programs_per_sm`
-    a SM). Raises nothing.
+    Hopper-class GPU (compute capability 9.x) for a checkpoint of at least
+    DEFAULT_MIN_BATCH rows (64 in f32, 256 in bf16) and V <= MAX_HEAD_DIM
+    (the Triton kernels' bound), where :func:`check_tma_readout` takes the
+    step and the programs' shared memory lets all of them run at once
+    (`programs_per_sm` a SM). Raises nothing.
 
-    Measured on the H200 (bench/RESULTS.md, 2026-12-02, "The TMA readout in
-    the library"): Qwen3.5-4B's GDN layer in the lockstep cycle, L = 16,
-    wall time over the original's 1.14 (batch 256) and 1.12 (512) with it,
-    1.20 and 1.19 on the Triton append kernel; at batch 64 (wall 1.41
-    against 1.24) and with a bf16 checkpoint (1.02 against 0.95 at batch
-    256) it does not pay.
+    Measured on the H200 (bench/RESULTS.md, 2026-12-03, "The TMA readout's
+    prelude in one launch"): Qwen3.5-4B's GDN layer in the lockstep cycle,
+    L = 16, wall time over the original's with it 1.09 (f32, batch 64),
+    1.06 (256), 1.04 (512) and 0.88 (bf16, 256); on the Triton append
+    kernel 1.21, 1.19, 1.18 and 0.93. Smaller batches and a bf16
+    checkpoint below batch 256 were not measured.
     """
     batch, _, V, _ = state.checkpoint.shape
-    if (_compute_capability() is None or jnp.dtype(state.checkpoint.dtype) != jnp.dtype(f32)
-            or batch < DEFAULT_MIN_BATCH or V > MAX_HEAD_DIM):
+    least = DEFAULT_MIN_BATCH.get(jnp.dtype(state.checkpoint.dtype))
+    if _compute_capability() is None or least is None or batch < least or V > MAX_HEAD_DIM:
         return None
     config = TMAReadoutConfig()
     try:

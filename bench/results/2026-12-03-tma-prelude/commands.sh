@@ -1,0 +1,24 @@
+# 2026-12-03, one H200, jax 0.11.2. Runs 1-2 on the library of df4013f (the XLA prelude), runs 3-5 on
+# that of 9cb06fb (the Triton prelude launch; the prelude's warps were 2 in run 3, 1 from run 5).
+# Each run's environment: PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false, from the repository root.
+# The `commit` field of run 5's JSON names the checkout's HEAD on that machine (df4013f); its code was 9cb06fb's.
+
+# run 1 (df4013f): 07a4a01's TMA checks on the GPU, the GDN f32 rows with every kernel counted.
+python3 -m pytest -m gpu tests/test_tma_readout.py -q -n 8 -p no:cacheprovider -p no:benchmark \
+  -W ignore::DeprecationWarning > $OUT/gpu_tests_tma.log 2>&1
+python3 .anchors/harness_orig.py run --out $OUT/orig.json --layers gdn --batches 256,512 --lengths 16 \
+  --dtypes float32 --deadline-s 40 > $OUT/orig.log 2>&1
+python3 bench/kernels.py --profile --repeats 3 --layers gdn --state-dtypes float32 --batches 256,512 --lengths 16 \
+  --orig $OUT/orig.json --out $OUT --tag ours > $OUT/ours.log 2>&1
+
+# run 2 (df4013f): the compiled HLO of one append step and of four unrolled steps (ENTRY kept, metadata cut).
+python3 bench/results/2026-12-03-tma-prelude/hlo_dump.py 256
+
+# run 3 (9cb06fb with TERMS_WARPS = 2): run 1's commands again.
+
+# run 4: the prelude launch alone over num_warps.
+python3 bench/results/2026-12-03-tma-prelude/terms_sweep.py
+
+# run 5 (9cb06fb): Qwen3.5-4B-like end to end.
+python3 bench/e2e.py --models qwen3_5_4b_like --batches 256,512 --modes standard,16 --ssm-state-dtype float32 \
+  --prompt-len 128 --new-tokens 64 --profile --out $OUT/e2e_qwen3_5_4b_like.json > $OUT/e2e_qwen3_5_4b_like.log 2>&1
