@@ -37,8 +37,7 @@ Method (the settings are a TimingOptions):
     flush and one direct step that flushes every row: Generator's
     `lockstep` schedule, its append steps at the library's default, which
     is the Mosaic GPU kernel kernels.TMAReadoutConfig for a GDN layer's f32
-    checkpoint at batch >= 64 or bf16 one at batch >= 256 on a Hopper-class
-    GPU; where that kernel
+    or bf16 checkpoint at batch >= 64 on a Hopper-class GPU; where that kernel
     takes the shape, the other append kernel beside it: "-lockstep-triton"
     (the Triton kernel's default ReplayConfig) or "-lockstep-tma"); at batches where the default replay step is one
     launch, also the direct route from empty buffers (plain decoding: the
@@ -431,7 +430,7 @@ def tma_applies(bench, L, backend) -> bool:
 
 def tma_is_default(bench, L) -> bool:
     """Whether the append route takes the Mosaic GPU kernel by default here (tma_readout.default_tma_readout:
-    an f32 checkpoint of batch >= 64 or a bf16 one of batch >= 256 on a Hopper-class GPU)."""
+    an f32 or bf16 checkpoint of batch >= 64 on a Hopper-class GPU)."""
     return bench.layer == "gdn" and tma_readout.default_tma_readout(
         *_abstract_step(bench, L), interpret=False, slots=None) is not None
 

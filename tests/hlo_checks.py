@@ -173,12 +173,13 @@ def merged_weights(hlo: str, weights) -> list[str]:
 
 # Entry instructions that launch nothing: arguments, constants, views of a buffer, tuples.
 PLUMBING = frozenset({"parameter", "constant", "bitcast", "tuple", "get-tuple-element"})
+KERNELS = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")  # custom-call targets of Pallas Triton and Mosaic GPU kernels
 
 
 def work_besides_kernels(hlo: str) -> list[str]:
-    """The entry computation's instructions that are neither a Pallas Triton kernel (a custom call to
-    `__gpu$xla.gpu.triton`) nor plumbing (PLUMBING): every copy, fusion, memcpy or other launch that a
-    compiled step runs besides its kernels."""
+    """The entry computation's instructions that are neither a Pallas kernel (a custom call to a target of
+    KERNELS: Triton or Mosaic GPU) nor plumbing (PLUMBING): every copy, fusion, memcpy or other launch that
+    a compiled step runs besides its kernels."""
     entry = next(line for line in hlo.splitlines() if line.startswith("ENTRY "))
     name = _COMPUTATION.match(entry).group(1)
     found = []
@@ -187,7 +188,7 @@ def work_besides_kernels(hlo: str) -> list[str]:
         if m is None:
             continue
         op = m.group(3)
-        if op in PLUMBING or (op == "custom-call" and 'custom_call_target="__gpu$xla.gpu.triton"' in line):
+        if op in PLUMBING or (op == "custom-call" and any(f'custom_call_target="{t}"' in line for t in KERNELS)):
             continue
         found.append(line[:300])
     return found

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from cases import assert_close
+from hlo_checks import carry_copies, per_step_copies, work_besides_kernels
 from kernel_checks import GDN, GDNShape, lower_for_cuda
 from replayssm_jax import kernels, ops, reference
 from replayssm_jax.kernels import gdn as gdn_kernels
@@ -113,8 +114,11 @@ def test_limits_raise_before_any_launch(rng):
 
 
 def _abstract(batch, K=128, V=128, L=16, checkpoint=f32, d=bf16, act=bf16, H=16, HV=32):
-    """(abstract replay state, abstract v) of a GDN layer: shapes only, nothing allocated."""
-    state = jax.eval_shape(lambda: ops.gdn_replay_init(jnp.zeros((batch, HV, V, K), checkpoint), L, H, d))
+    """(abstract replay state, abstract v) of a GDN layer: shapes only, nothing allocated. An 8-bit
+    `checkpoint` dtype: the f32 state quantized to it."""
+    wide = checkpoint in (f32, bf16)
+    state = jax.eval_shape(lambda: ops.gdn_replay_init(jnp.zeros((batch, HV, V, K), checkpoint if wide else f32), L,
+                                                       H, d, **({} if wide else dict(checkpoint_dtype=checkpoint))))
     return state, jax.ShapeDtypeStruct((batch, HV, V), act)
 
 
@@ -164,8 +168,9 @@ def test_a_gpu_before_hopper_is_refused(monkeypatch):
     (_Device(), dict(batch=512), {}, True),
     (_Device(), dict(batch=64), {}, True),
     (_Device(), dict(batch=63), {}, False),
-    (_Device(), dict(batch=256, checkpoint=bf16), {}, True),
-    (_Device(), dict(batch=255, checkpoint=bf16), {}, False),
+    (_Device(), dict(batch=64, checkpoint=bf16), {}, True),
+    (_Device(), dict(batch=63, checkpoint=bf16), {}, False),
+    (_Device(), dict(batch=256, checkpoint=jnp.int8), {}, False),
     (_Device(), dict(batch=256, L=4), {}, False),
     (_Device(), dict(batch=256), dict(interpret=True), False),
     (_Device(), dict(batch=256), dict(slots=jnp.arange(256)), False),
@@ -174,11 +179,11 @@ def test_a_gpu_before_hopper_is_refused(monkeypatch):
     (_Device(platform="cpu"), dict(batch=256), {}, False),
     (_Device(), dict(batch=256, V=320), {}, False),
     (_Device(), dict(batch=256, K=256), {}, False),
-], ids=["b256", "b512", "b64", "b63", "bf16-b256", "bf16-b255", "L4", "interpret", "pool", "sm80", "sm100",
+], ids=["b256", "b512", "b64", "b63", "bf16-b64", "bf16-b63", "int8", "L4", "interpret", "pool", "sm80", "sm100",
        "cpu", "V320", "K256-smem"])
 def test_default_tiling_of_the_append_route(device, case, kw, takes, monkeypatch):
     """The append route takes the Mosaic GPU kernel by default only where it was measured to pay (an f32
-    checkpoint of batch >= 64 or a bf16 one of batch >= 256, compiled, on a Hopper-class GPU), where the
+    or bf16 checkpoint of batch >= 64, compiled, on a Hopper-class GPU; not an 8-bit one), where the
     kernel takes the step and its programs fit the SMs at once (K = 256 in f32: one program's shared memory above half an SM's), and
     with V within the Triton kernels' bound."""
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
@@ -347,3 +352,25 @@ def test_compiled_full_row_keeps_its_state(rng):
         np.testing.assert_array_equal(np.asarray(getattr(new, name))[full], np.asarray(getattr(rs, name))[full],
                                       err_msg=f"{name} of a full row changed")
     np.testing.assert_array_equal(np.asarray(new.cursor), np.minimum(cursor + 1, L))
+
+
+@pytest.mark.gpu
+def test_compiled_step_is_its_two_kernels(rng):
+    """The append step on Mosaic GPU, jitted alone with its state donated and compiled: its entry computation
+    is the prelude launch and the readout and nothing else (no copy, fusion or memcpy); in a decode loop
+    (`lax.scan` of 2 L steps) no step copies the checkpoint, the records or the cursor."""
+    layer = _layer(rng)
+    rs = layer.replay_state(L, f32, bf16, np.zeros(SHAPE.batch, np.int32))
+    config = kernels.TMAReadoutConfig()
+
+    def step(rs, inp):
+        return layer.kernel_replay_step(rs, inp, "append", config)
+
+    hlo = jax.jit(step, donate_argnums=0).lower(rs, layer.draw()).compile().as_text()
+    found = work_besides_kernels(hlo)
+    assert not found, "work besides the kernels:\n" + "\n".join(found)
+    xs = jax.tree.map(lambda *a: jnp.stack(a), *[layer.draw() for _ in range(2 * L)])
+    loop = jax.jit(lambda rs, xs: jax.lax.scan(lambda c, inp: step(c, inp)[::-1], rs, xs), donate_argnums=0)
+    hlo = loop.lower(rs, xs).compile().as_text()
+    copies = per_step_copies(hlo, [rs.checkpoint, rs.d, rs.k, rs.g, rs.cursor]) + carry_copies(hlo)
+    assert not copies, "per-step copies of the state:\n" + "\n".join(copies)

@@ -578,8 +578,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         (:func:`~replayssm_jax.kernels.tma_readout.gdn_append_tma`); None
         on the append route takes it where
         :func:`~replayssm_jax.kernels.tma_readout.default_tma_readout` says
-        (an f32 checkpoint of batch >= 64 or a bf16 one of batch >= 256 on a
-        Hopper-class GPU).
+        (an f32 or bf16 checkpoint of batch >= 64 on a Hopper-class GPU).
       interpret: run the kernels in Pallas interpret mode.
       slots: None, or i32[batch] (validated): the state is a state pool of
         capacity slots and batch row b steps slot slots[b], as

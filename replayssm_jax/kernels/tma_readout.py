@@ -209,31 +209,28 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
                          f"shared memory, above a program's {SMEM_BYTES}; lower `config.stages` or `config.block_v`")
 
 
-# Batch rows from which the append route takes this kernel by default, by checkpoint dtype: the smallest
-# batch at which it was measured to pay.
-DEFAULT_MIN_BATCH = {jnp.dtype(f32): 64, jnp.dtype(jnp.bfloat16): 256}
+DEFAULT_MIN_BATCH = 64  # batch rows from which the append route takes this kernel by default (the least measured)
 
 
 def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> TMAReadoutConfig | None:
     """The append route's default Mosaic GPU tiling, or None where the
     Triton append kernel stays the default: a TMAReadoutConfig() on a
-    Hopper-class GPU (compute capability 9.x) for a checkpoint of at least
-    DEFAULT_MIN_BATCH rows (64 in f32, 256 in bf16) and V <= MAX_HEAD_DIM
-    (the Triton kernels' bound), where :func:`check_tma_readout` takes the
+    Hopper-class GPU (compute capability 9.x) for an f32 or bf16 checkpoint
+    of at least DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM (the Triton
+    kernels' bound), where :func:`check_tma_readout` takes the
     step and the programs' shared memory lets all of them run at once
     (`programs_per_sm` a SM). Raises nothing.
 
     Measured on the H200 (bench/RESULTS.md, 2026-12-03, "The TMA readout's
     prelude in one launch"): Qwen3.5-4B's GDN layer in the lockstep cycle,
     L = 16, wall time over the original's with it 1.09 (f32, batch 64),
-    1.06 (256), 1.04 (512) and 0.88 (bf16, 256); on the Triton append
-    kernel 1.21, 1.19, 1.18 and 0.93. Smaller batches and a bf16
-    checkpoint below batch 256 were not measured.
+    1.06 (256), 1.04 (512), 0.96 (bf16, 64), 0.88 (256) and 0.88 (512);
+    on the Triton append kernel 1.21, 1.19, 1.18, 1.03, 0.93 and 0.90.
+    Batches below 64 were not measured.
     """
     batch, _, V, _ = state.checkpoint.shape
-    least = DEFAULT_MIN_BATCH.get(jnp.dtype(state.checkpoint.dtype))
-    if _compute_capability() is None or least is None or batch < least or V > MAX_HEAD_DIM:
-        return None
+    if _compute_capability() is None or batch < DEFAULT_MIN_BATCH or V > MAX_HEAD_DIM:
+        return None  # the checkpoint's dtype: check_tma_readout
     config = TMAReadoutConfig()
     try:
         check_tma_readout(state, v, config, interpret=interpret, slots=slots)

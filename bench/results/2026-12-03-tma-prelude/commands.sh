@@ -22,3 +22,22 @@ python3 bench/results/2026-12-03-tma-prelude/terms_sweep.py
 # run 5 (9cb06fb): Qwen3.5-4B-like end to end.
 python3 bench/e2e.py --models qwen3_5_4b_like --batches 256,512 --modes standard,16 --ssm-state-dtype float32 \
   --prompt-len 128 --new-tokens 64 --profile --out $OUT/e2e_qwen3_5_4b_like.json > $OUT/e2e_qwen3_5_4b_like.log 2>&1
+
+# run 6 (9cb06fb): the GDN rows beside the original, f32 at batch 64-512 and bf16 at 256.
+python3 .anchors/harness_orig.py run --out $OUT/orig.json --layers gdn --batches 64,256,512 --lengths 16 \
+  --dtypes float32,bfloat16 --deadline-s 40 > $OUT/orig.log 2>&1
+python3 bench/kernels.py --profile --repeats 3 --layers gdn --state-dtypes float32 --batches 64,256,512 --lengths 16 \
+  --orig $OUT/orig.json --out $OUT --tag ours_f32 > $OUT/ours_f32.log 2>&1
+python3 bench/kernels.py --profile --repeats 3 --layers gdn --state-dtypes bfloat16 --batches 256 --lengths 16 \
+  --orig $OUT/orig.json --out $OUT --tag ours_bf16 > $OUT/ours_bf16.log 2>&1
+
+# run 7 (faa67b2: the default from batch 64 in f32, 256 in bf16): the whole GPU test list
+# (bench/gpu_checks.sh's), then the GDN bf16 rows at batch 64 and 512 beside the original.
+python3 -m pytest -m gpu tests/test_kernels.py tests/test_verify_kernels.py tests/test_quantized_state.py \
+  tests/test_tree_verify.py tests/test_per_draft_verify.py tests/test_pool.py tests/test_conv.py \
+  tests/test_inplace_hlo.py tests/test_tma_readout.py -q -n 16 -p no:cacheprovider -p no:benchmark \
+  -W ignore::DeprecationWarning > $OUT/gpu_tests.log 2>&1
+python3 .anchors/harness_orig.py run --out $OUT/orig.json --layers gdn --batches 64,512 --lengths 16 \
+  --dtypes bfloat16 --deadline-s 30 > $OUT/orig.log 2>&1
+python3 bench/kernels.py --profile --repeats 3 --layers gdn --state-dtypes bfloat16 --batches 64,512 --lengths 16 \
+  --orig $OUT/orig.json --out $OUT --tag ours_bf16 > $OUT/ours_bf16.log 2>&1
