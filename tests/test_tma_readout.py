@@ -283,7 +283,8 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
     assert sorted(calls) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls  # the prelude, the readout: no other
     assert re.search(r"@__gpu\$xla\.gpu\.triton\([^\n]*output_operand_aliases = \[#stablehlo\.output_operand_alias<"
                      r"output_tuple_indices = \[4\], operand_index = 0[^\n]*output_tuple_indices = \[5\], "
-                     r"operand_index = 1", text), "the prelude's k and g records are not aliased"
+                     r"operand_index = 1[^\n]*output_tuple_indices = \[6\], operand_index = 2", text), \
+        "the prelude's k and g records and cursor are not aliased"
     assert re.search(r"@mosaic_gpu_v2\([^\n]*output_operand_aliases = \[#stablehlo\.output_operand_alias<"
                      r"output_tuple_indices = \[1\], operand_index = 6", text), "the d records are not aliased"
 

@@ -211,13 +211,14 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
 
 
 def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, terms_ref, entry_ref,
-                  records_out: Records, cursor_out, *, K, L, group, scale, use_qk_l2norm):
+                  records_out: Records, cursor_out, *, K, L, group, scale, use_qk_l2norm, programs):
     """The prelude of the append route's Mosaic GPU readout on one (batch row, key head): q and k
     normalized, the per-head terms of the key head's `group` value heads
     (`tma_readout.head_terms`: a_k, a_q, then exp of the live log decays'
     sum, k . q, exp(g), beta), the shared records (k, g) at the cursor where
-    the row has a free slot, and, from the row's head 0, its cursor at entry
-    (for the readout) and after the step (min(cursor + 1, L))."""
+    the row has a free slot, from the row's head 0 its cursor at entry (for
+    the readout), and the cursor moved to min(cursor + 1, L) in place once
+    the row's H programs have read it (`advance_cursor`)."""
     h = program_id(1)
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
     count = read_cursor(cursor_ref)
@@ -246,7 +247,8 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     @pl.when(h == 0)
     def _():
         entry_ref[0] = count
-        cursor_out[0] = jnp.minimum(count + 1, L)
+
+    advance_cursor(cursor_out, count, jnp.minimum(count + 1, L), programs)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret"))
@@ -255,8 +257,8 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
 
     Returns (qn, kn f32[batch, H, K], terms f32[batch, HV, TERMS, L], entry
     i32[rows * TMA_MAX] (each row's cursor at entry, then unwritten
-    padding), k and g records (written in place), the cursor after the
-    step); the pure-JAX form is `tma_readout.head_terms` and
+    padding), k and g records and the cursor after the step (all three
+    written in place)); the pure-JAX form is `tma_readout.head_terms` and
     `tma_readout.append_shared_records`."""
     batch, H, K = inputs.q.shape
     HV, L = inputs.v.shape[1], records.d.shape[2]
@@ -266,7 +268,8 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
     row = pl.BlockSpec((1,), lambda b, h: (b,))
     g_spec = pl.BlockSpec((None, BH, BL), lambda b, h: (b, 0, 0))
     k_spec = pl.BlockSpec((None, None, BL, BK), lambda b, h: (b, h, 0, 0))
-    kernel = functools.partial(_terms_kernel, K=K, L=L, group=HV // H, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    kernel = functools.partial(_terms_kernel, K=K, L=L, group=HV // H, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                               programs=H)
     out_shape = (jax.ShapeDtypeStruct((batch, H, K), f32), jax.ShapeDtypeStruct((batch, H, K), f32),
                  jax.ShapeDtypeStruct((batch, HV, TERMS, L), f32),
                  jax.ShapeDtypeStruct((cursor_rows(batch) * TMA_MAX,), jnp.int32),
@@ -279,7 +282,7 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
         in_specs=(Records(d=None, k=k_spec, g=g_spec), row, Inputs(q=head, k=head, v=None, g=heads, beta=heads)),
         out_specs=(head, head, pl.BlockSpec((None, BH, TERMS, BL), lambda b, h: (b, 0, 0, 0)), row,
                    Records(d=None, k=k_spec, g=g_spec), row),
-        out_shape=out_shape, input_output_aliases={0: 4, 1: 5},
+        out_shape=out_shape, input_output_aliases={0: 4, 1: 5, 2: 6},
     )(records._replace(d=None), cursor, inputs._replace(v=None))
 
 

@@ -65,6 +65,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from replayssm_jax.kernels.config import MAX_BUFFER_LEN, MAX_HEAD_DIM, num_sms
+from replayssm_jax.kernels.cursor import MAX_ROW_PROGRAMS
 from replayssm_jax.state import GDNReplayState
 
 f32 = jnp.float32
@@ -166,7 +167,8 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
         checkpoint, a GPU other than a Hopper-class one (compute capability
         9.x: the kernel's TMA copies and WGMMA register layouts; off a GPU,
         as when lowering for CUDA on a CPU host, nothing is checked here).
-      ValueError: a checkpoint, d records or v that are not f32 or bf16; K
+      ValueError: a checkpoint, d records or v that are not f32 or bf16;
+        more key heads than MAX_ROW_PROGRAMS (the prelude's cursor); K
         not a multiple of the swizzled tile's width (32 f32 or 64 bf16
         columns) or above MAX_K; V not a multiple of config.block_v; L not a
         multiple of 8 or above MAX_L; a program's shared memory
@@ -199,6 +201,9 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
     if V % config.block_v:
         raise ValueError(f"the TMA readout takes V (value dim) a multiple of `config.block_v` = {config.block_v}; "
                          f"got V = {V}")
+    if state.k.shape[1] > MAX_ROW_PROGRAMS:
+        raise ValueError(f"the TMA readout's prelude moves the cursor once its {state.k.shape[1]} programs a row (one "
+                         f"per key head) have read it, at most {MAX_ROW_PROGRAMS}")
     L = state.buffer_len
     if L % 8 or L > MAX_L:
         raise ValueError(f"the TMA readout takes L (buffer length) a multiple of 8 (each shared-memory stage "
