@@ -41,3 +41,15 @@ python3 .anchors/harness_orig.py run --out $OUT/orig.json --layers gdn --batches
   --dtypes bfloat16 --deadline-s 30 > $OUT/orig.log 2>&1
 python3 bench/kernels.py --profile --repeats 3 --layers gdn --state-dtypes bfloat16 --batches 64,512 --lengths 16 \
   --orig $OUT/orig.json --out $OUT --tag ours_bf16 > $OUT/ours_bf16.log 2>&1
+
+# run 8 (5000f0c): the GPU tests of the Mosaic GPU path and of the compiled steps' copies.
+python3 -m pytest -m gpu tests/test_tma_readout.py tests/test_inplace_hlo.py -q -n 16 -p no:cacheprovider \
+  -p no:benchmark -W ignore::DeprecationWarning > $OUT/gpu_tests_final.log 2>&1
+
+# run 9 (74cc0a4: the prelude moves the cursor in place): run 8's tests, then the GDN f32 rows at batch 256.
+python3 -m pytest -m gpu tests/test_tma_readout.py tests/test_inplace_hlo.py -q -n 16 -p no:cacheprovider \
+  -p no:benchmark -W ignore::DeprecationWarning > $OUT/gpu_tests_final.log 2>&1
+python3 .anchors/harness_orig.py run --out $OUT/orig.json --layers gdn --batches 256 --lengths 16 \
+  --dtypes float32 --deadline-s 20 > $OUT/orig.log 2>&1
+python3 bench/kernels.py --profile --repeats 3 --layers gdn --state-dtypes float32 --batches 256 --lengths 16 \
+  --orig $OUT/orig.json --out $OUT --tag ours > $OUT/ours.log 2>&1
