@@ -735,7 +735,7 @@ def test_kernels_against_original_matches_variants():
     for variant in ("replay-L16-lockstep-tma", "replay-L16-lockstep"):  # the Mosaic GPU kernel, named or default
         tma = kb.against_original(dict(base, variant=variant, L=16, cursors="lockstep", seconds=2e-4,
                                        kernels_us=mosaic), original)
-        assert tma["kernel_us"] == pytest.approx(189.0)  # every kernel of the step (its XLA prelude), not the idle
+        assert tma["kernel_us"] == pytest.approx(189.0)  # every kernel of the step (its prelude too), not the idle
     triton = kb.against_original(dict(base, variant="replay-L16-lockstep-triton", L=16, cursors="lockstep",
                                       seconds=2e-4, kernels_us={**kernels, "(idle)": {"us": 4.0}}), original)
     assert triton["kernel_us"] == pytest.approx(180.0)  # the SSM kernels only

@@ -1,12 +1,16 @@
 """The Gated DeltaNet append route on Mosaic GPU (replayssm_jax.kernels.tma_readout).
 
 On the CPU: the config's and the limits' errors (raised before any launch),
-the XLA prelude's terms and shared records against the reference's append
-step (the readout formula of the module docstring evaluated on the terms
-in jnp), and the kernel lowered for CUDA (Mosaic GPU's layouts, the d
-records aliased in place). On a GPU (`pytest -m gpu`): the compiled step
-against the reference's append step, from staggered cursors with dead slots
-holding inf, a full row under a trace, both checkpoint dtypes and tilings.
+the default's choice, the pure-JAX form of the prelude (terms and shared
+records) against the reference's append step (the readout formula of the
+module docstring evaluated on the terms in jnp), the Triton prelude launch
+(interpreted) against that form, and the step lowered for CUDA (the
+prelude's and the readout's layouts, their records and cursor aliased in
+place). On a GPU (`pytest -m gpu`): the compiled step against the
+reference's append step, from staggered cursors with dead slots holding
+inf, a full row under a trace, both checkpoint dtypes, tilings and key
+groups; the compiled step is its two kernels and a decode loop copies no
+state.
 """
 
 from __future__ import annotations
@@ -127,9 +131,10 @@ def _abstract(batch, K=128, V=128, L=16, checkpoint=f32, d=bf16, act=bf16, H=16,
     (dict(L=72), None, r"L \(buffer length\) a multiple of 8.*at most 64; got L = 72"),
     (dict(d=jnp.float8_e4m3fn), None, "f32 or bf16 d records; got float8_e4m3fn"),
     (dict(act=jnp.float16), None, "f32 or bf16 v; got float16"),
+    (dict(H=32768, HV=32768), None, r"at most 32767 key heads .*; got H = 32768"),
     (dict(batch=200, d=f32), dict(block_v=128, stages=3), r"3 stages of 128 rows need 233672 bytes of shared memory, "
                                                          r"above a program's 232448"),
-], ids=["K-512", "L-72", "fp8-records", "f16-v", "smem"])
+], ids=["K-512", "L-72", "fp8-records", "f16-v", "H-32768", "smem"])
 def test_limits_on_shapes(case, config, match):
     """The shape limits, on abstract states (the shared-memory bound at a batch where the pipeline keeps every
     stage: Mosaic GPU's lowering allocates 233504 bytes there and refuses)."""
@@ -184,8 +189,8 @@ def test_a_gpu_before_hopper_is_refused(monkeypatch):
 def test_default_tiling_of_the_append_route(device, case, kw, takes, monkeypatch):
     """The append route takes the Mosaic GPU kernel by default only where it was measured to pay (an f32
     or bf16 checkpoint of batch >= 64, compiled, on a Hopper-class GPU; not an 8-bit one), where the
-    kernel takes the step and its programs fit the SMs at once (K = 256 in f32: one program's shared memory above half an SM's), and
-    with V within the Triton kernels' bound."""
+    kernel takes the step and its programs fit the SMs at once (K = 256 in f32: one program's shared
+    memory above half an SM's), and with V within the Triton kernels' bound."""
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
     state, v = _abstract(**case)
     config = tma_readout.default_tma_readout(state, v, interpret=kw.get("interpret", False), slots=kw.get("slots"))
@@ -233,8 +238,10 @@ def test_prelude_terms_give_the_reference_append_step(buffer_dtype, use_qk_l2nor
 def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtype, use_qk_l2norm, rng):
     """The Triton prelude launch (interpreted) against `head_terms` and `append_shared_records`: q, k and the
     terms within the f32 tolerance, the k and g records bit for bit (a full row's untouched, dead slots' inf
-    kept), the cursor at entry in the readout's layout and after the step. Padded lanes (a key dim, a buffer
-    length and a key group not powers of two) are neither read nor written."""
+    kept), the cursor at entry in the readout's layout and after the step, with a key dim, a buffer length
+    and a value heads' group that are not powers of two. (The interpreter runs the programs one at a time
+    and drops writes past an array's end: lanes past the end of a row's heads, and the cursor's arrival
+    count, are the GPU tests' to check.)"""
     layer = _layer(rng, shape, f32)
     cursor = (np.arange(shape.batch) * 7 % (buffer_len + 1)).astype(np.int32)
     cursor[-1] = buffer_len  # a row that entered full
@@ -267,10 +274,11 @@ MODEL = GDNShape(batch=200, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer
     (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=2), MODEL.with_batch(300), 16),
 ], ids=["f32-bf16-default", "bf16-bf16-128x3", "f32-f32-f32act-64x1", "model-b200-3stages", "model-b300-bf16"])
 def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, shape, buffer_len, rng):
-    """The whole Mosaic GPU lowering on the CPU (layout inference, the swizzled tile's transforms, the
-    pipeline's copies and, at the model's shape, its stages rotating over many items a program and a
-    cursor of more than 256 rows), short of compiling: one Mosaic GPU custom call, its d records aliased
-    in place. The model cases on abstract inputs (nothing allocated)."""
+    """The step's whole lowering on the CPU (the prelude's Triton lowering; Mosaic GPU's layout inference,
+    the swizzled tile's transforms, the pipeline's copies and, at the model's shape, its stages rotating
+    over many items a program and a cursor of more than 256 rows), short of compiling: two custom calls,
+    the prelude (its k and g records and cursor aliased in place) and the readout (its d records aliased
+    in place), and no other. The model cases on abstract inputs (nothing allocated)."""
     layer = _layer(rng, shape, act)
     if shape is SHAPE:
         args = (layer.replay_state(buffer_len, checkpoint_dtype, buffer_dtype,

@@ -49,8 +49,8 @@ Launches and their configs:
   :func:`replayssm_jax.state.replay_commit`.
 - Gated DeltaNet replay step, append route, on Mosaic GPU
   (:mod:`replayssm_jax.kernels.tma_readout`, :class:`TMAReadoutConfig`):
-  a Triton prelude launch forms the per-head terms and appends the shared
-  k and g records; one persistent kernel pipelines each work item's checkpoint
+  a Triton prelude launch forms the per-head terms, appends the shared k
+  and g records and moves the cursor, in place; one persistent kernel pipelines each work item's checkpoint
   tile and d records into shared memory by TMA copies and writes the
   outputs and d records. Compiled GPU only; f32 and bf16 checkpoints.
 

@@ -80,9 +80,15 @@ from replayssm_jax.state import GDNReplayState
 
 # The state's rows and columns, as the size errors name them.
 DIMS = (("value dim", "V"), ("key dim", "K"))
-# Warps of a program of the Mosaic GPU readout's prelude launch: at batch 256 (Qwen3.5-4B's layer, f32, L = 16)
-# it took 10.5 us on the H200, 11.0 with 2 warps, 13.4 with 4 (2026-12-02).
-TERMS_WARPS = 1
+# Elements of a prelude program's key tile [BL, BK] per warp (`_terms_warps`). With one warp for a 16 x 128
+# tile (Qwen3.5-4B's layer, L = 16) the launch took 10.5 us at batch 256 on the H200, 11.0 with 2 warps and
+# 13.4 with 4 (2026-12-03); larger tiles get more warps, so that no thread holds more of it (not measured).
+TERMS_TILE_PER_WARP = 2048
+
+
+def _terms_warps(BL: int, BK: int) -> int:
+    """Warps of a program of the prelude launch: one per TERMS_TILE_PER_WARP elements of its key tile, 1 to 8."""
+    return min(8, max(1, BL * BK // TERMS_TILE_PER_WARP))
 
 
 class Inputs(NamedTuple):
@@ -218,7 +224,14 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     sum, k . q, exp(g), beta), the shared records (k, g) at the cursor where
     the row has a free slot, from the row's head 0 its cursor at entry (for
     the readout), and the cursor moved to min(cursor + 1, L) in place once
-    the row's H programs have read it (`advance_cursor`)."""
+    the row's H programs have read it (`advance_cursor`).
+
+    Refs (BL, BK, BH: L, K, HV up to powers of two): records.k [BL, BK]
+    (the key head's) and records.g f32[BH, BL] (the row's), cursor_ref
+    i32[1]; inputs.q, inputs.k [BK], inputs.g f32[BH], inputs.beta [BH];
+    qn_ref, kn_ref f32[BK]; terms_ref f32[BH, TERMS, BL]; entry_ref i32[1];
+    records_out and cursor_out the aliased records and cursor, as above.
+    Padded lanes are neither read nor written."""
     h = program_id(1)
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
     count = read_cursor(cursor_ref)
@@ -255,6 +268,11 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
 def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, interpret: bool):
     """The append route's prelude for the Mosaic GPU readout: one Triton launch, grid (batch, H).
 
+    Takes the state's records (d [batch, HV, L, V], not read; k [batch, H,
+    L, K]; g f32[batch, HV, L]), its cursor i32[batch] and the step's
+    inputs (q, k [batch, H, K]; v, not read; g f32[batch, HV]; beta
+    [batch, HV]), validated; scale and use_qk_l2norm as :func:`gdn_step`.
+
     Returns (qn, kn f32[batch, H, K], terms f32[batch, HV, TERMS, L], entry
     i32[rows * TMA_MAX] (each row's cursor at entry, then unwritten
     padding), k and g records and the cursor after the step (all three
@@ -278,7 +296,7 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
                  jax.ShapeDtypeStruct((batch,), jnp.int32))
     return pl.pallas_call(
         kernel, grid=(batch, H), interpret=interpret, name=f"gdn_append_terms_L{L}",
-        compiler_params=triton_params(TERMS_WARPS),
+        compiler_params=triton_params(_terms_warps(BL, BK)),
         in_specs=(Records(d=None, k=k_spec, g=g_spec), row, Inputs(q=head, k=head, v=None, g=heads, beta=heads)),
         out_specs=(head, head, pl.BlockSpec((None, BH, TERMS, BL), lambda b, h: (b, 0, 0, 0)), row,
                    Records(d=None, k=k_spec, g=g_spec), row),
@@ -500,8 +518,10 @@ def _per_draft(state, index, inputs: Inputs, slots=None, *, scale: float, use_qk
 def _append_tma(state: GDNReplayState, inputs: Inputs, *, scale: float, use_qk_l2norm: bool,
                 config: TMAReadoutConfig):
     """The append route on Mosaic GPU: the prelude launch (`_head_terms`), then the readout
-    (`tma_readout.gdn_append_tma`). Jitted: an eager call, as in an eager `jax.shard_map`, returns arrays,
-    not the d records' `jax.Ref`. Returns (o, new GDNReplayState)."""
+    (`tma_readout.gdn_append_tma`), on validated arguments within the readout's limits
+    (`tma_readout.check_tma_readout`). Jitted: an eager call, as in an eager `jax.shard_map`, returns
+    arrays, not the d records' `jax.Ref`. Returns (o [batch, HV, V] in v.dtype, new GDNReplayState), as
+    :func:`gdn_replay_step`."""
     records = Records(state.d, state.k, state.g)
     qn, kn, terms, entry, shared, cursor = _head_terms(records, state.cursor, _f32_decay(inputs), scale=scale,
                                                        use_qk_l2norm=use_qk_l2norm, interpret=False)

@@ -202,8 +202,8 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
         raise ValueError(f"the TMA readout takes V (value dim) a multiple of `config.block_v` = {config.block_v}; "
                          f"got V = {V}")
     if state.k.shape[1] > MAX_ROW_PROGRAMS:
-        raise ValueError(f"the TMA readout's prelude moves the cursor once its {state.k.shape[1]} programs a row (one "
-                         f"per key head) have read it, at most {MAX_ROW_PROGRAMS}")
+        raise ValueError(f"the TMA readout takes at most {MAX_ROW_PROGRAMS} key heads (its prelude moves the cursor "
+                         f"once the row's programs, one per key head, have read it); got H = {state.k.shape[1]}")
     L = state.buffer_len
     if L % 8 or L > MAX_L:
         raise ValueError(f"the TMA readout takes L (buffer length) a multiple of 8 (each shared-memory stage "

@@ -1,5 +1,6 @@
-# 2026-12-03, one H200, jax 0.11.2. Runs 1-2 on the library of df4013f (the XLA prelude), runs 3-5 on
+# 2026-12-03, one H200, jax 0.11.2. Runs 1-2 on the library of df4013f (the XLA prelude), runs 3-6 on
 # that of 9cb06fb (the Triton prelude launch; the prelude's warps were 2 in run 3, 1 from run 5).
+# Each run wrote under $OUT; its files are here as runN_<name>.
 # Each run's environment: PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false, from the repository root.
 # The `commit` field of run 5's JSON names the checkout's HEAD on that machine (df4013f); its code was 9cb06fb's.
 
