@@ -50,9 +50,9 @@ Launches and their configs:
 - Gated DeltaNet replay step, append route, on Mosaic GPU
   (:mod:`replayssm_jax.kernels.tma_readout`, :class:`TMAReadoutConfig`):
   a Triton prelude launch forms the per-head terms, appends the shared k
-  and g records and moves the cursor, in place; one persistent kernel pipelines each work item's checkpoint
-  tile and d records into shared memory by TMA copies and writes the
-  outputs and d records. Compiled GPU only; f32 and bf16 checkpoints.
+  and g records and moves the cursor, in place; one persistent kernel
+  pipelines each work item's checkpoint tile and d records into shared
+  memory by TMA copies and writes the outputs and d records. Compiled GPU only; f32 and bf16 checkpoints.
 
 8-bit checkpoints (int8, float8_e4m3fn; :mod:`replayssm_jax.state`) take
 the same kernels: a launch gets the checkpoint as a

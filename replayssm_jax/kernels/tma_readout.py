@@ -14,11 +14,12 @@ record; nothing is flushed. Here it runs as two launches:
   a_k[i] = w_i k_i . k and a_q[i] = w_i k_i . q (0 in dead slots), and
   exp(sum of the live g), k . q, exp(g) and beta; it appends the step's
   shared records (k normalized, not scaled, and g) at each row's cursor,
-  in place, and writes each row's cursor at entry (for the readout) and
-  after the step, min(cursor + 1, L);
+  in place, writes each row's cursor at entry for the readout, and moves
+  the cursor to min(cursor + 1, L) in place;
 - the Mosaic GPU readout (:func:`gdn_append_tma`): its programs,
-  `config.programs_per_sm` per SM (at most one per item), each walk their share of the (batch row, value head, row tile)
-  items, strided over the grid; `plgpu.emit_pipeline` copies an item's
+  `config.programs_per_sm` per SM (at most one per item), each walk their
+  share of the (batch row, value head, row tile) items, strided over the
+  grid; `plgpu.emit_pipeline` copies an item's
   checkpoint tile [block_v, K], its d records [L, block_v], terms, q, k and
   v into shared memory up to `config.stages` - 1 items ahead of the one it
   computes (TMA; the stages capped at the program's items), and the
@@ -222,8 +223,8 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> 
     Triton append kernel stays the default: a TMAReadoutConfig() on a
     Hopper-class GPU (compute capability 9.x) for an f32 or bf16 checkpoint
     of at least DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM (the Triton
-    kernels' bound), where :func:`check_tma_readout` takes the
-    step and the programs' shared memory lets all of them run at once
+    kernels' bound), where :func:`check_tma_readout` takes the step and
+    the programs' shared memory lets all of them run at once
     (`programs_per_sm` a SM). Raises nothing.
 
     Measured on the H200 (bench/RESULTS.md, 2026-12-03, "The TMA readout's
@@ -235,7 +236,7 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> 
     """
     batch, _, V, _ = state.checkpoint.shape
     if _compute_capability() is None or batch < DEFAULT_MIN_BATCH or V > MAX_HEAD_DIM:
-        return None  # the checkpoint's dtype: check_tma_readout
+        return None  # (an 8-bit checkpoint: check_tma_readout refuses it below)
     config = TMAReadoutConfig()
     try:
         check_tma_readout(state, v, config, interpret=interpret, slots=slots)
