@@ -21,14 +21,17 @@ Method (the settings are a TimingOptions):
     steps), with the carry donated. The carry holds `n_sets` independent
     copies of the layer's state ("layers"), each stepped once per step, so
     that the states together exceed the L2 (>= 240 MB, at most 64 copies)
-    and every step reads its state from HBM. Every step takes the same
-    inputs (one step's q/k/v/gates, or x/B/C/dt, a non-donated argument): a
-    decode step's inputs come from the projection GEMM, and slicing step t's
-    inputs out of a stacked [L, ...] array, or a while loop around the steps,
-    adds XLA memcpy launches and gaps that are the benchmark's, not the
-    step's (2026-12-02: 5-15 us a step at batch 256,
-    bench/results/2026-12-02-prefetch/hlo). Wall clock around `chained_calls` calls
-    dispatched back to back (each on the last one's carry) and
+    and every step reads its state from HBM. Each step of the cycle takes
+    its own inputs (q/k/v/gates, or x/B/C/dt; `steps` separate non-donated
+    arguments, shared by the sets): a decode step's inputs come from the
+    projection GEMM, and slicing step t's inputs out of a stacked [L, ...]
+    array, or a while loop around the steps, adds XLA memcpy launches and
+    gaps that are the benchmark's, not the step's (2026-12-02: 5-15 us a
+    step at batch 256, bench/results/2026-12-02-prefetch/hlo); and with one
+    input for every step XLA computes a pure launch once for the cycle (the
+    Mamba-2 Mosaic GPU readout, which writes nothing but S_c C, on
+    2026-12-03). Wall clock around `chained_calls` calls dispatched back to
+    back (each on the last one's carry) and
     `block_until_ready`, median of repeats after a compile and warm-up run;
     per-step time = median / (chained_calls * steps * n_sets).
   * replay rows at staggered cursors (row r starts at r mod L) unless the
@@ -122,7 +125,7 @@ import device_rates  # noqa: E402  (bench/device_rates.py)
 import step_profile  # noqa: E402  (bench/step_profile.py)
 
 from replayssm_jax import kernels, ops, testing  # noqa: E402
-from replayssm_jax.kernels import ReplayConfig, StepConfig, tma_readout  # noqa: E402
+from replayssm_jax.kernels import ReplayConfig, StepConfig, tma_readout, tma_step  # noqa: E402
 from replayssm_jax.layers.cache import committed_index  # noqa: E402
 from replayssm_jax.state import dequantize, is_quantized  # noqa: E402
 from replayssm_jax.testing import (CASE_TABLES, GDNShape, Mamba2Shape,  # noqa: E402,F401
@@ -362,11 +365,12 @@ def kernel_times(f, carries, inp, per):
     return times, out[0][0]
 
 
-def time_cycle(step, carries, inp, steps, options: TimingOptions, chain: bool = False):
+def time_cycle(step, carries, inp, steps, options: TimingOptions, chain: bool = False, per_step: bool = False):
     """Median seconds per (step x set) of a jitted, donated cycle of `steps`
     unrolled steps (`step`, or step[t] at step t where `step` is a sequence
     of `steps` step functions), each stepping every carry on the same inputs `inp`
-    (`chain`: on the output of the step before, as layers follow each other,
+    (`per_step`: `inp` is a sequence of `steps` inputs, step t's inputs[t];
+    `chain`: on the output of the step before, as layers follow each other,
     so that XLA cannot fuse the steps of independent carries into one
     launch; the output must then have the inputs' structure)
     (`options.chained_calls` calls per repeat), its spread, the compile
@@ -375,14 +379,16 @@ def time_cycle(step, carries, inp, steps, options: TimingOptions, chain: bool = 
     schedule = list(step) if isinstance(step, (list, tuple)) else [step] * steps
     if len(schedule) != steps:
         raise ValueError(f"`step` must be one function or {steps} (one per step); got {len(schedule)}")
+    if per_step and len(inp) != steps:
+        raise ValueError(f"`inp` must hold {steps} steps' inputs with per_step; got {len(inp)}")
 
     def cycle(carries, inp):
         y = None
-        for step_t in schedule:
+        inputs = list(inp) if per_step else [inp] * steps
+        for t, step_t in enumerate(schedule):
             new = []
             for c in carries:
-                y, c = step_t(c, inp)
-                inp = y if chain else inp
+                y, c = step_t(c, y if chain and y is not None else inputs[t])
                 new.append(c)
             carries = tuple(new)
         return carries, y
@@ -408,31 +414,47 @@ def time_cycle(step, carries, inp, steps, options: TimingOptions, chain: bool = 
     return statistics.median(times) / per, (max(times) - min(times)) / per, compile_s, profile
 
 
+# The checks and defaults of the append route's Mosaic GPU kernels, per layer.
+TMA_CHECKS = {"gdn": (tma_readout.check_tma_readout, tma_readout.default_tma_readout),
+              "mamba2": (tma_readout.check_mamba2_tma, tma_readout.default_mamba2_tma)}
+
+
 def _abstract_step(bench, L):
-    """(replay state, v) of the bench at buffer length L as shapes (nothing drawn)."""
+    """(replay state, v or C) of the bench at buffer length L as shapes (nothing drawn): what the layer's
+    TMA check and default take besides the state (GDN v [batch, HV, V], Mamba-2 C [batch, G, N])."""
     checkpoint = jax.ShapeDtypeStruct((bench.b, *bench.heads_dims()), f32 if bench.quantized else bench.sd)
     state = jax.eval_shape(lambda c: bench.replay_init(c, L, bench.dtype), checkpoint)
-    return state, jax.ShapeDtypeStruct((bench.b, bench.s.HV, bench.s.V), bench.dtype)
+    s = bench.s
+    other = (bench.b, s.HV, s.V) if bench.layer == "gdn" else (bench.b, s.G, s.N)
+    return state, jax.ShapeDtypeStruct(other, bench.dtype)
 
 
 def tma_applies(bench, L, backend) -> bool:
-    """Whether the GDN append route's Mosaic GPU kernel (kernels.TMAReadoutConfig) takes this bench's state
+    """Whether the layer's append route on Mosaic GPU (kernels.TMAReadoutConfig) takes this bench's state
     at buffer length L on `backend` (compiled only; checked on the state's shapes, nothing drawn)."""
-    if bench.layer != "gdn" or backend != "pallas":
+    if backend != "pallas":
         return False
     try:
-        tma_readout.check_tma_readout(*_abstract_step(bench, L), kernels.TMAReadoutConfig(), interpret=False,
-                                      slots=None)
+        TMA_CHECKS[bench.layer][0](*_abstract_step(bench, L), kernels.TMAReadoutConfig(), interpret=False,
+                                   slots=None)
     except (ValueError, NotImplementedError):
         return False
     return True
 
 
 def tma_is_default(bench, L) -> bool:
-    """Whether the append route takes the Mosaic GPU kernel by default here (tma_readout.default_tma_readout:
-    an f32 or bf16 checkpoint of batch >= 64 on a Hopper-class GPU)."""
-    return bench.layer == "gdn" and tma_readout.default_tma_readout(
-        *_abstract_step(bench, L), interpret=False, slots=None) is not None
+    """Whether the append route takes the Mosaic GPU kernels by default here (tma_readout's
+    default_tma_readout, default_mamba2_tma: f32 or bf16 checkpoints of batch >= 64 on a Hopper-class GPU)."""
+    return TMA_CHECKS[bench.layer][1](*_abstract_step(bench, L), interpret=False, slots=None) is not None
+
+
+def standard_tma_is_default(bench, backend) -> bool:
+    """Whether the standard step takes the Mosaic GPU kernel by default here (GDN only:
+    tma_step.default_step_tma, batch >= 64 on a Hopper-class GPU, compiled)."""
+    if bench.layer != "gdn" or backend != "pallas" or bench.quantized:
+        return False
+    state = jax.ShapeDtypeStruct((bench.b, *bench.heads_dims()), bench.sd)
+    return tma_step.default_step_tma(state, _abstract_step(bench, 16)[1], interpret=False, slots=None) is not None
 
 
 def lockstep_length(lengths) -> int:
@@ -441,33 +463,41 @@ def lockstep_length(lengths) -> int:
 
 
 def variants(bench, lengths, backend="pallas"):
-    """(name, L, cursors, route, config) of the variants timed at a shape:
-    the standard step, the replay step at each L (staggered cursors) and at
-    one L in step, and, where the default replay step is one launch (a
-    latency-bound batch), the direct route from empty buffers, elsewhere the
-    lockstep schedule (`run_variant`), and, where the Mosaic GPU append
-    kernel takes the shape (`tma_applies`), the lockstep schedule on the
-    append kernel the default does not take: "-lockstep-triton" where the
-    default is the Mosaic GPU kernel (`tma_is_default`), else
-    "-lockstep-tma". An 8-bit checkpoint: the replay
-    variants on the output route only. config None: the kernels' heuristic."""
+    """(name, L, cursors, route, config, direct_config) of the variants timed
+    at a shape: the standard step, the replay step at each L (staggered
+    cursors) and at one L in step, and, where the default replay step is one
+    launch (a latency-bound batch), the direct route from empty buffers,
+    elsewhere the lockstep schedule (`run_variant`; direct_config the
+    lockstep cycle's direct step), and, where the Mosaic GPU append kernel
+    takes the shape (`tma_applies`), the lockstep schedule on the kernels
+    the default does not take: "-lockstep-triton" (the Triton append kernel
+    and the Triton direct step) where the default is the Mosaic GPU kernel
+    (`tma_is_default`), else "-lockstep-tma". An 8-bit checkpoint: the
+    replay variants on the output route only. config None: the kernels'
+    heuristic. Where the standard step's default is the Mosaic GPU kernel
+    (`standard_tma_is_default`), "standard-triton" times the Triton one
+    beside it."""
     if bench.quantized:
-        yield from ((f"replay-L{L}", L, "staggered", "output", None) for L in lengths)
+        yield from ((f"replay-L{L}", L, "staggered", "output", None, None) for L in lengths)
         return
-    yield ("standard", None, None, None, None)
+    yield ("standard", None, None, None, None, None)
+    if standard_tma_is_default(bench, backend):  # the Triton step kernel beside the Mosaic GPU default
+        yield ("standard-triton", None, None, None, kernels.default_step_config(bench.b, *bench.heads_dims(),
+                                                                                bench.sd), None)
     for L in lengths:
-        yield (f"replay-L{L}", L, "staggered", "output", None)
+        yield (f"replay-L{L}", L, "staggered", "output", None, None)
     L = lockstep_length(lengths)
-    yield (f"replay-L{L}-in-step", L, "in-step", "output", None)
+    yield (f"replay-L{L}-in-step", L, "in-step", "output", None, None)
     if kernels.replay_is_one_launch(bench.b, *bench.heads_dims(), bench.sd, L):
-        yield (f"replay-L{L}-direct", L, "empty", "direct", None)
+        yield (f"replay-L{L}-direct", L, "empty", "direct", None, None)
     else:  # Generator's lockstep applies where some layer is not on the direct route
-        yield (f"replay-L{L}-lockstep", L, "lockstep", "output", None)
-        if tma_applies(bench, L, backend) and tma_is_default(bench, L):  # the Triton append kernel beside it
+        yield (f"replay-L{L}-lockstep", L, "lockstep", "output", None, None)
+        if tma_applies(bench, L, backend) and tma_is_default(bench, L):  # the Triton kernels beside it
             yield (f"replay-L{L}-lockstep-triton", L, "lockstep", "output",
-                   kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L))
+                   kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L),
+                   kernels.default_direct_config(bench.b, *bench.heads_dims(), bench.sd))
         elif tma_applies(bench, L, backend):
-            yield (f"replay-L{L}-lockstep-tma", L, "lockstep", "output", kernels.TMAReadoutConfig())
+            yield (f"replay-L{L}-lockstep-tma", L, "lockstep", "output", kernels.TMAReadoutConfig(), None)
 
 
 def standard_bytes(bench) -> float:
@@ -512,7 +542,8 @@ def run_variant(bench, L, cursors, options: TimingOptions, config=None, route="o
             buffered = "append" if route == "output" else route
             step = [lambda c, inp: bench.replay_step(c, inp, buffered, options.backend, config)] * (L - 1)
             step.append(lambda c, inp: bench.replay_step(c, inp, "direct", options.backend, direct_config))
-    t, spread, compile_s, profile = time_cycle(step, carries, bench.random_inputs((bench.b,)), steps, options)
+    inputs = tuple(bench.random_inputs((bench.b,)) for _ in range(steps))  # each step its own, as in decoding
+    t, spread, compile_s, profile = time_cycle(step, carries, inputs, steps, options, per_step=True)
     return dict(seconds=t, spread=spread, compile_s=compile_s, n_sets=n, bytes=bytes_step, gbps=bytes_step / t / 1e9,
                 kernels_us=profile)
 
@@ -775,9 +806,10 @@ def main(argv=None):
                 if args.sweep:
                     sweep(bench, base, rows, lengths, options, overrides, args.sweep_routes, args.sweep_cursors)
                 std = None
-                for kind, L, cursors, route, config in [] if args.sweep else variants(bench, lengths, options.backend):
-                    r = run_variant(bench, L, cursors, options, config=config, route=route)
-                    if L is None:
+                for kind, L, cursors, route, config, direct in [] if args.sweep else variants(bench, lengths,
+                                                                                             options.backend):
+                    r = run_variant(bench, L, cursors, options, config=config, route=route, direct_config=direct)
+                    if kind == "standard":
                         std = r["seconds"]
                     row = dict(base, variant=kind, L=L, cursors=cursors, route=route, **r,
                                speedup=None if std is None else std / r["seconds"],
@@ -841,16 +873,16 @@ def load_original(path: str) -> list[dict]:
 def against_original(row: dict, original: list[dict]) -> dict:
     """This row's time over the original's same variant in `original` (harness rows; none: {}).
 
-    Standard step: vLLM's kernel at the best config of its tuning grid; replay-L{L} (staggered) and
-    replay-L{L}-in-step: the fork's replay kernel at its shipped config, same L and cursors;
+    Standard step (and standard-triton): vLLM's kernel at the best config of its tuning grid; replay-L{L}
+    (staggered) and replay-L{L}-in-step: the fork's replay kernel at its shipped config, same L and cursors;
     replay-L{L}-lockstep (and -lockstep-tma, -lockstep-triton): the same against its rows in step (every row
     flushes in one step of L). kernel_over_original: the traced time of our SSM kernels (replay + flush
-    launch; --profile; a row whose step ran the Mosaic GPU append kernel: every kernel of its step, the
-    kernel's prelude launch and any XLA op included, ALL_KERNELS) over the original's
+    launch; --profile; a row whose step ran a Mosaic GPU kernel (named *_tma_*): every kernel of its step,
+    the Triton launch beside it and any XLA op included, ALL_KERNELS) over the original's
     CUPTI kernel time; wall_over_original: our cycle's step time over its CUDA-graph replay time; our
     kernel_us and wall_over_kernel beside them. > 1: ours slower."""
     variant = row["variant"]
-    if variant == "standard":
+    if variant in ("standard", "standard-triton"):
         match = dict(variant="standard", which="best")
     elif variant.startswith("replay-L") and not variant.endswith("-direct"):
         cursors = "in-step" if row["cursors"] == "lockstep" else row["cursors"]
@@ -862,7 +894,7 @@ def against_original(row: dict, original: list[dict]) -> dict:
     if peer is None:
         return {}
     times = row.get("kernels_us") or {}
-    if any(name.startswith("gdn_append_tma") for name in times):  # the whole step: its prelude launch too
+    if any("_tma_" in name for name in times):  # a Mosaic GPU kernel's step: the whole step, its Triton launch too
         ours = times[ALL_KERNELS]["us"] if ALL_KERNELS in times else sum(  # before ALL_KERNELS: the longest only
             v["us"] for name, v in times.items() if name != "(idle)")
     else:

@@ -147,14 +147,17 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     tma = [v for v in kb.variants(large, (16,), "pallas") if v[0].endswith("-tma")]  # compiled only
     assert [(v[0], v[2], type(v[4]).__name__) for v in tma] == [("replay-L16-lockstep-tma", "lockstep",
                                                                   "TMAReadoutConfig")]
-    assert not kb.tma_applies(kb.make_bench("mamba2", 256, "float32", None), 16, "pallas")
+    mamba2 = kb.make_bench("mamba2", 256, "float32", None)
+    assert kb.tma_applies(mamba2, 16, "pallas") and not kb.tma_applies(mamba2, 16, "interpret")
+    assert kb.tma_applies(mamba2, 4, "pallas")  # Mamba-2's readout takes any L
     assert not kb.tma_applies(large, 4, "pallas")  # L not a multiple of 8
     assert not kb.tma_is_default(large, 16)  # no Hopper-class GPU here
     assert large.inputs(1)["v"].shape == (1, 256, 32, 128)  # the checks drew nothing: the bench's key stays usable
     device.platform, device.compute_capability, device.core_count = "gpu", "9.0", 132  # an H200: the append
     # route's default is the Mosaic GPU kernel
     triton = [v for v in kb.variants(large, (16,), "pallas") if "-lockstep-" in v[0]]
-    assert [(v[0], type(v[4]).__name__) for v in triton] == [("replay-L16-lockstep-triton", "ReplayConfig")]
+    assert [(v[0], type(v[4]).__name__, type(v[5]).__name__) for v in triton] == [
+        ("replay-L16-lockstep-triton", "ReplayConfig", "StepConfig")]  # the Triton append kernel and direct step
     monkeypatch.undo()
     out = kb.check(bench, (4,), "interpret")
     assert out["ok"] and out["direct_L4"]["cursor_zero"] and out["direct_L4"]["y"]["ok"]
@@ -175,12 +178,13 @@ def test_kernels_timing_options(monkeypatch):
     assert kb.n_sets_for(bench, kb.TimingOptions(l2_target_bytes=3 * per, max_sets=8)) == 3
     assert kb.n_sets_for(bench, kb.TimingOptions(l2_target_bytes=1.0)) == 2  # min_sets
     seen, cycle = [], kb.time_cycle
-    monkeypatch.setattr(kb, "time_cycle", lambda step, carries, xs, steps, options: seen.append(
-        (steps, len(carries), options)) or cycle(step, carries, xs, steps, options))
+    monkeypatch.setattr(kb, "time_cycle", lambda step, carries, xs, steps, options, per_step: seen.append(
+        (steps, len(carries), options, per_step, len({id(x["q"]) for x in xs}))) or cycle(
+        step, carries, xs, steps, options, per_step=per_step))
     options = kb.TimingOptions.dry_run(standard_steps=3)
     std = kb.run_variant(bench, None, None, options)
     replay = kb.run_variant(bench, 4, "staggered", options)
-    assert seen == [(3, 1, options), (4, 1, options)]
+    assert seen == [(3, 1, options, True, 3), (4, 1, options, True, 4)]  # each step its own inputs
     assert std["bytes"] == kb.standard_bytes(bench) and replay["bytes"] == kb.replay_bytes(bench, 4)
     assert std["seconds"] > 0 and replay["seconds"] > 0 and std["kernels_us"] is None  # no profile asked
     # lockstep: from cursors 0, L - 1 replay steps on the append route (the output route without a flush), then
@@ -193,6 +197,8 @@ def test_kernels_timing_options(monkeypatch):
     assert lockstep["bytes"] == kb.replay_bytes(bench, 4, lockstep=True) < replay["bytes"]
     with pytest.raises(ValueError, match="`step` must be one function or 4"):
         cycle([step] * 3, (), None, 4, options)
+    with pytest.raises(ValueError, match="`inp` must hold 4 steps' inputs with per_step; got 3"):
+        cycle(step, (), (None,) * 3, 4, options, per_step=True)
 
 
 def test_kernels_sweep_times_each_route_and_cursors(monkeypatch):

@@ -10,7 +10,11 @@ the shape.
 Launches and their configs:
 
 - standard step (:func:`gdn_step`, :func:`mamba2_step`): one launch,
-  :class:`StepConfig`, the state updated in place.
+  :class:`StepConfig`, the state updated in place. The GDN standard step
+  also runs on Mosaic GPU (:mod:`replayssm_jax.kernels.tma_step`,
+  :class:`TMAReadoutConfig`; the default on a Hopper-class GPU from batch
+  64): a Triton prelude (q and k normalized) and a persistent kernel that
+  streams each state tile through shared memory and back.
 - per-draft standard verify (:func:`gdn_verify`, :func:`mamba2_verify`):
   the standard step's tiling (:class:`StepConfig`) on a slotted state
   [batch, slots, heads, V, K]; one launch reads the current slot's tile
@@ -47,12 +51,20 @@ Launches and their configs:
   for the flushed rows, whose cursor becomes 0). The checkpoint of the
   other rows and every cursor are left as they are until
   :func:`replayssm_jax.state.replay_commit`.
-- Gated DeltaNet replay step, append route, on Mosaic GPU
+- replay step, append route, on Mosaic GPU
   (:mod:`replayssm_jax.kernels.tma_readout`, :class:`TMAReadoutConfig`):
-  a Triton prelude launch forms the per-head terms, appends the shared k
+  GDN: a Triton prelude launch forms the per-head terms, appends the shared k
   and g records and moves the cursor, in place; one persistent kernel
   pipelines each work item's checkpoint tile and d records into shared
-  memory by TMA copies and writes the outputs and d records. Compiled GPU only; f32 and bf16 checkpoints.
+  memory by TMA copies and writes the outputs and d records. Mamba-2: the
+  persistent kernel reads the checkpoint's rows for S_c C, then a Triton
+  launch does the per-head work, appends the records and moves the cursor.
+- GDN replay step, direct route, on Mosaic GPU
+  (:mod:`replayssm_jax.kernels.tma_step`, :class:`TMAReadoutConfig`): the
+  prelude launch (no record written, the cursor set to 0), then a
+  persistent kernel that folds the live records into each checkpoint tile,
+  runs the step and writes the tile back in place. Compiled GPU only; f32
+  and bf16 checkpoints.
 
 8-bit checkpoints (int8, float8_e4m3fn; :mod:`replayssm_jax.state`) take
 the same kernels: a launch gets the checkpoint as a
@@ -74,7 +86,8 @@ Modules: :mod:`~.config` (configs, heuristics, limits), :mod:`~.launch`
 (pallas_call plumbing), :mod:`~.tiles` (ref views, masked loads,
 mat-vecs), :mod:`~.replay_math` (replay weights, rank-L update, record
 fold), :mod:`~.cursor` (the cursor protocol), :mod:`~.gdn` and
-:mod:`~.mamba2` (the kernels of each layer).
+:mod:`~.mamba2` (the kernels of each layer), :mod:`~.tma_readout` and
+:mod:`~.tma_step` (the Mosaic GPU kernels).
 """
 
 from __future__ import annotations

@@ -34,7 +34,9 @@ touch the same state element.
   TMAReadoutConfig the append route is instead two launches: a Triton
   prelude, grid (batch, H), that forms the per-head terms and writes the
   shared records and the cursor (`_head_terms`), and the Mosaic GPU readout
-  (`tma_readout.gdn_append_tma`).
+  (`tma_readout.gdn_append_tma`); the direct route likewise, the prelude on
+  route "direct" (no record written, the cursor set to 0) and the Mosaic
+  GPU step (`tma_step.gdn_direct_tma`).
 - :func:`gdn_replay_verify`: a verify window of W steps. The rows whose
   window does not fit behind the cursor flush their buffered records first
   (the flush launch); then the verify kernel, grid (batch, HV, splits),
@@ -65,30 +67,23 @@ from jax.experimental import pallas as pl
 from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
                                           replay_config_for, step_config_for, verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
-from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, per_draft_launch, pool_of, replay_launch,
-                                          replay_step, run_replay_program, run_verify_program, run_window,
-                                          step_launch, tree_option, triton_params, verify_launch,
+from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, head_work_warps, per_draft_launch, pool_of,
+                                          replay_launch, replay_step, run_replay_program, run_verify_program,
+                                          run_window, step_launch, tree_option, triton_params, verify_launch,
                                           verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar,
                                          mask_and, program_id)
 from replayssm_jax.kernels.tiles import (load_checkpoint, matvec, row_ids, row_mask, stochastic, store,
                                          store_checkpoint, tile_mask, tile_row_ids)
-from replayssm_jax.kernels.tma_readout import (TERMS, TMA_MAX, TMAReadoutConfig, check_tma_readout, cursor_rows,
-                                               default_tma_readout, gdn_append_tma)
+from replayssm_jax.kernels.tma_readout import (TERMS, TMA_MAX, TMAReadoutConfig, check_tma_readout,
+                                               check_tma_route, cursor_rows, default_tma_readout, gdn_append_tma)
+from replayssm_jax.kernels.tma_step import (STEP_TERMS, check_direct_tma, check_step_tma, default_direct_tma,
+                                            default_step_tma, gdn_direct_tma, gdn_step_tma)
 from replayssm_jax.state import GDNReplayState
 
 # The state's rows and columns, as the size errors name them.
 DIMS = (("value dim", "V"), ("key dim", "K"))
-# Elements of a prelude program's key tile [BL, BK] per warp (`_terms_warps`). With one warp for a 16 x 128
-# tile (Qwen3.5-4B's layer, L = 16) the launch took 10.5 us at batch 256 on the H200, 11.0 with 2 warps and
-# 13.4 with 4 (2026-12-03); larger tiles get more warps, so that no thread holds more of it (not measured).
-TERMS_TILE_PER_WARP = 2048
-
-
-def _terms_warps(BL: int, BK: int) -> int:
-    """Warps of a program of the prelude launch: one per TERMS_TILE_PER_WARP elements of its key tile, 1 to 8."""
-    return min(8, max(1, BL * BK // TERMS_TILE_PER_WARP))
 
 
 class Inputs(NamedTuple):
@@ -217,14 +212,16 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
 
 
 def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, terms_ref, entry_ref,
-                  records_out: Records, cursor_out, *, K, L, group, scale, use_qk_l2norm, programs):
-    """The prelude of the append route's Mosaic GPU readout on one (batch row, key head): q and k
-    normalized, the per-head terms of the key head's `group` value heads
-    (`tma_readout.head_terms`: a_k, a_q, then exp of the live log decays'
-    sum, k . q, exp(g), beta), the shared records (k, g) at the cursor where
-    the row has a free slot, from the row's head 0 its cursor at entry (for
-    the readout), and the cursor moved to min(cursor + 1, L) in place once
-    the row's H programs have read it (`advance_cursor`).
+                  records_out: Records, cursor_out, *, K, L, group, scale, use_qk_l2norm, programs, route):
+    """The prelude of a Mosaic GPU step on one (batch row, key head): q and k normalized, the per-head
+    terms of the key head's `group` value heads, from the row's head 0 its cursor at entry (for the
+    Mosaic GPU kernel), and the cursor moved in place once the row's H programs have read it
+    (`advance_cursor`). route "append" (`tma_readout.head_terms`): terms a_k, a_q, then exp of the
+    live log decays' sum, k . q, exp(g), beta; the shared records (k, g) at the cursor where the row
+    has a free slot; the cursor to min(cursor + 1, L). route "direct" (`tma_step.direct_terms`):
+    terms w (the live slots' decay weights), zeros, then the same scalars; no record written; the
+    cursor to 0. route "standard" (the standard step; `tma_step.step_terms`): no records or cursor
+    (their refs None), terms zeros, zeros, then the scalars (exp(0) = 1 for the carried decay).
 
     Refs (BL, BK, BH: L, K, HV up to powers of two): records.k [BL, BK]
     (the key head's) and records.g f32[BH, BL] (the row's), cursor_ref
@@ -233,40 +230,52 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     records_out and cursor_out the aliased records and cursor, as above.
     Padded lanes are neither read nor written."""
     h = program_id(1)
+    append, standard = route == "append", route == "standard"
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
-    count = read_cursor(cursor_ref)
-    BL = records.k.shape[0]
+    count = jnp.int32(0) if standard else read_cursor(cursor_ref)
+    BL = terms_ref.shape[-1]
     lanes, lmask = lane_ids(BL), lane_mask(BL, L)
     live = lanes < count
-    keys = load_live(records.k, live, L, kmask)
-    score_k, score_q = jnp.sum(keys * k[None, :], axis=1), jnp.sum(keys * q[None, :], axis=1)
     kq = jnp.sum(k * q)
-    append = count < L  # a row that entered full writes no record
+    free = count < L  # a row that entered full writes no record
     store(qn_ref, q, kmask)
     store(kn_ref, k, kmask)
-    store(records_out.k.at[count], k, mask_and(kmask, append, k.shape))
+    if append:
+        keys = load_live(records.k, live, L, kmask)
+        score_k, score_q = jnp.sum(keys * k[None, :], axis=1), jnp.sum(keys * q[None, :], axis=1)
+        store(records_out.k.at[count], k, mask_and(kmask, free, k.shape))
     for j in range(group):  # the key head's value heads
         hv = h * group + j
         g, beta = inputs.g[hv].astype(f32), inputs.beta[hv].astype(f32)
-        total, w = replay_weights(load_live(records.g.at[hv], live, L), count)
+        if standard:
+            total, w = jnp.float32(0.0), jnp.zeros((BL,), f32)
+        else:
+            total, w = replay_weights(load_live(records.g.at[hv], live, L), count)
         scalars = jnp.where(lanes == 0, jnp.exp(total), jnp.where(lanes == 1, kq, jnp.where(
             lanes == 2, jnp.exp(g), jnp.where(lanes == 3, beta, 0.0))))
-        rows = lane_ids(TERMS)[:, None]  # the terms' rows: a_k, a_q, the scalars, zeros
-        tile = jnp.where(rows == 0, (w * score_k)[None, :], jnp.where(rows == 1, (w * score_q)[None, :], jnp.where(
+        first, second = (w * score_k, w * score_q) if append else (w, jnp.zeros_like(w))
+        rows = lane_ids(TERMS)[:, None]  # the terms' rows: a_k or w, a_q or 0, the scalars, zeros
+        tile = jnp.where(rows == 0, first[None, :], jnp.where(rows == 1, second[None, :], jnp.where(
             rows == 2, scalars[None, :], 0.0)))
         store(terms_ref.at[hv], tile, tile_mask(None, lmask, (TERMS, BL)))
-        store(records_out.g.at[hv], jnp.broadcast_to(g, (BL,)), (lanes == count) & append)
+        if append:
+            store(records_out.g.at[hv], jnp.broadcast_to(g, (BL,)), (lanes == count) & free)
+
+    if standard:
+        return
 
     @pl.when(h == 0)
     def _():
         entry_ref[0] = count
 
-    advance_cursor(cursor_out, count, jnp.minimum(count + 1, L), programs)
+    advance_cursor(cursor_out, count, jnp.minimum(count + 1, L) if append else jnp.int32(0), programs)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret"))
-def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, interpret: bool):
-    """The append route's prelude for the Mosaic GPU readout: one Triton launch, grid (batch, H).
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "route"))
+def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, interpret: bool,
+                route: str = "append"):
+    """The prelude of a Mosaic GPU step (route "append": the readout; "direct": the direct step), one
+    Triton launch, grid (batch, H).
 
     Takes the state's records (d [batch, HV, L, V], not read; k [batch, H,
     L, K]; g f32[batch, HV, L]), its cursor i32[batch] and the step's
@@ -275,9 +284,11 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
 
     Returns (qn, kn f32[batch, H, K], terms f32[batch, HV, TERMS, L], entry
     i32[rows * TMA_MAX] (each row's cursor at entry, then unwritten
-    padding), k and g records and the cursor after the step (all three
-    written in place)); the pure-JAX form is `tma_readout.head_terms` and
-    `tma_readout.append_shared_records`."""
+    padding), k and g records (written in place on the append route,
+    unwritten on the direct one) and the cursor after the step (moved in
+    place)); the pure-JAX form is `tma_readout.head_terms` and
+    `tma_readout.append_shared_records` (append), `tma_step.direct_terms`
+    (direct)."""
     batch, H, K = inputs.q.shape
     HV, L = inputs.v.shape[1], records.d.shape[2]
     BK, BL, BH = next_pow2(K), next_pow2(L), next_pow2(HV)
@@ -287,7 +298,7 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
     g_spec = pl.BlockSpec((None, BH, BL), lambda b, h: (b, 0, 0))
     k_spec = pl.BlockSpec((None, None, BL, BK), lambda b, h: (b, h, 0, 0))
     kernel = functools.partial(_terms_kernel, K=K, L=L, group=HV // H, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                               programs=H)
+                               programs=H, route=route)
     out_shape = (jax.ShapeDtypeStruct((batch, H, K), f32), jax.ShapeDtypeStruct((batch, H, K), f32),
                  jax.ShapeDtypeStruct((batch, HV, TERMS, L), f32),
                  jax.ShapeDtypeStruct((cursor_rows(batch) * TMA_MAX,), jnp.int32),
@@ -295,13 +306,38 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
                          g=jax.ShapeDtypeStruct(records.g.shape, f32)),
                  jax.ShapeDtypeStruct((batch,), jnp.int32))
     return pl.pallas_call(
-        kernel, grid=(batch, H), interpret=interpret, name=f"gdn_append_terms_L{L}",
-        compiler_params=triton_params(_terms_warps(BL, BK)),
+        kernel, grid=(batch, H), interpret=interpret, name=f"gdn_{route}_terms_L{L}",
+        compiler_params=triton_params(head_work_warps(BL * BK)),
         in_specs=(Records(d=None, k=k_spec, g=g_spec), row, Inputs(q=head, k=head, v=None, g=heads, beta=heads)),
         out_specs=(head, head, pl.BlockSpec((None, BH, TERMS, BL), lambda b, h: (b, 0, 0, 0)), row,
                    Records(d=None, k=k_spec, g=g_spec), row),
         out_shape=out_shape, input_output_aliases={0: 4, 1: 5, 2: 6},
     )(records._replace(d=None), cursor, inputs._replace(v=None))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret"))
+def _step_terms(inputs: Inputs, *, scale: float, use_qk_l2norm: bool, interpret: bool):
+    """The prelude of the standard step on Mosaic GPU (`_terms_kernel` on route "standard"), one Triton
+    launch, grid (batch, H): takes the step's inputs (q, k [batch, H, K], v [batch, HV, V], not read, g
+    f32[batch, HV], beta [batch, HV]) and returns (qn, kn f32[batch, H, K], terms f32[batch, HV, TERMS,
+    STEP_TERMS]); the pure-JAX form is `tma_step.step_terms`."""
+    batch, H, K = inputs.q.shape
+    HV = inputs.v.shape[1]
+    BK, BH = next_pow2(K), next_pow2(HV)
+    head = pl.BlockSpec((None, None, BK), lambda b, h: (b, h, 0))
+    heads = pl.BlockSpec((None, BH), lambda b, h: (b, 0))
+    kernel = functools.partial(_terms_kernel, K=K, L=STEP_TERMS, group=HV // H, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm, programs=H, route="standard")
+    qn, kn, terms, *_ = pl.pallas_call(
+        kernel, grid=(batch, H), interpret=interpret, name="gdn_step_terms",
+        compiler_params=triton_params(head_work_warps(BK)),
+        in_specs=(None, None, Inputs(q=head, k=head, v=None, g=heads, beta=heads)),
+        out_specs=(head, head, pl.BlockSpec((None, BH, TERMS, STEP_TERMS), lambda b, h: (b, 0, 0, 0)), None, None,
+                   None),
+        out_shape=(jax.ShapeDtypeStruct((batch, H, K), f32), jax.ShapeDtypeStruct((batch, H, K), f32),
+                   jax.ShapeDtypeStruct((batch, HV, TERMS, STEP_TERMS), f32), None, None, None),
+    )(None, None, inputs._replace(v=None))
+    return qn, kn, terms
 
 
 def _record_loaders(records: Records, rows, vmask, kmask, L):
@@ -529,8 +565,31 @@ def _append_tma(state: GDNReplayState, inputs: Inputs, *, scale: float, use_qk_l
     return o, state.replace(d=d, k=shared.k, g=shared.g, cursor=cursor)
 
 
-def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, config: StepConfig | None = None,
-             interpret: bool = False, slots=None):
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config"))
+def _direct_tma(state: GDNReplayState, inputs: Inputs, *, scale: float, use_qk_l2norm: bool,
+                config: TMAReadoutConfig):
+    """The direct route on Mosaic GPU: the prelude launch (`_head_terms`, route "direct"), then the step
+    (`tma_step.gdn_direct_tma`), on validated arguments within its limits (`tma_step.check_direct_tma`).
+    Returns (o [batch, HV, V] in v.dtype, new GDNReplayState: the checkpoint after the live records and
+    this step, cursor 0), as :func:`gdn_replay_step`."""
+    records = Records(state.d, state.k, state.g)
+    qn, kn, terms, entry, shared, cursor = _head_terms(records, state.cursor, _f32_decay(inputs), scale=scale,
+                                                       use_qk_l2norm=use_qk_l2norm, interpret=False, route="direct")
+    o, checkpoint = gdn_direct_tma(state.replace(k=shared.k), qn, kn, terms, entry, inputs.v, config)
+    return o, state.replace(checkpoint=checkpoint, k=shared.k, g=shared.g, cursor=cursor)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config"))
+def _step_tma(state, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, config: TMAReadoutConfig):
+    """The standard step on Mosaic GPU: the prelude launch (`_step_terms`), then the step
+    (`tma_step.gdn_step_tma`), on validated arguments within its limits (`tma_step.check_step_tma`).
+    Returns (o [batch, HV, V] in v.dtype, new state, written in place)."""
+    qn, kn, terms = _step_terms(_f32_decay(inputs), scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=False)
+    return gdn_step_tma(state, qn, kn, terms, inputs.v, config)
+
+
+def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
+             config: StepConfig | TMAReadoutConfig | None = None, interpret: bool = False, slots=None):
     """One standard Gated DeltaNet decode step (Pallas kernel); the state is updated in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.gdn_step` validates
@@ -542,7 +601,14 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, conf
       g: f32[batch, HV], log decay <= 0; beta: [batch, HV] in (0, 1).
       scale: the factor of q (after the L2 norm), e.g. K ** -0.5.
       use_qk_l2norm: L2-normalize q and k over K (eps 1e-6) first.
-      config: the tiling; None: :func:`default_step_config`.
+      config: the tiling; None: :func:`default_step_config`, or the
+        Mosaic GPU form where
+        :func:`~replayssm_jax.kernels.tma_step.default_step_tma` says. A
+        :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig` runs
+        the step as two launches: a Triton prelude (q and k normalized,
+        the per-head scalars) and a persistent Mosaic GPU kernel whose TMA
+        copies stream each state tile through shared memory and back
+        (:func:`~replayssm_jax.kernels.tma_step.gdn_step_tma`).
       interpret: run the kernel in Pallas interpret mode (any platform).
       slots: None, or i32[batch] (validated): `state` is a state pool
         [capacity, HV, V, K] and batch row b steps slot slots[b] in place
@@ -556,11 +622,19 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, conf
     Raises:
       ValueError: V or K above MAX_HEAD_DIM (256), or `config.block_v`
         above V rounded up to a power of two.
-      TypeError: a `config` that is not a StepConfig.
+      TypeError: a `config` that is not a StepConfig or TMAReadoutConfig.
+      NotImplementedError, ValueError: a TMAReadoutConfig beyond the
+        Mosaic GPU kernel's limits (:func:`~replayssm_jax.kernels.tma_step.check_step_tma`).
 
     Math: Yang, Kautz & Hatamizadeh, "Gated Delta Networks" (ICLR 2025), as
     flash-linear-attention's fused_recurrent_gated_delta_rule.
     """
+    if config is None:
+        config = default_step_tma(state, v, interpret=interpret, slots=slots)
+    if isinstance(config, TMAReadoutConfig):
+        check_step_tma(state, v, config, interpret=interpret, slots=slots)
+        return _step_tma(state, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
+                         config=config)
     config = step_config_for(config, batch_shaped(state, slots), DIMS)
     o, state, _ = _step(state, Inputs(q, k, v, g, beta), None, None, slots, scale=float(scale),
                         use_qk_l2norm=bool(use_qk_l2norm), config=config, interpret=interpret)
@@ -593,14 +667,16 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         L; a row that entered full gets NaN outputs and keeps its state).
       config: a StepConfig for the direct route, a ReplayConfig for the
         others; None: the default (:func:`default_step_config`,
-        :func:`default_replay_config`). The append route also takes a
-        :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig`: the
-        same step as a Triton prelude launch (the per-head terms and the
-        shared records) and one Mosaic GPU kernel whose TMA copies stream
-        the checkpoint tiles through shared memory
-        (:func:`~replayssm_jax.kernels.tma_readout.gdn_append_tma`); None
-        on the append route takes it where
-        :func:`~replayssm_jax.kernels.tma_readout.default_tma_readout` says
+        :func:`default_replay_config`). The append and direct routes also
+        take a :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig`:
+        the same step as a Triton prelude launch (the per-head terms; on the
+        append route the shared records) and one Mosaic GPU kernel whose TMA
+        copies stream the checkpoint tiles through shared memory
+        (:func:`~replayssm_jax.kernels.tma_readout.gdn_append_tma`, which
+        writes the d records; :func:`~replayssm_jax.kernels.tma_step.gdn_direct_tma`,
+        which writes the checkpoint back); None on those routes takes it
+        where :func:`~replayssm_jax.kernels.tma_readout.default_tma_readout`
+        and :func:`~replayssm_jax.kernels.tma_step.default_direct_tma` say
         (an f32 or bf16 checkpoint of batch >= 64 on a Hopper-class GPU).
       interpret: run the kernels in Pallas interpret mode.
       slots: None, or i32[batch] (validated): the state is a state pool of
@@ -620,19 +696,21 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         step (fused flush, direct route) of more than 32767 programs per
         batch row.
       TypeError: a `config` of the other class than the route takes (a
-        TMAReadoutConfig on another route than "append").
+        TMAReadoutConfig on another route than "append" or "direct").
       NotImplementedError, ValueError: a TMAReadoutConfig beyond the
-        Mosaic GPU kernel's limits (:func:`~replayssm_jax.kernels.tma_readout.check_tma_readout`).
+        Mosaic GPU kernels' limits (:func:`~replayssm_jax.kernels.tma_readout.check_tma_readout`,
+        :func:`~replayssm_jax.kernels.tma_step.check_direct_tma`).
     """
-    if config is None and route == "append":
-        config = default_tma_readout(state, v, interpret=interpret, slots=slots)
+    if config is None and route in ("append", "direct"):
+        default = default_tma_readout if route == "append" else default_direct_tma
+        config = default(state, v, interpret=interpret, slots=slots)
     if isinstance(config, TMAReadoutConfig):
-        if route != "append":
-            raise TypeError(f"a TMAReadoutConfig tiles the append route only; got route {route!r} (use a "
-                            f"{'StepConfig' if route == 'direct' else 'ReplayConfig'})")
-        check_tma_readout(state, v, config, interpret=interpret, slots=slots)
-        return _append_tma(state, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
-                           config=config)
+        check_tma_route(route)
+        check = check_tma_readout if route == "append" else check_direct_tma
+        check(state, v, config, interpret=interpret, slots=slots)
+        launch = _append_tma if route == "append" else _direct_tma
+        return launch(state, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
+                      config=config)
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     kw = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), interpret=interpret)
     return replay_step(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), route=route,

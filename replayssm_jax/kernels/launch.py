@@ -68,6 +68,19 @@ def triton_params(num_warps: int, num_stages: int = 1):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+# Elements of a per-head launch's largest tile per warp (`head_work_warps`). With one warp for a 16 x 128
+# tile (the GDN prelude at Qwen3.5-4B's layer, L = 16) that launch took 10.5 us at batch 256 on the H200,
+# 11.0 with 2 warps and 13.4 with 4 (2026-12-03); larger tiles get more warps, so that no thread holds
+# more of it (not measured).
+HEAD_TILE_PER_WARP = 2048
+
+
+def head_work_warps(elements: int) -> int:
+    """Warps of a program of a per-head launch (no state tile) whose largest tile has `elements`
+    elements: one per HEAD_TILE_PER_WARP, 1 to 8."""
+    return min(8, max(1, elements // HEAD_TILE_PER_WARP))
+
+
 def pallas_call(kernel, *, interpret: bool, config: StepConfig | ReplayConfig, grid=(), in_specs=None,
                 out_specs=None, **kwargs):
     """`pl.pallas_call` with the Triton compiler params (num_warps, num_stages) of `config`.

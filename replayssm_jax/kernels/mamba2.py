@@ -57,15 +57,17 @@ from jax.experimental import pallas as pl
 from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
                                           replay_config_for, step_config_for, verify_config_for)
 from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
-from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, per_draft_launch, pool_of, replay_launch,
-                                          replay_step, run_replay_program, run_verify_program, run_window,
-                                          step_launch, tree_option, verify_launch, verify_window,
-                                          window_start)
+from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, head_work_warps, per_draft_launch, pool_of,
+                                          replay_launch, replay_step, run_replay_program, run_verify_program,
+                                          run_window, step_launch, tree_option, triton_params, verify_launch,
+                                          verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
-from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar,
-                                         program_id)
+from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_live_only,
+                                         load_scalar, program_id)
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
                                          store_checkpoint, tile_mask, tile_row_ids)
+from replayssm_jax.kernels.tma_readout import (TMAReadoutConfig, check_mamba2_tma, check_tma_route,
+                                               default_mamba2_tma, mamba2_readout_tma)
 from replayssm_jax.state import Mamba2ReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -230,6 +232,109 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     run_replay_program(tile, flush_row, V=P, L=L, config=config, split=split, count=count, append=append,
                        group=group, decay_record=lambda: dt, decay_out=records_out.dt, key=Bv, key_out=records_out.B,
                        key_mask=nmask, cursor_out=cursor_out, programs=programs, flush=route != "append")
+
+
+def _after_readout_kernel(readout_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, outs, *, P, N, L, group,
+                          dt_softplus, dt_limit, programs):
+    """The append route's per-head work after the Mosaic GPU readout, on one (batch row, head): the live
+    slots' decay weights and the buffered B's scores against C, then
+
+        y = exp(dt A) (exp(G) S_c C + sum_i w_i dt_i (B_i . C) x_i) + (B . C) dt x + D x,
+
+    times silu(z), with S_c C from `readout_ref`; the x and dt records at the row's cursor, the group's
+    B record by the group's first head, all where the row has a free slot (else NaN outputs and nothing
+    written), and the cursor moved to min(cursor + 1, L) in place once the row's `programs` programs
+    have read it (`advance_cursor`). The buffered records are loaded where live only
+    (`tiles.load_live_only`).
+
+    Refs (BP, BN, BL: P, N, L up to powers of two; the head's and its
+    group's blocks): readout_ref f32[BP], records.x [BL, BP], records.dt
+    f32[BL], records.B [BL, BN], cursor_ref i32[1]; inputs.x, inputs.z
+    [BP], inputs.dt, inputs.A, inputs.D, inputs.dt_bias scalars,
+    inputs.B, inputs.C [BN]; y_ref [BP]; outs (records_out, cursor_out),
+    the aliased records and cursor. Padded lanes are neither read nor
+    written."""
+    records_out, cursor_out = outs
+    BL, BN, BP = records.dt.shape[0], inputs.B.shape[0], inputs.x.shape[0]
+    pmask, nmask = lane_mask(BP, P), lane_mask(BN, N)
+    count = read_cursor(cursor_ref)
+    lanes = lane_ids(BL)
+    live = lanes < count
+    append = count < L  # a row that entered full has no free slot
+    Bv = load(inputs.B, nmask).astype(records.B.dtype).astype(f32)  # as buffered
+    Cv = load(inputs.C, nmask)
+    scores = jnp.sum(load_live_only(records.B, live, nmask) * Cv[None, :], axis=1)
+    A = load_scalar(inputs.A)
+    dt = _process_dt(load_scalar(inputs.dt), load_scalar(inputs.dt_bias), dt_softplus, dt_limit)
+    dts = load_live_only(records.dt, live)
+    total, w = replay_weights(dts * A, count)
+    X = load_live_only(records.x, live, pmask)
+    x = load(inputs.x, pmask)
+    x_rec = x.astype(records.x.dtype).astype(f32)
+    terms = jnp.sum((w * dts * scores)[:, None] * X, axis=0)  # the buffer terms, u_i = dt_i x_i
+    y = jnp.exp(dt * A) * (jnp.exp(total) * load(readout_ref, pmask) + terms) + (jnp.sum(Bv * Cv) * dt) * x_rec
+    y = y + load_scalar(inputs.D) * x
+    if inputs.z is not None:
+        z = load(inputs.z, pmask)
+        y = y * (z * jax.nn.sigmoid(z))
+    store(y_ref, jnp.where(append, y, jnp.nan), pmask)
+    store(records_out.x.at[count], x_rec, mask_and(pmask, append, (BP,)))
+    store(records_out.dt, jnp.broadcast_to(dt, (BL,)), (lanes == count) & append)
+
+    @pl.when(program_id(1) % group == 0)
+    def _():
+        store(records_out.B.at[count], Bv, mask_and(nmask, append, (BN,)))
+
+    advance_cursor(cursor_out, count, jnp.minimum(count + 1, L), programs)
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "interpret"))
+def _after_readout(readout, records: Records, cursor, inputs: Inputs, *, dt_softplus: bool,
+                   dt_limit: tuple[float, float], interpret: bool):
+    """The append route's launch after the Mosaic GPU readout (`_after_readout_kernel`), grid (batch, H).
+    Takes the readout f32[batch, H, P] (S_c C), the state's records and cursor and the step's inputs (with
+    D and dt_bias); returns (y [batch, H, P] in x.dtype, records, cursor), the records and the cursor
+    written in place."""
+    batch, H, P = inputs.x.shape
+    G, N = inputs.B.shape[1:]
+    L, group = records.x.shape[2], H // G
+    BP, BN, BL = next_pow2(P), next_pow2(N), next_pow2(L)
+    rows = pl.BlockSpec((None, None, BP), lambda b, h: (b, h, 0))
+    per_row = pl.BlockSpec((None, None), lambda b, h: (b, h))
+    per_head = pl.BlockSpec((None,), lambda b, h: (h,))
+    grp = pl.BlockSpec((None, None, BN), lambda b, h: (b, h // group, 0))
+    record_specs = Records(x=pl.BlockSpec((None, None, BL, BP), lambda b, h: (b, h, 0, 0)),
+                           dt=pl.BlockSpec((None, None, BL), lambda b, h: (b, h, 0)),
+                           B=pl.BlockSpec((None, None, BL, BN), lambda b, h: (b, h // group, 0, 0)))
+    cursor_spec = pl.BlockSpec((1,), lambda b, h: (b,))
+    input_specs = Inputs(x=rows, dt=per_row, A=per_head, B=grp, C=grp, D=per_head, dt_bias=per_head,
+                         z=None if inputs.z is None else rows)
+    kernel = functools.partial(_after_readout_kernel, P=P, N=N, L=L, group=group, dt_softplus=dt_softplus,
+                               dt_limit=dt_limit, programs=H)
+    y, (records, cursor) = pl.pallas_call(
+        kernel, grid=(batch, H), interpret=interpret, name=f"mamba2_append_heads_L{L}",
+        compiler_params=triton_params(head_work_warps(BL * BP)),
+        in_specs=(rows, record_specs, cursor_spec, input_specs),
+        out_specs=(rows, (record_specs, cursor_spec)),
+        out_shape=(jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype),
+                   jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (records, cursor))),
+        input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4},
+    )(readout, records, cursor, inputs)
+    return y, records, cursor
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config"))
+def _append_tma(state: Mamba2ReplayState, inputs: Inputs, *, dt_softplus: bool, dt_limit: tuple[float, float],
+                config: TMAReadoutConfig):
+    """The append route on Mosaic GPU: the readout S_c C (`tma_readout.mamba2_readout_tma`), then the
+    per-head launch (`_after_readout`), on validated arguments within the readout's limits
+    (`tma_readout.check_mamba2_tma`). Returns (y [batch, H, P] in x.dtype, new Mamba2ReplayState), as
+    :func:`mamba2_replay_step`."""
+    readout = mamba2_readout_tma(state.checkpoint, inputs.C, config)
+    y, records, cursor = _after_readout(readout, Records(state.x, state.dt, state.B), state.cursor,
+                                        _with_defaults(inputs), dt_softplus=dt_softplus, dt_limit=dt_limit,
+                                        interpret=False)
+    return y, state.replace(x=records.x, dt=records.dt, B=records.B, cursor=cursor)
 
 
 def _record_loaders(records: Records, rows, pmask, nmask, L, A):
@@ -494,8 +599,9 @@ def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_l
 
 
 def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool,
-                       dt_limit: tuple[float, float], route: str, config: StepConfig | ReplayConfig | None = None,
-                       interpret: bool = False, slots=None):
+                       dt_limit: tuple[float, float], route: str,
+                       config: StepConfig | ReplayConfig | TMAReadoutConfig | None = None, interpret: bool = False,
+                       slots=None):
     """One ReplaySSM Mamba-2 decode step (Pallas kernels); checkpoint, buffers and cursor in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.mamba2_replay_step`
@@ -503,7 +609,15 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
     `config`, `interpret`, `slots` (a state pool) and the kernels' own
     limits (checked before any launch) are those of
     :func:`replayssm_jax.kernels.gdn_replay_step`,
-    with head_dim P and d_state N for V and K.
+    with head_dim P and d_state N for V and K. On the append route a
+    :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig` (the
+    default where :func:`~replayssm_jax.kernels.tma_readout.default_mamba2_tma`
+    says) runs it as two launches: one Mosaic GPU kernel whose TMA copies
+    stream the checkpoint for S_c C
+    (:func:`~replayssm_jax.kernels.tma_readout.mamba2_readout_tma`), then a
+    Triton launch of the per-head work, the records and the cursor, in
+    place; within :func:`~replayssm_jax.kernels.tma_readout.check_mamba2_tma`'s
+    limits (NotImplementedError, ValueError).
 
     Args:
       state: a Mamba2ReplayState: checkpoint f32 | bf16[batch, H, P, N];
@@ -518,8 +632,15 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
     Raises:
       ValueError, TypeError: as :func:`replayssm_jax.kernels.gdn_replay_step`.
     """
-    config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     kw = _step_options(dt_softplus, dt_limit, interpret)
+    if config is None and route == "append":
+        config = default_mamba2_tma(state, C, interpret=interpret, slots=slots)
+    if isinstance(config, TMAReadoutConfig):
+        check_tma_route(route, ("append",))
+        check_mamba2_tma(state, C, config, interpret=interpret, slots=slots)
+        return _append_tma(state, Inputs(x, dt, A, B, C, D, dt_bias, z), config=config,
+                           dt_softplus=kw["dt_softplus"], dt_limit=kw["dt_limit"])
+    config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     return replay_step(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),
                        route=route, config=config, step=functools.partial(_step, **kw),
                        replay=functools.partial(_replay, **kw), slots=slots)

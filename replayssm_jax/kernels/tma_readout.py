@@ -1,4 +1,4 @@
-"""The Gated DeltaNet replay step's append route on Mosaic GPU: the
+"""The replay step's append route on Mosaic GPU, for both layers: the
 checkpoint tiles streamed into shared memory by TMA copies, pipelined.
 
 The append route (:func:`replayssm_jax.kernels.gdn_replay_step`,
@@ -31,6 +31,18 @@ record; nothing is flushed. Here it runs as two launches:
       o  = exp(g) (carried S_c q + sum_i a_q[i] d_i) + (k . q) d,
 
   and the pipeline stores o and the row's new d record at slot `cursor`.
+
+Mamba-2 (:func:`replayssm_jax.kernels.mamba2_replay_step`, route="append")
+runs the other way round: the Mosaic GPU kernel first
+(:func:`mamba2_readout_tma`), which reads the checkpoint as its rows
+[batch, H P, N] in items of block_v rows (each within one group, so one C
+an item; an item may cross heads, so P = 80 reads as 64-row items) and
+writes S_c C, f32[batch, H, P]; then a Triton launch
+(`replayssm_jax.kernels.mamba2._after_readout`, grid (batch, H / heads))
+does the Triton append kernel's per-head work on it (the live slots' decay
+weights, the buffered B's scores against C, the buffer terms from the x
+records, the skip and the gate), appends the x, dt and B records and moves
+the cursor in place (`advance_cursor`).
 
 A row that entered full (cursor == L) has no free slot: its outputs are NaN
 and its state is kept bit for bit (its last d record is written back as it
@@ -67,7 +79,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from replayssm_jax.kernels.config import MAX_BUFFER_LEN, MAX_HEAD_DIM, num_sms
 from replayssm_jax.kernels.cursor import MAX_ROW_PROGRAMS
-from replayssm_jax.state import GDNReplayState
+from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
 f32 = jnp.float32
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a vector over the rows of a [rows, cols] WGMMA-layout tile
@@ -84,7 +96,10 @@ MAX_L = MAX_BUFFER_LEN  # buffer slots, as the other kernels (the readout's slot
 
 @dataclasses.dataclass(frozen=True)
 class TMAReadoutConfig:
-    """Tiling of the append route's Mosaic GPU kernel (:func:`gdn_append_tma`).
+    """Tiling of the Mosaic GPU kernels: the append route's readout of
+    either layer (:func:`gdn_append_tma`, :func:`mamba2_readout_tma`), the
+    GDN direct route's step and the GDN standard step
+    (:mod:`replayssm_jax.kernels.tma_step`).
 
     Attributes:
       block_v: checkpoint rows of a work item, 64 or 128 (the WGMMA
@@ -146,6 +161,16 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig) -> int:
     return sum(_align(stages * b) for b in buffers) + _align(cursor_rows(batch) * TMA_MAX * 4) + scratch
 
 
+def mamba2_smem_bytes(checkpoint, C, config: TMAReadoutConfig) -> int:
+    """Shared-memory bytes of a program of :func:`mamba2_readout_tma`, counted as :func:`smem_bytes`: the
+    item's checkpoint tile [block_v, N], its C [N] and its readout f32[block_v], times the stages."""
+    batch, H, P, N = checkpoint.shape
+    buffers = (config.block_v * N * checkpoint.dtype.itemsize, N * C.dtype.itemsize, config.block_v * 4)
+    stages = min(config.stages, _grid(batch, 1, H * P, config)[2])
+    scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + stages * len(buffers))
+    return sum(_align(stages * b) for b in buffers) + scratch
+
+
 def cursor_rows(batch: int) -> int:
     """Rows of TMA_MAX entries the cursor is copied to shared memory in (one copy of [rows, TMA_MAX])."""
     return -(-batch // TMA_MAX)
@@ -157,8 +182,49 @@ def _compute_capability() -> str | None:
     return str(getattr(device, "compute_capability", "")) if device.platform == "gpu" else None
 
 
+def _check_common(checkpoint, scale, config: TMAReadoutConfig, *, interpret: bool, slots) -> jnp.dtype:
+    """The limits every Mosaic GPU kernel of the library shares (see :func:`check_tma_readout`); returns
+    the checkpoint's (or state's) dtype."""
+    other = "use a StepConfig or ReplayConfig"
+    if interpret:
+        raise NotImplementedError(f"the Mosaic GPU kernels (a TMAReadoutConfig) run compiled on a GPU only: Mosaic "
+                                  f"GPU's interpreter has no predicated copies; {other} to interpret")
+    if slots is not None:
+        raise NotImplementedError(f"the Mosaic GPU kernels (a TMAReadoutConfig) take no state pool (`slots`); {other}")
+    capability = _compute_capability()
+    if capability is not None and not capability.startswith("9."):
+        raise NotImplementedError(f"the Mosaic GPU kernels (a TMAReadoutConfig) run on a Hopper-class GPU (compute "
+                                  f"capability 9.x); this GPU's is {capability!r}; {other}")
+    if scale is not None:
+        raise NotImplementedError(f"the Mosaic GPU kernels take an f32 or bf16 checkpoint; got an 8-bit checkpoint "
+                                  f"({checkpoint.dtype}); use a ReplayConfig")
+    return jnp.dtype(checkpoint.dtype)
+
+
+def _check_wide(**arrays) -> None:
+    """f32 or bf16 arrays, named by their keywords (spaces for underscores)."""
+    for name, dtype in arrays.items():
+        if jnp.dtype(dtype) not in (jnp.dtype(f32), jnp.dtype(jnp.bfloat16)):
+            what = name.replace("_", " ")
+            raise ValueError(f"the Mosaic GPU kernels take f32 or bf16 {what}; got {jnp.dtype(dtype)}")
+
+
+def _check_columns(dtype, cols: int, what: str, letter: str) -> None:
+    """The checkpoint's columns `letter` (`what`, e.g. "key dim"): a multiple of the swizzled tile's width."""
+    width = SWIZZLE // dtype.itemsize
+    if cols % width or cols > MAX_K:
+        raise ValueError(f"the Mosaic GPU kernels take {letter} ({what}) a multiple of {width} for a {dtype} "
+                         f"checkpoint (its swizzled tile's columns), at most {MAX_K}; got {letter} = {cols}")
+
+
+def _check_smem(need: int, config: TMAReadoutConfig) -> None:
+    if need > SMEM_BYTES:
+        raise ValueError(f"the Mosaic GPU kernel's {config.stages} stages of {config.block_v} rows need {need} bytes "
+                         f"of shared memory, above a program's {SMEM_BYTES}; lower `config.stages` or `config.block_v`")
+
+
 def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, interpret: bool, slots) -> None:
-    """Raise where the append route's Mosaic GPU kernel cannot take this step (before any launch).
+    """Raise where the GDN append route's Mosaic GPU kernel cannot take this step (before any launch).
 
     Args: the validated state and v of :func:`gdn_append_tma`, its config,
     and the caller's `interpret` and `slots` (a state pool).
@@ -175,30 +241,10 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
         multiple of 8 or above MAX_L; a program's shared memory
         (:func:`smem_bytes`) above SMEM_BYTES.
     """
-    if interpret:
-        raise NotImplementedError("the TMA readout (a TMAReadoutConfig) runs compiled on a GPU only: Mosaic GPU's "
-                                  "interpreter has no predicated copies; use a ReplayConfig to interpret the append "
-                                  "route")
-    if slots is not None:
-        raise NotImplementedError("the TMA readout (a TMAReadoutConfig) takes no state pool (`slots`); use a "
-                                  "ReplayConfig")
-    capability = _compute_capability()
-    if capability is not None and not capability.startswith("9."):
-        raise NotImplementedError(f"the TMA readout (a TMAReadoutConfig) runs on a Hopper-class GPU (compute "
-                                  f"capability 9.x); this GPU's is {capability!r}; use a ReplayConfig")
-    if state.scale is not None:
-        raise NotImplementedError(f"the TMA readout takes an f32 or bf16 checkpoint; got an 8-bit checkpoint "
-                                  f"({state.checkpoint.dtype}); use a ReplayConfig")
-    wide = (jnp.dtype(f32), jnp.dtype(jnp.bfloat16))
-    for name, dtype in (("checkpoint", state.checkpoint.dtype), ("d records", state.d.dtype), ("v", v.dtype)):
-        if jnp.dtype(dtype) not in wide:
-            raise ValueError(f"the TMA readout takes f32 or bf16 {name}; got {jnp.dtype(dtype)}")
-    dtype = jnp.dtype(state.checkpoint.dtype)
+    dtype = _check_common(state.checkpoint, state.scale, config, interpret=interpret, slots=slots)
+    _check_wide(checkpoint=state.checkpoint.dtype, d_records=state.d.dtype, v=v.dtype)
     _, _, V, K = state.checkpoint.shape
-    width = SWIZZLE // dtype.itemsize
-    if K % width or K > MAX_K:
-        raise ValueError(f"the TMA readout takes K (key dim) a multiple of {width} for a {dtype} checkpoint (its "
-                         f"swizzled tile's columns), at most {MAX_K}; got K = {K}")
+    _check_columns(dtype, K, "key dim", "K")
     if V % config.block_v:
         raise ValueError(f"the TMA readout takes V (value dim) a multiple of `config.block_v` = {config.block_v}; "
                          f"got V = {V}")
@@ -209,10 +255,47 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
     if L % 8 or L > MAX_L:
         raise ValueError(f"the TMA readout takes L (buffer length) a multiple of 8 (each shared-memory stage "
                          f"{TMA_ALIGN}-byte aligned), at most {MAX_L}; got L = {L}")
-    need = smem_bytes(state, v, config)
-    if need > SMEM_BYTES:
-        raise ValueError(f"the TMA readout's {config.stages} stages of {config.block_v} rows need {need} bytes of "
-                         f"shared memory, above a program's {SMEM_BYTES}; lower `config.stages` or `config.block_v`")
+    _check_smem(smem_bytes(state, v, config), config)
+
+
+def check_mamba2_tma(state: Mamba2ReplayState, C, config: TMAReadoutConfig, *, interpret: bool, slots) -> None:
+    """Raise where the Mamba-2 append route's Mosaic GPU readout (:func:`mamba2_readout_tma`) cannot take
+    this step (before any launch).
+
+    Args: the validated state and C [batch, G, N] of the step, its config,
+    and the caller's `interpret` and `slots` (a state pool).
+
+    Raises:
+      NotImplementedError: as :func:`check_tma_readout`.
+      ValueError: a checkpoint or C that is not f32 or bf16; N not a
+        multiple of the swizzled tile's width or above MAX_K, or N C's
+        bytes not a multiple of TMA_ALIGN; P above MAX_HEAD_DIM; L above
+        MAX_L; more heads than MAX_ROW_PROGRAMS; a group's
+        rows, (H // G) P, not a multiple of config.block_v (a work item's
+        rows share one C); a program's shared memory
+        (:func:`mamba2_smem_bytes`) above SMEM_BYTES.
+    """
+    dtype = _check_common(state.checkpoint, state.scale, config, interpret=interpret, slots=slots)
+    _check_wide(checkpoint=state.checkpoint.dtype, C=C.dtype)
+    _, H, P, N = state.checkpoint.shape
+    _check_columns(dtype, N, "d_state", "N")
+    if N * C.dtype.itemsize % TMA_ALIGN:
+        raise ValueError(f"the TMA readout takes N (d_state) * C's item size a multiple of {TMA_ALIGN} bytes (each "
+                         f"shared-memory stage aligned); got N = {N} of {jnp.dtype(C.dtype)}")
+    if P > MAX_HEAD_DIM:
+        raise ValueError(f"the TMA readout takes P (head_dim) at most {MAX_HEAD_DIM} (the Triton launch after it); "
+                         f"got P = {P}")
+    L = state.buffer_len
+    if L > MAX_L:
+        raise ValueError(f"the TMA readout takes L (buffer length) at most {MAX_L}; got L = {L}")
+    if H > MAX_ROW_PROGRAMS:
+        raise ValueError(f"the TMA readout takes at most {MAX_ROW_PROGRAMS} heads (the launch after it moves the "
+                         f"cursor once the row's programs, one per head, have read it); got H = {H}")
+    group = H // C.shape[1]
+    if group * P % config.block_v:
+        raise ValueError(f"the TMA readout takes a group's rows, (H // G) * P = {group} * {P}, a multiple of "
+                         f"`config.block_v` = {config.block_v} (an item's rows share one C); got {group * P}")
+    _check_smem(mamba2_smem_bytes(state.checkpoint, C, config), config)
 
 
 DEFAULT_MIN_BATCH = 64  # batch rows from which the append route takes this kernel by default (the least measured)
@@ -247,6 +330,55 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> 
     return config
 
 
+def default_mamba2_tma(state: Mamba2ReplayState, C, *, interpret: bool, slots) -> TMAReadoutConfig | None:
+    """The Mamba-2 append route's default Mosaic GPU tiling, or None where
+    the Triton append kernel stays the default: as :func:`default_tma_readout`
+    (a Hopper-class GPU, at least DEFAULT_MIN_BATCH rows, P and N within
+    MAX_HEAD_DIM, within :func:`check_mamba2_tma`'s limits, all programs
+    resident at once). Raises nothing."""
+    batch, _, P, N = state.checkpoint.shape
+    if _compute_capability() is None or batch < DEFAULT_MIN_BATCH or max(P, N) > MAX_HEAD_DIM:
+        return None
+    config = TMAReadoutConfig()
+    try:
+        check_mamba2_tma(state, C, config, interpret=interpret, slots=slots)
+    except (ValueError, NotImplementedError):
+        return None
+    if mamba2_smem_bytes(state.checkpoint, C, config) > SMEM_BYTES // config.programs_per_sm:
+        return None
+    return config
+
+
+def check_tma_route(route: str, routes: tuple[str, ...] = ("append", "direct")) -> None:
+    """Raise TypeError unless `route` is one of `routes`, those a TMAReadoutConfig tiles for the layer (GDN:
+    the append and direct routes; Mamba-2: the append route)."""
+    if route not in routes:
+        raise TypeError(f"a TMAReadoutConfig tiles the {' and '.join(routes)} route{'s' * (len(routes) > 1)} only; "
+                        f"got route {route!r} (use a {'StepConfig' if route == 'direct' else 'ReplayConfig'})")
+
+
+def normalized_qk(q, k, *, scale: float, use_qk_l2norm: bool):
+    """(q, k) in f32, L2-normalized over the last axis (eps 1e-6) if use_qk_l2norm, q then scaled: the
+    preludes' q and k in pure JAX."""
+    qn, kn = q.astype(f32), k.astype(f32)
+    if use_qk_l2norm:
+        qn = qn * lax.rsqrt(jnp.sum(qn * qn, -1, keepdims=True) + 1e-6)
+        kn = kn * lax.rsqrt(jnp.sum(kn * kn, -1, keepdims=True) + 1e-6)
+    return qn * scale, kn
+
+
+def live_weights(state: GDNReplayState):
+    """(live bool[batch, 1, L], w f32[batch, HV, L], total f32[batch, HV]) of the buffered slots in pure
+    JAX, as `replay_math.replay_weights`: w_i = exp(sum of the live log decays after slot i) for live i, 0
+    for dead slots (which may hold anything), formed as suffix sums without cancellation; total = the
+    live log decays' sum."""
+    live = jnp.arange(state.buffer_len) < state.cursor[:, None, None]
+    lg = jnp.where(live, state.g, 0.0)
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(lg, -1), -1), -1)  # sum over slots j >= i
+    later = jnp.concatenate([suffix[..., 1:], jnp.zeros_like(suffix[..., :1])], -1)  # j > i: no cancellation
+    return live, jnp.where(live, jnp.exp(later), 0.0), suffix[..., 0]
+
+
 def head_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2norm: bool):
     """The per-head terms of one append step in pure JAX (no checkpoint read): what the Triton prelude
     launch forms, against which it is tested.
@@ -265,16 +397,8 @@ def head_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2n
       decays, k . q, exp(g), beta); terms[:, :, 3] = 0.
     """
     L, (_, H, _), HV = state.buffer_len, q.shape, g.shape[1]
-    qn, kn = q.astype(f32), k.astype(f32)
-    if use_qk_l2norm:
-        qn = qn * lax.rsqrt(jnp.sum(qn * qn, -1, keepdims=True) + 1e-6)
-        kn = kn * lax.rsqrt(jnp.sum(kn * kn, -1, keepdims=True) + 1e-6)
-    qn = qn * scale
-    live = jnp.arange(L) < state.cursor[:, None, None]
-    lg = jnp.where(live, state.g, 0.0)
-    suffix = jnp.flip(jnp.cumsum(jnp.flip(lg, -1), -1), -1)  # sum over slots j >= i
-    later = jnp.concatenate([suffix[..., 1:], jnp.zeros_like(suffix[..., :1])], -1)  # j > i: no cancellation
-    w = jnp.where(live, jnp.exp(later), 0.0)
+    qn, kn = normalized_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    live, w, total = live_weights(state)
     keys = state.k.astype(f32)  # elementwise products and sums: f32 on every GPU (no TF32 dot)
 
     def scores(x):
@@ -283,7 +407,7 @@ def head_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2n
     a_k = jnp.where(live, w * scores(kn), 0.0)
     a_q = jnp.where(live, w * scores(qn), 0.0)
     kq = jnp.repeat(jnp.sum(kn * qn, -1), HV // H, axis=1)
-    scalars = jnp.stack([jnp.exp(suffix[..., 0]), kq, jnp.exp(g.astype(f32)), beta.astype(f32)], -1)
+    scalars = jnp.stack([jnp.exp(total), kq, jnp.exp(g.astype(f32)), beta.astype(f32)], -1)
     scalars = jnp.pad(scalars, ((0, 0), (0, 0), (0, L - scalars.shape[-1])))
     return qn, kn, jnp.stack([a_k, a_q, scalars, jnp.zeros_like(a_k)], 2)
 
@@ -368,6 +492,69 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             ck_ref, d_ref, terms_ref, q_ref, k_ref, v_ref, o_ref, d_ref)
 
     return body
+
+
+def _item_spec(item, shape, index, transforms=()):
+    """A pipeline BlockSpec of `shape` at block `index(*item(step))`."""
+    return plgpu.BlockSpec(shape, lambda step: index(*item(step)), transforms=transforms)
+
+
+def _mamba2_readout_kernel(shape: tuple[int, int], rows_per_group: int, config: TMAReadoutConfig, checkpoint_dtype):
+    """The readout's body over the (batch row, row tile) items of `shape` = (batch, rows)."""
+    batch, rows = shape
+    BV = config.block_v
+    tiles = rows // BV
+    count_items, programs, steps = _grid(batch, 1, rows, config)  # past the end: the last item again (same writes)
+
+    def body(ck_ref, c_ref, o_ref):
+        program = lax.axis_index("program")
+
+        def item(step):  # (batch row, row tile) of this program's step
+            i = jnp.minimum(step * programs + program, count_items - 1)
+            return i // tiles, i % tiles
+
+        N = ck_ref.shape[-1]
+        in_specs = [_item_spec(item, (None, BV, N), lambda b, t: (b, t, 0), _swizzled(checkpoint_dtype)),
+                    _item_spec(item, (None, None, N), lambda b, t: (b, t * BV // rows_per_group, 0))]
+        out_specs = [_item_spec(item, (None, BV), lambda b, t: (b, t))]
+
+        def compute(index, S_s, c_s, o_s):
+            S = plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
+            c = plgpu.load(c_s, layout=COL).astype(f32)
+            o_s[...] = jnp.sum(S * c[None, :], axis=1)
+
+        plgpu.emit_pipeline(compute, grid=(steps,), in_specs=in_specs, out_specs=out_specs,
+                            max_concurrent_steps=config.stages)(ck_ref, c_ref, o_ref)
+
+    return body
+
+
+def mamba2_readout_tma(checkpoint, C, config: TMAReadoutConfig):
+    """The Mamba-2 checkpoint's readout S_c C on Mosaic GPU: every head's checkpoint rows against its
+    group's C, one persistent kernel whose TMA copies stream the checkpoint tiles through shared memory.
+
+    The checkpoint [batch, H, P, N] is read as its rows [batch, H P, N] (a
+    reshape, no copy), in items of `config.block_v` rows; an item's rows
+    are one group's (the caller checked :func:`check_mamba2_tma`), so it
+    takes one C. Products and sums in f32 (no tensor-core rounding).
+
+    Args:
+      checkpoint: f32 | bf16[batch, H, P, N].
+      C: f32 | bf16[batch, G, N], G dividing H (head h reads group
+        h // (H // G)).
+      config: a TMAReadoutConfig.
+
+    Returns:
+      f32[batch, H, P]: sum over n of checkpoint[b, h, p, n] C[b, h // (H // G), n].
+    """
+    batch, H, P, N = checkpoint.shape
+    rows = H * P
+    programs = _grid(batch, 1, rows, config)[1]
+    body = _mamba2_readout_kernel((batch, rows), H // C.shape[1] * P, config, checkpoint.dtype)
+    name = f"mamba2_append_tma_bv{config.block_v}_st{config.stages}_p{programs}"  # as the profiles name it
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((batch, rows), f32), grid=(programs,),
+                          grid_names=("program",), kernel_name=name)
+    return kernel(checkpoint.reshape(batch, rows, N), C).reshape(batch, H, P)
 
 
 def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMAReadoutConfig):

@@ -16,10 +16,14 @@ resolves its backend and, for a replay step, its route
            (the replay step's output, state and append routes, the verify
            window) or :class:`~replayssm_jax.kernels.ConvConfig` (the conv
            update) overriding the kernels' frozen tiling heuristic, or None;
-           only the kernel backends take one. The GDN replay step's append
-           route also takes a :class:`~replayssm_jax.kernels.TMAReadoutConfig`:
-           its Mosaic GPU form (compiled, "pallas" only;
-           :mod:`replayssm_jax.kernels.tma_readout`).
+           only the kernel backends take one. The replay step's append
+           route (both layers), the GDN replay step's direct route and
+           the GDN standard step also take a
+           :class:`~replayssm_jax.kernels.TMAReadoutConfig`: their Mosaic
+           GPU forms (compiled, "pallas" only;
+           :mod:`replayssm_jax.kernels.tma_readout`,
+           :mod:`replayssm_jax.kernels.tma_step`), the defaults on a
+           Hopper-class GPU from batch 64.
 
 The decode steps (`mamba2_step`, `gdn_step` and their replay steps) and the
 verify ops (`*_replay_verify`, the per-draft `mamba2_verify` / `gdn_verify`)

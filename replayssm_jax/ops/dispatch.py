@@ -169,13 +169,13 @@ def resolve_route(route: str, backend: str, state, config=None) -> str:
     Raises:
       ValueError: an unknown route.
       TypeError: "auto" with a :class:`~replayssm_jax.kernels.TMAReadoutConfig`
-        (it tiles the append route only).
+        (it tiles a named route: the append route, and a GDN layer's direct route).
     """
     if check_route(route, STEP_ROUTES) != "auto":
         return route
     if isinstance(config, kernels.TMAReadoutConfig):
-        raise TypeError("a TMAReadoutConfig tiles the append route only, which route='auto' never takes (a decode "
-                        "loop on it would fill the buffers); pass route='append'")
+        raise TypeError("a TMAReadoutConfig tiles a named route, not route='auto': 'append' (either layer; a decode "
+                        "loop on it alone would fill the buffers) or a GDN layer's 'direct'; pass the route")
     if backend == "xla" or state.scale is not None:  # an 8-bit checkpoint: rounded at the flush only
         return "output"
     if config is not None:

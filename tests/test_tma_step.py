@@ -1,0 +1,290 @@
+"""The Gated DeltaNet direct route on Mosaic GPU (replayssm_jax.kernels.tma_step).
+
+On the CPU: the prelude's direct terms put through the kernel's formula in
+jnp against the reference's direct step, the Triton prelude launch (route
+"direct", interpreted) against its pure-JAX form, the limits and the
+default, and the step lowered for CUDA (two custom calls, the checkpoint
+and the cursor in place). On a GPU (`pytest -m gpu`): the compiled step
+against the reference from staggered cursors with inf in the dead slots and
+a full row, and the lockstep cycle's carry in a decode loop uncopied.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cases import assert_close
+from hlo_checks import carry_copies, per_step_copies, work_besides_kernels
+from kernel_checks import GDN, GDNShape, lower_for_cuda
+from test_tma_readout import _Device, _abstract, _state  # GDN states, abstract and drawn; a device stand-in
+from replayssm_jax import kernels, reference
+from replayssm_jax.kernels import gdn as gdn_kernels
+from replayssm_jax.kernels import tma_step
+from replayssm_jax.testing import tolerance_dtype
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+L = 8
+SHAPE = GDNShape(batch=5, H=2, HV=4, K=64, V=128)
+MODEL = GDNShape(batch=256, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer
+
+
+def _reference(rs, inp, scale):
+    return jax.jit(lambda s, i: reference.gdn_replay_step(s, **i, scale=scale, use_qk_l2norm=True,
+                                                          route="direct"))(rs, inp)
+
+
+def _cursors(batch, buffer_len=L):
+    """Staggered cursors 0 .. L with a full row (a speculative commit's) and an empty one."""
+    cursor = (np.arange(batch) * 3 % (buffer_len + 1)).astype(np.int32)
+    cursor[0], cursor[-1] = 0, buffer_len
+    return cursor
+
+
+# ---------------------------------------------------------------------------
+# CPU
+
+
+@pytest.mark.parametrize("buffer_dtype", [f32, bf16])
+def test_direct_terms_give_the_reference_direct_step(buffer_dtype, rng):
+    """The direct terms, put through the kernel's formula in jnp (the fold as a rank-L product, then the
+    step), give the reference's direct step: outputs and checkpoint within the f32 tolerance."""
+    layer = GDN(SHAPE, rng, f32)
+    cursor = _cursors(SHAPE.batch)
+    rs, inp = _state(layer, f32, buffer_dtype, cursor), layer.draw()
+    scale = SHAPE.K ** -0.5
+    o_ref, rs_ref = _reference(rs, inp, scale)
+    qn, kn, terms = tma_step.direct_terms(rs, inp["q"], inp["k"], inp["g"], inp["beta"], scale=scale,
+                                          use_qk_l2norm=True)
+    group = SHAPE.HV // SHAPE.H
+    live = (np.arange(L) < cursor[:, None])[:, None, :, None]
+    U = jnp.where(live, rs.d.astype(f32), 0.0) * terms[:, :, 0, :, None]
+    keys = jnp.repeat(jnp.where(live, rs.k.astype(f32), 0.0), group, 1)
+    S = terms[:, :, 2, 0, None, None] * rs.checkpoint + jnp.einsum("bhlv,bhlk->bhvk", U, keys, precision="highest")
+    kx, qx = jnp.repeat(kn, group, 1), jnp.repeat(qn, group, 1)
+    decay, beta = terms[:, :, 2, 2, None], terms[:, :, 2, 3, None]
+    d = beta * (inp["v"] - decay * jnp.einsum("bhvk,bhk->bhv", S, kx, precision="highest"))
+    S = decay[..., None] * S + d[..., None] * kx[:, :, None, :]
+    assert_close(jnp.einsum("bhvk,bhk->bhv", S, qx, precision="highest"), o_ref, f32, what="outputs")
+    assert_close(S, rs_ref.checkpoint, f32, what="checkpoint")
+    assert np.isfinite(np.asarray(terms)).all()
+
+
+@pytest.mark.parametrize(("shape", "buffer_len", "buffer_dtype"), [
+    (SHAPE, L, bf16),
+    (GDNShape(batch=4, H=2, HV=6, K=96, V=64), 24, f32),
+], ids=["bf16-records", "group3-K96-L24"])
+def test_direct_prelude_matches_its_pure_jax_form(shape, buffer_len, buffer_dtype, rng):
+    """The Triton prelude launch on route "direct" (interpreted) against `direct_terms`: q, k and the terms
+    within the f32 tolerance, no record written (dead slots' inf kept), the cursor at entry in the kernel's
+    layout and 0 after the step."""
+    layer = GDN(shape, rng, f32)
+    cursor = _cursors(shape.batch, buffer_len)
+    rs, inp = _state(layer, f32, buffer_dtype, cursor, buffer_len), layer.draw()
+    want = tma_step.direct_terms(rs, inp["q"], inp["k"], inp["g"], inp["beta"], scale=0.3, use_qk_l2norm=True)
+    qn, kn, terms, entry, shared, cursor_next = gdn_kernels._head_terms(
+        gdn_kernels.Records(rs.d, rs.k, rs.g), rs.cursor, gdn_kernels._f32_decay(gdn_kernels.Inputs(**inp)),
+        scale=0.3, use_qk_l2norm=True, interpret=True, route="direct")
+    for name, a, b in zip(("qn", "kn", "terms"), (qn, kn, terms), want):
+        assert_close(a, b, f32, what=f"the prelude's {name}")
+    np.testing.assert_array_equal(np.asarray(shared.k, np.float32), np.asarray(rs.k, np.float32))
+    np.testing.assert_array_equal(np.asarray(shared.g), np.asarray(rs.g))
+    np.testing.assert_array_equal(np.asarray(entry)[:shape.batch], cursor)
+    np.testing.assert_array_equal(np.asarray(cursor_next), 0)
+
+
+def test_limits_and_default(monkeypatch):
+    """The direct step's own limit (its shared memory: the tile in and out, per stage) and the readout's
+    limits, raised before any launch; the default takes the kernel on a Hopper-class GPU from batch 64."""
+    state, v = _abstract(256)
+    with pytest.raises(ValueError, match=r"4 stages of 64 rows need \d+ bytes of shared memory"):
+        tma_step.check_direct_tma(state, v, kernels.TMAReadoutConfig(stages=4, programs_per_sm=1),
+                                  interpret=False, slots=None)
+    with pytest.raises(NotImplementedError, match="compiled on a GPU only"):
+        tma_step.check_direct_tma(state, v, tma_step.DEFAULT_STEP, interpret=True, slots=None)
+    assert tma_step.default_direct_tma(state, v, interpret=False, slots=None) is None  # a CPU host
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Device()])
+    assert tma_step.default_direct_tma(state, v, interpret=False, slots=None) == tma_step.DEFAULT_STEP
+    f32_records = _abstract(256, d=f32)  # 3 stages would not fit: 2
+    assert tma_step.default_direct_tma(*f32_records, interpret=False, slots=None) == tma_step.STEP_TILINGS[1]
+    assert tma_step.default_direct_tma(*_abstract(63), interpret=False, slots=None) is None
+    assert tma_step.default_direct_tma(*_abstract(256, checkpoint=jnp.int8), interpret=False, slots=None) is None
+    assert tma_step.default_direct_tma(*_abstract(256, K=256), interpret=False, slots=None) is None  # smem
+
+
+def test_step_lowers_for_cuda(rng):
+    """The direct step's whole lowering on the CPU at the model's shape (abstract inputs): the prelude (its
+    records and cursor aliased) and the Mosaic GPU step (the checkpoint aliased), nothing else."""
+    layer = GDN(MODEL, rng, bf16)
+    state, _ = _abstract(MODEL.batch)
+    text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "direct", tma_step.DEFAULT_STEP),
+                          state, jax.eval_shape(layer.draw))
+    calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)\(", text)
+    assert sorted(calls) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls
+    aliases = {name: sorted(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", found))
+               for name, found in re.findall(r"custom_call @([\w$.]+)\([^\n]*?output_operand_aliases = \[(.*?)\]\}",
+                                             text)}
+    assert aliases == {"__gpu$xla.gpu.triton": [("4", "0"), ("5", "1"), ("6", "2")],
+                       "mosaic_gpu_v2": [("1", "0")]}, aliases
+    with pytest.raises(TypeError, match=r"append and direct routes only; got route 'output'"):
+        layer.kernel_replay_step(state, jax.eval_shape(layer.draw), "output", tma_step.DEFAULT_STEP)
+
+
+def test_standard_prelude_matches_its_pure_jax_form_and_the_reference(rng):
+    """The standard step's prelude (interpreted) against `step_terms`, and those terms through the kernel's
+    formula in jnp against the reference's standard step (key group of 3, K = 96)."""
+    shape = GDNShape(batch=4, H=2, HV=6, K=96, V=64)
+    layer = GDN(shape, rng, f32)
+    state, inp = layer.state(), layer.draw()
+    want = tma_step.step_terms(inp["q"], inp["k"], inp["g"], inp["beta"], scale=0.3, use_qk_l2norm=True)
+    got = gdn_kernels._step_terms(gdn_kernels._f32_decay(gdn_kernels.Inputs(**inp)), scale=0.3, use_qk_l2norm=True,
+                                  interpret=True)
+    for name, a, b in zip(("qn", "kn", "terms"), got, want):
+        assert_close(a, b, f32, what=f"the prelude's {name}")
+    qn, kn, terms = want
+    kx, qx = (jnp.repeat(x, 3, 1) for x in (kn, qn))
+    decay, beta = terms[:, :, 2, 2, None], terms[:, :, 2, 3, None]
+    d = beta * (inp["v"] - decay * jnp.einsum("bhvk,bhk->bhv", state, kx, precision="highest"))
+    S = decay[..., None] * state + d[..., None] * kx[:, :, None, :]
+    o_ref, S_ref = reference.gdn_step(state, **inp, scale=0.3)
+    assert_close(jnp.einsum("bhvk,bhk->bhv", S, qx, precision="highest"), o_ref, f32, what="outputs")
+    assert_close(S, S_ref, f32, what="state")
+
+
+def test_standard_step_lowers_for_cuda_and_its_limits(rng, monkeypatch):
+    """The standard step on Mosaic GPU lowered for CUDA at the model's shape: the prelude and the kernel
+    (the state aliased in place), nothing else; its limits raised before a launch; its default."""
+    layer = GDN(MODEL, rng, bf16)
+    state = jax.ShapeDtypeStruct((MODEL.batch, MODEL.HV, MODEL.V, MODEL.K), f32)
+    inp = jax.eval_shape(layer.draw)
+    text = lower_for_cuda(lambda s, i: kernels.gdn_step(s, **i, scale=0.1, use_qk_l2norm=True,
+                                                        config=tma_step.DEFAULT_STEP), state, inp)
+    calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)\(", text)
+    assert sorted(calls) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls
+    assert re.search(r"@mosaic_gpu_v2\([^\n]*output_operand_aliases = \[#stablehlo\.output_operand_alias<"
+                     r"output_tuple_indices = \[1\], operand_index = 0", text), "the state is not aliased"
+    v = jax.ShapeDtypeStruct((MODEL.batch, MODEL.HV, MODEL.V), bf16)
+    with pytest.raises(ValueError, match=r"V \(value dim\) a multiple of `config.block_v` = 128; got V = 64"):
+        tma_step.check_step_tma(jax.ShapeDtypeStruct((4, 4, 64, 128), f32), v, kernels.TMAReadoutConfig(block_v=128),
+                                interpret=False, slots=None)
+    with pytest.raises(ValueError, match="f32 or bf16 state; got float16"):
+        tma_step.check_step_tma(jax.ShapeDtypeStruct((4, 4, 64, 128), jnp.float16), v, tma_step.DEFAULT_STEP,
+                                interpret=False, slots=None)
+    with pytest.raises(NotImplementedError, match="no state pool"):
+        tma_step.check_step_tma(state, v, tma_step.DEFAULT_STEP, interpret=False, slots=jnp.arange(4))
+    assert tma_step.default_step_tma(state, v, interpret=False, slots=None) is None  # a CPU host
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Device()])
+    assert tma_step.default_step_tma(state, v, interpret=False, slots=None) == tma_step.DEFAULT_STEP
+    small = jax.ShapeDtypeStruct((63, MODEL.HV, MODEL.V, MODEL.K), f32)
+    assert tma_step.default_step_tma(small, v, interpret=False, slots=None) is None
+
+
+# ---------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape"), [
+    (f32, bf16, bf16, tma_step.DEFAULT_STEP, SHAPE),
+    (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128, stages=1, programs_per_sm=1), SHAPE),
+    (bf16, bf16, bf16, tma_step.DEFAULT_STEP, SHAPE),
+    (f32, bf16, bf16, tma_step.DEFAULT_STEP, GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+    (f32, bf16, bf16, tma_step.DEFAULT_STEP, GDNShape(batch=7, H=2, HV=6, K=96, V=64)),
+    (f32, bf16, bf16, tma_step.DEFAULT_STEP, GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
+], ids=["f32-bf16", "f32-f32-f32act-128x1", "bf16", "model-b67", "group3-K96", "b300"])
+def test_compiled_direct_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
+    """From staggered cursors (an empty row, a full one) with inf in the dead slots: outputs and checkpoint
+    within the tolerance of the case's dtypes, the records untouched, the cursor 0."""
+    layer = GDN(shape, rng, act)
+    cursor = _cursors(shape.batch)
+    rs, inp = _state(layer, checkpoint_dtype, buffer_dtype, cursor), layer.draw()
+    o_ref, rs_ref = _reference(rs, inp, shape.K ** -0.5)
+    o, new = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "direct", config))(rs, inp)
+    tol = tolerance_dtype(act, checkpoint_dtype, buffer_dtype)
+    assert_close(o, o_ref, tol, what="outputs")
+    assert_close(new.checkpoint, rs_ref.checkpoint, tol, what="checkpoint")
+    for name in ("d", "k", "g"):
+        np.testing.assert_array_equal(np.asarray(getattr(new, name), np.float32),
+                                      np.asarray(getattr(rs, name), np.float32), err_msg=f"{name} records")
+    np.testing.assert_array_equal(np.asarray(new.cursor), 0)
+
+
+@pytest.mark.gpu
+def test_compiled_lockstep_cycle_is_its_kernels(rng):
+    """The direct step on Mosaic GPU jitted alone with its state donated: its two kernels and nothing else;
+    a decode loop of lockstep cycles (L - 1 append steps, one direct step, on Mosaic GPU) copies no
+    checkpoint, record or cursor per step."""
+    layer = GDN(SHAPE, rng, bf16)
+    rs = layer.replay_state(L, f32, bf16, np.zeros(SHAPE.batch, np.int32))
+
+    def direct(rs, inp):
+        return layer.kernel_replay_step(rs, inp, "direct", tma_step.DEFAULT_STEP)
+
+    hlo = jax.jit(direct, donate_argnums=0).lower(rs, layer.draw()).compile().as_text()
+    found = work_besides_kernels(hlo)
+    assert not found, "work besides the kernels:\n" + "\n".join(found)
+
+    def cycle(rs, xs):
+        for t in range(L):
+            route, config = ("direct", tma_step.DEFAULT_STEP) if t == L - 1 else ("append", kernels.TMAReadoutConfig())
+            _, rs = layer.kernel_replay_step(rs, jax.tree.map(lambda a: a[t], xs), route, config)
+        return rs, None
+
+    cycles = [jax.tree.map(lambda *a: jnp.stack(a), *[layer.draw() for _ in range(L)]) for _ in range(2)]
+    xs = jax.tree.map(lambda *a: jnp.stack(a), *cycles)  # [2 cycles, L steps, ...]
+    loop = jax.jit(lambda rs, xs: jax.lax.scan(cycle, rs, xs)[0], donate_argnums=0)
+    hlo = loop.lower(rs, xs).compile().as_text()
+    copies = per_step_copies(hlo, [rs.checkpoint, rs.d, rs.k, rs.g, rs.cursor]) + carry_copies(hlo)
+    assert not copies, "per-step copies of the state:\n" + "\n".join(copies)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("state_dtype", "act", "config", "shape"), [
+    (f32, bf16, tma_step.DEFAULT_STEP, SHAPE),
+    (f32, f32, kernels.TMAReadoutConfig(block_v=128, stages=2, programs_per_sm=1), SHAPE),
+    (bf16, bf16, tma_step.DEFAULT_STEP, GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+    (f32, bf16, tma_step.DEFAULT_STEP, GDNShape(batch=7, H=2, HV=6, K=96, V=64)),
+    (f32, bf16, None, GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
+], ids=["f32", "f32-f32act-128x2", "bf16-b67", "group3-K96", "default-b300"])
+def test_compiled_standard_step_matches_the_reference(state_dtype, act, config, shape, rng):
+    """Two compiled standard steps on Mosaic GPU (config None at batch 300: the default, which on a
+    Hopper-class GPU is this kernel) against the reference: outputs and state within the tolerance; the
+    jitted step alone, its state donated, is its two kernels."""
+    layer = GDN(shape, rng, act)
+    state = layer.state().astype(state_dtype)
+    step = jax.jit(lambda s, i: kernels.gdn_step(s, **i, scale=shape.K ** -0.5, use_qk_l2norm=True, config=config))
+    s_k, s_r = state, state
+    for _ in range(2):
+        inp = layer.draw()
+        o, s_k = step(s_k, inp)
+        o_ref, s_r = reference.gdn_step(s_r, **inp)
+        tol = tolerance_dtype(act, state_dtype)
+        assert_close(o, o_ref, tol, what="outputs")
+        assert_close(s_k, s_r, tol, what="state")
+    hlo = jax.jit(lambda s, i: kernels.gdn_step(s, **i, scale=0.1, use_qk_l2norm=True, config=tma_step.DEFAULT_STEP),
+                  donate_argnums=0).lower(state, inp).compile().as_text()
+    found = work_besides_kernels(hlo)
+    assert not found, "work besides the kernels:\n" + "\n".join(found)
+
+
+@pytest.mark.gpu
+def test_compiled_standard_loop_copies_no_state(rng):
+    """A decode loop (`lax.scan` of 4 standard steps on Mosaic GPU, the state carried and donated) copies
+    no state per step."""
+    layer = GDN(SHAPE, rng, bf16)
+    state = layer.state()
+    xs = jax.tree.map(lambda *a: jnp.stack(a), *[layer.draw() for _ in range(4)])
+
+    def step(s, inp):
+        o, s = kernels.gdn_step(s, **inp, scale=0.1, use_qk_l2norm=True, config=tma_step.DEFAULT_STEP)
+        return s, o
+
+    hlo = jax.jit(lambda s, xs: jax.lax.scan(step, s, xs), donate_argnums=0).lower(state, xs).compile().as_text()
+    copies = per_step_copies(hlo, [state]) + carry_copies(hlo)
+    assert not copies, "per-step copies of the state:\n" + "\n".join(copies)
