@@ -40,11 +40,14 @@ Method (the settings are a TimingOptions):
     flush and one direct step that flushes every row: Generator's
     `lockstep` schedule, its append steps at the library's default, which
     is the Mosaic GPU kernel kernels.TMAReadoutConfig for a GDN layer's f32
-    or bf16 checkpoint at batch >= 64 on a Hopper-class GPU; where that kernel
-    takes the shape, the other append kernel beside it: "-lockstep-triton"
-    (the Triton kernel's default ReplayConfig) or "-lockstep-tma"); at batches where the default replay step is one
-    launch, also the direct route from empty buffers (plain decoding: the
-    state written every step).
+    or bf16 checkpoint at batch >= 64 and a Mamba-2 layer's f32 checkpoint
+    at batch >= 256 on a Hopper-class GPU; where that kernel takes the
+    shape, the other append kernel beside it: "-lockstep-triton" (the
+    Triton kernel's default ReplayConfig) or "-lockstep-tma"); at batches
+    where the default replay step is one launch, also the direct route from
+    empty buffers (plain decoding: the state written every step). Where the
+    GDN standard step's Mosaic GPU kernel takes the shape, "standard-tma"
+    times it beside the default standard step.
   * bytes per step from a traffic model (each array the kernels touch,
     once: state read (+ write for standard; for replay + the flush launch's
     re-read and write, / L), the full L-slot buffer tiles read, one record
@@ -444,17 +447,23 @@ def tma_applies(bench, L, backend) -> bool:
 
 def tma_is_default(bench, L) -> bool:
     """Whether the append route takes the Mosaic GPU kernels by default here (tma_readout's
-    default_tma_readout, default_mamba2_tma: f32 or bf16 checkpoints of batch >= 64 on a Hopper-class GPU)."""
+    default_tma_readout: f32 or bf16 checkpoints of batch >= 64, default_mamba2_tma: f32 checkpoints of batch
+    >= 256, on a Hopper-class GPU)."""
     return TMA_CHECKS[bench.layer][1](*_abstract_step(bench, L), interpret=False, slots=None) is not None
 
 
-def standard_tma_is_default(bench, backend) -> bool:
-    """Whether the standard step takes the Mosaic GPU kernel by default here (GDN only:
-    tma_step.default_step_tma, batch >= 64 on a Hopper-class GPU, compiled)."""
+def standard_tma_applies(bench, backend) -> bool:
+    """Whether the GDN standard step's Mosaic GPU kernel (tma_step.STEP_CONFIG, not a default) takes this
+    bench's state on `backend` (compiled only; checked on shapes)."""
     if bench.layer != "gdn" or backend != "pallas" or bench.quantized:
         return False
     state = jax.ShapeDtypeStruct((bench.b, *bench.heads_dims()), bench.sd)
-    return tma_step.default_step_tma(state, _abstract_step(bench, 16)[1], interpret=False, slots=None) is not None
+    try:
+        tma_step.check_step_tma(state, _abstract_step(bench, 16)[1], tma_step.STEP_CONFIG, interpret=False,
+                                slots=None)
+    except (ValueError, NotImplementedError):
+        return False
+    return True
 
 
 def lockstep_length(lengths) -> int:
@@ -463,41 +472,37 @@ def lockstep_length(lengths) -> int:
 
 
 def variants(bench, lengths, backend="pallas"):
-    """(name, L, cursors, route, config, direct_config) of the variants timed
-    at a shape: the standard step, the replay step at each L (staggered
-    cursors) and at one L in step, and, where the default replay step is one
-    launch (a latency-bound batch), the direct route from empty buffers,
-    elsewhere the lockstep schedule (`run_variant`; direct_config the
-    lockstep cycle's direct step), and, where the Mosaic GPU append kernel
-    takes the shape (`tma_applies`), the lockstep schedule on the kernels
-    the default does not take: "-lockstep-triton" (the Triton append kernel
-    and the Triton direct step) where the default is the Mosaic GPU kernel
-    (`tma_is_default`), else "-lockstep-tma". An 8-bit checkpoint: the
-    replay variants on the output route only. config None: the kernels'
-    heuristic. Where the standard step's default is the Mosaic GPU kernel
-    (`standard_tma_is_default`), "standard-triton" times the Triton one
-    beside it."""
+    """(name, L, cursors, route, config) of the variants timed at a shape:
+    the standard step, and where the GDN standard step's Mosaic GPU kernel
+    takes the shape (`standard_tma_applies`) "standard-tma" on it; the
+    replay step at each L (staggered cursors) and at one L in step, and,
+    where the default replay step is one launch (a latency-bound batch), the
+    direct route from empty buffers, elsewhere the lockstep schedule
+    (`run_variant`), and, where the Mosaic GPU append kernel takes the
+    shape (`tma_applies`), the lockstep schedule on the append kernel the
+    default does not take: "-lockstep-triton" where the default is the
+    Mosaic GPU kernel (`tma_is_default`), else "-lockstep-tma". An 8-bit
+    checkpoint: the replay variants on the output route only. config None:
+    the kernels' heuristic."""
     if bench.quantized:
-        yield from ((f"replay-L{L}", L, "staggered", "output", None, None) for L in lengths)
+        yield from ((f"replay-L{L}", L, "staggered", "output", None) for L in lengths)
         return
-    yield ("standard", None, None, None, None, None)
-    if standard_tma_is_default(bench, backend):  # the Triton step kernel beside the Mosaic GPU default
-        yield ("standard-triton", None, None, None, kernels.default_step_config(bench.b, *bench.heads_dims(),
-                                                                                bench.sd), None)
+    yield ("standard", None, None, None, None)
+    if standard_tma_applies(bench, backend):
+        yield ("standard-tma", None, None, None, tma_step.STEP_CONFIG)
     for L in lengths:
-        yield (f"replay-L{L}", L, "staggered", "output", None, None)
+        yield (f"replay-L{L}", L, "staggered", "output", None)
     L = lockstep_length(lengths)
-    yield (f"replay-L{L}-in-step", L, "in-step", "output", None, None)
+    yield (f"replay-L{L}-in-step", L, "in-step", "output", None)
     if kernels.replay_is_one_launch(bench.b, *bench.heads_dims(), bench.sd, L):
-        yield (f"replay-L{L}-direct", L, "empty", "direct", None, None)
+        yield (f"replay-L{L}-direct", L, "empty", "direct", None)
     else:  # Generator's lockstep applies where some layer is not on the direct route
-        yield (f"replay-L{L}-lockstep", L, "lockstep", "output", None, None)
-        if tma_applies(bench, L, backend) and tma_is_default(bench, L):  # the Triton kernels beside it
+        yield (f"replay-L{L}-lockstep", L, "lockstep", "output", None)
+        if tma_applies(bench, L, backend) and tma_is_default(bench, L):  # the Triton append kernel beside it
             yield (f"replay-L{L}-lockstep-triton", L, "lockstep", "output",
-                   kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L),
-                   kernels.default_direct_config(bench.b, *bench.heads_dims(), bench.sd))
+                   kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L))
         elif tma_applies(bench, L, backend):
-            yield (f"replay-L{L}-lockstep-tma", L, "lockstep", "output", kernels.TMAReadoutConfig(), None)
+            yield (f"replay-L{L}-lockstep-tma", L, "lockstep", "output", kernels.TMAReadoutConfig())
 
 
 def standard_bytes(bench) -> float:
@@ -806,9 +811,8 @@ def main(argv=None):
                 if args.sweep:
                     sweep(bench, base, rows, lengths, options, overrides, args.sweep_routes, args.sweep_cursors)
                 std = None
-                for kind, L, cursors, route, config, direct in [] if args.sweep else variants(bench, lengths,
-                                                                                             options.backend):
-                    r = run_variant(bench, L, cursors, options, config=config, route=route, direct_config=direct)
+                for kind, L, cursors, route, config in [] if args.sweep else variants(bench, lengths, options.backend):
+                    r = run_variant(bench, L, cursors, options, config=config, route=route)
                     if kind == "standard":
                         std = r["seconds"]
                     row = dict(base, variant=kind, L=L, cursors=cursors, route=route, **r,
@@ -873,7 +877,7 @@ def load_original(path: str) -> list[dict]:
 def against_original(row: dict, original: list[dict]) -> dict:
     """This row's time over the original's same variant in `original` (harness rows; none: {}).
 
-    Standard step (and standard-triton): vLLM's kernel at the best config of its tuning grid; replay-L{L}
+    Standard step (and standard-tma): vLLM's kernel at the best config of its tuning grid; replay-L{L}
     (staggered) and replay-L{L}-in-step: the fork's replay kernel at its shipped config, same L and cursors;
     replay-L{L}-lockstep (and -lockstep-tma, -lockstep-triton): the same against its rows in step (every row
     flushes in one step of L). kernel_over_original: the traced time of our SSM kernels (replay + flush
@@ -882,7 +886,7 @@ def against_original(row: dict, original: list[dict]) -> dict:
     CUPTI kernel time; wall_over_original: our cycle's step time over its CUDA-graph replay time; our
     kernel_us and wall_over_kernel beside them. > 1: ours slower."""
     variant = row["variant"]
-    if variant in ("standard", "standard-triton"):
+    if variant in ("standard", "standard-tma"):
         match = dict(variant="standard", which="best")
     elif variant.startswith("replay-L") and not variant.endswith("-direct"):
         cursors = "in-step" if row["cursors"] == "lockstep" else row["cursors"]

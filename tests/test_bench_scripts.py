@@ -144,7 +144,7 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     large = kb.make_bench("gdn", 256, "float32", None)
     assert [v[0] for v in kb.variants(large, (16,), "interpret")] == [  # no direct route
         "standard", "replay-L16", "replay-L16-in-step", "replay-L16-lockstep"]
-    tma = [v for v in kb.variants(large, (16,), "pallas") if v[0].endswith("-tma")]  # compiled only
+    tma = [v for v in kb.variants(large, (16,), "pallas") if v[0].endswith("-lockstep-tma")]  # compiled only
     assert [(v[0], v[2], type(v[4]).__name__) for v in tma] == [("replay-L16-lockstep-tma", "lockstep",
                                                                   "TMAReadoutConfig")]
     mamba2 = kb.make_bench("mamba2", 256, "float32", None)
@@ -156,8 +156,9 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     device.platform, device.compute_capability, device.core_count = "gpu", "9.0", 132  # an H200: the append
     # route's default is the Mosaic GPU kernel
     triton = [v for v in kb.variants(large, (16,), "pallas") if "-lockstep-" in v[0]]
-    assert [(v[0], type(v[4]).__name__, type(v[5]).__name__) for v in triton] == [
-        ("replay-L16-lockstep-triton", "ReplayConfig", "StepConfig")]  # the Triton append kernel and direct step
+    assert [(v[0], type(v[4]).__name__) for v in triton] == [("replay-L16-lockstep-triton", "ReplayConfig")]
+    standard = [v[0] for v in kb.variants(large, (16,), "pallas") if v[0].startswith("standard")]
+    assert standard == ["standard", "standard-tma"]  # the Mosaic GPU standard step beside the default
     monkeypatch.undo()
     out = kb.check(bench, (4,), "interpret")
     assert out["ok"] and out["direct_L4"]["cursor_zero"] and out["direct_L4"]["y"]["ok"]

@@ -21,7 +21,7 @@ import pytest
 from cases import assert_close
 from hlo_checks import carry_copies, per_step_copies, work_besides_kernels
 from kernel_checks import GDN, GDNShape, lower_for_cuda
-from test_tma_readout import _Device, _abstract, _state  # GDN states, abstract and drawn; a device stand-in
+from test_tma_readout import _abstract, _state  # GDN replay states, abstract and drawn
 from replayssm_jax import kernels, reference
 from replayssm_jax.kernels import gdn as gdn_kernels
 from replayssm_jax.kernels import tma_step
@@ -97,24 +97,21 @@ def test_direct_prelude_matches_its_pure_jax_form(shape, buffer_len, buffer_dtyp
     np.testing.assert_array_equal(np.asarray(cursor_next), 0)
 
 
-def test_limits_and_default(monkeypatch):
-    """The direct step's own limit (its shared memory: the tile in and out, per stage) and the readout's
-    limits, raised before any launch; the default takes the kernel on a Hopper-class GPU from batch 64."""
+def test_limits():
+    """The direct step's own limit (its shared memory: the tile in and out, per stage; f32 records take 2
+    stages) and the readout's limits, raised before any launch."""
     state, v = _abstract(256)
     with pytest.raises(ValueError, match=r"4 stages of 64 rows need \d+ bytes of shared memory"):
         tma_step.check_direct_tma(state, v, kernels.TMAReadoutConfig(stages=4, programs_per_sm=1),
                                   interpret=False, slots=None)
     with pytest.raises(NotImplementedError, match="compiled on a GPU only"):
-        tma_step.check_direct_tma(state, v, tma_step.DEFAULT_STEP, interpret=True, slots=None)
-    assert tma_step.default_direct_tma(state, v, interpret=False, slots=None) is None  # a CPU host
-
-    monkeypatch.setattr(jax, "devices", lambda *a: [_Device()])
-    assert tma_step.default_direct_tma(state, v, interpret=False, slots=None) == tma_step.DEFAULT_STEP
-    f32_records = _abstract(256, d=f32)  # 3 stages would not fit: 2
-    assert tma_step.default_direct_tma(*f32_records, interpret=False, slots=None) == tma_step.STEP_TILINGS[1]
-    assert tma_step.default_direct_tma(*_abstract(63), interpret=False, slots=None) is None
-    assert tma_step.default_direct_tma(*_abstract(256, checkpoint=jnp.int8), interpret=False, slots=None) is None
-    assert tma_step.default_direct_tma(*_abstract(256, K=256), interpret=False, slots=None) is None  # smem
+        tma_step.check_direct_tma(state, v, tma_step.STEP_CONFIG, interpret=True, slots=None)
+    tma_step.check_direct_tma(state, v, tma_step.STEP_CONFIG, interpret=False, slots=None)
+    f32_records = _abstract(256, d=f32)
+    with pytest.raises(ValueError, match="3 stages of 64 rows need"):
+        tma_step.check_direct_tma(*f32_records, tma_step.STEP_CONFIG, interpret=False, slots=None)
+    tma_step.check_direct_tma(*f32_records, kernels.TMAReadoutConfig(stages=2, programs_per_sm=1), interpret=False,
+                              slots=None)
 
 
 def test_step_lowers_for_cuda(rng):
@@ -122,7 +119,7 @@ def test_step_lowers_for_cuda(rng):
     records and cursor aliased) and the Mosaic GPU step (the checkpoint aliased), nothing else."""
     layer = GDN(MODEL, rng, bf16)
     state, _ = _abstract(MODEL.batch)
-    text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "direct", tma_step.DEFAULT_STEP),
+    text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "direct", tma_step.STEP_CONFIG),
                           state, jax.eval_shape(layer.draw))
     calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)\(", text)
     assert sorted(calls) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls
@@ -132,7 +129,7 @@ def test_step_lowers_for_cuda(rng):
     assert aliases == {"__gpu$xla.gpu.triton": [("4", "0"), ("5", "1"), ("6", "2")],
                        "mosaic_gpu_v2": [("1", "0")]}, aliases
     with pytest.raises(TypeError, match=r"append and direct routes only; got route 'output'"):
-        layer.kernel_replay_step(state, jax.eval_shape(layer.draw), "output", tma_step.DEFAULT_STEP)
+        layer.kernel_replay_step(state, jax.eval_shape(layer.draw), "output", tma_step.STEP_CONFIG)
 
 
 def test_standard_prelude_matches_its_pure_jax_form_and_the_reference(rng):
@@ -156,14 +153,14 @@ def test_standard_prelude_matches_its_pure_jax_form_and_the_reference(rng):
     assert_close(S, S_ref, f32, what="state")
 
 
-def test_standard_step_lowers_for_cuda_and_its_limits(rng, monkeypatch):
+def test_standard_step_lowers_for_cuda_and_its_limits(rng):
     """The standard step on Mosaic GPU lowered for CUDA at the model's shape: the prelude and the kernel
-    (the state aliased in place), nothing else; its limits raised before a launch; its default."""
+    (the state aliased in place), nothing else; its limits raised before a launch."""
     layer = GDN(MODEL, rng, bf16)
     state = jax.ShapeDtypeStruct((MODEL.batch, MODEL.HV, MODEL.V, MODEL.K), f32)
     inp = jax.eval_shape(layer.draw)
     text = lower_for_cuda(lambda s, i: kernels.gdn_step(s, **i, scale=0.1, use_qk_l2norm=True,
-                                                        config=tma_step.DEFAULT_STEP), state, inp)
+                                                        config=tma_step.STEP_CONFIG), state, inp)
     calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)\(", text)
     assert sorted(calls) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls
     assert re.search(r"@mosaic_gpu_v2\([^\n]*output_operand_aliases = \[#stablehlo\.output_operand_alias<"
@@ -173,16 +170,10 @@ def test_standard_step_lowers_for_cuda_and_its_limits(rng, monkeypatch):
         tma_step.check_step_tma(jax.ShapeDtypeStruct((4, 4, 64, 128), f32), v, kernels.TMAReadoutConfig(block_v=128),
                                 interpret=False, slots=None)
     with pytest.raises(ValueError, match="f32 or bf16 state; got float16"):
-        tma_step.check_step_tma(jax.ShapeDtypeStruct((4, 4, 64, 128), jnp.float16), v, tma_step.DEFAULT_STEP,
+        tma_step.check_step_tma(jax.ShapeDtypeStruct((4, 4, 64, 128), jnp.float16), v, tma_step.STEP_CONFIG,
                                 interpret=False, slots=None)
     with pytest.raises(NotImplementedError, match="no state pool"):
-        tma_step.check_step_tma(state, v, tma_step.DEFAULT_STEP, interpret=False, slots=jnp.arange(4))
-    assert tma_step.default_step_tma(state, v, interpret=False, slots=None) is None  # a CPU host
-
-    monkeypatch.setattr(jax, "devices", lambda *a: [_Device()])
-    assert tma_step.default_step_tma(state, v, interpret=False, slots=None) == tma_step.DEFAULT_STEP
-    small = jax.ShapeDtypeStruct((63, MODEL.HV, MODEL.V, MODEL.K), f32)
-    assert tma_step.default_step_tma(small, v, interpret=False, slots=None) is None
+        tma_step.check_step_tma(state, v, tma_step.STEP_CONFIG, interpret=False, slots=jnp.arange(4))
 
 
 # ---------------------------------------------------------------------------
@@ -191,12 +182,12 @@ def test_standard_step_lowers_for_cuda_and_its_limits(rng, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape"), [
-    (f32, bf16, bf16, tma_step.DEFAULT_STEP, SHAPE),
+    (f32, bf16, bf16, tma_step.STEP_CONFIG, SHAPE),
     (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128, stages=1, programs_per_sm=1), SHAPE),
-    (bf16, bf16, bf16, tma_step.DEFAULT_STEP, SHAPE),
-    (f32, bf16, bf16, tma_step.DEFAULT_STEP, GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
-    (f32, bf16, bf16, tma_step.DEFAULT_STEP, GDNShape(batch=7, H=2, HV=6, K=96, V=64)),
-    (f32, bf16, bf16, tma_step.DEFAULT_STEP, GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
+    (bf16, bf16, bf16, tma_step.STEP_CONFIG, SHAPE),
+    (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+    (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=7, H=2, HV=6, K=96, V=64)),
+    (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
 ], ids=["f32-bf16", "f32-f32-f32act-128x1", "bf16", "model-b67", "group3-K96", "b300"])
 def test_compiled_direct_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
     """From staggered cursors (an empty row, a full one) with inf in the dead slots: outputs and checkpoint
@@ -224,7 +215,7 @@ def test_compiled_lockstep_cycle_is_its_kernels(rng):
     rs = layer.replay_state(L, f32, bf16, np.zeros(SHAPE.batch, np.int32))
 
     def direct(rs, inp):
-        return layer.kernel_replay_step(rs, inp, "direct", tma_step.DEFAULT_STEP)
+        return layer.kernel_replay_step(rs, inp, "direct", tma_step.STEP_CONFIG)
 
     hlo = jax.jit(direct, donate_argnums=0).lower(rs, layer.draw()).compile().as_text()
     found = work_besides_kernels(hlo)
@@ -232,7 +223,7 @@ def test_compiled_lockstep_cycle_is_its_kernels(rng):
 
     def cycle(rs, xs):
         for t in range(L):
-            route, config = ("direct", tma_step.DEFAULT_STEP) if t == L - 1 else ("append", kernels.TMAReadoutConfig())
+            route, config = ("direct", tma_step.STEP_CONFIG) if t == L - 1 else ("append", kernels.TMAReadoutConfig())
             _, rs = layer.kernel_replay_step(rs, jax.tree.map(lambda a: a[t], xs), route, config)
         return rs, None
 
@@ -246,16 +237,16 @@ def test_compiled_lockstep_cycle_is_its_kernels(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("state_dtype", "act", "config", "shape"), [
-    (f32, bf16, tma_step.DEFAULT_STEP, SHAPE),
+    (f32, bf16, tma_step.STEP_CONFIG, SHAPE),
     (f32, f32, kernels.TMAReadoutConfig(block_v=128, stages=2, programs_per_sm=1), SHAPE),
-    (bf16, bf16, tma_step.DEFAULT_STEP, GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
-    (f32, bf16, tma_step.DEFAULT_STEP, GDNShape(batch=7, H=2, HV=6, K=96, V=64)),
-    (f32, bf16, None, GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
-], ids=["f32", "f32-f32act-128x2", "bf16-b67", "group3-K96", "default-b300"])
+    (bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+    (f32, bf16, tma_step.STEP_CONFIG, GDNShape(batch=7, H=2, HV=6, K=96, V=64)),
+    (f32, bf16, tma_step.STEP_CONFIG, GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
+], ids=["f32", "f32-f32act-128x2", "bf16-b67", "group3-K96", "b300"])
 def test_compiled_standard_step_matches_the_reference(state_dtype, act, config, shape, rng):
-    """Two compiled standard steps on Mosaic GPU (config None at batch 300: the default, which on a
-    Hopper-class GPU is this kernel) against the reference: outputs and state within the tolerance; the
-    jitted step alone, its state donated, is its two kernels."""
+    """Two compiled standard steps on Mosaic GPU against the reference (batch 67 and 300: items that do not
+    divide among the programs): outputs and state within the tolerance; the jitted step alone, its state
+    donated, is its two kernels."""
     layer = GDN(shape, rng, act)
     state = layer.state().astype(state_dtype)
     step = jax.jit(lambda s, i: kernels.gdn_step(s, **i, scale=shape.K ** -0.5, use_qk_l2norm=True, config=config))
@@ -267,7 +258,7 @@ def test_compiled_standard_step_matches_the_reference(state_dtype, act, config, 
         tol = tolerance_dtype(act, state_dtype)
         assert_close(o, o_ref, tol, what="outputs")
         assert_close(s_k, s_r, tol, what="state")
-    hlo = jax.jit(lambda s, i: kernels.gdn_step(s, **i, scale=0.1, use_qk_l2norm=True, config=tma_step.DEFAULT_STEP),
+    hlo = jax.jit(lambda s, i: kernels.gdn_step(s, **i, scale=0.1, use_qk_l2norm=True, config=tma_step.STEP_CONFIG),
                   donate_argnums=0).lower(state, inp).compile().as_text()
     found = work_besides_kernels(hlo)
     assert not found, "work besides the kernels:\n" + "\n".join(found)
@@ -282,7 +273,7 @@ def test_compiled_standard_loop_copies_no_state(rng):
     xs = jax.tree.map(lambda *a: jnp.stack(a), *[layer.draw() for _ in range(4)])
 
     def step(s, inp):
-        o, s = kernels.gdn_step(s, **inp, scale=0.1, use_qk_l2norm=True, config=tma_step.DEFAULT_STEP)
+        o, s = kernels.gdn_step(s, **inp, scale=0.1, use_qk_l2norm=True, config=tma_step.STEP_CONFIG)
         return s, o
 
     hlo = jax.jit(lambda s, xs: jax.lax.scan(step, s, xs), donate_argnums=0).lower(state, xs).compile().as_text()

@@ -11,10 +11,10 @@ Launches and their configs:
 
 - standard step (:func:`gdn_step`, :func:`mamba2_step`): one launch,
   :class:`StepConfig`, the state updated in place. The GDN standard step
-  also runs on Mosaic GPU (:mod:`replayssm_jax.kernels.tma_step`,
-  :class:`TMAReadoutConfig`; the default on a Hopper-class GPU from batch
-  64): a Triton prelude (q and k normalized) and a persistent kernel that
-  streams each state tile through shared memory and back.
+  also runs on Mosaic GPU (:mod:`replayssm_jax.kernels.tma_step`, given a
+  :class:`TMAReadoutConfig`; not a default, 2% slower at batch 256): a
+  Triton prelude (q and k normalized) and a persistent kernel that streams
+  each state tile through shared memory and back.
 - per-draft standard verify (:func:`gdn_verify`, :func:`mamba2_verify`):
   the standard step's tiling (:class:`StepConfig`) on a slotted state
   [batch, slots, heads, V, K]; one launch reads the current slot's tile
@@ -60,7 +60,8 @@ Launches and their configs:
   persistent kernel reads the checkpoint's rows for S_c C, then a Triton
   launch does the per-head work, appends the records and moves the cursor.
 - GDN replay step, direct route, on Mosaic GPU
-  (:mod:`replayssm_jax.kernels.tma_step`, :class:`TMAReadoutConfig`): the
+  (:mod:`replayssm_jax.kernels.tma_step`, given a :class:`TMAReadoutConfig`;
+  not a default, its fold 1.8x slower than the Triton kernel's): the
   prelude launch (no record written, the cursor set to 0), then a
   persistent kernel that folds the live records into each checkpoint tile,
   runs the step and writes the tile back in place. Compiled GPU only; f32

@@ -78,8 +78,7 @@ from replayssm_jax.kernels.tiles import (load_checkpoint, matvec, row_ids, row_m
                                          store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.kernels.tma_readout import (TERMS, TMA_MAX, TMAReadoutConfig, check_tma_readout,
                                                check_tma_route, cursor_rows, default_tma_readout, gdn_append_tma)
-from replayssm_jax.kernels.tma_step import (STEP_TERMS, check_direct_tma, check_step_tma, default_direct_tma,
-                                            default_step_tma, gdn_direct_tma, gdn_step_tma)
+from replayssm_jax.kernels.tma_step import STEP_TERMS, check_direct_tma, check_step_tma, gdn_direct_tma, gdn_step_tma
 from replayssm_jax.state import GDNReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -601,13 +600,13 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
       g: f32[batch, HV], log decay <= 0; beta: [batch, HV] in (0, 1).
       scale: the factor of q (after the L2 norm), e.g. K ** -0.5.
       use_qk_l2norm: L2-normalize q and k over K (eps 1e-6) first.
-      config: the tiling; None: :func:`default_step_config`, or the
-        Mosaic GPU form where
-        :func:`~replayssm_jax.kernels.tma_step.default_step_tma` says. A
-        :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig` runs
-        the step as two launches: a Triton prelude (q and k normalized,
-        the per-head scalars) and a persistent Mosaic GPU kernel whose TMA
-        copies stream each state tile through shared memory and back
+      config: the tiling; None: :func:`default_step_config`. A
+        :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig` (e.g.
+        `tma_step.STEP_CONFIG`; not a default: measured 2% slower at batch
+        256, bench/RESULTS.md, 2026-12-03) runs the step as two launches: a
+        Triton prelude (q and k normalized, the per-head scalars) and a
+        persistent Mosaic GPU kernel whose TMA copies stream each state
+        tile through shared memory and back
         (:func:`~replayssm_jax.kernels.tma_step.gdn_step_tma`).
       interpret: run the kernel in Pallas interpret mode (any platform).
       slots: None, or i32[batch] (validated): `state` is a state pool
@@ -629,8 +628,6 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
     Math: Yang, Kautz & Hatamizadeh, "Gated Delta Networks" (ICLR 2025), as
     flash-linear-attention's fused_recurrent_gated_delta_rule.
     """
-    if config is None:
-        config = default_step_tma(state, v, interpret=interpret, slots=slots)
     if isinstance(config, TMAReadoutConfig):
         check_step_tma(state, v, config, interpret=interpret, slots=slots)
         return _step_tma(state, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
@@ -674,10 +671,11 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         copies stream the checkpoint tiles through shared memory
         (:func:`~replayssm_jax.kernels.tma_readout.gdn_append_tma`, which
         writes the d records; :func:`~replayssm_jax.kernels.tma_step.gdn_direct_tma`,
-        which writes the checkpoint back); None on those routes takes it
+        which writes the checkpoint back); None on the append route takes it
         where :func:`~replayssm_jax.kernels.tma_readout.default_tma_readout`
-        and :func:`~replayssm_jax.kernels.tma_step.default_direct_tma` say
-        (an f32 or bf16 checkpoint of batch >= 64 on a Hopper-class GPU).
+        says (an f32 or bf16 checkpoint of batch >= 64 on a Hopper-class
+        GPU). The direct route's is no default: its fold took 1.8x the
+        Triton kernel's time (bench/RESULTS.md, 2026-12-03).
       interpret: run the kernels in Pallas interpret mode.
       slots: None, or i32[batch] (validated): the state is a state pool of
         capacity slots and batch row b steps slot slots[b], as
@@ -701,9 +699,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         Mosaic GPU kernels' limits (:func:`~replayssm_jax.kernels.tma_readout.check_tma_readout`,
         :func:`~replayssm_jax.kernels.tma_step.check_direct_tma`).
     """
-    if config is None and route in ("append", "direct"):
-        default = default_tma_readout if route == "append" else default_direct_tma
-        config = default(state, v, interpret=interpret, slots=slots)
+    if config is None and route == "append":
+        config = default_tma_readout(state, v, interpret=interpret, slots=slots)
     if isinstance(config, TMAReadoutConfig):
         check_tma_route(route)
         check = check_tma_readout if route == "append" else check_direct_tma

@@ -330,14 +330,25 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> 
     return config
 
 
+MAMBA2_MIN_BATCH = 256  # batch rows from which the Mamba-2 append route takes its Mosaic GPU readout by default
+
+
 def default_mamba2_tma(state: Mamba2ReplayState, C, *, interpret: bool, slots) -> TMAReadoutConfig | None:
     """The Mamba-2 append route's default Mosaic GPU tiling, or None where
-    the Triton append kernel stays the default: as :func:`default_tma_readout`
-    (a Hopper-class GPU, at least DEFAULT_MIN_BATCH rows, P and N within
-    MAX_HEAD_DIM, within :func:`check_mamba2_tma`'s limits, all programs
-    resident at once). Raises nothing."""
-    batch, _, P, N = state.checkpoint.shape
-    if _compute_capability() is None or batch < DEFAULT_MIN_BATCH or max(P, N) > MAX_HEAD_DIM:
+    the Triton append kernel stays the default: a TMAReadoutConfig() on a
+    Hopper-class GPU for an f32 checkpoint of at least MAMBA2_MIN_BATCH
+    rows, within :func:`check_mamba2_tma`'s limits with all programs
+    resident at once. Raises nothing.
+
+    Measured on the H200 (bench/RESULTS.md, 2026-12-03, "Mosaic GPU steps"):
+    Nemotron-3-Nano-4B's Mamba-2 layer in the lockstep cycle, batch 256, f32,
+    L = 16: 0.91x the original's kernel time (wall 0.97x), 1.06x (1.11x) on
+    the Triton append kernel; the Nemotron-like model 1.34x over its
+    standard step (1.23x before). Other batches and bf16 checkpoints are not
+    measured: there the Triton kernel stays (a TMAReadoutConfig takes them).
+    """
+    batch = state.checkpoint.shape[0]
+    if _compute_capability() is None or batch < MAMBA2_MIN_BATCH or state.checkpoint.dtype != jnp.float32:
         return None
     config = TMAReadoutConfig()
     try:

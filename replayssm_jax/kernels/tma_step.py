@@ -34,6 +34,12 @@ every row (L - 1 records live). Both run as two launches:
   the fold as L outer products on the tile in registers (f32 FMAs, no
   tensor-core rounding; dead slots, which may hold inf, selected out).
 
+Neither is a default: at Qwen3.5-4B's layer, batch 256, f32, on the H200
+the standard step took 287.4 us (prelude included) against the Triton
+kernel's 282.6, the direct step 704 against 385: with one program an SM,
+the fold's outer products do not hide under the copies (bench/RESULTS.md,
+2026-12-03). They are taken given a TMAReadoutConfig (`STEP_CONFIG`).
+
 Limits: the direct route's those of the append route's readout
 (:func:`~replayssm_jax.kernels.tma_readout.check_tma_readout`), the
 standard step's :func:`check_step_tma`, and for both a program's shared
@@ -50,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from replayssm_jax.kernels.config import MAX_HEAD_DIM
 from replayssm_jax.kernels.tma_readout import (COL, ROW, TERMS, TMA_MAX, TMAReadoutConfig, _align, _check_columns,
-                                               _check_common, _check_smem, _check_wide, _compute_capability, _grid,
+                                               _check_common, _check_smem, _check_wide, _grid,
                                                _item_spec, _swizzled, check_tma_readout, cursor_rows, head_terms,
                                                live_weights, normalized_qk)
 from replayssm_jax.state import GDNReplayState
@@ -113,40 +119,12 @@ def check_step_tma(state, v, config: TMAReadoutConfig, *, interpret: bool, slots
     _check_smem(_smem_bytes(state, v, config, 0, STEP_TERMS, (0, 0)), config)
 
 
-# The step's tilings, tried in turn by the defaults: 3 stages of 64 rows (220 KiB a program at K = 128, L = 16
-# with bf16 records), else 2 (f32 records: 3 stages would take 238 KiB).
-STEP_TILINGS = (TMAReadoutConfig(stages=3, programs_per_sm=1), TMAReadoutConfig(stages=2, programs_per_sm=1))
-DEFAULT_STEP = STEP_TILINGS[0]
-DEFAULT_MIN_BATCH = 64  # batch rows from which the direct route and the standard step take this kernel by default
+# The tiling of the runs in bench/RESULTS.md (2026-12-03): 3 stages of 64 rows, one program an SM (220 KiB a
+# program at K = 128, L = 16 with bf16 records; with f32 records the direct step takes 2 stages). Neither step
+# is a default: at batch 256 on the H200 the standard step took 287.4 us against the Triton kernel's 282.6, the
+# direct step 704 against 385 (its fold's 16 outer products on the tile).
+STEP_CONFIG = TMAReadoutConfig(stages=3, programs_per_sm=1)
 STEP_TERMS = 8  # columns of the standard step's terms (TERMS rows of f32: one 128-byte TMA-aligned stage buffer)
-
-
-def _first_fit(check, state, v, batch: int, *, interpret: bool, slots) -> TMAReadoutConfig | None:
-    """The first of STEP_TILINGS that `check` takes (on a Hopper-class GPU, a state of at least
-    DEFAULT_MIN_BATCH rows), or None."""
-    if _compute_capability() is None or batch < DEFAULT_MIN_BATCH:
-        return None
-    for config in STEP_TILINGS:
-        try:
-            check(state, v, config, interpret=interpret, slots=slots)
-        except (ValueError, NotImplementedError):
-            continue
-        return config
-    return None
-
-
-def default_step_tma(state, v, *, interpret: bool, slots) -> TMAReadoutConfig | None:
-    """The standard step's default Mosaic GPU tiling, or None where the Triton step kernel stays the
-    default: the first of STEP_TILINGS within :func:`check_step_tma`'s limits, on a Hopper-class GPU from
-    DEFAULT_MIN_BATCH rows. Raises nothing."""
-    return _first_fit(check_step_tma, state, v, state.shape[0], interpret=interpret, slots=slots)
-
-
-def default_direct_tma(state: GDNReplayState, v, *, interpret: bool, slots) -> TMAReadoutConfig | None:
-    """The direct route's default Mosaic GPU tiling, or None where the Triton step kernel stays the
-    default: the first of STEP_TILINGS within :func:`check_direct_tma`'s limits, on a Hopper-class GPU
-    from DEFAULT_MIN_BATCH rows. Raises nothing."""
-    return _first_fit(check_direct_tma, state, v, state.batch, interpret=interpret, slots=slots)
 
 
 def direct_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2norm: bool):

@@ -22,8 +22,8 @@ resolves its backend and, for a replay step, its route
            :class:`~replayssm_jax.kernels.TMAReadoutConfig`: their Mosaic
            GPU forms (compiled, "pallas" only;
            :mod:`replayssm_jax.kernels.tma_readout`,
-           :mod:`replayssm_jax.kernels.tma_step`), the defaults on a
-           Hopper-class GPU from batch 64.
+           :mod:`replayssm_jax.kernels.tma_step`); the append route's is
+           the default on a Hopper-class GPU from batch 64.
 
 The decode steps (`mamba2_step`, `gdn_step` and their replay steps) and the
 verify ops (`*_replay_verify`, the per-draft `mamba2_verify` / `gdn_verify`)

@@ -1,3 +1,5 @@
+# Run 2 of bench/results/2026-12-03-mosaic-steps ran this on an earlier state of ff0e673, whose mamba2 module had
+# HEADS_PER_PROGRAM (heads a program of the launch after the readout) and used load_live; this script patched both.
 """Time the Mamba-2 append route's two launches alone at Nemotron-3-Nano-4B's layer, batch 256, f32 checkpoint,
 L = 16, staggered cursors: the launch after the readout over heads a program, warps and dead-slot loads; the
 Mosaic GPU readout over tilings."""
