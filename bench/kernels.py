@@ -39,15 +39,15 @@ Method (the settings are a TimingOptions):
     "lockstep" (from cursors 0, a cycle of L - 1 replay steps without a
     flush and one direct step that flushes every row: Generator's
     `lockstep` schedule, its append steps at the library's default, which
-    is the Mosaic GPU kernel kernels.TMAReadoutConfig for a GDN layer's f32
-    or bf16 checkpoint at batch >= 64 and a Mamba-2 layer's f32 checkpoint
-    at batch >= 256 on a Hopper-class GPU; where that kernel takes the
-    shape, the other append kernel beside it: "-lockstep-triton" (the
-    Triton kernel's default ReplayConfig) or "-lockstep-tma"); at batches
-    where the default replay step is one launch, also the direct route from
-    empty buffers (plain decoding: the state written every step). Where the
-    GDN standard step's Mosaic GPU kernel takes the shape, "standard-tma"
-    times it beside the default standard step.
+    is the Mosaic GPU kernel kernels.TMAReadoutConfig for either layer's
+    f32 or bf16 checkpoint at batch >= 64 on a Hopper-class GPU; where that
+    kernel takes the shape, the other append kernel beside it:
+    "-lockstep-triton" (the Triton kernel's default ReplayConfig) or
+    "-lockstep-tma"); at batches where the default replay step is one
+    launch, also the direct route from empty buffers (plain decoding: the
+    state written every step). Where the GDN standard step's Mosaic GPU
+    kernel takes the shape, "standard-tma" times it beside the default
+    standard step.
   * bytes per step from a traffic model (each array the kernels touch,
     once: state read (+ write for standard; for replay + the flush launch's
     re-read and write, / L), the full L-slot buffer tiles read, one record
@@ -447,8 +447,7 @@ def tma_applies(bench, L, backend) -> bool:
 
 def tma_is_default(bench, L) -> bool:
     """Whether the append route takes the Mosaic GPU kernels by default here (tma_readout's
-    default_tma_readout: f32 or bf16 checkpoints of batch >= 64, default_mamba2_tma: f32 checkpoints of batch
-    >= 256, on a Hopper-class GPU)."""
+    default_tma_readout, default_mamba2_tma: f32 or bf16 checkpoints of batch >= 64 on a Hopper-class GPU)."""
     return TMA_CHECKS[bench.layer][1](*_abstract_step(bench, L), interpret=False, slots=None) is not None
 
 

@@ -192,3 +192,21 @@ def work_besides_kernels(hlo: str) -> list[str]:
             continue
         found.append(line[:300])
     return found
+
+
+def assert_step_alone_and_in_a_loop(step, state, draws, protected) -> None:
+    """Compile `step(state, inputs) -> (y, new state)` on GPU inputs twice and assert (1) jitted alone with
+    its state donated, its entry computation is its kernels and plumbing (`work_besides_kernels`), and (2)
+    in a `lax.scan` decode loop over the stacked `draws` (a list of inputs) with the state carried and
+    donated, no step copies an array of the shape and dtype of one of `protected` (`per_step_copies`)
+    nor an element of the carry (`carry_copies`)."""
+    import jax
+
+    hlo = jax.jit(step, donate_argnums=0).lower(state, draws[0]).compile().as_text()
+    found = work_besides_kernels(hlo)
+    assert not found, "work besides the kernels:\n" + "\n".join(found)
+    xs = jax.tree.map(lambda *a: jnp.stack(a), *draws)
+    loop = jax.jit(lambda s, xs: jax.lax.scan(lambda c, inp: step(c, inp)[::-1], s, xs), donate_argnums=0)
+    hlo = loop.lower(state, xs).compile().as_text()
+    copies = per_step_copies(hlo, protected) + carry_copies(hlo)
+    assert not copies, "per-step copies of the state:\n" + "\n".join(copies)

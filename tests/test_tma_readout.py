@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from cases import assert_close
-from hlo_checks import carry_copies, per_step_copies, work_besides_kernels
-from kernel_checks import GDN, GDNShape, lower_for_cuda
+from hlo_checks import assert_step_alone_and_in_a_loop
+from kernel_checks import GDN, GDNShape, lower_for_cuda, poison_dead_slots
 from replayssm_jax import kernels, ops, reference
 from replayssm_jax.kernels import gdn as gdn_kernels
 from replayssm_jax.kernels import tma_readout
@@ -40,12 +40,9 @@ def _layer(rng, shape=SHAPE, dtype=bf16):
 
 
 def _state(layer, checkpoint_dtype, buffer_dtype, cursor, buffer_len=L):
-    """A replay state whose dead slots (slot >= cursor) hold inf in every record (a rejected draft's)."""
-    rs = layer.replay_state(buffer_len, checkpoint_dtype, buffer_dtype, cursor)
-    dead = np.arange(buffer_len) >= np.asarray(cursor)[:, None]
-    poison = lambda a, axis: jnp.where(jnp.asarray(np.expand_dims(dead, (1,) + tuple(range(3, 3 + axis)))),
-                                       jnp.inf, a)  # noqa: E731
-    return rs.replace(d=poison(rs.d, 1), k=poison(rs.k, 1), g=poison(rs.g, 0))
+    """A replay state whose dead slots (slot >= cursor) hold inf and NaN in every record (a rejected
+    draft's; `kernel_checks.poison_dead_slots`)."""
+    return poison_dead_slots(layer.replay_state(buffer_len, checkpoint_dtype, buffer_dtype, cursor))
 
 
 def _check_records(new, want, cursor, dtype, what):
@@ -306,7 +303,7 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
 ], ids=["f32-bf16", "f32-f32-f32act-128", "bf16-bf16-3stages", "model-b67", "group3-K96", "b300"])
 def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
-    """From staggered cursors with inf in the dead slots: outputs and new records within the tolerance of
+    """From staggered cursors with inf and NaN in the dead slots: outputs and new records within the tolerance of
     the case's dtypes (f32 throughout: the f32 tolerance), every other slot, the checkpoint and the k and g
     records at other slots bit for bit, the cursor moved."""
     layer = _layer(rng, shape, act)
@@ -371,11 +368,4 @@ def test_compiled_step_is_its_two_kernels(rng):
     def step(rs, inp):
         return layer.kernel_replay_step(rs, inp, "append", config)
 
-    hlo = jax.jit(step, donate_argnums=0).lower(rs, layer.draw()).compile().as_text()
-    found = work_besides_kernels(hlo)
-    assert not found, "work besides the kernels:\n" + "\n".join(found)
-    xs = jax.tree.map(lambda *a: jnp.stack(a), *[layer.draw() for _ in range(2 * L)])
-    loop = jax.jit(lambda rs, xs: jax.lax.scan(lambda c, inp: step(c, inp)[::-1], rs, xs), donate_argnums=0)
-    hlo = loop.lower(rs, xs).compile().as_text()
-    copies = per_step_copies(hlo, [rs.checkpoint, rs.d, rs.k, rs.g, rs.cursor]) + carry_copies(hlo)
-    assert not copies, "per-step copies of the state:\n" + "\n".join(copies)
+    assert_step_alone_and_in_a_loop(step, rs, [layer.draw() for _ in range(2 * L)], jax.tree.leaves(rs))

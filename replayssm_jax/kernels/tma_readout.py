@@ -317,47 +317,47 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> 
     on the Triton append kernel 1.21, 1.19, 1.18, 1.03, 0.93 and 0.90.
     Batches below 64 were not measured.
     """
-    batch, _, V, _ = state.checkpoint.shape
-    if _compute_capability() is None or batch < DEFAULT_MIN_BATCH or V > MAX_HEAD_DIM:
-        return None  # (an 8-bit checkpoint: check_tma_readout refuses it below)
+    if state.checkpoint.shape[2] > MAX_HEAD_DIM:
+        return None
+    return _resident_default(check_tma_readout, lambda c: smem_bytes(state, v, c), state, v, interpret=interpret,
+                             slots=slots)
+
+
+def _resident_default(check, program_smem, state, other, *, interpret: bool, slots) -> TMAReadoutConfig | None:
+    """TMAReadoutConfig() where a default may take it: on a Hopper-class GPU, a checkpoint of at least
+    DEFAULT_MIN_BATCH rows, within `check`(state, other, config, ...)'s limits (an 8-bit checkpoint is
+    refused there), with all programs resident at once (`program_smem(config)`, a program's shared memory,
+    within an SM's share); else None."""
+    if _compute_capability() is None or state.checkpoint.shape[0] < DEFAULT_MIN_BATCH:
+        return None
     config = TMAReadoutConfig()
     try:
-        check_tma_readout(state, v, config, interpret=interpret, slots=slots)
+        check(state, other, config, interpret=interpret, slots=slots)
     except (ValueError, NotImplementedError):
         return None
-    if smem_bytes(state, v, config) > SMEM_BYTES // config.programs_per_sm:
+    if program_smem(config) > SMEM_BYTES // config.programs_per_sm:
         return None  # its programs would not all fit the SMs at once, a shape not measured
     return config
-
-
-MAMBA2_MIN_BATCH = 256  # batch rows from which the Mamba-2 append route takes its Mosaic GPU readout by default
 
 
 def default_mamba2_tma(state: Mamba2ReplayState, C, *, interpret: bool, slots) -> TMAReadoutConfig | None:
     """The Mamba-2 append route's default Mosaic GPU tiling, or None where
     the Triton append kernel stays the default: a TMAReadoutConfig() on a
-    Hopper-class GPU for an f32 checkpoint of at least MAMBA2_MIN_BATCH
-    rows, within :func:`check_mamba2_tma`'s limits with all programs
-    resident at once. Raises nothing.
+    Hopper-class GPU for an f32 or bf16 checkpoint of at least
+    DEFAULT_MIN_BATCH rows, within :func:`check_mamba2_tma`'s limits with
+    all programs resident at once. Raises nothing.
 
     Measured on the H200 (bench/RESULTS.md, 2026-12-03, "Mosaic GPU steps"):
-    Nemotron-3-Nano-4B's Mamba-2 layer in the lockstep cycle, batch 256, f32,
-    L = 16: 0.91x the original's kernel time (wall 0.97x), 1.06x (1.11x) on
-    the Triton append kernel; the Nemotron-like model 1.34x over its
-    standard step (1.23x before). Other batches and bf16 checkpoints are not
-    measured: there the Triton kernel stays (a TMAReadoutConfig takes them).
+    Nemotron-3-Nano-4B's Mamba-2 layer in the lockstep cycle, L = 16, ours
+    over the original's kernel time (wall in brackets) 0.93 (1.00) at batch
+    64, 0.91 (0.97) at 256 and 0.91 (0.95) at 512 with an f32 checkpoint,
+    0.83 (0.91) at 64 and 0.78 (0.83) at 256 with a bf16 one; on the Triton
+    append kernel 1.03 (1.10), 1.06 (1.11), 1.06 (1.10), 0.93 (1.02) and
+    0.90 (0.94). The Nemotron-like model at batch 256, f32: 1.34x over its
+    standard step (1.23x before). Batches below 64 were not measured.
     """
-    batch = state.checkpoint.shape[0]
-    if _compute_capability() is None or batch < MAMBA2_MIN_BATCH or state.checkpoint.dtype != jnp.float32:
-        return None
-    config = TMAReadoutConfig()
-    try:
-        check_mamba2_tma(state, C, config, interpret=interpret, slots=slots)
-    except (ValueError, NotImplementedError):
-        return None
-    if mamba2_smem_bytes(state.checkpoint, C, config) > SMEM_BYTES // config.programs_per_sm:
-        return None
-    return config
+    return _resident_default(check_mamba2_tma, lambda c: mamba2_smem_bytes(state.checkpoint, C, c), state, C,
+                             interpret=interpret, slots=slots)
 
 
 def check_tma_route(route: str, routes: tuple[str, ...] = ("append", "direct")) -> None:

@@ -31,3 +31,11 @@ for m in nemotron3_nano_4b_like qwen3_5_4b_like; do   # each under a 115 s limit
   python3 bench/e2e.py --models $m --batches 256 --modes standard,16 --ssm-state-dtype float32 \
     --prompt-len 128 --new-tokens 64 --profile --out $OUT/e2e_${m}_b256.json > $OUT/e2e_${m}_b256.log 2>&1
 done
+
+# runs 4-6 (d2fe074's code): the Mamba-2 layer at other batches and with a bf16 checkpoint
+python3 .anchors/harness_orig.py run --out $OUT/orig.json --layers mamba2 --batches 64,512 --lengths 16 \
+  --dtypes float32 --deadline-s 25 > $OUT/orig.log 2>&1                                      # run 4
+python3 bench/kernels.py --profile --repeats 3 --layers mamba2 --state-dtypes float32 --batches 64,512 --lengths 16 \
+  --orig $OUT/orig.json --out $OUT --tag ours > $OUT/ours.log 2>&1
+# run 5: the same two commands with --batches 256 --dtypes bfloat16 / --state-dtypes bfloat16
+# run 6: the same two commands with --batches 64 --dtypes bfloat16 / --state-dtypes bfloat16
