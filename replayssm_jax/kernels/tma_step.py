@@ -32,7 +32,8 @@ every row (L - 1 records live). Both run as two launches:
       d = beta (v - exp(g) S k),  S' = exp(g) S + d k^T,  o = S' q
 
   the fold as L outer products on the tile in registers (f32 FMAs, no
-  tensor-core rounding; dead slots, which may hold inf, selected out).
+  tensor-core rounding; dead slots, which may hold inf or NaN, selected
+  out).
 
 Neither is a default: at Qwen3.5-4B's layer, batch 256, f32, on the H200
 the standard step took 287.4 us (prelude included) against the Triton
@@ -40,7 +41,7 @@ kernel's 282.6, the direct step 704 against 385: with one program an SM,
 the fold's outer products do not hide under the copies (bench/RESULTS.md,
 2026-12-03). They are taken given a TMAReadoutConfig (`STEP_CONFIG`).
 
-Limits: the direct route's those of the append route's readout
+Limits: the direct route's are those of the append route's readout
 (:func:`~replayssm_jax.kernels.tma_readout.check_tma_readout`), the
 standard step's :func:`check_step_tma`, and for both a program's shared
 memory (the state tile in and out, both per stage) within SMEM_BYTES.
@@ -56,8 +57,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from replayssm_jax.kernels.config import MAX_HEAD_DIM
 from replayssm_jax.kernels.tma_readout import (COL, ROW, TERMS, TMA_MAX, TMAReadoutConfig, _align, _check_columns,
-                                               _check_common, _check_smem, _check_wide, _grid,
-                                               _item_spec, _swizzled, check_tma_readout, cursor_rows, head_terms,
+                                               _check_common, _check_smem, _check_wide, _grid, _item_spec, _swizzled,
+                                               check_tma_readout, cursor_rows, head_terms,
                                                live_weights, normalized_qk)
 from replayssm_jax.state import GDNReplayState
 
