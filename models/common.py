@@ -168,7 +168,7 @@ class HybridCausalLM(nnx.Module):
         return self._logits(h)
 
     def prefill(self, input_ids: jax.Array, max_len: int, *, replay_buffer_len: int | None = None,
-                buffer_dtype=jnp.float32, backend: str | None = None, last_logits_only: bool = False,
+                buffer_dtype=None, backend: str | None = None, last_logits_only: bool = False,
                 max_window: int = 1, return_hidden: bool = False, checkpoint_dtype=None,
                 checkpoint_rounding: str = "nearest", cache: HybridCache | None = None):
         """Prompt forward that builds the decode cache.
@@ -179,7 +179,9 @@ class HybridCausalLM(nnx.Module):
           replay_buffer_len: None: standard SSM states (`SSMLayerState`); an int L:
             ReplaySSM states (`ReplayLayerState`, checkpoint = the prefill's final
             SSM state, cursor 0, L buffer slots).
-          buffer_dtype: ReplaySSM buffer dtype.
+          buffer_dtype: the ReplaySSM records' dtype; None: each layer's narrowest exact one
+            (`SSMMixer.exact_buffer_dtype`: Mamba-2's x and B in the activations' dtype, GDN's
+            records in float32).
           backend: SSM op backend.
           last_logits_only: project only the last position (logits f32[batch,
             vocab_size]): generation needs no more, and the full logits of a
@@ -529,7 +531,7 @@ def split_params(model: nnx.Module):
     return nnx.split(model)
 
 
-def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None, buffer_dtype=jnp.float32,
+def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None, buffer_dtype=None,
                  last_logits_only: bool = False, backend: str | None = None, max_window: int = 1,
                  return_hidden: bool = False, checkpoint_dtype=None, checkpoint_rounding: str = "nearest"):
     """A jitted ``prefill(params, input_ids) -> (logits, HybridCache)`` (``(logits, hidden,
@@ -539,7 +541,7 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
       graphdef: from `split_params`.
       max_len: KV cache length (prompt + generated tokens).
       replay_buffer_len: None for standard SSM states, else the ReplaySSM buffer length L.
-      buffer_dtype: ReplaySSM buffer dtype.
+      buffer_dtype: the ReplaySSM records' dtype (None: each layer's narrowest exact one).
       last_logits_only: return logits [batch, vocab] of the last prompt token only.
       backend: SSM op backend (replayssm_jax.ops).
       max_window: the longest speculative verify window (1: plain decoding).

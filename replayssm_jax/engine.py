@@ -296,7 +296,9 @@ class Engine:
       capacity: pool slots, the most requests held at once (prefilling or decoding), >= 1.
       state: "replay" (ReplaySSM, buffer of `buffer_len` records) or "standard".
       buffer_len: L for state "replay" (default 16); must be None for "standard".
-      buffer_dtype: ReplaySSM record dtype.
+      buffer_dtype: ReplaySSM record dtype; None (default): each layer's narrowest exact
+        one (`SSMMixer.exact_buffer_dtype`: Mamba-2's x and B in the activations' dtype,
+        GDN's records in float32).
       batch_size: rows of the compiled decode step (>= 1; default: capacity); at most
         that many running requests decode per step (in arrival order, round robin
         when more are running).
@@ -348,7 +350,7 @@ class Engine:
     """
 
     def __init__(self, model, capacity: int, *, state: str = "replay", buffer_len: int | None = None,
-                 buffer_dtype=jnp.float32, batch_size: int | None = None, prefill_chunk: int = 256,
+                 buffer_dtype=None, batch_size: int | None = None, prefill_chunk: int = 256,
                  max_len: int = 1024, prefix_caching: bool = False, prefix_cache_size: int = 64,
                  prefix_store: str = "device", prefill_batch: int = 1,
                  backend: str | None = None, route: str = "auto", seed: int = 0,

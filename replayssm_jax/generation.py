@@ -579,7 +579,10 @@ class Generator:
         "replay" (ReplaySSM with buffer length `buffer_len`).
       buffer_len: L >= 1 for state="replay", or None (16). The standard state
         has no buffer: a buffer_len other than None with it warns (UserWarning).
-      buffer_dtype: dtype of the ReplaySSM records (default float32).
+      buffer_dtype: dtype of the ReplaySSM records; None (default): each
+        layer's narrowest exact one (`SSMMixer.exact_buffer_dtype`: Mamba-2's
+        x and B in the activations' dtype, bfloat16 in a bfloat16 model, at
+        half the bytes of float32; GDN's computed records in float32).
       state_dtype: dtype of the ReplaySSM checkpoints: None (the model's
         ssm_state_dtype), float32, bfloat16, int8 or float8_e4m3fn (8-bit:
         one f32 scale per state row, quantized at each flush; state
@@ -662,7 +665,7 @@ class Generator:
       ValueError, RuntimeError: an unknown or unavailable backend.
     """
 
-    def __init__(self, model, *, state="replay", buffer_len=None, buffer_dtype=jnp.float32, backend=None,
+    def __init__(self, model, *, state="replay", buffer_len=None, buffer_dtype=None, backend=None,
                  route="auto", block_size=16, prefill_rows=None, generation_config=None, speculative=None,
                  state_dtype=None, state_rounding="nearest", mesh=None, lockstep=None):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
@@ -685,7 +688,7 @@ class Generator:
             warnings.warn(f"`route` {route!r} applies to state 'replay' only; the standard state ignores it",
                           UserWarning, stacklevel=2)
         try:
-            floating = jnp.issubdtype(jnp.dtype(buffer_dtype), jnp.floating)
+            floating = buffer_dtype is None or jnp.issubdtype(jnp.dtype(buffer_dtype), jnp.floating)
         except TypeError:
             floating = False
         if not floating:
@@ -1430,7 +1433,7 @@ def _check_int(name, value, low, high=None) -> int:
     return int(value)
 
 
-def generate(model, prompts, max_new_tokens: int, *, state="replay", buffer_len=None, buffer_dtype=jnp.float32,
+def generate(model, prompts, max_new_tokens: int, *, state="replay", buffer_len=None, buffer_dtype=None,
              backend=None, route="auto", generation_config=None, sampling=FROM_CONFIG, seed=0, stop_tokens=FROM_CONFIG,
              progress=None, on_token=None, speculative=None, block_size=16, lockstep=None) -> GenerationOutput:
     """One-call generation: `Generator(model, ...).generate(prompts, ...)`; see both."""

@@ -56,7 +56,9 @@ class StatePool:
       max_len: positions of every slot's KV caches (prompt + generated tokens).
       buffer_len: ReplaySSM buffer length L (ReplaySSM states), or None
         (standard SSM states).
-      buffer_dtype: ReplaySSM record dtype.
+      buffer_dtype: ReplaySSM record dtype; None (default): each layer's narrowest exact
+        one (`SSMMixer.exact_buffer_dtype`: Mamba-2's x and B in the activations' dtype,
+        GDN's records in float32).
       backend: SSM op backend of the prefill that fixes the layout (replayssm_jax.ops).
       max_window: the longest verify window W the slots hold (>= 1; 1: plain
         decoding), as `model.prefill(max_window=)`.
@@ -80,7 +82,7 @@ class StatePool:
     """
 
     def __init__(self, model, capacity: int, *, max_len: int, buffer_len: int | None = None,
-                 buffer_dtype=jnp.float32, backend: str | None = None, max_window: int = 1, state_dtype=None,
+                 buffer_dtype=None, backend: str | None = None, max_window: int = 1, state_dtype=None,
                  state_rounding: str = "nearest"):
         for name, value in (("capacity", capacity), ("max_len", max_len), ("max_window", max_window)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

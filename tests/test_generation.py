@@ -417,3 +417,24 @@ def test_memory_estimate_of_an_abstract_model_equals_the_loaded_ones():
     out = loaded.generate([[1, 2, 3]] * 3, 40, progress=False)
     carried = estimate.kv_bytes + estimate.state_bytes
     assert 0 < carried - out.cache_bytes <= 64  # the loop's token, position, done flags and key come on top
+
+
+def test_default_buffer_dtype_is_each_layers_exact_one():
+    """buffer_dtype None (the default): a bf16 model buffers Mamba-2's x and B in bf16 (the values the
+    step receives, at half the bytes of f32) and GDN's computed records in f32; the tokens are those of f32
+    records, token for token, and the estimate counts the narrower buffers."""
+    hybrid = load_model(DATA / "nemotron_h_tiny", dtype=jnp.bfloat16)
+    prompts = reference("nemotron_h_tiny")["prompt_ids"][:, :5]
+    _, cache = hybrid.prefill(jnp.asarray(prompts), 12, replay_buffer_len=4)
+    mamba = [s.replay for s in cache.layers if isinstance(getattr(s, "replay", None), Mamba2ReplayState)]
+    assert mamba and all(r.x.dtype == r.B.dtype == jnp.bfloat16 and r.dt.dtype == jnp.float32 for r in mamba)
+    gdn_model = load_model(DATA / "qwen3_5_tiny", dtype=jnp.bfloat16)
+    _, cache = gdn_model.prefill(jnp.asarray(prompts), 12, replay_buffer_len=4)
+    gdn = [s.replay for s in cache.layers if isinstance(getattr(s, "replay", None), GDNReplayState)]
+    assert gdn and all(r.d.dtype == r.k.dtype == jnp.float32 for r in gdn)
+
+    exact, wide = (Generator(hybrid, buffer_len=4, buffer_dtype=d) for d in (None, jnp.float32))
+    np.testing.assert_array_equal(np.array(exact.generate(prompts, 6, progress=False).sequences),
+                                  np.array(wide.generate(prompts, 6, progress=False).sequences))
+    saved = sum(r.x.size + r.B.size for r in mamba) * 2  # bytes: the bf16 records at 2 bytes, not 4
+    assert wide.memory_estimate(prompts, 6).state_bytes - exact.memory_estimate(prompts, 6).state_bytes == saved

@@ -159,6 +159,12 @@ class GatedDeltaNet(SSMMixer):
     def _replay_init_params(self):
         return dict(num_k_heads=self.num_k_heads)
 
+    def exact_buffer_dtype(self, state: SSMLayerState):
+        """The records' dtype for buffer_dtype None: float32, as the step computes them (the normalized
+        keys, the deltas d = beta (v - S k)); a narrower buffer rounds them."""
+        del state
+        return jnp.dtype(jnp.float32)
+
     def _finish(self, o, z):
         o = self.norm(o.astype(z.dtype), z)
         return self.out_proj(o.reshape(*o.shape[:-2], self.value_dim))

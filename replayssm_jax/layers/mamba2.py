@@ -124,6 +124,13 @@ class Mamba2Mixer(SSMMixer):
     def _replay_init_params(self):
         return dict(n_groups=self.n_groups)
 
+    def exact_buffer_dtype(self, state: SSMLayerState):
+        """The records' dtype for buffer_dtype None: x and B are buffered as the step receives them, in the
+        activations' dtype (the conv window's), which bfloat16 or float32 holds exactly; other activation
+        dtypes (float16, which overflows these recurrences) take float32. dt is buffered in float32 regardless."""
+        dtype = jnp.dtype(state.conv_state.columns.dtype)
+        return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) else jnp.dtype(jnp.float32)
+
     def _finish(self, y, z):
         y = y.reshape(*z.shape[:-1], self.d_inner)
         return self.out_proj(self.norm(y, z))

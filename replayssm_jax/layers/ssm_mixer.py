@@ -29,7 +29,6 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import ops
@@ -77,6 +76,11 @@ class SSMMixer(nnx.Module):
         """The layer output from the SSM output y and gate z (gated norm, then out_proj)."""
         raise NotImplementedError(f"{type(self).__name__} must define _finish")
 
+    def exact_buffer_dtype(self, state: SSMLayerState):
+        """The narrowest dtype that holds this layer's ReplaySSM records exactly, for `state` (the dtype
+        `to_replay` takes for buffer_dtype None)."""
+        raise NotImplementedError(f"{type(self).__name__} must define exact_buffer_dtype")
+
     def __call__(self, u: jax.Array, *, backend: str | None = None) -> jax.Array:
         """Full forward, no cache. u: [batch, T, hidden] -> [batch, T, hidden]."""
         return self.prefill(u, backend=backend)[0]
@@ -107,11 +111,14 @@ class SSMMixer(nnx.Module):
         return self._finish(y, z), SSMLayerState(conv_state=ConvWindow.from_conv_state(conv_state),
                                                  ssm_state=ssm_state.astype(self.ssm_state_dtype))
 
-    def to_replay(self, state: SSMLayerState, buffer_len: int, buffer_dtype=jnp.float32, checkpoint_dtype=None,
+    def to_replay(self, state: SSMLayerState, buffer_len: int, buffer_dtype=None, checkpoint_dtype=None,
                   rounding: str = "nearest") -> ReplayLayerState:
-        """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps;
+        """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps
+        of records in `buffer_dtype` (None: `exact_buffer_dtype`, the narrowest that holds them exactly);
         the checkpoint stored in `checkpoint_dtype` (None: the state's dtype; int8 or float8_e4m3fn: quantized
         per row with `rounding`, "nearest" or "stochastic": replayssm_jax.ops.*_replay_init)."""
+        if buffer_dtype is None:
+            buffer_dtype = self.exact_buffer_dtype(state)
         replay = self.replay_init_op(state.current_state(), buffer_len, buffer_dtype=buffer_dtype,
                                      checkpoint_dtype=checkpoint_dtype, rounding=rounding, **self._replay_init_params())
         return ReplayLayerState(conv_state=state.conv_state, replay=replay)

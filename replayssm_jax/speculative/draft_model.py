@@ -123,7 +123,7 @@ class DraftModelDrafter:
         that distribution).
       replay_buffer_len: the target's ReplaySSM buffer length L, or None for
         the standard state (W = K + 1 <= L).
-      buffer_dtype: the ReplaySSM buffer dtype.
+      buffer_dtype: the ReplaySSM buffer dtype (None: each layer's narrowest exact one).
       backend: SSM op backend of the draft model's ops.
       scores: the Drafts also carry the draft model's logits at each draft
         position (`Drafts.scores`: a draft tree's other candidates).
@@ -134,7 +134,7 @@ class DraftModelDrafter:
     num_speculative_tokens: int = struct.field(pytree_node=False)
     sampling: SamplingParams = struct.field(pytree_node=False, default=SamplingParams())
     replay_buffer_len: int | None = struct.field(pytree_node=False, default=None)
-    buffer_dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
+    buffer_dtype: Any = struct.field(pytree_node=False, default=None)
     backend: str | None = struct.field(pytree_node=False, default=None)
     scores: bool = struct.field(pytree_node=False, default=False)
 
@@ -143,7 +143,7 @@ class DraftModelDrafter:
 
     @classmethod
     def for_model(cls, model, num_speculative_tokens: int, *, sampling: SamplingParams = SamplingParams(),
-                  replay_buffer_len: int | None = None, buffer_dtype=jnp.float32,
+                  replay_buffer_len: int | None = None, buffer_dtype=None,
                   backend: str | None = None) -> "DraftModelDrafter":
         """The drafter of draft model `model` (a models.* causal LM with `prefill`, `verify`, `commit`).
 
