@@ -72,10 +72,9 @@ from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, head_work_wa
                                           run_window, step_launch, tree_option, triton_params, verify_launch,
                                           verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
-from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_scalar,
-                                         mask_and, program_id)
-from replayssm_jax.kernels.tiles import (load_checkpoint, matvec, row_ids, row_mask, stochastic, store,
-                                         store_checkpoint, tile_mask, tile_row_ids)
+from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_checkpoint, load_live,
+                                         load_live_only, load_scalar, mask_and, matvec, program_id, row_ids, row_mask,
+                                         stochastic, store, store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.kernels.tma_readout import (TERMS, TMA_MAX, TMAReadoutConfig, check_tma_readout,
                                                check_tma_route, cursor_rows, default_tma_readout, gdn_append_tma)
 from replayssm_jax.kernels.tma_step import STEP_TERMS, check_direct_tma, check_step_tma, gdn_direct_tma, gdn_step_tma
@@ -240,7 +239,7 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     store(qn_ref, q, kmask)
     store(kn_ref, k, kmask)
     if append:
-        keys = load_live(records.k, live, L, kmask)
+        keys = load_live_only(records.k, live, kmask)  # dead slots not read (bench/RESULTS.md, 2026-12-03)
         score_k, score_q = jnp.sum(keys * k[None, :], axis=1), jnp.sum(keys * q[None, :], axis=1)
         store(records_out.k.at[count], k, mask_and(kmask, free, k.shape))
     for j in range(group):  # the key head's value heads
@@ -249,7 +248,7 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
         if standard:
             total, w = jnp.float32(0.0), jnp.zeros((BL,), f32)
         else:
-            total, w = replay_weights(load_live(records.g.at[hv], live, L), count)
+            total, w = replay_weights(load_live_only(records.g.at[hv], live), count)
         scalars = jnp.where(lanes == 0, jnp.exp(total), jnp.where(lanes == 1, kq, jnp.where(
             lanes == 2, jnp.exp(g), jnp.where(lanes == 3, beta, 0.0))))
         first, second = (w * score_k, w * score_q) if append else (w, jnp.zeros_like(w))
