@@ -275,7 +275,8 @@ def load_live_only(ref, live, cols=None, dtype=f32):
     and the dead slots' bytes are not moved: a launch whose work after the
     load is short, and whose buffer bytes dominate, reads half the buffer
     on average (the Mamba-2 launch after the Mosaic GPU readout: 44.1 us
-    against 49.8 at batch 256 on the H200, bench/RESULTS.md, 2026-12-03).
+    against 49.8 at batch 256 on the H200; the GDN append route's prelude:
+    9.7 us against 11.0; bench/RESULTS.md, 2026-12-03).
     """
     mask = live if len(ref.shape) == 1 else tile_mask(live, cols, tuple(ref.shape))
     return load(ref, mask, dtype)
