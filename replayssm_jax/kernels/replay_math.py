@@ -94,11 +94,12 @@ def rank_update(S: jax.Array, Uw: jax.Array, Kb: jax.Array, state_dtype) -> jax.
     (`split_parts`: 3 for an f32 state, 2 for a bf16 one) and each part is
     one bf16 dot against the keys as stored: every product is exact, and
     the big key tile is neither split nor widened (registers: occupancy).
-    The parts' dots accumulate onto S, largest first: S is their
-    accumulator, so no second tile of registers holds the update (the
-    Mamba-2 direct step at batch 256, f32, on the H200: 685 us against 727
-    with the update summed apart and then added; bench/RESULTS.md,
-    2026-12-03). f32 keys take one dot of f32 operands with
+    The parts' dots are summed smallest first and S is added last, in
+    one f32 add. (Accumulating the dots onto S, S as the dots'
+    accumulator, made the Mamba-2 direct step at batch 256 5.8% faster on
+    the H200, but sends S through the tensor cores' f32 accumulation,
+    which does not round to nearest, at every flush: bench/RESULTS.md,
+    2026-12-03.) f32 keys take one dot of f32 operands with
     `dot_precision`.
     Otherwise a rolled loop over the slots that picks row i out of the
     register tiles (a masked sum): no reloads, and a register budget of
@@ -107,9 +108,11 @@ def rank_update(S: jax.Array, Uw: jax.Array, Kb: jax.Array, state_dtype) -> jax.
     dims = (((0,), (0,)), ((), ()))
     if fits_dot(*Uw.shape, Kb.shape[1]):
         if Kb.dtype == jnp.bfloat16:
-            for part in split_bf16(Uw, split_parts(state_dtype)):
-                S = S + jax.lax.dot_general(part, Kb, dims, preferred_element_type=f32)
-            return S
+            acc = None
+            for part in reversed(split_bf16(Uw, split_parts(state_dtype))):  # smallest first
+                term = jax.lax.dot_general(part, Kb, dims, preferred_element_type=f32)
+                acc = term if acc is None else acc + term
+            return S + acc
         return S + jax.lax.dot_general(Uw, Kb.astype(f32), dims, precision=dot_precision(state_dtype),
                                        preferred_element_type=f32)
     Kb = Kb.astype(f32)
