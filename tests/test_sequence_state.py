@@ -87,6 +87,11 @@ def test_bad_imports_are_refused_and_the_cache_is_untouched(fixture, tmp_path):
                           backend="xla")(params, prompts)[1]
     with pytest.raises(SequenceStateError, match=r"`state` array .* has shape .*; the cache's rows are"):
         import_sequence(longer, 0, state)
+    narrow = make_prefill(graphdef, max_len=32, replay_buffer_len=L, buffer_dtype=jnp.bfloat16, last_logits_only=True,
+                          max_window=3, backend="xla")(params, prompts)[1]
+    with pytest.raises(SequenceStateError, match=r"`state` array .*replay\.[xBdk] has dtype float32; the cache's is "
+                                                 r"bfloat16 \(a ReplaySSM record: its dtype is the `buffer_dtype`"):
+        import_sequence(narrow, 0, state)
     window = make_verify_step(graphdef, backend="xla", donate_cache=False)(params, cache, jnp.ones((2, 3), jnp.int32))[1]
     with pytest.raises(SequenceStateError, match=r"export_sequence: the cache has a pending verify window \(W = 3\)"):
         export_sequence(window, 0)
