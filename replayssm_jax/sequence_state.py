@@ -49,7 +49,7 @@ __all__ = ["SequenceState", "SequenceStateError", "export_sequence", "import_seq
 
 FORMAT = "replayssm-jax.sequence-state/1"
 _KV_FIELDS = ("k", "v")  # a KVCache's arrays with a sequence axis (axis 1 of the cache's)
-RECORD_FIELDS = ("x", "B", "d", "k")  # the ReplaySSM records whose dtype is the buffer_dtype
+_RECORD_FIELDS = ("x", "B", "d", "k")  # the ReplaySSM records whose dtype is the buffer_dtype
 
 
 class SequenceStateError(ValueError):
@@ -208,7 +208,7 @@ def _checked_row(name: str, leaf: jax.Array, kv: bool, value: np.ndarray) -> jax
     """`value` as row `name` of `leaf` (a KV cache's k / v padded with zeros to its length), checked."""
     want = tuple(leaf.shape[1:])
     if np.dtype(value.dtype) != np.dtype(leaf.dtype):
-        record = ".replay." in name and name.rsplit(".", 1)[-1] in RECORD_FIELDS
+        record = ".replay." in name and name.rsplit(".", 1)[-1] in _RECORD_FIELDS
         hint = (" (a ReplaySSM record: its dtype is the `buffer_dtype` the cache was made with; None, the "
                 "default, takes each layer's exact one, float32 takes float32)") if record else ""
         raise SequenceStateError(f"`state` array {name} has dtype {value.dtype}; the cache's is {leaf.dtype}{hint}")
