@@ -69,6 +69,7 @@ def _reference(rs, inp, scale, use_qk_l2norm=True):
     (dict(programs_per_sm=0), ValueError, r"`config.programs_per_sm` must be >= 1; got 0"),
     (dict(stages=2.0), TypeError, r"`config.stages` must be an int; got float"),
     (dict(block_v=True), TypeError, r"`config.block_v` must be an int; got bool"),
+    (dict(record_slots=-1), ValueError, r"`config.record_slots` must be >= 0 \(0: all L slots in one copy\); got -1"),
 ])
 def test_config_errors(changes, error, match):
     with pytest.raises(error, match=match):
@@ -124,9 +125,10 @@ def _abstract(batch, K=128, V=128, L=16, checkpoint=f32, d=bf16, act=bf16, H=16,
     (dict(d=jnp.float8_e4m3fn), None, "f32 or bf16 d records; got float8_e4m3fn"),
     (dict(act=jnp.float16), None, "f32 or bf16 v; got float16"),
     (dict(H=32768, HV=32768), None, r"at most 32767 key heads .*; got H = 32768"),
-    (dict(batch=200, d=f32), dict(block_v=128, stages=3), r"3 stages of 128 rows need 233672 bytes of shared memory, "
-                                                         r"above a program's 232448"),
-], ids=["K-512", "L-72", "fp8-records", "f16-v", "H-32768", "smem"])
+    (dict(batch=200, d=f32), dict(block_v=128, stages=3, record_slots=0),
+     r"3 stages of 128 rows need 233672 bytes of shared memory, above a program's 232448"),
+    (dict(L=16), dict(record_slots=3), r"`config.record_slots` dividing L \(buffer length\) = 16; got record_slots = 3"),
+], ids=["K-512", "L-72", "fp8-records", "f16-v", "H-32768", "smem", "record-slots"])
 def test_limits_on_shapes(case, config, match):
     """The shape limits, on abstract states (the shared-memory bound at a batch where the pipeline keeps every
     stage: Mosaic GPU's lowering allocates 233504 bytes there and refuses)."""
@@ -264,7 +266,9 @@ MODEL = GDNShape(batch=200, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer
     (f32, f32, f32, kernels.TMAReadoutConfig(programs_per_sm=1, stages=1), SHAPE, L),
     (f32, bf16, bf16, kernels.TMAReadoutConfig(stages=3), MODEL, 16),
     (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=2), MODEL.with_batch(300), 16),
-], ids=["f32-bf16-default", "bf16-bf16-128x3", "f32-f32-f32act-64x1", "model-b200-3stages", "model-b300-bf16"])
+    (f32, f32, f32, kernels.TMAReadoutConfig(record_slots=0), MODEL, 16),
+], ids=["f32-bf16-default", "bf16-bf16-128x3", "f32-f32-f32act-64x1", "model-b200-3stages", "model-b300-bf16",
+        "model-f32-records-one-copy"])
 def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, shape, buffer_len, rng):
     """The step's whole lowering on the CPU (the prelude's Triton lowering; Mosaic GPU's layout inference,
     the swizzled tile's transforms, the pipeline's copies and, at the model's shape, its stages rotating
@@ -301,7 +305,11 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=7, H=2, HV=6, K=96, V=64)),
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
-], ids=["f32-bf16", "f32-f32-f32act-128", "bf16-bf16-3stages", "model-b67", "group3-K96", "b300"])
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(record_slots=0), SHAPE),
+    (f32, f32, f32, kernels.TMAReadoutConfig(record_slots=1, block_v=128), SHAPE),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(record_slots=2, stages=3), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+], ids=["f32-bf16", "f32-f32-f32act-128", "bf16-bf16-3stages", "model-b67", "group3-K96", "b300", "one-copy",
+        "1-slot-copies-f32", "2-slot-copies-b67"])
 def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
     """From staggered cursors with inf and NaN in the dead slots: outputs and new records within the tolerance of
     the case's dtypes (f32 throughout: the f32 tolerance), every other slot, the checkpoint and the k and g
@@ -340,12 +348,14 @@ def test_default_append_route_at_batch_256(rng):
 
 
 @pytest.mark.gpu
-def test_compiled_full_row_keeps_its_state(rng):
+@pytest.mark.parametrize("config", [kernels.TMAReadoutConfig(), kernels.TMAReadoutConfig(record_slots=0)],
+                         ids=["4-slot-copies", "one-copy"])
+def test_compiled_full_row_keeps_its_state(config, rng):
     """A row that entered full, under a trace: NaN outputs, its state kept bit for bit; the others step."""
     layer = _layer(rng)
     cursor = np.array([L, 2, L, 0, 5], np.int32)
     rs, inp = _state(layer, f32, bf16, cursor), layer.draw()
-    o, new = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "append", kernels.TMAReadoutConfig()))(rs, inp)
+    o, new = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "append", config))(rs, inp)
     o_ref, _ = _reference(rs, inp, SHAPE.K ** -0.5)
     full = cursor == L
     assert np.isnan(np.asarray(o, np.float32)[full]).all()

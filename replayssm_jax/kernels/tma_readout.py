@@ -20,7 +20,9 @@ record; nothing is flushed. Here it runs as two launches:
   `config.programs_per_sm` per SM (at most one per item), each walk their
   share of the (batch row, value head, row tile) items, strided over the
   grid; `plgpu.emit_pipeline` copies an item's
-  checkpoint tile [block_v, K], its d records [L, block_v], terms, q, k and
+  checkpoint tile [block_v, K], its d records [L, block_v] (in copies of
+  `config.record_slots` slots; a copy whose slots are all dead reads the
+  first ones again, from the L2), terms, q, k and
   v into shared memory up to `config.stages` - 1 items ahead of the one it
   computes (TMA; the stages capped at the program's items), and the
   item's compute forms, with
@@ -110,15 +112,25 @@ class TMAReadoutConfig:
         num_sms() * programs_per_sm programs, at most one per item; they
         run at once only where that many programs' shared memory fits an
         SM).
+      record_slots: slots of the d records one copy of the GDN readout
+        moves, dividing L (0: all L in one copy). A copy whose slots are
+        all past the row's cursor (dead) reads the item's first slots
+        again instead, which the same step copies too: those bytes come
+        from the L2, not from memory. Read by the GDN readout only. The
+        default 4 took the readout from 138.1 to 135.3 us a launch in the
+        lockstep cycle at batch 256, f32, bf16 records (2 slots: 135.2, 8:
+        136.1; H200, bench/RESULTS.md, 2026-12-03).
 
     Raises:
       TypeError: a field that is not an int (numpy ints accepted).
-      ValueError: block_v not 64 or 128, stages or programs_per_sm < 1.
+      ValueError: block_v not 64 or 128, stages or programs_per_sm < 1,
+        record_slots < 0.
     """
 
     block_v: int = 64
     stages: int = 2
     programs_per_sm: int = 2
+    record_slots: int = 4
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -131,6 +143,13 @@ class TMAReadoutConfig:
         for name in ("stages", "programs_per_sm"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`config.{name}` must be >= 1; got {getattr(self, name)}")
+        if self.record_slots < 0:
+            raise ValueError(f"`config.record_slots` must be >= 0 (0: all L slots in one copy); got "
+                             f"{self.record_slots}")
+
+    def slots_per_copy(self, L: int) -> int:
+        """Slots of the d records a copy of the GDN readout moves at buffer length L."""
+        return self.record_slots or L
 
 
 def _align(n: int, to: int = SMEM_ALIGN) -> int:
@@ -154,8 +173,9 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig) -> int:
     batch, HV, V, K = state.checkpoint.shape
     BV, L = config.block_v, state.buffer_len
     d_size, v_size = state.d.dtype.itemsize, v.dtype.itemsize
-    buffers = (BV * K * state.checkpoint.dtype.itemsize, L * BV * d_size, TERMS * L * 4, K * 4, K * 4, BV * v_size,
-               BV * v_size, BV * d_size)
+    R = config.slots_per_copy(L)
+    buffers = (BV * K * state.checkpoint.dtype.itemsize, *[R * BV * d_size] * (L // R), TERMS * L * 4, K * 4, K * 4,
+               BV * v_size, BV * v_size, BV * d_size)
     stages = min(config.stages, _grid(batch, HV, V, config)[2])
     scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + stages * len(buffers))
     return sum(_align(stages * b) for b in buffers) + _align(cursor_rows(batch) * TMA_MAX * 4) + scratch
@@ -255,6 +275,9 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
     if L % 8 or L > MAX_L:
         raise ValueError(f"the TMA readout takes L (buffer length) a multiple of 8 (each shared-memory stage "
                          f"{TMA_ALIGN}-byte aligned), at most {MAX_L}; got L = {L}")
+    if L % config.slots_per_copy(L):  # (a copy of block_v >= 64 rows of 2-byte records is >= TMA_ALIGN bytes)
+        raise ValueError(f"the TMA readout takes `config.record_slots` dividing L (buffer length) = {L}; got "
+                         f"record_slots = {config.record_slots}")
     _check_smem(smem_bytes(state, v, config), config)
 
 
@@ -445,6 +468,7 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
     batch, HV, V = shape
     BV = config.block_v
     NV = V // BV
+    R = config.slots_per_copy(L)
     count_items, programs, steps = _grid(batch, HV, V, config)  # past the end: the last item again (same writes)
 
     def body(ck_ref, terms_ref, cursor_ref, q_ref, k_ref, v_ref, d_ref, o_ref, cursor_smem, barrier):
@@ -465,10 +489,13 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
         def record_slot(b):  # a full row writes its last record back unchanged
             return jnp.minimum(cursor_of(b), L - 1)
 
+        def record_copy(c):  # the d records' c-th copy: its slot block, or block 0 where all its slots are dead
+            return spec((None, None, R, BV), lambda b, h, j: (b, h, jnp.where(c * R < cursor_of(b), c, 0), j))
+
         K = ck_ref.shape[-1]
         in_specs = [
             spec((None, None, BV, K), lambda b, h, j: (b, h, j, 0), _swizzled(checkpoint_dtype)),
-            spec((None, None, L, BV), lambda b, h, j: (b, h, 0, j)),  # d records
+            *[record_copy(c) for c in range(L // R)],
             spec((None, None, TERMS, L), lambda b, h, j: (b, h, 0, 0)),
             spec((None, None, K), lambda b, h, j: (b, h // group, 0)),
             spec((None, None, K), lambda b, h, j: (b, h // group, 0)),
@@ -477,13 +504,15 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
         out_specs = [spec((None, None, BV), lambda b, h, j: (b, h, j)),
                      spec((None, None, None, BV), lambda b, h, j: (b, h, record_slot(b), j))]
 
-        def compute(index, S_s, U_s, terms_s, q_s, k_s, v_s, o_s, d_s):
+        def compute(index, S_s, *bufs):
+            *U_s, terms_s, q_s, k_s, v_s, o_s, d_s = bufs
+            record = lambda i: U_s[i // R].at[i % R]  # noqa: E731  (slot i's d record)
             b, _, _ = item(index[0])
             count = cursor_of(b)
             carried, kq, decay, beta = terms_s[2, 0], terms_s[2, 1], terms_s[2, 2], terms_s[2, 3]
             acc_k = acc_q = plgpu.layout_cast(jnp.zeros((BV,), f32), ROW)
             for i in range(L):  # static: independent loads; the slot's weights are scalars in shared memory
-                u = plgpu.load(U_s.at[i], layout=ROW).astype(f32)
+                u = plgpu.load(record(i), layout=ROW).astype(f32)
                 u = jnp.where(jnp.broadcast_to(i < count, u.shape), u, jnp.zeros_like(u))  # dead slots: 0
                 acc_k = acc_k + terms_s[0, i] * u
                 acc_q = acc_q + terms_s[1, i] * u
@@ -496,11 +525,11 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             full = jnp.broadcast_to(count >= L, d.shape)
             o = jnp.where(full, jnp.full_like(d, jnp.nan), Sq + kq * d)
             o_s[...] = o.astype(o_s.dtype)
-            d_s[...] = jnp.where(full, plgpu.load(U_s.at[L - 1], layout=ROW), d.astype(d_s.dtype))
+            d_s[...] = jnp.where(full, plgpu.load(record(L - 1), layout=ROW), d.astype(d_s.dtype))
 
         plgpu.emit_pipeline(compute, grid=(steps,), in_specs=in_specs, out_specs=out_specs,
                             max_concurrent_steps=config.stages)(
-            ck_ref, d_ref, terms_ref, q_ref, k_ref, v_ref, o_ref, d_ref)
+            ck_ref, *[d_ref] * (L // R), terms_ref, q_ref, k_ref, v_ref, o_ref, d_ref)
 
     return body
 
@@ -596,7 +625,9 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
     H, L = state.k.shape[1], state.buffer_len
     programs = _grid(batch, HV, V, config)[1]
     body = _readout_kernel((batch, HV, V), L, HV // H, config, state.checkpoint.dtype)
-    name = f"gdn_append_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}"  # as the profiles name it
+    R = config.slots_per_copy(L)
+    copies = f"_r{R}" if R < L else ""
+    name = f"gdn_append_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}{copies}"  # as the profiles name it
     rows = cursor_rows(batch)
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(programs,),
                           grid_names=("program",), kernel_name=name,
