@@ -127,7 +127,8 @@ def _abstract(batch, K=128, V=128, L=16, checkpoint=f32, d=bf16, act=bf16, H=16,
     (dict(H=32768, HV=32768), None, r"at most 32767 key heads .*; got H = 32768"),
     (dict(batch=200, d=f32), dict(block_v=128, stages=3, record_slots=0),
      r"3 stages of 128 rows need 233672 bytes of shared memory, above a program's 232448"),
-    (dict(L=16), dict(record_slots=3), r"`config.record_slots` dividing L \(buffer length\) = 16; got record_slots = 3"),
+    (dict(L=16), dict(record_slots=3),
+     r"`config.record_slots` dividing L \(buffer length\) = 16; got record_slots = 3"),
 ], ids=["K-512", "L-72", "fp8-records", "f16-v", "H-32768", "smem", "record-slots"])
 def test_limits_on_shapes(case, config, match):
     """The shape limits, on abstract states (the shared-memory bound at a batch where the pipeline keeps every
@@ -307,7 +308,8 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
     (f32, bf16, bf16, kernels.TMAReadoutConfig(record_slots=0), SHAPE),
     (f32, f32, f32, kernels.TMAReadoutConfig(record_slots=1, block_v=128), SHAPE),
-    (bf16, bf16, bf16, kernels.TMAReadoutConfig(record_slots=2, stages=3), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(record_slots=2, stages=3),
+     GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
 ], ids=["f32-bf16", "f32-f32-f32act-128", "bf16-bf16-3stages", "model-b67", "group3-K96", "b300", "one-copy",
         "1-slot-copies-f32", "2-slot-copies-b67"])
 def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):

@@ -53,7 +53,9 @@ was; its k and g records are not written), as on the Triton route.
 On the H200 at batch 256 with an f32 checkpoint (Qwen3.5-4B's layer, L =
 16) the readout took 138-141 us a launch and the prelude launch 10, where
 the Triton append kernel took 172 (bench/RESULTS.md, 2026-12-03, "The TMA
-readout's prelude in one launch").
+readout's prelude in one launch"); with the d records in copies of 4 slots
+(`TMAReadoutConfig.record_slots`), 135.3 in the lockstep cycle ("The
+readout's record copies").
 
 Limits (checked before the prelude and the launch, :func:`check_tma_readout`):
 f32 or bf16 checkpoint, d records and v (no 8-bit checkpoint), no state
@@ -62,7 +64,8 @@ predicated copies, which the pipeline's stores use), K a multiple of the
 swizzled tile's width (32 columns of f32, 64 of bf16) and at most 256 (one
 TMA copy), V a multiple of block_v, L a multiple of 8 (with f32 or bf16
 records, every shared-memory stage buffer a multiple of 128 bytes, the TMA
-copies' alignment) and at most 64, and a program's shared memory
+copies' alignment) and at most 64, `config.record_slots` dividing L,
+and a program's shared memory
 (:func:`smem_bytes`: Mosaic GPU rounds each allocation up to 1 KiB) within
 227 KiB. Above about 113 KiB a program, two no longer share an SM: the
 grid then runs in more than one wave.
@@ -115,11 +118,15 @@ class TMAReadoutConfig:
       record_slots: slots of the d records one copy of the GDN readout
         moves, dividing L (0: all L in one copy). A copy whose slots are
         all past the row's cursor (dead) reads the item's first slots
-        again instead, which the same step copies too: those bytes come
-        from the L2, not from memory. Read by the GDN readout only. The
-        default 4 took the readout from 138.1 to 135.3 us a launch in the
-        lockstep cycle at batch 256, f32, bf16 records (2 slots: 135.2, 8:
-        136.1; H200, bench/RESULTS.md, 2026-12-03).
+        again instead, a block the same step copies too, so that it need
+        not come from memory (a second read of those bytes, expected to
+        hit the L2; not measured with counters). The kernel selects dead
+        slots out, whatever they hold. Read by the GDN readout (and
+        checked with the direct route's Mosaic GPU step, which shares its
+        checks). The default 4 took the readout from 138.1 to 135.3 us a
+        launch in the lockstep cycle at batch 256, f32 checkpoint, bf16
+        records (2 slots: 135.2, 8: 136.1; H200, bench/RESULTS.md,
+        2026-12-03); other shapes are not measured with it.
 
     Raises:
       TypeError: a field that is not an int (numpy ints accepted).
@@ -148,7 +155,8 @@ class TMAReadoutConfig:
                              f"{self.record_slots}")
 
     def slots_per_copy(self, L: int) -> int:
-        """Slots of the d records a copy of the GDN readout moves at buffer length L."""
+        """Slots of the d records a copy of the GDN readout moves at buffer length L (record_slots, or L
+        for 0); unchecked: :func:`check_tma_readout` refuses a value that does not divide L."""
         return self.record_slots or L
 
 
@@ -168,8 +176,10 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig) -> int:
     """Shared-memory bytes of a program: each pipelined buffer (the item's checkpoint tile, d records, terms, q
     and k in f32, v; its outputs o and the d record) times the stages the pipeline keeps (`config.stages`,
     at most the program's steps) and the cursor, each allocation rounded up to SMEM_ALIGN, and Mosaic GPU's
-    reduction scratch and barriers (8 bytes each; counted for every buffer's stages, a bound). Within 0.2 KiB
-    above what the lowering allocates at the shapes tried (2026-12-02)."""
+    reduction scratch and barriers (8 bytes each; counted for every buffer's stages, a bound). The d records
+    count as L / R buffers of R slots (R = `config.slots_per_copy(L)`), each rounded up on its own, as the
+    lowering allocates them. With one copy of the records (R = L), within 0.2 KiB above what the lowering
+    allocates at the shapes tried (2026-12-02); each further copy adds 8 bytes a stage to the bound."""
     batch, HV, V, K = state.checkpoint.shape
     BV, L = config.block_v, state.buffer_len
     d_size, v_size = state.d.dtype.itemsize, v.dtype.itemsize
@@ -258,8 +268,10 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
         more key heads than MAX_ROW_PROGRAMS (the prelude's cursor); K
         not a multiple of the swizzled tile's width (32 f32 or 64 bf16
         columns) or above MAX_K; V not a multiple of config.block_v; L not a
-        multiple of 8 or above MAX_L; a program's shared memory
-        (:func:`smem_bytes`) above SMEM_BYTES.
+        multiple of 8 or above MAX_L; `config.record_slots` not dividing L
+        (the GDN direct route's Mosaic GPU step, which shares these checks,
+        too); a program's shared memory (:func:`smem_bytes`) above
+        SMEM_BYTES.
     """
     dtype = _check_common(state.checkpoint, state.scale, config, interpret=interpret, slots=slots)
     _check_wide(checkpoint=state.checkpoint.dtype, d_records=state.d.dtype, v=v.dtype)

@@ -10,7 +10,6 @@ from replayssm_jax.kernels.tiles import (load, load_scalar, load_live, matvec, r
 f32 = jnp.float32
 ORIG = kg._step_kernel
 CHUNK = [64]
-MODE = ["acc_last"]
 
 
 def gdn_chunked(state_ref, inputs, records, cursor_ref, o_ref, state_out_ref, cursor_out_ref, *, V, K, L, scale,

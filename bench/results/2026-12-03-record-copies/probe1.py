@@ -1,4 +1,4 @@
-"""Run 1: the GDN and Mamba-2 direct steps in column chunks (chunk_direct.py) and the GDN prelude without its atomic cursor move (timing only: racy), patched in at run time; lockstep cycle, batch 256, f32."""
+"""Run 1: the GDN and Mamba-2 direct steps in column chunks (chunk_direct.py) and, for the GDN layer, advance_cursor without its atomic add (the prelude's and the direct step's cursor moves; timing only: racy), patched in at run time; lockstep cycle, batch 256, f32."""
 import os, sys, json
 sys.path.insert(0, "bench"); sys.path.insert(0, os.path.dirname(__file__))
 import jax, jax.numpy as jnp, numpy as np
