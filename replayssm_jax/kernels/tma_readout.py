@@ -22,7 +22,7 @@ record; nothing is flushed. Here it runs as two launches:
   grid; `plgpu.emit_pipeline` copies an item's
   checkpoint tile [block_v, K], its d records [L, block_v] (in copies of
   `config.record_slots` slots; a copy whose slots are all dead reads the
-  first ones again, from the L2), terms, q, k and
+  first ones again, a block the same step copies), terms, q, k and
   v into shared memory up to `config.stages` - 1 items ahead of the one it
   computes (TMA; the stages capped at the program's items), and the
   item's compute forms, with
