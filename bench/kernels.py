@@ -45,7 +45,10 @@ Method (the settings are a TimingOptions):
     "-lockstep-triton" (the Triton kernel's default ReplayConfig) or
     "-lockstep-tma"); at batches where the default replay step is one
     launch, also the direct route from empty buffers (plain decoding: the
-    state written every step). Where the GDN standard step's Mosaic GPU
+    state written every step), elsewhere also the deferred route
+    ("-deferred" from staggered cursors, "-in-step-deferred": a flush
+    launch for the rows that entered full, then the append route's kernels
+    at their default). Where the GDN standard step's Mosaic GPU
     kernel takes the shape, "standard-tma" times it beside the default
     standard step.
   * bytes per step from a traffic model (each array the kernels touch,
@@ -307,12 +310,16 @@ def _check(bench, lengths, backend, config_std):
     # records, and the checkpoint then follows the standard state.
     # Where the TMA readout applies, one lockstep cycle on each append
     # kernel (and the direct step that flushes them), at the timed
-    # variants' lockstep L.
+    # variants' lockstep L. The deferred route (its default kernels) at that
+    # L: L + 1 steps, the last one flushing every row first, then a direct
+    # step.
     L = max(lengths)
     runs = [(f"replay_L{L}", ["output"] * L, None) for L in lengths] + [
         (f"direct_L{L}", ["output"] * (L // 2 + 1) + ["direct"] * 3, None)]
     runs_L = list(lengths) + [L]
     L = lockstep_length(lengths)
+    runs.append((f"deferred_L{L}", ["deferred"] * (L + 1) + ["direct"], None))
+    runs_L.append(L)
     if tma_applies(bench, L, backend):
         triton = kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L)
         for name, config in (("tma", kernels.TMAReadoutConfig()), ("triton", triton)):
@@ -476,11 +483,13 @@ def variants(bench, lengths, backend="pallas"):
     takes the shape (`standard_tma_applies`) "standard-tma" on it; the
     replay step at each L (staggered cursors) and at one L in step, and,
     where the default replay step is one launch (a latency-bound batch), the
-    direct route from empty buffers, elsewhere the lockstep schedule
-    (`run_variant`), and, where the Mosaic GPU append kernel takes the
+    direct route from empty buffers, elsewhere the deferred route from
+    staggered cursors and in step ("-deferred", "-in-step-deferred"), the
+    lockstep schedule (`run_variant`), and, where the Mosaic GPU append kernel takes the
     shape (`tma_applies`), the lockstep schedule on the append kernel the
-    default does not take: "-lockstep-triton" where the default is the
-    Mosaic GPU kernel (`tma_is_default`), else "-lockstep-tma". An 8-bit
+    default does not take: "-lockstep-triton" (and "-deferred-triton")
+    where the default is the Mosaic GPU kernel (`tma_is_default`), else
+    "-lockstep-tma". An 8-bit
     checkpoint: the replay variants on the output route only. config None:
     the kernels' heuristic."""
     if bench.quantized:
@@ -496,10 +505,13 @@ def variants(bench, lengths, backend="pallas"):
     if kernels.replay_is_one_launch(bench.b, *bench.heads_dims(), bench.sd, L):
         yield (f"replay-L{L}-direct", L, "empty", "direct", None)
     else:  # Generator's lockstep applies where some layer is not on the direct route
+        yield (f"replay-L{L}-deferred", L, "staggered", "deferred", None)
+        yield (f"replay-L{L}-in-step-deferred", L, "in-step", "deferred", None)
         yield (f"replay-L{L}-lockstep", L, "lockstep", "output", None)
         if tma_applies(bench, L, backend) and tma_is_default(bench, L):  # the Triton append kernel beside it
-            yield (f"replay-L{L}-lockstep-triton", L, "lockstep", "output",
-                   kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L))
+            triton = kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L)
+            yield (f"replay-L{L}-lockstep-triton", L, "lockstep", "output", triton)
+            yield (f"replay-L{L}-deferred-triton", L, "staggered", "deferred", triton)
         elif tma_applies(bench, L, backend):
             yield (f"replay-L{L}-lockstep-tma", L, "lockstep", "output", kernels.TMAReadoutConfig())
 

@@ -257,7 +257,7 @@ class HybridCausalLM(nnx.Module):
         Args:
           tokens: int[batch], the newest token of each sequence.
           cache: from `prefill` or a previous `decode`.
-          route: the ReplaySSM step's route, "output", "state", "direct" (replayssm_jax.ops) or
+          route: the ReplaySSM step's route, "output", "state", "direct", "deferred" (replayssm_jax.ops) or
             "auto": resolved per layer by shape (replayssm_jax.ops.resolve_route: the direct
             route at latency-bound batches, else the output route; the reference takes "output");
             or "append" (the output route without the flush, replayssm_jax.ops.STEP_ROUTES; a row

@@ -292,13 +292,14 @@ def write_checkpoint(state: ReplayState, S: jax.Array, rows: jax.Array | None = 
 
 def step_writes(state: ReplayState, route: str) -> jax.Array:
     """bool[batch]: the rows whose checkpoint a replay step on `route` writes:
-    every row on the direct route, none on the append route, else the rows
-    that flush (cursor >= L - 1 at entry)."""
+    every row on the direct route, none on the append route, the full rows
+    (cursor == L at entry) on the deferred route, else the rows that flush
+    (cursor >= L - 1 at entry)."""
     if route == "direct":
         return jnp.ones_like(state.cursor, bool)
     if route == "append":
         return jnp.zeros_like(state.cursor, bool)
-    return state.cursor >= state.buffer_len - 1
+    return state.cursor >= state.buffer_len - (route != "deferred")
 
 
 def window_writes(state: ReplayState, W: int) -> jax.Array:

@@ -103,10 +103,9 @@ def check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backen
 
     Compared every step: outputs and the materialized state with the float64
     NumPy recurrence from the initial materialized state (tolerance of the
-    input, state and buffer dtypes), the cursor rule (cursor + 1, or 0 for a
-    row that flushes: cursor >= L - 1 at entry; 0 for every row on the
-    direct route), and that rows that do not flush keep their checkpoint bit
-    for bit; on a kernel backend also outputs, materialized state (tolerance
+    input, state and buffer dtypes), the cursor rule (`cursor_rule`), and
+    that rows that do not flush keep their checkpoint bit for bit; on a
+    kernel backend also outputs, materialized state (tolerance
     of the input and state dtypes) and cursors with the "xla" reference's
     replay step on the same state. `route`: one route, or a tuple of routes
     taken in turn, step by step (a decode loop may switch routes), and
@@ -120,6 +119,20 @@ def check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backen
     with jax.default_matmul_precision("highest"):
         _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backend, steps, config, poison,
                       wipe_at)
+
+
+def cursor_rule(cursor: np.ndarray, L: int, route: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rows whose checkpoint a replay step on `route` writes, cursors after it) from the cursors at entry:
+    every row, to 0, on the direct route; on the deferred route the full rows (cursor L), which flush
+    first and then append (to 1), the others cursor + 1 (a row may fill its buffer: L); on the output and
+    state routes the rows at L - 1 or L, which flush with the step (to 0), the others cursor + 1."""
+    if route == "direct":
+        return np.ones_like(cursor, bool), np.zeros_like(cursor)
+    if route == "deferred":
+        full = cursor >= L
+        return full, np.where(full, 1, cursor + 1)
+    flush = cursor >= L - 1
+    return flush, np.where(flush, 0, cursor + 1)
 
 
 def poison_dead_slots(rs):
@@ -161,8 +174,8 @@ def _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backe
             y_np, s_np = oracle_step(layer, s_np, inp)
             assert_close(y, y_np, tol_np, what=f"output vs NumPy, step {t}")
             assert_close(layer.materialize(new), s_np, tol_np, what=f"materialized state vs NumPy, step {t}")
-        flush = np.ones_like(cursor, bool) if step_route == "direct" else cursor >= L - 1
-        np.testing.assert_array_equal(np.asarray(new.cursor), np.where(flush, 0, cursor + 1), err_msg=f"cursor, step {t}")
+        flush, after = cursor_rule(cursor, L, step_route)
+        np.testing.assert_array_equal(np.asarray(new.cursor), after, err_msg=f"cursor, step {t}")
         if backend != "xla":
             y_ref, rs_ref = layer.replay_step(rs_ref, inp, step_route, "xla")
             assert_close(y, y_ref, tol, what=f"output, step {t}")
@@ -174,6 +187,30 @@ def _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backe
         old = _f64(rs.checkpoint)[~flush]
         np.testing.assert_array_equal(kept, old, err_msg=f"checkpoint of non-flushing rows changed, step {t}")
         rs = new
+
+
+def check_deferred_steps(layer, rs, config, steps: int, tol) -> None:
+    """`steps` compiled deferred-route steps (`ops`, backend "pallas", the kernels' `config`) from the replay
+    state `rs`, against the reference's ("xla") step by step: outputs and materialized states within `tol`,
+    cursors equal (`cursor_rule`: full rows flush first, then append to 1), and the checkpoint of every row
+    that did not enter full bit for bit; at least one row enters full at some step."""
+    run = jax.jit(lambda s, i: layer.replay_step(s, i, "deferred", "pallas", config))
+    ref = jax.jit(lambda s, i: layer.replay_step(s, i, "deferred", "xla"))
+    rs_ref, flushed = rs, 0
+    for t in range(steps):
+        inp, cursor = layer.draw(), np.asarray(rs.cursor)
+        y, new = run(rs, inp)
+        y_ref, rs_ref = ref(rs_ref, inp)
+        assert_close(y, y_ref, tol, what=f"outputs, step {t}")
+        assert_close(layer.materialize(new), layer.materialize(rs_ref), tol, what=f"materialized state, step {t}")
+        full, after = cursor_rule(cursor, rs.buffer_len, "deferred")
+        np.testing.assert_array_equal(np.asarray(new.cursor), after, err_msg=f"cursor, step {t}")
+        np.testing.assert_array_equal(np.asarray(rs_ref.cursor), after, err_msg=f"reference cursor, step {t}")
+        np.testing.assert_array_equal(_f64(new.checkpoint)[~full], _f64(rs.checkpoint)[~full],
+                                      err_msg=f"checkpoint of a row that was not full, step {t}")
+        flushed += int(full.sum())
+        rs = new
+    assert flushed, "no row entered full: the flush launch was not tested"
 
 
 def with_dtype(x, dtype):

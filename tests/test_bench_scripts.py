@@ -143,7 +143,8 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     monkeypatch.setattr(kb.jax, "devices", lambda *a: [device])  # a CPU host, wherever the suite runs
     large = kb.make_bench("gdn", 256, "float32", None)
     assert [v[0] for v in kb.variants(large, (16,), "interpret")] == [  # no direct route
-        "standard", "replay-L16", "replay-L16-in-step", "replay-L16-lockstep"]
+        "standard", "replay-L16", "replay-L16-in-step", "replay-L16-deferred", "replay-L16-in-step-deferred",
+        "replay-L16-lockstep"]
     tma = [v for v in kb.variants(large, (16,), "pallas") if v[0].endswith("-lockstep-tma")]  # compiled only
     assert [(v[0], v[2], type(v[4]).__name__) for v in tma] == [("replay-L16-lockstep-tma", "lockstep",
                                                                   "TMAReadoutConfig")]
@@ -155,13 +156,16 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     assert large.inputs(1)["v"].shape == (1, 256, 32, 128)  # the checks drew nothing: the bench's key stays usable
     device.platform, device.compute_capability, device.core_count = "gpu", "9.0", 132  # an H200: the append
     # route's default is the Mosaic GPU kernel
-    triton = [v for v in kb.variants(large, (16,), "pallas") if "-lockstep-" in v[0]]
-    assert [(v[0], type(v[4]).__name__) for v in triton] == [("replay-L16-lockstep-triton", "ReplayConfig")]
+    triton = [v for v in kb.variants(large, (16,), "pallas") if v[0].endswith("-triton")]
+    assert [(v[0], v[3], type(v[4]).__name__) for v in triton] == [
+        ("replay-L16-lockstep-triton", "output", "ReplayConfig"), ("replay-L16-deferred-triton", "deferred",
+                                                                    "ReplayConfig")]
     standard = [v[0] for v in kb.variants(large, (16,), "pallas") if v[0].startswith("standard")]
     assert standard == ["standard", "standard-tma"]  # the Mosaic GPU standard step beside the default
     monkeypatch.undo()
     out = kb.check(bench, (4,), "interpret")
     assert out["ok"] and out["direct_L4"]["cursor_zero"] and out["direct_L4"]["y"]["ok"]
+    assert out["deferred_L4"]["cursor_zero"] and out["deferred_L4"]["checkpoint"]["ok"]
     # the check is live: a "direct" step that buffers instead (cursor not 0) fails it
     step = bench.replay_step
     monkeypatch.setattr(bench, "replay_step", lambda rs, inp, route, backend, config=None: step(

@@ -258,7 +258,7 @@ def test_generator_errors():
         gen.generate([[1, 2, 3], [4]], 3_000_000_000)  # refused before any array is allocated
     with pytest.raises(GenerationError, match="`buffer_len` must be >= 1; got 0"):
         Generator(model("mamba2_tiny"), state="replay", buffer_len=0)
-    with pytest.raises(GenerationError, match="`route` must be one of 'output', 'state', 'direct', 'auto'; got 'fast'"):
+    with pytest.raises(GenerationError, match="`route` must be one of 'output', 'state', 'direct', 'deferred', 'auto'; got 'fast'"):
         Generator(model("mamba2_tiny"), route="fast")
     with pytest.raises(GenerationError, match="`buffer_dtype` must be a floating dtype"):
         Generator(model("mamba2_tiny"), buffer_dtype=jnp.int32)

@@ -122,7 +122,7 @@ def test_step(backend, case, dtypes, rng):
     check_standard(layer(shape, rng, input_dtype), state_dtype, backend, steps=4)
 
 
-ROUTES = ["output", "state", "direct"]
+ROUTES = ["output", "state", "direct", "deferred"]
 
 
 # Interpreted bf16 cases per CPU shape (index in the table) in the default run: each bf16 combination
@@ -228,6 +228,9 @@ ROUTE_SEQUENCES = [
     (("state", "output", "direct", "output"),
      {"output": kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, fused_flush=True),
       "state": kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, fused_flush=True)}),
+    # the deferred route leaves full rows (cursor L) to the next step, on any route
+    (("deferred", "deferred", "output", "deferred", "deferred", "state", "deferred", "direct"),
+     {"deferred": kernels.ReplayConfig(block_v=8, num_warps=2, tiles=2, flush_block_v=16, flush_rows=2)}),
 ]
 
 
@@ -351,7 +354,7 @@ def test_auto_route_at_model_shapes(layer, batch, picked):
     for route in ("output", "state", "direct"):
         assert route_of(route) == route
     with pytest.raises(ValueError,
-                       match="`route` must be one of 'output', 'state', 'direct', 'auto', 'append'; got 'fast'"):
+                       match="`route` must be one of 'output', 'state', 'direct', 'deferred', 'auto', 'append'; got 'fast'"):
         route_of("fast")
 
 
@@ -573,7 +576,7 @@ def test_kernel_limits_before_any_launch(rng):
     layer = GDN(GDNShape(batch=1, H=1, HV=1024, K=4, V=64), rng)
     rs, inp = layer.replay_state(4, jnp.float32, jnp.float32, np.zeros(1)), layer.draw()
     kw = dict(scale=0.5, use_qk_l2norm=True)
-    with pytest.raises(ValueError, match=re.escape("`route` must be one of 'output', 'state', 'direct', 'append' "
+    with pytest.raises(ValueError, match=re.escape("`route` must be one of 'output', 'state', 'direct', 'append', 'deferred' "
                                                    "(the kernels take a resolved route); got 'auto'")):
         kernels.gdn_replay_step(rs, **inp, **kw, route="auto")
     # 1024 heads x 64 one-row tiles: 65536 programs per row

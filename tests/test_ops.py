@@ -33,14 +33,17 @@ def test_auto_route_at_model_shapes(layer, batch, picked):
         picked == "direct")
     for backend in ("pallas", "interpret"):
         assert ops.resolve_route("auto", backend, rs) == picked
+        # the append route's default on Mosaic GPU: the deferred route where the step is not one launch
+        assert ops.resolve_route("auto", backend, rs, mosaic=True) == ("direct" if picked == "direct" else "deferred")
         assert ops.resolve_route("auto", backend, rs, kernels.ReplayConfig(block_v=16)) == "output"
+        assert ops.resolve_route("auto", backend, rs, kernels.ReplayConfig(block_v=16), mosaic=True) == "output"
         assert ops.resolve_route("auto", backend, rs, kernels.StepConfig(block_v=16)) == "direct"
-    assert ops.resolve_route("auto", "xla", rs) == "output"
-    for route in ("output", "state", "direct"):
+    assert ops.resolve_route("auto", "xla", rs) == ops.resolve_route("auto", "xla", rs, mosaic=True) == "output"
+    for route in ("output", "state", "direct", "deferred"):
         assert ops.resolve_route(route, "interpret", rs) == route
         assert ops.resolve_route(route, "xla", rs) == route
-    with pytest.raises(ValueError,
-                       match="`route` must be one of 'output', 'state', 'direct', 'auto', 'append'; got 'fast'"):
+    with pytest.raises(ValueError, match="`route` must be one of 'output', 'state', 'direct', 'deferred', 'auto', "
+                                         "'append'; got 'fast'"):
         ops.resolve_route("fast", "interpret", rs)
 
 

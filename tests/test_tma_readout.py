@@ -24,7 +24,7 @@ import pytest
 
 from cases import assert_close
 from hlo_checks import assert_step_alone_and_in_a_loop
-from kernel_checks import GDN, GDNShape, lower_for_cuda, poison_dead_slots
+from kernel_checks import GDN, GDNShape, check_deferred_steps, lower_for_cuda, poison_dead_slots
 from replayssm_jax import kernels, ops, reference
 from replayssm_jax.kernels import gdn as gdn_kernels
 from replayssm_jax.kernels import tma_readout
@@ -90,7 +90,8 @@ def test_limits_raise_before_any_launch(rng):
         step(rs, interpret=True)
     with pytest.raises(NotImplementedError, match="no state pool"):
         step(rs, slots=jnp.arange(SHAPE.batch, dtype=jnp.int32))
-    with pytest.raises(TypeError, match=r"append and direct routes only; got route 'output' \(use a ReplayConfig\)"):
+    with pytest.raises(TypeError,
+                       match=r"'append', 'deferred', 'direct' routes only; got route 'output' \(use a ReplayConfig\)"):
         step(rs, route="output")
     with pytest.raises(TypeError, match=r"got route 'state' \(use a ReplayConfig\)"):
         step(rs, route="state")
@@ -294,6 +295,23 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
                      r"output_tuple_indices = \[1\], operand_index = 6", text), "the d records are not aliased"
 
 
+@pytest.mark.parametrize("checkpoint_dtype", [f32, bf16])
+def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
+    """The deferred route's lowering on the CPU at the model's shape (abstract inputs): the flush launch of the
+    full rows (its checkpoint aliased in place), the prelude and the readout, and no other custom
+    call."""
+    layer = _layer(rng, MODEL)
+    state, _ = _abstract(MODEL.batch, L=16, checkpoint=checkpoint_dtype)
+    text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "deferred", kernels.TMAReadoutConfig()),
+                          state, jax.eval_shape(layer.draw))
+    calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)\(([^\n]*)", text)
+    assert sorted(c for c, _ in calls) == ["__gpu$xla.gpu.triton", "__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls
+    flush = [line for _, line in calls if "gdn_deferred_flush_L16" in line]
+    assert len(flush) == 1, "no flush launch"
+    assert re.search(r"output_operand_aliases = \[#stablehlo\.output_operand_alias<output_tuple_indices = \[\], "
+                     r"operand_index = 0", flush[0]), "the flush launch's checkpoint is not aliased"
+
+
 # ---------------------------------------------------------------------------
 # GPU: the compiled kernel against the reference
 
@@ -329,6 +347,44 @@ def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dty
     _check_records(new.d, rs_ref.d, cursor, tol, "d")
     _check_records(new.k, rs_ref.k, cursor, tolerance_dtype(buffer_dtype), "k")
     np.testing.assert_array_equal(np.asarray(new.g), np.asarray(rs_ref.g))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape"), [
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), SHAPE),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=3), SHAPE),
+    (f32, f32, f32, kernels.TMAReadoutConfig(record_slots=2), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+], ids=["f32-bf16", "bf16-bf16-128x3", "model-b67-f32-2-slot-copies"])
+def test_compiled_deferred_steps_match_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
+    """The deferred route on Mosaic GPU (the flush launch of the full rows, the prelude, the readout): L + 2
+    steps from staggered cursors, full rows among them, inf and NaN in the dead slots, against the
+    reference's deferred route (`kernel_checks.check_deferred_steps`)."""
+    layer = _layer(rng, shape, act)
+    cursor = (np.arange(shape.batch) * 3 % (L + 1)).astype(np.int32)
+    check_deferred_steps(layer, _state(layer, checkpoint_dtype, buffer_dtype, cursor), config, L + 2,
+                         tolerance_dtype(act, checkpoint_dtype, buffer_dtype))
+
+
+@pytest.mark.gpu
+def test_auto_route_at_batch_256_is_deferred_on_hopper(rng):
+    """route="auto" through the ops at batch 256 with an f32 checkpoint, from staggered cursors (full rows among
+    them): the deferred route on a Hopper-class GPU (its flush launch and the Mosaic GPU kernel), the output
+    route elsewhere; L + 2 steps within the tolerance of the reference's output route."""
+    shape = GDNShape(batch=256, H=4, HV=8, K=128, V=128)
+    layer = _layer(rng, shape)
+    cursor = (np.arange(shape.batch) * 5 % (L + 1)).astype(np.int32)
+    rs = rs_ref = layer.replay_state(L, f32, bf16, cursor)
+    step = jax.jit(lambda s, i: layer.replay_step(s, i, "auto", "pallas"))
+    text = step.trace(rs, layer.draw()).lower().as_text()
+    hopper = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+    assert ("gdn_deferred_flush_L" in text and "mosaic_gpu_v2" in text) == hopper
+    for t in range(L + 2):
+        inp = layer.draw()
+        y, rs = step(rs, inp)
+        y_ref, rs_ref = layer.replay_step(rs_ref, inp, "output", "xla")
+        assert_close(y, y_ref, tolerance_dtype(bf16, f32), what=f"outputs, step {t}")
+        assert_close(layer.materialize(rs), layer.materialize(rs_ref), tolerance_dtype(bf16, f32),
+                     what=f"materialized state, step {t}")
 
 
 @pytest.mark.gpu
@@ -380,4 +436,22 @@ def test_compiled_step_is_its_two_kernels(rng):
     def step(rs, inp):
         return layer.kernel_replay_step(rs, inp, "append", config)
 
+    assert_step_alone_and_in_a_loop(step, rs, [layer.draw() for _ in range(2 * L)], jax.tree.leaves(rs))
+
+
+@pytest.mark.gpu
+def test_compiled_deferred_step_is_its_three_kernels(rng):
+    """The deferred step on Mosaic GPU, jitted alone with its state donated: the flush launch, the prelude and
+    the readout and nothing else; a decode loop of 2 L steps on it (every row fills and flushes its buffer)
+    copies no checkpoint, record or cursor."""
+    layer = _layer(rng)
+    rs = layer.replay_state(L, f32, bf16, (np.arange(SHAPE.batch) * 3 % (L + 1)).astype(np.int32))
+    config = kernels.TMAReadoutConfig()
+
+    def step(rs, inp):
+        return layer.kernel_replay_step(rs, inp, "deferred", config)
+
+    hlo = jax.jit(step).lower(rs, layer.draw()).compile().as_text()
+    launches = [hlo.count(f'custom_call_target="{target}"') for target in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")]
+    assert launches == [2, 1], f"Triton and Mosaic GPU launches: {launches}"
     assert_step_alone_and_in_a_loop(step, rs, [layer.draw() for _ in range(2 * L)], jax.tree.leaves(rs))

@@ -128,7 +128,7 @@ def test_step_lowers_for_cuda(rng):
                                              text)}
     assert aliases == {"__gpu$xla.gpu.triton": [("4", "0"), ("5", "1"), ("6", "2")],
                        "mosaic_gpu_v2": [("1", "0")]}, aliases
-    with pytest.raises(TypeError, match=r"append and direct routes only; got route 'output'"):
+    with pytest.raises(TypeError, match=r"'append', 'deferred', 'direct' routes only; got route 'output'"):
         layer.kernel_replay_step(state, jax.eval_shape(layer.draw), "output", tma_step.STEP_CONFIG)
 
 

@@ -90,7 +90,7 @@ def test_replay_errors_leave_state_usable(name, request):
     with pytest.raises(ValueError, match="must have shape"):
         case.replay_step(rs, bad_inputs)
     with pytest.raises(ValueError,
-                       match="`route` must be one of 'output', 'state', 'direct', 'auto', 'append'; got 'fast'"):
+                       match="`route` must be one of 'output', 'state', 'direct', 'deferred', 'auto', 'append'; got 'fast'"):
         case.replay_step(rs, inp, route="fast")
     # Heads that do not divide the state's: the error names the state's count, not the divisibility.
     grouped, message = ("B", "`B` must have n_groups = 2 (the state's); got 3") if name == "mamba" else \

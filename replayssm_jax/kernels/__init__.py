@@ -51,6 +51,14 @@ Launches and their configs:
   for the flushed rows, whose cursor becomes 0). The checkpoint of the
   other rows and every cursor are left as they are until
   :func:`replayssm_jax.state.replay_commit`.
+- replay step, deferred route: the flush launch for the rows that entered
+  full (cursor == L), their L records only, as a verify window's early
+  flush, no cursor moved; then the append route's launches (below, or the
+  Triton replay kernel without a flush), which read those rows as empty
+  (`cursor.live_count`) and move their cursor to 1. A row that fills its
+  buffer stays full until its next step: the output route's numbers with
+  each row's flush a launch later, so that the step's readout runs on the
+  append route's kernels.
 - replay step, append route, on Mosaic GPU
   (:mod:`replayssm_jax.kernels.tma_readout`, :class:`TMAReadoutConfig`):
   GDN: a Triton prelude launch forms the per-head terms, appends the shared k

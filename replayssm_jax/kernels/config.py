@@ -39,7 +39,12 @@ DEFAULT_NUM_SMS = 132
 NUM_WARPS = (1, 2, 4, 8, 16)
 
 # The routes of a replay step in the kernels ("auto" is resolved by replayssm_jax.ops).
-ROUTES = ("output", "state", "direct", "append")
+ROUTES = ("output", "state", "direct", "append", "deferred")
+
+# The routes whose replay kernel flushes no row: "append" (a row that fills
+# its buffer stays full) and "deferred" (the append route after a flush
+# launch for the rows that entered full).
+NO_FLUSH_ROUTES = ("append", "deferred")
 
 # Batch rows per program of the flush launch (at most; a power of two that
 # divides the batch). A flush program returns at once for a row that does not
@@ -486,8 +491,9 @@ def replay_config_for(config: StepConfig | ReplayConfig | None, checkpoint, buff
     """The replay step's tiling for `route` on a replay state with this
     `checkpoint` [batch, heads, V, K] and buffer length: `config`, checked
     against the shape, or the default. The direct route takes a StepConfig
-    (:func:`step_config_for`), the output, state and append routes a
-    ReplayConfig (the append route reads only its replay kernel's fields).
+    (:func:`step_config_for`), the output, state, append and deferred
+    routes a ReplayConfig (the append route reads only its replay kernel's
+    fields, the deferred route also its flush launch's).
 
     Raises:
       ValueError: a route not in ROUTES ("auto" is resolved before the

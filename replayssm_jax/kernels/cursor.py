@@ -13,6 +13,13 @@ whose add completes the count stores the new cursor (`advance_cursor`).
 Between launches the high bits are zero again: the array holds plain
 cursors 0..L.
 
+On the append and deferred routes, which flush in no replay kernel, the
+cursor moves in place in the Mosaic GPU steps' Triton launch (GDN: the
+prelude; Mamba-2: the launch after the readout), and by an XLA op after
+the Triton replay kernel. The deferred route's flush launch, which runs
+first, moves no cursor: the launches after it read a full row as empty
+(`live_count`).
+
 A two-launch step moves it in place without atomics: its replay kernel,
 which reads the cursor in every program, writes each row's cursor at entry
 to a fresh array (`store_entry_cursor`), and its flush launch reads only
@@ -53,6 +60,14 @@ def next_cursor(cursor, L: int):
     commit): then the flush absorbs the L buffered steps and this one.
     """
     return jnp.where(cursor >= L - 1, 0, cursor + 1).astype(jnp.int32)
+
+
+def live_count(cursor, L: int, route: str):
+    """The row's live records as a replay step on `route` reads them: the
+    cursor, except on the deferred route, where a full row (cursor == L)
+    has none: that route's first launch flushed its L records, without
+    moving its cursor (the launches after it move it, to 1)."""
+    return jnp.where(cursor >= L, 0, cursor).astype(jnp.int32) if route == "deferred" else cursor
 
 
 def advance_cursor(cursor_ref, cursor, new, programs: int) -> None:

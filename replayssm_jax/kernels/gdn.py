@@ -64,11 +64,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
+from replayssm_jax.kernels.config import (NO_FLUSH_ROUTES, ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
                                           replay_config_for, step_config_for, verify_config_for)
-from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
-from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, head_work_warps, per_draft_launch, pool_of,
-                                          replay_launch, replay_step, run_replay_program, run_verify_program,
+from replayssm_jax.kernels.cursor import advance_cursor, live_count, read_cursor
+from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, flush_full_launch, head_work_warps,
+                                          per_draft_launch, pool_of, replay_launch, replay_step,
+                                          run_replay_program, run_verify_program,
                                           run_window, step_launch, tree_option, triton_params, verify_launch,
                                           verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
@@ -162,10 +163,11 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
 
 def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, o_ref, checkpoint_out,
                    records_out: Records, cursor_out, *, V, K, L, group, scale, use_qk_l2norm, route, config, programs):
-    """The replay kernel (output, state and append routes) on a program's row tiles of one head and batch row."""
+    """The replay kernel (output, state, append and deferred routes) on a program's row tiles of one head and
+    batch row."""
     BL, BK, BV = records.g.shape[0], inputs.q.shape[-1], config.block_v
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
-    count = read_cursor(cursor_ref)  # live records; the new one goes to slot `count`
+    count = live_count(read_cursor(cursor_ref), L, route)  # live records; the new one goes to slot `count`
     split = program_id(2)
     live = lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
 
@@ -206,7 +208,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     run_replay_program(tile, flush_row, V=V, L=L, config=config, split=split, count=count, append=append,
                        group=group, decay_record=lambda: load_scalar(inputs.g), decay_out=records_out.g, key=k,
                        key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs,
-                       flush=route != "append")
+                       flush=route not in NO_FLUSH_ROUTES)
 
 
 def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, terms_ref, entry_ref,
@@ -216,7 +218,9 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     Mosaic GPU kernel), and the cursor moved in place once the row's H programs have read it
     (`advance_cursor`). route "append" (`tma_readout.head_terms`): terms a_k, a_q, then exp of the
     live log decays' sum, k . q, exp(g), beta; the shared records (k, g) at the cursor where the row
-    has a free slot; the cursor to min(cursor + 1, L). route "direct" (`tma_step.direct_terms`):
+    has a free slot; the cursor to min(cursor + 1, L). route "deferred": the same, a full row read as
+    empty (`cursor.live_count`: its flush launch ran before), so its records go to slot 0 and its
+    cursor to 1. route "direct" (`tma_step.direct_terms`):
     terms w (the live slots' decay weights), zeros, then the same scalars; no record written; the
     cursor to 0. route "standard" (the standard step; `tma_step.step_terms`): no records or cursor
     (their refs None), terms zeros, zeros, then the scalars (exp(0) = 1 for the carried decay).
@@ -228,9 +232,10 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     records_out and cursor_out the aliased records and cursor, as above.
     Padded lanes are neither read nor written."""
     h = program_id(1)
-    append, standard = route == "append", route == "standard"
+    append, standard = route in NO_FLUSH_ROUTES, route == "standard"
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
-    count = jnp.int32(0) if standard else read_cursor(cursor_ref)
+    cursor = jnp.int32(0) if standard else read_cursor(cursor_ref)
+    count = live_count(cursor, L, route)
     BL = terms_ref.shape[-1]
     lanes, lmask = lane_ids(BL), lane_mask(BL, L)
     live = lanes < count
@@ -266,14 +271,14 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     def _():
         entry_ref[0] = count
 
-    advance_cursor(cursor_out, count, jnp.minimum(count + 1, L) if append else jnp.int32(0), programs)
+    advance_cursor(cursor_out, cursor, jnp.minimum(count + 1, L) if append else jnp.int32(0), programs)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "route"))
 def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, interpret: bool,
                 route: str = "append"):
-    """The prelude of a Mosaic GPU step (route "append": the readout; "direct": the direct step), one
-    Triton launch, grid (batch, H).
+    """The prelude of a Mosaic GPU step (route "append" or "deferred": the readout; "direct": the direct
+    step), one Triton launch, grid (batch, H).
 
     Takes the state's records (d [batch, HV, L, V], not read; k [batch, H,
     L, K]; g f32[batch, HV, L]), its cursor i32[batch] and the step's
@@ -284,7 +289,8 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
     i32[rows * TMA_MAX] (each row's cursor at entry, then unwritten
     padding), k and g records (written in place on the append route,
     unwritten on the direct one) and the cursor after the step (moved in
-    place)); the pure-JAX form is `tma_readout.head_terms` and
+    place)); on the deferred route the entry and the terms are those of a
+    full row read as empty. The pure-JAX form is `tma_readout.head_terms` and
     `tma_readout.append_shared_records` (append), `tma_step.direct_terms`
     (direct)."""
     batch, H, K = inputs.q.shape
@@ -504,10 +510,14 @@ def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *,
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "route", "config", "interpret"))
 def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, scale: float,
             use_qk_l2norm: bool, route: str, config: ReplayConfig, interpret: bool):
-    """The replay step's launches (output, state and append routes); over a state pool with `slots`
-    (`launch.Pool`). Returns (o, checkpoint, records, cursor)."""
+    """The replay step's launches (output, state, append and deferred routes; the deferred route's
+    flush launch first); over a state pool with `slots` (`launch.Pool`). Returns (o, checkpoint, records,
+    cursor)."""
     _, HV, V, K = checkpoint.shape
     H, L = inputs.q.shape[1], records.d.shape[2]
+    if route == "deferred":
+        checkpoint = _flush_full(checkpoint, records, cursor, inputs, slots, scale=scale,
+                                 use_qk_l2norm=use_qk_l2norm, config=config, interpret=interpret)
     kernel = functools.partial(_replay_kernel, V=V, K=K, L=L, group=HV // H, scale=scale,
                                use_qk_l2norm=use_qk_l2norm, route=route)
     flush_row = functools.partial(_flush_row, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm)
@@ -515,6 +525,19 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *,
                          cursor, _f32_decay(inputs), jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype),
                          per_head=(), route=route, config=config, interpret=interpret,
                          pool=pool_of(slots, checkpoint))
+
+
+def _flush_full(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, scale: float,
+                use_qk_l2norm: bool, config: ReplayConfig, interpret: bool):
+    """The deferred route's flush launch (`launch.flush_full_launch`) with `config`'s flush tiling: the
+    rows at cursor L get their L buffered records folded into the checkpoint, in place. Returns the
+    checkpoint operand."""
+    _, HV, V, K = checkpoint.shape
+    H, L = inputs.q.shape[1], records.d.shape[2]
+    flush_row = functools.partial(_flush_row, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm, step=False)
+    return flush_full_launch("gdn", flush_row, functools.partial(_block_specs, H, HV, K, L), checkpoint, records,
+                             cursor, None, per_head=(), config=config, interpret=interpret,
+                             pool=pool_of(slots, checkpoint))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret", "tree"))
@@ -548,17 +571,22 @@ def _per_draft(state, index, inputs: Inputs, slots=None, *, scale: float, use_qk
                             window=W, config=config, interpret=interpret, tree=tree, pool=pool_of(slots, state))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config"))
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "route"))
 def _append_tma(state: GDNReplayState, inputs: Inputs, *, scale: float, use_qk_l2norm: bool,
-                config: TMAReadoutConfig):
-    """The append route on Mosaic GPU: the prelude launch (`_head_terms`), then the readout
-    (`tma_readout.gdn_append_tma`), on validated arguments within the readout's limits
+                config: TMAReadoutConfig, route: str):
+    """The append or deferred route on Mosaic GPU: (deferred) the flush launch of the full rows
+    (`_flush_full`, the default ReplayConfig's flush tiling), the prelude launch (`_head_terms`), then
+    the readout (`tma_readout.gdn_append_tma`), on validated arguments within the readout's limits
     (`tma_readout.check_tma_readout`). Jitted: an eager call, as in an eager `jax.shard_map`, returns
     arrays, not the d records' `jax.Ref`. Returns (o [batch, HV, V] in v.dtype, new GDNReplayState), as
     :func:`gdn_replay_step`."""
     records = Records(state.d, state.k, state.g)
+    if route == "deferred":
+        flush = replay_config_for(None, state.checkpoint, state.buffer_len, DIMS, route=route)
+        state = state.replace(checkpoint=_flush_full(state.checkpoint, records, state.cursor, inputs, scale=scale,
+                                                     use_qk_l2norm=use_qk_l2norm, config=flush, interpret=False))
     qn, kn, terms, entry, shared, cursor = _head_terms(records, state.cursor, _f32_decay(inputs), scale=scale,
-                                                       use_qk_l2norm=use_qk_l2norm, interpret=False)
+                                                       use_qk_l2norm=use_qk_l2norm, interpret=False, route=route)
     o, d = gdn_append_tma(state, qn, kn, terms, entry, inputs.v, config)
     return o, state.replace(d=d, k=shared.k, g=shared.g, cursor=cursor)
 
@@ -657,20 +685,27 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
       route: "output" (o from one read of the checkpoint plus the buffer),
         "state" (the state formed for the readout; same numbers), "direct"
         (the standard step's kernel on the checkpoint with the row's live
-        records folded in: cursor 0, no record appended) or "append" (the
+        records folded in: cursor 0, no record appended), "append" (the
         output route without a flush, one launch: a row's record goes to
         its free slot, and a row that fills its buffer keeps it full, cursor
-        L; a row that entered full gets NaN outputs and keeps its state).
+        L; a row that entered full gets NaN outputs and keeps its state) or
+        "deferred" (a flush launch for the rows that entered full, their L
+        records only, then the append route's launches, which read those
+        rows as empty: the output route's numbers, each row's flush
+        deferred to its next step).
       config: a StepConfig for the direct route, a ReplayConfig for the
         others; None: the default (:func:`default_step_config`,
-        :func:`default_replay_config`). The append and direct routes also
-        take a :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig`:
+        :func:`default_replay_config`). The append, deferred and direct
+        routes also take a
+        :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig`:
         the same step as a Triton prelude launch (the per-head terms; on the
         append route the shared records) and one Mosaic GPU kernel whose TMA
         copies stream the checkpoint tiles through shared memory
         (:func:`~replayssm_jax.kernels.tma_readout.gdn_append_tma`, which
         writes the d records; :func:`~replayssm_jax.kernels.tma_step.gdn_direct_tma`,
-        which writes the checkpoint back); None on the append route takes it
+        which writes the checkpoint back; on the deferred route the flush
+        launch before them takes the default ReplayConfig's flush tiling);
+        None on the append and deferred routes takes it
         where :func:`~replayssm_jax.kernels.tma_readout.default_tma_readout`
         says (an f32 or bf16 checkpoint of batch >= 64 on a Hopper-class
         GPU). The direct route's is no default: its fold took 1.8x the
@@ -686,27 +721,28 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
       (o [batch, HV, V] in v.dtype, new GDNReplayState).
 
     Raises:
-      ValueError: a route other than the four; V or K above MAX_HEAD_DIM
+      ValueError: a route other than the five; V or K above MAX_HEAD_DIM
         (256), L above MAX_BUFFER_LEN (64); a `config.block_v` or
         `flush_block_v` above V rounded up to a power of two, a
         `config.flush_rows` that does not divide the batch; a one-launch
         step (fused flush, direct route) of more than 32767 programs per
         batch row.
       TypeError: a `config` of the other class than the route takes (a
-        TMAReadoutConfig on another route than "append" or "direct").
+        TMAReadoutConfig on another route than "append", "deferred" or "direct").
       NotImplementedError, ValueError: a TMAReadoutConfig beyond the
         Mosaic GPU kernels' limits (:func:`~replayssm_jax.kernels.tma_readout.check_tma_readout`,
         :func:`~replayssm_jax.kernels.tma_step.check_direct_tma`).
     """
-    if config is None and route == "append":
+    if config is None and route in NO_FLUSH_ROUTES:
         config = default_tma_readout(state, v, interpret=interpret, slots=slots)
     if isinstance(config, TMAReadoutConfig):
         check_tma_route(route)
-        check = check_tma_readout if route == "append" else check_direct_tma
-        check(state, v, config, interpret=interpret, slots=slots)
-        launch = _append_tma if route == "append" else _direct_tma
-        return launch(state, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
-                      config=config)
+        options = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), config=config)
+        if route == "direct":
+            check_direct_tma(state, v, config, interpret=interpret, slots=slots)
+            return _direct_tma(state, Inputs(q, k, v, g, beta), **options)
+        check_tma_readout(state, v, config, interpret=interpret, slots=slots)
+        return _append_tma(state, Inputs(q, k, v, g, beta), route=route, **options)
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     kw = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), interpret=interpret)
     return replay_step(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), route=route,

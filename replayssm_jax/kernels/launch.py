@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from replayssm_jax.kernels.config import ReplayConfig, StepConfig, default_flush_rows, next_pow2
-from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, next_cursor,
+from replayssm_jax.kernels.config import NO_FLUSH_ROUTES, ReplayConfig, StepConfig, default_flush_rows, next_pow2
+from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, live_count, next_cursor,
                                           store_entry_cursor, store_next_cursors)
 from replayssm_jax.kernels.tiles import (Quantized, SlotView, for_each_row_tile, hoisted_program_ids, lane_ids,
                                          mask_and, program_id, store, store_window)
@@ -310,10 +310,12 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
                   cursor, inputs, out_shape, *, per_head: tuple[str, ...], route: str, config: ReplayConfig,
                   interpret: bool, pool: Pool | None = None):
     """The replay step's launches: the replay kernel, then (config.fused_flush
-    False, a route other than "append") the flush launch. Checkpoint and
-    records are updated in place. On the append route the replay kernel
-    flushes no row and an XLA op after it moves the cursor, min(cursor + 1,
-    L) (moved in place in the kernel, with the arrival count of
+    False, a route other than "append" and "deferred") the flush launch.
+    Checkpoint and records are updated in place. On the append and deferred
+    routes the replay kernel flushes no row and an XLA op after it moves the
+    cursor, min(cursor + 1, L), from 0 for a full row on the deferred route
+    (`cursor.live_count`; its flush launch, `flush_full_launch`, ran before:
+    the caller's) (moved in place in the kernel, with the arrival count of
     `cursor.advance_cursor`, it cost more than the flush launch it saves:
     bench/RESULTS.md, 2026-12-02).
 
@@ -344,7 +346,7 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     n_in, n_out = _num_leaves(checkpoint), _num_leaves(_written(checkpoint))
     aliases = {i: 1 + i for i in range(n_out)}  # checkpoint and records in place
     aliases.update({n_in + i: 1 + n_out + i for i in range(n_records)})
-    one_launch = config.fused_flush and route != "append"
+    one_launch = config.fused_flush and route not in NO_FLUSH_ROUTES
     if one_launch:
         aliases[n_in + n_records] = 1 + n_out + n_records  # one launch: the cursor in place
     operand = checkpoint
@@ -365,9 +367,9 @@ def replay_launch(layer: str, replay_kernel, flush_row, block_specs: Callable[..
     )
     if one_launch:
         return out, checkpoint, records, moved
-    if route == "append":  # no flush; `moved` is not written
+    if route in NO_FLUSH_ROUTES:  # no flush; `moved` is not written
         L = records[0].shape[2]
-        step = lambda rows: jnp.minimum(rows + 1, L)  # noqa: E731
+        step = lambda rows: jnp.minimum(live_count(rows, L, route) + 1, L)  # noqa: E731
         return out, checkpoint, records, step(cursor) if pool is None else on_pool_rows(cursor, pool, step)
     # `moved` holds the cursors at entry; the flush reads the seeds of the replay kernel's operand
     checkpoint, cursor = _flush_launch(layer, flush_row, block_specs, _reseeded(checkpoint, operand), records, moved,
@@ -485,14 +487,15 @@ def _present(specs, operands):
 
 
 def _flush_launch(layer, flush_row, block_specs, checkpoint, records, entry, inputs, *, per_head, config, interpret,
-                  window=None, pool: Pool | None = None, cursor=None):
+                  window=None, pool: Pool | None = None, cursor=None, kind: str = "verify"):
     """The flush launch of a two-launch replay step (see `replay_launch`), or
     (window W given) the early flush of a verify window (see
-    `verify_launch`), on the rows whose cursors at entry `entry` i32[batch]
-    call for it; returns the checkpoint, updated in place, or, given the
-    replay step's `cursor` (the array that `entry` copies), (checkpoint,
-    cursor moved in place by one step). Over a `pool`: one batch row per
-    program."""
+    `verify_launch`; kind "deferred": of the deferred route's step, W = 1,
+    `flush_full_launch`), on the rows whose cursors at entry `entry`
+    i32[batch] call for it; returns the checkpoint, updated in place, or,
+    given the replay step's `cursor` (the array that `entry` copies),
+    (checkpoint, cursor moved in place by one step). Over a `pool`: one
+    batch row per program."""
     L = records[0].shape[2]
     rows = 1 if pool is not None else config.flush_rows or default_flush_rows(checkpoint.shape[0])
     tiling = config.flush_launch_tiling()
@@ -500,7 +503,8 @@ def _flush_launch(layer, flush_row, block_specs, checkpoint, records, entry, inp
     first, name = None, f"{layer}_replay_flush_L{L}_{tiling.tag()}_r{rows}{'' if pool is None else '_pool'}"
     if window is not None:  # rows with cursor + W > L; the inputs this flush reads (absent ones None)
         first = L - window + 1
-        name = f"{layer}_verify_flush_W{window}_L{L}_{tiling.tag()}_r{rows}{'' if pool is None else '_pool'}"
+        what = f"verify_flush_W{window}" if kind == "verify" else f"{kind}_flush"
+        name = f"{layer}_{what}_L{L}_{tiling.tag()}_r{rows}{'' if pool is None else '_pool'}"
         in_specs = (*in_specs[:3], _present(in_specs[3], inputs))
     kernel = functools.partial(_flush_kernel, L=L, flush_row=functools.partial(flush_row, config=tiling),
                                per_head=per_head, first=first)
@@ -528,6 +532,23 @@ def _flush_launch(layer, flush_row, block_specs, checkpoint, records, entry, inp
         name=name,
     )
     return outs[0] if cursor is None else outs  # a Quantized checkpoint is itself a tuple
+
+
+def flush_full_launch(layer: str, flush_row, block_specs: Callable[..., BlockSpecs], checkpoint, records, cursor,
+                      inputs, *, per_head: tuple[str, ...], config: ReplayConfig, interpret: bool,
+                      pool: Pool | None = None):
+    """The deferred route's first launch: the replay step's flush launch
+    (`_flush_launch`, config's flush tiling) for the rows whose buffer is
+    full (cursor == L), flush_row(..., step=False) applying their L
+    buffered records only, as a verify window's early flush of one step. It
+    writes their checkpoint and moves no cursor: the append launches after
+    it read a full row as empty (`cursor.live_count`) and move its cursor
+    to 1. inputs: the layer's inputs that the flush reads (absent ones
+    None), or None. Returns the checkpoint, updated in place, as the next
+    launch's operand (an 8-bit one with its rounding seeds)."""
+    written = _flush_launch(layer, flush_row, block_specs, checkpoint, records, cursor, inputs, per_head=per_head,
+                            config=config, interpret=interpret, window=1, pool=pool, kind="deferred")
+    return _reseeded(written, checkpoint)
 
 
 def verify_launch(layer: str, verify_kernel, flush_row, block_specs: Callable[..., BlockSpecs], checkpoint, records,

@@ -54,11 +54,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from replayssm_jax.kernels.config import (ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
+from replayssm_jax.kernels.config import (NO_FLUSH_ROUTES, ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
                                           replay_config_for, step_config_for, verify_config_for)
-from replayssm_jax.kernels.cursor import advance_cursor, read_cursor
-from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, head_work_warps, per_draft_launch, pool_of,
-                                          replay_launch, replay_step, run_replay_program, run_verify_program,
+from replayssm_jax.kernels.cursor import advance_cursor, live_count, read_cursor
+from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, flush_full_launch, head_work_warps,
+                                          per_draft_launch, pool_of, replay_launch, replay_step,
+                                          run_replay_program, run_verify_program,
                                           run_window, step_launch, tree_option, triton_params, verify_launch,
                                           verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
@@ -188,12 +189,13 @@ def _buffer_weights(dt_ref, live, L, count, A):
 def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, checkpoint_out,
                    records_out: Records, cursor_out, *, P, N, L, group, dt_softplus, dt_limit, route, config,
                    programs):
-    """The replay kernel (output, state and append routes) on a program's row tiles of one head and batch row."""
+    """The replay kernel (output, state, append and deferred routes) on a program's row tiles of one head and
+    batch row."""
     BL, BN, BP = records.dt.shape[0], inputs.B.shape[0], config.block_v
     nmask, dt, A, Bv = _record_inputs(inputs, records.B.dtype, N, dt_softplus, dt_limit)
     Cv = load(inputs.C, nmask)
     D = load_scalar(inputs.D)
-    count = read_cursor(cursor_ref)  # live records; the new one goes to slot `count`
+    count = live_count(read_cursor(cursor_ref), L, route)  # live records; the new one goes to slot `count`
     split = program_id(2)
     live = lane_ids(BL) < count  # dead slots are zeroed (a rejected draft may have left inf there)
 
@@ -231,11 +233,12 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     # The shared records: the step's processed dt, and B as buffered.
     run_replay_program(tile, flush_row, V=P, L=L, config=config, split=split, count=count, append=append,
                        group=group, decay_record=lambda: dt, decay_out=records_out.dt, key=Bv, key_out=records_out.B,
-                       key_mask=nmask, cursor_out=cursor_out, programs=programs, flush=route != "append")
+                       key_mask=nmask, cursor_out=cursor_out, programs=programs,
+                       flush=route not in NO_FLUSH_ROUTES)
 
 
 def _after_readout_kernel(readout_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, outs, *, P, N, L, group,
-                          dt_softplus, dt_limit, programs):
+                          dt_softplus, dt_limit, programs, route):
     """The append route's per-head work after the Mosaic GPU readout, on one (batch row, head): the live
     slots' decay weights and the buffered B's scores against C, then
 
@@ -244,8 +247,9 @@ def _after_readout_kernel(readout_ref, records: Records, cursor_ref, inputs: Inp
     times silu(z), with S_c C from `readout_ref`; the x and dt records at the row's cursor, the group's
     B record by the group's first head, all where the row has a free slot (else NaN outputs and nothing
     written), and the cursor moved to min(cursor + 1, L) in place once the row's `programs` programs
-    have read it (`advance_cursor`). The buffered records are loaded where live only
-    (`tiles.load_live_only`).
+    have read it (`advance_cursor`); on the deferred route a full row is read as empty
+    (`cursor.live_count`: its flush launch ran before the readout), its cursor moved to 1. The buffered
+    records are loaded where live only (`tiles.load_live_only`).
 
     Refs (BP, BN, BL: P, N, L up to powers of two; the head's and its
     group's blocks): readout_ref f32[BP], records.x [BL, BP], records.dt
@@ -257,7 +261,8 @@ def _after_readout_kernel(readout_ref, records: Records, cursor_ref, inputs: Inp
     records_out, cursor_out = outs
     BL, BN, BP = records.dt.shape[0], inputs.B.shape[0], inputs.x.shape[0]
     pmask, nmask = lane_mask(BP, P), lane_mask(BN, N)
-    count = read_cursor(cursor_ref)
+    cursor = read_cursor(cursor_ref)
+    count = live_count(cursor, L, route)
     lanes = lane_ids(BL)
     live = lanes < count
     append = count < L  # a row that entered full has no free slot
@@ -285,13 +290,14 @@ def _after_readout_kernel(readout_ref, records: Records, cursor_ref, inputs: Inp
     def _():
         store(records_out.B.at[count], Bv, mask_and(nmask, append, (BN,)))
 
-    advance_cursor(cursor_out, count, jnp.minimum(count + 1, L), programs)
+    advance_cursor(cursor_out, cursor, jnp.minimum(count + 1, L), programs)
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "interpret", "route"))
 def _after_readout(readout, records: Records, cursor, inputs: Inputs, *, dt_softplus: bool,
-                   dt_limit: tuple[float, float], interpret: bool):
-    """The append route's launch after the Mosaic GPU readout (`_after_readout_kernel`), grid (batch, H).
+                   dt_limit: tuple[float, float], interpret: bool, route: str = "append"):
+    """The append (or deferred) route's launch after the Mosaic GPU readout (`_after_readout_kernel`),
+    grid (batch, H).
     Takes the readout f32[batch, H, P] (S_c C), the state's records and cursor and the step's inputs (with
     D and dt_bias); returns (y [batch, H, P] in x.dtype, records, cursor), the records and the cursor
     written in place."""
@@ -310,7 +316,7 @@ def _after_readout(readout, records: Records, cursor, inputs: Inputs, *, dt_soft
     input_specs = Inputs(x=rows, dt=per_row, A=per_head, B=grp, C=grp, D=per_head, dt_bias=per_head,
                          z=None if inputs.z is None else rows)
     kernel = functools.partial(_after_readout_kernel, P=P, N=N, L=L, group=group, dt_softplus=dt_softplus,
-                               dt_limit=dt_limit, programs=H)
+                               dt_limit=dt_limit, programs=H, route=route)
     y, (records, cursor) = pl.pallas_call(
         kernel, grid=(batch, H), interpret=interpret, name=f"mamba2_append_heads_L{L}",
         compiler_params=triton_params(head_work_warps(BL * BP)),
@@ -323,17 +329,23 @@ def _after_readout(readout, records: Records, cursor, inputs: Inputs, *, dt_soft
     return y, records, cursor
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "route"))
 def _append_tma(state: Mamba2ReplayState, inputs: Inputs, *, dt_softplus: bool, dt_limit: tuple[float, float],
-                config: TMAReadoutConfig):
-    """The append route on Mosaic GPU: the readout S_c C (`tma_readout.mamba2_readout_tma`), then the
-    per-head launch (`_after_readout`), on validated arguments within the readout's limits
-    (`tma_readout.check_mamba2_tma`). Returns (y [batch, H, P] in x.dtype, new Mamba2ReplayState), as
-    :func:`mamba2_replay_step`."""
+                config: TMAReadoutConfig, route: str):
+    """The append or deferred route on Mosaic GPU: (deferred) the flush launch of the full rows
+    (`_flush_full`, the default ReplayConfig's flush tiling), the readout S_c C
+    (`tma_readout.mamba2_readout_tma`), then the per-head launch (`_after_readout`), on validated
+    arguments within the readout's limits (`tma_readout.check_mamba2_tma`). Returns (y [batch, H, P] in
+    x.dtype, new Mamba2ReplayState), as :func:`mamba2_replay_step`."""
+    records, inputs = Records(state.x, state.dt, state.B), _with_defaults(inputs)
+    if route == "deferred":
+        flush = replay_config_for(None, state.checkpoint, state.buffer_len, DIMS, route=route)
+        state = state.replace(checkpoint=_flush_full(state.checkpoint, records, state.cursor, inputs,
+                                                     dt_softplus=dt_softplus, dt_limit=dt_limit, config=flush,
+                                                     interpret=False))
     readout = mamba2_readout_tma(state.checkpoint, inputs.C, config)
-    y, records, cursor = _after_readout(readout, Records(state.x, state.dt, state.B), state.cursor,
-                                        _with_defaults(inputs), dt_softplus=dt_softplus, dt_limit=dt_limit,
-                                        interpret=False)
+    y, records, cursor = _after_readout(readout, records, state.cursor, inputs, dt_softplus=dt_softplus,
+                                        dt_limit=dt_limit, interpret=False, route=route)
     return y, state.replace(x=records.x, dt=records.dt, B=records.B, cursor=cursor)
 
 
@@ -488,6 +500,11 @@ def _block_specs(H, G, N, L, gated, rows, nb=None, window=None) -> BlockSpecs:
     return BlockSpecs(state=state, inputs=inputs, out=row, records=records)
 
 
+def _only_A(inputs: Inputs) -> Inputs:
+    """`inputs` with A alone (the others None): what an early flush (step=False) reads."""
+    return Inputs(*(None,) * len(Inputs._fields))._replace(A=inputs.A)
+
+
 def _with_defaults(inputs: Inputs) -> Inputs:
     """D and dt_bias as zeros where None."""
     H = inputs.A.shape[0]
@@ -514,17 +531,35 @@ def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *,
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "route", "config", "interpret"))
 def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, dt_softplus: bool,
             dt_limit: tuple[float, float], route: str, config: ReplayConfig, interpret: bool):
-    """The replay step's launches (output, state and append routes); over a state pool with `slots`
-    (`launch.Pool`). Returns (y, checkpoint, records, cursor)."""
+    """The replay step's launches (output, state, append and deferred routes; the deferred route's
+    flush launch first); over a state pool with `slots` (`launch.Pool`). Returns (y, checkpoint,
+    records, cursor)."""
     _, H, P, N = checkpoint.shape
     G, L = inputs.B.shape[1], records.x.shape[2]
+    inputs = _with_defaults(inputs)
+    if route == "deferred":
+        checkpoint = _flush_full(checkpoint, records, cursor, inputs, slots, dt_softplus=dt_softplus,
+                                 dt_limit=dt_limit, config=config, interpret=interpret)
     kernel = functools.partial(_replay_kernel, P=P, N=N, L=L, group=H // G, dt_softplus=dt_softplus,
                                dt_limit=dt_limit, route=route)
     flush_row = functools.partial(_flush_row, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit)
     specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None)
-    return replay_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, _with_defaults(inputs),
+    return replay_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, inputs,
                          jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), per_head=PER_HEAD, route=route,
                          config=config, interpret=interpret, pool=pool_of(slots, checkpoint))
+
+
+def _flush_full(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, dt_softplus: bool,
+                dt_limit: tuple[float, float], config: ReplayConfig, interpret: bool):
+    """The deferred route's flush launch (`launch.flush_full_launch`) with `config`'s flush tiling: the
+    rows at cursor L get their L buffered records folded into the checkpoint, in place (of `inputs`,
+    with their defaults, only A is read). Returns the checkpoint operand."""
+    _, H, P, N = checkpoint.shape
+    G, L = inputs.B.shape[1], records.x.shape[2]
+    flush_row = functools.partial(_flush_row, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit, step=False)
+    specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None)
+    return flush_full_launch("mamba2", flush_row, specs, checkpoint, records, cursor, _only_A(inputs),
+                             per_head=PER_HEAD, config=config, interpret=interpret, pool=pool_of(slots, checkpoint))
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret", "tree"))
@@ -540,8 +575,7 @@ def _verify(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *,
     flush_row = functools.partial(_flush_row, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit, step=False)
     specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None, window=next_pow2(W))
     inputs = _with_defaults(inputs)
-    only_A = Inputs(*(None,) * len(Inputs._fields))._replace(A=inputs.A)
-    return verify_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, inputs, only_A,
+    return verify_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, inputs, _only_A(inputs),
                          jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), window=W, per_head=PER_HEAD,
                          config=config, interpret=interpret, tree=tree, pool=pool_of(slots, checkpoint))
 
@@ -633,12 +667,12 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
       ValueError, TypeError: as :func:`replayssm_jax.kernels.gdn_replay_step`.
     """
     kw = _step_options(dt_softplus, dt_limit, interpret)
-    if config is None and route == "append":
+    if config is None and route in NO_FLUSH_ROUTES:
         config = default_mamba2_tma(state, C, interpret=interpret, slots=slots)
     if isinstance(config, TMAReadoutConfig):
-        check_tma_route(route, ("append",))
+        check_tma_route(route, NO_FLUSH_ROUTES)
         check_mamba2_tma(state, C, config, interpret=interpret, slots=slots)
-        return _append_tma(state, Inputs(x, dt, A, B, C, D, dt_bias, z), config=config,
+        return _append_tma(state, Inputs(x, dt, A, B, C, D, dt_bias, z), config=config, route=route,
                            dt_softplus=kw["dt_softplus"], dt_limit=kw["dt_limit"])
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     return replay_step(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),

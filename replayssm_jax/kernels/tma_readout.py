@@ -395,11 +395,11 @@ def default_mamba2_tma(state: Mamba2ReplayState, C, *, interpret: bool, slots) -
                              interpret=interpret, slots=slots)
 
 
-def check_tma_route(route: str, routes: tuple[str, ...] = ("append", "direct")) -> None:
+def check_tma_route(route: str, routes: tuple[str, ...] = ("append", "deferred", "direct")) -> None:
     """Raise TypeError unless `route` is one of `routes`, those a TMAReadoutConfig tiles for the layer (GDN:
-    the append and direct routes; Mamba-2: the append route)."""
+    the append, deferred and direct routes; Mamba-2: the append and deferred routes)."""
     if route not in routes:
-        raise TypeError(f"a TMAReadoutConfig tiles the {' and '.join(routes)} route{'s' * (len(routes) > 1)} only; "
+        raise TypeError(f"a TMAReadoutConfig tiles the {', '.join(map(repr, routes))} routes only; "
                         f"got route {route!r} (use a {'StepConfig' if route == 'direct' else 'ReplayConfig'})")
 
 

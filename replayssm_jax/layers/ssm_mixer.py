@@ -145,7 +145,7 @@ class SSMMixer(nnx.Module):
         Args:
           u: [batch, hidden], the normalised layer input of the new token.
           state: `SSMLayerState` (standard step) or `ReplayLayerState` (ReplaySSM step).
-          route: the ReplaySSM step's route, "output", "state", "direct" (same numbers) or "auto"
+          route: the ReplaySSM step's route, "output", "state", "direct", "deferred" (same numbers) or "auto"
             (resolved by replayssm_jax.ops.resolve_route: on the kernel backends the direct route where
             the default replay step is one launch, else the output route), or "append" (the output
             route without the flush, for a schedule that flushes the rows itself; on a row with a full

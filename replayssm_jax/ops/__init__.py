@@ -13,17 +13,20 @@ resolves its backend and, for a replay step, its route
            else "xla".
   config   a :class:`replayssm_jax.kernels.StepConfig` (standard steps, the
            replay step's direct route) or :class:`~replayssm_jax.kernels.ReplayConfig`
-           (the replay step's output, state and append routes, the verify
-           window) or :class:`~replayssm_jax.kernels.ConvConfig` (the conv
-           update) overriding the kernels' frozen tiling heuristic, or None;
-           only the kernel backends take one. The replay step's append
-           route (both layers), the GDN replay step's direct route and
+           (the replay step's output, state, append and deferred routes,
+           the verify window) or :class:`~replayssm_jax.kernels.ConvConfig`
+           (the conv update) overriding the kernels' frozen tiling
+           heuristic, or None; only the kernel backends take one. The
+           replay step's append and deferred routes (both layers; the
+           deferred route's flush launch then takes the default
+           ReplayConfig's tiling), the GDN replay step's direct route and
            the GDN standard step also take a
            :class:`~replayssm_jax.kernels.TMAReadoutConfig`: their Mosaic
            GPU forms (compiled, "pallas" only;
            :mod:`replayssm_jax.kernels.tma_readout`,
-           :mod:`replayssm_jax.kernels.tma_step`); the append route's is
-           the default on a Hopper-class GPU from batch 64.
+           :mod:`replayssm_jax.kernels.tma_step`); the append and
+           deferred routes' is the default on a Hopper-class GPU from
+           batch 64.
 
 The decode steps (`mamba2_step`, `gdn_step` and their replay steps) and the
 verify ops (`*_replay_verify`, the per-draft `mamba2_verify` / `gdn_verify`)
@@ -72,6 +75,7 @@ import jax.numpy as jnp
 
 from replayssm_jax import kernels, reference
 from replayssm_jax import state as _state
+from replayssm_jax.kernels import tma_readout
 from replayssm_jax.ops import validate as val
 from replayssm_jax.ops.dispatch import (
     BACKENDS,
@@ -262,6 +266,13 @@ def _check_append(state, route: str, slots) -> None:
         raise ValueError(f"route 'append' needs a free buffer slot in every row (cursor < buffer_len = "
                          f"{state.buffer_len}); batch rows {full[:8]}{where} are full: step them on another "
                          "route ('output', 'state' or 'direct'), which flushes them")
+
+
+def _mosaic_append(route: str, backend: str, config, default) -> bool:
+    """Whether a replay step on `route` "auto" (compiled, no `config`) finds the append route's Mosaic GPU
+    kernels its default (`default()`: the layer's default TMAReadoutConfig, or None), so that "auto" may
+    take the deferred route (:func:`resolve_route`)."""
+    return route == "auto" and backend == "pallas" and config is None and default() is not None
 
 
 def _warn_direct_8bit(state, route: str) -> None:
@@ -535,7 +546,11 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
         live records folded into the checkpoint, then a standard step
         written back at once: cursor 0, no record appended; the standard
         step's traffic, for latency-bound batches, the buffer kept for
-        speculative decoding), or "auto" (:func:`resolve_route`). All give
+        speculative decoding), "deferred" (the output route with each
+        row's flush deferred to its next step: a flush launch for the rows
+        that entered full, then the append route's launches; a row that
+        fills its buffer keeps it full, cursor L, until then), or "auto"
+        (:func:`resolve_route`). All give
         the same numbers up to float32 rounding. Also "append": the output
         route without the flush (one launch on the kernel backends), for a
         schedule that flushes the rows itself, as the `Generator`'s lockstep
@@ -563,7 +578,9 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     dt_softplus, dt_limit, slots = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                                                 dt_limit, slots)
     chosen = choose_backend("mamba2_replay_step", backend, config)
-    route = resolve_route(route, chosen, _rows_shape(state, slots), config)
+    mosaic = _mosaic_append(route, chosen, config,
+                            lambda: tma_readout.default_mamba2_tma(state, C, interpret=False, slots=slots))
+    route = resolve_route(route, chosen, _rows_shape(state, slots), config, mosaic=mosaic)
     _warn_direct_8bit(state, route)
     _check_append(state, route, slots)
     if chosen == "xla":
@@ -806,8 +823,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
       state: GDNReplayState with no pending verify window.
       q, k, v, g, beta, scale, use_qk_l2norm: as :func:`gdn_step`; q and k
         with the state's H.
-      route: "output", "state", "direct", "auto" or "append", as
-        :func:`mamba2_replay_step`.
+      route: "output", "state", "direct", "deferred", "auto" or "append",
+        as :func:`mamba2_replay_step`.
       backend, config, slots: see the module docstring (a kernel op; with
         slots, `state` is a pool of capacity slots).
 
@@ -828,7 +845,9 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     """
     scale, use_qk_l2norm, slots = val.check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots)
     chosen = choose_backend("gdn_replay_step", backend, config)
-    route = resolve_route(route, chosen, _rows_shape(state, slots), config)
+    mosaic = _mosaic_append(route, chosen, config,
+                            lambda: tma_readout.default_tma_readout(state, v, interpret=False, slots=slots))
+    route = resolve_route(route, chosen, _rows_shape(state, slots), config, mosaic=mosaic)
     _warn_direct_8bit(state, route)
     _check_append(state, route, slots)
     if chosen == "xla":

@@ -15,9 +15,12 @@ An explicitly requested backend that cannot run raises (no GPU for
 Routes of a replay step (`route`): "output" (the output from the
 checkpoint plus the buffer, no state formed), "state" (the state formed for
 the readout), "direct" (the buffered records folded into the checkpoint,
-then a standard step written back at once) and "auto", resolved here by
-:func:`resolve_route`. All three routes give the same numbers up to float32
-rounding. One replay step also takes "append" (:data:`STEP_ROUTES`): the
+then a standard step written back at once), "deferred" (the output route
+with each row's flush deferred to its next step: that step first flushes
+the rows that entered full, then appends without a flush, so a row that
+fills its buffer keeps it full, cursor L, until then) and "auto", resolved
+here by :func:`resolve_route`. All four routes give the same numbers up to
+float32 rounding. One replay step also takes "append" (:data:`STEP_ROUTES`): the
 output route without the flush, for a schedule that flushes its rows
 itself (the `Generator`'s lockstep cycles); a decode loop of such steps
 alone would fill the buffers, so the loops (Generator, engine, CLI) take
@@ -31,7 +34,7 @@ import jax
 from replayssm_jax import kernels
 
 BACKENDS = ("pallas", "interpret", "xla")
-ROUTES = ("output", "state", "direct", "auto")
+ROUTES = ("output", "state", "direct", "deferred", "auto")
 STEP_ROUTES = ROUTES + ("append",)
 
 # Ops with a Pallas kernel; the others run the reference on every backend
@@ -138,17 +141,26 @@ def check_route(route: str, routes: tuple[str, ...] = ROUTES) -> str:
     return route
 
 
-def resolve_route(route: str, backend: str, state, config=None) -> str:
+def resolve_route(route: str, backend: str, state, config=None, *, mosaic: bool = False) -> str:
     """The route a replay step on `backend` takes for `route` on `state`.
 
-    "output", "state", "direct" and "append" are taken as given. "auto" is, on the
+    "output", "state", "direct", "deferred" and "append" are taken as given. "auto" is, on the
     kernel backends ("pallas", "interpret"), the direct route where the
     default replay step is one launch
     (:func:`replayssm_jax.kernels.replay_is_one_launch`: a latency-bound
     grid, batch x heads <= 132, e.g. the Qwen3.5-4B GDN layer at batch 1-4
     and the Nemotron-3-Nano-4B Mamba-2 layer at batch 1) and `config` is
-    None, else the output route (large grids, where the buffered step saves
-    state traffic). With a `config` given, "auto" follows its kind: a
+    None, else (large grids, where the buffered step saves state traffic)
+    the deferred route where `mosaic` (the caller found the append route's
+    Mosaic GPU kernels its default for this step: an f32 or bf16 checkpoint
+    of batch >= 64 on a Hopper-class GPU, no state pool), else the output
+    route. On the H200 at L = 16 with an f32 checkpoint, from staggered
+    cursors, the deferred route's kernels took 1.10, 1.12 and 1.08x the
+    original's kernel time (GDN, batch 64, 256, 512) and 1.11, 1.05 and
+    1.03x (Mamba-2), the output route's 1.21-1.26x; the deferred route on
+    the Triton append kernel 1.16-1.24x, so it is not taken there
+    (bench/RESULTS.md, 2026-12-03, "The deferred route"). With a `config`
+    given, "auto" follows its kind: a
     :class:`~replayssm_jax.kernels.StepConfig` tiles the direct route, a
     :class:`~replayssm_jax.kernels.ReplayConfig` the output route. On the H200 the direct step
     ran at 0.88-0.99x of the standard step's speed at those batches and the
@@ -162,27 +174,31 @@ def resolve_route(route: str, backend: str, state, config=None) -> str:
       state: the Mamba2ReplayState or GDNReplayState of the step (only its
         shapes and dtypes are read).
       config: the caller's kernel config, or None.
+      mosaic: whether the append route's default kernels for this step are
+        the Mosaic GPU ones (only "auto" reads it).
 
     Returns:
-      "output", "state", "direct" or "append".
+      "output", "state", "direct", "deferred" or "append".
 
     Raises:
       ValueError: an unknown route.
       TypeError: "auto" with a :class:`~replayssm_jax.kernels.TMAReadoutConfig`
-        (it tiles a named route: the append route, and a GDN layer's direct route).
+        (it tiles a named route: the append and deferred routes, and a GDN layer's direct route).
     """
     if check_route(route, STEP_ROUTES) != "auto":
         return route
     if isinstance(config, kernels.TMAReadoutConfig):
-        raise TypeError("a TMAReadoutConfig tiles a named route, not route='auto': 'append' (either layer; a decode "
-                        "loop on it alone would fill the buffers) or a GDN layer's 'direct'; pass the route")
+        raise TypeError("a TMAReadoutConfig tiles a named route, not route='auto': 'deferred' or 'append' (either "
+                        "layer; a decode loop on 'append' alone would fill the buffers) or a GDN layer's 'direct'; "
+                        "pass the route")
     if backend == "xla" or state.scale is not None:  # an 8-bit checkpoint: rounded at the flush only
         return "output"
     if config is not None:
         return "direct" if isinstance(config, kernels.StepConfig) else "output"
     batch, heads, rows, cols = state.checkpoint.shape
-    one_launch = kernels.replay_is_one_launch(batch, heads, rows, cols, state.checkpoint.dtype, state.buffer_len)
-    return "direct" if one_launch else "output"
+    if kernels.replay_is_one_launch(batch, heads, rows, cols, state.checkpoint.dtype, state.buffer_len):
+        return "direct"
+    return "deferred" if mosaic else "output"
 
 
 def check_buffer_len(buffer_len: int, backend: str | None, name: str = "buffer_len") -> None:

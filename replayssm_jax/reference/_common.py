@@ -298,6 +298,14 @@ def make_room(state, W: int, unify: Callable):
     return flush_where(state, state.cursor + W > state.buffer_len, unify)
 
 
+def flush_full(state, unify: Callable):
+    """The deferred route's first launch: the rows whose buffer is full
+    (cursor == L) flush (:func:`make_room` for one step), their checkpoint
+    stored in its dtype (an 8-bit one quantized, :func:`early_flush_8bit`),
+    before the step reads it."""
+    return make_room(state, 1, unify) if state.scale is None else early_flush_8bit(state, 1, unify)
+
+
 def on_f32_checkpoint(state, written: jax.Array, op: Callable):
     """Run `op(state) -> (output, new state)` on a state with an 8-bit checkpoint.
 

@@ -211,8 +211,13 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         (cursor 0, no record appended); its output is the other routes' up
         to f32 rounding. "append" is the output route without the flush: a
         row that fills its buffer keeps it full (cursor L), and a row that
-        entered full gets NaN outputs and its state unchanged. ("auto" is
-        resolved by :func:`replayssm_jax.ops.gdn_replay_step`.)
+        entered full gets NaN outputs and its state unchanged.
+        "deferred" flushes the rows that entered full first (their L
+        records only; :func:`replayssm_jax.reference._common.flush_full`),
+        then takes the append route: the same outputs as "output", but a
+        row that fills its buffer keeps it full (cursor L) until its next
+        step. ("auto" is resolved by
+        :func:`replayssm_jax.ops.gdn_replay_step`.)
 
     Returns:
       (o [batch, HV, V] in v.dtype, new GDNReplayState); o equals
@@ -221,6 +226,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
       (:func:`replayssm_jax.reference._common.on_f32_checkpoint`), a
       bfloat16 one rounded once per step (`on_widened_checkpoint`).
     """
+    if route == "deferred":  # the full rows flush first; the append route then finds a free slot in every row
+        return gdn_replay_step(c.flush_full(state, unify), q, k, v, g, beta, scale, use_qk_l2norm, "append")
     if state.scale is not None:
         return c.on_f32_checkpoint(state, step_writes(state, route), lambda s: gdn_replay_step(
             s, q, k, v, g, beta, scale, use_qk_l2norm, route))

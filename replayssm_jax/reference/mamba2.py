@@ -203,7 +203,12 @@ def mamba2_replay_step(
         appended). All three give the same numbers up to float32 rounding.
         "append" is the output route without the flush: a row that fills its
         buffer keeps it full (cursor L), and a row that entered full gets NaN
-        outputs and its state unchanged. ("auto" is resolved by
+        outputs and its state unchanged.
+        "deferred" flushes the rows that entered full first (their L
+        records only; :func:`replayssm_jax.reference._common.flush_full`),
+        then takes the append route: the same outputs as "output", but a
+        row that fills its buffer keeps it full (cursor L) until its next
+        step. ("auto" is resolved by
         :func:`replayssm_jax.ops.mamba2_replay_step`.)
 
     Returns:
@@ -213,6 +218,9 @@ def mamba2_replay_step(
       per write (:func:`replayssm_jax.reference._common.on_f32_checkpoint`),
       a bfloat16 one rounded once per step (`on_widened_checkpoint`).
     """
+    if route == "deferred":  # the full rows flush first; the append route then finds a free slot in every row
+        return mamba2_replay_step(c.flush_full(state, lambda s: unify(s, A)), x, dt, A, B, C, D, z, dt_bias,
+                                  dt_softplus, dt_limit, "append")
     if state.scale is not None:
         return c.on_f32_checkpoint(state, step_writes(state, route), lambda s: mamba2_replay_step(
             s, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, route))
