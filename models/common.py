@@ -259,7 +259,8 @@ class HybridCausalLM(nnx.Module):
           cache: from `prefill` or a previous `decode`.
           route: the ReplaySSM step's route, "output", "state", "direct", "deferred" (replayssm_jax.ops) or
             "auto": resolved per layer by shape (replayssm_jax.ops.resolve_route: the direct
-            route at latency-bound batches, else the output route; the reference takes "output");
+            route at latency-bound batches, else the deferred route from batch 64 with an f32 or
+            bf16 checkpoint, else the output route; the reference takes "output");
             or "append" (the output route without the flush, replayssm_jax.ops.STEP_ROUTES; a row
             whose buffer is full cannot take it: ValueError on a concrete cursor, and under a trace
             NaN logits with that row's SSM states kept while its conv windows, attention caches and

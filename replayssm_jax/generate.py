@@ -79,9 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state", choices=STATES, default=None, help="default: replay")
     p.add_argument("--buffer-len", type=int, default=None, help=f"ReplaySSM buffer length L (default {DEFAULT_BUFFER_LEN})")
     p.add_argument("--route", choices=ROUTES, default=None,
-                   help="ReplaySSM step route: output or state (buffered steps, same numbers), direct (the state "
-                        "written every step; for batches of 1-4 rows, where buffering saves nothing), or auto "
-                        "(default: the kernels pick direct where their grid is latency-bound, else output)")
+                   help="ReplaySSM step route: output, state or deferred (buffered steps, same numbers; deferred "
+                        "flushes a full row in its next step), direct (the state written every step; for batches "
+                        "of 1-4 rows, where buffering saves nothing), or auto (default: the kernels pick direct "
+                        "where their grid is latency-bound, else deferred from batch 64 with an f32 or bf16 "
+                        "state, else output)")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (weights and activations)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8", "float8_e4m3fn"), default=None,
                    help="ReplaySSM checkpoint dtype (default: the SSM state's; 8-bit: per-row scales, quantized at "

@@ -590,12 +590,14 @@ class Generator:
         "nearest" or "stochastic" (replayssm_jax.ops.*_replay_init); for
         other checkpoints "stochastic" is ignored (UserWarning).
       backend: SSM op backend (see replayssm_jax.ops); None picks by platform.
-      route: the ReplaySSM step's route (replayssm_jax.ops): "output" or
-        "state" (the buffered step, same numbers), "direct" (the state
+      route: the ReplaySSM step's route (replayssm_jax.ops): "output",
+        "state" or "deferred" (the buffered step, same numbers; "deferred"
+        flushes a full row in its next step), "direct" (the state
         written every step, the buffer kept for speculative decoding: for
         latency-bound batches of 1-4 rows), or "auto" (default: on the
         kernel backends each layer takes the direct route where its grid
-        is latency-bound, else the output route; on "xla" the output
+        is latency-bound, else the deferred route from batch 64 with an
+        f32 or bf16 checkpoint, else the output route; on "xla" the output
         route; replayssm_jax.ops.resolve_route). The standard state has
         no route: another value than "auto" with it warns (UserWarning).
       block_size: decode steps per compiled block (progress, `on_token` and

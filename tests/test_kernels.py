@@ -150,12 +150,19 @@ def replay_cases(backend):
                for layer, shapes in table.items() for index, shape in enumerate(shapes) for dtypes in bf16])
 
 
-REPLAY_CASES = [on(backend, case, L, dtypes, steps, id=f"{case_id(case)}-L{L}-{dtypes}", slow=slow)
-                for backend in SHAPES for case, L, dtypes, steps, slow in replay_cases(backend)]
+def deferred_is_slow(backend, L, dtypes) -> bool:
+    """Whether a deferred-route case of `replay_cases` is `slow` beyond its case: on the CPU backends all but
+    L = 4 in f32 (its launches are the flush launch and the append route's replay kernel, which the other
+    routes' cases run at every L and dtype)."""
+    return backend != "pallas" and (L, dtypes) != (4, "f32")
 
 
-@pytest.mark.parametrize(("backend", "case", "L", "dtypes", "steps"), REPLAY_CASES)
-@pytest.mark.parametrize("route", ROUTES)
+REPLAY_CASES = [on(backend, case, L, dtypes, steps, route, id=f"{route}-{case_id(case)}-L{L}-{dtypes}",
+                   slow=slow or (route == "deferred" and deferred_is_slow(backend, L, dtypes)))
+                for backend in SHAPES for case, L, dtypes, steps, slow in replay_cases(backend) for route in ROUTES]
+
+
+@pytest.mark.parametrize(("backend", "case", "L", "dtypes", "steps", "route"), REPLAY_CASES)
 def test_replay_step(backend, case, L, dtypes, steps, route, rng):
     layer, shape = case
     input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]
@@ -332,26 +339,27 @@ def model_replay_step(layer: str, batch: int):
 
 
 @pytest.mark.parametrize(("layer", "batch", "picked"), [
-    ("gdn", 1, "direct"), ("gdn", 4, "direct"), ("gdn", 8, "output"), ("gdn", 256, "output"),
-    ("mamba2", 1, "direct"), ("mamba2", 2, "output"),
+    ("gdn", 1, "direct"), ("gdn", 4, "direct"), ("gdn", 8, "output"), ("gdn", 256, "deferred"),
+    ("mamba2", 1, "direct"), ("mamba2", 2, "output"), ("mamba2", 64, "deferred"),
 ])
 def test_auto_route_at_model_shapes(layer, batch, picked):
     """The direct route where the default replay step is one launch (batch x
     heads <= 132): Qwen3.5-4B's GDN layer (32 value heads) at batch 1-4,
-    Nemotron-3-Nano-4B's Mamba-2 layer (96 heads) at batch 1; the output
-    route elsewhere and wherever a replay config is given."""
+    Nemotron-3-Nano-4B's Mamba-2 layer (96 heads) at batch 1; the deferred
+    route from batch 64; the output route elsewhere and wherever a replay
+    config is given."""
     step, rs, inp = model_replay_step(layer, batch)
     assert rs.checkpoint.shape[1:] == ((32, 128, 128) if layer == "gdn" else (96, 80, 128))
     assert kernels.replay_is_one_launch(batch, *rs.checkpoint.shape[1:], jnp.float32, 16) == (picked == "direct")
 
     def route_of(route, **kw):
         first = launched_kernels(lambda rs, inp: step(rs, inp, route=route, **kw), rs, inp)[0]
-        return next(r for r in ("direct", "output", "state") if first.startswith(f"{layer}_{r}_")
+        return next(r for r in ("direct", "output", "state", "deferred") if first.startswith(f"{layer}_{r}_")
                     or first.startswith(f"{layer}_replay_{r}_"))
 
     assert route_of("auto") == picked
     assert route_of("auto", config=kernels.ReplayConfig(block_v=16)) == "output"
-    for route in ("output", "state", "direct"):
+    for route in ("output", "state", "direct", "deferred"):
         assert route_of(route) == route
     with pytest.raises(ValueError,
                        match="`route` must be one of 'output', 'state', 'direct', 'deferred', 'auto', 'append'; got 'fast'"):

@@ -17,13 +17,15 @@ from replayssm_jax.ops import dispatch
 
 
 @pytest.mark.parametrize(("layer", "batch", "picked"), [
-    ("gdn", 1, "direct"), ("gdn", 4, "direct"), ("gdn", 8, "output"), ("gdn", 256, "output"),
-    ("mamba2", 1, "direct"), ("mamba2", 2, "output"),
+    ("gdn", 1, "direct"), ("gdn", 4, "direct"), ("gdn", 8, "output"), ("gdn", 256, "deferred"),
+    ("mamba2", 1, "direct"), ("mamba2", 2, "output"), ("mamba2", 64, "deferred"),
 ])
 def test_auto_route_at_model_shapes(layer, batch, picked):
     """The direct route where the default replay step is one launch (batch x
     heads <= 132): Qwen3.5-4B's GDN layer (32 value heads) at batch 1-4,
-    Nemotron-3-Nano-4B's Mamba-2 layer (96 heads) at batch 1."""
+    Nemotron-3-Nano-4B's Mamba-2 layer (96 heads) at batch 1; the deferred
+    route from DEFERRED_MIN_BATCH rows outside a state pool; else the output
+    route."""
     if layer == "gdn":
         rs = jax.eval_shape(lambda: ops.gdn_replay_init(jnp.zeros((batch, 32, 128, 128)), 16, 16))
     else:
@@ -33,12 +35,12 @@ def test_auto_route_at_model_shapes(layer, batch, picked):
         picked == "direct")
     for backend in ("pallas", "interpret"):
         assert ops.resolve_route("auto", backend, rs) == picked
-        # the append route's default on Mosaic GPU: the deferred route where the step is not one launch
-        assert ops.resolve_route("auto", backend, rs, mosaic=True) == ("direct" if picked == "direct" else "deferred")
+        # over a state pool: the output route where the deferred route would be taken
+        assert ops.resolve_route("auto", backend, rs, pool=True) == ("output" if picked == "deferred" else picked)
         assert ops.resolve_route("auto", backend, rs, kernels.ReplayConfig(block_v=16)) == "output"
-        assert ops.resolve_route("auto", backend, rs, kernels.ReplayConfig(block_v=16), mosaic=True) == "output"
         assert ops.resolve_route("auto", backend, rs, kernels.StepConfig(block_v=16)) == "direct"
-    assert ops.resolve_route("auto", "xla", rs) == ops.resolve_route("auto", "xla", rs, mosaic=True) == "output"
+    assert (picked == "deferred") == (batch >= dispatch.DEFERRED_MIN_BATCH)
+    assert ops.resolve_route("auto", "xla", rs) == "output"
     for route in ("output", "state", "direct", "deferred"):
         assert ops.resolve_route(route, "interpret", rs) == route
         assert ops.resolve_route(route, "xla", rs) == route

@@ -101,15 +101,22 @@ def test_standard_step_writes_only_its_slots(layer):
     ("mamba2", "direct", StepConfig(block_v=8)),
     ("gdn", "output", ReplayConfig(block_v=8)),
     ("gdn", "direct", StepConfig(block_v=8)),
-], ids=["mamba2-fused-flush", "mamba2-flush-launch", "mamba2-direct", "gdn-flush-launch", "gdn-direct"])
+    ("mamba2", "deferred", ReplayConfig(block_v=8)),
+    ("gdn", "deferred", ReplayConfig(block_v=8, flush_block_v=16)),
+], ids=["mamba2-fused-flush", "mamba2-flush-launch", "mamba2-direct", "gdn-flush-launch", "gdn-direct",
+        "mamba2-deferred", "gdn-deferred"])
 def test_replay_step_writes_only_its_slots(layer, route, config):
     """The replay step's launches over a pool (a flushing slot and an appending one, a padding row):
     checkpoint, buffers and cursor of each stepped slot as the reference's; every other slot's bits
-    unchanged, the cursors included (moved in place by the flush launch of a two-launch step)."""
+    unchanged, the cursors included (moved in place by the flush launch of a two-launch step). On the
+    deferred route the first stepped slot and a slot outside the batch enter full: its flush launch over
+    the pool flushes the one and leaves the other."""
     case, _, replay_step, init = LAYERS[layer]
     checkpoint, inputs, params, shared = case(np.random.default_rng(2))
     rng = np.random.default_rng(5)
-    pool = _with_random_records(init(checkpoint, L, shared).replace(cursor=jnp.asarray(CURSORS)), rng)
+    full = np.isin(np.arange(len(CURSORS)), [SLOTS[0], 0]) & (route == "deferred")  # slot 0: not in the batch
+    cursors = np.where(full, L, CURSORS)
+    pool = _with_random_records(init(checkpoint, L, shared).replace(cursor=jnp.asarray(cursors, jnp.int32)), rng)
     y, new = replay_step(pool, **inputs, **params, route=route, backend="interpret", config=config,
                          slots=jnp.asarray(SLOTS))
     want_y, want = _reference_on_rows(replay_step, pool, inputs, params, route=route)

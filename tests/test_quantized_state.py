@@ -235,11 +235,13 @@ def _kernel_shape(layer_cls, backend, index):
 @pytest.mark.parametrize("layer_cls", [GDN, Mamba2])
 @pytest.mark.parametrize(("dtype", "rounding", "route", "fused"), KERNEL_CASES)
 def test_kernel_replay_steps_match_the_reference(layer_cls, dtype, rounding, route, fused, backend, rng):
-    """L // 2 + 2 replay steps from mixed cursors (every row flushes at least once), bf16 inputs and
-    buffers on the second CPU shape. On the deferred route, whose outputs read the checkpoint its flush
-    launch just wrote, the outputs are compared with the reference's from the kernels' flushed checkpoint
-    (the two flushes may round an element to neighbouring grid points: f32 inputs and an int8 checkpoint
-    on the H200, 2026-12-03, 5.1e-5 from the reference's own against 2.3e-5 allowed)."""
+    """L // 2 + 2 replay steps from mixed cursors (every row flushes at least once; on the deferred route
+    every row that is not empty at the start), bf16 inputs and buffers on the second CPU shape. On the
+    deferred route, whose outputs read the checkpoint its flush launch just wrote, the outputs are compared
+    with the reference's from the kernels' flushed checkpoint (the two flushes may round an element to
+    neighbouring grid points: f32 inputs and an int8 checkpoint on the H200, 2026-12-03, 5.1e-5 (GDN) and
+    7.3e-3 (Mamba-2, 7e-6 of the largest output) from the reference's own against 2.3e-5 and 4.7e-3
+    allowed)."""
     shape = _kernel_shape(layer_cls, backend, 0 if dtype == int8 else 1)
     input_dtype = f32 if dtype == int8 else jnp.bfloat16
     layer = layer_cls(shape, rng, input_dtype)

@@ -18,10 +18,10 @@ touch the same state element.
   step's direct route runs the same kernel with the row's buffered records
   and cursor: its live records are folded into its checkpoint tile first,
   and the cursor is set to 0 in place.
-- :func:`gdn_replay_step` on the output, state and append routes: the replay
-  kernel, grid (batch, HV, splits): a program forms the per-head terms
-  once (decay weights of the live slots, the buffered keys' scores against
-  k and q), then loops over its row tiles; one read of each checkpoint
+- :func:`gdn_replay_step` on the output, state, append and deferred routes:
+  the replay kernel, grid (batch, HV, splits): a program forms the per-head
+  terms once (decay weights of the live slots, the buffered keys' scores
+  against k and q), then loops over its row tiles; one read of each checkpoint
   tile gives both exp(g) S_{j-1} k_j (for d_j) and S_j q_j through the
   buffered records, without forming S; the new record (d_j, k_j, g_j) goes
   to the row's cursor. The flush materializes S_j of each row whose buffer
@@ -30,9 +30,11 @@ touch the same state element.
   second launch (:func:`replayssm_jax.kernels.launch.replay_launch`).
   `route="state"` makes the replay kernel form S_{j-1} in every step and
   read o from S_j instead; `route="append"` runs the output route's kernel
-  alone (no flush; the cursor moved by an XLA op after it). With a
-  TMAReadoutConfig the append route is instead two launches: a Triton
-  prelude, grid (batch, H), that forms the per-head terms and writes the
+  alone (no flush; the cursor moved by an XLA op after it), and
+  `route="deferred"` runs it after the flush launch of the rows that entered
+  full (`launch.flush_full_launch`). With a TMAReadoutConfig the append
+  route (and the deferred route after its flush launch) is instead two
+  launches: a Triton prelude, grid (batch, H), that forms the per-head terms and writes the
   shared records and the cursor (`_head_terms`), and the Mosaic GPU readout
   (`tma_readout.gdn_append_tma`); the direct route likewise, the prelude on
   route "direct" (no record written, the cursor set to 0) and the Mosaic

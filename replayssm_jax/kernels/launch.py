@@ -392,8 +392,8 @@ def run_replay_program(tile, flush_row, *, V: int, L: int, config: ReplayConfig,
     which also stores the program's rows of the new update record); with
     config.fused_flush, then flush_row(config=its sub-tiling) where the
     row's buffer is full after this step (count >= L - 1). flush=False
-    (the append route): no flush, fused or launched, and no cursor written
-    (the launch moves it). Then the row's
+    (the append and deferred routes): no flush, fused or launched, and no
+    cursor written (the launch moves it). Then the row's
     shared records at slot `count` where `append` (the row has a free slot):
     the log decay decay_record() (f32 scalar, formed here) into decay_out
     f32[BL] by the head's first program, the key f32[BK] (valid lanes

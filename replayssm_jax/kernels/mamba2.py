@@ -16,8 +16,8 @@ P, all N columns).
   direct route runs the same kernel with the row's buffered records and
   cursor: its live records are folded into its checkpoint tile first, and
   the cursor is set to 0 in place.
-- :func:`mamba2_replay_step` on the output, state and append routes: the replay
-  kernel, grid (batch, H, splits): a program forms the per-head terms once
+- :func:`mamba2_replay_step` on the output, state, append and deferred routes:
+  the replay kernel, grid (batch, H, splits): a program forms the per-head terms once
   (decay weights of the live slots, the buffered B's scores against C) and
   loops over its row tiles, reading each checkpoint tile once:
   y = exp(dt A) (exp(G) S_c C + sum_i w_i dt_i (B_i . C) x_i) + (B . C) dt x;
@@ -27,7 +27,9 @@ P, all N columns).
   replay kernel or as a second launch
   (:func:`replayssm_jax.kernels.launch.replay_launch`). `route="state"`
   makes the replay kernel form S in every step; `route="append"` runs the
-  output route's kernel alone (no flush; the cursor moved by an XLA op after it).
+  output route's kernel alone (no flush; the cursor moved by an XLA op
+  after it), and `route="deferred"` runs it after the flush launch of the
+  rows that entered full (`launch.flush_full_launch`).
 
 - :func:`mamba2_replay_verify`: a verify window of W steps. The rows whose
   window does not fit behind the cursor flush their buffered records first

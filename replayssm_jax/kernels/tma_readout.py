@@ -46,7 +46,11 @@ weights, the buffered B's scores against C, the buffer terms from the x
 records, the skip and the gate), appends the x, dt and B records and moves
 the cursor in place (`advance_cursor`).
 
-A row that entered full (cursor == L) has no free slot: its outputs are NaN
+The deferred route (route="deferred") runs the same launches after the
+replay step's flush launch for the rows that entered full
+(`launch.flush_full_launch`), which read those rows as empty: their
+record goes to slot 0 and their cursor to 1. On the append route a row
+that entered full (cursor == L) has no free slot: its outputs are NaN
 and its state is kept bit for bit (its last d record is written back as it
 was; its k and g records are not written), as on the Triton route.
 

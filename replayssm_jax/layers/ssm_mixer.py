@@ -147,7 +147,8 @@ class SSMMixer(nnx.Module):
           state: `SSMLayerState` (standard step) or `ReplayLayerState` (ReplaySSM step).
           route: the ReplaySSM step's route, "output", "state", "direct", "deferred" (same numbers) or "auto"
             (resolved by replayssm_jax.ops.resolve_route: on the kernel backends the direct route where
-            the default replay step is one launch, else the output route), or "append" (the output
+            the default replay step is one launch, else the deferred route from batch 64 with an f32 or
+            bf16 checkpoint outside a state pool, else the output route), or "append" (the output
             route without the flush, for a schedule that flushes the rows itself; on a row with a full
             buffer: ValueError on a concrete cursor, and under a trace NaN outputs, the SSM state kept
             and the conv window moved on).

@@ -75,7 +75,6 @@ import jax.numpy as jnp
 
 from replayssm_jax import kernels, reference
 from replayssm_jax import state as _state
-from replayssm_jax.kernels import tma_readout
 from replayssm_jax.ops import validate as val
 from replayssm_jax.ops.dispatch import (
     BACKENDS,
@@ -266,13 +265,6 @@ def _check_append(state, route: str, slots) -> None:
         raise ValueError(f"route 'append' needs a free buffer slot in every row (cursor < buffer_len = "
                          f"{state.buffer_len}); batch rows {full[:8]}{where} are full: step them on another "
                          "route ('output', 'state' or 'direct'), which flushes them")
-
-
-def _mosaic_append(route: str, backend: str, config, default) -> bool:
-    """Whether a replay step on `route` "auto" (compiled, no `config`) finds the append route's Mosaic GPU
-    kernels its default (`default()`: the layer's default TMAReadoutConfig, or None), so that "auto" may
-    take the deferred route (:func:`resolve_route`)."""
-    return route == "auto" and backend == "pallas" and config is None and default() is not None
 
 
 def _warn_direct_8bit(state, route: str) -> None:
@@ -578,9 +570,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
     dt_softplus, dt_limit, slots = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                                                 dt_limit, slots)
     chosen = choose_backend("mamba2_replay_step", backend, config)
-    mosaic = _mosaic_append(route, chosen, config,
-                            lambda: tma_readout.default_mamba2_tma(state, C, interpret=False, slots=slots))
-    route = resolve_route(route, chosen, _rows_shape(state, slots), config, mosaic=mosaic)
+    route = resolve_route(route, chosen, _rows_shape(state, slots), config, pool=slots is not None)
     _warn_direct_8bit(state, route)
     _check_append(state, route, slots)
     if chosen == "xla":
@@ -845,9 +835,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     """
     scale, use_qk_l2norm, slots = val.check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots)
     chosen = choose_backend("gdn_replay_step", backend, config)
-    mosaic = _mosaic_append(route, chosen, config,
-                            lambda: tma_readout.default_tma_readout(state, v, interpret=False, slots=slots))
-    route = resolve_route(route, chosen, _rows_shape(state, slots), config, mosaic=mosaic)
+    route = resolve_route(route, chosen, _rows_shape(state, slots), config, pool=slots is not None)
     _warn_direct_8bit(state, route)
     _check_append(state, route, slots)
     if chosen == "xla":

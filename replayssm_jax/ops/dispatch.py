@@ -37,6 +37,15 @@ BACKENDS = ("pallas", "interpret", "xla")
 ROUTES = ("output", "state", "direct", "deferred", "auto")
 STEP_ROUTES = ROUTES + ("append",)
 
+# Batch rows from which route "auto" takes the deferred route (outside a
+# state pool, f32 or bf16 checkpoint, a grid that is not one launch). On the
+# H200 (bench/RESULTS.md, 2026-12-03, "The deferred route"), L = 16, from
+# staggered cursors, its kernels took less time than the output route's at
+# every shape measured: batch 64, 256 and 512 with an f32 checkpoint, 256
+# with a bf16 one, both layers, on the Mosaic GPU append kernels and on the
+# Triton replay kernel alike. Smaller batches were not measured.
+DEFERRED_MIN_BATCH = 64
+
 # Ops with a Pallas kernel; the others run the reference on every backend
 # choice of None and raise for an explicit "pallas" / "interpret".
 KERNEL_OPS = frozenset({"conv_update", "mamba2_step", "mamba2_verify", "mamba2_replay_step", "mamba2_replay_verify",
@@ -141,7 +150,7 @@ def check_route(route: str, routes: tuple[str, ...] = ROUTES) -> str:
     return route
 
 
-def resolve_route(route: str, backend: str, state, config=None, *, mosaic: bool = False) -> str:
+def resolve_route(route: str, backend: str, state, config=None, *, pool: bool = False) -> str:
     """The route a replay step on `backend` takes for `route` on `state`.
 
     "output", "state", "direct", "deferred" and "append" are taken as given. "auto" is, on the
@@ -151,16 +160,14 @@ def resolve_route(route: str, backend: str, state, config=None, *, mosaic: bool 
     grid, batch x heads <= 132, e.g. the Qwen3.5-4B GDN layer at batch 1-4
     and the Nemotron-3-Nano-4B Mamba-2 layer at batch 1) and `config` is
     None, else (large grids, where the buffered step saves state traffic)
-    the deferred route where `mosaic` (the caller found the append route's
-    Mosaic GPU kernels its default for this step: an f32 or bf16 checkpoint
-    of batch >= 64 on a Hopper-class GPU, no state pool), else the output
-    route. On the H200 at L = 16 with an f32 checkpoint, from staggered
-    cursors, the deferred route's kernels took 1.10, 1.12 and 1.08x the
-    original's kernel time (GDN, batch 64, 256, 512) and 1.11, 1.05 and
-    1.03x (Mamba-2), the output route's 1.21-1.26x; the deferred route on
-    the Triton append kernel 1.16-1.24x, so it is not taken there
-    (bench/RESULTS.md, 2026-12-03, "The deferred route"). With a `config`
-    given, "auto" follows its kind: a
+    the deferred route from DEFERRED_MIN_BATCH rows outside a state pool
+    (`pool` False), else the output route. On the H200 at L = 16 with an
+    f32 checkpoint, from staggered cursors, the deferred route's kernels
+    took 1.10, 1.12 and 1.08x the original's kernel time (GDN, batch 64,
+    256, 512) and 1.11, 1.05 and 1.03x (Mamba-2) on a Hopper-class GPU's
+    Mosaic GPU append kernels, 1.16-1.24x on the Triton replay kernel, the
+    output route 1.21-1.26x (bench/RESULTS.md, 2026-12-03, "The deferred
+    route"). With a `config` given, "auto" follows its kind: a
     :class:`~replayssm_jax.kernels.StepConfig` tiles the direct route, a
     :class:`~replayssm_jax.kernels.ReplayConfig` the output route. On the H200 the direct step
     ran at 0.88-0.99x of the standard step's speed at those batches and the
@@ -174,8 +181,8 @@ def resolve_route(route: str, backend: str, state, config=None, *, mosaic: bool 
       state: the Mamba2ReplayState or GDNReplayState of the step (only its
         shapes and dtypes are read).
       config: the caller's kernel config, or None.
-      mosaic: whether the append route's default kernels for this step are
-        the Mosaic GPU ones (only "auto" reads it).
+      pool: whether the step runs over a state pool (`slots` given; only
+        "auto" reads it).
 
     Returns:
       "output", "state", "direct", "deferred" or "append".
@@ -198,7 +205,7 @@ def resolve_route(route: str, backend: str, state, config=None, *, mosaic: bool 
     batch, heads, rows, cols = state.checkpoint.shape
     if kernels.replay_is_one_launch(batch, heads, rows, cols, state.checkpoint.dtype, state.buffer_len):
         return "direct"
-    return "deferred" if mosaic else "output"
+    return "deferred" if batch >= DEFERRED_MIN_BATCH and not pool else "output"
 
 
 def check_buffer_len(buffer_len: int, backend: str | None, name: str = "buffer_len") -> None:
