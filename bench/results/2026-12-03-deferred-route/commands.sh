@@ -3,7 +3,9 @@
 # repository root. Every run's kernels are those of b64a426. Its other code, by run: runs 1 and 2 before
 # bench/kernels.py's -deferred-triton variant, route "auto" taking the deferred route and the 8-bit
 # deferred test cases; run 3 with the variant; run 4 all of b64a426 but one test change made after it (the
-# 8-bit deferred cases' outputs compared from the kernels' flushed checkpoint, bench/RESULTS.md).
+# 8-bit deferred cases' outputs compared from the kernels' flushed checkpoint, bench/RESULTS.md). In runs
+# 3-4 route "auto" took the deferred route where the append route's default is the Mosaic GPU kernel; from
+# cd7693b it takes it from batch 64 outside a state pool (the timed variants name their route).
 
 # run 1: the deferred route's GPU tests, then both layers beside the original (b256, f32)
 python3 -m pytest -m gpu tests/test_tma_readout.py tests/test_mamba2_tma.py tests/test_kernels.py -k deferred \
