@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cases import assert_close, oracle_step
+from hlo_checks import assert_step_alone_and_in_a_loop
 from replayssm_jax import kernels
 from replayssm_jax.testing import (  # noqa: F401  (the tests import these from here)
     ADAPTERS,
@@ -211,6 +212,41 @@ def check_deferred_steps(layer, rs, config, steps: int, tol) -> None:
         flushed += int(full.sum())
         rs = new
     assert flushed, "no row entered full: the flush launch was not tested"
+
+
+def check_auto_is_deferred(layer, name: str, L: int) -> None:
+    """route="auto" through the ops ("pallas") on `layer` (a batch of at least DEFERRED_MIN_BATCH rows), from
+    staggered cursors with full rows among them, an f32 checkpoint and bf16 records: the deferred route
+    (its flush launch, `{name}_deferred_flush_L...`), on the Mosaic GPU kernel where the GPU is
+    Hopper-class; L + 2 steps within the tolerance of the reference's output route."""
+    rs = rs_ref = layer.replay_state(L, f32, bf16, (np.arange(layer.s.batch) * 5 % (L + 1)).astype(np.int32))
+    step = jax.jit(lambda s, i: layer.replay_step(s, i, "auto", "pallas"))
+    text = step.trace(rs, layer.draw()).lower().as_text()
+    hopper = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+    assert f"{name}_deferred_flush_L" in text and ("mosaic_gpu_v2" in text) == hopper
+    tol = tolerance_dtype(bf16, f32)
+    for t in range(L + 2):
+        inp = layer.draw()
+        y, rs = step(rs, inp)
+        y_ref, rs_ref = layer.replay_step(rs_ref, inp, "output", "xla")
+        assert_close(y, y_ref, tol, what=f"outputs, step {t}")
+        assert_close(layer.materialize(rs), layer.materialize(rs_ref), tol, what=f"materialized state, step {t}")
+
+
+def check_deferred_step_kernels(layer, L: int) -> None:
+    """The deferred step on Mosaic GPU (a TMAReadoutConfig()), jitted alone with its state donated: two Triton
+    launches (the flush launch; the GDN prelude or the Mamba-2 launch after the readout) and one Mosaic GPU
+    kernel, nothing else; a decode loop of 2 L steps on it from staggered cursors (every row fills and
+    flushes its buffer) copies no checkpoint, record or cursor (`hlo_checks.assert_step_alone_and_in_a_loop`)."""
+    rs = layer.replay_state(L, f32, bf16, (np.arange(layer.s.batch) * 3 % (L + 1)).astype(np.int32))
+
+    def step(rs, inp):
+        return layer.kernel_replay_step(rs, inp, "deferred", kernels.TMAReadoutConfig())
+
+    hlo = jax.jit(step).lower(rs, layer.draw()).compile().as_text()
+    launches = [hlo.count(f'custom_call_target="{target}"') for target in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")]
+    assert launches == [2, 1], f"Triton and Mosaic GPU launches: {launches}"
+    assert_step_alone_and_in_a_loop(step, rs, [layer.draw() for _ in range(2 * L)], jax.tree.leaves(rs))
 
 
 def with_dtype(x, dtype):

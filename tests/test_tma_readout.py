@@ -24,7 +24,8 @@ import pytest
 
 from cases import assert_close
 from hlo_checks import assert_step_alone_and_in_a_loop
-from kernel_checks import GDN, GDNShape, check_deferred_steps, lower_for_cuda, poison_dead_slots
+from kernel_checks import (GDN, GDNShape, check_auto_is_deferred, check_deferred_step_kernels, check_deferred_steps,
+                           lower_for_cuda, poison_dead_slots)
 from replayssm_jax import kernels, ops, reference
 from replayssm_jax.kernels import gdn as gdn_kernels
 from replayssm_jax.kernels import tma_readout
@@ -367,24 +368,9 @@ def test_compiled_deferred_steps_match_the_reference(checkpoint_dtype, buffer_dt
 
 @pytest.mark.gpu
 def test_auto_route_at_batch_256_is_deferred(rng):
-    """route="auto" through the ops at batch 256 with an f32 checkpoint, from staggered cursors (full rows among
-    them): the deferred route (its flush launch), on the Mosaic GPU kernel on a Hopper-class GPU; L + 2 steps
-    within the tolerance of the reference's output route."""
-    shape = GDNShape(batch=256, H=4, HV=8, K=128, V=128)
-    layer = _layer(rng, shape)
-    cursor = (np.arange(shape.batch) * 5 % (L + 1)).astype(np.int32)
-    rs = rs_ref = layer.replay_state(L, f32, bf16, cursor)
-    step = jax.jit(lambda s, i: layer.replay_step(s, i, "auto", "pallas"))
-    text = step.trace(rs, layer.draw()).lower().as_text()
-    hopper = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
-    assert "gdn_deferred_flush_L" in text and ("mosaic_gpu_v2" in text) == hopper
-    for t in range(L + 2):
-        inp = layer.draw()
-        y, rs = step(rs, inp)
-        y_ref, rs_ref = layer.replay_step(rs_ref, inp, "output", "xla")
-        assert_close(y, y_ref, tolerance_dtype(bf16, f32), what=f"outputs, step {t}")
-        assert_close(layer.materialize(rs), layer.materialize(rs_ref), tolerance_dtype(bf16, f32),
-                     what=f"materialized state, step {t}")
+    """route="auto" at batch 256 with an f32 checkpoint: the deferred route, on the Mosaic GPU kernel on a
+    Hopper-class GPU, within the tolerance of the reference (`kernel_checks.check_auto_is_deferred`)."""
+    check_auto_is_deferred(_layer(rng, GDNShape(batch=256, H=4, HV=8, K=128, V=128)), "gdn", L)
 
 
 @pytest.mark.gpu
@@ -441,17 +427,6 @@ def test_compiled_step_is_its_two_kernels(rng):
 
 @pytest.mark.gpu
 def test_compiled_deferred_step_is_its_three_kernels(rng):
-    """The deferred step on Mosaic GPU, jitted alone with its state donated: the flush launch, the prelude and
-    the readout and nothing else; a decode loop of 2 L steps on it (every row fills and flushes its buffer)
-    copies no checkpoint, record or cursor."""
-    layer = _layer(rng)
-    rs = layer.replay_state(L, f32, bf16, (np.arange(SHAPE.batch) * 3 % (L + 1)).astype(np.int32))
-    config = kernels.TMAReadoutConfig()
-
-    def step(rs, inp):
-        return layer.kernel_replay_step(rs, inp, "deferred", config)
-
-    hlo = jax.jit(step).lower(rs, layer.draw()).compile().as_text()
-    launches = [hlo.count(f'custom_call_target="{target}"') for target in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")]
-    assert launches == [2, 1], f"Triton and Mosaic GPU launches: {launches}"
-    assert_step_alone_and_in_a_loop(step, rs, [layer.draw() for _ in range(2 * L)], jax.tree.leaves(rs))
+    """The deferred step on Mosaic GPU: the flush launch, the prelude and the readout and nothing else, and
+    no copy of the state in a decode loop (`kernel_checks.check_deferred_step_kernels`)."""
+    check_deferred_step_kernels(_layer(rng), L)
