@@ -34,8 +34,8 @@ touch the same state element.
   `route="deferred"` runs it after the flush launch of the rows that entered
   full (`launch.flush_full_launch`). With a TMAReadoutConfig the append
   route (and the deferred route after its flush launch) is instead two
-  launches: a Triton prelude, grid (batch, H), that forms the per-head terms and writes the
-  shared records and the cursor (`_head_terms`), and the Mosaic GPU readout
+  launches: a Triton prelude, grid (batch, H), that forms the per-head
+  terms and writes the shared records and the cursor (`_head_terms`), and the Mosaic GPU readout
   (`tma_readout.gdn_append_tma`); the direct route likewise, the prelude on
   route "direct" (no record written, the cursor set to 0) and the Mosaic
   GPU step (`tma_step.gdn_direct_tma`).

@@ -17,9 +17,10 @@ P, all N columns).
   cursor: its live records are folded into its checkpoint tile first, and
   the cursor is set to 0 in place.
 - :func:`mamba2_replay_step` on the output, state, append and deferred routes:
-  the replay kernel, grid (batch, H, splits): a program forms the per-head terms once
-  (decay weights of the live slots, the buffered B's scores against C) and
-  loops over its row tiles, reading each checkpoint tile once:
+  the replay kernel, grid (batch, H, splits): a program forms the per-head
+  terms once (decay weights of the live slots, the buffered B's scores
+  against C) and loops over its row tiles, reading each checkpoint tile
+  once:
   y = exp(dt A) (exp(G) S_c C + sum_i w_i dt_i (B_i . C) x_i) + (B . C) dt x;
   the new record (x, dt, B) goes to the row's cursor. The flush applies
   the buffered records, then this step, to the checkpoint tiles of each
