@@ -8,7 +8,7 @@ A variant that the compared snapshot lacks is reported as new, not as a
 difference; one that it has and this tree lacks is missing (a difference).
 
 Variants: both layers; the standard step; the replay step on the output,
-state and direct routes; the verify window (W = 2 and 4); f32 and bf16
+state, direct and deferred routes; the verify window (W = 2 and 4); f32 and bf16
 states (f32 and bf16 buffers); L = 4 and 16; batch 1 (one launch: fused
 flush) and 64 (replay kernel plus flush launch); the realistic head shapes
 of the benchmarks and a small awkward one. Only the public ops
@@ -46,7 +46,7 @@ GDN_SHAPES = {"qwen35": (16, 32, 128, 128), "awkward": (2, 4, 20, 24)}
 MAMBA2_SHAPES = {"nemotron": (96, 80, 128, 8), "awkward": (4, 24, 16, 2)}
 BATCHES = (1, 64)
 LENGTHS = (4, 16)
-ROUTES = ("output", "state", "direct")
+ROUTES = ("output", "state", "direct", "deferred")
 WINDOWS = (2, 4)  # verify windows
 STATE_DTYPES = {"f32": (f32, f32), "bf16": (bf16, bf16)}  # (state, buffer)
 

@@ -128,13 +128,16 @@ def test_replay_step_writes_only_its_slots(layer, route, config):
     ("output", ReplayConfig(block_v=8, fused_flush=True), 1),
     ("output", ReplayConfig(block_v=8), 2),
     ("direct", StepConfig(block_v=8), 1),
-], ids=["fused-flush", "flush-launch", "direct"])
+    ("deferred", ReplayConfig(block_v=8), 2),
+], ids=["fused-flush", "flush-launch", "direct", "deferred"])
 def test_pool_launches_lower_for_cuda_with_the_pool_in_place(route, config, calls):
     """The Triton lowering takes the pool's launches (kernel_checks.lower_for_cuda: the whole Pallas ->
     Triton lowering short of PTX), and each aliases every pool array it writes to its operand: the
     checkpoint and buffers (operands 1..4, after the slots), the cursor in place in one launch; in a
     two-launch step the flush launch's checkpoint and the cursor (its last operand), and the replay
-    kernel's cursors at entry are a fresh array."""
+    kernel's cursors at entry are a fresh array; on the deferred route the flush launch of the full slots
+    (its checkpoint in place, no cursor written) and the replay kernel (its checkpoint and buffers in place;
+    the cursor moved by an XLA op over the batch's slots)."""
     checkpoint, inputs, params, G = _mamba2_case(np.random.default_rng(6))
     pool = ops.mamba2_replay_init(checkpoint, L, G).replace(cursor=jnp.asarray(CURSORS))
 
@@ -149,6 +152,13 @@ def test_pool_launches_lower_for_cuda_with_the_pool_in_place(route, config, call
     operands = re.search(r"custom_call @\S+\(([^)]*)\)", found[0]).group(1).count(",") + 1
     if route == "direct":  # outputs y, checkpoint, cursor: the checkpoint and the cursor (last operand)
         assert aliases == [(1, 1), (2, operands - 1)], found[0][:2000]
+        return
+    if route == "deferred":  # the flush launch's one output, the checkpoint; the replay kernel's as appending
+        flush, replay = sorted(found, key=lambda line: "deferred_flush" not in line)
+        assert "mamba2_deferred_flush" in flush and "mamba2_replay_deferred" in replay, found
+        assert re.findall(r"output_tuple_indices = \[\], operand_index = (\d+)", flush) == ["1"], flush[:2000]
+        assert sorted((int(o), int(i)) for o, i in re.findall(
+            r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", replay)) == [(1, 1), (2, 2), (3, 3), (4, 4)]
         return
     assert aliases == [(1, 1), (2, 2), (3, 3), (4, 4)] + ([(5, 5)] if calls == 1 else []), found[0][:2000]
     if calls == 2:
