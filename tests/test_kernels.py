@@ -241,12 +241,12 @@ ROUTE_SEQUENCES = [
 ]
 
 
-# Every sequence on each layer's first CPU shape; the second shapes with the first sequence only
-# (the others `slow`).
+# Every sequence on each layer's first CPU shape (the deferred route's on the first layer's only); the
+# second shapes with the first sequence only (the others `slow`).
 MIXED_ROUTE_CASES = [pytest.param(case, routes, configs, id=f"{'-'.join(routes)}-{case_id(case)}",
-                                  marks=[pytest.mark.slow] if k and i else [])
+                                  marks=[pytest.mark.slow] if (k and i) or ("deferred" in routes and j) else [])
                      for i, (routes, configs) in enumerate(ROUTE_SEQUENCES)
-                     for layer, shapes in CPU_SHAPES.items() for k, shape in enumerate(shapes)
+                     for j, (layer, shapes) in enumerate(CPU_SHAPES.items()) for k, shape in enumerate(shapes)
                      for case in [(layer, shape)]]
 
 

@@ -209,11 +209,15 @@ def _same_quantized(new, want, what):
     np.testing.assert_array_equal(np.asarray(new.cursor), np.asarray(want.cursor), err_msg=what)
 
 
-# (dtype, rounding, route, fused_flush): each route (the replay kernel with its flush launch, with its
-# fused flush, the state route, the direct route, the deferred route's flush launch and append kernel)
-# with both dtypes and both roundings.
+# (layer, dtype, rounding, route, fused_flush): each route (the replay kernel with its flush launch, with
+# its fused flush, the state route, the direct route, the deferred route's flush launch and append kernel)
+# with both dtypes and both roundings, on both layers; the deferred route by default on GDN with int8 and
+# Mamba-2 with fp8 (its kernels are the flush launch and the append route's, which the other routes' cases
+# run at both dtypes), the other two `slow`.
 KERNEL_CASES = [
-    pytest.param(dtype, rounding, route, fused, id=f"{name}-{rounding}-{tag}")
+    pytest.param(layer_cls, dtype, rounding, route, fused, id=f"{name}-{rounding}-{tag}-{layer_cls.__name__}",
+                 marks=[pytest.mark.slow] if route == "deferred" and (layer_cls is GDN) != (dtype == int8) else [])
+    for layer_cls in (GDN, Mamba2)
     for (dtype, name), roundings in (((int8, "int8"), ROUNDINGS), ((fp8, "fp8"), ROUNDINGS[::-1]))
     for (route, fused, tag), rounding in zip(
         [("output", False, "two-launch"), ("output", True, "fused"), ("state", False, "state"),
@@ -232,8 +236,7 @@ def _kernel_shape(layer_cls, backend, index):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layer_cls", [GDN, Mamba2])
-@pytest.mark.parametrize(("dtype", "rounding", "route", "fused"), KERNEL_CASES)
+@pytest.mark.parametrize(("layer_cls", "dtype", "rounding", "route", "fused"), KERNEL_CASES)
 def test_kernel_replay_steps_match_the_reference(layer_cls, dtype, rounding, route, fused, backend, rng):
     """L // 2 + 2 replay steps from mixed cursors (every row flushes at least once; on the deferred route
     every row that is not empty at the start), bf16 inputs and buffers on the second CPU shape. On the
