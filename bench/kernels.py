@@ -707,7 +707,7 @@ def sweep_configs(bench, L, overrides=None):
 def sweep(bench, base, rows, lengths, options: TimingOptions, overrides=None, routes=("output",),
           cursors=("staggered",)):
     """Time the standard and replay kernels over the tilings of sweep_configs, the replay step on each of
-    `routes` ("output", "state") from each of `cursors` ("staggered", "in-step": the rows of a decode loop
+    `routes` ("output", "state", "deferred") from each of `cursors` ("staggered", "in-step": the rows of a decode loop
     that started together, which all flush in the same step; "lockstep": `run_variant`'s cycle, the swept
     tiling on its L - 1 replay steps, and then, at the default tiling, each of the direct step's tilings
     `overrides["direct"]`, if any); variants "replay-L16", "replay-L16-state", "replay-L16-in-step", ...;
@@ -748,9 +748,10 @@ def main(argv=None):
     p.add_argument("--replay-configs", default="",
                    help="with --sweep: replay tilings instead of SWEEP_CONFIGS, e.g. '16x4x1f,64x4x2,64x4x2:32x2x4' "
                         "(BVxWxT or BVxWxTxSTAGES, f: fused; after ':' the flush launch's BVxWxROWS)")
-    p.add_argument("--sweep-routes", type=subset_of("output", "state"), default=("output",),
-                   help="with --sweep: the replay step's routes to time, of output,state (the state route forms "
-                        "the state tile with the rank-L dot, on the tensor cores)")
+    p.add_argument("--sweep-routes", type=subset_of("output", "state", "deferred"), default=("output",),
+                   help="with --sweep: the replay step's routes to time, of output,state,deferred (the state route "
+                        "forms the state tile with the rank-L dot, on the tensor cores; the deferred route's "
+                        "flush launch takes the tiling's flush fields)")
     p.add_argument("--sweep-cursors", type=subset_of("staggered", "in-step", "lockstep"), default=("staggered",),
                    help="with --sweep: the replay rows' cursors at the start, of staggered,in-step,lockstep (in "
                         "step: every row flushes in the same step, as in a decode loop whose rows started together; "

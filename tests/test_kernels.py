@@ -542,6 +542,29 @@ def test_heuristics_plan_for_132_sms_without_a_gpu():
     assert kernels.StepConfig(block_v=32, dot_fold=True).tag() == "bv32_w4_s1_t1_dotfold"
 
 
+def test_deferred_flush_tiling():
+    """The deferred route's flush launch of an f32 checkpoint takes DEFERRED_FLUSH_TILE (32 rows, 4 warps;
+    at most V rounded up to a power of two) where the config leaves its flush fields unset; a bf16
+    checkpoint, a fused config or set flush fields keep the config's."""
+    from replayssm_jax.kernels.config import deferred_flush_default, replay_config_for
+
+    base = kernels.ReplayConfig(block_v=64, num_warps=4, tiles=2)
+    assert deferred_flush_default(base, jnp.float32, 128) == kernels.ReplayConfig(
+        block_v=64, num_warps=4, tiles=2, flush_block_v=32, flush_warps=4)
+    assert deferred_flush_default(base, jnp.float32, 80).flush_launch_tiling().block_v == 32
+    assert deferred_flush_default(base, jnp.float32, 12).flush_block_v == 16
+    assert deferred_flush_default(base, jnp.bfloat16, 128) == base
+    assert deferred_flush_default(base, jnp.int8, 128) == base
+    for kept in (kernels.ReplayConfig(block_v=16, fused_flush=True), dataclasses.replace(base, flush_rows=2)):
+        assert deferred_flush_default(kept, jnp.float32, 128) == kept
+    checkpoint = jax.ShapeDtypeStruct((256, 32, 128, 128), jnp.float32)
+    dims = (("value dim", "V"), ("key dim", "K"))
+    deferred = replay_config_for(None, checkpoint, 16, dims, route="deferred")
+    assert (deferred.flush_block_v, deferred.flush_warps, deferred.flush_rows) == (32, 4, 0)
+    assert replay_config_for(None, checkpoint, 16, dims, route="output") == kernels.default_replay_config(
+        256, 32, 128, 128, jnp.float32, 16)
+
+
 def test_mamba2_errors_before_any_kernel(rng):
     layer = Mamba2(CPU_SHAPES[Mamba2][0], rng)
     state, inp = layer.state(jnp.float32), layer.draw()

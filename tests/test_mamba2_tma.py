@@ -209,7 +209,7 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, act, config, batch, rng):
 @pytest.mark.parametrize("checkpoint_dtype", [f32, bf16])
 def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     """The deferred route's lowering on the CPU at the model's shape (abstract inputs): the flush launch of the
-    full rows (its checkpoint aliased in place), the readout and the launch after it, and no other
+    full rows (its checkpoint aliased in place; an f32 one's on 32-row tiles), the readout and the launch after it, and no other
     custom call."""
     layer = _layer(rng, MODEL.with_batch(64))
     state, _ = _abstract(64, checkpoint=checkpoint_dtype)
@@ -219,6 +219,8 @@ def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     assert sorted(c for c, _ in calls) == ["__gpu$xla.gpu.triton", "__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls
     flush = [line for _, line in calls if "mamba2_deferred_flush_L16" in line]
     assert len(flush) == 1, "no flush launch"
+    tile = "_bv32_w4_" if checkpoint_dtype == f32 else "_bv16_w2_"  # config.DEFERRED_FLUSH_TILE for f32 only
+    assert f"mamba2_deferred_flush_L16{tile}" in flush[0], flush[0]
     assert re.search(r"output_operand_aliases = \[#stablehlo\.output_operand_alias<output_tuple_indices = \[\], "
                      r"operand_index = 0", flush[0]), "the flush launch's checkpoint is not aliased"
 

@@ -299,7 +299,7 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
 @pytest.mark.parametrize("checkpoint_dtype", [f32, bf16])
 def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     """The deferred route's lowering on the CPU at the model's shape (abstract inputs): the flush launch of the
-    full rows (its checkpoint aliased in place), the prelude and the readout, and no other custom
+    full rows (its checkpoint aliased in place; an f32 one's on 32-row tiles), the prelude and the readout, and no other custom
     call."""
     layer = _layer(rng, MODEL)
     state, _ = _abstract(MODEL.batch, L=16, checkpoint=checkpoint_dtype)
@@ -309,6 +309,8 @@ def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     assert sorted(c for c, _ in calls) == ["__gpu$xla.gpu.triton", "__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls
     flush = [line for _, line in calls if "gdn_deferred_flush_L16" in line]
     assert len(flush) == 1, "no flush launch"
+    tile = "_bv32_w4_" if checkpoint_dtype == f32 else "_bv64_w2_"  # config.DEFERRED_FLUSH_TILE for f32 only
+    assert f"gdn_deferred_flush_L16{tile}" in flush[0], flush[0]
     assert re.search(r"output_operand_aliases = \[#stablehlo\.output_operand_alias<output_tuple_indices = \[\], "
                      r"operand_index = 0", flush[0]), "the flush launch's checkpoint is not aliased"
 

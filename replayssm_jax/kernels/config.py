@@ -52,6 +52,18 @@ NO_FLUSH_ROUTES = ("append", "deferred")
 # on those programs alone at batch 256 (bench/RESULTS.md, 2026-11-30).
 MAX_FLUSH_ROWS = 8
 
+# The deferred route's flush launch of an f32 checkpoint: (rows, warps) of
+# its tile. Its flushing rows are few (staggered cursors: 1 in L), and the
+# replay kernel's tile, 64 rows on 4 warps (GDN) or 16 on 2 (Mamba-2's P =
+# 80), left it at 60% of the copy rate. On the H200, L = 16, flush launch us
+# a step at batch 64 / 256 / 512 (bench/RESULTS.md, 2026-12-03, "The
+# deferred flush's tiling"): GDN 7.9 / 27.1 / 53.2 -> 8.0 / 25.8 / 49.3,
+# Mamba-2 15.6 / 54.0 / 107.1 -> 15.2 / 50.1 / 98.7. The output route's
+# flush launch (which also applies the step) got slower on this tile, and
+# bf16 checkpoints were mixed (GDN 18.5 -> 15.8, Mamba-2 30.3 -> 33.5 us at
+# batch 256), so both keep the replay kernel's tile.
+DEFERRED_FLUSH_TILE = (32, 4)
+
 # Rows of the fused flush's sub-tiles (at most): a flushing program
 # re-reads its checkpoint rows in tiles this small (an L2 hit, it has just
 # read them), so its rank-L update holds a small tile (at batch 1-4 the
@@ -209,7 +221,9 @@ class ReplayConfig(_Tiling):
         flush: the row's buffered records, then this step.
       flush_block_v, flush_warps, flush_rows: the flush launch's own tiling
         (0: its default, the replay kernel's block_v and num_warps and
-        `default_flush_rows(batch)` batch rows per program). flush_block_v
+        `default_flush_rows(batch)` batch rows per program; on the deferred
+        route with an f32 checkpoint, when all three are 0,
+        DEFERRED_FLUSH_TILE's rows and warps: `deferred_flush_default`). flush_block_v
         a power of two, flush_warps as num_warps, flush_rows a power of two
         that must divide the batch. With fused_flush only flush_block_v may
         be set: the rows of the fused flush's sub-tiles, at most block_v
@@ -279,6 +293,17 @@ class ReplayConfig(_Tiling):
         rows on flush_warps warps (0: the replay kernel's)."""
         return ReplayConfig(block_v=self.flush_block_v or self.block_v, num_warps=self.flush_warps or self.num_warps,
                             num_stages=self.num_stages, memory_order=self.memory_order)
+
+
+def deferred_flush_default(config: ReplayConfig, state_dtype, V: int) -> ReplayConfig:
+    """`config` with the deferred route's flush tiling where its flush
+    fields are unset (0) and not fused: for an f32 checkpoint,
+    DEFERRED_FLUSH_TILE (rows at most V rounded up to a power of two);
+    otherwise `config` as given (the replay kernel's tile)."""
+    if config.fused_flush or config.has_flush_tiling or jnp.dtype(state_dtype) != jnp.dtype(jnp.float32):
+        return config
+    rows, warps = DEFERRED_FLUSH_TILE
+    return dataclasses.replace(config, flush_block_v=min(rows, next_pow2(V)), flush_warps=warps)
 
 
 def default_flush_rows(batch: int) -> int:
@@ -513,6 +538,8 @@ def replay_config_for(config: StepConfig | ReplayConfig | None, checkpoint, buff
     _check_type(config, ReplayConfig, f"the replay step's {route} route")
     batch, heads, V, K = checkpoint.shape
     config = config or default_replay_config(batch, heads, V, K, checkpoint.dtype, buffer_len)
+    if route == "deferred":
+        config = deferred_flush_default(config, checkpoint.dtype, V)
     _check_replay_fit(config, batch, V, rows_name)
     if config.fused_flush:
         _check_row_programs(config, heads * config.splits(V))
