@@ -7,8 +7,8 @@ contains "jit_block": `Generator`'s compiled `lax.scan` block of decode
 steps) by category:
 
   ssm    the Pallas SSM kernels (names mamba2_* / gdn_*: standard step, append,
-         replay, flush, the direct route, verify windows and their
-         flush, the per-draft verify; the conv update is "other");
+         replay, flush, the direct and deferred routes, verify windows and
+         their flush, the per-draft verify; the conv update is "other");
   attention  the kernels of the attention layers' scores, softmax and values
          over the KV caches (the XLA fusions whose ops carry the attention
          layers' name scope in the compiled HLO given as `hlo`; none without);
@@ -36,7 +36,7 @@ import jax
 from jax.profiler import ProfileData
 
 CATEGORIES = ("ssm", "gemm", "attention", "other", "idle")
-_SSM = re.compile(r"^(mamba2|gdn)_(step|replay|direct|verify|per_draft|append)")
+_SSM = re.compile(r"^(mamba2|gdn)_(step|replay|direct|verify|per_draft|append|deferred)")
 _GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|wgmma|matmul", re.IGNORECASE)
 
 
