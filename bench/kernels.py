@@ -132,6 +132,7 @@ import step_profile  # noqa: E402  (bench/step_profile.py)
 
 from replayssm_jax import kernels, ops, testing  # noqa: E402
 from replayssm_jax.kernels import ReplayConfig, StepConfig, tma_readout, tma_step  # noqa: E402
+from replayssm_jax.kernels.config import deferred_flush_default  # noqa: E402
 from replayssm_jax.layers.cache import committed_index  # noqa: E402
 from replayssm_jax.state import dequantize, is_quantized  # noqa: E402
 from replayssm_jax.testing import (CASE_TABLES, GDNShape, Mamba2Shape,  # noqa: E402,F401
@@ -722,9 +723,10 @@ def sweep(bench, base, rows, lengths, options: TimingOptions, overrides=None, ro
         for cfg, direct in runs:
             r = run_variant(bench, L, start, options, cfg, route=route or "output", direct_config=direct)
             is_default = cfg == default and direct is None
-            rows.append(dict(base, variant=kind, L=L, config=dataclasses.asdict(cfg), default=is_default,
+            ran = deferred_flush_default(cfg, bench.sd, bench.heads_dims()[1]) if route == "deferred" else cfg
+            rows.append(dict(base, variant=kind, L=L, config=dataclasses.asdict(ran), default=is_default,
                              direct_config=direct and dataclasses.asdict(direct), **r))
-            tag = cfg.tag() + ("" if direct is None else f" direct {direct.tag()}")
+            tag = ran.tag() + ("" if direct is None else f" direct {direct.tag()}")  # the tiling that ran
             print(f"sweep {bench.layer:7s} {bench.sd.name:9s} b{bench.b:<4d} {kind:12s} {tag:24s}"
                   f" {r['seconds'] * 1e6:9.2f} us {r['gbps']:7.0f} GB/s{'  (default)' if is_default else ''}",
                   flush=True)
@@ -751,7 +753,8 @@ def main(argv=None):
     p.add_argument("--sweep-routes", type=subset_of("output", "state", "deferred"), default=("output",),
                    help="with --sweep: the replay step's routes to time, of output,state,deferred (the state route "
                         "forms the state tile with the rank-L dot, on the tensor cores; the deferred route's "
-                        "flush launch takes the tiling's flush fields)")
+                        "flush launch takes the tiling's flush fields, or where all are unset its own default, "
+                        "which the printed tag shows)")
     p.add_argument("--sweep-cursors", type=subset_of("staggered", "in-step", "lockstep"), default=("staggered",),
                    help="with --sweep: the replay rows' cursors at the start, of staggered,in-step,lockstep (in "
                         "step: every row flushes in the same step, as in a decode loop whose rows started together; "

@@ -209,7 +209,8 @@ def test_kernels_timing_options(monkeypatch):
 def test_kernels_sweep_times_each_route_and_cursors(monkeypatch):
     """`--sweep --sweep-routes output,state --sweep-cursors staggered,in-step`: each replay tiling is timed on
     both routes from both kinds of cursors (interpret mode, tiny shape), as variants of their own; the state
-    route's rows run the replay step with route "state", the in-step rows start with every cursor at 0."""
+    route's rows run the replay step with route "state", the in-step rows start with every cursor at 0. The
+    deferred route's rows give the tiling that ran (the flush launch's default filled in)."""
     from replayssm_jax.kernels import ReplayConfig, StepConfig
 
     kb = load("kernels")
@@ -240,6 +241,15 @@ def test_kernels_sweep_times_each_route_and_cursors(monkeypatch):
     lockstep = [r for r in rows if r["variant"] == "replay-L4-lockstep"]
     assert [r["direct_config"] for r in lockstep] == [None] * (len(lockstep) - 1) + [dataclasses.asdict(direct)]
     assert {c[0] for c in calls} == {"append", "direct"} and ("direct", "interpret", direct) in calls
+    # the deferred route: rows name the tiling that ran, its flush launch's default filled in (f32)
+    routes.clear()
+    monkeypatch.setattr(bench, "replay_step", lambda *args: routes.append(args[2]) or replay(*args))
+    rows = []
+    kb.sweep(bench, dict(layer="gdn"), rows, (4,), kb.TimingOptions.dry_run(standard_steps=2), overrides,
+             ("deferred",), ("staggered",))
+    deferred = [r["config"] for r in rows if r["variant"] == "replay-L4-deferred"]
+    assert set(routes) == {"deferred"} and deferred
+    assert all((c["flush_block_v"], c["flush_warps"]) == ((0, 0) if c["fused_flush"] else (16, 4)) for c in deferred)
 
 
 def test_kernels_verify_rows_time_the_per_draft_launch(monkeypatch, capsys):

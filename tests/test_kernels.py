@@ -563,6 +563,8 @@ def test_deferred_flush_tiling():
     assert (deferred.flush_block_v, deferred.flush_warps, deferred.flush_rows) == (32, 4, 0)
     assert replay_config_for(None, checkpoint, 16, dims, route="output") == kernels.default_replay_config(
         256, 32, 128, 128, jnp.float32, 16)
+    for given in (dataclasses.replace(base, flush_rows=16), kernels.ReplayConfig(block_v=16, fused_flush=True)):
+        assert replay_config_for(given, checkpoint, 16, dims, route="deferred") == given
 
 
 def test_mamba2_errors_before_any_kernel(rng):

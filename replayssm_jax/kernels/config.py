@@ -56,9 +56,10 @@ MAX_FLUSH_ROWS = 8
 # its tile. Its flushing rows are few (staggered cursors: 1 in L), and the
 # replay kernel's tile, 64 rows on 4 warps (GDN) or 16 on 2 (Mamba-2's P =
 # 80), left it at 60% of the copy rate. On the H200, L = 16, flush launch us
-# a step at batch 64 / 256 / 512 (bench/RESULTS.md, 2026-12-03, "The
-# deferred flush's tiling"): GDN 7.9 / 27.1 / 53.2 -> 8.0 / 25.8 / 49.3,
-# Mamba-2 15.6 / 54.0 / 107.1 -> 15.2 / 50.1 / 98.7. The output route's
+# a step from staggered cursors at batch 64 / 256 / 512 (bench/RESULTS.md,
+# 2026-12-03, "The deferred flush's tiling"): GDN 7.9 / 27.1 / 53.2 -> 8.0 /
+# 25.8 / 49.3, Mamba-2 15.6 / 54.0 / 107.1 -> 15.2 / 50.1 / 98.7 (rows in
+# step: Mamba-2 about 4 us faster at batch 256, GDN unchanged). The output route's
 # flush launch (which also applies the step) got slower on this tile, and
 # bf16 checkpoints were mixed (GDN 18.5 -> 15.8, Mamba-2 30.3 -> 33.5 us at
 # batch 256), so both keep the replay kernel's tile.
