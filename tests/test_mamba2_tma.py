@@ -209,8 +209,8 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, act, config, batch, rng):
 @pytest.mark.parametrize("checkpoint_dtype", [f32, bf16])
 def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     """The deferred route's lowering on the CPU at the model's shape (abstract inputs): the flush launch of the
-    full rows (its checkpoint aliased in place; an f32 one's on 32-row tiles), the readout and the launch after it, and no other
-    custom call."""
+    full rows (its checkpoint aliased in place; an f32 one's on 32-row tiles), the readout and the launch
+    after it, and no other custom call."""
     layer = _layer(rng, MODEL.with_batch(64))
     state, _ = _abstract(64, checkpoint=checkpoint_dtype)
     text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "deferred", kernels.TMAReadoutConfig()),

@@ -299,8 +299,8 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
 @pytest.mark.parametrize("checkpoint_dtype", [f32, bf16])
 def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     """The deferred route's lowering on the CPU at the model's shape (abstract inputs): the flush launch of the
-    full rows (its checkpoint aliased in place; an f32 one's on 32-row tiles), the prelude and the readout, and no other custom
-    call."""
+    full rows (its checkpoint aliased in place; an f32 one's on 32-row tiles), the prelude and the readout,
+    and no other custom call."""
     layer = _layer(rng, MODEL)
     state, _ = _abstract(MODEL.batch, L=16, checkpoint=checkpoint_dtype)
     text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "deferred", kernels.TMAReadoutConfig()),
