@@ -211,8 +211,9 @@ class HybridCausalLM(nnx.Module):
         Raises:
           TypeError: `input_ids` not integers.
           ValueError: `input_ids` not of shape [batch, seqlen], with an empty axis
-            or an id outside the vocabulary; max_len < T, an unknown backend, or a
-            replay_buffer_len the kernels of `backend` cannot take; max_window
+            or an id outside the vocabulary; max_len < T, an unknown backend, a
+            replay_buffer_len that is not an int >= 1 or that the kernels of
+            `backend` cannot take; max_window
             not an int >= 1, or above replay_buffer_len; a `cache` of another
             batch, with ReplaySSM states or a max_window other than 1.
           RuntimeError: backend "pallas" without a GPU.
@@ -228,6 +229,9 @@ class HybridCausalLM(nnx.Module):
             raise ValueError(f"`max_window` must be an int >= 1; got {max_window!r}")
         max_window = int(max_window)
         if replay_buffer_len is not None:
+            if (isinstance(replay_buffer_len, bool) or not isinstance(replay_buffer_len, (int, np.integer))
+                    or replay_buffer_len < 1):
+                raise ValueError(f"`replay_buffer_len` must be None or an int >= 1; got {replay_buffer_len!r}")
             ops.check_buffer_len(replay_buffer_len, backend, "replay_buffer_len")
             if max_window > replay_buffer_len:
                 raise ValueError(f"`max_window` must be <= replay_buffer_len = {replay_buffer_len} (a verify "
@@ -282,13 +286,15 @@ class HybridCausalLM(nnx.Module):
 
         Raises:
           TypeError: `cache` not a HybridCache; `tokens` or `slots` not integers.
-          ValueError: a cache whose layers do not match the model's, `tokens`
+          ValueError: an unknown `route` (with standard states too); a cache
+            whose layers do not match the model's, `tokens`
             not of shape [batch] with the cache's batch (batch >= 1; with
             slots, the slots' batch), an id outside the vocabulary, or a
             pending verify window; concrete `slots` out of [-1, capacity),
             with a slot twice, or not of the tokens' shape.
         """
         tokens = check_tokens(tokens, self.config.vocab_size)
+        ops.check_route(route, ops.STEP_ROUTES)  # also where the cache holds standard states, which ignore it
         if slots is None:
             check_cache(cache, self.config.layer_types, tokens.shape[0])
         else:

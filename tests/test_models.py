@@ -414,6 +414,22 @@ def test_bad_input_ids_are_named_at_the_model_boundary(mode):
         run(np.ones((1, 3), np.float32))
 
 
+def test_bad_buffer_length_and_route_are_named():
+    """prefill's `replay_buffer_len` other than None or an int >= 1, and decode's unknown `route` (a standard
+    state's cache, which no route reaches, included), are named before any op runs."""
+    model = get_model("qwen3_5_tiny")
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match=rf"`replay_buffer_len` must be None or an int >= 1; got {bad!r}"):
+            model.prefill(ids, max_len=8, replay_buffer_len=bad)
+    for replay_buffer_len in (None, 2):
+        _, cache = model.prefill(ids, max_len=8, replay_buffer_len=replay_buffer_len)
+        with pytest.raises(ValueError, match="`route` must be one of 'output', .*; got 'bogus'"):
+            model.decode(np.array([1, 2]), cache, route="bogus")
+        logits, _ = model.decode(np.array([1, 2]), cache)  # the cache stays usable
+        assert np.isfinite(np.asarray(logits)).all()
+
+
 def test_bad_decode_tokens_are_named():
     model = get_model("qwen3_5_tiny")
     _, cache = model.prefill(np.array([[1, 2, 3], [4, 5, 6]]), max_len=8)

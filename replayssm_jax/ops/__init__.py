@@ -264,7 +264,7 @@ def _check_append(state, route: str, slots) -> None:
         where = "" if slots is None else f" (pool slots {[int(slots[r]) for r in full[:8]]})"
         raise ValueError(f"route 'append' needs a free buffer slot in every row (cursor < buffer_len = "
                          f"{state.buffer_len}); batch rows {full[:8]}{where} are full: step them on another "
-                         "route ('output', 'state' or 'direct'), which flushes them")
+                         "route ('output', 'state', 'direct' or 'deferred'), which flushes them")
 
 
 def _warn_direct_8bit(state, route: str) -> None:
