@@ -193,8 +193,9 @@ def _check_replay(layer, L, route, input_dtype, state_dtype, buffer_dtype, backe
 def check_deferred_steps(layer, rs, config, steps: int, tol) -> None:
     """`steps` compiled deferred-route steps (`ops`, backend "pallas", the kernels' `config`) from the replay
     state `rs`, against the reference's ("xla") step by step: outputs and materialized states within `tol`,
-    cursors equal (`cursor_rule`: full rows flush first, then append to 1), and the checkpoint of every row
-    that did not enter full bit for bit; at least one row enters full at some step."""
+    cursors equal (`cursor_rule`: full rows flush first, then append to 1), the checkpoint of every row
+    that did not enter full bit for bit and of every full row within `tol` of the reference's flush; at
+    least one row enters full at some step."""
     run = jax.jit(lambda s, i: layer.replay_step(s, i, "deferred", "pallas", config))
     ref = jax.jit(lambda s, i: layer.replay_step(s, i, "deferred", "xla"))
     rs_ref, flushed = rs, 0
@@ -209,6 +210,9 @@ def check_deferred_steps(layer, rs, config, steps: int, tol) -> None:
         np.testing.assert_array_equal(np.asarray(rs_ref.cursor), after, err_msg=f"reference cursor, step {t}")
         np.testing.assert_array_equal(_f64(new.checkpoint)[~full], _f64(rs.checkpoint)[~full],
                                       err_msg=f"checkpoint of a row that was not full, step {t}")
+        if full.any():  # a full row's flushed checkpoint
+            assert_close(_f64(new.checkpoint)[full], _f64(rs_ref.checkpoint)[full], tol,
+                         what=f"flushed checkpoints, step {t}")
         flushed += int(full.sum())
         rs = new
     assert flushed, "no row entered full: the flush launch was not tested"
@@ -217,13 +221,15 @@ def check_deferred_steps(layer, rs, config, steps: int, tol) -> None:
 def check_auto_is_deferred(layer, name: str, L: int) -> None:
     """route="auto" through the ops ("pallas") on `layer` (a batch of at least DEFERRED_MIN_BATCH rows), from
     staggered cursors with full rows among them, an f32 checkpoint and bf16 records: the deferred route
-    (its flush launch, `{name}_deferred_flush_L...`), on the Mosaic GPU kernel where the GPU is
-    Hopper-class; L + 2 steps within the tolerance of the reference's output route."""
+    (its flush launch, `{name}_deferred_flush_L...`, or on GDN's Mosaic GPU readout `gdn_deferred_tma...`,
+    which flushes), on the Mosaic GPU kernel where the GPU is Hopper-class; L + 2 steps within the
+    tolerance of the reference's output route."""
     rs = rs_ref = layer.replay_state(L, f32, bf16, (np.arange(layer.s.batch) * 5 % (L + 1)).astype(np.int32))
     step = jax.jit(lambda s, i: layer.replay_step(s, i, "auto", "pallas"))
     text = step.trace(rs, layer.draw()).lower().as_text()
     hopper = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
-    assert f"{name}_deferred_flush_L" in text and ("mosaic_gpu_v2" in text) == hopper
+    flushes = f"{name}_deferred_tma_L" if name == "gdn" and hopper else f"{name}_deferred_flush_L"
+    assert flushes in text and ("mosaic_gpu_v2" in text) == hopper
     tol = tolerance_dtype(bf16, f32)
     for t in range(L + 2):
         inp = layer.draw()
@@ -233,11 +239,12 @@ def check_auto_is_deferred(layer, name: str, L: int) -> None:
         assert_close(layer.materialize(rs), layer.materialize(rs_ref), tol, what=f"materialized state, step {t}")
 
 
-def check_deferred_step_kernels(layer, L: int) -> None:
-    """The deferred step on Mosaic GPU (a TMAReadoutConfig()), jitted alone with its state donated: two Triton
-    launches (the flush launch; the GDN prelude or the Mamba-2 launch after the readout) and one Mosaic GPU
-    kernel, nothing else; a decode loop of 2 L steps on it from staggered cursors (every row fills and
-    flushes its buffer) copies no checkpoint, record or cursor (`hlo_checks.assert_step_alone_and_in_a_loop`)."""
+def check_deferred_step_kernels(layer, L: int, triton_launches: int) -> None:
+    """The deferred step on Mosaic GPU (a TMAReadoutConfig()), jitted alone with its state donated:
+    `triton_launches` Triton launches (GDN: its prelude, its readout flushing the full rows; Mamba-2: the
+    flush launch and the launch after the readout) and one Mosaic GPU kernel, nothing else; a decode loop
+    of 2 L steps on it from staggered cursors (every row fills and flushes its buffer) copies no
+    checkpoint, record or cursor (`hlo_checks.assert_step_alone_and_in_a_loop`)."""
     rs = layer.replay_state(L, f32, bf16, (np.arange(layer.s.batch) * 3 % (L + 1)).astype(np.int32))
 
     def step(rs, inp):
@@ -245,7 +252,7 @@ def check_deferred_step_kernels(layer, L: int) -> None:
 
     hlo = jax.jit(step).lower(rs, layer.draw()).compile().as_text()
     launches = [hlo.count(f'custom_call_target="{target}"') for target in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")]
-    assert launches == [2, 1], f"Triton and Mosaic GPU launches: {launches}"
+    assert launches == [triton_launches, 1], f"Triton and Mosaic GPU launches: {launches}"
     assert_step_alone_and_in_a_loop(step, rs, [layer.draw() for _ in range(2 * L)], jax.tree.leaves(rs))
 
 

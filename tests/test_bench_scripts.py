@@ -342,7 +342,8 @@ def test_step_profile_attention_kernels():
     # Every Pallas SSM kernel, the direct and deferred routes' included; the conv update not.
     ssm = ("mamba2_step_bv16_w2_s1_t1", "gdn_replay_flush_L16_bv64_w4_s1_t1_r8", "mamba2_direct_bv16_w2_s1_t1_dotfold",
            "gdn_verify_W4_L16_bv64_w4_s1_t1", "gdn_verify_flush_W4_L16_bv64_w4_s1_t1_r8", "mamba2_per_draft_W4_S5_x",
-           "mamba2_deferred_flush_L16_bv32_w4_s1_t1_bfirst_r8", "gdn_deferred_terms_L16")
+           "mamba2_deferred_flush_L16_bv32_w4_s1_t1_bfirst_r8", "gdn_deferred_terms_L16",
+           "gdn_deferred_tma_L16_bv64_st2_p264_r4_mosaic_gpu_kernel")
     assert {step_profile.category(k) for k in ssm} == {"ssm"}
     assert step_profile.category("conv_update_w4_bc512_w4_s1") == "other"
 

@@ -227,37 +227,85 @@ def test_prelude_terms_give_the_reference_append_step(buffer_dtype, use_qk_l2nor
     assert np.isfinite(np.asarray(terms)).all()
 
 
+@pytest.mark.parametrize("buffer_dtype", [f32, bf16])
+def test_deferred_terms_give_the_reference_deferred_step(buffer_dtype, rng):
+    """The deferred readout's formula in jnp from the prelude's pure-JAX outputs (`head_terms` with
+    deferred=True, the records after `append_shared_records`, each full row's slot-0 key kept aside): a
+    full row's checkpoint flushed with the flush terms (terms row 3, the scalars' lane 4) and the keys
+    as the readout reads them, then read as an empty row's, gives the reference's deferred step, outputs
+    and checkpoint; the other rows' checkpoints are untouched. f32 activations: the f32 tolerance."""
+    layer = _layer(rng, dtype=f32)
+    cursor = np.array([0, 3, L, 7, L], np.int32)  # rows 2 and 4 entered full
+    rs, inp = _state(layer, f32, buffer_dtype, cursor), layer.draw()
+    scale = SHAPE.K ** -0.5
+    o_ref, rs_ref = jax.jit(lambda s, i: reference.gdn_replay_step(s, **i, scale=scale, use_qk_l2norm=True,
+                                                                   route="deferred"))(rs, inp)
+    qn, kn, terms = tma_readout.head_terms(rs, inp["q"], inp["k"], inp["g"], inp["beta"], scale=scale,
+                                           use_qk_l2norm=True, deferred=True)
+    after = tma_readout.append_shared_records(rs, kn, inp["g"], deferred=True)
+    group, full = SHAPE.HV // SHAPE.H, cursor >= L
+    keys = after.k.astype(f32).at[:, :, 0].set(rs.k[:, :, 0].astype(f32))  # slot 0 from the key kept aside
+    keys = jnp.repeat(jnp.where(full[:, None, None, None], keys, 0.0), group, 1)
+    U = jnp.where(full[:, None, None, None], rs.d.astype(f32), 0.0)  # a full row's d records are all live
+    S = rs.checkpoint.astype(f32)
+    flushed = terms[:, :, 2, 4][..., None, None] * S + jnp.einsum("bhl,bhlv,bhlk->bhvk", terms[:, :, 3], U, keys,
+                                                                  precision="highest")
+    S = jnp.where(full[:, None, None, None], flushed, S)
+    assert_close(S[full], rs_ref.checkpoint[full], f32, what="the full rows' flushed checkpoints")
+    np.testing.assert_array_equal(np.asarray(S[~full]), np.asarray(rs.checkpoint[~full]))
+    live = (np.arange(L) < np.where(full, 0, cursor)[:, None])[:, None, :, None]
+    U = jnp.where(live, rs.d.astype(f32), 0.0)
+    carried, kq, decay, beta = (terms[:, :, 2, i][..., None] for i in range(4))
+
+    def read(x, a):
+        return carried * jnp.einsum("bhvk,bhk->bhv", S, jnp.repeat(x, group, 1), precision="highest") + \
+            jnp.einsum("bhl,bhlv->bhv", a, U, precision="highest")
+
+    d = beta * (inp["v"].astype(f32) - decay * read(kn, terms[:, :, 0]))
+    assert_close(decay * read(qn, terms[:, :, 1]) + kq * d, o_ref, f32, what="outputs")
+
+
 @pytest.mark.parametrize(("shape", "buffer_len", "buffer_dtype", "use_qk_l2norm"), [
     (SHAPE, L, bf16, True),
     (SHAPE, L, f32, False),
     (GDNShape(batch=4, H=2, HV=6, K=96, V=64), 24, bf16, True),
 ], ids=["bf16-records", "f32-records-no-norm", "group3-K96-L24"])
-def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtype, use_qk_l2norm, rng):
+@pytest.mark.parametrize("route", ["append", "deferred"])
+def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtype, use_qk_l2norm, route, rng):
     """The Triton prelude launch (interpreted) against `head_terms` and `append_shared_records`: q, k and the
     terms within the f32 tolerance, the k and g records bit for bit (a full row's untouched, dead slots' inf
     kept), the cursor at entry in the readout's layout and after the step, with a key dim, a buffer length
-    and a value heads' group that are not powers of two. (The interpreter runs the programs one at a time
-    and drops writes past an array's end: lanes past the end of a row's heads, and the cursor's arrival
-    count, are the GPU tests' to check.)"""
+    and a value heads' group that are not powers of two. On the deferred route a full row is read as
+    empty (its records to slot 0, its cursor to 1), with its flush terms, and its slot-0 key before the
+    step is kept aside. (The interpreter runs the programs one at a time and drops writes past an
+    array's end: lanes past the end of a row's heads, and the cursor's arrival count, are the GPU
+    tests' to check.)"""
     layer = _layer(rng, shape, f32)
     cursor = (np.arange(shape.batch) * 7 % (buffer_len + 1)).astype(np.int32)
     cursor[-1] = buffer_len  # a row that entered full
     rs, inp = _state(layer, f32, buffer_dtype, cursor, buffer_len), layer.draw()
-    scale = 0.3
+    scale, deferred = 0.3, route == "deferred"
     qn, kn, terms = tma_readout.head_terms(rs, inp["q"], inp["k"], inp["g"], inp["beta"], scale=scale,
-                                           use_qk_l2norm=use_qk_l2norm)
-    want = tma_readout.append_shared_records(rs, kn, inp["g"])
+                                           use_qk_l2norm=use_qk_l2norm, deferred=deferred)
+    want = tma_readout.append_shared_records(rs, kn, inp["g"], deferred)
     records = gdn_kernels.Records(rs.d, rs.k, rs.g)
     got = gdn_kernels._head_terms(records, rs.cursor, gdn_kernels._f32_decay(gdn_kernels.Inputs(**inp)), scale=scale,
-                                  use_qk_l2norm=use_qk_l2norm, interpret=True)
-    qn_k, kn_k, terms_k, entry, shared, cursor_next = got
+                                  use_qk_l2norm=use_qk_l2norm, interpret=True, route=route)
+    qn_k, kn_k, terms_k, entry, shared, cursor_next, *stash = got
     for name, a, b in (("qn", qn_k, qn), ("kn", kn_k, kn), ("terms", terms_k, terms)):
         assert_close(a, b, f32, what=f"the prelude's {name}")
     np.testing.assert_array_equal(np.asarray(shared.k, np.float32), np.asarray(want.k, np.float32))
     np.testing.assert_array_equal(np.asarray(shared.g), np.asarray(want.g))
     assert entry.shape == (tma_readout.cursor_rows(shape.batch) * tma_readout.TMA_MAX,)
     np.testing.assert_array_equal(np.asarray(entry)[:shape.batch], cursor)
-    np.testing.assert_array_equal(np.asarray(cursor_next), np.minimum(cursor + 1, buffer_len))
+    live = np.where(cursor >= buffer_len, 0, cursor) if deferred else cursor
+    np.testing.assert_array_equal(np.asarray(cursor_next), np.minimum(live + 1, buffer_len))
+    assert len(stash) == deferred
+    if deferred:  # the full rows' flush terms are nonzero (compared above); their slot-0 keys kept aside
+        full = cursor >= buffer_len
+        assert (np.asarray(terms)[full, :, 2, 4] > 0).all() and (np.asarray(terms)[~full][:, :, 2:, 4:] == 0).all()
+        assert stash[0].dtype == rs.k.dtype
+        np.testing.assert_array_equal(np.asarray(stash[0], np.float32)[full], np.asarray(rs.k[:, :, 0], np.float32)[full])
 
 
 MODEL = GDNShape(batch=200, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer
@@ -298,21 +346,19 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
 
 @pytest.mark.parametrize("checkpoint_dtype", [f32, bf16])
 def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
-    """The deferred route's lowering on the CPU at the model's shape (abstract inputs): the flush launch of the
-    full rows (its checkpoint aliased in place; an f32 one's on 32-row tiles), the prelude and the readout,
-    and no other custom call."""
+    """The deferred route's lowering on the CPU at the model's shape (abstract inputs): the prelude and the
+    readout, which flushes the full rows itself (no flush launch), its checkpoint and d records aliased in
+    place, and no other custom call."""
     layer = _layer(rng, MODEL)
     state, _ = _abstract(MODEL.batch, L=16, checkpoint=checkpoint_dtype)
     text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "deferred", kernels.TMAReadoutConfig()),
                           state, jax.eval_shape(layer.draw))
     calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)\(([^\n]*)", text)
-    assert sorted(c for c, _ in calls) == ["__gpu$xla.gpu.triton", "__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls
-    flush = [line for _, line in calls if "gdn_deferred_flush_L16" in line]
-    assert len(flush) == 1, "no flush launch"
-    tile = "_bv32_w4_" if checkpoint_dtype == f32 else "_bv64_w2_"  # config.DEFERRED_FLUSH_TILE for f32 only
-    assert f"gdn_deferred_flush_L16{tile}" in flush[0], flush[0]
-    assert re.search(r"output_operand_aliases = \[#stablehlo\.output_operand_alias<output_tuple_indices = \[\], "
-                     r"operand_index = 0", flush[0]), "the flush launch's checkpoint is not aliased"
+    assert sorted(c for c, _ in calls) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls
+    assert "gdn_deferred_terms_L16" in text and "deferred_flush" not in text
+    readout = next(line for c, line in calls if c == "mosaic_gpu_v2")
+    pairs = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", readout)
+    assert sorted(pairs) == [("1", "0"), ("2", "6")], pairs  # the checkpoint and the d records in place
 
 
 # ---------------------------------------------------------------------------
@@ -428,7 +474,7 @@ def test_compiled_step_is_its_two_kernels(rng):
 
 
 @pytest.mark.gpu
-def test_compiled_deferred_step_is_its_three_kernels(rng):
-    """The deferred step on Mosaic GPU: the flush launch, the prelude and the readout and nothing else, and
+def test_compiled_deferred_step_is_its_two_kernels(rng):
+    """The deferred step on Mosaic GPU: the prelude and the readout (which flushes) and nothing else, and
     no copy of the state in a decode loop (`kernel_checks.check_deferred_step_kernels`)."""
-    check_deferred_step_kernels(_layer(rng), L)
+    check_deferred_step_kernels(_layer(rng), L, triton_launches=1)

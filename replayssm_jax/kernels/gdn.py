@@ -33,10 +33,11 @@ touch the same state element.
   alone (no flush; the cursor moved by an XLA op after it), and
   `route="deferred"` runs it after the flush launch of the rows that entered
   full (`launch.flush_full_launch`). With a TMAReadoutConfig the append
-  route (and the deferred route after its flush launch) is instead two
-  launches: a Triton prelude, grid (batch, H), that forms the per-head
-  terms and writes the shared records and the cursor (`_head_terms`), and the Mosaic GPU readout
-  (`tma_readout.gdn_append_tma`); the direct route likewise, the prelude on
+  and deferred routes are instead two launches: a Triton prelude, grid
+  (batch, H), that forms the per-head terms and writes the shared records
+  and the cursor (`_head_terms`), and the Mosaic GPU readout
+  (`tma_readout.gdn_append_tma`), which on the deferred route flushes the
+  rows that entered full itself; the direct route likewise, the prelude on
   route "direct" (no record written, the cursor set to 0) and the Mosaic
   GPU step (`tma_step.gdn_direct_tma`).
 - :func:`gdn_replay_verify`: a verify window of W steps. The rows whose
@@ -214,15 +215,18 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
 
 
 def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, terms_ref, entry_ref,
-                  records_out: Records, cursor_out, *, K, L, group, scale, use_qk_l2norm, programs, route):
+                  records_out: Records, cursor_out, *stash, K, L, group, scale, use_qk_l2norm, programs, route):
     """The prelude of a Mosaic GPU step on one (batch row, key head): q and k normalized, the per-head
     terms of the key head's `group` value heads, from the row's head 0 its cursor at entry (for the
     Mosaic GPU kernel), and the cursor moved in place once the row's H programs have read it
     (`advance_cursor`). route "append" (`tma_readout.head_terms`): terms a_k, a_q, then exp of the
     live log decays' sum, k . q, exp(g), beta; the shared records (k, g) at the cursor where the row
     has a free slot; the cursor to min(cursor + 1, L). route "deferred": the same, a full row read as
-    empty (`cursor.live_count`: its flush launch ran before), so its records go to slot 0 and its
-    cursor to 1. route "direct" (`tma_step.direct_terms`):
+    empty (`cursor.live_count`: the readout flushes it first), so its records go to slot 0 and its
+    cursor to 1; for a full row also its flush terms (terms row 3 the L slots' decay weights, the
+    scalars' lane 4 exp of their log decays' sum; zeros for other rows) and its k record of slot 0
+    before this step overwrites it, in `stash` ([BK] in the k records' dtype; unwritten for other rows); the entry is the
+    cursor, not the live count. route "direct" (`tma_step.direct_terms`):
     terms w (the live slots' decay weights), zeros, then the same scalars; no record written; the
     cursor to 0. route "standard" (the standard step; `tma_step.step_terms`): no records or cursor
     (their refs None), terms zeros, zeros, then the scalars (exp(0) = 1 for the carried decay).
@@ -234,7 +238,7 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     records_out and cursor_out the aliased records and cursor, as above.
     Padded lanes are neither read nor written."""
     h = program_id(1)
-    append, standard = route in NO_FLUSH_ROUTES, route == "standard"
+    append, standard, deferred = route in NO_FLUSH_ROUTES, route == "standard", route == "deferred"
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
     cursor = jnp.int32(0) if standard else read_cursor(cursor_ref)
     count = live_count(cursor, L, route)
@@ -243,8 +247,12 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     live = lanes < count
     kq = jnp.sum(k * q)
     free = count < L  # a row that entered full writes no record
+    full = cursor >= L  # (deferred) a row the readout flushes first
     store(qn_ref, q, kmask)
     store(kn_ref, k, kmask)
+    if deferred:  # the full row's slot-0 key, read before this step's record replaces it
+        kept = mask_and(kmask, full, k.shape)
+        store(stash[0], load(records.k.at[jnp.int32(0)], kept), kept)
     if append:
         keys = load_live_only(records.k, live, kmask)  # dead slots not read (bench/RESULTS.md, 2026-12-03)
         score_k, score_q = jnp.sum(keys * k[None, :], axis=1), jnp.sum(keys * q[None, :], axis=1)
@@ -256,12 +264,17 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
             total, w = jnp.float32(0.0), jnp.zeros((BL,), f32)
         else:
             total, w = replay_weights(load_live_only(records.g.at[hv], live), count)
+        flush_total, flush_w = jnp.float32(0.0), jnp.zeros((BL,), f32)
+        if deferred:  # the full row's L slots, its flush's decay weights (zeros for other rows)
+            flush_total, flush_w = replay_weights(load_live_only(records.g.at[hv], (lanes < L) & full), L)
+            flush_w = jnp.where(full, flush_w, 0.0)
         scalars = jnp.where(lanes == 0, jnp.exp(total), jnp.where(lanes == 1, kq, jnp.where(
-            lanes == 2, jnp.exp(g), jnp.where(lanes == 3, beta, 0.0))))
+            lanes == 2, jnp.exp(g), jnp.where(lanes == 3, beta, jnp.where(
+                (lanes == 4) & full & deferred, jnp.exp(flush_total), 0.0)))))
         first, second = (w * score_k, w * score_q) if append else (w, jnp.zeros_like(w))
-        rows = lane_ids(TERMS)[:, None]  # the terms' rows: a_k or w, a_q or 0, the scalars, zeros
+        rows = lane_ids(TERMS)[:, None]  # the terms' rows: a_k or w, a_q or 0, the scalars, flush weights
         tile = jnp.where(rows == 0, first[None, :], jnp.where(rows == 1, second[None, :], jnp.where(
-            rows == 2, scalars[None, :], 0.0)))
+            rows == 2, scalars[None, :], flush_w[None, :])))
         store(terms_ref.at[hv], tile, tile_mask(None, lmask, (TERMS, BL)))
         if append:
             store(records_out.g.at[hv], jnp.broadcast_to(g, (BL,)), (lanes == count) & free)
@@ -271,7 +284,7 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
 
     @pl.when(h == 0)
     def _():
-        entry_ref[0] = count
+        entry_ref[0] = cursor if deferred else count
 
     advance_cursor(cursor_out, cursor, jnp.minimum(count + 1, L) if append else jnp.int32(0), programs)
 
@@ -289,12 +302,14 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
 
     Returns (qn, kn f32[batch, H, K], terms f32[batch, HV, TERMS, L], entry
     i32[rows * TMA_MAX] (each row's cursor at entry, then unwritten
-    padding), k and g records (written in place on the append route,
-    unwritten on the direct one) and the cursor after the step (moved in
-    place)); on the deferred route the entry and the terms are those of a
-    full row read as empty. The pure-JAX form is `tma_readout.head_terms` and
-    `tma_readout.append_shared_records` (append), `tma_step.direct_terms`
-    (direct)."""
+    padding), k and g records (written in place on the append and deferred
+    routes, unwritten on the direct one) and the cursor after the step
+    (moved in place)), and on the deferred route a last output, each full
+    row's k record of slot 0 before the step, [batch, H, K] in the k records'
+    dtype (other rows unwritten); there the terms are those of a full row read as empty, with
+    its flush terms (`tma_readout.head_terms`). The pure-JAX form is
+    `tma_readout.head_terms` and `tma_readout.append_shared_records` (append,
+    deferred), `tma_step.direct_terms` (direct)."""
     batch, H, K = inputs.q.shape
     HV, L = inputs.v.shape[1], records.d.shape[2]
     BK, BL, BH = next_pow2(K), next_pow2(L), next_pow2(HV)
@@ -305,18 +320,19 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
     k_spec = pl.BlockSpec((None, None, BL, BK), lambda b, h: (b, h, 0, 0))
     kernel = functools.partial(_terms_kernel, K=K, L=L, group=HV // H, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                programs=H, route=route)
+    stash = route == "deferred"  # a full row's slot-0 k record, for the readout's flush
+    k_shape = jax.ShapeDtypeStruct(records.k.shape, records.k.dtype)
     out_shape = (jax.ShapeDtypeStruct((batch, H, K), f32), jax.ShapeDtypeStruct((batch, H, K), f32),
                  jax.ShapeDtypeStruct((batch, HV, TERMS, L), f32),
                  jax.ShapeDtypeStruct((cursor_rows(batch) * TMA_MAX,), jnp.int32),
-                 Records(d=None, k=jax.ShapeDtypeStruct(records.k.shape, records.k.dtype),
-                         g=jax.ShapeDtypeStruct(records.g.shape, f32)),
-                 jax.ShapeDtypeStruct((batch,), jnp.int32))
+                 Records(d=None, k=k_shape, g=jax.ShapeDtypeStruct(records.g.shape, f32)),
+                 jax.ShapeDtypeStruct((batch,), jnp.int32)) + ((k_shape.update(shape=(batch, H, K)),) * stash)
     return pl.pallas_call(
         kernel, grid=(batch, H), interpret=interpret, name=f"gdn_{route}_terms_L{L}",
         compiler_params=triton_params(head_work_warps(BL * BK)),
         in_specs=(Records(d=None, k=k_spec, g=g_spec), row, Inputs(q=head, k=head, v=None, g=heads, beta=heads)),
         out_specs=(head, head, pl.BlockSpec((None, BH, TERMS, BL), lambda b, h: (b, 0, 0, 0)), row,
-                   Records(d=None, k=k_spec, g=g_spec), row),
+                   Records(d=None, k=k_spec, g=g_spec), row) + ((head,) * stash),
         out_shape=out_shape, input_output_aliases={0: 4, 1: 5, 2: 6},
     )(records._replace(d=None), cursor, inputs._replace(v=None))
 
@@ -576,21 +592,21 @@ def _per_draft(state, index, inputs: Inputs, slots=None, *, scale: float, use_qk
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "route"))
 def _append_tma(state: GDNReplayState, inputs: Inputs, *, scale: float, use_qk_l2norm: bool,
                 config: TMAReadoutConfig, route: str):
-    """The append or deferred route on Mosaic GPU: (deferred) the flush launch of the full rows
-    (`_flush_full`, the default ReplayConfig's flush tiling), the prelude launch (`_head_terms`), then
-    the readout (`tma_readout.gdn_append_tma`), on validated arguments within the readout's limits
-    (`tma_readout.check_tma_readout`). Jitted: an eager call, as in an eager `jax.shard_map`, returns
-    arrays, not the d records' `jax.Ref`. Returns (o [batch, HV, V] in v.dtype, new GDNReplayState), as
-    :func:`gdn_replay_step`."""
+    """The append or deferred route on Mosaic GPU: the prelude launch (`_head_terms`), then the readout
+    (`tma_readout.gdn_append_tma`; on the deferred route it flushes the full rows first, in place), on
+    validated arguments within the readout's limits (`tma_readout.check_tma_readout`). Jitted: an eager
+    call, as in an eager `jax.shard_map`, returns arrays, not the d records' `jax.Ref`. Returns (o
+    [batch, HV, V] in v.dtype, new GDNReplayState), as :func:`gdn_replay_step`."""
     records = Records(state.d, state.k, state.g)
+    qn, kn, terms, entry, shared, cursor, *stash = _head_terms(
+        records, state.cursor, _f32_decay(inputs), scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=False,
+        route=route)
+    state = state.replace(k=shared.k, g=shared.g, cursor=cursor)
     if route == "deferred":
-        flush = replay_config_for(None, state.checkpoint, state.buffer_len, DIMS, route=route)
-        state = state.replace(checkpoint=_flush_full(state.checkpoint, records, state.cursor, inputs, scale=scale,
-                                                     use_qk_l2norm=use_qk_l2norm, config=flush, interpret=False))
-    qn, kn, terms, entry, shared, cursor = _head_terms(records, state.cursor, _f32_decay(inputs), scale=scale,
-                                                       use_qk_l2norm=use_qk_l2norm, interpret=False, route=route)
+        o, d, checkpoint = gdn_append_tma(state, qn, kn, terms, entry, inputs.v, config, k0=stash[0])
+        return o, state.replace(d=d, checkpoint=checkpoint)
     o, d = gdn_append_tma(state, qn, kn, terms, entry, inputs.v, config)
-    return o, state.replace(d=d, k=shared.k, g=shared.g, cursor=cursor)
+    return o, state.replace(d=d)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config"))
@@ -736,14 +752,14 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         :func:`~replayssm_jax.kernels.tma_step.check_direct_tma`).
     """
     if config is None and route in NO_FLUSH_ROUTES:
-        config = default_tma_readout(state, v, interpret=interpret, slots=slots)
+        config = default_tma_readout(state, v, interpret=interpret, slots=slots, deferred=route == "deferred")
     if isinstance(config, TMAReadoutConfig):
         check_tma_route(route)
         options = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), config=config)
         if route == "direct":
             check_direct_tma(state, v, config, interpret=interpret, slots=slots)
             return _direct_tma(state, Inputs(q, k, v, g, beta), **options)
-        check_tma_readout(state, v, config, interpret=interpret, slots=slots)
+        check_tma_readout(state, v, config, interpret=interpret, slots=slots, deferred=route == "deferred")
         return _append_tma(state, Inputs(q, k, v, g, beta), route=route, **options)
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     kw = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), interpret=interpret)

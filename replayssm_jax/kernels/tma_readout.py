@@ -46,10 +46,19 @@ weights, the buffered B's scores against C, the buffer terms from the x
 records, the skip and the gate), appends the x, dt and B records and moves
 the cursor in place (`advance_cursor`).
 
-The deferred route (route="deferred") runs the same launches after the
-replay step's flush launch for the rows that entered full
-(`launch.flush_full_launch`), which read those rows as empty: their
-record goes to slot 0 and their cursor to 1. On the append route a row
+The deferred route (route="deferred") reads the rows that entered full
+(cursor L) as empty after flushing them: their record goes to slot 0 and
+their cursor to 1. Mamba-2 runs the same launches after the replay step's
+flush launch for those rows (`launch.flush_full_launch`). The GDN readout
+flushes them itself (:func:`gdn_append_tma` given `k0`): the prelude also
+forms a full row's flush terms (its L slots' decay weights and their total
+decay) and keeps its slot-0 k record aside before this step's replaces it;
+the readout's item of a full row copies the row's k records into shared
+memory, applies the L records to the checkpoint tile there (f32 products
+and sums), writes the tile back (a TMA store, in place) and reads it as
+the checkpoint. Each item then runs exactly once (the full rounds, then one
+more step on the first programs), where the append route's programs past
+the last item repeat it. On the append route a row
 that entered full (cursor == L) has no free slot: its outputs are NaN
 and its state is kept bit for bit (its last d record is written back as it
 was; its k and g records are not written), as on the Triton route.
@@ -78,12 +87,14 @@ grid then runs in more than one wave.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from replayssm_jax.kernels.config import MAX_BUFFER_LEN, MAX_HEAD_DIM, num_sms
@@ -176,14 +187,16 @@ def _grid(batch: int, HV: int, V: int, config: TMAReadoutConfig) -> tuple[int, i
     return items, programs, -(-items // programs)
 
 
-def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig) -> int:
+def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: bool = False) -> int:
     """Shared-memory bytes of a program: each pipelined buffer (the item's checkpoint tile, d records, terms, q
     and k in f32, v; its outputs o and the d record) times the stages the pipeline keeps (`config.stages`,
     at most the program's steps) and the cursor, each allocation rounded up to SMEM_ALIGN, and Mosaic GPU's
     reduction scratch and barriers (8 bytes each; counted for every buffer's stages, a bound). The d records
     count as L / R buffers of R slots (R = `config.slots_per_copy(L)`), each rounded up on its own, as the
     lowering allocates them. With one copy of the records (R = L), within 0.2 KiB above what the lowering
-    allocates at the shapes tried (2026-12-02); each further copy adds 8 bytes a stage to the bound."""
+    allocates at the shapes tried (2026-12-02); each further copy adds 8 bytes a stage to the bound.
+    `deferred`: the deferred route's readout, which also holds a flushing item's d records [L, block_v] and
+    k records [L, K] (one buffer each, not staged) and three more barriers."""
     batch, HV, V, K = state.checkpoint.shape
     BV, L = config.block_v, state.buffer_len
     d_size, v_size = state.d.dtype.itemsize, v.dtype.itemsize
@@ -191,8 +204,9 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig) -> int:
     buffers = (BV * K * state.checkpoint.dtype.itemsize, *[R * BV * d_size] * (L // R), TERMS * L * 4, K * 4, K * 4,
                BV * v_size, BV * v_size, BV * d_size)
     stages = min(config.stages, _grid(batch, HV, V, config)[2])
-    scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + stages * len(buffers))
-    return sum(_align(stages * b) for b in buffers) + _align(cursor_rows(batch) * TMA_MAX * 4) + scratch
+    scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + 3 * deferred + stages * len(buffers))
+    flush = _align(L * BV * d_size) + _align(L * K * state.k.dtype.itemsize) if deferred else 0
+    return sum(_align(stages * b) for b in buffers) + _align(cursor_rows(batch) * TMA_MAX * 4) + scratch + flush
 
 
 def mamba2_smem_bytes(checkpoint, C, config: TMAReadoutConfig) -> int:
@@ -257,11 +271,13 @@ def _check_smem(need: int, config: TMAReadoutConfig) -> None:
                          f"of shared memory, above a program's {SMEM_BYTES}; lower `config.stages` or `config.block_v`")
 
 
-def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, interpret: bool, slots) -> None:
+def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, interpret: bool, slots,
+                      deferred: bool = False) -> None:
     """Raise where the GDN append route's Mosaic GPU kernel cannot take this step (before any launch).
 
     Args: the validated state and v of :func:`gdn_append_tma`, its config,
-    and the caller's `interpret` and `slots` (a state pool).
+    the caller's `interpret` and `slots` (a state pool), and `deferred`
+    (the deferred route's readout, which flushes: its shared memory).
 
     Raises:
       NotImplementedError: interpret mode, a state pool (slots), an 8-bit
@@ -294,7 +310,7 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
     if L % config.slots_per_copy(L):  # (a copy of block_v >= 64 rows of 2-byte records is >= TMA_ALIGN bytes)
         raise ValueError(f"the TMA readout takes `config.record_slots` dividing L (buffer length) = {L}; got "
                          f"record_slots = {config.record_slots}")
-    _check_smem(smem_bytes(state, v, config), config)
+    _check_smem(smem_bytes(state, v, config, deferred), config)
 
 
 def check_mamba2_tma(state: Mamba2ReplayState, C, config: TMAReadoutConfig, *, interpret: bool, slots) -> None:
@@ -340,7 +356,8 @@ def check_mamba2_tma(state: Mamba2ReplayState, C, config: TMAReadoutConfig, *, i
 DEFAULT_MIN_BATCH = 64  # batch rows from which the append route takes this kernel by default (the least measured)
 
 
-def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> TMAReadoutConfig | None:
+def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots,
+                        deferred: bool = False) -> TMAReadoutConfig | None:
     """The append route's default Mosaic GPU tiling, or None where the
     Triton append kernel stays the default: a TMAReadoutConfig() on a
     Hopper-class GPU (compute capability 9.x) for an f32 or bf16 checkpoint
@@ -358,7 +375,8 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots) -> 
     """
     if state.checkpoint.shape[2] > MAX_HEAD_DIM:
         return None
-    return _resident_default(check_tma_readout, lambda c: smem_bytes(state, v, c), state, v, interpret=interpret,
+    check = functools.partial(check_tma_readout, deferred=deferred)
+    return _resident_default(check, lambda c: smem_bytes(state, v, c, deferred), state, v, interpret=interpret,
                              slots=slots)
 
 
@@ -417,38 +435,49 @@ def normalized_qk(q, k, *, scale: float, use_qk_l2norm: bool):
     return qn * scale, kn
 
 
-def live_weights(state: GDNReplayState):
+def live_weights(state: GDNReplayState, count=None):
     """(live bool[batch, 1, L], w f32[batch, HV, L], total f32[batch, HV]) of the buffered slots in pure
     JAX, as `replay_math.replay_weights`: w_i = exp(sum of the live log decays after slot i) for live i, 0
     for dead slots (which may hold anything), formed as suffix sums without cancellation; total = the
-    live log decays' sum."""
-    live = jnp.arange(state.buffer_len) < state.cursor[:, None, None]
+    live log decays' sum. count: i32[batch], the live slots (None: the cursor)."""
+    count = state.cursor if count is None else count
+    live = jnp.arange(state.buffer_len) < count[:, None, None]
     lg = jnp.where(live, state.g, 0.0)
     suffix = jnp.flip(jnp.cumsum(jnp.flip(lg, -1), -1), -1)  # sum over slots j >= i
     later = jnp.concatenate([suffix[..., 1:], jnp.zeros_like(suffix[..., :1])], -1)  # j > i: no cancellation
     return live, jnp.where(live, jnp.exp(later), 0.0), suffix[..., 0]
 
 
-def head_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2norm: bool):
-    """The per-head terms of one append step in pure JAX (no checkpoint read): what the Triton prelude
-    launch forms, against which it is tested.
+def _live_count(state: GDNReplayState, deferred: bool):
+    """Each row's live records as the step reads them: on the deferred route a full row has none."""
+    return jnp.where(state.cursor >= state.buffer_len, 0, state.cursor) if deferred else state.cursor
+
+
+def head_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2norm: bool, deferred: bool = False):
+    """The per-head terms of one append (or deferred) step in pure JAX (no checkpoint read): what the
+    Triton prelude launch forms, against which it is tested.
 
     Args:
       state: the GDNReplayState before the step (its k and g records and
         cursor are read; dead slots may hold anything, inf included).
       q, k [batch, H, K]; g f32[batch, HV]; beta [batch, HV]: the step's
         inputs; scale, use_qk_l2norm: as :func:`replayssm_jax.ops.gdn_step`.
+      deferred: the deferred route's terms: a full row (cursor L) read as
+        empty, with its flush terms.
 
     Returns:
       (qn f32[batch, H, K] normalized and scaled, kn f32[batch, H, K]
       normalized, terms f32[batch, HV, 4, L]): terms[:, :, 0] = a_k and
       terms[:, :, 1] = a_q, the live slots' weighted key scores (0 in dead
       slots); terms[:, :, 2, :4] = (exp of the live slots' summed log
-      decays, k . q, exp(g), beta); terms[:, :, 3] = 0.
+      decays, k . q, exp(g), beta); terms[:, :, 3] = 0. With deferred, a
+      full row's flush terms: terms[:, :, 3] the decay weights of its L
+      slots and terms[:, :, 2, 4] exp of their log decays' sum (0 for other
+      rows; L >= 5).
     """
     L, (_, H, _), HV = state.buffer_len, q.shape, g.shape[1]
     qn, kn = normalized_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    live, w, total = live_weights(state)
+    live, w, total = live_weights(state, _live_count(state, deferred))
     keys = state.k.astype(f32)  # elementwise products and sums: f32 on every GPU (no TF32 dot)
 
     def scores(x):
@@ -459,15 +488,21 @@ def head_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l2n
     kq = jnp.repeat(jnp.sum(kn * qn, -1), HV // H, axis=1)
     scalars = jnp.stack([jnp.exp(total), kq, jnp.exp(g.astype(f32)), beta.astype(f32)], -1)
     scalars = jnp.pad(scalars, ((0, 0), (0, 0), (0, L - scalars.shape[-1])))
-    return qn, kn, jnp.stack([a_k, a_q, scalars, jnp.zeros_like(a_k)], 2)
+    flush_w = jnp.zeros_like(a_k)
+    if deferred:
+        full = (state.cursor >= L)[:, None]
+        _, w_all, total_all = live_weights(state, jnp.full_like(state.cursor, L))
+        flush_w = jnp.where(full[..., None], w_all, 0.0)
+        scalars = scalars.at[..., 4].set(jnp.where(full, jnp.exp(total_all), 0.0))
+    return qn, kn, jnp.stack([a_k, a_q, scalars, flush_w], 2)
 
 
-def append_shared_records(state: GDNReplayState, kn, g) -> GDNReplayState:
+def append_shared_records(state: GDNReplayState, kn, g, deferred: bool = False) -> GDNReplayState:
     """The state with this step's k record (kn [batch, H, K], normalized, in the buffer's dtype) and g record
     (f32[batch, HV]) at each row's cursor (scatters; the pure-JAX form of the prelude launch's writes); a
-    row full at entry (cursor == L) writes neither."""
+    row full at entry (cursor == L) writes neither, or (deferred) writes them at slot 0."""
     batch, H, HV = state.batch, kn.shape[1], g.shape[1]
-    slot = state.cursor[:, None]  # slot L is out of bounds: dropped
+    slot = _live_count(state, deferred)[:, None]  # slot L is out of bounds: dropped
     rows = jnp.arange(batch)[:, None]
     k = state.k.at[rows, jnp.arange(H)[None, :], slot].set(kn.astype(state.k.dtype), mode="drop")
     g_rec = state.g.at[rows, jnp.arange(HV)[None, :], slot].set(g.astype(f32), mode="drop")
@@ -479,52 +514,81 @@ def _swizzled(dtype):
     return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(SWIZZLE))
 
 
-def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMAReadoutConfig, checkpoint_dtype):
-    """The kernel body over the items of `shape` = (batch, HV, V) (see the module docstring)."""
+def _flush_tile(S_s, terms_s, df_s, kf_s, L: int):
+    """A flushing item's checkpoint tile S_s (shared memory) replaced by the tile after the row's L buffered
+    records, S <- c S + sum_i w_i d_i k_i^T (c and w_i: the prelude's flush terms; d_i, k_i: rows i of df_s
+    and kf_s), in f32 products and sums, stored in the tile's dtype. One loop body (the L outer products
+    unrolled took 14 s to lower, 2026-12-03)."""
+    def add(i, S):
+        u = terms_s[3, i] * plgpu.load(df_s.at[i], layout=ROW).astype(f32)
+        return S + u[:, None] * plgpu.load(kf_s.at[i], layout=COL).astype(f32)[None, :]
+
+    S = terms_s[2, 4] * plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
+    S_s[...] = lax.fori_loop(0, L, add, S).astype(S_s.dtype)
+
+
+def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMAReadoutConfig, checkpoint_dtype,
+                    deferred: bool = False):
+    """The kernel body over the items of `shape` = (batch, HV, V) (see the module docstring); `deferred`: a
+    row at cursor L flushes first (the deferred route's readout)."""
     batch, HV, V = shape
     BV = config.block_v
     NV = V // BV
     R = config.slots_per_copy(L)
-    count_items, programs, steps = _grid(batch, HV, V, config)  # past the end: the last item again (same writes)
+    count_items, programs, steps = _grid(batch, HV, V, config)
 
-    def body(ck_ref, terms_ref, cursor_ref, q_ref, k_ref, v_ref, d_ref, o_ref, cursor_smem, barrier):
+    def body(ck_ref, terms_ref, cursor_ref, q_ref, k_ref, v_ref, d_ref, *refs):
+        if deferred:
+            krec_ref, k0_ref, o_ref, cursor_smem, df_smem, kf_smem, barrier = refs
+        else:
+            o_ref, cursor_smem, barrier = refs
         program = lax.axis_index("program")
         plgpu.copy_gmem_to_smem(cursor_ref, cursor_smem, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
 
-        def item(step):  # (batch row, value head, row tile) of this program's step
-            i = jnp.minimum(step * programs + program, count_items - 1)
-            return i // (HV * NV), (i // NV) % HV, i % NV
-
-        def spec(shape, index, transforms=()):
-            return plgpu.BlockSpec(shape, lambda step: index(*item(step)), transforms=transforms)
-
-        def cursor_of(b):
+        def cursor_of(b):  # the record copies' count: on the deferred route a full row's L slots, for its flush
             return cursor_smem[b // TMA_MAX, b % TMA_MAX]
 
-        def record_slot(b):  # a full row writes its last record back unchanged
-            return jnp.minimum(cursor_of(b), L - 1)
+        def live_of(b):  # the live records the readout reads: none in a full row on the deferred route
+            return jnp.where(cursor_of(b) >= L, 0, cursor_of(b)) if deferred else cursor_of(b)
 
-        def record_copy(c):  # the d records' c-th copy: its slot block, or block 0 where all its slots are dead
-            return spec((None, None, R, BV), lambda b, h, j: (b, h, jnp.where(c * R < cursor_of(b), c, 0), j))
+        def record_slot(b):  # a full row writes its last record back unchanged (append route)
+            return jnp.minimum(live_of(b), L - 1)
 
-        K = ck_ref.shape[-1]
-        in_specs = [
-            spec((None, None, BV, K), lambda b, h, j: (b, h, j, 0), _swizzled(checkpoint_dtype)),
-            *[record_copy(c) for c in range(L // R)],
-            spec((None, None, TERMS, L), lambda b, h, j: (b, h, 0, 0)),
-            spec((None, None, K), lambda b, h, j: (b, h // group, 0)),
-            spec((None, None, K), lambda b, h, j: (b, h // group, 0)),
-            spec((None, None, BV), lambda b, h, j: (b, h, j)),
-        ]
-        out_specs = [spec((None, None, BV), lambda b, h, j: (b, h, j)),
-                     spec((None, None, None, BV), lambda b, h, j: (b, h, record_slot(b), j))]
+        def item(step):  # (batch row, value head, row tile) of this program's step; past the end (append
+            i = step * programs + program  # route only): the last item again, the same writes
+            i = i if deferred else jnp.minimum(i, count_items - 1)
+            return i // (HV * NV), (i // NV) % HV, i % NV
 
-        def compute(index, S_s, *bufs):
+        def pipeline(first: int, n: int):  # this program's steps first .. first + n - 1
+            def spec(shape, index, transforms=()):
+                return plgpu.BlockSpec(shape, lambda step: index(*item(first + step)), transforms=transforms)
+
+            def record_copy(c):  # the d records' c-th copy: its slot block, or block 0 where all its slots are dead
+                return spec((None, None, R, BV), lambda b, h, j: (b, h, jnp.where(c * R < cursor_of(b), c, 0), j))
+
+            K = ck_ref.shape[-1]
+            in_specs = [
+                spec((None, None, BV, K), lambda b, h, j: (b, h, j, 0), _swizzled(checkpoint_dtype)),
+                *[record_copy(c) for c in range(L // R)],
+                spec((None, None, TERMS, L), lambda b, h, j: (b, h, 0, 0)),
+                spec((None, None, K), lambda b, h, j: (b, h // group, 0)),
+                spec((None, None, K), lambda b, h, j: (b, h // group, 0)),
+                spec((None, None, BV), lambda b, h, j: (b, h, j)),
+            ]
+            out_specs = [spec((None, None, BV), lambda b, h, j: (b, h, j)),
+                         spec((None, None, None, BV), lambda b, h, j: (b, h, record_slot(b), j))]
+            plgpu.emit_pipeline(functools.partial(compute, first), grid=(n,), in_specs=in_specs,
+                                out_specs=out_specs, max_concurrent_steps=min(config.stages, n))(
+                ck_ref, *[d_ref] * (L // R), terms_ref, q_ref, k_ref, v_ref, o_ref, d_ref)
+
+        def compute(first, index, S_s, *bufs):
             *U_s, terms_s, q_s, k_s, v_s, o_s, d_s = bufs
             record = lambda i: U_s[i // R].at[i % R]  # noqa: E731  (slot i's d record)
-            b, _, _ = item(index[0])
-            count = cursor_of(b)
+            b, h, j = item(first + index[0])
+            count = live_of(b)
+            if deferred:
+                flush_item(S_s, terms_s, b, h, j)
             carried, kq, decay, beta = terms_s[2, 0], terms_s[2, 1], terms_s[2, 2], terms_s[2, 3]
             acc_k = acc_q = plgpu.layout_cast(jnp.zeros((BV,), f32), ROW)
             for i in range(L):  # static: independent loads; the slot's weights are scalars in shared memory
@@ -538,14 +602,42 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             Sk = decay * (carried * jnp.sum(S * kv[None, :], axis=1) + acc_k)
             Sq = decay * (carried * jnp.sum(S * qv[None, :], axis=1) + acc_q)
             d = beta * (plgpu.load(v_s, layout=ROW).astype(f32) - Sk)
+            if deferred:  # no row is full after its flush
+                o_s[...] = (Sq + kq * d).astype(o_s.dtype)
+                d_s[...] = d.astype(d_s.dtype)
+                return
             full = jnp.broadcast_to(count >= L, d.shape)
             o = jnp.where(full, jnp.full_like(d, jnp.nan), Sq + kq * d)
             o_s[...] = o.astype(o_s.dtype)
             d_s[...] = jnp.where(full, plgpu.load(record(L - 1), layout=ROW), d.astype(d_s.dtype))
 
-        plgpu.emit_pipeline(compute, grid=(steps,), in_specs=in_specs, out_specs=out_specs,
-                            max_concurrent_steps=config.stages)(
-            ck_ref, *[d_ref] * (L // R), terms_ref, q_ref, k_ref, v_ref, o_ref, d_ref)
+        def flush_item(S_s, terms_s, b, h, j):
+            """A full row's tile flushed in shared memory (then read as the checkpoint) and written back. Its
+            d records, k records 1 .. L - 1 and slot-0 key (the prelude's k0) are copied in for it."""
+            @pl.when(cursor_of(b) >= L)
+            def _():
+                keys = krec_ref.at[b, h // group, pl.ds(1, L - 1)]
+                plgpu.copy_gmem_to_smem(d_ref.at[b, h, :, pl.ds(j * BV, BV)], df_smem, barrier.at[1])
+                plgpu.copy_gmem_to_smem(keys, kf_smem.at[pl.ds(1, L - 1)], barrier.at[2])
+                plgpu.copy_gmem_to_smem(k0_ref.at[b, h // group], kf_smem.at[0], barrier.at[3])
+                for i in (1, 2, 3):
+                    plgpu.barrier_wait(barrier.at[i])
+                _flush_tile(S_s, terms_s, df_smem, kf_smem, L)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(S_s, ck_ref.at[b, h, pl.ds(j * BV, BV)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        if not deferred:
+            pipeline(0, steps)
+            return
+        # Deferred: each item exactly once (a flushing item read twice could flush twice): the full rounds,
+        # then one more step on the first `rest` programs.
+        rounds, rest = divmod(count_items, programs)
+        pipeline(0, rounds)
+        if rest:
+            @pl.when(program < rest)
+            def _():
+                pipeline(rounds, 1)
 
     return body
 
@@ -613,8 +705,9 @@ def mamba2_readout_tma(checkpoint, C, config: TMAReadoutConfig):
     return kernel(checkpoint.reshape(batch, rows, N), C).reshape(batch, H, P)
 
 
-def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMAReadoutConfig):
-    """The append step's readout on Mosaic GPU, after its prelude: the outputs and the d records.
+def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMAReadoutConfig, k0=None):
+    """The append step's readout on Mosaic GPU, after its prelude: the outputs and the d records; with `k0`,
+    the deferred route's readout, which first flushes the full rows, in place.
 
     Takes the prelude's outputs (the Triton launch of
     :func:`replayssm_jax.kernels.gdn_replay_step`'s append route; their
@@ -631,23 +724,41 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
       entry: i32[rows * TMA_MAX] (rows = cdiv(batch, TMA_MAX)), each row's
         cursor at entry in its first `batch` entries (the rest unread).
       v: [batch, HV, V]; config: a TMAReadoutConfig.
+      k0: None (the append route), or (the deferred route) [batch, H, K]
+        in the k records' dtype, each full row's slot-0 k record before the
+        prelude wrote this step's there (the prelude's stash; other rows' unread). state.k
+        then holds the records after the prelude, and terms the flush
+        terms (`head_terms` with deferred=True).
 
     Returns:
       (o [batch, HV, V] in v.dtype, d records like state.d): the step's d
       record at each row's cursor, in place; a row full at entry (cursor ==
-      L): NaN outputs, its d records unchanged.
+      L): NaN outputs, its d records unchanged. With k0: (o, d records,
+      checkpoint): a full row's checkpoint tile, read into shared memory,
+      takes its L buffered records there (f32 products and sums, then the
+      checkpoint's dtype), is written back in place and read as the
+      checkpoint of an empty row, whose record goes to slot 0.
     """
-    batch, HV, V, _ = state.checkpoint.shape
+    batch, HV, V, K = state.checkpoint.shape
     H, L = state.k.shape[1], state.buffer_len
     programs = _grid(batch, HV, V, config)[1]
-    body = _readout_kernel((batch, HV, V), L, HV // H, config, state.checkpoint.dtype)
+    deferred = k0 is not None
+    body = _readout_kernel((batch, HV, V), L, HV // H, config, state.checkpoint.dtype, deferred)
     R = config.slots_per_copy(L)
     copies = f"_r{R}" if R < L else ""
-    name = f"gdn_append_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}{copies}"  # as the profiles name it
+    route = "deferred" if deferred else "append"
+    name = f"gdn_{route}_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}{copies}"  # as profiles name it
     rows = cursor_rows(batch)
+    scratch = [plgpu.SMEM((rows, TMA_MAX), jnp.int32)]
+    if deferred:  # a flushing item's d records and its key head's k records
+        scratch += [plgpu.SMEM((L, config.block_v), state.d.dtype), plgpu.SMEM((L, K), state.k.dtype)]
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(programs,),
                           grid_names=("program",), kernel_name=name,
-                          scratch_types=[plgpu.SMEM((rows, TMA_MAX), jnp.int32), plgpu.Barrier(num_barriers=1)])
+                          scratch_types=[*scratch, plgpu.Barrier(num_barriers=4 if deferred else 1)])
     d_ref = jax.new_ref(state.d)  # written in place: the kernel's d records
-    o = kernel(state.checkpoint, terms, entry.reshape(rows, TMA_MAX), qn, kn, v, d_ref)
-    return o, d_ref[...]
+    if not deferred:
+        o = kernel(state.checkpoint, terms, entry.reshape(rows, TMA_MAX), qn, kn, v, d_ref)
+        return o, d_ref[...]
+    ck_ref = jax.new_ref(state.checkpoint)  # the full rows' tiles written in place
+    o = kernel(ck_ref, terms, entry.reshape(rows, TMA_MAX), qn, kn, v, d_ref, state.k, k0)
+    return o, d_ref[...], ck_ref[...]
