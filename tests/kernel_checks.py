@@ -221,14 +221,14 @@ def check_deferred_steps(layer, rs, config, steps: int, tol) -> None:
 def check_auto_is_deferred(layer, name: str, L: int) -> None:
     """route="auto" through the ops ("pallas") on `layer` (a batch of at least DEFERRED_MIN_BATCH rows), from
     staggered cursors with full rows among them, an f32 checkpoint and bf16 records: the deferred route
-    (its flush launch, `{name}_deferred_flush_L...`, or on GDN's Mosaic GPU readout `gdn_deferred_tma...`,
-    which flushes), on the Mosaic GPU kernel where the GPU is Hopper-class; L + 2 steps within the
-    tolerance of the reference's output route."""
+    (its flush launch, `{name}_deferred_flush_L...`, or where the GPU is Hopper-class the Mosaic GPU
+    readout that flushes, `{name}_deferred_tma...`); L + 2 steps within the tolerance of the reference's
+    output route."""
     rs = rs_ref = layer.replay_state(L, f32, bf16, (np.arange(layer.s.batch) * 5 % (L + 1)).astype(np.int32))
     step = jax.jit(lambda s, i: layer.replay_step(s, i, "auto", "pallas"))
     text = step.trace(rs, layer.draw()).lower().as_text()
     hopper = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
-    flushes = f"{name}_deferred_tma_L" if name == "gdn" and hopper else f"{name}_deferred_flush_L"
+    flushes = f"{name}_deferred_tma" if hopper else f"{name}_deferred_flush_L"
     assert flushes in text and ("mosaic_gpu_v2" in text) == hopper
     tol = tolerance_dtype(bf16, f32)
     for t in range(L + 2):
@@ -241,8 +241,8 @@ def check_auto_is_deferred(layer, name: str, L: int) -> None:
 
 def check_deferred_step_kernels(layer, L: int, triton_launches: int) -> None:
     """The deferred step on Mosaic GPU (a TMAReadoutConfig()), jitted alone with its state donated:
-    `triton_launches` Triton launches (GDN: its prelude, its readout flushing the full rows; Mamba-2: the
-    flush launch and the launch after the readout) and one Mosaic GPU kernel, nothing else; a decode loop
+    `triton_launches` Triton launches (GDN: its prelude; Mamba-2: the launch after the readout, and the
+    flush launch where its readout does not flush) and one Mosaic GPU kernel, nothing else; a decode loop
     of 2 L steps on it from staggered cursors (every row fills and flushes its buffer) copies no
     checkpoint, record or cursor (`hlo_checks.assert_step_alone_and_in_a_loop`)."""
     rs = layer.replay_state(L, f32, bf16, (np.arange(layer.s.batch) * 3 % (L + 1)).astype(np.int32))

@@ -206,23 +206,44 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, act, config, batch, rng):
     assert sorted(pairs) == [("1", "1"), ("2", "2"), ("3", "3"), ("4", "4")], pairs
 
 
-@pytest.mark.parametrize("checkpoint_dtype", [f32, bf16])
-def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
-    """The deferred route's lowering on the CPU at the model's shape (abstract inputs): the flush launch of the
-    full rows (its checkpoint aliased in place; an f32 one's on 32-row tiles), the readout and the launch
-    after it, and no other custom call."""
-    layer = _layer(rng, MODEL.with_batch(64))
-    state, _ = _abstract(64, checkpoint=checkpoint_dtype)
+@pytest.mark.parametrize(("checkpoint_dtype", "batch"), [(f32, 64), (bf16, 64), (f32, 66)],
+                         ids=["f32", "bf16", "b66-flush-launch"])
+def test_deferred_step_lowers_for_cuda(checkpoint_dtype, batch, rng):
+    """The deferred route's lowering on the CPU at the model's shape (abstract inputs; 64-row items across
+    its 80-row heads): the readout, which flushes the full rows itself (its checkpoint aliased in place), and
+    the launch after it. At batch 66 (not a multiple of 4: `mamba2_flushes_in_readout` says no) the flush
+    launch of the full rows runs first (its checkpoint aliased; an f32 one's on 32-row tiles). No other
+    custom call."""
+    layer = _layer(rng, MODEL.with_batch(batch))
+    state, C = _abstract(batch, checkpoint=checkpoint_dtype)
+    fused = batch % 4 == 0
+    assert tma_readout.mamba2_flushes_in_readout(state, C, kernels.TMAReadoutConfig()) == fused
     text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "deferred", kernels.TMAReadoutConfig()),
                           state, jax.eval_shape(layer.draw))
     calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)\(([^\n]*)", text)
-    assert sorted(c for c, _ in calls) == ["__gpu$xla.gpu.triton", "__gpu$xla.gpu.triton", "mosaic_gpu_v2"], calls
+    want = ["__gpu$xla.gpu.triton"] * (1 + (not fused)) + ["mosaic_gpu_v2"]
+    assert sorted(c for c, _ in calls) == want, calls
     flush = [line for _, line in calls if "mamba2_deferred_flush_L16" in line]
-    assert len(flush) == 1, "no flush launch"
+    assert len(flush) == (not fused), "a flush launch beside the readout that flushes" if fused else "no flush launch"
+    if fused:
+        readout = next(line for c, line in calls if c == "mosaic_gpu_v2")
+        assert "mamba2_deferred_tma" in readout
+        pairs = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", readout)
+        assert pairs == [("1", "0")], pairs  # the checkpoint in place
+        return
     tile = "_bv32_w4_" if checkpoint_dtype == f32 else "_bv16_w2_"  # config.DEFERRED_FLUSH_TILE for f32 only
     assert f"mamba2_deferred_flush_L16{tile}" in flush[0], flush[0]
     assert re.search(r"output_operand_aliases = \[#stablehlo\.output_operand_alias<output_tuple_indices = \[\], "
                      r"operand_index = 0", flush[0]), "the flush launch's checkpoint is not aliased"
+
+
+@pytest.mark.parametrize(("P", "block_v", "heads"), [(64, 64, 1), (80, 64, 2), (64, 128, 2), (80, 128, 3),
+                                                     (128, 64, 1), (96, 64, 2)])
+def test_heads_per_item(P, block_v, heads):
+    """The most heads a readout item spans, against a count over every item of 16 heads."""
+    assert tma_readout.heads_per_item(P, block_v) == heads
+    spans = {len({row // P for row in range(t * block_v, (t + 1) * block_v)}) for t in range(16 * P // block_v)}
+    assert max(spans) == heads
 
 
 # ---------------------------------------------------------------------------
@@ -266,12 +287,17 @@ def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dty
 @pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape"), [
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), MODEL.with_batch(8)),
     (bf16, bf16, bf16, kernels.TMAReadoutConfig(stages=3), SHAPE),
+    (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128), Mamba2Shape(batch=68, H=4, P=64, N=128, G=2, gated=False)),
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(block_v=128), Mamba2Shape(batch=12, H=16, P=80, N=64, G=2)),
     (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128), Mamba2Shape(batch=67, H=4, P=64, N=128, G=2, gated=False)),
-], ids=["model-f32-bf16", "bf16-3stages", "b67-f32-ungated"])
+], ids=["model-f32-bf16", "bf16-3stages", "b68-f32-ungated", "p80-bv128-3-heads", "b67-flush-launch"])
 def test_compiled_deferred_steps_match_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
-    """The deferred route on Mosaic GPU (the flush launch of the full rows, the readout, the launch after it):
-    L + 2 steps from staggered cursors, full rows among them, inf and NaN in the dead slots, against the
-    reference's deferred route (`kernel_checks.check_deferred_steps`)."""
+    """The deferred route on Mosaic GPU (the readout, which flushes the full rows itself, or the flush launch
+    before it where `mamba2_flushes_in_readout` says no, as at batch 67; the launch after it): L + 2 steps
+    from staggered cursors, full rows among them, inf and NaN in the dead slots, against the reference's
+    deferred route (`kernel_checks.check_deferred_steps`)."""
+    rs = _abstract(shape.batch, shape, L, checkpoint_dtype, buffer_dtype, act)
+    assert tma_readout.mamba2_flushes_in_readout(*rs, config) == (shape.batch % 4 == 0)
     layer = _layer(rng, shape, act)
     cursor = (np.arange(shape.batch) * 3 % (L + 1)).astype(np.int32)
     check_deferred_steps(layer, _state(layer, checkpoint_dtype, buffer_dtype, cursor), config, L + 2,
@@ -319,7 +345,10 @@ def test_compiled_step_is_its_two_kernels(rng):
 
 
 @pytest.mark.gpu
-def test_compiled_deferred_step_is_its_three_kernels(rng):
-    """The deferred step on Mosaic GPU: the flush launch, the readout and the launch after it and nothing
-    else, and no copy of the state in a decode loop (`kernel_checks.check_deferred_step_kernels`)."""
-    check_deferred_step_kernels(_layer(rng), L, triton_launches=2)
+@pytest.mark.parametrize(("shape", "triton_launches"), [(SHAPE.with_batch(8), 1), (SHAPE, 2)],
+                         ids=["flushing-readout", "b5-flush-launch"])
+def test_compiled_deferred_step_is_its_kernels(shape, triton_launches, rng):
+    """The deferred step on Mosaic GPU: the readout (which flushes the full rows itself; at batch 5, not a
+    multiple of 4, after the flush launch) and the launch after it and nothing else, and no copy of the
+    state in a decode loop (`kernel_checks.check_deferred_step_kernels`)."""
+    check_deferred_step_kernels(_layer(rng, shape), L, triton_launches=triton_launches)

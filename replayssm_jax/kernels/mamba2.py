@@ -71,7 +71,8 @@ from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
                                          store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.kernels.tma_readout import (TMAReadoutConfig, check_mamba2_tma, check_tma_route,
-                                               default_mamba2_tma, mamba2_readout_tma)
+                                               default_mamba2_tma, mamba2_deferred_readout_tma,
+                                               mamba2_flushes_in_readout, mamba2_readout_tma)
 from replayssm_jax.state import Mamba2ReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -335,18 +336,23 @@ def _after_readout(readout, records: Records, cursor, inputs: Inputs, *, dt_soft
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "route"))
 def _append_tma(state: Mamba2ReplayState, inputs: Inputs, *, dt_softplus: bool, dt_limit: tuple[float, float],
                 config: TMAReadoutConfig, route: str):
-    """The append or deferred route on Mosaic GPU: (deferred) the flush launch of the full rows
-    (`_flush_full`, the default ReplayConfig's flush tiling), the readout S_c C
-    (`tma_readout.mamba2_readout_tma`), then the per-head launch (`_after_readout`), on validated
-    arguments within the readout's limits (`tma_readout.check_mamba2_tma`). Returns (y [batch, H, P] in
-    x.dtype, new Mamba2ReplayState), as :func:`mamba2_replay_step`."""
+    """The append or deferred route on Mosaic GPU: the readout S_c C (`tma_readout.mamba2_readout_tma`), then
+    the per-head launch (`_after_readout`), on validated arguments within the readout's limits
+    (`tma_readout.check_mamba2_tma`). On the deferred route the readout flushes the full rows itself
+    (`tma_readout.mamba2_deferred_readout_tma`) where `tma_readout.mamba2_flushes_in_readout` says, else
+    the flush launch of the full rows (`_flush_full`, the default ReplayConfig's flush tiling) runs first.
+    Returns (y [batch, H, P] in x.dtype, new Mamba2ReplayState), as :func:`mamba2_replay_step`."""
     records, inputs = Records(state.x, state.dt, state.B), _with_defaults(inputs)
-    if route == "deferred":
-        flush = replay_config_for(None, state.checkpoint, state.buffer_len, DIMS, route=route)
-        state = state.replace(checkpoint=_flush_full(state.checkpoint, records, state.cursor, inputs,
-                                                     dt_softplus=dt_softplus, dt_limit=dt_limit, config=flush,
-                                                     interpret=False))
-    readout = mamba2_readout_tma(state.checkpoint, inputs.C, config)
+    if route == "deferred" and mamba2_flushes_in_readout(state, inputs.C, config):
+        readout, checkpoint = mamba2_deferred_readout_tma(state, inputs.C, inputs.A, config)
+        state = state.replace(checkpoint=checkpoint)
+    else:
+        if route == "deferred":
+            flush = replay_config_for(None, state.checkpoint, state.buffer_len, DIMS, route=route)
+            state = state.replace(checkpoint=_flush_full(state.checkpoint, records, state.cursor, inputs,
+                                                         dt_softplus=dt_softplus, dt_limit=dt_limit, config=flush,
+                                                         interpret=False))
+        readout = mamba2_readout_tma(state.checkpoint, inputs.C, config)
     y, records, cursor = _after_readout(readout, records, state.cursor, inputs, dt_softplus=dt_softplus,
                                         dt_limit=dt_limit, interpret=False, route=route)
     return y, state.replace(x=records.x, dt=records.dt, B=records.B, cursor=cursor)
@@ -654,7 +660,10 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
     (:func:`~replayssm_jax.kernels.tma_readout.mamba2_readout_tma`), then a
     Triton launch of the per-head work, the records and the cursor, in
     place; within :func:`~replayssm_jax.kernels.tma_readout.check_mamba2_tma`'s
-    limits (NotImplementedError, ValueError).
+    limits (NotImplementedError, ValueError). On the deferred route the
+    readout flushes the rows that entered full itself where
+    :func:`~replayssm_jax.kernels.tma_readout.mamba2_flushes_in_readout`
+    says (else the flush launch runs first).
 
     Args:
       state: a Mamba2ReplayState: checkpoint f32 | bf16[batch, H, P, N];

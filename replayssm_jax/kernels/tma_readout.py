@@ -48,8 +48,13 @@ the cursor in place (`advance_cursor`).
 
 The deferred route (route="deferred") reads the rows that entered full
 (cursor L) as empty after flushing them: their record goes to slot 0 and
-their cursor to 1. Mamba-2 runs the same launches after the replay step's
-flush launch for those rows (`launch.flush_full_launch`). The GDN readout
+their cursor to 1. The Mamba-2 readout flushes them itself
+(:func:`mamba2_deferred_readout_tma`, where
+:func:`mamba2_flushes_in_readout` says; elsewhere the same launches run
+after the replay step's flush launch for those rows,
+`launch.flush_full_launch`): an item of a full row copies its head's x,
+B and dt records into shared memory and applies them to its checkpoint
+tile there, as below. The GDN readout
 flushes them itself (:func:`gdn_append_tma` given `k0`): the prelude also
 forms a full row's flush terms (its L slots' decay weights and their total
 decay) and keeps its slot-0 k record aside before this step's replaces it;
@@ -209,14 +214,24 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: boo
     return sum(_align(stages * b) for b in buffers) + _align(cursor_rows(batch) * TMA_MAX * 4) + scratch + flush
 
 
-def mamba2_smem_bytes(checkpoint, C, config: TMAReadoutConfig) -> int:
+def mamba2_smem_bytes(checkpoint, C, config: TMAReadoutConfig, flush: Mamba2ReplayState | None = None) -> int:
     """Shared-memory bytes of a program of :func:`mamba2_readout_tma`, counted as :func:`smem_bytes`: the
-    item's checkpoint tile [block_v, N], its C [N] and its readout f32[block_v], times the stages."""
+    item's checkpoint tile [block_v, N], its C [N] and its readout f32[block_v], times the stages. `flush`:
+    the state of the deferred route's readout (:func:`mamba2_deferred_readout_tma`), which also holds the
+    cursor, A, and a flushing item's x records [nh L, P], B records [L, N] and dt records f32[nh, L] (nh =
+    `heads_per_item`; one buffer each, not staged), and four more barriers."""
     batch, H, P, N = checkpoint.shape
-    buffers = (config.block_v * N * checkpoint.dtype.itemsize, N * C.dtype.itemsize, config.block_v * 4)
+    BV = config.block_v
+    buffers = (BV * N * checkpoint.dtype.itemsize, N * C.dtype.itemsize, BV * 4)
     stages = min(config.stages, _grid(batch, 1, H * P, config)[2])
-    scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + stages * len(buffers))
-    return sum(_align(stages * b) for b in buffers) + scratch
+    scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + 4 * (flush is not None) + stages * len(buffers))
+    extra = 0
+    if flush is not None:
+        L = flush.buffer_len
+        nh = heads_per_item(P, BV)
+        extra = sum(_align(b) for b in (cursor_rows(batch) * TMA_MAX * 4, H * 4, nh * L * P * flush.x.dtype.itemsize,
+                                        L * N * flush.B.dtype.itemsize, nh * L * 4))
+    return sum(_align(stages * b) for b in buffers) + scratch + extra
 
 
 def cursor_rows(batch: int) -> int:
@@ -351,6 +366,20 @@ def check_mamba2_tma(state: Mamba2ReplayState, C, config: TMAReadoutConfig, *, i
         raise ValueError(f"the TMA readout takes a group's rows, (H // G) * P = {group} * {P}, a multiple of "
                          f"`config.block_v` = {config.block_v} (an item's rows share one C); got {group * P}")
     _check_smem(mamba2_smem_bytes(state.checkpoint, C, config), config)
+
+
+def mamba2_flushes_in_readout(state: Mamba2ReplayState, C, config: TMAReadoutConfig) -> bool:
+    """Whether the deferred route's Mosaic GPU readout flushes the full rows itself
+    (:func:`mamba2_deferred_readout_tma`), where :func:`check_mamba2_tma` takes the step: whole TMA copies
+    of the cursor, of A and of the dt records (batch, H and L multiples of 4, H <= TMA_MAX), of an item's
+    heads' x records (`heads_per_item` L rows of P, P's bytes a multiple of 16), and a program's shared
+    memory (:func:`mamba2_smem_bytes` with the flush) within SMEM_BYTES. Elsewhere the deferred route runs
+    the flush launch before the readout. Raises nothing."""
+    batch, H, P, _ = state.checkpoint.shape
+    L = state.buffer_len
+    return (batch % 4 == 0 and H % 4 == 0 and H <= TMA_MAX and L % 4 == 0
+            and heads_per_item(P, config.block_v) * L <= TMA_MAX and P * state.x.dtype.itemsize % 16 == 0
+            and mamba2_smem_bytes(state.checkpoint, C, config, state) <= SMEM_BYTES)
 
 
 DEFAULT_MIN_BATCH = 64  # batch rows from which the append route takes this kernel by default (the least measured)
@@ -527,6 +556,18 @@ def _flush_tile(S_s, terms_s, df_s, kf_s, L: int):
     S_s[...] = lax.fori_loop(0, L, add, S).astype(S_s.dtype)
 
 
+def _each_item_once(pipeline, count_items: int, programs: int, program) -> None:
+    """Run `pipeline(first, n)` (this program's steps first .. first + n - 1) so that each item runs exactly
+    once: the full rounds, then one more step on the first `rest` programs. A kernel that flushes needs
+    this: a flushing item read twice, as past the end of a rounded-up grid, could flush twice."""
+    rounds, rest = divmod(count_items, programs)
+    pipeline(0, rounds)
+    if rest:
+        @pl.when(program < rest)
+        def _():
+            pipeline(rounds, 1)
+
+
 def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMAReadoutConfig, checkpoint_dtype,
                     deferred: bool = False):
     """The kernel body over the items of `shape` = (batch, HV, V) (see the module docstring); `deferred`: a
@@ -627,17 +668,10 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
                 plgpu.copy_smem_to_gmem(S_s, ck_ref.at[b, h, pl.ds(j * BV, BV)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        if not deferred:
+        if deferred:
+            _each_item_once(pipeline, count_items, programs, program)
+        else:
             pipeline(0, steps)
-            return
-        # Deferred: each item exactly once (a flushing item read twice could flush twice): the full rounds,
-        # then one more step on the first `rest` programs.
-        rounds, rest = divmod(count_items, programs)
-        pipeline(0, rounds)
-        if rest:
-            @pl.when(program < rest)
-            def _():
-                pipeline(rounds, 1)
 
     return body
 
@@ -647,34 +681,136 @@ def _item_spec(item, shape, index, transforms=()):
     return plgpu.BlockSpec(shape, lambda step: index(*item(step)), transforms=transforms)
 
 
-def _mamba2_readout_kernel(shape: tuple[int, int], rows_per_group: int, config: TMAReadoutConfig, checkpoint_dtype):
-    """The readout's body over the (batch row, row tile) items of `shape` = (batch, rows)."""
+def heads_per_item(P: int, block_v: int) -> int:
+    """The most heads a Mamba-2 readout item of `block_v` rows spans (its rows are P-row heads in order)."""
+    return max(-(-(start + block_v) // P) for start in {k * block_v % P for k in range(P)})
+
+
+def _mamba2_flush_tile(S_s, records, h0, p0, *, P: int, L: int, H: int):
+    """A flushing item's checkpoint tile S_s (shared memory; rows p0 .. of head h0, then the next heads')
+    replaced by the tile after the row's L buffered records: for each row of head h,
+    S <- exp(A T) S + sum_i exp(A T_i) dt_i x_i B_i^T, T the head's dt records' sum and T_i that of the slots
+    after i (the Mamba-2 flush of `replay_math`, its log decays summed as A times the summed dt), in f32
+    products and sums, stored in the tile's dtype. `records` = (A_s f32[H], x_s [nh L, P]: the x records of
+    heads h0 .. h0 + nh - 1, dt_s f32[nh, L]: their dt records, B_s [L, N]: the group's B records), nh =
+    `heads_per_item`. One loop body, over the slots from the last (the suffix sums need no subtraction)."""
+    A_s, x_s, dt_s, B_s = records
+    BV, nh = S_s.shape[0], dt_s.shape[0]
+    x_flat = x_s.reshape(nh * L * P)
+    row = plgpu.broadcasted_iota(jnp.int32, (BV,), 0, layout=ROW)
+    mine = [(row >= j * P - p0) & (row < (j + 1) * P - p0) for j in range(nh)]  # the rows of head h0 + j
+    A = [A_s[jnp.minimum(h0 + j, H - 1)] for j in range(nh)]
+
+    def add(r, carry):
+        acc, later = carry
+        i = L - 1 - r
+        u = plgpu.layout_cast(jnp.zeros((BV,), f32), ROW)
+        for j in range(nh):  # head j's x_i as the window of x_flat whose row p0 + r - j P is the tile's row r
+            x = plgpu.load(x_flat.at[pl.ds((j * (L - 1) + i) * P + p0, BV)], layout=ROW).astype(f32)
+            u = jnp.where(mine[j], (jnp.exp(A[j] * later[j]) * dt_s[j, i]) * x, u)
+        B = plgpu.load(B_s.at[i], layout=COL).astype(f32)
+        return acc + u[:, None] * B[None, :], tuple(later[j] + dt_s[j, i] for j in range(nh))
+
+    zeros = plgpu.layout_cast(jnp.zeros((BV, B_s.shape[1]), f32), plgpu.Layout.WGMMA)
+    acc, total = lax.fori_loop(0, L, add, (zeros, (jnp.float32(0.0),) * nh))
+    decay = plgpu.layout_cast(jnp.zeros((BV,), f32), ROW)
+    for j in range(nh):
+        decay = jnp.where(mine[j], jnp.exp(A[j] * total[j]), decay)
+    S = decay[:, None] * plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32) + acc
+    S_s[...] = S.astype(S_s.dtype)
+
+
+def _mamba2_readout_kernel(shape: tuple[int, int], rows_per_group: int, config: TMAReadoutConfig, checkpoint_dtype,
+                           flush: tuple[int, int] | None = None):
+    """The readout's body over the (batch row, row tile) items of `shape` = (batch, rows); `flush` = (P, L):
+    the deferred route's readout, whose item of a full row (cursor L) flushes its tile first (see
+    :func:`mamba2_deferred_readout_tma`)."""
     batch, rows = shape
     BV = config.block_v
     tiles = rows // BV
-    count_items, programs, steps = _grid(batch, 1, rows, config)  # past the end: the last item again (same writes)
+    count_items, programs, steps = _grid(batch, 1, rows, config)
 
-    def body(ck_ref, c_ref, o_ref):
+    def body(ck_ref, c_ref, *refs):
+        if flush:
+            cursor_ref, x_ref, dt_ref, B_ref, A_ref, o_ref, cursor_s, A_s, x_s, B_s, dt_s, barrier = refs
+        else:
+            (o_ref,) = refs
         program = lax.axis_index("program")
 
-        def item(step):  # (batch row, row tile) of this program's step
-            i = jnp.minimum(step * programs + program, count_items - 1)
+        def item(step):  # (batch row, row tile) of this program's step; past the end (no flush): the last item
+            i = step * programs + program  # again, the same writes
+            i = i if flush else jnp.minimum(i, count_items - 1)
             return i // tiles, i % tiles
 
-        N = ck_ref.shape[-1]
-        in_specs = [_item_spec(item, (None, BV, N), lambda b, t: (b, t, 0), _swizzled(checkpoint_dtype)),
-                    _item_spec(item, (None, None, N), lambda b, t: (b, t * BV // rows_per_group, 0))]
-        out_specs = [_item_spec(item, (None, BV), lambda b, t: (b, t))]
+        def pipeline(first: int, n: int):  # this program's steps first .. first + n - 1
+            at = lambda step: item(first + step)  # noqa: E731
+            N = ck_ref.shape[-1]
+            in_specs = [_item_spec(at, (None, BV, N), lambda b, t: (b, t, 0), _swizzled(checkpoint_dtype)),
+                        _item_spec(at, (None, None, N), lambda b, t: (b, t * BV // rows_per_group, 0))]
+            out_specs = [_item_spec(at, (None, BV), lambda b, t: (b, t))]
+            plgpu.emit_pipeline(functools.partial(compute, first), grid=(n,), in_specs=in_specs,
+                                out_specs=out_specs, max_concurrent_steps=min(config.stages, n))(ck_ref, c_ref, o_ref)
 
-        def compute(index, S_s, c_s, o_s):
+        def compute(first, index, S_s, c_s, o_s):
+            if flush:
+                flush_item(S_s, *item(first + index[0]))
             S = plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
             c = plgpu.load(c_s, layout=COL).astype(f32)
             o_s[...] = jnp.sum(S * c[None, :], axis=1)
 
-        plgpu.emit_pipeline(compute, grid=(steps,), in_specs=in_specs, out_specs=out_specs,
-                            max_concurrent_steps=config.stages)(ck_ref, c_ref, o_ref)
+        def flush_item(S_s, b, t):
+            """A full row's tile flushed in shared memory (then read as the checkpoint) and written back. The
+            x and dt records of its heads and its group's B records are copied in for it (rows past the
+            last head's read as zeros, unused)."""
+            P, L = flush
+            nh = dt_s.shape[0]
+
+            @pl.when(cursor_s[b // TMA_MAX, b % TMA_MAX] >= L)
+            def _():
+                h0, p0 = t * BV // P, t * BV % P
+                plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(h0 * L, nh * L)], x_s, barrier.at[1])
+                plgpu.copy_gmem_to_smem(B_ref.at[b, t * BV // rows_per_group], B_s, barrier.at[2])
+                plgpu.copy_gmem_to_smem(dt_ref.at[b, pl.ds(h0, nh)], dt_s, barrier.at[3])
+                for i in (1, 2, 3):
+                    plgpu.barrier_wait(barrier.at[i])
+                _mamba2_flush_tile(S_s, (A_s, x_s, dt_s, B_s), h0, p0, P=P, L=L, H=A_s.shape[0])
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(S_s, ck_ref.at[b, pl.ds(t * BV, BV)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        if not flush:
+            pipeline(0, steps)
+            return
+        for r in range(cursor_rows(batch)):  # the cursor, then A, into shared memory
+            n = min(TMA_MAX, batch - r * TMA_MAX)
+            plgpu.copy_gmem_to_smem(cursor_ref.at[pl.ds(r * TMA_MAX, n)], cursor_s.at[r, pl.ds(0, n)], barrier.at[0])
+            plgpu.barrier_wait(barrier.at[0])
+        plgpu.copy_gmem_to_smem(A_ref, A_s, barrier.at[0])
+        plgpu.barrier_wait(barrier.at[0])
+        _each_item_once(pipeline, count_items, programs, program)
 
     return body
+
+
+def _mamba2_readout_call(checkpoint, C, config: TMAReadoutConfig, flush: Mamba2ReplayState | None = None):
+    """The Mosaic GPU kernel of :func:`mamba2_readout_tma` (flush None) or of
+    :func:`mamba2_deferred_readout_tma` (flush: the state), over the checkpoint's rows [batch, H P, N]."""
+    batch, H, P, N = checkpoint.shape
+    rows = H * P
+    programs = _grid(batch, 1, rows, config)[1]
+    body = _mamba2_readout_kernel((batch, rows), H // C.shape[1] * P, config, checkpoint.dtype,
+                                  None if flush is None else (P, flush.buffer_len))
+    route = "append" if flush is None else "deferred"
+    name = f"mamba2_{route}_tma_bv{config.block_v}_st{config.stages}_p{programs}"  # as the profiles name it
+    scratch = []
+    if flush is not None:
+        L = flush.buffer_len
+        nh = heads_per_item(P, config.block_v)
+        scratch = [plgpu.SMEM((cursor_rows(batch), TMA_MAX), jnp.int32), plgpu.SMEM((H,), f32),
+                   plgpu.SMEM((nh * L, P), flush.x.dtype), plgpu.SMEM((L, N), flush.B.dtype),
+                   plgpu.SMEM((nh, L), f32), plgpu.Barrier(num_barriers=4)]
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((batch, rows), f32), grid=(programs,),
+                        grid_names=("program",), kernel_name=name, scratch_types=scratch)
 
 
 def mamba2_readout_tma(checkpoint, C, config: TMAReadoutConfig):
@@ -696,13 +832,40 @@ def mamba2_readout_tma(checkpoint, C, config: TMAReadoutConfig):
       f32[batch, H, P]: sum over n of checkpoint[b, h, p, n] C[b, h // (H // G), n].
     """
     batch, H, P, N = checkpoint.shape
-    rows = H * P
-    programs = _grid(batch, 1, rows, config)[1]
-    body = _mamba2_readout_kernel((batch, rows), H // C.shape[1] * P, config, checkpoint.dtype)
-    name = f"mamba2_append_tma_bv{config.block_v}_st{config.stages}_p{programs}"  # as the profiles name it
-    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((batch, rows), f32), grid=(programs,),
-                          grid_names=("program",), kernel_name=name)
-    return kernel(checkpoint.reshape(batch, rows, N), C).reshape(batch, H, P)
+    kernel = _mamba2_readout_call(checkpoint, C, config)
+    return kernel(checkpoint.reshape(batch, H * P, N), C).reshape(batch, H, P)
+
+
+def mamba2_deferred_readout_tma(state: Mamba2ReplayState, C, A, config: TMAReadoutConfig):
+    """The deferred route's Mamba-2 readout on Mosaic GPU: :func:`mamba2_readout_tma`, whose item of a row
+    that entered full (cursor L) first flushes its tile, in place.
+
+    Such an item copies its heads' x and dt records (`heads_per_item`
+    heads from its first) and its group's B records into shared memory, applies
+    the L records to the checkpoint tile there (`_mamba2_flush_tile`: f32
+    products and sums, then the checkpoint's dtype), writes the tile back
+    (a TMA store) and reads it as the checkpoint. Each item runs exactly
+    once. The caller checked :func:`check_mamba2_tma` and
+    :func:`mamba2_flushes_in_readout`; the records are those before the
+    step (the launch after the readout writes this step's).
+
+    Args:
+      state: the Mamba2ReplayState before the step (checkpoint f32 |
+        bf16[batch, H, P, N], records x [batch, H, L, P], dt f32[batch, H,
+        L], B [batch, G, L, N], cursor i32[batch] in 0..L).
+      C: f32 | bf16[batch, G, N]; A: f32[H]; config: a TMAReadoutConfig.
+
+    Returns:
+      (f32[batch, H, P] the readout S_c C of the checkpoint after the
+      flush, the checkpoint with the full rows flushed; in place).
+    """
+    batch, H, P, N = state.checkpoint.shape
+    kernel = _mamba2_readout_call(state.checkpoint, C, config, state)
+    ck_ref = jax.new_ref(state.checkpoint.reshape(batch, H * P, N))  # the full rows' tiles written in place
+    L = state.buffer_len
+    x = state.x.reshape(batch, H * L, P)  # a head's records are L rows: an item's heads are one copy
+    o = kernel(ck_ref, C, state.cursor, x, state.dt, state.B, A.astype(f32))
+    return o.reshape(batch, H, P), ck_ref[...].reshape(state.checkpoint.shape)
 
 
 def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMAReadoutConfig, k0=None):
