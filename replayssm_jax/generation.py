@@ -35,7 +35,8 @@ Memory: before compiling, the cache's shapes come from tracing the prefill
 (`jax.jit(...).trace`: shapes and dtypes, nothing allocated); a cache that
 does not fit the device's free memory raises `InsufficientMemoryError`
 with the batch and length that would fit. After compiling, before running,
-the prefill's temporaries (XLA's `memory_analysis`) are checked too.
+the temporaries of the prefill and of the decode (or speculative) block
+(XLA's `memory_analysis`) are checked too.
 """
 
 from __future__ import annotations
@@ -989,23 +990,46 @@ class Generator:
             self._trace_start(plan, SamplingParams(), inputs, jax.random.key(0))
         return self._estimates[shapes]
 
-    def _check_fits(self, estimate: MemoryEstimate, plan: _Plan, lengths, temp_bytes: int = 0):
-        """Raise InsufficientMemoryError unless the cache (and the prefill's `temp_bytes`
-        of temporaries, from the compiled program) fit the free memory. On a mesh the
+    def _check_fits(self, estimate: MemoryEstimate, plan: _Plan, lengths, temp_bytes: int = 0,
+                    program: str = "the prefill"):
+        """Raise InsufficientMemoryError unless the cache (and `program`'s `temp_bytes` of
+        temporaries, from the compiled program) fit the free memory. On a mesh the
         cache is split over its devices (heads over tp, rows over dp): each device's
         share, 1 / devices of it, and the temporaries (per device) must fit one device."""
         free, where = free_memory()
         devices = 1 if self.mesh is None else self.mesh.size
         if estimate.total_bytes // devices + temp_bytes <= free:
             return
-        temporaries = (f" and the prefill {format_bytes(temp_bytes)} of temporaries (`prefill_rows` lowers them)"
-                       if temp_bytes else "")
+        if temp_bytes >= free:  # no cache fits beside them: the advice is about the program, not the batch
+            self._refuse_temporaries(temp_bytes, program, free, where)
+        hint = " (`prefill_rows` lowers them)" if program == "the prefill" else ""
+        temporaries = f" and {program} {format_bytes(temp_bytes)} of temporaries{hint}" if temp_bytes else ""
         over = "" if devices == 1 else f" over {devices} devices"
         raise InsufficientMemoryError(
             f"`prompts` ({plan.batch} rows, padded to {plan.rows}) with `max_new_tokens` do not fit: the decode cache "
             f"of {plan.max_len} positions needs {estimate.describe()}{over}{temporaries}, and the {where} is "
             f"{format_bytes(free)}; " + estimate.fits((free - temp_bytes) * devices, longest_prompt=int(lengths.max()),
                                                       block_size=self.block_size))
+
+    def _check_temporaries(self, executable, program: str):
+        """Raise InsufficientMemoryError unless `program`'s temporaries (XLA's buffer assignment of the
+        compiled `executable`, per device) fit the memory free now, its inputs already allocated."""
+        temp_bytes = _temp_bytes(executable)
+        free, where = free_memory()
+        if temp_bytes > free:
+            self._refuse_temporaries(temp_bytes, program, free, where)
+
+    def _refuse_temporaries(self, temp_bytes: int, program: str, free: int, where: str):
+        """Raise InsufficientMemoryError: `program`'s temporaries alone exceed the `free` memory."""
+        cpu = jax.devices()[0].platform == "cpu"
+        bf16 = any(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(self.params))
+        # Measured (2026-12-03, bench/configs/qwen3_5_4b_like, bfloat16): 15.8 GiB of decode-block
+        # temporaries for 7.8 GiB of weights.
+        why = (" (on a CPU, XLA computes a bfloat16 model's matrix products on float32 copies of its weights, "
+               f"twice the weights' {format_bytes(self.weights_bytes)})") if cpu and bf16 else ""
+        raise InsufficientMemoryError(
+            f"{program} needs {format_bytes(temp_bytes)} of temporaries beside the weights and the decode cache"
+            f"{why}, and the {where} is {format_bytes(free)}: no batch or length fits")
 
     def _compile(self, key, traced, what, progress):
         """The executable for `key`, compiled from `traced` (a `jax.jit(...).trace`) on first use;
@@ -1153,6 +1177,7 @@ class Generator:
             pad_id=self._pad_id, backend=self.backend).trace(self.params, drafter, carry, row_lengths, stops)
         block, seconds = self._compile(block_key, make, f"speculative block ({self.block_size} rounds)", progress)
         compile_s += seconds
+        self._check_temporaries(block, f"the speculative block of {self.block_size} rounds")
 
         stream = _RowStream(lengths, max_new_tokens, set(np.asarray(stops).tolist()) - {-1}, self._pad_id, on_token)
         stream.update(np.asarray(carry.history), np.asarray(carry.known), np.asarray(carry.done))
@@ -1248,6 +1273,8 @@ class Generator:
           InsufficientMemoryError (a GenerationError and a MemoryError): a
             decode cache that does not fit the free memory (`free_memory`);
             the message gives the batch and max_new_tokens that would fit.
+            Also, after compiling and before running, a prefill or decode
+            block whose temporaries do not fit beside the cache.
         """
         prompts, lengths, max_new_tokens = self._check_request(prompts, max_new_tokens)
         sampling = self._sampling(sampling)
@@ -1274,6 +1301,10 @@ class Generator:
                 self.params, carry_info, inputs[0], inputs[1], inputs[3])
             blocks[n], seconds = self._compile(block_key, make, f"decode block ({n} steps)", progress)
             compile_s += seconds
+        estimate = self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)]
+        temps = {n: _temp_bytes(block) for n, block in blocks.items()}
+        n = max(temps, key=temps.get)
+        self._check_fits(estimate, plan, lengths, temps[n], f"the decode block of {n} steps")
 
         t0 = time.perf_counter()
         carry = start(self.params, *inputs, key)

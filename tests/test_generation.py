@@ -406,6 +406,28 @@ def test_a_cache_that_does_not_fit_is_refused_before_allocating(monkeypatch):
     assert free > 0 and where in ("available host memory", "free host memory")
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["decode", "ngram"])
+def test_a_decode_block_whose_temporaries_do_not_fit_is_refused_before_it_runs(monkeypatch, speculative):
+    """The decode (or speculative) block's temporaries, from its compiled program (XLA's buffer assignment),
+    are checked before the block runs, beside the cache: where they do not fit (here 1 TiB reported for
+    every program compiled after the prefill) the error names the block and its temporaries, and the
+    Generator stays usable."""
+    spec = generation.SpeculativeConfig("ngram", 2) if speculative else None
+    hybrid = model("nemotron_h_tiny") if speculative else load_model(DATA / "nemotron_h_tiny", dtype=jnp.bfloat16)
+    gen = Generator(hybrid, state="replay", buffer_len=4, block_size=4, speculative=spec)
+    real, seen = generation._temp_bytes, []
+    monkeypatch.setattr(generation, "_temp_bytes", lambda e: (seen.append(e), real(e) if len(seen) == 1 else 2**40)[1])
+    program = r"the speculative block of 4 rounds" if speculative else r"the decode block of \d+ steps"
+    with pytest.raises(InsufficientMemoryError, match=program + r" needs 1\.0 TiB of temporaries beside the weights "
+                                                      r"and the decode cache.*: no batch or length fits") as info:
+        gen.generate([[5, 6, 7]] * 2, 6, progress=False)
+    # the CPU's float32 copies of a bfloat16 model's weights are named (f32 weights: no such copies)
+    assert ("float32 copies of its weights" in str(info.value)) == (jax.devices()[0].platform == "cpu" and not speculative)
+    monkeypatch.setattr(generation, "_temp_bytes", real)
+    assert gen.generate([[5, 6, 7]] * 2, 6, progress=False).num_generated == [6, 6]
+    assert 0 < real(gen._compiled[next(k for k in gen._compiled if k[0] in ("block", "spec"))]) < 2**30
+
+
 def test_memory_estimate_of_an_abstract_model_equals_the_loaded_ones():
     """The command estimates before loading, from nnx.eval_shape of the model: same numbers, nothing allocated."""
     abstract = nnx.eval_shape(lambda: init_model(DATA / "nemotron_h_tiny", jnp.float32))

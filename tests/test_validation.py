@@ -263,6 +263,33 @@ def test_gdn_refuses_an_amplifying_gate(gdn):
     np.testing.assert_array_equal(rs.cursor, 0)  # the refused calls left the state as it was
 
 
+def test_gdn_refuses_a_write_strength_outside_0_2(gdn):
+    """beta is the delta rule's write strength: in [0, 2] the transition I - beta k k^T does not amplify the
+    state along a unit k. A concrete beta outside is refused by every op that takes it, naming it; 0, 2 and
+    the sigmoid range are allowed, and a traced beta is not checked."""
+    case, state, inp = gdn
+    rs = case.replay_init(state, 4)
+    window = case.draw(2)
+    calls = {
+        "gdn_step": lambda b: ops.gdn_step(state, **with_(inp, beta=b)),
+        "gdn_replay_step": lambda b: ops.gdn_replay_step(rs, **with_(inp, beta=b)),
+        "gdn_replay_verify": lambda b: ops.gdn_replay_verify(rs, **with_(window, beta=np.stack([b, b], axis=1))),
+        "gdn_chunked": lambda b: case.chunked(state, with_(window, beta=np.stack([b, b], axis=1)), chunk_size=2),
+    }
+    for bad, shown in ((2.5, r"max 2\.5"), (-0.25, r"min -0\.25")):
+        beta = inp["beta"].copy()
+        beta[1, 2] = bad
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match=r"`beta` must be in \[0, 2\] \(a delta-rule write strength.*" + shown):
+                call(beta)
+    allowed = inp["beta"].copy()
+    allowed[0, 0], allowed[1, 1] = 0.0, 2.0
+    for name, call in calls.items():
+        assert np.isfinite(np.asarray(call(allowed)[0])).all(), name
+    assert jax.jit(lambda b: ops.gdn_step(state, **with_(inp, beta=b))[0])(inp["beta"] + 5).shape == (2, 4, 24)
+    np.testing.assert_array_equal(rs.cursor, 0)  # the refused calls left the state as it was
+
+
 def test_transposed_states_are_named(rng):
     """A state with its last two axes swapped (K != V): transformers' GDN
     cache is [batch, HV, K, V]. The error names the state, its expected

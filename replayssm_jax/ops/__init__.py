@@ -701,7 +701,9 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend
       q, k: [batch, H, K], query and key (before L2 norm); H divides HV.
       v: [batch, HV, V], value.
       g: [batch, HV], log decay <= 0 (g = -exp(A_log) * softplus(a + dt_bias)).
-      beta: [batch, HV], write strength in (0, 1) (sigmoid(b)).
+      beta: [batch, HV], write strength in [0, 2]: sigmoid(b) in (0, 1), or
+        2 sigmoid(b) with negative eigenvalues (outside [0, 2], I - beta k k^T
+        amplifies the state along a unit k: ValueError where concrete).
       scale: query scale, a finite real number (a concrete scalar) or None
         for K ** -0.5.
       use_qk_l2norm: bool, L2-normalise q and k over K (eps 1e-6), as the models do.

@@ -14,8 +14,8 @@ whatever the input dtype.
 
 Checks look only at shapes and dtypes (static under `jax.jit`), except
 where values are concrete (outside a trace): :func:`check_int_range`,
-:func:`check_negative`, :func:`check_non_positive` and the replay state's
-cursor also check values.
+:func:`check_negative`, :func:`check_non_positive`, :func:`check_closed_range` and
+the replay state's cursor also check values.
 
 Three parts: the generic checks (an argument's dtype, shape, range); the
 replay state's checks; and one check per op (`check_mamba2_step`, ...,
@@ -203,6 +203,17 @@ def check_non_positive(name: str, x, what: str) -> None:
     values = np.asarray(x, np.float64)
     if np.any(values > 0):
         raise ValueError(f"`{name}` must be <= 0 ({what}); got max {np.nanmax(values):g}")
+
+
+def check_closed_range(name: str, x, low: float, high: float, what: str) -> None:
+    """Raise ValueError if a concrete `x` has an entry outside [low, high] (NaN entries and traced values
+    pass)."""
+    if isinstance(x, jax.core.Tracer):
+        return
+    values = np.asarray(x, np.float64)
+    if np.any(values < low) or np.any(values > high):
+        raise ValueError(f"`{name}` must be in [{low:g}, {high:g}] ({what}); got min {np.nanmin(values):g}, max "
+                         f"{np.nanmax(values):g}")
 
 
 def check_scale(scale):
@@ -719,6 +730,8 @@ def check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, *, seq=None, 
     ssm_arg("g", g, f"{names}, HV", (*lead, HV))
     check_non_positive("g", g, "a log decay: exp(g) > 1 would amplify the state")
     ssm_arg("beta", beta, f"{names}, HV", (*lead, HV))
+    check_closed_range("beta", beta, 0.0, 2.0, "a delta-rule write strength: outside it I - beta k k^T amplifies "
+                                               "the state along a unit k")
     scale = check_scale(scale)
     return (K ** -0.5 if scale is None else scale), check_bool("use_qk_l2norm", use_qk_l2norm)
 
