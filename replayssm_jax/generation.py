@@ -1143,8 +1143,8 @@ class Generator:
 
         init_key = ("spec-init", sampling, plan.rows, plan.prefix_len, plan.width, plan.max_len)
         make = lambda: jit(init).trace(self.params, drafter, start)  # noqa: E731
-        init, seconds = self._compile(init_key, make, f"{self.speculative.method} drafter state", progress)
-        return init(self.params, drafter, start), seconds
+        compiled, seconds = self._compile(init_key, make, f"{self.speculative.method} drafter state", progress)
+        return compiled(self.params, drafter, start), seconds
 
     def _generate_speculative(self, plan, prompts, lengths, max_new_tokens, sampling, inputs, key, start,
                               compile_s, progress, on_token):

@@ -237,6 +237,19 @@ def test_value_checks(mamba, gdn):
         ops.gdn_step(gstate, **ginp, use_qk_l2norm="no")
 
 
+def _gdn_ops_taking(field, case, state, inp, rs):
+    """Every GDN op that takes `field` (g or beta, [batch, HV]), as a function of that input: the step, the
+    replay step, a verify window of 2 and the chunked form (the window's steps both take it)."""
+    window = case.draw(2)
+    both = lambda x: np.stack([x, x], axis=1)  # noqa: E731
+    return {
+        "gdn_step": lambda x: ops.gdn_step(state, **with_(inp, **{field: x})),
+        "gdn_replay_step": lambda x: ops.gdn_replay_step(rs, **with_(inp, **{field: x})),
+        "gdn_replay_verify": lambda x: ops.gdn_replay_verify(rs, **with_(window, **{field: both(x)})),
+        "gdn_chunked": lambda x: case.chunked(state, with_(window, **{field: both(x)}), chunk_size=2),
+    }
+
+
 def test_gdn_refuses_an_amplifying_gate(gdn):
     """g is a log decay (g <= 0, exp(g) <= 1), as Mamba-2's A < 0: a concrete g > 0 is refused by every op
     that takes g, naming it; g = 0 and g = -inf are allowed, and a traced g is not checked (inside jit only
@@ -246,13 +259,7 @@ def test_gdn_refuses_an_amplifying_gate(gdn):
     amplifying[1, 2] = 0.5
     message = r"`g` must be <= 0 \(a log decay: exp\(g\) > 1 would amplify the state\); got max 0.5"
     rs = case.replay_init(state, 4)
-    window = case.draw(2)
-    calls = {
-        "gdn_step": lambda g: ops.gdn_step(state, **with_(inp, g=g)),
-        "gdn_replay_step": lambda g: ops.gdn_replay_step(rs, **with_(inp, g=g)),
-        "gdn_replay_verify": lambda g: ops.gdn_replay_verify(rs, **with_(window, g=np.stack([g, g], axis=1))),
-        "gdn_chunked": lambda g: case.chunked(state, with_(window, g=np.stack([g, g], axis=1)), chunk_size=2),
-    }
+    calls = _gdn_ops_taking("g", case, state, inp, rs)
     allowed = inp["g"].copy()
     allowed[0, 0], allowed[1, 1] = 0.0, -np.inf
     for name, call in calls.items():
@@ -269,13 +276,7 @@ def test_gdn_refuses_a_write_strength_outside_0_2(gdn):
     the sigmoid range are allowed, and a traced beta is not checked."""
     case, state, inp = gdn
     rs = case.replay_init(state, 4)
-    window = case.draw(2)
-    calls = {
-        "gdn_step": lambda b: ops.gdn_step(state, **with_(inp, beta=b)),
-        "gdn_replay_step": lambda b: ops.gdn_replay_step(rs, **with_(inp, beta=b)),
-        "gdn_replay_verify": lambda b: ops.gdn_replay_verify(rs, **with_(window, beta=np.stack([b, b], axis=1))),
-        "gdn_chunked": lambda b: case.chunked(state, with_(window, beta=np.stack([b, b], axis=1)), chunk_size=2),
-    }
+    calls = _gdn_ops_taking("beta", case, state, inp, rs)
     for bad, shown in ((2.5, r"max 2\.5"), (-0.25, r"min -0\.25")):
         beta = inp["beta"].copy()
         beta[1, 2] = bad
