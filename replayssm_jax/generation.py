@@ -34,9 +34,11 @@ greedy tokens against transformers').
 Memory: before compiling, the cache's shapes come from tracing the prefill
 (`jax.jit(...).trace`: shapes and dtypes, nothing allocated); a cache that
 does not fit the device's free memory raises `InsufficientMemoryError`
-with the batch and length that would fit. After compiling, before running,
-the temporaries of the prefill and of the decode (or speculative) block
-(XLA's `memory_analysis`) are checked too.
+with the batch and length that would fit. The temporaries of each compiled
+program (XLA's `memory_analysis`) are checked too, after it compiles and
+before it runs: the prefill's and the decode blocks' beside the cache
+before the prefill runs, a speculative run's drafter state and speculative
+block after it.
 """
 
 from __future__ import annotations
@@ -1143,7 +1145,9 @@ class Generator:
 
         init_key = ("spec-init", sampling, plan.rows, plan.prefix_len, plan.width, plan.max_len)
         make = lambda: jit(init).trace(self.params, drafter, start)  # noqa: E731
-        compiled, seconds = self._compile(init_key, make, f"{self.speculative.method} drafter state", progress)
+        what = f"{self.speculative.method} drafter state"
+        compiled, seconds = self._compile(init_key, make, what, progress)
+        self._check_temporaries(compiled, f"the {what}'s program")
         return compiled(self.params, drafter, start), seconds
 
     def _generate_speculative(self, plan, prompts, lengths, max_new_tokens, sampling, inputs, key, start,

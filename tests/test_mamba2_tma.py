@@ -187,6 +187,19 @@ def test_default_tiling_of_the_append_route(device, case, kw, takes, monkeypatch
     assert config == (kernels.TMAReadoutConfig() if takes else None)
 
 
+def test_default_tiling_of_the_deferred_route_counts_the_flush(monkeypatch):
+    """On the deferred route the default counts the flush's buffers in a program's shared memory: N = 192,
+    L = 32 (102456 bytes a program on the append route, 128088 with the flush's, above an SM's half of
+    232448) takes the Mosaic GPU readout on the append route only; N = 128, L = 16 on both."""
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Device()])
+    for N, L, deferred_takes in ((192, 32, False), (128, 16, True)):
+        state, C = _abstract(256, Mamba2Shape(batch=1, H=96, P=80, N=N, G=8), L=L)
+        assert tma_readout.mamba2_flushes_in_readout(state, C, kernels.TMAReadoutConfig())
+        for deferred, takes in ((False, True), (True, deferred_takes)):
+            config = tma_readout.default_mamba2_tma(state, C, interpret=False, slots=None, deferred=deferred)
+            assert config == (kernels.TMAReadoutConfig() if takes else None), (N, L, deferred)
+
+
 @pytest.mark.parametrize(("checkpoint_dtype", "act", "config", "batch"), [
     (f32, bf16, kernels.TMAReadoutConfig(), 300),
     (bf16, bf16, kernels.TMAReadoutConfig(stages=3, programs_per_sm=3), 8),

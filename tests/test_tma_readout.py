@@ -141,6 +141,20 @@ def test_limits_on_shapes(case, config, match):
                                       slots=None)
 
 
+def test_deferred_readout_needs_whole_rows_of_keys_in_shared_memory():
+    """The deferred route's readout copies a flushing item's k records from slot 1 on to that row of a shared
+    buffer: K times the records' item size must be a multiple of TMA_ALIGN (128 bytes). K = 96 of bf16 (192
+    bytes) is refused there and taken on the append route; of f32 (384 bytes) taken on both."""
+    config = kernels.TMAReadoutConfig()
+    state, v = _abstract(64, K=96, d=bf16)
+    tma_readout.check_tma_readout(state, v, config, interpret=False, slots=None)
+    with pytest.raises(ValueError, match=r"deferred route's TMA readout takes K \(key dim\) \* the k records' item "
+                                         r"size a multiple of 128 bytes .*; got K = 96 of bfloat16"):
+        tma_readout.check_tma_readout(state, v, config, interpret=False, slots=None, deferred=True)
+    state, v = _abstract(64, K=96, d=f32)
+    tma_readout.check_tma_readout(state, v, config, interpret=False, slots=None, deferred=True)
+
+
 def test_shared_memory_counts_the_stages_a_program_keeps():
     """The pipeline keeps at most a program's steps: 4 stages of 128 rows fit at batch 2 (one step a
     program), not at batch 256."""
@@ -303,7 +317,9 @@ def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtyp
     assert len(stash) == deferred
     if deferred:  # the full rows' flush terms are nonzero (compared above); their slot-0 keys kept aside
         full = cursor >= buffer_len
-        assert (np.asarray(terms)[full, :, 2, 4] > 0).all() and (np.asarray(terms)[~full][:, :, 2:, 4:] == 0).all()
+        for name, t in (("kernel", terms_k), ("pure JAX", terms)):
+            t = np.asarray(t)
+            assert (t[full, :, 2, 4] > 0).all() and (t[~full][:, :, 2:, 4:] == 0).all(), name
         assert stash[0].dtype == rs.k.dtype
         np.testing.assert_array_equal(np.asarray(stash[0], np.float32)[full], np.asarray(rs.k[:, :, 0], np.float32)[full])
 

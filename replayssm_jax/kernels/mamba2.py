@@ -680,7 +680,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
     """
     kw = _step_options(dt_softplus, dt_limit, interpret)
     if config is None and route in NO_FLUSH_ROUTES:
-        config = default_mamba2_tma(state, C, interpret=interpret, slots=slots)
+        config = default_mamba2_tma(state, C, interpret=interpret, slots=slots, deferred=route == "deferred")
     if isinstance(config, TMAReadoutConfig):
         check_tma_route(route, NO_FLUSH_ROUTES)
         check_mamba2_tma(state, C, config, interpret=interpret, slots=slots)

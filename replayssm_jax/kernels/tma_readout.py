@@ -52,14 +52,15 @@ their cursor to 1. The Mamba-2 readout flushes them itself
 (:func:`mamba2_deferred_readout_tma`, where
 :func:`mamba2_flushes_in_readout` says; elsewhere the same launches run
 after the replay step's flush launch for those rows,
-`launch.flush_full_launch`): an item of a full row copies its head's x,
-B and dt records into shared memory and applies them to its checkpoint
-tile there, as below. The GDN readout
+`launch.flush_full_launch`): an item of a full row copies its heads' x
+and dt records and its group's B records into shared memory and applies
+them to its checkpoint tile there, as below. The GDN readout
 flushes them itself (:func:`gdn_append_tma` given `k0`): the prelude also
 forms a full row's flush terms (its L slots' decay weights and their total
 decay) and keeps its slot-0 k record aside before this step's replaces it;
-the readout's item of a full row copies the row's k records into shared
-memory, applies the L records to the checkpoint tile there (f32 products
+the readout's item of a full row copies the row's d records (its tile's
+columns) and its key head's k records into shared memory, applies the L
+records to the checkpoint tile there (f32 products
 and sums), writes the tile back (a TMA store, in place) and reads it as
 the checkpoint. Each item then runs exactly once (the full rounds, then one
 more step on the first programs), where the append route's programs past
@@ -305,8 +306,9 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
         columns) or above MAX_K; V not a multiple of config.block_v; L not a
         multiple of 8 or above MAX_L; `config.record_slots` not dividing L
         (the GDN direct route's Mosaic GPU step, which shares these checks,
-        too); a program's shared memory (:func:`smem_bytes`) above
-        SMEM_BYTES.
+        too); with `deferred`, K times the k records' item size not a
+        multiple of TMA_ALIGN; a program's shared memory
+        (:func:`smem_bytes`) above SMEM_BYTES.
     """
     dtype = _check_common(state.checkpoint, state.scale, config, interpret=interpret, slots=slots)
     _check_wide(checkpoint=state.checkpoint.dtype, d_records=state.d.dtype, v=v.dtype)
@@ -322,6 +324,10 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
     if L % 8 or L > MAX_L:
         raise ValueError(f"the TMA readout takes L (buffer length) a multiple of 8 (each shared-memory stage "
                          f"{TMA_ALIGN}-byte aligned), at most {MAX_L}; got L = {L}")
+    if deferred and K * state.k.dtype.itemsize % TMA_ALIGN:
+        raise ValueError(f"the deferred route's TMA readout takes K (key dim) * the k records' item size a multiple "
+                         f"of {TMA_ALIGN} bytes (a flushing item's k records from slot 1 on land at that offset in "
+                         f"shared memory); got K = {K} of {jnp.dtype(state.k.dtype)}")
     if L % config.slots_per_copy(L):  # (a copy of block_v >= 64 rows of 2-byte records is >= TMA_ALIGN bytes)
         raise ValueError(f"the TMA readout takes `config.record_slots` dividing L (buffer length) = {L}; got "
                          f"record_slots = {config.record_slots}")
@@ -393,7 +399,8 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots,
     of at least DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM (the Triton
     kernels' bound), where :func:`check_tma_readout` takes the step and
     the programs' shared memory lets all of them run at once
-    (`programs_per_sm` a SM). Raises nothing.
+    (`programs_per_sm` a SM); `deferred`: for the deferred route's
+    readout, which flushes (its checks and shared memory). Raises nothing.
 
     Measured on the H200 (bench/RESULTS.md, 2026-12-03, "The TMA readout's
     prelude in one launch"): Qwen3.5-4B's GDN layer in the lockstep cycle,
@@ -426,7 +433,8 @@ def _resident_default(check, program_smem, state, other, *, interpret: bool, slo
     return config
 
 
-def default_mamba2_tma(state: Mamba2ReplayState, C, *, interpret: bool, slots) -> TMAReadoutConfig | None:
+def default_mamba2_tma(state: Mamba2ReplayState, C, *, interpret: bool, slots,
+                       deferred: bool = False) -> TMAReadoutConfig | None:
     """The Mamba-2 append route's default Mosaic GPU tiling, or None where
     the Triton append kernel stays the default: a TMAReadoutConfig() on a
     Hopper-class GPU for an f32 or bf16 checkpoint of at least
@@ -441,9 +449,14 @@ def default_mamba2_tma(state: Mamba2ReplayState, C, *, interpret: bool, slots) -
     append kernel 1.03 (1.10), 1.06 (1.11), 1.06 (1.10), 0.93 (1.02) and
     0.90 (0.94). The Nemotron-like model at batch 256, f32: 1.34x over its
     standard step (1.23x before). Batches below 64 were not measured.
+    `deferred`: for the deferred route's readout, whose programs also hold
+    the flush's buffers where it flushes (:func:`mamba2_flushes_in_readout`).
     """
-    return _resident_default(check_mamba2_tma, lambda c: mamba2_smem_bytes(state.checkpoint, C, c), state, C,
-                             interpret=interpret, slots=slots)
+    def program_smem(config):
+        flush = state if deferred and mamba2_flushes_in_readout(state, C, config) else None
+        return mamba2_smem_bytes(state.checkpoint, C, config, flush)
+
+    return _resident_default(check_mamba2_tma, program_smem, state, C, interpret=interpret, slots=slots)
 
 
 def check_tma_route(route: str, routes: tuple[str, ...] = ("append", "deferred", "direct")) -> None:
@@ -587,7 +600,8 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
         plgpu.copy_gmem_to_smem(cursor_ref, cursor_smem, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
 
-        def cursor_of(b):  # the record copies' count: on the deferred route a full row's L slots, for its flush
+        def cursor_of(b):  # the record copies' count (on the deferred route a full row's L slots, which its
+            # flush copies again)
             return cursor_smem[b // TMA_MAX, b % TMA_MAX]
 
         def live_of(b):  # the live records the readout reads: none in a full row on the deferred route
