@@ -1306,9 +1306,10 @@ class Generator:
             blocks[n], seconds = self._compile(block_key, make, f"decode block ({n} steps)", progress)
             compile_s += seconds
         estimate = self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)]
-        temps = {n: _temp_bytes(block) for n, block in blocks.items()}
-        n = max(temps, key=temps.get)
-        self._check_fits(estimate, plan, lengths, temps[n], f"the decode block of {n} steps")
+        temps = {n: _temp_bytes(block) for n, block in blocks.items()}  # none: one new token, the prefill's
+        if temps:
+            n = max(temps, key=temps.get)
+            self._check_fits(estimate, plan, lengths, temps[n], f"the decode block of {n} steps")
 
         t0 = time.perf_counter()
         carry = start(self.params, *inputs, key)

@@ -127,15 +127,20 @@ def test_replay_after_an_extreme_decay(name, route, rng):
 @pytest.mark.parametrize("name", TWO_CASES)
 @pytest.mark.parametrize("buffer_dtype", [jnp.float32, jnp.bfloat16])
 def test_replay_routes_agree(name, buffer_dtype, rng):
+    """The output and state routes give the same outputs and checkpoints over 7 steps (a flush at the 5th),
+    to f32 rounding; with bf16 records to bf16's: GDN's d record is computed in f32 by both routes in a
+    different order of sums, and where the two values straddle a bf16 rounding boundary the records differ
+    by one bf16 step, which the later steps carry (seen once in the checkpoint: 1.5e-4 of 1.3)."""
     case = make_case(name, rng)
     state = case.initial_state()
     a = b = case.replay_init(state, 5, buffer_dtype=buffer_dtype)
+    tol = jnp.bfloat16 if buffer_dtype == jnp.bfloat16 and name.startswith("gdn") else jnp.float32
     for t in range(7):
         inp = case.draw()
         ya, a = case.replay_step(a, inp, route="output")
         yb, b = case.replay_step(b, inp, route="state")
-        assert_close(ya, yb, jnp.float32, f"routes at step {t}")
-    assert_close(a.checkpoint, b.checkpoint, jnp.float32, "checkpoints")
+        assert_close(ya, yb, tol, f"routes at step {t}")
+    assert_close(a.checkpoint, b.checkpoint, tol, "checkpoints")
 
 
 @pytest.mark.parametrize("name", TWO_CASES)
