@@ -1002,9 +1002,9 @@ class Generator:
         devices = 1 if self.mesh is None else self.mesh.size
         if estimate.total_bytes // devices + temp_bytes <= free:
             return
-        if temp_bytes >= free:  # no cache fits beside them: the advice is about the program, not the batch
-            self._refuse_temporaries(temp_bytes, program, free, where)
         hint = " (`prefill_rows` lowers them)" if program == "the prefill" else ""
+        if temp_bytes >= free:  # no cache fits beside them: the advice is about the program, not the batch
+            self._refuse_temporaries(temp_bytes, program, free, where, hint)
         temporaries = f" and {program} {format_bytes(temp_bytes)} of temporaries{hint}" if temp_bytes else ""
         over = "" if devices == 1 else f" over {devices} devices"
         raise InsufficientMemoryError(
@@ -1021,8 +1021,9 @@ class Generator:
         if temp_bytes > free:
             self._refuse_temporaries(temp_bytes, program, free, where)
 
-    def _refuse_temporaries(self, temp_bytes: int, program: str, free: int, where: str):
-        """Raise InsufficientMemoryError: `program`'s temporaries alone exceed the `free` memory."""
+    def _refuse_temporaries(self, temp_bytes: int, program: str, free: int, where: str, hint: str = ""):
+        """Raise InsufficientMemoryError: `program`'s temporaries alone exceed the `free` memory (`hint`:
+        what lowers them, if anything but the batch does)."""
         cpu = jax.devices()[0].platform == "cpu"
         bf16 = any(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(self.params))
         # Measured (2026-12-03, bench/configs/qwen3_5_4b_like, bfloat16): 15.8 GiB of decode-block
@@ -1031,7 +1032,7 @@ class Generator:
                f"twice the weights' {format_bytes(self.weights_bytes)})") if cpu and bf16 else ""
         raise InsufficientMemoryError(
             f"{program} needs {format_bytes(temp_bytes)} of temporaries beside the weights and the decode cache"
-            f"{why}, and the {where} is {format_bytes(free)}: no batch or length fits")
+            f"{why}{hint}, and the {where} is {format_bytes(free)}: no batch or length fits")
 
     def _compile(self, key, traced, what, progress):
         """The executable for `key`, compiled from `traced` (a `jax.jit(...).trace`) on first use;
