@@ -22,7 +22,8 @@ record; nothing is flushed. Here it runs as two launches:
   grid; `plgpu.emit_pipeline` copies an item's
   checkpoint tile [block_v, K], its d records [L, block_v] (in copies of
   `config.record_slots` slots; a copy whose slots are all dead reads the
-  first ones again, a block the same step copies), terms, q, k and
+  first ones again, a block the same step copies; on the deferred route a
+  full row's slots count as dead, as its flush copies them), terms, q, k and
   v into shared memory up to `config.stages` - 1 items ahead of the one it
   computes (TMA; the stages capped at the program's items), and the
   item's compute forms, with
@@ -63,8 +64,8 @@ columns) and its key head's k records into shared memory, applies the L
 records to the checkpoint tile there (f32 products
 and sums), writes the tile back (a TMA store, in place) and reads it as
 the checkpoint. Each item then runs exactly once (the full rounds, then one
-more step on the first programs), where the append route's programs past
-the last item repeat it. On the append route a row
+more step on the first programs: a traced step count, one pipeline body),
+where the append route's programs past the last item repeat it. On the append route a row
 that entered full (cursor == L) has no free slot: its outputs are NaN
 and its state is kept bit for bit (its last d record is written back as it
 was; its k and g records are not written), as on the Triton route.
@@ -569,16 +570,13 @@ def _flush_tile(S_s, terms_s, df_s, kf_s, L: int):
     S_s[...] = lax.fori_loop(0, L, add, S).astype(S_s.dtype)
 
 
-def _each_item_once(pipeline, count_items: int, programs: int, program) -> None:
-    """Run `pipeline(first, n)` (this program's steps first .. first + n - 1) so that each item runs exactly
-    once: the full rounds, then one more step on the first `rest` programs. A kernel that flushes needs
-    this: a flushing item read twice, as past the end of a rounded-up grid, could flush twice."""
+def _steps_each_item_once(count_items: int, programs: int, program):
+    """This program's pipeline steps such that each item runs exactly once: the full rounds, plus one step
+    on the first `rest` programs (a traced count where `rest` > 0, so the pipeline body is emitted once). A
+    kernel that flushes needs this: a flushing item read twice, as past the end of a rounded-up grid, could
+    flush twice."""
     rounds, rest = divmod(count_items, programs)
-    pipeline(0, rounds)
-    if rest:
-        @pl.when(program < rest)
-        def _():
-            pipeline(rounds, 1)
+    return rounds + (program < rest).astype(jnp.int32) if rest else rounds
 
 
 def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMAReadoutConfig, checkpoint_dtype,
@@ -600,8 +598,7 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
         plgpu.copy_gmem_to_smem(cursor_ref, cursor_smem, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
 
-        def cursor_of(b):  # the record copies' count (on the deferred route a full row's L slots, which its
-            # flush copies again)
+        def cursor_of(b):  # the row's cursor at entry (L: a full row, which the deferred route flushes first)
             return cursor_smem[b // TMA_MAX, b % TMA_MAX]
 
         def live_of(b):  # the live records the readout reads: none in a full row on the deferred route
@@ -615,12 +612,12 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             i = i if deferred else jnp.minimum(i, count_items - 1)
             return i // (HV * NV), (i // NV) % HV, i % NV
 
-        def pipeline(first: int, n: int):  # this program's steps first .. first + n - 1
+        def pipeline(n):  # this program's first n steps
             def spec(shape, index, transforms=()):
-                return plgpu.BlockSpec(shape, lambda step: index(*item(first + step)), transforms=transforms)
+                return plgpu.BlockSpec(shape, lambda step: index(*item(step)), transforms=transforms)
 
             def record_copy(c):  # the d records' c-th copy: its slot block, or block 0 where all its slots are dead
-                return spec((None, None, R, BV), lambda b, h, j: (b, h, jnp.where(c * R < cursor_of(b), c, 0), j))
+                return spec((None, None, R, BV), lambda b, h, j: (b, h, jnp.where(c * R < live_of(b), c, 0), j))
 
             K = ck_ref.shape[-1]
             in_specs = [
@@ -633,14 +630,14 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             ]
             out_specs = [spec((None, None, BV), lambda b, h, j: (b, h, j)),
                          spec((None, None, None, BV), lambda b, h, j: (b, h, record_slot(b), j))]
-            plgpu.emit_pipeline(functools.partial(compute, first), grid=(n,), in_specs=in_specs,
-                                out_specs=out_specs, max_concurrent_steps=min(config.stages, n))(
+            plgpu.emit_pipeline(compute, grid=(n,), in_specs=in_specs, out_specs=out_specs,
+                                max_concurrent_steps=min(config.stages, steps))(
                 ck_ref, *[d_ref] * (L // R), terms_ref, q_ref, k_ref, v_ref, o_ref, d_ref)
 
-        def compute(first, index, S_s, *bufs):
+        def compute(index, S_s, *bufs):
             *U_s, terms_s, q_s, k_s, v_s, o_s, d_s = bufs
             record = lambda i: U_s[i // R].at[i % R]  # noqa: E731  (slot i's d record)
-            b, h, j = item(first + index[0])
+            b, h, j = item(index[0])
             count = live_of(b)
             if deferred:
                 flush_item(S_s, terms_s, b, h, j)
@@ -682,10 +679,7 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
                 plgpu.copy_smem_to_gmem(S_s, ck_ref.at[b, h, pl.ds(j * BV, BV)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        if deferred:
-            _each_item_once(pipeline, count_items, programs, program)
-        else:
-            pipeline(0, steps)
+        pipeline(_steps_each_item_once(count_items, programs, program) if deferred else steps)
 
     return body
 
@@ -756,18 +750,17 @@ def _mamba2_readout_kernel(shape: tuple[int, int], rows_per_group: int, config: 
             i = i if flush else jnp.minimum(i, count_items - 1)
             return i // tiles, i % tiles
 
-        def pipeline(first: int, n: int):  # this program's steps first .. first + n - 1
-            at = lambda step: item(first + step)  # noqa: E731
+        def pipeline(n):  # this program's first n steps
             N = ck_ref.shape[-1]
-            in_specs = [_item_spec(at, (None, BV, N), lambda b, t: (b, t, 0), _swizzled(checkpoint_dtype)),
-                        _item_spec(at, (None, None, N), lambda b, t: (b, t * BV // rows_per_group, 0))]
-            out_specs = [_item_spec(at, (None, BV), lambda b, t: (b, t))]
-            plgpu.emit_pipeline(functools.partial(compute, first), grid=(n,), in_specs=in_specs,
-                                out_specs=out_specs, max_concurrent_steps=min(config.stages, n))(ck_ref, c_ref, o_ref)
+            in_specs = [_item_spec(item, (None, BV, N), lambda b, t: (b, t, 0), _swizzled(checkpoint_dtype)),
+                        _item_spec(item, (None, None, N), lambda b, t: (b, t * BV // rows_per_group, 0))]
+            out_specs = [_item_spec(item, (None, BV), lambda b, t: (b, t))]
+            plgpu.emit_pipeline(compute, grid=(n,), in_specs=in_specs, out_specs=out_specs,
+                                max_concurrent_steps=min(config.stages, steps))(ck_ref, c_ref, o_ref)
 
-        def compute(first, index, S_s, c_s, o_s):
+        def compute(index, S_s, c_s, o_s):
             if flush:
-                flush_item(S_s, *item(first + index[0]))
+                flush_item(S_s, *item(index[0]))
             S = plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
             c = plgpu.load(c_s, layout=COL).astype(f32)
             o_s[...] = jnp.sum(S * c[None, :], axis=1)
@@ -793,7 +786,7 @@ def _mamba2_readout_kernel(shape: tuple[int, int], rows_per_group: int, config: 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         if not flush:
-            pipeline(0, steps)
+            pipeline(steps)
             return
         for r in range(cursor_rows(batch)):  # the cursor, then A, into shared memory
             n = min(TMA_MAX, batch - r * TMA_MAX)
@@ -801,7 +794,7 @@ def _mamba2_readout_kernel(shape: tuple[int, int], rows_per_group: int, config: 
             plgpu.barrier_wait(barrier.at[0])
         plgpu.copy_gmem_to_smem(A_ref, A_s, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
-        _each_item_once(pipeline, count_items, programs, program)
+        pipeline(_steps_each_item_once(count_items, programs, program))
 
     return body
 
