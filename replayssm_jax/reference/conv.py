@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from replayssm_jax.reference._common import compiled
 from replayssm_jax.state import in_order
 
 
@@ -36,6 +37,7 @@ ACTIVATIONS = {
 }
 
 
+@compiled('activation')
 def conv_update(x, columns, start, weight, bias=None, activation: str = "silu"):
     """One decode step of the conv (module docstring).
 
