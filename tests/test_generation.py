@@ -105,8 +105,9 @@ def _traced_routes(monkeypatch, m) -> list:
     return routes
 
 
+# GDN's lockstep by default: test_cli.py's lockstep test, on qwen3_next_tiny's reference tokens
 @pytest.mark.parametrize("name", ["nemotron_h_tiny", pytest.param("qwen3_5_tiny", marks=pytest.mark.slow)])
-def test_lockstep_decodes_the_reference_tokens(name, monkeypatch):  # GDN's by default: test_cli's lockstep test
+def test_lockstep_decodes_the_reference_tokens(name, monkeypatch):
     """lockstep: each cycle of L steps runs L - 1 steps on the append route (the output route without a flush)
     and then every row's flush as one direct step; L = 3 and blocks of 6 (39 steps: 6 blocks, then one of 4: a
     cycle and a tail of one step). The greedy tokens are transformers'. With the default (None) on the kernels,

@@ -25,7 +25,7 @@ record; nothing is flushed. Here it runs as two launches:
   first ones again, a block the same step copies; on the deferred route a
   full row's slots count as dead, as its flush copies them), terms, q, k and
   v into shared memory up to `config.stages` - 1 items ahead of the one it
-  computes (TMA; the stages capped at the program's items), and the
+  computes (TMA; the stages capped at the most steps a program runs), and the
   item's compute forms, with
   S_c the checkpoint tile and d_i its buffered update vectors (DESIGN.md
   section 2, `replay_math`'s form of the replay):
