@@ -105,8 +105,7 @@ def _traced_routes(monkeypatch, m) -> list:
     return routes
 
 
-# GDN's lockstep by default: test_cli.py's lockstep test, on qwen3_next_tiny's reference tokens
-@pytest.mark.parametrize("name", ["nemotron_h_tiny", pytest.param("qwen3_5_tiny", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["nemotron_h_tiny", "qwen3_5_tiny"])
 def test_lockstep_decodes_the_reference_tokens(name, monkeypatch):
     """lockstep: each cycle of L steps runs L - 1 steps on the append route (the output route without a flush)
     and then every row's flush as one direct step; L = 3 and blocks of 6 (39 steps: 6 blocks, then one of 4: a

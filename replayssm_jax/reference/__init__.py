@@ -30,9 +30,7 @@ Glossary (letters used in shapes; config field; paper symbol):
 States are value-major, [batch, heads, V, K], as mamba_ssm's ssm_state and
 FLA's recurrent state; transformers' GDN cache is [batch, HV, K, V].
 Everything runs under jax.jit and is batched over batch and heads; all
-arithmetic is float32, clear rather than fast. Each public function is
-itself jitted (its options static), so that an eager call compiles one
-program rather than each of its XLA ops.
+arithmetic is float32, clear rather than fast.
 
 This package holds the math only. Its functions take arguments as
 :mod:`replayssm_jax.ops` validates them (the same names and signatures,

@@ -29,13 +29,6 @@ f32 = jnp.float32
 einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
-def compiled(*static_argnames: str):
-    """Decorator: the reference op under `jax.jit`, `static_argnames` static. Called eagerly (the xla
-    backend's ops outside jit, the tests) it compiles once per shapes and static values, not once per XLA
-    op; under a caller's jit it is a nested call that XLA inlines."""
-    return functools.partial(jax.jit, static_argnames=static_argnames)
-
-
 def expand_heads(x: jax.Array, nheads: int, axis: int) -> jax.Array:
     """Repeat grouped heads along `axis` so that head h reads group h // (nheads // ngroups)."""
     return jnp.repeat(x, nheads // x.shape[axis], axis=axis)

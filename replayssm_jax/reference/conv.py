@@ -17,7 +17,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from replayssm_jax.reference._common import compiled
 from replayssm_jax.state import in_order
 
 
@@ -37,7 +36,6 @@ ACTIVATIONS = {
 }
 
 
-@compiled('activation')
 def conv_update(x, columns, start, weight, bias=None, activation: str = "silu"):
     """One decode step of the conv (module docstring).
 

@@ -43,7 +43,6 @@ def _prepare_qk(q, k, scale, use_qk_l2norm):
     return q.astype(f32) * scale, k.astype(f32)
 
 
-@c.compiled('scale', 'use_qk_l2norm')
 def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
     """One standard Gated DeltaNet decode step (the gated delta rule).
 
@@ -66,7 +65,6 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
     return o.astype(v.dtype), S.astype(state.dtype)
 
 
-@c.compiled('scale', 'use_qk_l2norm', 'tree')
 def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, tree=None):
     """The per-draft standard verify of W speculative Gated DeltaNet steps (one state per draft position).
 
@@ -128,7 +126,6 @@ def gdn_chunk(state, q, k, v, g, beta, ancestors=None):
     return o, final, jnp.where(valid[..., None], d, jnp.nan)
 
 
-@c.compiled('scale', 'use_qk_l2norm', 'chunk_size')
 def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64):
     """T Gated DeltaNet steps in the chunk-parallel WY / UT-transform form.
 
@@ -167,7 +164,6 @@ def unify(state: GDNReplayState) -> tuple[jax.Array, jax.Array, jax.Array]:
     return state.d.astype(f32), c.expand_heads(state.k.astype(f32), HV, axis=1), state.g
 
 
-@c.compiled()
 def gdn_replay_materialize(state: GDNReplayState) -> jax.Array:
     """The state after `cursor` buffered steps, f32[batch, HV, V, K]:
     S = exp(G) S_c + sum_i w_i d_i k_i^T over the live slots (with a pending
@@ -179,7 +175,6 @@ def gdn_replay_materialize(state: GDNReplayState) -> jax.Array:
     return c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
 
 
-@c.compiled()
 def gdn_replay_flush(state: GDNReplayState) -> GDNReplayState:
     """Every row's materialised state written as its checkpoint (in the
     checkpoint's dtype), cursor 0; the buffers keep their contents, now dead
@@ -190,7 +185,6 @@ def gdn_replay_flush(state: GDNReplayState) -> GDNReplayState:
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), unify)
 
 
-@c.compiled('scale', 'use_qk_l2norm', 'route')
 def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output"):
     """One ReplaySSM decode step of a Gated DeltaNet layer.
 
@@ -274,7 +268,6 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     return o.astype(v.dtype), buffers
 
 
-@c.compiled('scale', 'use_qk_l2norm', 'tree')
 def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, tree=None):
     """Verify a window of W speculative steps (DESIGN.md section 3), or a draft tree of W nodes.
 

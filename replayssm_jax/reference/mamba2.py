@@ -52,7 +52,6 @@ def _skip_and_gate(y, x, D, z, head_axis):
     return y
 
 
-@c.compiled('dt_softplus', 'dt_limit')
 def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF)):
     """One standard Mamba-2 decode step (the selective state update).
 
@@ -77,7 +76,6 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
     return y.astype(x.dtype), S.astype(state.dtype)
 
 
-@c.compiled('dt_softplus', 'dt_limit', 'tree')
 def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
                   tree=None):
     """The per-draft standard verify of W speculative Mamba-2 steps (one state per draft position).
@@ -108,7 +106,6 @@ def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
     return c.per_draft_verify(state, index, step, (x, dt, B, C, z), tree)
 
 
-@c.compiled('dt_softplus', 'dt_limit', 'chunk_size')
 def mamba2_chunked(
     state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF), chunk_size=64
 ):
@@ -152,7 +149,6 @@ def unify(state: Mamba2ReplayState, A) -> tuple[jax.Array, jax.Array, jax.Array]
     return u, k, state.dt * A.astype(f32)[None, :, None]
 
 
-@c.compiled()
 def mamba2_replay_materialize(state: Mamba2ReplayState, A) -> jax.Array:
     """The state after `cursor` buffered steps, f32[batch, nheads, head_dim, d_state]:
     S = exp(G) S_c + sum_i w_i (dt_i x_i) B_i^T over the live slots (with a pending
@@ -164,7 +160,6 @@ def mamba2_replay_materialize(state: Mamba2ReplayState, A) -> jax.Array:
     return c.replay_materialize(state.checkpoint, *unify(state, A), state.cursor)
 
 
-@c.compiled()
 def mamba2_replay_flush(state: Mamba2ReplayState, A) -> Mamba2ReplayState:
     """Every row's materialised state written as its checkpoint (in the
     checkpoint's dtype), cursor 0; the buffers keep their contents, now dead
@@ -176,7 +171,6 @@ def mamba2_replay_flush(state: Mamba2ReplayState, A) -> Mamba2ReplayState:
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), lambda s: unify(s, A))
 
 
-@c.compiled('dt_softplus', 'dt_limit', 'route')
 def mamba2_replay_step(
     state: Mamba2ReplayState,
     x,
@@ -260,7 +254,6 @@ def mamba2_replay_step(
     return y.astype(x.dtype), state
 
 
-@c.compiled('dt_softplus', 'dt_limit', 'tree')
 def mamba2_replay_verify(
     state: Mamba2ReplayState,
     x,

@@ -23,7 +23,7 @@ python3 -m pytest -m gpu tests/test_kernels.py tests/test_verify_kernels.py test
   tests/test_inplace_hlo.py tests/test_tma_readout.py tests/test_mamba2_tma.py tests/test_tma_step.py \
   -q -n 16 -p no:cacheprovider -p no:benchmark -W ignore::DeprecationWarning > $OUT/gpu_tests.log 2>&1
 
-# run 4, on the tree of 4ffb020 (the reference's public functions jitted): the kernel files' GPU tests; the
+# run 4, on the tree of 4ffb020 (the reference's public functions jitted, reverted since): the kernel files' GPU tests; the
 # 290-s limit stopped pytest after every test had reported (194 dots, no failure) and before its summary line.
 timeout 290 python3 -m pytest -m gpu tests/test_kernels.py tests/test_verify_kernels.py tests/test_tma_readout.py \
   tests/test_mamba2_tma.py -q -n 16 -p no:cacheprovider -p no:benchmark -W ignore::DeprecationWarning \
