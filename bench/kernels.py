@@ -695,7 +695,7 @@ def sweep_configs(bench, L, overrides=None):
     kind = "standard" if L is None else "replay"
     override = (overrides or {}).get(kind)
     if L is None:
-        default = kernels.default_step_config(bench.b, *bench.heads_dims(), bench.sd)
+        default = kernels.default_step_config(bench.b, *bench.heads_dims(), bench.sd, bench.layer)
         fixed = override or [StepConfig(bv, warps) for bv, warps in SWEEP_CONFIGS[(bench.layer, "standard")]]
         return default, list(dict.fromkeys([default] + fixed))
     default = kernels.default_replay_config(bench.b, *bench.heads_dims(), bench.sd, L)

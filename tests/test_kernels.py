@@ -535,6 +535,15 @@ def test_heuristics_plan_for_132_sms_without_a_gpu():
     assert kernels.default_replay_config(256, 32, 128, 128, jnp.int8, 16).block_v == 128
     assert kernels.default_step_config(64, 32, 128, 128, jnp.float32) == kernels.StepConfig(block_v=32, num_warps=4)
     assert kernels.default_step_config(8, 96, 80, 128, jnp.bfloat16) == kernels.StepConfig(block_v=16, num_warps=2)
+    # Each layer's standard step takes its measured tile (STANDARD_TILES), fewer rows on small grids.
+    assert kernels.default_step_config(64, 32, 128, 128, jnp.float32, "gdn") == kernels.StepConfig(16, num_warps=1)
+    assert kernels.default_step_config(256, 96, 80, 128, jnp.float32, "mamba2") == kernels.StepConfig(8, num_warps=1)
+    assert kernels.default_step_config(256, 96, 80, 128, jnp.bfloat16, "mamba2") == kernels.StepConfig(16, num_warps=2)
+    assert kernels.default_step_config(1, 32, 128, 128, jnp.float32, "gdn").block_v == 4
+    assert kernels.default_step_config(64, 32, 128, 128, jnp.int8, "gdn") == kernels.default_step_config(
+        64, 32, 128, 128, jnp.int8)
+    with pytest.raises(ValueError, match="`layer` must be one of"):
+        kernels.default_step_config(64, 32, 128, 128, jnp.float32, "mamba")
     # The direct route folds with the rank-L dot where the grid is not latency-bound (batch x heads > 132).
     assert kernels.default_direct_config(256, 32, 128, 128, jnp.float32) == kernels.StepConfig(
         block_v=32, num_warps=4, dot_fold=True)

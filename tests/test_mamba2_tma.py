@@ -303,7 +303,9 @@ def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dty
     (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128), Mamba2Shape(batch=68, H=4, P=64, N=128, G=2, gated=False)),
     (f32, bf16, bf16, kernels.TMAReadoutConfig(block_v=128), Mamba2Shape(batch=12, H=16, P=80, N=64, G=2)),
     (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128), Mamba2Shape(batch=67, H=4, P=64, N=128, G=2, gated=False)),
-], ids=["model-f32-bf16", "bf16-b8", "b68-f32-ungated", "p80-bv128-3-heads", "b67-flush-launch"])
+    # 800 items over 264 programs: the first 8 take a 4th step (a traced step count), 3 stages
+    (f32, f32, f32, kernels.TMAReadoutConfig(stages=3), Mamba2Shape(batch=200, H=4, P=64, N=128, G=2, gated=False)),
+], ids=["model-f32-bf16", "bf16-b8", "b68-f32-ungated", "p80-bv128-3-heads", "b67-flush-launch", "b200-3stages"])
 def test_compiled_deferred_steps_match_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
     """The deferred route on Mosaic GPU (the readout, which flushes the full rows itself, or the flush launch
     before it where `mamba2_flushes_in_readout` says no, as at batch 67; the launch after it): L + 2 steps

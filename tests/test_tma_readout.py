@@ -419,7 +419,9 @@ def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dty
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), SHAPE),
     (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=3), SHAPE),
     (f32, f32, f32, kernels.TMAReadoutConfig(record_slots=2), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
-], ids=["f32-bf16", "bf16-bf16-128x3", "model-b67-f32-2-slot-copies"])
+    # 4288 items over 264 programs: the first 64 take a 17th step (a traced step count), 3 stages
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(stages=3), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+], ids=["f32-bf16", "bf16-bf16-128x3", "model-b67-f32-2-slot-copies", "model-b67-3stages"])
 def test_compiled_deferred_steps_match_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
     """The deferred route on Mosaic GPU (the flush launch of the full rows, the prelude, the readout): L + 2
     steps from staggered cursors, full rows among them, inf and NaN in the dead slots, against the

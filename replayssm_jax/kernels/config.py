@@ -334,31 +334,52 @@ def _warps(rows: int, K: int) -> int:
     return max(1, min(4, next_pow2(max(1, rows * next_pow2(K) // (32 * 32)))))
 
 
-def default_step_config(batch: int, heads: int, V: int, K: int, state_dtype) -> StepConfig:
-    """The frozen heuristic of the standard step (and the direct route).
+# The standard step's tile (rows, warps) per layer and state itemsize: the fastest of 16 x 1, 32 x 1,
+# 16 x 2 and the generic rule's 32 x 4 (GDN), of 8 x 1, 8 x 2, 16 x 1, 32 x 2 and the generic 16 x 2
+# (Mamba-2) at batch 64, 256 and 512 (Qwen3.5-4B's and Nemotron-3-Nano-4B's layers, H200, 2026-12-03,
+# bench/RESULTS.md "The standard step on one warp"): the same tile won at all three batches. GDN on
+# 16 x 1 ran 2.7-3.2% faster than on 32 x 4 in f32 and 1.3-1.9% in bf16; Mamba-2 f32 on 8 x 1 3.6-3.8%
+# faster than on 16 x 2, while its bf16 state stays on 16 x 2 (16 x 1 ran 15-20% slower there).
+STANDARD_TILES = {"gdn": {4: (16, 1), 2: (16, 1)}, "mamba2": {4: (8, 1), 2: (16, 2)}}
 
-    A tile holds about 4096 state elements (32 per thread: 16 KiB in f32,
-    8 KiB in bf16), preferring a row count that divides V (V = 80 -> 16), on
-    at most 4 warps (8 warps on a 64-row bf16 tile ran 16% slower); one tile
-    per program, shrunk until there are at least ~8 programs per SM. (A bf16
+
+def default_step_config(batch: int, heads: int, V: int, K: int, state_dtype, layer: str | None = None) -> StepConfig:
+    """The frozen heuristic of the standard step (and, with layer None, of the direct route and the per-draft
+    verify).
+
+    With `layer` ("gdn" or "mamba2") and an f32 or bf16 state, the layer's
+    measured tile (STANDARD_TILES), fewer rows where V is smaller or the
+    grid small (as below). Otherwise the generic rule: a tile holds about
+    4096 state elements (32 per thread: 16 KiB in f32, 8 KiB in bf16),
+    preferring a row count that divides V (V = 80 -> 16), on at most 4 warps
+    (8 warps on a 64-row bf16 tile ran 16% slower); one tile per program,
+    shrunk until there are at least ~8 programs per SM. (A bf16
     tile of 16 KiB, 64 rows of K = 128, ran 2-4% slower than 32 rows at
     batch 64-256 and equal at 512: bench/RESULTS.md, 2026-11-30.) The
     programs are launched in memory order (`StepConfig.memory_order`): at
     batch 256, 5-9% faster than batch rows first (2026-12-02).
 
     Args: batch, heads (GDN: HV), V (rows: GDN V, Mamba-2 P) and K (columns:
-    GDN K, Mamba-2 N) of the state; state_dtype: its dtype (the same tiling
-    for f32 and bf16).
+    GDN K, Mamba-2 N) of the state; state_dtype: its dtype (the generic
+    rule is the same for every dtype); layer: "gdn", "mamba2" or None.
+
+    Raises ValueError for a `layer` other than those.
     """
-    del state_dtype  # the rule is the same for both state dtypes
-    rows = _divisor_rows(min(next_pow2(V), next_pow2(max(1, 4096 // next_pow2(K)))), V)
-    rows = _fill_rows(rows, batch * heads, V)
-    return StepConfig(block_v=rows, num_warps=_warps(rows, K), num_stages=1)
+    if layer is not None and layer not in STANDARD_TILES:
+        raise ValueError(f"`layer` must be one of {sorted(STANDARD_TILES)} or None; got {layer!r}")
+    tile = STANDARD_TILES[layer].get(jnp.dtype(state_dtype).itemsize) if layer else None
+    if tile is None:
+        rows = next_pow2(max(1, 4096 // next_pow2(K)))
+    else:
+        rows, warps = tile
+    rows = _fill_rows(_divisor_rows(min(next_pow2(V), rows), V), batch * heads, V)
+    return StepConfig(block_v=rows, num_warps=_warps(rows, K) if tile is None else min(warps, _warps(rows, K)),
+                      num_stages=1)
 
 
 def default_direct_config(batch: int, heads: int, V: int, K: int, state_dtype) -> StepConfig:
-    """The frozen heuristic of the replay step's direct route: the standard
-    step's tiling (:func:`default_step_config`), folding the live records
+    """The frozen heuristic of the replay step's direct route: the generic
+    tiling of :func:`default_step_config` (layer None), folding the live records
     with one rank-L dot (`StepConfig.dot_fold`) where the grid is not
     latency-bound (batch x heads above the number of SMs): there a direct
     step runs where buffers are full (Generator's lockstep flush). Latency-
@@ -477,10 +498,12 @@ def _check_dims(state, dims) -> str:
     return f"{rows_what} {rows_name}"
 
 
-def step_config_for(config: StepConfig | None, state, dims, *, direct: bool = False) -> StepConfig:
+def step_config_for(config: StepConfig | None, state, dims, *, direct: bool = False,
+                    layer: str | None = None) -> StepConfig:
     """The standard step's tiling (direct=True: the replay step's direct route)
     for `state` [batch, heads, V, K]: `config`, checked against the shape, or
-    the default.
+    the default (:func:`default_step_config` of `layer`; the direct route's
+    :func:`default_direct_config`).
 
     dims: ((what, letter) of the rows, (what, letter) of the columns), e.g.
     (("value dim", "V"), ("key dim", "K")), for the messages.
@@ -491,21 +514,22 @@ def step_config_for(config: StepConfig | None, state, dims, *, direct: bool = Fa
         MAX_ROW_PROGRAMS programs per batch row.
       TypeError: a `config` that is not a StepConfig.
     """
-    return _fit_step_config(config, state, _check_dims(state, dims), direct)
+    return _fit_step_config(config, state, _check_dims(state, dims), direct, layer)
 
 
 def per_draft_config_for(config: StepConfig | None, state, dims) -> StepConfig:
     """The per-draft verify's tiling for a slotted state [batch, slots, heads, V, K]: the standard step's
-    (:func:`step_config_for`) for one slot's state [batch, heads, V, K]; errors as there."""
+    (:func:`step_config_for`, the generic rule) for one slot's state [batch, heads, V, K]; errors as there."""
     return step_config_for(config, jax.ShapeDtypeStruct((state.shape[0], *state.shape[2:]), state.dtype), dims)
 
 
-def _fit_step_config(config, state, rows_name: str, direct: bool) -> StepConfig:
+def _fit_step_config(config, state, rows_name: str, direct: bool, layer: str | None = None) -> StepConfig:
     _check_type(config, StepConfig, "the replay step's direct route (the standard step's kernel)" if direct
                 else "the standard step")
     batch, heads, V, K = state.shape
-    default = default_direct_config if direct else default_step_config
-    config = config or default(batch, heads, V, K, state.dtype)
+    if config is None:
+        config = (default_direct_config(batch, heads, V, K, state.dtype) if direct
+                  else default_step_config(batch, heads, V, K, state.dtype, layer))
     _check_tile_rows(config, ("block_v",), V, rows_name)
     if direct:
         _check_row_programs(config, heads * cdiv(V, config.block_v))

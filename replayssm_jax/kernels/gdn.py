@@ -77,8 +77,8 @@ from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, flush_full_l
                                           verify_window, window_start)
 from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
 from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_checkpoint, load_live,
-                                         load_live_only, load_scalar, mask_and, matvec, program_id, row_ids, row_mask,
-                                         stochastic, store, store_checkpoint, tile_mask, tile_row_ids)
+                                         load_live_only, load_scalar, load_slots, mask_and, matvec, program_id, row_ids,
+                                         row_mask, stochastic, store, store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.kernels.tma_readout import (TERMS, TMA_MAX, TMAReadoutConfig, check_tma_readout,
                                                check_tma_route, cursor_rows, default_tma_readout, gdn_append_tma)
 from replayssm_jax.kernels.tma_step import STEP_TERMS, check_direct_tma, check_step_tma, gdn_direct_tma, gdn_step_tma
@@ -214,6 +214,19 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                        flush=route not in NO_FLUSH_ROUTES)
 
 
+def _flush_terms(g_ref, terms_ref, hv, L: int) -> None:
+    """A full row's flush terms in the deferred prelude's terms tile of value head hv (terms_ref f32[BH,
+    TERMS, BL]): row 3 the decay weights of the L slots of g_ref (f32[BL], the head's log decay records),
+    row 2's lane 4 exp of their sum. Only the rows that flush run this: the other rows' programs neither
+    load their g records twice nor form these terms. (Qwen3.5-4B's layer at batch 256, staggered cursors,
+    H200, 2026-12-03: 14.0 us a launch, against 14.5 with the terms formed in every program and 12.7 with
+    none formed.)"""
+    BL = g_ref.shape[0]
+    total, w = replay_weights(load_slots(g_ref, L), L)
+    store(terms_ref.at[hv, jnp.int32(3)], w, lane_mask(BL, L))
+    store(terms_ref.at[hv, jnp.int32(2)], jnp.broadcast_to(jnp.exp(total), (BL,)), lane_ids(BL) == 4)
+
+
 def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, terms_ref, entry_ref,
                   records_out: Records, cursor_out, *stash, K, L, group, scale, use_qk_l2norm, programs, route):
     """The prelude of a Mosaic GPU step on one (batch row, key head): q and k normalized, the per-head
@@ -264,18 +277,17 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
             total, w = jnp.float32(0.0), jnp.zeros((BL,), f32)
         else:
             total, w = replay_weights(load_live_only(records.g.at[hv], live), count)
-        flush_total, flush_w = jnp.float32(0.0), jnp.zeros((BL,), f32)
-        if deferred:  # the full row's L slots, its flush's decay weights (zeros for other rows)
-            flush_total, flush_w = replay_weights(load_live_only(records.g.at[hv], (lanes < L) & full), L)
-            flush_w = jnp.where(full, flush_w, 0.0)
         scalars = jnp.where(lanes == 0, jnp.exp(total), jnp.where(lanes == 1, kq, jnp.where(
-            lanes == 2, jnp.exp(g), jnp.where(lanes == 3, beta, jnp.where(
-                (lanes == 4) & full & deferred, jnp.exp(flush_total), 0.0)))))
+            lanes == 2, jnp.exp(g), jnp.where(lanes == 3, beta, 0.0))))
         first, second = (w * score_k, w * score_q) if append else (w, jnp.zeros_like(w))
         rows = lane_ids(TERMS)[:, None]  # the terms' rows: a_k or w, a_q or 0, the scalars, flush weights
         tile = jnp.where(rows == 0, first[None, :], jnp.where(rows == 1, second[None, :], jnp.where(
-            rows == 2, scalars[None, :], flush_w[None, :])))
-        store(terms_ref.at[hv], tile, tile_mask(None, lmask, (TERMS, BL)))
+            rows == 2, scalars[None, :], 0.0)))
+        mask = tile_mask(None, lmask, (TERMS, BL))
+        if deferred:  # a full row's flush terms are stored apart (`_flush_terms`), the rest as above
+            mask = mask_and(mask, ~full | ((rows < 2) | ((rows == 2) & (lanes[None, :] != 4))), (TERMS, BL))
+            pl.when(full)(functools.partial(_flush_terms, records.g.at[hv], terms_ref, hv, L))
+        store(terms_ref.at[hv], tile, mask)
         if append:
             store(records_out.g.at[hv], jnp.broadcast_to(g, (BL,)), (lanes == count) & free)
 
@@ -645,10 +657,10 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
       g: f32[batch, HV], log decay <= 0; beta: [batch, HV] in (0, 1).
       scale: the factor of q (after the L2 norm), e.g. K ** -0.5.
       use_qk_l2norm: L2-normalize q and k over K (eps 1e-6) first.
-      config: the tiling; None: :func:`default_step_config`. A
+      config: the tiling; None: :func:`default_step_config` (layer "gdn"). A
         :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig` (e.g.
-        `tma_step.STEP_CONFIG`; not a default: measured 2% slower at batch
-        256, bench/RESULTS.md, 2026-12-03) runs the step as two launches: a
+        `tma_step.STEP_CONFIG`; not a default: 5% slower than the default
+        at batch 256, bench/RESULTS.md, 2026-12-03) runs the step as two launches: a
         Triton prelude (q and k normalized, the per-head scalars) and a
         persistent Mosaic GPU kernel whose TMA copies stream each state
         tile through shared memory and back
@@ -677,7 +689,7 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
         check_step_tma(state, v, config, interpret=interpret, slots=slots)
         return _step_tma(state, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
                          config=config)
-    config = step_config_for(config, batch_shaped(state, slots), DIMS)
+    config = step_config_for(config, batch_shaped(state, slots), DIMS, layer="gdn")
     o, state, _ = _step(state, Inputs(q, k, v, g, beta), None, None, slots, scale=float(scale),
                         use_qk_l2norm=bool(use_qk_l2norm), config=config, interpret=interpret)
     return o, state
@@ -712,7 +724,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         rows as empty: the output route's numbers, each row's flush
         deferred to its next step).
       config: a StepConfig for the direct route, a ReplayConfig for the
-        others; None: the default (:func:`default_step_config`,
+        others; None: the default (:func:`default_direct_config`,
         :func:`default_replay_config`). The append, deferred and direct
         routes also take a
         :class:`~replayssm_jax.kernels.tma_readout.TMAReadoutConfig`:
@@ -852,7 +864,7 @@ def gdn_verify(state, index, q, k, v, g, beta, *, scale: float, use_qk_l2norm: b
         parent's state (the root from the current state), walked in node
         order as in :func:`gdn_replay_verify`; a chain runs the window's loop.
       config: the tiling (a StepConfig); None: :func:`default_step_config`
-        of one slot's state.
+        (layer None) of one slot's state.
       interpret: run the kernel in Pallas interpret mode.
       slots: None, or i32[batch] (validated): `state` is a state pool
         [capacity, slots, HV, V, K] with `index` i32[capacity], and batch

@@ -635,7 +635,7 @@ def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_l
     not a StepConfig. Math: Dao & Gu, "Transformers are SSMs" (ICML 2024),
     as mamba_ssm's selective_state_update.
     """
-    config = step_config_for(config, batch_shaped(state, slots), DIMS)
+    config = step_config_for(config, batch_shaped(state, slots), DIMS, layer="mamba2")
     y, state, _ = _step(state, Inputs(x, dt, A, B, C, D, dt_bias, z), None, None, slots, config=config,
                         **_step_options(dt_softplus, dt_limit, interpret))
     return y, state

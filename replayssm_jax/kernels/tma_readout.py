@@ -21,9 +21,10 @@ record; nothing is flushed. Here it runs as two launches:
   share of the (batch row, value head, row tile) items, strided over the
   grid; `plgpu.emit_pipeline` copies an item's
   checkpoint tile [block_v, K], its d records [L, block_v] (in copies of
-  `config.record_slots` slots; a copy whose slots are all dead reads the
-  first ones again, a block the same step copies; on the deferred route a
-  full row's slots count as dead, as its flush copies them), terms, q, k and
+  `config.record_slots` slots; a copy whose slots all lie at or past the
+  row's cursor reads the first ones again, a block the same step copies; a
+  full row's copies are all its slots, which the deferred route's flush
+  takes), terms, q, k and
   v into shared memory up to `config.stages` - 1 items ahead of the one it
   computes (TMA; the stages capped at the most steps a program runs), and the
   item's compute forms, with
@@ -59,11 +60,12 @@ them to its checkpoint tile there, as below. The GDN readout
 flushes them itself (:func:`gdn_append_tma` given `k0`): the prelude also
 forms a full row's flush terms (its L slots' decay weights and their total
 decay) and keeps its slot-0 k record aside before this step's replaces it;
-the readout's item of a full row copies the row's d records (its tile's
-columns) and its key head's k records into shared memory, applies the L
-records to the checkpoint tile there (f32 products
-and sums), writes the tile back (a TMA store, in place) and reads it as
-the checkpoint. Each item then runs exactly once (the full rounds, then one
+the pipeline copies a full row's d records (its tile's columns) with its
+item, and the row's key-head k records go into one of two shared-memory
+buffers while the program computes its item before (a program's first item:
+at its own step); the item applies the L records to the checkpoint tile
+there (f32 products and sums), writes the tile back (a TMA store, in place)
+and reads it as the checkpoint. Each item then runs exactly once (the full rounds, then one
 more step on the first programs: a traced step count, one pipeline body),
 where the append route's programs past the last item repeat it. On the append route a row
 that entered full (cursor == L) has no free slot: its outputs are NaN
@@ -202,8 +204,8 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: boo
     count as L / R buffers of R slots (R = `config.slots_per_copy(L)`), each rounded up on its own, as the
     lowering allocates them. With one copy of the records (R = L), within 0.2 KiB above what the lowering
     allocates at the shapes tried (2026-12-02); each further copy adds 8 bytes a stage to the bound.
-    `deferred`: the deferred route's readout, which also holds a flushing item's d records [L, block_v] and
-    k records [L, K] (one buffer each, not staged) and three more barriers."""
+    `deferred`: the deferred route's readout, which also holds two buffers of a flushing item's k records
+    [L, K] (not staged) and four more barriers."""
     batch, HV, V, K = state.checkpoint.shape
     BV, L = config.block_v, state.buffer_len
     d_size, v_size = state.d.dtype.itemsize, v.dtype.itemsize
@@ -211,8 +213,8 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: boo
     buffers = (BV * K * state.checkpoint.dtype.itemsize, *[R * BV * d_size] * (L // R), TERMS * L * 4, K * 4, K * 4,
                BV * v_size, BV * v_size, BV * d_size)
     stages = min(config.stages, _grid(batch, HV, V, config)[2])
-    scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + 3 * deferred + stages * len(buffers))
-    flush = _align(L * BV * d_size) + _align(L * K * state.k.dtype.itemsize) if deferred else 0
+    scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + 4 * deferred + stages * len(buffers))
+    flush = _align(2 * L * K * state.k.dtype.itemsize) if deferred else 0
     return sum(_align(stages * b) for b in buffers) + _align(cursor_rows(batch) * TMA_MAX * 4) + scratch + flush
 
 
@@ -557,17 +559,25 @@ def _swizzled(dtype):
     return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(SWIZZLE))
 
 
-def _flush_tile(S_s, terms_s, df_s, kf_s, L: int):
+def _flush_tile(S_s, terms_s, U_s, kf_s):
     """A flushing item's checkpoint tile S_s (shared memory) replaced by the tile after the row's L buffered
-    records, S <- c S + sum_i w_i d_i k_i^T (c and w_i: the prelude's flush terms; d_i, k_i: rows i of df_s
-    and kf_s), in f32 products and sums, stored in the tile's dtype. One loop body (the L outer products
-    unrolled took 14 s to lower, 2026-12-03)."""
-    def add(i, S):
-        u = terms_s[3, i] * plgpu.load(df_s.at[i], layout=ROW).astype(f32)
-        return S + u[:, None] * plgpu.load(kf_s.at[i], layout=COL).astype(f32)[None, :]
+    records, S <- c S + sum_i w_i d_i k_i^T (c and w_i: the prelude's flush terms; d_i: the item's d records,
+    the pipeline's L / R buffers U_s of R slots each; k_i: row i of kf_s [L, K]), in f32 products and sums,
+    stored in the tile's dtype. One loop body a buffer (the L outer products unrolled took 14 s to lower,
+    2026-12-03)."""
+    R = U_s[0].shape[0]
+
+    def adder(c):  # buffer c's slots c R + r
+        def add(r, S):
+            i = c * R + r
+            u = terms_s[3, i] * plgpu.load(U_s[c].at[r], layout=ROW).astype(f32)
+            return S + u[:, None] * plgpu.load(kf_s.at[i], layout=COL).astype(f32)[None, :]
+        return add
 
     S = terms_s[2, 4] * plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
-    S_s[...] = lax.fori_loop(0, L, add, S).astype(S_s.dtype)
+    for c in range(len(U_s)):
+        S = lax.fori_loop(0, R, adder(c), S)
+    S_s[...] = S.astype(S_s.dtype)
 
 
 def _steps_each_item_once(count_items: int, programs: int, program):
@@ -591,7 +601,7 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
 
     def body(ck_ref, terms_ref, cursor_ref, q_ref, k_ref, v_ref, d_ref, *refs):
         if deferred:
-            krec_ref, k0_ref, o_ref, cursor_smem, df_smem, kf_smem, barrier = refs
+            krec_ref, k0_ref, o_ref, cursor_smem, kf_smem, barrier = refs
         else:
             o_ref, cursor_smem, barrier = refs
         program = lax.axis_index("program")
@@ -616,8 +626,8 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             def spec(shape, index, transforms=()):
                 return plgpu.BlockSpec(shape, lambda step: index(*item(step)), transforms=transforms)
 
-            def record_copy(c):  # the d records' c-th copy: its slot block, or block 0 where all its slots are dead
-                return spec((None, None, R, BV), lambda b, h, j: (b, h, jnp.where(c * R < live_of(b), c, 0), j))
+            def record_copy(c):  # the d records' c-th copy: its slot block, or block 0 where all its slots are empty
+                return spec((None, None, R, BV), lambda b, h, j: (b, h, jnp.where(c * R < cursor_of(b), c, 0), j))
 
             K = ck_ref.shape[-1]
             in_specs = [
@@ -630,17 +640,20 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             ]
             out_specs = [spec((None, None, BV), lambda b, h, j: (b, h, j)),
                          spec((None, None, None, BV), lambda b, h, j: (b, h, record_slot(b), j))]
-            plgpu.emit_pipeline(compute, grid=(n,), in_specs=in_specs, out_specs=out_specs,
+            plgpu.emit_pipeline(functools.partial(compute, n), grid=(n,), in_specs=in_specs, out_specs=out_specs,
                                 max_concurrent_steps=min(config.stages, steps))(
                 ck_ref, *[d_ref] * (L // R), terms_ref, q_ref, k_ref, v_ref, o_ref, d_ref)
 
-        def compute(index, S_s, *bufs):
+        def compute(n, index, S_s, *bufs):
             *U_s, terms_s, q_s, k_s, v_s, o_s, d_s = bufs
             record = lambda i: U_s[i // R].at[i % R]  # noqa: E731  (slot i's d record)
-            b, h, j = item(index[0])
+            step = index[0]
+            b, h, j = item(step)
             count = live_of(b)
             if deferred:
-                flush_item(S_s, terms_s, b, h, j)
+                pl.when(step == 0)(lambda: fetch_keys(step))
+                pl.when(step + 1 < n)(lambda: fetch_keys(step + 1))
+                flush_item(S_s, terms_s, U_s, b, h, j, step % 2)
             carried, kq, decay, beta = terms_s[2, 0], terms_s[2, 1], terms_s[2, 2], terms_s[2, 3]
             acc_k = acc_q = plgpu.layout_cast(jnp.zeros((BV,), f32), ROW)
             for i in range(L):  # static: independent loads; the slot's weights are scalars in shared memory
@@ -663,18 +676,28 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             o_s[...] = o.astype(o_s.dtype)
             d_s[...] = jnp.where(full, plgpu.load(record(L - 1), layout=ROW), d.astype(d_s.dtype))
 
-        def flush_item(S_s, terms_s, b, h, j):
-            """A full row's tile flushed in shared memory (then read as the checkpoint) and written back. Its
-            d records, k records 1 .. L - 1 and slot-0 key (the prelude's k0) are copied in for it."""
+        def fetch_keys(step):
+            """Start the copies of the k records that the flush of `step`'s item takes, where its row is full:
+            records 1 .. L - 1 and the slot-0 key (the prelude's k0), into key buffer step % 2 (the buffer
+            the flush two steps before read, behind its commit_smem)."""
+            b, h, _ = item(step)
+            slot = step % 2
+
             @pl.when(cursor_of(b) >= L)
             def _():
                 keys = krec_ref.at[b, h // group, pl.ds(1, L - 1)]
-                plgpu.copy_gmem_to_smem(d_ref.at[b, h, :, pl.ds(j * BV, BV)], df_smem, barrier.at[1])
-                plgpu.copy_gmem_to_smem(keys, kf_smem.at[pl.ds(1, L - 1)], barrier.at[2])
-                plgpu.copy_gmem_to_smem(k0_ref.at[b, h // group], kf_smem.at[0], barrier.at[3])
-                for i in (1, 2, 3):
-                    plgpu.barrier_wait(barrier.at[i])
-                _flush_tile(S_s, terms_s, df_smem, kf_smem, L)
+                plgpu.copy_gmem_to_smem(keys, kf_smem.at[slot, pl.ds(1, L - 1)], barrier.at[1 + 2 * slot])
+                plgpu.copy_gmem_to_smem(k0_ref.at[b, h // group], kf_smem.at[slot, 0], barrier.at[2 + 2 * slot])
+
+        def flush_item(S_s, terms_s, U_s, b, h, j, slot):
+            """A full row's tile flushed in shared memory (then read as the checkpoint) and written back. The
+            pipeline copied its d records with the item (a full row's record copies are all live); its k
+            records are in key buffer `slot`, copied a step ahead (`fetch_keys`)."""
+            @pl.when(cursor_of(b) >= L)
+            def _():
+                for i in (1, 2):
+                    plgpu.barrier_wait(barrier.at[i + 2 * slot])
+                _flush_tile(S_s, terms_s, U_s, kf_smem.at[slot])
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(S_s, ck_ref.at[b, h, pl.ds(j * BV, BV)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -920,11 +943,11 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
     name = f"gdn_{route}_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}{copies}"  # as profiles name it
     rows = cursor_rows(batch)
     scratch = [plgpu.SMEM((rows, TMA_MAX), jnp.int32)]
-    if deferred:  # a flushing item's d records and its key head's k records
-        scratch += [plgpu.SMEM((L, config.block_v), state.d.dtype), plgpu.SMEM((L, K), state.k.dtype)]
+    if deferred:  # two buffers of a flushing item's key-head k records (the next item's copied ahead)
+        scratch += [plgpu.SMEM((2, L, K), state.k.dtype)]
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(programs,),
                           grid_names=("program",), kernel_name=name,
-                          scratch_types=[*scratch, plgpu.Barrier(num_barriers=4 if deferred else 1)])
+                          scratch_types=[*scratch, plgpu.Barrier(num_barriers=5 if deferred else 1)])
     d_ref = jax.new_ref(state.d)  # written in place: the kernel's d records
     if not deferred:
         o = kernel(state.checkpoint, terms, entry.reshape(rows, TMA_MAX), qn, kn, v, d_ref)

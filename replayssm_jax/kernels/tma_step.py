@@ -37,7 +37,8 @@ every row (L - 1 records live). Both run as two launches:
 
 Neither is a default: at Qwen3.5-4B's layer, batch 256, f32, on the H200
 the standard step took 287.4 us (prelude included) against the Triton
-kernel's 282.6, the direct step 704 against 385: with one program an SM,
+kernel's 282.6 on 32-row tiles and 4 warps (and 288.0 against 274.8 on the
+16-row tiles and one warp that later became its default), the direct step 704 against 385: with one program an SM,
 the fold's outer products do not hide under the copies (bench/RESULTS.md,
 2026-12-03). They are taken given a TMAReadoutConfig (`STEP_CONFIG`).
 
