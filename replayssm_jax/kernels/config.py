@@ -337,7 +337,7 @@ def _warps(rows: int, K: int) -> int:
 # The standard step's tile (rows, warps) per layer and state itemsize: the fastest of 16 x 1, 32 x 1,
 # 16 x 2 and the generic rule's 32 x 4 (GDN), of 8 x 1, 8 x 2, 16 x 1, 32 x 2 and the generic 16 x 2
 # (Mamba-2) at batch 64, 256 and 512 (Qwen3.5-4B's and Nemotron-3-Nano-4B's layers, H200, 2026-12-03,
-# bench/RESULTS.md "The standard step on one warp"): the same tile won at all three batches. GDN on
+# bench/RESULTS.md, "... the standard step on one warp"): the same tile won at all three batches. GDN on
 # 16 x 1 ran 2.7-3.2% faster than on 32 x 4 in f32 and 1.3-1.9% in bf16; Mamba-2 f32 on 8 x 1 3.6-3.8%
 # faster than on 16 x 2, while its bf16 state stays on 16 x 2 (16 x 1 ran 15-20% slower there).
 STANDARD_TILES = {"gdn": {4: (16, 1), 2: (16, 1)}, "mamba2": {4: (8, 1), 2: (16, 2)}}
