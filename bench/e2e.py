@@ -78,6 +78,9 @@ from replayssm_jax.generation import Generator  # noqa: E402
 CONFIGS = os.path.join(ROOT, "bench", "configs")
 MODELS = ("nemotron3_nano_4b_like", "qwen3_5_4b_like")
 SHARE_SETS = 8  # state copies of the SSM share's timing (`_ssm_op_time`): its compile grows with them
+# --smoke: the SSM share timed on one state copy over 4 steps (a flush at L <= 3), the same code as 8 copies
+# over 16 steps at a 32nd of the unrolled cycle to compile (test_e2e_smoke 46 -> 14 s on a 2-core CPU, 2026-12-03)
+SMOKE_SHARE_TIMING = dict(steps=4, max_sets=1)
 
 
 @dataclasses.dataclass
@@ -153,11 +156,11 @@ def _ssm_layers(config):
     return [i for i, t in enumerate(config.layer_types) if t in ("mamba", "gdn")]
 
 
-def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16) -> float:
+def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16, max_sets=SHARE_SETS) -> float:
     """Seconds per decode step of one SSM layer's op alone (config `c`, same batch, state dtype,
     checkpoint format, backend; on a mesh, one device's shard: the local config and batch / dp),
     timed as bench/kernels.py times a layer (`time_cycle`: an unrolled cycle on fixed inputs over
-    copies of the state, here at most `SHARE_SETS`; at small batches they fit in the L2, so the
+    copies of the state, here at most `max_sets`; at small batches they fit in the L2, so the
     estimate is then low)."""
     state, L, route = mode.state, mode.L or 1, mode.route
     fmt = dict(checkpoint_dtype=mode.state_dtype, rounding=mode.rounding)
@@ -179,8 +182,8 @@ def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16) -> float:
                       beta=jax.nn.sigmoid(jax.random.normal(k[5], (batch, HV))))
         init, step = ops.gdn_replay_init, functools.partial(ops.gdn_step, backend=backend)
         replay = functools.partial(ops.gdn_replay_step, route=route, backend=backend)
-    options = kernel_bench.TimingOptions(repeats=3, max_sets=SHARE_SETS)
-    sets = max(1, min(SHARE_SETS, math.ceil(options.l2_target_bytes / (math.prod(shape) * state_dtype.itemsize))))
+    options = kernel_bench.TimingOptions(repeats=3, min_sets=min(2, max_sets), max_sets=max_sets)
+    sets = max(1, min(max_sets, math.ceil(options.l2_target_bytes / (math.prod(shape) * state_dtype.itemsize))))
     states = [jax.random.normal(key, shape, jnp.float32).astype(state_dtype) * 0.1
               for key in jax.random.split(k[0], sets)]
     if state == "standard":
@@ -215,7 +218,7 @@ def _profile(gen, prompts, new_tokens):
 
 def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log, prefill_rows=None,
                 save=lambda rows: None, profile=False, budget_bytes=100 * 2**30, mesh=None, rates=None,
-                ssm_state_dtype=jnp.float32):
+                ssm_state_dtype=jnp.float32, share_timing=None):
     """Rows of one model over batches x modes; `save(rows)` after each row. A
     configuration that runs out of device memory is logged and skipped (the
     others still run). `profile`: also break a decode step down by kernel
@@ -224,7 +227,8 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
     `rates`: {"copy_gbps", "matmul_tflops"} of the device (bench/device_rates.py),
     for each row's roofline (bench/step_roofline.py; not on a mesh). `ssm_state_dtype`: the model's
     SSM state dtype (float32 or bfloat16), which the standard state and the checkpoints of a mode
-    without ':FORMAT' keep."""
+    without ':FORMAT' keep. `share_timing`: `_ssm_op_time`'s `steps` and `max_sets` where not its
+    defaults (--smoke: SMOKE_SHARE_TIMING)."""
     model = init_model(config_dir, dtype, mesh=mesh, ssm_state_dtype=ssm_state_dtype)
     tp, dp = (None, None) if mesh is None else (mesh.shape["tp"], mesh.shape["dp"])
     shard_config = model.config if mesh is None else sharding.local_config(model.config, tp)
@@ -254,7 +258,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                 ssm_share = breakdown["ms"]["ssm"] / (step_s * 1e3)
             else:
                 ssm_share = n_ssm * _ssm_op_time(shard_config, max(batch // (dp or 1), 1), m, backend,
-                                                 ssm_state_dtype) / step_s
+                                                 ssm_state_dtype, **(share_timing or {})) / step_s
             tokens = np.array(best.sequences)
             if m.state == "standard":
                 reference_tokens = tokens
@@ -431,7 +435,8 @@ def main(argv=None) -> int:
     for name, path in configs.items():
         rows += bench_model(name, path, batches, modes, prompt_len, new_tokens, backend, dtype,
                             lambda s: print(s, file=sys.stderr, flush=True), args.prefill_rows or None, save,
-                            args.profile, budget, mesh, rates, jnp.dtype(args.ssm_state_dtype))
+                            args.profile, budget, mesh, rates, jnp.dtype(args.ssm_state_dtype),
+                            SMOKE_SHARE_TIMING if args.smoke else None)
         save([])
     print(f"\n{meta['date']} {meta['device']} backend={backend} commit={meta['commit']} "
           f"prompt={prompt_len} new={new_tokens} {meta['dtype']} ssm_state={args.ssm_state_dtype}"
