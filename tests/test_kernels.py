@@ -542,8 +542,14 @@ def test_heuristics_plan_for_132_sms_without_a_gpu():
     assert kernels.default_step_config(1, 32, 128, 128, jnp.float32, "gdn").block_v == 4
     assert kernels.default_step_config(64, 32, 128, 128, jnp.int8, "gdn") == kernels.default_step_config(
         64, 32, 128, 128, jnp.int8)
+    # Other key widths than the measured 128 columns take the generic rule.
+    assert kernels.default_step_config(64, 32, 128, 256, jnp.float32, "gdn") == kernels.default_step_config(
+        64, 32, 128, 256, jnp.float32)
     with pytest.raises(ValueError, match="`layer` must be one of"):
         kernels.default_step_config(64, 32, 128, 128, jnp.float32, "mamba")
+    with pytest.raises(ValueError, match="the direct route takes none"):
+        config.step_config_for(None, jax.ShapeDtypeStruct((64, 32, 128, 128), jnp.float32),
+                               (("value dim", "V"), ("key dim", "K")), direct=True, layer="gdn")
     # The direct route folds with the rank-L dot where the grid is not latency-bound (batch x heads > 132).
     assert kernels.default_direct_config(256, 32, 128, 128, jnp.float32) == kernels.StepConfig(
         block_v=32, num_warps=4, dot_fold=True)

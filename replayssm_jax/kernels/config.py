@@ -340,16 +340,19 @@ def _warps(rows: int, K: int) -> int:
 # bench/RESULTS.md, "... the standard step on one warp"): the same tile won at all three batches. GDN on
 # 16 x 1 ran 2.7-3.2% faster than on 32 x 4 in f32 and 1.3-1.9% in bf16; Mamba-2 f32 on 8 x 1 3.6-3.8%
 # faster than on 16 x 2, while its bf16 state stays on 16 x 2 (16 x 1 ran 15-20% slower there).
+# Both layers were measured at 128 columns (GDN's K, Mamba-2's N); other widths take the generic rule.
 STANDARD_TILES = {"gdn": {4: (16, 1), 2: (16, 1)}, "mamba2": {4: (8, 1), 2: (16, 2)}}
+STANDARD_TILE_COLS = 128
 
 
 def default_step_config(batch: int, heads: int, V: int, K: int, state_dtype, layer: str | None = None) -> StepConfig:
     """The frozen heuristic of the standard step (and, with layer None, of the direct route and the per-draft
     verify).
 
-    With `layer` ("gdn" or "mamba2") and an f32 or bf16 state, the layer's
-    measured tile (STANDARD_TILES), fewer rows where V is smaller or the
-    grid small (as below). Otherwise the generic rule: a tile holds about
+    With `layer` ("gdn" or "mamba2"), an f32 or bf16 state and K of 65 to
+    128 (the measured width, STANDARD_TILE_COLS, once rounded up to a power
+    of two), the layer's measured tile (STANDARD_TILES), fewer rows where V
+    is smaller or the grid small (as below). Otherwise the generic rule: a tile holds about
     4096 state elements (32 per thread: 16 KiB in f32, 8 KiB in bf16),
     preferring a row count that divides V (V = 80 -> 16), on at most 4 warps
     (8 warps on a 64-row bf16 tile ran 16% slower); one tile per program,
@@ -365,9 +368,10 @@ def default_step_config(batch: int, heads: int, V: int, K: int, state_dtype, lay
 
     Raises ValueError for a `layer` other than those.
     """
-    if layer is not None and layer not in STANDARD_TILES:
+    if layer is not None and (not isinstance(layer, str) or layer not in STANDARD_TILES):
         raise ValueError(f"`layer` must be one of {sorted(STANDARD_TILES)} or None; got {layer!r}")
-    tile = STANDARD_TILES[layer].get(jnp.dtype(state_dtype).itemsize) if layer else None
+    measured = layer is not None and next_pow2(K) == STANDARD_TILE_COLS
+    tile = STANDARD_TILES[layer].get(jnp.dtype(state_dtype).itemsize) if measured else None
     if tile is None:
         rows = next_pow2(max(1, 4096 // next_pow2(K)))
     else:
@@ -502,18 +506,22 @@ def step_config_for(config: StepConfig | None, state, dims, *, direct: bool = Fa
                     layer: str | None = None) -> StepConfig:
     """The standard step's tiling (direct=True: the replay step's direct route)
     for `state` [batch, heads, V, K]: `config`, checked against the shape, or
-    the default (:func:`default_step_config` of `layer`; the direct route's
-    :func:`default_direct_config`).
+    the default (:func:`default_step_config` of `layer`, "gdn", "mamba2" or
+    None; the direct route's :func:`default_direct_config`, which takes no
+    layer).
 
     dims: ((what, letter) of the rows, (what, letter) of the columns), e.g.
     (("value dim", "V"), ("key dim", "K")), for the messages.
 
     Raises:
       ValueError: V or K above MAX_HEAD_DIM; block_v above V rounded up to a
-        power of two; or (direct route, a one-launch step) more than
-        MAX_ROW_PROGRAMS programs per batch row.
+        power of two; (direct route, a one-launch step) more than
+        MAX_ROW_PROGRAMS programs per batch row; a `layer` other than those,
+        or one given with direct=True.
       TypeError: a `config` that is not a StepConfig.
     """
+    if direct and layer is not None:
+        raise ValueError(f"`layer` names the standard step's measured tile; the direct route takes none, got {layer!r}")
     return _fit_step_config(config, state, _check_dims(state, dims), direct, layer)
 
 

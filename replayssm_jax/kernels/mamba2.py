@@ -627,7 +627,8 @@ def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_l
       dt_limit: (low, high), 0 <= low <= high: dt is clamped to it (the
         model's time_step_limit; (0, inf): no clamp).
       config, interpret, slots: as :func:`replayssm_jax.kernels.gdn_step`
-        (a state pool [capacity, H, P, N] with slots).
+        (a state pool [capacity, H, P, N] with slots); the default tiling is
+        :func:`default_step_config` with layer "mamba2".
 
     Returns (y [batch, H, P] in x.dtype, new_state like state); raises
     ValueError for P or N above MAX_HEAD_DIM (256) or a `config.block_v`

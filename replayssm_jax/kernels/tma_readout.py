@@ -691,8 +691,9 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
 
         def flush_item(S_s, terms_s, U_s, b, h, j, slot):
             """A full row's tile flushed in shared memory (then read as the checkpoint) and written back. The
-            pipeline copied its d records with the item (a full row's record copies are all live); its k
-            records are in key buffer `slot`, copied a step ahead (`fetch_keys`)."""
+            pipeline copied its d records with the item (each record copy reads its own slot block:
+            `record_copy` keys on the cursor at entry, L); its k records are in key buffer `slot`, copied a
+            step ahead (`fetch_keys`)."""
             @pl.when(cursor_of(b) >= L)
             def _():
                 for i in (1, 2):

@@ -123,8 +123,9 @@ def check_step_tma(state, v, config: TMAReadoutConfig, *, interpret: bool, slots
 
 # The tiling of the runs in bench/RESULTS.md (2026-12-03): 3 stages of 64 rows, one program an SM (220 KiB a
 # program at K = 128, L = 16 with bf16 records; with f32 records the direct step takes 2 stages). Neither step
-# is a default: at batch 256 on the H200 the standard step took 287.4 us against the Triton kernel's 282.6, the
-# direct step 704 against 385 (its fold's 16 outer products on the tile).
+# is a default: at batch 256 on the H200 the standard step took 287.4 us against the Triton kernel's 282.6 on
+# 32-row tiles and 4 warps (288.0 against 274.8 on its later default, 16 rows and one warp), the direct step 704
+# against 385 (its fold's 16 outer products on the tile).
 STEP_CONFIG = TMAReadoutConfig(stages=3, programs_per_sm=1)
 STEP_TERMS = 8  # columns of the standard step's terms (TERMS rows of f32: one 128-byte TMA-aligned stage buffer)
 
