@@ -79,8 +79,9 @@ CONFIGS = os.path.join(ROOT, "bench", "configs")
 MODELS = ("nemotron3_nano_4b_like", "qwen3_5_4b_like")
 SHARE_SETS = 8  # state copies of the SSM share's timing (`_ssm_op_time`): its compile grows with them
 # --smoke: the SSM share timed on one state copy over 4 steps (a flush at L <= 3), the same code as 8 copies
-# over 16 steps at a 32nd of the unrolled cycle to compile (test_e2e_smoke 46 -> 14 s on a 2-core CPU, 2026-12-03)
-SMOKE_SHARE_TIMING = dict(steps=4, max_sets=1)
+# over 16 steps at a 32nd of the unrolled cycle to compile (test_e2e_smoke 46 -> 14 s on a 2-core CPU, 2026-12-03),
+# one call a repeat
+SMOKE_SHARE_TIMING = dict(steps=4, max_sets=1, chained_calls=1)
 
 
 @dataclasses.dataclass
@@ -156,12 +157,13 @@ def _ssm_layers(config):
     return [i for i, t in enumerate(config.layer_types) if t in ("mamba", "gdn")]
 
 
-def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16, max_sets=SHARE_SETS) -> float:
+def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16, max_sets=SHARE_SETS,
+                 chained_calls=kernel_bench.TimingOptions.chained_calls) -> float:
     """Seconds per decode step of one SSM layer's op alone (config `c`, same batch, state dtype,
     checkpoint format, backend; on a mesh, one device's shard: the local config and batch / dp),
     timed as bench/kernels.py times a layer (`time_cycle`: an unrolled cycle on fixed inputs over
-    copies of the state, here at most `max_sets`; at small batches they fit in the L2, so the
-    estimate is then low)."""
+    copies of the state, here at most `max_sets`, `chained_calls` calls a repeat; at small batches
+    they fit in the L2, so the estimate is then low)."""
     state, L, route = mode.state, mode.L or 1, mode.route
     fmt = dict(checkpoint_dtype=mode.state_dtype, rounding=mode.rounding)
     k = jax.random.split(jax.random.key(1), 6)
@@ -182,7 +184,8 @@ def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16, max_sets=
                       beta=jax.nn.sigmoid(jax.random.normal(k[5], (batch, HV))))
         init, step = ops.gdn_replay_init, functools.partial(ops.gdn_step, backend=backend)
         replay = functools.partial(ops.gdn_replay_step, route=route, backend=backend)
-    options = kernel_bench.TimingOptions(repeats=3, min_sets=min(2, max_sets), max_sets=max_sets)
+    options = kernel_bench.TimingOptions(repeats=3, min_sets=min(2, max_sets), max_sets=max_sets,
+                                         chained_calls=chained_calls)
     sets = max(1, min(max_sets, math.ceil(options.l2_target_bytes / (math.prod(shape) * state_dtype.itemsize))))
     states = [jax.random.normal(key, shape, jnp.float32).astype(state_dtype) * 0.1
               for key in jax.random.split(k[0], sets)]
@@ -227,7 +230,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
     `rates`: {"copy_gbps", "matmul_tflops"} of the device (bench/device_rates.py),
     for each row's roofline (bench/step_roofline.py; not on a mesh). `ssm_state_dtype`: the model's
     SSM state dtype (float32 or bfloat16), which the standard state and the checkpoints of a mode
-    without ':FORMAT' keep. `share_timing`: `_ssm_op_time`'s `steps` and `max_sets` where not its
+    without ':FORMAT' keep. `share_timing`: `_ssm_op_time`'s `steps`, `max_sets` and `chained_calls` where not its
     defaults (--smoke: SMOKE_SHARE_TIMING)."""
     model = init_model(config_dir, dtype, mesh=mesh, ssm_state_dtype=ssm_state_dtype)
     tp, dp = (None, None) if mesh is None else (mesh.shape["tp"], mesh.shape["dp"])

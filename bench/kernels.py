@@ -33,7 +33,12 @@ Method (the settings are a TimingOptions):
     2026-12-03). Wall clock around `chained_calls` calls dispatched back to
     back (each on the last one's carry) and
     `block_until_ready`, median of repeats after a compile and warm-up run;
-    per-step time = median / (chained_calls * steps * n_sets).
+    per-step time = median / (calls * steps * n_sets), where a chain has
+    at least `chained_calls` calls and lasts at least `min_chain_s` by the
+    warm-up call's time. A chain pays the first call's dispatch and the
+    final sync once, 0.2-1.2 ms on the H200 (2026-12-04), where a trace of the
+    chain shows no gap between the calls' kernels; a decode loop pays it
+    once for all its steps.
   * replay rows at staggered cursors (row r starts at r mod L) unless the
     variant says "in-step" (all rows start at 0 and flush together) or
     "lockstep" (from cursors 0, a cycle of L - 1 replay steps without a
@@ -163,11 +168,15 @@ class TimingOptions:
         HBM), within [min_sets, max_sets].
     standard_steps: steps of a timed standard cycle (a replay cycle is a
         flush cycle: L steps).
-    chained_calls: calls of the jitted cycle per repeat, each on the last
+    chained_calls: the fewest calls of the jitted cycle a repeat, each on the last
         one's carry. One call alone also times the host's dispatch of its
         arguments (about 1 ms for the 64 sets of replay states at batch 1,
         over 1.1 us per step: bench/RESULTS.md, 2026-11-30); in a chain that
-        work overlaps the previous call's kernels, as in a decode loop.
+        work overlaps the previous call's kernels, as in a decode loop. With
+        4 calls of 32 steps, the chain's one-time cost was 2-14 us a step
+        (bench/RESULTS.md, 2026-12-04).
+    min_chain_s: the least seconds of a repeat's chain, by the warm-up call's
+        time (more calls than `chained_calls` where its calls are short).
     profile: also trace one more run of each variant and report the GPU time
         per step of each kernel (bench/step_profile.py).
 
@@ -181,7 +190,8 @@ class TimingOptions:
     max_sets: int = 64
     l2_target_bytes: float = 240e6
     standard_steps: int = 16
-    chained_calls: int = 4
+    chained_calls: int = 16
+    min_chain_s: float = 0.1
     profile: bool = False
 
     def __post_init__(self):
@@ -190,13 +200,16 @@ class TimingOptions:
         for name in ("repeats", "min_sets", "max_sets", "standard_steps", "chained_calls"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"`{name}` must be an int >= 1; got {getattr(self, name)!r}")
+        if not (isinstance(self.min_chain_s, (int, float)) and self.min_chain_s >= 0):
+            raise ValueError(f"`min_chain_s` must be >= 0; got {self.min_chain_s!r}")
         if self.min_sets > self.max_sets:
             raise ValueError(f"`min_sets` must be <= `max_sets` = {self.max_sets}; got {self.min_sets}")
 
     @classmethod
     def dry_run(cls, **changes) -> TimingOptions:
-        """Interpret mode, one state set, one repeat: a CPU check of a script (numbers meaningless)."""
-        return cls(**{**dict(backend="interpret", repeats=1, min_sets=1, max_sets=1), **changes})
+        """Interpret mode, one state set, one repeat of one call: a CPU check of a script (numbers meaningless)."""
+        return cls(**{**dict(backend="interpret", repeats=1, min_sets=1, max_sets=1, chained_calls=1,
+                            min_chain_s=0.0), **changes})
 
 
 class _LayerBench:
@@ -384,7 +397,7 @@ def time_cycle(step, carries, inp, steps, options: TimingOptions, chain: bool = 
     `chain`: on the output of the step before, as layers follow each other,
     so that XLA cannot fuse the steps of independent carries into one
     launch; the output must then have the inputs' structure)
-    (`options.chained_calls` calls per repeat), its spread, the compile
+    (a chain of calls per repeat: TimingOptions), its spread, the compile
     seconds, and (`options.profile`) the kernel times per step."""
 
     schedule = list(step) if isinstance(step, (list, tuple)) else [step] * steps
@@ -409,15 +422,17 @@ def time_cycle(step, carries, inp, steps, options: TimingOptions, chain: bool = 
     carries, y = f(carries, inp)
     jax.block_until_ready((carries, y))
     compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     carries, y = f(carries, inp)
     jax.block_until_ready((carries, y))
+    calls = max(options.chained_calls, math.ceil(options.min_chain_s / (time.perf_counter() - t0)))
     times = []
     for _ in range(options.repeats):
         t0 = time.perf_counter()
-        for _ in range(options.chained_calls):  # dispatched back to back: the host's work hides behind the GPU's
+        for _ in range(calls):  # dispatched back to back: the host's work hides behind the GPU's
             carries, y = f(carries, inp)
         jax.block_until_ready((carries, y))
-        times.append((time.perf_counter() - t0) / options.chained_calls)
+        times.append((time.perf_counter() - t0) / calls)
     per = steps * len(carries)
     profile = None
     if options.profile:

@@ -279,11 +279,34 @@ def test_kernels_verify_rows_time_the_per_draft_launch(monkeypatch, capsys):
     (dict(backend="xla"), "`backend` must be one of pallas, interpret; got 'xla'"),
     (dict(repeats=0), "`repeats` must be an int >= 1; got 0"),
     (dict(chained_calls=1.5), "`chained_calls` must be an int >= 1; got 1.5"),
+    (dict(min_chain_s=-0.1), "`min_chain_s` must be >= 0; got -0.1"),
     (dict(min_sets=8, max_sets=4), "`min_sets` must be <= `max_sets` = 4; got 8"),
-], ids=["backend", "repeats", "chained calls", "sets"])
+], ids=["backend", "repeats", "chained calls", "chain seconds", "sets"])
 def test_kernels_timing_options_errors(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load("kernels").TimingOptions(**fields)
+
+
+def test_kernels_chain_lasts_min_chain_s():
+    """A repeat's chain has `chained_calls` calls, more where the warm-up call is shorter than
+    `min_chain_s`; a call that steps twice on its carry runs each step once."""
+    kb = load("kernels")
+    steps = []
+
+    def step(c, inp):
+        kb.jax.debug.callback(lambda: steps.append(1))
+        return c + inp, c + inp
+
+    def calls(**options):
+        steps.clear()
+        seconds, *_ = kb.time_cycle(step, (kb.jnp.ones(4),), kb.jnp.full(4, 0.5), 2,
+                                    kb.TimingOptions.dry_run(**options))
+        kb.jax.effects_barrier()
+        assert seconds > 0
+        return len(steps) // 2 - 2  # less the compile and warm-up calls
+
+    assert calls(chained_calls=3) == 3
+    assert calls(chained_calls=1, min_chain_s=0.2) > 1
 
 
 @pytest.mark.parametrize("script", ["kernels", "buffer_length"])
