@@ -35,3 +35,10 @@ for round in 1 2; do
   PYTHONPATH=$PWD python3 bench/kernels.py --profile --repeats 3 --layers gdn --state-dtypes bfloat16 \
     --batches 256 --lengths 16 --out $OUT --tag new$round > $OUT/new$round.log 2>&1
 done
+
+# run 5 (the tree of this folder's commit): the GDN deferred readout with a bf16 checkpoint at batch 256, staggered
+# cursors, with parts left out at run time: the flush keys' fetch a step ahead and its waits, a full row's record
+# copies of all its slots, both. The 2026-12-03 probe with a "bf16" mode added (probe_bf16.patch, from
+# ../2026-12-03-flush-keys-ahead/probe.py):
+cp bench/results/2026-12-03-flush-keys-ahead/probe.py /tmp/probe.py && patch /tmp/probe.py bench/results/2026-12-04-chain-length/probe_bf16.patch
+python3 /tmp/probe.py bf16 > $OUT/probe_bf16.log 2>&1
