@@ -71,6 +71,7 @@ def _reference(rs, inp, scale, use_qk_l2norm=True):
     (dict(stages=2.0), TypeError, r"`config.stages` must be an int; got float"),
     (dict(block_v=True), TypeError, r"`config.block_v` must be an int; got bool"),
     (dict(record_slots=-1), ValueError, r"`config.record_slots` must be >= 0 \(0: all L slots in one copy\); got -1"),
+    (dict(flush_keys_ahead=1), TypeError, r"`config.flush_keys_ahead` must be a bool or None; got int 1"),
 ])
 def test_config_errors(changes, error, match):
     with pytest.raises(error, match=match):
@@ -157,10 +158,15 @@ def test_deferred_readout_needs_whole_rows_of_keys_in_shared_memory():
 
 def test_shared_memory_counts_the_stages_a_program_keeps():
     """The pipeline keeps at most a program's steps: 4 stages of 128 rows fit at batch 2 (one step a
-    program), not at batch 256."""
+    program), not at batch 256. The deferred readout's k records a step ahead hold a second key buffer."""
     config = kernels.TMAReadoutConfig(block_v=128, stages=4)
     small, big = (tma_readout.smem_bytes(*_abstract(b, d=f32), config) for b in (2, 256))
     assert small < tma_readout.SMEM_BYTES < big
+    state, v = _abstract(256, d=f32)
+    ahead, at_flush = (tma_readout.smem_bytes(state, v, kernels.TMAReadoutConfig(flush_keys_ahead=a), deferred=True)
+                       for a in (True, False))
+    L, K = state.buffer_len, state.checkpoint.shape[-1]
+    assert ahead - at_flush == L * K * state.k.dtype.itemsize  # (a multiple of 1 KiB here)
 
 
 class _Device:
@@ -364,7 +370,7 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
 def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     """The deferred route's lowering on the CPU at the model's shape (abstract inputs): the prelude and the
     readout, which flushes the full rows itself (no flush launch), its checkpoint and d records aliased in
-    place, and no other custom call."""
+    place, and no other custom call; f32 takes the flush's k records a step ahead, bf16 at the flush."""
     layer = _layer(rng, MODEL)
     state, _ = _abstract(MODEL.batch, L=16, checkpoint=checkpoint_dtype)
     text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "deferred", kernels.TMAReadoutConfig()),
@@ -421,7 +427,10 @@ def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dty
     (f32, f32, f32, kernels.TMAReadoutConfig(record_slots=2), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
     # 4288 items over 264 programs: the first 64 take a 17th step (a traced step count), 3 stages
     (f32, bf16, bf16, kernels.TMAReadoutConfig(stages=3), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
-], ids=["f32-bf16", "bf16-bf16-128x3", "model-b67-f32-2-slot-copies", "model-b67-3stages"])
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(flush_keys_ahead=False), SHAPE),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(flush_keys_ahead=True), SHAPE),
+], ids=["f32-bf16", "bf16-bf16-128x3", "model-b67-f32-2-slot-copies", "model-b67-3stages", "f32-keys-at-flush",
+        "bf16-keys-ahead"])
 def test_compiled_deferred_steps_match_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
     """The deferred route on Mosaic GPU (the flush launch of the full rows, the prelude, the readout): L + 2
     steps from staggered cursors, full rows among them, inf and NaN in the dead slots, against the

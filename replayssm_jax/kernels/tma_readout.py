@@ -63,7 +63,8 @@ decay) and keeps its slot-0 k record aside before this step's replaces it;
 the pipeline copies a full row's d records (its tile's columns) with its
 item, and the row's key-head k records go into one of two shared-memory
 buffers while the program computes its item before (a program's first item:
-at its own step); the item applies the L records to the checkpoint tile
+at its own step; with a bf16 checkpoint, by default, at the flush:
+`TMAReadoutConfig.flush_keys_ahead`); the item applies the L records to the checkpoint tile
 there (f32 products and sums), writes the tile back (a TMA store, in place)
 and reads it as the checkpoint. Each item then runs exactly once (the full rounds, then one
 more step on the first programs: a traced step count, one pipeline body),
@@ -151,9 +152,21 @@ class TMAReadoutConfig:
         launch in the lockstep cycle at batch 256, f32 checkpoint, bf16
         records (2 slots: 135.2, 8: 136.1; H200, bench/RESULTS.md,
         2026-12-03); other shapes are not measured with it.
+      flush_keys_ahead: where the deferred route's readout copies a
+        flushing item's k records: True, into one of two shared-memory
+        buffers while the program computes its item before; False, at the
+        flush, waited for there (one buffer); None (the default): ahead
+        with an f32 checkpoint, at the flush with a bf16 one. Measured on
+        the H200 at batch 256 (Qwen3.5-4B's layer, L = 16,
+        bench/RESULTS.md, "The flush's keys at the flush with a bf16
+        checkpoint", 2026-12-04): ahead, the readout took 2.8 us a step
+        less in step and 1.4 more from staggered cursors with an f32
+        checkpoint, 4.9-5.4 more in both with a bf16 one. Read by the GDN
+        deferred readout only.
 
     Raises:
-      TypeError: a field that is not an int (numpy ints accepted).
+      TypeError: a field that is not an int (numpy ints accepted), or
+        flush_keys_ahead not a bool or None.
       ValueError: block_v not 64 or 128, stages or programs_per_sm < 1,
         record_slots < 0.
     """
@@ -162,9 +175,15 @@ class TMAReadoutConfig:
     stages: int = 2
     programs_per_sm: int = 2
     record_slots: int = 4
+    flush_keys_ahead: bool | None = None
 
     def __post_init__(self):
+        if not isinstance(self.flush_keys_ahead, (bool, type(None))):
+            raise TypeError(f"`config.flush_keys_ahead` must be a bool or None; got "
+                            f"{type(self.flush_keys_ahead).__name__} {self.flush_keys_ahead!r}")
         for field in dataclasses.fields(self):
+            if field.name == "flush_keys_ahead":
+                continue
             value = getattr(self, field.name)
             if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"`config.{field.name}` must be an int; got {type(value).__name__} {value!r}")
@@ -177,6 +196,13 @@ class TMAReadoutConfig:
         if self.record_slots < 0:
             raise ValueError(f"`config.record_slots` must be >= 0 (0: all L slots in one copy); got "
                              f"{self.record_slots}")
+
+    def keys_ahead(self, checkpoint_dtype) -> bool:
+        """Whether the deferred readout copies a flushing item's k records a step ahead (`flush_keys_ahead`,
+        its default resolved by the checkpoint's dtype)."""
+        if self.flush_keys_ahead is None:
+            return jnp.dtype(checkpoint_dtype) == jnp.float32
+        return self.flush_keys_ahead
 
     def slots_per_copy(self, L: int) -> int:
         """Slots of the d records a copy of the GDN readout moves at buffer length L (record_slots, or L
@@ -204,8 +230,8 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: boo
     count as L / R buffers of R slots (R = `config.slots_per_copy(L)`), each rounded up on its own, as the
     lowering allocates them. With one copy of the records (R = L), within 0.2 KiB above what the lowering
     allocates at the shapes tried (2026-12-02); each further copy adds 8 bytes a stage to the bound.
-    `deferred`: the deferred route's readout, which also holds two buffers of a flushing item's k records
-    [L, K] (not staged) and four more barriers."""
+    `deferred`: the deferred route's readout, which also holds one or (`config.keys_ahead`) two buffers of a
+    flushing item's k records [L, K] (not staged) and four more barriers."""
     batch, HV, V, K = state.checkpoint.shape
     BV, L = config.block_v, state.buffer_len
     d_size, v_size = state.d.dtype.itemsize, v.dtype.itemsize
@@ -214,7 +240,8 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: boo
                BV * v_size, BV * v_size, BV * d_size)
     stages = min(config.stages, _grid(batch, HV, V, config)[2])
     scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + 4 * deferred + stages * len(buffers))
-    flush = _align(2 * L * K * state.k.dtype.itemsize) if deferred else 0
+    key_buffers = 1 + config.keys_ahead(state.checkpoint.dtype)
+    flush = _align(key_buffers * L * K * state.k.dtype.itemsize) if deferred else 0
     return sum(_align(stages * b) for b in buffers) + _align(cursor_rows(batch) * TMA_MAX * 4) + scratch + flush
 
 
@@ -598,6 +625,7 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
     NV = V // BV
     R = config.slots_per_copy(L)
     count_items, programs, steps = _grid(batch, HV, V, config)
+    ahead = deferred and config.keys_ahead(checkpoint_dtype)
 
     def body(ck_ref, terms_ref, cursor_ref, q_ref, k_ref, v_ref, d_ref, *refs):
         if deferred:
@@ -650,10 +678,11 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             step = index[0]
             b, h, j = item(step)
             count = live_of(b)
-            if deferred:
+            if ahead:
                 pl.when(step == 0)(lambda: fetch_keys(step))
                 pl.when(step + 1 < n)(lambda: fetch_keys(step + 1))
-                flush_item(S_s, terms_s, U_s, b, h, j, step % 2)
+            if deferred:
+                flush_item(S_s, terms_s, U_s, b, h, j, step % 2 if ahead else 0)
             carried, kq, decay, beta = terms_s[2, 0], terms_s[2, 1], terms_s[2, 2], terms_s[2, 3]
             acc_k = acc_q = plgpu.layout_cast(jnp.zeros((BV,), f32), ROW)
             for i in range(L):  # static: independent loads; the slot's weights are scalars in shared memory
@@ -676,26 +705,28 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             o_s[...] = o.astype(o_s.dtype)
             d_s[...] = jnp.where(full, plgpu.load(record(L - 1), layout=ROW), d.astype(d_s.dtype))
 
-        def fetch_keys(step):
-            """Start the copies of the k records that the flush of `step`'s item takes, where its row is full:
-            records 1 .. L - 1 and the slot-0 key (the prelude's k0), into key buffer step % 2 (the buffer
-            the flush two steps before read, behind its commit_smem)."""
-            b, h, _ = item(step)
-            slot = step % 2
+        def copy_keys(b, h, slot):
+            """Start the copies of row b's key-head k records that its flush takes: records 1 .. L - 1 and the
+            slot-0 key (the prelude's k0), into key buffer `slot`."""
+            keys = krec_ref.at[b, h // group, pl.ds(1, L - 1)]
+            plgpu.copy_gmem_to_smem(keys, kf_smem.at[slot, pl.ds(1, L - 1)], barrier.at[1 + 2 * slot])
+            plgpu.copy_gmem_to_smem(k0_ref.at[b, h // group], kf_smem.at[slot, 0], barrier.at[2 + 2 * slot])
 
-            @pl.when(cursor_of(b) >= L)
-            def _():
-                keys = krec_ref.at[b, h // group, pl.ds(1, L - 1)]
-                plgpu.copy_gmem_to_smem(keys, kf_smem.at[slot, pl.ds(1, L - 1)], barrier.at[1 + 2 * slot])
-                plgpu.copy_gmem_to_smem(k0_ref.at[b, h // group], kf_smem.at[slot, 0], barrier.at[2 + 2 * slot])
+        def fetch_keys(step):
+            """`copy_keys` for `step`'s item where its row is full, into key buffer step % 2 (the buffer the
+            flush two steps before read, behind its commit_smem)."""
+            b, h, _ = item(step)
+            pl.when(cursor_of(b) >= L)(lambda: copy_keys(b, h, step % 2))
 
         def flush_item(S_s, terms_s, U_s, b, h, j, slot):
             """A full row's tile flushed in shared memory (then read as the checkpoint) and written back. The
             pipeline copied its d records with the item (each record copy reads its own slot block:
             `record_copy` keys on the cursor at entry, L); its k records are in key buffer `slot`, copied a
-            step ahead (`fetch_keys`)."""
+            step ahead (`fetch_keys`) or here (`config.flush_keys_ahead`)."""
             @pl.when(cursor_of(b) >= L)
             def _():
+                if not ahead:
+                    copy_keys(b, h, slot)
                 for i in (1, 2):
                     plgpu.barrier_wait(barrier.at[i + 2 * slot])
                 _flush_tile(S_s, terms_s, U_s, kf_smem.at[slot])
@@ -944,8 +975,8 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
     name = f"gdn_{route}_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}{copies}"  # as profiles name it
     rows = cursor_rows(batch)
     scratch = [plgpu.SMEM((rows, TMA_MAX), jnp.int32)]
-    if deferred:  # two buffers of a flushing item's key-head k records (the next item's copied ahead)
-        scratch += [plgpu.SMEM((2, L, K), state.k.dtype)]
+    if deferred:  # a flushing item's key-head k records (a second buffer: the next item's, copied ahead)
+        scratch += [plgpu.SMEM((1 + config.keys_ahead(state.checkpoint.dtype), L, K), state.k.dtype)]
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(programs,),
                           grid_names=("program",), kernel_name=name,
                           scratch_types=[*scratch, plgpu.Barrier(num_barriers=5 if deferred else 1)])

@@ -1,0 +1,15 @@
+# 2026-12-04, one H200, jax 0.11.2. One GPU command from the repository root; files here as run1_<name>. The tree:
+# 7c0a9b5 plus TMAReadoutConfig.flush_keys_ahead (the commit that adds this folder).
+export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+d=bench/results/2026-12-04-keys-at-flush
+# the GDN readout's GPU tests, then the deferred route's in four more files
+python3 -m pytest -m gpu tests/test_tma_readout.py -q -n 16 -p no:cacheprovider -W ignore::DeprecationWarning > $OUT/gpu_tests.log 2>&1
+python3 -m pytest -m gpu tests/test_kernels.py tests/test_inplace_hlo.py tests/test_quantized_state.py tests/test_mamba2_tma.py \
+  -k deferred -q -n 16 -p no:cacheprovider -W ignore::DeprecationWarning > $OUT/gpu_tests_deferred.log 2>&1
+# GDN with a bf16 checkpoint beside the original (the anchors harness in the same command)
+python3 .anchors/harness_orig.py run --out $OUT/orig_bf16.json --layers gdn --batches 64,256,512 --lengths 16 \
+  --dtypes bfloat16 --deadline-s 60 > $OUT/orig_bf16.log 2>&1
+python3 bench/kernels.py --profile --repeats 3 --layers gdn --state-dtypes bfloat16 --batches 64,256,512 --lengths 16 \
+  --orig $OUT/orig_bf16.json --out $OUT --tag ours_bf16 > $OUT/ours_bf16.log 2>&1
+# the flush's k records a step ahead or at the flush, both checkpoint dtypes, twice in turn
+python3 $d/probe.py > $OUT/probe.log 2>&1
