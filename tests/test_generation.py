@@ -450,11 +450,11 @@ def test_default_buffer_dtype_is_each_layers_exact_one():
     records, token for token, and the estimate counts the narrower buffers."""
     hybrid = load_model(DATA / "nemotron_h_tiny", dtype=jnp.bfloat16)
     prompts = reference("nemotron_h_tiny")["prompt_ids"][:, :5]
-    _, cache = hybrid.prefill(jnp.asarray(prompts), 12, replay_buffer_len=4)
+    _, cache = jax.eval_shape(lambda ids: hybrid.prefill(ids, 12, replay_buffer_len=4), prompts)  # shapes only
     mamba = [s.replay for s in cache.layers if isinstance(getattr(s, "replay", None), Mamba2ReplayState)]
     assert mamba and all(r.x.dtype == r.B.dtype == jnp.bfloat16 and r.dt.dtype == jnp.float32 for r in mamba)
     gdn_model = load_model(DATA / "qwen3_5_tiny", dtype=jnp.bfloat16)
-    _, cache = gdn_model.prefill(jnp.asarray(prompts), 12, replay_buffer_len=4)
+    _, cache = jax.eval_shape(lambda ids: gdn_model.prefill(ids, 12, replay_buffer_len=4), prompts)
     gdn = [s.replay for s in cache.layers if isinstance(getattr(s, "replay", None), GDNReplayState)]
     assert gdn and all(r.d.dtype == r.k.dtype == jnp.float32 for r in gdn)
 

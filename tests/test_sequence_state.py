@@ -80,15 +80,17 @@ def test_bad_imports_are_refused_and_the_cache_is_untouched(fixture, tmp_path):
         export_sequence(cache, 1.0)
     with pytest.raises(SequenceStateError, match="`state` belongs to model .*; expected 'other'"):
         import_sequence(cache, 0, state, model="other")
-    standard = make_prefill(graphdef, max_len=32, last_logits_only=True, max_window=3, backend="xla")(params, prompts)[1]
+    def other_cache(**kw):  # shapes and dtypes only: the refusals read no values
+        return jax.eval_shape(make_prefill(graphdef, max_len=32, last_logits_only=True, max_window=3, backend="xla",
+                                           **kw), params, prompts)[1]
+
+    standard = other_cache()
     with pytest.raises(SequenceStateError, match="another cache structure"):
         import_sequence(standard, 0, state)
-    longer = make_prefill(graphdef, max_len=32, replay_buffer_len=2 * L, last_logits_only=True, max_window=3,
-                          backend="xla")(params, prompts)[1]
+    longer = other_cache(replay_buffer_len=2 * L)
     with pytest.raises(SequenceStateError, match=r"`state` array .* has shape .*; the cache's rows are"):
         import_sequence(longer, 0, state)
-    narrow = make_prefill(graphdef, max_len=32, replay_buffer_len=L, buffer_dtype=jnp.bfloat16, last_logits_only=True,
-                          max_window=3, backend="xla")(params, prompts)[1]
+    narrow = other_cache(replay_buffer_len=L, buffer_dtype=jnp.bfloat16)
     with pytest.raises(SequenceStateError, match=r"`state` array .*replay\.[xBdk] has dtype float32; the cache's is "
                                                  r"bfloat16 \(a ReplaySSM record: its dtype is the `buffer_dtype`"):
         import_sequence(narrow, 0, state)
