@@ -201,17 +201,24 @@ def test_a_gpu_before_hopper_is_refused(monkeypatch):
     (_Device(platform="cpu"), dict(batch=256), {}, False),
     (_Device(), dict(batch=256, V=320), {}, False),
     (_Device(), dict(batch=256, K=256), {}, False),
+    (_Device(), dict(batch=256, checkpoint=bf16), dict(deferred=True), 128),
+    (_Device(), dict(batch=256, checkpoint=bf16, V=64), dict(deferred=True), True),
+    (_Device(), dict(batch=256), dict(deferred=True), True),
 ], ids=["b256", "b512", "b64", "b63", "bf16-b64", "bf16-b63", "int8", "L4", "interpret", "pool", "sm80", "sm100",
-       "cpu", "V320", "K256-smem"])
+       "cpu", "V320", "K256-smem", "bf16-deferred", "bf16-deferred-V64", "f32-deferred"])
 def test_default_tiling_of_the_append_route(device, case, kw, takes, monkeypatch):
     """The append route takes the Mosaic GPU kernel by default only where it was measured to pay (an f32
     or bf16 checkpoint of batch >= 64, compiled, on a Hopper-class GPU; not an 8-bit one), where the
     kernel takes the step and its programs fit the SMs at once (K = 256 in f32: one program's shared
-    memory above half an SM's), and with V within the Triton kernels' bound."""
+    memory above half an SM's), and with V within the Triton kernels' bound. The deferred route's readout
+    of a bf16 checkpoint takes tiles of 128 rows (`takes` 128), or 64 (True) where V is not a multiple of
+    128."""
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
     state, v = _abstract(**case)
-    config = tma_readout.default_tma_readout(state, v, interpret=kw.get("interpret", False), slots=kw.get("slots"))
-    assert config == (kernels.TMAReadoutConfig() if takes else None)
+    config = tma_readout.default_tma_readout(state, v, interpret=kw.get("interpret", False), slots=kw.get("slots"),
+                                             deferred=kw.get("deferred", False))
+    expected = {False: None, True: kernels.TMAReadoutConfig(), 128: kernels.TMAReadoutConfig(block_v=128)}[takes]
+    assert config == expected
 
 
 @pytest.mark.parametrize(("buffer_dtype", "use_qk_l2norm", "scale"), [(f32, True, None), (bf16, True, None),
@@ -399,8 +406,9 @@ def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     (f32, f32, f32, kernels.TMAReadoutConfig(record_slots=1, block_v=128), SHAPE),
     (bf16, bf16, bf16, kernels.TMAReadoutConfig(record_slots=2, stages=3),
      GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
 ], ids=["f32-bf16", "f32-f32-f32act-128", "bf16-bf16-3stages", "model-b67", "group3-K96", "b300", "one-copy",
-        "1-slot-copies-f32", "2-slot-copies-b67"])
+        "1-slot-copies-f32", "2-slot-copies-b67", "bf16-128"])
 def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
     """From staggered cursors with inf and NaN in the dead slots: outputs and new records within the tolerance of
     the case's dtypes (f32 throughout: the f32 tolerance), every other slot, the checkpoint and the k and g

@@ -158,8 +158,7 @@ class TMAReadoutConfig:
         flush, waited for there (one buffer); None (the default): ahead
         with an f32 checkpoint, at the flush with a bf16 one. Measured on
         the H200 at batch 256 (Qwen3.5-4B's layer, L = 16,
-        bench/RESULTS.md, "The flush's keys at the flush with a bf16
-        checkpoint", 2026-12-04): ahead, the readout took 2.8 us a step
+        bench/RESULTS.md, "A bf16 checkpoint's GDN readout", 2026-12-04): ahead, the readout took 2.8 us a step
         less in step and 1.4 more from staggered cursors with an f32
         checkpoint, 4.9-5.4 more in both with a bf16 one. Read by the GDN
         deferred readout only.
@@ -424,11 +423,12 @@ DEFAULT_MIN_BATCH = 64  # batch rows from which the append route takes this kern
 def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots,
                         deferred: bool = False) -> TMAReadoutConfig | None:
     """The append route's default Mosaic GPU tiling, or None where the
-    Triton append kernel stays the default: a TMAReadoutConfig() on a
-    Hopper-class GPU (compute capability 9.x) for an f32 or bf16 checkpoint
-    of at least DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM (the Triton
-    kernels' bound), where :func:`check_tma_readout` takes the step and
-    the programs' shared memory lets all of them run at once
+    Triton append kernel stays the default: on a Hopper-class GPU (compute
+    capability 9.x) for an f32 or bf16 checkpoint of at least
+    DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM (the Triton kernels'
+    bound), the first of BF16_TILINGS (the deferred route's readout of a
+    bf16 checkpoint) or TMAReadoutConfig() that :func:`check_tma_readout` takes and
+    whose programs' shared memory lets all of them run at once
     (`programs_per_sm` a SM); `deferred`: for the deferred route's
     readout, which flushes (its checks and shared memory). Raises nothing.
 
@@ -437,30 +437,42 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots,
     L = 16, wall time over the original's with it 1.09 (f32, batch 64),
     1.06 (256), 1.04 (512), 0.96 (bf16, 64), 0.88 (256) and 0.88 (512);
     on the Triton append kernel 1.21, 1.19, 1.18, 1.03, 0.93 and 0.90.
-    Batches below 64 were not measured.
+    Batches below 64 were not measured. The bf16 tiling: see BF16_TILINGS.
     """
     if state.checkpoint.shape[2] > MAX_HEAD_DIM:
         return None
     check = functools.partial(check_tma_readout, deferred=deferred)
+    tilings = BF16_TILINGS if deferred and state.checkpoint.dtype == jnp.bfloat16 else (TMAReadoutConfig(),)
     return _resident_default(check, lambda c: smem_bytes(state, v, c, deferred), state, v, interpret=interpret,
-                             slots=slots)
+                             slots=slots, tilings=tilings)
 
 
-def _resident_default(check, program_smem, state, other, *, interpret: bool, slots) -> TMAReadoutConfig | None:
-    """TMAReadoutConfig() where a default may take it: on a Hopper-class GPU, a checkpoint of at least
+BF16_TILINGS = (TMAReadoutConfig(block_v=128), TMAReadoutConfig())
+"""The GDN deferred readout's default tilings with a bf16 checkpoint, in order of preference: rows of
+128 (a tile of the f32 default's bytes: twice the checkpoint bytes in flight an SM), else 64. At batch
+256 (Qwen3.5-4B's layer, L = 16, H200) it took 81.4 us a step from staggered cursors and 90.3 in step
+with 128 rows, 100.1 and 100.0 with 64 (bench/RESULTS.md, "A bf16 checkpoint's GDN readout",
+2026-12-04). The append route's readout keeps 64 rows by default: on 128 rows of bf16 it took the
+lockstep cycle from 109.0 to 100.8 us a step of kernels there, but that pairing has no GPU test run
+yet (`test_compiled_append_step_matches_the_reference`'s "bf16-128" case)."""
+
+
+def _resident_default(check, program_smem, state, other, *, interpret: bool, slots,
+                      tilings=(TMAReadoutConfig(),)) -> TMAReadoutConfig | None:
+    """The first of `tilings` that a default may take: on a Hopper-class GPU, a checkpoint of at least
     DEFAULT_MIN_BATCH rows, within `check`(state, other, config, ...)'s limits (an 8-bit checkpoint is
     refused there), with all programs resident at once (`program_smem(config)`, a program's shared memory,
     within an SM's share); else None."""
     if _compute_capability() is None or state.checkpoint.shape[0] < DEFAULT_MIN_BATCH:
         return None
-    config = TMAReadoutConfig()
-    try:
-        check(state, other, config, interpret=interpret, slots=slots)
-    except (ValueError, NotImplementedError):
-        return None
-    if program_smem(config) > SMEM_BYTES // config.programs_per_sm:
-        return None  # its programs would not all fit the SMs at once, a shape not measured
-    return config
+    for config in tilings:
+        try:
+            check(state, other, config, interpret=interpret, slots=slots)
+        except (ValueError, NotImplementedError):
+            continue
+        if program_smem(config) <= SMEM_BYTES // config.programs_per_sm:
+            return config  # (else its programs would not all fit the SMs at once, a shape not measured)
+    return None
 
 
 def default_mamba2_tma(state: Mamba2ReplayState, C, *, interpret: bool, slots,
