@@ -77,6 +77,20 @@ def test_config_errors(changes, error, match):
     with pytest.raises(error, match=match):
         kernels.TMAReadoutConfig(**changes)
     assert kernels.TMAReadoutConfig(block_v=np.int64(128)).block_v == 128
+    ahead = kernels.TMAReadoutConfig(flush_keys_ahead=np.True_).flush_keys_ahead
+    assert ahead is True  # a numpy bool, stored as a bool
+
+
+def test_flush_keys_default_by_checkpoint_dtype():
+    """flush_keys_ahead None (the default): a step ahead with an f32 checkpoint, at the flush with a bf16 one;
+    the deferred readout's shared memory counts the buffers of the mode it resolves to."""
+    default = kernels.TMAReadoutConfig()
+    assert default.keys_ahead(f32) is True and default.keys_ahead(bf16) is False
+    for checkpoint in (f32, bf16):
+        state, v = _abstract(256, checkpoint=checkpoint)
+        explicit = kernels.TMAReadoutConfig(flush_keys_ahead=checkpoint == f32)
+        assert (tma_readout.smem_bytes(state, v, default, deferred=True)
+                == tma_readout.smem_bytes(state, v, explicit, deferred=True))
 
 
 def test_limits_raise_before_any_launch(rng):
@@ -388,6 +402,7 @@ def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     readout = next(line for c, line in calls if c == "mosaic_gpu_v2")
     pairs = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", readout)
     assert sorted(pairs) == [("1", "0"), ("2", "6")], pairs  # the checkpoint and the d records in place
+    assert ("_r4_kf" in text) == (checkpoint_dtype == bf16)  # the kernel's name: the flush's keys at the flush
 
 
 # ---------------------------------------------------------------------------

@@ -61,10 +61,11 @@ flushes them itself (:func:`gdn_append_tma` given `k0`): the prelude also
 forms a full row's flush terms (its L slots' decay weights and their total
 decay) and keeps its slot-0 k record aside before this step's replaces it;
 the pipeline copies a full row's d records (its tile's columns) with its
-item, and the row's key-head k records go into one of two shared-memory
-buffers while the program computes its item before (a program's first item:
-at its own step; with a bf16 checkpoint, by default, at the flush:
-`TMAReadoutConfig.flush_keys_ahead`); the item applies the L records to the checkpoint tile
+item; the row's key-head k records are copied either a step ahead, into
+one of two shared-memory buffers while the program computes its item before
+(a program's first item: at its own step; the default with an f32
+checkpoint), or at the flush, into one buffer, and waited for there (the
+default with a bf16 one; `TMAReadoutConfig.flush_keys_ahead`); the item applies the L records to the checkpoint tile
 there (f32 products and sums), writes the tile back (a TMA store, in place)
 and reads it as the checkpoint. Each item then runs exactly once (the full rounds, then one
 more step on the first programs: a traced step count, one pipeline body),
@@ -165,7 +166,7 @@ class TMAReadoutConfig:
 
     Raises:
       TypeError: a field that is not an int (numpy ints accepted), or
-        flush_keys_ahead not a bool or None.
+        flush_keys_ahead not a bool (numpy bools accepted) or None.
       ValueError: block_v not 64 or 128, stages or programs_per_sm < 1,
         record_slots < 0.
     """
@@ -177,9 +178,10 @@ class TMAReadoutConfig:
     flush_keys_ahead: bool | None = None
 
     def __post_init__(self):
-        if not isinstance(self.flush_keys_ahead, (bool, type(None))):
-            raise TypeError(f"`config.flush_keys_ahead` must be a bool or None; got "
-                            f"{type(self.flush_keys_ahead).__name__} {self.flush_keys_ahead!r}")
+        ahead = self.flush_keys_ahead
+        if not isinstance(ahead, (bool, np.bool_, type(None))):
+            raise TypeError(f"`config.flush_keys_ahead` must be a bool or None; got {type(ahead).__name__} {ahead!r}")
+        object.__setattr__(self, "flush_keys_ahead", None if ahead is None else bool(ahead))
         for field in dataclasses.fields(self):
             if field.name == "flush_keys_ahead":
                 continue
@@ -984,7 +986,8 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
     R = config.slots_per_copy(L)
     copies = f"_r{R}" if R < L else ""
     route = "deferred" if deferred else "append"
-    name = f"gdn_{route}_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}{copies}"  # as profiles name it
+    keys = "_kf" if deferred and not config.keys_ahead(state.checkpoint.dtype) else ""  # the flush's keys at the flush
+    name = f"gdn_{route}_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}{copies}{keys}"  # as profiles name it
     rows = cursor_rows(batch)
     scratch = [plgpu.SMEM((rows, TMA_MAX), jnp.int32)]
     if deferred:  # a flushing item's key-head k records (a second buffer: the next item's, copied ahead)
