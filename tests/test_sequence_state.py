@@ -80,6 +80,7 @@ def test_bad_imports_are_refused_and_the_cache_is_untouched(fixture, tmp_path):
         export_sequence(cache, 1.0)
     with pytest.raises(SequenceStateError, match="`state` belongs to model .*; expected 'other'"):
         import_sequence(cache, 0, state, model="other")
+
     def other_cache(**kw):  # shapes and dtypes only: the refusals read no values
         return jax.eval_shape(make_prefill(graphdef, max_len=32, last_logits_only=True, max_window=3, backend="xla",
                                            **kw), params, prompts)[1]

@@ -65,7 +65,8 @@ item; the row's key-head k records are copied either a step ahead, into
 one of two shared-memory buffers while the program computes its item before
 (a program's first item: at its own step; the default with an f32
 checkpoint), or at the flush, into one buffer, and waited for there (the
-default with a bf16 one; `TMAReadoutConfig.flush_keys_ahead`); the item applies the L records to the checkpoint tile
+default with a bf16 one; `TMAReadoutConfig.flush_keys_ahead`); the item
+applies the L records to the checkpoint tile
 there (f32 products and sums), writes the tile back (a TMA store, in place)
 and reads it as the checkpoint. Each item then runs exactly once (the full rounds, then one
 more step on the first programs: a traced step count, one pipeline body),
@@ -159,10 +160,10 @@ class TMAReadoutConfig:
         flush, waited for there (one buffer); None (the default): ahead
         with an f32 checkpoint, at the flush with a bf16 one. Measured on
         the H200 at batch 256 (Qwen3.5-4B's layer, L = 16,
-        bench/RESULTS.md, "A bf16 checkpoint's GDN readout", 2026-12-04): ahead, the readout took 2.8 us a step
-        less in step and 1.4 more from staggered cursors with an f32
-        checkpoint, 4.9-5.4 more in both with a bf16 one. Read by the GDN
-        deferred readout only.
+        bench/RESULTS.md, "A bf16 checkpoint's GDN readout", 2026-12-04):
+        ahead, the readout took 2.8 us a step less in step and 1.4 more
+        from staggered cursors with an f32 checkpoint, 4.9-5.4 more in both
+        with a bf16 one. Read by the GDN deferred readout only.
 
     Raises:
       TypeError: a field that is not an int (numpy ints accepted), or
@@ -429,8 +430,8 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots,
     capability 9.x) for an f32 or bf16 checkpoint of at least
     DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM (the Triton kernels'
     bound), the first of BF16_TILINGS (the deferred route's readout of a
-    bf16 checkpoint) or TMAReadoutConfig() that :func:`check_tma_readout` takes and
-    whose programs' shared memory lets all of them run at once
+    bf16 checkpoint) or TMAReadoutConfig() that :func:`check_tma_readout`
+    takes and whose programs' shared memory lets all of them run at once
     (`programs_per_sm` a SM); `deferred`: for the deferred route's
     readout, which flushes (its checks and shared memory). Raises nothing.
 
