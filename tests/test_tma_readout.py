@@ -204,7 +204,7 @@ def test_a_gpu_before_hopper_is_refused(monkeypatch):
     (_Device(), dict(batch=512), {}, True),
     (_Device(), dict(batch=64), {}, True),
     (_Device(), dict(batch=63), {}, False),
-    (_Device(), dict(batch=64, checkpoint=bf16), {}, True),
+    (_Device(), dict(batch=64, checkpoint=bf16), {}, 128),
     (_Device(), dict(batch=63, checkpoint=bf16), {}, False),
     (_Device(), dict(batch=256, checkpoint=jnp.int8), {}, False),
     (_Device(), dict(batch=256, L=4), {}, False),
@@ -224,9 +224,9 @@ def test_default_tiling_of_the_append_route(device, case, kw, takes, monkeypatch
     """The append route takes the Mosaic GPU kernel by default only where it was measured to pay (an f32
     or bf16 checkpoint of batch >= 64, compiled, on a Hopper-class GPU; not an 8-bit one), where the
     kernel takes the step and its programs fit the SMs at once (K = 256 in f32: one program's shared
-    memory above half an SM's), and with V within the Triton kernels' bound. The deferred route's readout
-    of a bf16 checkpoint takes tiles of 128 rows (`takes` 128), or 64 (True) where V is not a multiple of
-    128."""
+    memory above half an SM's), and with V within the Triton kernels' bound. The readout of a bf16
+    checkpoint takes tiles of 128 rows on either route (`takes` 128), or 64 (True) where V is not a
+    multiple of 128."""
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
     state, v = _abstract(**case)
     config = tma_readout.default_tma_readout(state, v, interpret=kw.get("interpret", False), slots=kw.get("slots"),

@@ -429,8 +429,8 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots,
     Triton append kernel stays the default: on a Hopper-class GPU (compute
     capability 9.x) for an f32 or bf16 checkpoint of at least
     DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM (the Triton kernels'
-    bound), the first of BF16_TILINGS (the deferred route's readout of a
-    bf16 checkpoint) or TMAReadoutConfig() that :func:`check_tma_readout`
+    bound), the first of BF16_TILINGS (a bf16 checkpoint) or
+    TMAReadoutConfig() that :func:`check_tma_readout`
     takes and whose programs' shared memory lets all of them run at once
     (`programs_per_sm` a SM); `deferred`: for the deferred route's
     readout, which flushes (its checks and shared memory). Raises nothing.
@@ -445,19 +445,19 @@ def default_tma_readout(state: GDNReplayState, v, *, interpret: bool, slots,
     if state.checkpoint.shape[2] > MAX_HEAD_DIM:
         return None
     check = functools.partial(check_tma_readout, deferred=deferred)
-    tilings = BF16_TILINGS if deferred and state.checkpoint.dtype == jnp.bfloat16 else (TMAReadoutConfig(),)
+    tilings = BF16_TILINGS if state.checkpoint.dtype == jnp.bfloat16 else (TMAReadoutConfig(),)
     return _resident_default(check, lambda c: smem_bytes(state, v, c, deferred), state, v, interpret=interpret,
                              slots=slots, tilings=tilings)
 
 
 BF16_TILINGS = (TMAReadoutConfig(block_v=128), TMAReadoutConfig())
-"""The GDN deferred readout's default tilings with a bf16 checkpoint, in order of preference: rows of
-128 (a tile of the f32 default's bytes: twice the checkpoint bytes in flight an SM), else 64. At batch
-256 (Qwen3.5-4B's layer, L = 16, H200) it took 81.4 us a step from staggered cursors and 90.3 in step
-with 128 rows, 100.1 and 100.0 with 64 (bench/RESULTS.md, "A bf16 checkpoint's GDN readout",
-2026-12-04). The append route's readout keeps 64 rows by default: on 128 rows of bf16 it took the
-lockstep cycle from 109.0 to 100.8 us a step of kernels there, but that pairing has no GPU test run
-yet (`test_compiled_append_step_matches_the_reference`'s "bf16-128" case)."""
+"""The GDN readout's default tilings with a bf16 checkpoint (both routes), in order of preference: rows
+of 128 (a tile of the f32 default's bytes: twice the checkpoint bytes in flight an SM), else 64. At
+batch 256 (Qwen3.5-4B's layer, L = 16, H200) the deferred readout took 81.4 us a step from staggered
+cursors and 90.3 in step with 128 rows, 100.1 and 100.0 with 64 (bench/RESULTS.md, "A bf16
+checkpoint's GDN readout", 2026-12-04); the lockstep cycle's append steps took it from 109.0 to 100.8
+us a step of kernels. Deeper tilings of 128 rows (3 stages or 3 programs an SM) were 9-30% slower
+(bench/RESULTS.md, "The append route's readout on 128 bf16 rows", 2026-12-04)."""
 
 
 def _resident_default(check, program_smem, state, other, *, interpret: bool, slots,
