@@ -215,11 +215,12 @@ def test_a_gpu_before_hopper_is_refused(monkeypatch):
     (_Device(platform="cpu"), dict(batch=256), {}, False),
     (_Device(), dict(batch=256, V=320), {}, False),
     (_Device(), dict(batch=256, K=256), {}, False),
+    (_Device(), dict(batch=256, checkpoint=bf16, V=64), {}, True),
     (_Device(), dict(batch=256, checkpoint=bf16), dict(deferred=True), 128),
     (_Device(), dict(batch=256, checkpoint=bf16, V=64), dict(deferred=True), True),
     (_Device(), dict(batch=256), dict(deferred=True), True),
 ], ids=["b256", "b512", "b64", "b63", "bf16-b64", "bf16-b63", "int8", "L4", "interpret", "pool", "sm80", "sm100",
-       "cpu", "V320", "K256-smem", "bf16-deferred", "bf16-deferred-V64", "f32-deferred"])
+       "cpu", "V320", "K256-smem", "bf16-V64", "bf16-deferred", "bf16-deferred-V64", "f32-deferred"])
 def test_default_tiling_of_the_append_route(device, case, kw, takes, monkeypatch):
     """The append route takes the Mosaic GPU kernel by default only where it was measured to pay (an f32
     or bf16 checkpoint of batch >= 64, compiled, on a Hopper-class GPU; not an 8-bit one), where the

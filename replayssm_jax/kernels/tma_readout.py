@@ -455,8 +455,9 @@ BF16_TILINGS = (TMAReadoutConfig(block_v=128), TMAReadoutConfig())
 of 128 (a tile of the f32 default's bytes: twice the checkpoint bytes in flight an SM), else 64. At
 batch 256 (Qwen3.5-4B's layer, L = 16, H200) the deferred readout took 81.4 us a step from staggered
 cursors and 90.3 in step with 128 rows, 100.1 and 100.0 with 64 (bench/RESULTS.md, "A bf16
-checkpoint's GDN readout", 2026-12-04); the lockstep cycle's append steps took it from 109.0 to 100.8
-us a step of kernels. Deeper tilings of 128 rows (3 stages or 3 programs an SM) were 9-30% slower
+checkpoint's GDN readout", 2026-12-04); on the append route, 128 rows took the lockstep cycle from
+109.0 to 100.8 us a step of kernels (same section). Deeper tilings of 128 rows (3 or 4 stages, or 3
+programs an SM) were slower: the deferred readout by 16-31%, the append readout by 3-17%
 (bench/RESULTS.md, "The append route's readout on 128 bf16 rows", 2026-12-04)."""
 
 

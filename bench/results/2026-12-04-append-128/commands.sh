@@ -12,6 +12,9 @@ python3 .anchors/harness_orig.py run --out $OUT/orig_bf16.json --layers gdn --ba
 python3 bench/kernels.py --profile --repeats 3 --layers gdn --state-dtypes bfloat16 --batches 64,256,512 --lengths 16 \
   --orig $OUT/orig_bf16.json --out $OUT --tag ours_bf16 > $OUT/ours_bf16.log 2>&1
 timeout 200 python3 $d/probe_tiles.py > $OUT/probe_tiles.log 2>&1
+# (as run, probe_tiles.py's `kernel_us` summed every entry of the profile, "(all kernels)" and "(idle)" with the
+# kernels, so run1_probe_tiles.* show about twice the kernel time there; the script here takes "(all kernels)".
+# RESULTS reads the per-kernel entries.)
 
 # run 2: the deferred prelude's probe, then the pytest list of bench/gpu_checks.sh
 timeout 220 python3 $d/probe_prelude.py > $OUT/probe_prelude.log 2>&1
