@@ -157,8 +157,8 @@ def test_limits_on_shapes(case, config, match):
 
 
 def test_deferred_readout_needs_whole_rows_of_keys_in_shared_memory():
-    """The deferred route's readout copies a flushing item's k records from slot 1 on to that row of a shared
-    buffer: K times the records' item size must be a multiple of TMA_ALIGN (128 bytes). K = 96 of bf16 (192
+    """The deferred route's readout copies a flushing item's slot-0 key into one of its shared buffers of K
+    records: K times the records' item size must be a multiple of TMA_ALIGN (128 bytes). K = 96 of bf16 (192
     bytes) is refused there and taken on the append route; of f32 (384 bytes) taken on both."""
     config = kernels.TMAReadoutConfig()
     state, v = _abstract(64, K=96, d=bf16)
@@ -168,6 +168,17 @@ def test_deferred_readout_needs_whole_rows_of_keys_in_shared_memory():
         tma_readout.check_tma_readout(state, v, config, interpret=False, slots=None, deferred=True)
     state, v = _abstract(64, K=96, d=f32)
     tma_readout.check_tma_readout(state, v, config, interpret=False, slots=None, deferred=True)
+
+
+@pytest.mark.parametrize(("k_dtype", "L", "takes"), [(bf16, 16, True), (bf16, 32, True), (bf16, 8, False),
+                                                 (bf16, 24, False), (f32, 16, False)])
+def test_flush_products_on_tensor_cores_need_bf16_keys_and_whole_instructions(k_dtype, L, takes):
+    """The deferred readout's flush forms its products on the tensor cores (a WGMMA, its keys the swizzled B
+    operand) with bf16 k records and L a multiple of WGMMA_K (16 slots of 2-byte records at a 32-byte
+    swizzle); else in f32 outer products on keys read row by row, unswizzled."""
+    assert tma_readout.keys_on_tensor_cores(k_dtype, L) is takes
+    transforms = tma_readout._key_transforms(k_dtype, L)
+    assert [type(t).__name__ for t in transforms] == (["TilingTransform", "SwizzleTransform"] if takes else [])
 
 
 def test_shared_memory_counts_the_stages_a_program_keeps():

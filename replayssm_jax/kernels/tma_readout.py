@@ -67,7 +67,10 @@ one of two shared-memory buffers while the program computes its item before
 checkpoint), or at the flush, into one buffer, and waited for there (the
 default with a bf16 one; `TMAReadoutConfig.flush_keys_ahead`); the item
 applies the L records to the checkpoint tile
-there (f32 products and sums), writes the tile back (a TMA store, in place)
+there (with bf16 k records and L a multiple of WGMMA_K, on the tensor cores:
+one WGMMA of the weighted d records w_i d_i, split in three bf16 parts, times
+the keys, into the f32 tile; else f32 outer products; `_flush_tile`), writes
+the tile back (a TMA store, in place)
 and reads it as the checkpoint. Each item then runs exactly once (the full rounds, then one
 more step on the first programs: a traced step count, one pipeline body),
 where the append route's programs past the last item repeat it. On the append route a row
@@ -121,6 +124,8 @@ SMEM_ALIGN = 1024  # bytes: Mosaic GPU rounds each shared-memory allocation up t
 TMA_ALIGN = 128  # bytes: each stage's buffer starts on this boundary
 TMA_MAX = 256  # elements along any dimension of one TMA copy
 SWIZZLE = 128  # bytes: the checkpoint tile's shared-memory swizzle
+KEY_SWIZZLE = 32  # bytes: the swizzle of a flushing item's bf16 k records, the WGMMA's B operand [L, K]
+WGMMA_K = KEY_SWIZZLE // 2  # slots a WGMMA instruction takes of 2-byte records at that swizzle
 TERMS = 4  # rows of an item's terms: a_k, a_q, the scalars, padding
 MAX_K = 256  # key dim: q and k are one copy each
 MAX_L = MAX_BUFFER_LEN  # buffer slots, as the other kernels (the readout's slot loop is unrolled)
@@ -233,7 +238,7 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: boo
     lowering allocates them. With one copy of the records (R = L), within 0.2 KiB above what the lowering
     allocates at the shapes tried (2026-12-02); each further copy adds 8 bytes a stage to the bound.
     `deferred`: the deferred route's readout, which also holds one or (`config.keys_ahead`) two buffers of a
-    flushing item's k records [L, K] (not staged) and four more barriers."""
+    flushing item's k records [L, K] and slot-0 key [K] (not staged) and four more barriers."""
     batch, HV, V, K = state.checkpoint.shape
     BV, L = config.block_v, state.buffer_len
     d_size, v_size = state.d.dtype.itemsize, v.dtype.itemsize
@@ -243,7 +248,8 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: boo
     stages = min(config.stages, _grid(batch, HV, V, config)[2])
     scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + 4 * deferred + stages * len(buffers))
     key_buffers = 1 + config.keys_ahead(state.checkpoint.dtype)
-    flush = _align(key_buffers * L * K * state.k.dtype.itemsize) if deferred else 0
+    flush = _align(key_buffers * L * K * state.k.dtype.itemsize) + _align(key_buffers * K * state.k.dtype.itemsize)
+    flush = flush if deferred else 0
     return sum(_align(stages * b) for b in buffers) + _align(cursor_rows(batch) * TMA_MAX * 4) + scratch + flush
 
 
@@ -358,8 +364,8 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
                          f"{TMA_ALIGN}-byte aligned), at most {MAX_L}; got L = {L}")
     if deferred and K * state.k.dtype.itemsize % TMA_ALIGN:
         raise ValueError(f"the deferred route's TMA readout takes K (key dim) * the k records' item size a multiple "
-                         f"of {TMA_ALIGN} bytes (a flushing item's k records from slot 1 on land at that offset in "
-                         f"shared memory); got K = {K} of {jnp.dtype(state.k.dtype)}")
+                         f"of {TMA_ALIGN} bytes (a flushing item's slot-0 key buffers, each K records, start at multiples of it); got "
+                         f"K = {K} of {jnp.dtype(state.k.dtype)}")
     if L % config.slots_per_copy(L):  # (a copy of block_v >= 64 rows of 2-byte records is >= TMA_ALIGN bytes)
         raise ValueError(f"the TMA readout takes `config.record_slots` dividing L (buffer length) = {L}; got "
                          f"record_slots = {config.record_slots}")
@@ -602,25 +608,70 @@ def _swizzled(dtype):
     return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(SWIZZLE))
 
 
-def _flush_tile(S_s, terms_s, U_s, kf_s):
+def keys_on_tensor_cores(k_dtype, L: int) -> bool:
+    """Whether the GDN deferred readout forms a flush's products on the tensor cores (`_flush_tile`): k
+    records in bf16 and L a multiple of WGMMA_K."""
+    return jnp.dtype(k_dtype) == jnp.bfloat16 and L % WGMMA_K == 0
+
+
+def _key_transforms(k_dtype, L: int):
+    """Shared-memory transforms of a flushing item's k records [L, K]: the WGMMA's swizzled B operand where
+    `keys_on_tensor_cores`, else none (rows read one at a time)."""
+    if not keys_on_tensor_cores(k_dtype, L):
+        return ()
+    return plgpu.TilingTransform((8, WGMMA_K)), plgpu.SwizzleTransform(KEY_SWIZZLE)
+
+
+def _flush_tile(S_s, terms_s, U_s, kf_s, k0_s):
     """A flushing item's checkpoint tile S_s (shared memory) replaced by the tile after the row's L buffered
     records, S <- c S + sum_i w_i d_i k_i^T (c and w_i: the prelude's flush terms; d_i: the item's d records,
-    the pipeline's L / R buffers U_s of R slots each; k_i: row i of kf_s [L, K]), in f32 products and sums,
-    stored in the tile's dtype. One loop body a buffer (the L outer products unrolled took 14 s to lower,
-    2026-12-03)."""
+    the pipeline's L / R buffers U_s of R slots each; k_i: row i of kf_s [L, K] for i >= 1, the slot-0 key
+    k0_s [K], which this step's record has replaced in kf_s's row 0), stored in the tile's dtype.
+
+    Slot 0 is one f32 outer product. Slots 1 .. L - 1: with bf16 keys (`keys_on_tensor_cores`) one WGMMA
+    of M = block_v, k = L: A [block_v, L] holds w_i d_i in its column i (column 0 zero), split into three
+    bf16 parts (hi, mid, lo: 24 mantissa bits, an f32's), each times the swizzled keys, summed into the f32
+    tile on the tensor cores; else f32 outer products (one loop body a buffer: the L outer products
+    unrolled took 14 s to lower, 2026-12-03)."""
     R = U_s[0].shape[0]
-
-    def adder(c):  # buffer c's slots c R + r
-        def add(r, S):
-            i = c * R + r
-            u = terms_s[3, i] * plgpu.load(U_s[c].at[r], layout=ROW).astype(f32)
-            return S + u[:, None] * plgpu.load(kf_s.at[i], layout=COL).astype(f32)[None, :]
-        return add
-
+    L = R * len(U_s)
+    record = lambda i: plgpu.load(U_s[i // R].at[i % R], layout=ROW).astype(f32)  # noqa: E731  (static i)
     S = terms_s[2, 4] * plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
-    for c in range(len(U_s)):
-        S = lax.fori_loop(0, R, adder(c), S)
-    S_s[...] = S.astype(S_s.dtype)
+    S = S + (terms_s[3, 0] * record(0))[:, None] * plgpu.load(k0_s, layout=COL).astype(f32)[None, :]
+
+    def each_slot(body, carry):  # body(i, u_i, carry) over slots 1 .. L - 1, u_i = d_i
+        for c in range(len(U_s)):
+            def step(r, x, c=c):
+                return body(c * R + r, plgpu.load(U_s[c].at[r], layout=ROW).astype(f32), x)
+            carry = lax.fori_loop(1 if c == 0 else 0, R, step, carry)
+        return carry
+
+    if not keys_on_tensor_cores(kf_s.dtype, L):
+        def outer(i, u, S):
+            return S + (terms_s[3, i] * u)[:, None] * plgpu.load(kf_s.at[i], layout=COL).astype(f32)[None, :]
+        S_s[...] = each_slot(outer, S).astype(S_s.dtype)
+        return
+
+    BV = S_s.shape[0]
+    column = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BV, L), 1), plgpu.Layout.WGMMA)
+
+    def put(i, u, A):  # column i of A <- w_i d_i
+        return jnp.where(column == i, lax.broadcast_in_dim(terms_s[3, i] * u, (BV, L), [0]), A)
+
+    A = each_slot(put, plgpu.layout_cast(jnp.zeros((BV, L), f32), plgpu.Layout.WGMMA))
+    parts = []
+    for _ in range(3):  # A = hi + mid + lo, each exact in bf16
+        part = A.astype(jnp.bfloat16)
+        parts.append(part)
+        A = A - part.astype(f32)
+
+    def products(acc):  # acc <- S + sum of the parts' products, on the tensor cores
+        acc[...] = S
+        for part in parts:
+            plgpu.wgmma(acc, part, kf_s)
+        return acc[...]
+
+    S_s[...] = pl.run_scoped(products, plgpu.ACC(S.shape, f32)).astype(S_s.dtype)
 
 
 def _steps_each_item_once(count_items: int, programs: int, program):
@@ -645,7 +696,7 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
 
     def body(ck_ref, terms_ref, cursor_ref, q_ref, k_ref, v_ref, d_ref, *refs):
         if deferred:
-            krec_ref, k0_ref, o_ref, cursor_smem, kf_smem, barrier = refs
+            krec_ref, k0_ref, o_ref, cursor_smem, kf_smem, k0_smem, barrier = refs
         else:
             o_ref, cursor_smem, barrier = refs
         program = lax.axis_index("program")
@@ -722,11 +773,10 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             d_s[...] = jnp.where(full, plgpu.load(record(L - 1), layout=ROW), d.astype(d_s.dtype))
 
         def copy_keys(b, h, slot):
-            """Start the copies of row b's key-head k records that its flush takes: records 1 .. L - 1 and the
-            slot-0 key (the prelude's k0), into key buffer `slot`."""
-            keys = krec_ref.at[b, h // group, pl.ds(1, L - 1)]
-            plgpu.copy_gmem_to_smem(keys, kf_smem.at[slot, pl.ds(1, L - 1)], barrier.at[1 + 2 * slot])
-            plgpu.copy_gmem_to_smem(k0_ref.at[b, h // group], kf_smem.at[slot, 0], barrier.at[2 + 2 * slot])
+            """Start the copies of row b's key-head k records that its flush takes into key buffer `slot`: the
+            L records (slot 0's already this step's, unused) and the slot-0 key (the prelude's k0)."""
+            plgpu.copy_gmem_to_smem(krec_ref.at[b, h // group], kf_smem.at[slot], barrier.at[1 + 2 * slot])
+            plgpu.copy_gmem_to_smem(k0_ref.at[b, h // group], k0_smem.at[slot], barrier.at[2 + 2 * slot])
 
         def fetch_keys(step):
             """`copy_keys` for `step`'s item where its row is full, into key buffer step % 2 (the buffer the
@@ -745,7 +795,7 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
                     copy_keys(b, h, slot)
                 for i in (1, 2):
                     plgpu.barrier_wait(barrier.at[i + 2 * slot])
-                _flush_tile(S_s, terms_s, U_s, kf_smem.at[slot])
+                _flush_tile(S_s, terms_s, U_s, kf_smem.at[slot], k0_smem.at[slot])
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(S_s, ck_ref.at[b, h, pl.ds(j * BV, BV)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -976,7 +1026,8 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
       record at each row's cursor, in place; a row full at entry (cursor ==
       L): NaN outputs, its d records unchanged. With k0: (o, d records,
       checkpoint): a full row's checkpoint tile, read into shared memory,
-      takes its L buffered records there (f32 products and sums, then the
+      takes its L buffered records there (f32 sums, the products on the
+      tensor cores with bf16 k records: `_flush_tile`; then the
       checkpoint's dtype), is written back in place and read as the
       checkpoint of an empty row, whose record goes to slot 0.
     """
@@ -992,8 +1043,10 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
     name = f"gdn_{route}_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}{copies}{keys}"  # as profiles name it
     rows = cursor_rows(batch)
     scratch = [plgpu.SMEM((rows, TMA_MAX), jnp.int32)]
-    if deferred:  # a flushing item's key-head k records (a second buffer: the next item's, copied ahead)
-        scratch += [plgpu.SMEM((1 + config.keys_ahead(state.checkpoint.dtype), L, K), state.k.dtype)]
+    if deferred:  # a flushing item's key-head k records and slot-0 key (a second buffer: the next item's)
+        n = 1 + config.keys_ahead(state.checkpoint.dtype)
+        scratch += [plgpu.SMEM((n, L, K), state.k.dtype, transforms=_key_transforms(state.k.dtype, L)),
+                    plgpu.SMEM((n, K), state.k.dtype)]
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(programs,),
                           grid_names=("program",), kernel_name=name,
                           scratch_types=[*scratch, plgpu.Barrier(num_barriers=5 if deferred else 1)])
