@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from cases import assert_close
 from hlo_checks import assert_step_alone_and_in_a_loop
@@ -157,8 +158,8 @@ def test_limits_on_shapes(case, config, match):
 
 
 def test_deferred_readout_needs_whole_rows_of_keys_in_shared_memory():
-    """The deferred route's readout copies a flushing item's slot-0 key into one of its shared buffers of K
-    records: K times the records' item size must be a multiple of TMA_ALIGN (128 bytes). K = 96 of bf16 (192
+    """The deferred route's readout copies a flushing item's slot-0 key into one of its shared buffers, one
+    record of K entries each: K times the records' item size must be a multiple of TMA_ALIGN (128 bytes). K = 96 of bf16 (192
     bytes) is refused there and taken on the append route; of f32 (384 bytes) taken on both."""
     config = kernels.TMAReadoutConfig()
     state, v = _abstract(64, K=96, d=bf16)
@@ -178,7 +179,20 @@ def test_flush_products_on_tensor_cores_need_bf16_keys_and_whole_instructions(k_
     swizzle); else in f32 outer products on keys read row by row, unswizzled."""
     assert tma_readout.keys_on_tensor_cores(k_dtype, L) is takes
     transforms = tma_readout._key_transforms(k_dtype, L)
-    assert [type(t).__name__ for t in transforms] == (["TilingTransform", "SwizzleTransform"] if takes else [])
+    swizzled = (plgpu.TilingTransform((8, tma_readout.WGMMA_K)), plgpu.SwizzleTransform(tma_readout.KEY_SWIZZLE))
+    assert transforms == (swizzled if takes else ())
+    assert tma_readout.WGMMA_K * 2 == tma_readout.KEY_SWIZZLE  # a swizzle row holds one instruction's slots
+
+
+def test_bf16_parts_sum_to_their_float32(rng):
+    """The flush's A operand in three bf16 parts: their sum is the f32 value exactly (in float64), over
+    a wide range of exponents and both signs, and each part is a bf16 value; one part alone is not exact."""
+    x = (rng.standard_normal(4096) * np.exp2(rng.integers(-60, 60, 4096))).astype(np.float32)
+    parts = tma_readout.bf16_parts(jnp.asarray(x))
+    assert [p.dtype for p in parts] == [bf16] * 3
+    total = sum(np.asarray(p, np.float64) for p in parts)
+    np.testing.assert_array_equal(total, x.astype(np.float64))
+    assert np.any(np.asarray(parts[0], np.float64) != x)
 
 
 def test_shared_memory_counts_the_stages_a_program_keeps():
@@ -190,8 +204,9 @@ def test_shared_memory_counts_the_stages_a_program_keeps():
     state, v = _abstract(256, d=f32)
     ahead, at_flush = (tma_readout.smem_bytes(state, v, kernels.TMAReadoutConfig(flush_keys_ahead=a), deferred=True)
                        for a in (True, False))
-    L, K = state.buffer_len, state.checkpoint.shape[-1]
-    assert ahead - at_flush == L * K * state.k.dtype.itemsize  # (a multiple of 1 KiB here)
+    L, K, size = state.buffer_len, state.checkpoint.shape[-1], state.k.dtype.itemsize
+    align = lambda n: -(-n // tma_readout.SMEM_ALIGN) * tma_readout.SMEM_ALIGN  # noqa: E731
+    assert ahead - at_flush == L * K * size + align(2 * K * size) - align(K * size)  # keys: a multiple of 1 KiB
 
 
 class _Device:
@@ -455,25 +470,36 @@ def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dty
     np.testing.assert_array_equal(np.asarray(new.g), np.asarray(rs_ref.g))
 
 
+MODEL_B67 = MODEL.with_batch(67)  # 4288 items over 264 programs
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape"), [
-    (f32, bf16, bf16, kernels.TMAReadoutConfig(), SHAPE),
-    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=3), SHAPE),
-    (f32, f32, f32, kernels.TMAReadoutConfig(record_slots=2), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape", "buffer_len"), [
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), SHAPE, L),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128, stages=3), SHAPE, L),
+    (f32, f32, f32, kernels.TMAReadoutConfig(record_slots=2), MODEL_B67, L),
     # 4288 items over 264 programs: the first 64 take a 17th step (a traced step count), 3 stages
-    (f32, bf16, bf16, kernels.TMAReadoutConfig(stages=3), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
-    (f32, bf16, bf16, kernels.TMAReadoutConfig(flush_keys_ahead=False), SHAPE),
-    (bf16, bf16, bf16, kernels.TMAReadoutConfig(flush_keys_ahead=True), SHAPE),
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(stages=3), MODEL_B67, L),
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(flush_keys_ahead=False), SHAPE, L),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(flush_keys_ahead=True), SHAPE, L),
+    # L = 16 and 32, bf16 records: the flush's products on the tensor cores (`keys_on_tensor_cores`)
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), SHAPE, 16),
+    (f32, bf16, f32, kernels.TMAReadoutConfig(record_slots=2, flush_keys_ahead=False), SHAPE, 16),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128), MODEL_B67, 16),
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(record_slots=0), SHAPE, 32),
 ], ids=["f32-bf16", "bf16-bf16-128x3", "model-b67-f32-2-slot-copies", "model-b67-3stages", "f32-keys-at-flush",
-        "bf16-keys-ahead"])
-def test_compiled_deferred_steps_match_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
+        "bf16-keys-ahead", "L16-f32-wgmma", "L16-f32act-2-slot-copies-wgmma", "L16-model-bf16-128-wgmma",
+        "L32-one-copy-wgmma"])
+def test_compiled_deferred_steps_match_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, buffer_len,
+                                                     rng):
     """The deferred route on Mosaic GPU (the flush launch of the full rows, the prelude, the readout): L + 2
     steps from staggered cursors, full rows among them, inf and NaN in the dead slots, against the
-    reference's deferred route (`kernel_checks.check_deferred_steps`)."""
+    reference's deferred route (`kernel_checks.check_deferred_steps`). At L = 16 and 32 with bf16 records
+    the readout's flush forms its products on the tensor cores; at L = 8 in f32 outer products."""
     layer = _layer(rng, shape, act)
-    cursor = (np.arange(shape.batch) * 3 % (L + 1)).astype(np.int32)
-    check_deferred_steps(layer, _state(layer, checkpoint_dtype, buffer_dtype, cursor), config, L + 2,
-                         tolerance_dtype(act, checkpoint_dtype, buffer_dtype))
+    cursor = (np.arange(shape.batch) * 3 % (buffer_len + 1)).astype(np.int32)
+    check_deferred_steps(layer, _state(layer, checkpoint_dtype, buffer_dtype, cursor, buffer_len), config,
+                         buffer_len + 2, tolerance_dtype(act, checkpoint_dtype, buffer_dtype))
 
 
 @pytest.mark.gpu

@@ -68,8 +68,9 @@ checkpoint), or at the flush, into one buffer, and waited for there (the
 default with a bf16 one; `TMAReadoutConfig.flush_keys_ahead`); the item
 applies the L records to the checkpoint tile
 there (with bf16 k records and L a multiple of WGMMA_K, on the tensor cores:
-one WGMMA of the weighted d records w_i d_i, split in three bf16 parts, times
-the keys, into the f32 tile; else f32 outer products; `_flush_tile`), writes
+the weighted d records w_i d_i split in three exact bf16 parts, three WGMMAs
+of a part times the keys, into the f32 tile; else f32 outer products;
+`_flush_tile`), writes
 the tile back (a TMA store, in place)
 and reads it as the checkpoint. Each item then runs exactly once (the full rounds, then one
 more step on the first programs: a traced step count, one pipeline body),
@@ -364,8 +365,8 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
                          f"{TMA_ALIGN}-byte aligned), at most {MAX_L}; got L = {L}")
     if deferred and K * state.k.dtype.itemsize % TMA_ALIGN:
         raise ValueError(f"the deferred route's TMA readout takes K (key dim) * the k records' item size a multiple "
-                         f"of {TMA_ALIGN} bytes (a flushing item's slot-0 key buffers, each K records, start at multiples of it); got "
-                         f"K = {K} of {jnp.dtype(state.k.dtype)}")
+                         f"of {TMA_ALIGN} bytes (the second of a flushing item's slot-0 key buffers, one record of "
+                         f"K entries each, starts K entries in); got K = {K} of {jnp.dtype(state.k.dtype)}")
     if L % config.slots_per_copy(L):  # (a copy of block_v >= 64 rows of 2-byte records is >= TMA_ALIGN bytes)
         raise ValueError(f"the TMA readout takes `config.record_slots` dividing L (buffer length) = {L}; got "
                          f"record_slots = {config.record_slots}")
@@ -614,6 +615,19 @@ def keys_on_tensor_cores(k_dtype, L: int) -> bool:
     return jnp.dtype(k_dtype) == jnp.bfloat16 and L % WGMMA_K == 0
 
 
+def bf16_parts(x):
+    """Three bfloat16 arrays (hi, mid, lo) whose sum, in exact arithmetic, is the float32 array x: hi = x
+    rounded to bf16, mid the remainder rounded, lo the remainder of that (each remainder exact in f32; 8
+    mantissa bits a part cover an f32's 24). Values below about 2^-110, where lo would be subnormal, lose
+    their last bits."""
+    parts = []
+    for _ in range(3):
+        part = x.astype(jnp.bfloat16)
+        parts.append(part)
+        x = x - part.astype(f32)
+    return parts
+
+
 def _key_transforms(k_dtype, L: int):
     """Shared-memory transforms of a flushing item's k records [L, K]: the WGMMA's swizzled B operand where
     `keys_on_tensor_cores`, else none (rows read one at a time)."""
@@ -628,11 +642,11 @@ def _flush_tile(S_s, terms_s, U_s, kf_s, k0_s):
     the pipeline's L / R buffers U_s of R slots each; k_i: row i of kf_s [L, K] for i >= 1, the slot-0 key
     k0_s [K], which this step's record has replaced in kf_s's row 0), stored in the tile's dtype.
 
-    Slot 0 is one f32 outer product. Slots 1 .. L - 1: with bf16 keys (`keys_on_tensor_cores`) one WGMMA
-    of M = block_v, k = L: A [block_v, L] holds w_i d_i in its column i (column 0 zero), split into three
-    bf16 parts (hi, mid, lo: 24 mantissa bits, an f32's), each times the swizzled keys, summed into the f32
-    tile on the tensor cores; else f32 outer products (one loop body a buffer: the L outer products
-    unrolled took 14 s to lower, 2026-12-03)."""
+    Slot 0 is one f32 outer product. Slots 1 .. L - 1: with bf16 keys (`keys_on_tensor_cores`) on the
+    tensor cores, A [block_v, L] holding w_i d_i in its column i (column 0 zero), split into three bf16
+    parts (`bf16_parts`, whose sum is A), and one WGMMA of M = block_v, k = L per part times the swizzled
+    keys, accumulated into the f32 tile; else f32 outer products (one loop body a buffer: the L outer
+    products unrolled took 14 s to lower, 2026-12-03)."""
     R = U_s[0].shape[0]
     L = R * len(U_s)
     record = lambda i: plgpu.load(U_s[i // R].at[i % R], layout=ROW).astype(f32)  # noqa: E731  (static i)
@@ -658,12 +672,7 @@ def _flush_tile(S_s, terms_s, U_s, kf_s, k0_s):
     def put(i, u, A):  # column i of A <- w_i d_i
         return jnp.where(column == i, lax.broadcast_in_dim(terms_s[3, i] * u, (BV, L), [0]), A)
 
-    A = each_slot(put, plgpu.layout_cast(jnp.zeros((BV, L), f32), plgpu.Layout.WGMMA))
-    parts = []
-    for _ in range(3):  # A = hi + mid + lo, each exact in bf16
-        part = A.astype(jnp.bfloat16)
-        parts.append(part)
-        A = A - part.astype(f32)
+    parts = bf16_parts(each_slot(put, plgpu.layout_cast(jnp.zeros((BV, L), f32), plgpu.Layout.WGMMA)))
 
     def products(acc):  # acc <- S + sum of the parts' products, on the tensor cores
         acc[...] = S
@@ -1026,8 +1035,9 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
       record at each row's cursor, in place; a row full at entry (cursor ==
       L): NaN outputs, its d records unchanged. With k0: (o, d records,
       checkpoint): a full row's checkpoint tile, read into shared memory,
-      takes its L buffered records there (f32 sums, the products on the
-      tensor cores with bf16 k records: `_flush_tile`; then the
+      takes its L buffered records there (the products on the tensor
+      cores where `keys_on_tensor_cores`, summed in their f32 accumulator;
+      else f32 products and sums: `_flush_tile`; then the
       checkpoint's dtype), is written back in place and read as the
       checkpoint of an empty row, whose record goes to slot 0.
     """
