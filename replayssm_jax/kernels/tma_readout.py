@@ -66,13 +66,11 @@ one of two shared-memory buffers while the program computes its item before
 (a program's first item: at its own step; the default with an f32
 checkpoint), or at the flush, into one buffer, and waited for there (the
 default with a bf16 one; `TMAReadoutConfig.flush_keys_ahead`); the item
-applies the L records to the checkpoint tile
-there (with bf16 k records and L a multiple of WGMMA_K, on the tensor cores:
-the weighted d records w_i d_i split in three exact bf16 parts, three WGMMAs
-of a part times the keys, into the f32 tile; else f32 outer products;
-`_flush_tile`), writes
-the tile back (a TMA store, in place)
-and reads it as the checkpoint. Each item then runs exactly once (the full rounds, then one
+applies the L records to the checkpoint tile there (with bf16 k records and
+L a multiple of WGMMA_K, on the tensor cores: the weighted d records w_i d_i
+split in three exact bf16 parts, three WGMMAs of a part times the keys, into
+the f32 tile; else f32 outer products; `_flush_tile`), writes the tile back
+(a TMA store, in place) and reads it as the checkpoint. Each item then runs exactly once (the full rounds, then one
 more step on the first programs: a traced step count, one pipeline body),
 where the append route's programs past the last item repeat it. On the append route a row
 that entered full (cursor == L) has no free slot: its outputs are NaN
