@@ -159,8 +159,9 @@ def test_limits_on_shapes(case, config, match):
 
 def test_deferred_readout_needs_whole_rows_of_keys_in_shared_memory():
     """The deferred route's readout copies a flushing item's slot-0 key into one of its shared buffers, one
-    record of K entries each: K times the records' item size must be a multiple of TMA_ALIGN (128 bytes). K = 96 of bf16 (192
-    bytes) is refused there and taken on the append route; of f32 (384 bytes) taken on both."""
+    record of K entries each: K times the records' item size must be a multiple of TMA_ALIGN (128 bytes).
+    K = 96 of bf16 (192 bytes) is refused there and taken on the append route; of f32 (384 bytes) taken on
+    both."""
     config = kernels.TMAReadoutConfig()
     state, v = _abstract(64, K=96, d=bf16)
     tma_readout.check_tma_readout(state, v, config, interpret=False, slots=None)
@@ -379,6 +380,7 @@ def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtyp
 
 
 MODEL = GDNShape(batch=200, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer
+MODEL_B67 = MODEL.with_batch(67)  # 4288 items over 264 programs
 
 
 @pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape", "buffer_len"), [
@@ -441,14 +443,13 @@ def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), SHAPE),
     (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128, programs_per_sm=1), SHAPE),
     (bf16, bf16, bf16, kernels.TMAReadoutConfig(stages=3), SHAPE),
-    (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(), MODEL_B67),
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=7, H=2, HV=6, K=96, V=64)),
     (f32, bf16, bf16, kernels.TMAReadoutConfig(), GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
     (f32, bf16, bf16, kernels.TMAReadoutConfig(record_slots=0), SHAPE),
     (f32, f32, f32, kernels.TMAReadoutConfig(record_slots=1, block_v=128), SHAPE),
-    (bf16, bf16, bf16, kernels.TMAReadoutConfig(record_slots=2, stages=3),
-     GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
-    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128), GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(record_slots=2, stages=3), MODEL_B67),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128), MODEL_B67),
 ], ids=["f32-bf16", "f32-f32-f32act-128", "bf16-bf16-3stages", "model-b67", "group3-K96", "b300", "one-copy",
         "1-slot-copies-f32", "2-slot-copies-b67", "bf16-128"])
 def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
@@ -468,9 +469,6 @@ def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dty
     _check_records(new.d, rs_ref.d, cursor, tol, "d")
     _check_records(new.k, rs_ref.k, cursor, tolerance_dtype(buffer_dtype), "k")
     np.testing.assert_array_equal(np.asarray(new.g), np.asarray(rs_ref.g))
-
-
-MODEL_B67 = MODEL.with_batch(67)  # 4288 items over 264 programs
 
 
 @pytest.mark.gpu
