@@ -144,13 +144,14 @@ def _abstract(batch, K=128, V=128, L=16, checkpoint=f32, d=bf16, act=bf16, H=16,
     (dict(act=jnp.float16), None, "f32 or bf16 v; got float16"),
     (dict(H=32768, HV=32768), None, r"at most 32767 key heads .*; got H = 32768"),
     (dict(batch=200, d=f32), dict(block_v=128, stages=3, record_slots=0),
-     r"3 stages of 128 rows need 233672 bytes of shared memory, above a program's 232448"),
+     r"3 stages of 128 rows need 234696 bytes of shared memory, above a program's 232448"),
     (dict(L=16), dict(record_slots=3),
      r"`config.record_slots` dividing L \(buffer length\) = 16; got record_slots = 3"),
 ], ids=["K-512", "L-72", "fp8-records", "f16-v", "H-32768", "smem", "record-slots"])
 def test_limits_on_shapes(case, config, match):
     """The shape limits, on abstract states (the shared-memory bound at a batch where the pipeline keeps every
-    stage: Mosaic GPU's lowering allocates 233504 bytes there and refuses)."""
+    stage, with the cursors after the step in shared memory too: batch 200 is a multiple of 4; Mosaic GPU's
+    lowering refuses there, as it did at 233504 bytes allocated before those cursors)."""
     state, v = _abstract(**{"batch": 4, **case})
     with pytest.raises(ValueError, match=match):
         tma_readout.check_tma_readout(state, v, kernels.TMAReadoutConfig(**(config or {})), interpret=False,
@@ -340,13 +341,16 @@ def test_deferred_terms_give_the_reference_deferred_step(buffer_dtype, rng):
     (GDNShape(batch=4, H=2, HV=6, K=96, V=64), 24, bf16, True),
 ], ids=["bf16-records", "f32-records-no-norm", "group3-K96-L24"])
 @pytest.mark.parametrize("route", ["append", "deferred"])
-def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtype, use_qk_l2norm, route, rng):
+@pytest.mark.parametrize("move_cursor", [True, False], ids=["moves-cursor", "cursor-to-the-readout"])
+def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtype, use_qk_l2norm, route, move_cursor,
+                                                  rng):
     """The Triton prelude launch (interpreted) against `head_terms` and `append_shared_records`: q, k and the
     terms within the f32 tolerance, the k and g records bit for bit (a full row's untouched, dead slots' inf
     kept), the cursor at entry in the readout's layout and after the step, with a key dim, a buffer length
     and a value heads' group that are not powers of two. On the deferred route a full row is read as
     empty (its records to slot 0, its cursor to 1), with its flush terms, and its slot-0 key before the
-    step is kept aside. (The interpreter runs the programs one at a time and drops writes past an
+    step is kept aside. With move_cursor False (`readout_moves_cursor`) the cursor is left as it entered,
+    for the readout to move. (The interpreter runs the programs one at a time and drops writes past an
     array's end: lanes past the end of a row's heads, and the cursor's arrival count, are the GPU
     tests' to check.)"""
     layer = _layer(rng, shape, f32)
@@ -359,7 +363,7 @@ def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtyp
     want = tma_readout.append_shared_records(rs, kn, inp["g"], deferred)
     records = gdn_kernels.Records(rs.d, rs.k, rs.g)
     got = gdn_kernels._head_terms(records, rs.cursor, gdn_kernels._f32_decay(gdn_kernels.Inputs(**inp)), scale=scale,
-                                  use_qk_l2norm=use_qk_l2norm, interpret=True, route=route)
+                                  use_qk_l2norm=use_qk_l2norm, interpret=True, route=route, move_cursor=move_cursor)
     qn_k, kn_k, terms_k, entry, shared, cursor_next, *stash = got
     for name, a, b in (("qn", qn_k, qn), ("kn", kn_k, kn), ("terms", terms_k, terms)):
         assert_close(a, b, f32, what=f"the prelude's {name}")
@@ -368,7 +372,7 @@ def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtyp
     assert entry.shape == (tma_readout.cursor_rows(shape.batch) * tma_readout.TMA_MAX,)
     np.testing.assert_array_equal(np.asarray(entry)[:shape.batch], cursor)
     live = np.where(cursor >= buffer_len, 0, cursor) if deferred else cursor
-    np.testing.assert_array_equal(np.asarray(cursor_next), np.minimum(live + 1, buffer_len))
+    np.testing.assert_array_equal(np.asarray(cursor_next), np.minimum(live + 1, buffer_len) if move_cursor else cursor)
     assert len(stash) == deferred
     if deferred:  # the full rows' flush terms are nonzero (compared above); their slot-0 keys kept aside
         full = cursor >= buffer_len
@@ -397,7 +401,8 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
     the swizzled tile's transforms, the pipeline's copies and, at the model's shape, its stages rotating
     over many items a program and a cursor of more than 256 rows), short of compiling: two custom calls,
     the prelude (its k and g records and cursor aliased in place) and the readout (its d records aliased
-    in place), and no other. The model cases on abstract inputs (nothing allocated)."""
+    in place; the cursor too at batch 200 and 300, `readout_moves_cursor`), and no other. The model cases on
+    abstract inputs (nothing allocated)."""
     layer = _layer(rng, shape, act)
     if shape is SHAPE:
         args = (layer.replay_state(buffer_len, checkpoint_dtype, buffer_dtype,
@@ -412,15 +417,18 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
                      r"output_tuple_indices = \[4\], operand_index = 0[^\n]*output_tuple_indices = \[5\], "
                      r"operand_index = 1[^\n]*output_tuple_indices = \[6\], operand_index = 2", text), \
         "the prelude's k and g records and cursor are not aliased"
-    assert re.search(r"@mosaic_gpu_v2\([^\n]*output_operand_aliases = \[#stablehlo\.output_operand_alias<"
-                     r"output_tuple_indices = \[1\], operand_index = 6", text), "the d records are not aliased"
+    readout = re.search(r"@mosaic_gpu_v2\(([^\n]*)", text).group(1)
+    pairs = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", readout)
+    moves = tma_readout.readout_moves_cursor(shape.batch)  # batch 200 and 300: the readout moves the cursor
+    assert sorted(pairs) == [("1", "6")] + [("2", "7")] * moves, pairs  # the d records (and cursor) in place
 
 
 @pytest.mark.parametrize("checkpoint_dtype", [f32, bf16])
 def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     """The deferred route's lowering on the CPU at the model's shape (abstract inputs): the prelude and the
     readout, which flushes the full rows itself (no flush launch), its checkpoint and d records aliased in
-    place, and no other custom call; f32 takes the flush's k records a step ahead, bf16 at the flush."""
+    place, and the cursor too (batch 200: `readout_moves_cursor`), and no other custom call; f32 takes the
+    flush's k records a step ahead, bf16 at the flush."""
     layer = _layer(rng, MODEL)
     state, _ = _abstract(MODEL.batch, L=16, checkpoint=checkpoint_dtype)
     text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "deferred", kernels.TMAReadoutConfig()),
@@ -430,7 +438,7 @@ def test_deferred_step_lowers_for_cuda(checkpoint_dtype, rng):
     assert "gdn_deferred_terms_L16" in text and "deferred_flush" not in text
     readout = next(line for c, line in calls if c == "mosaic_gpu_v2")
     pairs = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", readout)
-    assert sorted(pairs) == [("1", "0"), ("2", "6")], pairs  # the checkpoint and the d records in place
+    assert sorted(pairs) == [("1", "0"), ("2", "6"), ("3", "9")], pairs  # checkpoint, d records, cursor in place
     assert ("_r4_kf" in text) == (checkpoint_dtype == bf16)  # the kernel's name: the flush's keys at the flush
 
 
@@ -485,9 +493,12 @@ def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dty
     (f32, bf16, f32, kernels.TMAReadoutConfig(record_slots=2, flush_keys_ahead=False), SHAPE, 16),
     (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128), MODEL_B67, 16),
     (f32, bf16, bf16, kernels.TMAReadoutConfig(record_slots=0), SHAPE, 32),
+    # batch a multiple of 4: the readout moves the cursor (`readout_moves_cursor`)
+    (f32, f32, f32, kernels.TMAReadoutConfig(), SHAPE.with_batch(8), L),
+    (bf16, bf16, bf16, kernels.TMAReadoutConfig(block_v=128), MODEL.with_batch(68), 16),
 ], ids=["f32-bf16", "bf16-bf16-128x3", "model-b67-f32-2-slot-copies", "model-b67-3stages", "f32-keys-at-flush",
         "bf16-keys-ahead", "L16-f32-wgmma", "L16-f32act-2-slot-copies-wgmma", "L16-model-bf16-128-wgmma",
-        "L32-one-copy-wgmma"])
+        "L32-one-copy-wgmma", "b8-f32-readout-moves-cursor", "L16-model-b68-bf16-readout-moves-cursor"])
 def test_compiled_deferred_steps_match_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, buffer_len,
                                                      rng):
     """The deferred route on Mosaic GPU (the flush launch of the full rows, the prelude, the readout): L + 2
@@ -545,12 +556,14 @@ def test_compiled_full_row_keeps_its_state(config, rng):
 
 
 @pytest.mark.gpu
-def test_compiled_step_is_its_two_kernels(rng):
+@pytest.mark.parametrize("batch", [SHAPE.batch, 8], ids=["prelude-moves-cursor", "readout-moves-cursor"])
+def test_compiled_step_is_its_two_kernels(batch, rng):
     """The append step on Mosaic GPU, jitted alone with its state donated and compiled: its entry computation
     is the prelude launch and the readout and nothing else (no copy, fusion or memcpy); in a decode loop
-    (`lax.scan` of 2 L steps) no step copies the checkpoint, the records or the cursor."""
-    layer = _layer(rng)
-    rs = layer.replay_state(L, f32, bf16, np.zeros(SHAPE.batch, np.int32))
+    (`lax.scan` of 2 L steps) no step copies the checkpoint, the records or the cursor, which the prelude
+    moves at batch 5 and the readout at batch 8 (`readout_moves_cursor`)."""
+    layer = _layer(rng, SHAPE.with_batch(batch))
+    rs = layer.replay_state(L, f32, bf16, np.zeros(batch, np.int32))
     config = kernels.TMAReadoutConfig()
 
     def step(rs, inp):
@@ -560,7 +573,9 @@ def test_compiled_step_is_its_two_kernels(rng):
 
 
 @pytest.mark.gpu
-def test_compiled_deferred_step_is_its_two_kernels(rng):
+@pytest.mark.parametrize("batch", [SHAPE.batch, 8], ids=["prelude-moves-cursor", "readout-moves-cursor"])
+def test_compiled_deferred_step_is_its_two_kernels(batch, rng):
     """The deferred step on Mosaic GPU: the prelude and the readout (which flushes) and nothing else, and
-    no copy of the state in a decode loop (`kernel_checks.check_deferred_step_kernels`)."""
-    check_deferred_step_kernels(_layer(rng), L, triton_launches=1)
+    no copy of the state in a decode loop (`kernel_checks.check_deferred_step_kernels`), the cursor moved
+    by the prelude (batch 5) or the readout (batch 8)."""
+    check_deferred_step_kernels(_layer(rng, SHAPE.with_batch(batch)), L, triton_launches=1)

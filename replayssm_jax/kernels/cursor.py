@@ -16,7 +16,11 @@ cursors 0..L.
 On the append and deferred routes, which flush in no replay kernel, the
 cursor moves in place in the Mosaic GPU steps' Triton launch (GDN: the
 prelude; Mamba-2: the launch after the readout), and by an XLA op after
-the Triton replay kernel. The deferred route's flush launch, which runs
+the Triton replay kernel. Where the batch is a multiple of 4, the GDN
+readout moves it instead, without atomics: its prelude writes each row's
+cursor at entry to a fresh array and leaves the cursor as it was, and one
+program of the readout, which reads only that array, stores the new
+cursors in place (`tma_readout.readout_moves_cursor`). The deferred route's flush launch, which runs
 first, moves no cursor: the launches after it read a full row as empty
 (`live_count`).
 

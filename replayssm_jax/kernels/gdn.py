@@ -80,7 +80,8 @@ from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_
                                          load_live_only, load_scalar, load_slots, mask_and, matvec, program_id, row_ids,
                                          row_mask, stochastic, store, store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.kernels.tma_readout import (TERMS, TMA_MAX, TMAReadoutConfig, check_tma_readout,
-                                               check_tma_route, cursor_rows, default_tma_readout, gdn_append_tma)
+                                               check_tma_route, cursor_rows, default_tma_readout, gdn_append_tma,
+                                               readout_moves_cursor)
 from replayssm_jax.kernels.tma_step import STEP_TERMS, check_direct_tma, check_step_tma, gdn_direct_tma, gdn_step_tma
 from replayssm_jax.state import GDNReplayState
 
@@ -228,7 +229,8 @@ def _flush_terms(g_ref, terms_ref, hv, L: int) -> None:
 
 
 def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, terms_ref, entry_ref,
-                  records_out: Records, cursor_out, *stash, K, L, group, scale, use_qk_l2norm, programs, route):
+                  records_out: Records, cursor_out, *stash, K, L, group, scale, use_qk_l2norm, programs, route,
+                  move_cursor=True):
     """The prelude of a Mosaic GPU step on one (batch row, key head): q and k normalized, the per-head
     terms of the key head's `group` value heads, from the row's head 0 its cursor at entry (for the
     Mosaic GPU kernel), and the cursor moved in place once the row's H programs have read it
@@ -243,6 +245,8 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     terms w (the live slots' decay weights), zeros, then the same scalars; no record written; the
     cursor to 0. route "standard" (the standard step; `tma_step.step_terms`): no records or cursor
     (their refs None), terms zeros, zeros, then the scalars (exp(0) = 1 for the carried decay).
+    move_cursor False: the cursor is left as it was (the readout moves it from the entry cursors,
+    `tma_readout.readout_moves_cursor`).
 
     Refs (BL, BK, BH: L, K, HV up to powers of two): records.k [BL, BK]
     (the key head's) and records.g f32[BH, BL] (the row's), cursor_ref
@@ -298,12 +302,13 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     def _():
         entry_ref[0] = cursor if deferred else count
 
-    advance_cursor(cursor_out, cursor, jnp.minimum(count + 1, L) if append else jnp.int32(0), programs)
+    if move_cursor:
+        advance_cursor(cursor_out, cursor, jnp.minimum(count + 1, L) if append else jnp.int32(0), programs)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "route"))
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "route", "move_cursor"))
 def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, interpret: bool,
-                route: str = "append"):
+                route: str = "append", move_cursor: bool = True):
     """The prelude of a Mosaic GPU step (route "append" or "deferred": the readout; "direct": the direct
     step), one Triton launch, grid (batch, H).
 
@@ -319,7 +324,9 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
     (moved in place)), and on the deferred route a last output, each full
     row's k record of slot 0 before the step, [batch, H, K] in the k records'
     dtype (other rows unwritten); there the terms are those of a full row read as empty, with
-    its flush terms (`tma_readout.head_terms`). The pure-JAX form is
+    its flush terms (`tma_readout.head_terms`). move_cursor False (append and
+    deferred routes): the cursor is returned as it entered, in place, for
+    the readout to move (`tma_readout.readout_moves_cursor`). The pure-JAX form is
     `tma_readout.head_terms` and `tma_readout.append_shared_records` (append,
     deferred), `tma_step.direct_terms` (direct)."""
     batch, H, K = inputs.q.shape
@@ -331,7 +338,7 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
     g_spec = pl.BlockSpec((None, BH, BL), lambda b, h: (b, 0, 0))
     k_spec = pl.BlockSpec((None, None, BL, BK), lambda b, h: (b, h, 0, 0))
     kernel = functools.partial(_terms_kernel, K=K, L=L, group=HV // H, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                               programs=H, route=route)
+                               programs=H, route=route, move_cursor=move_cursor)
     stash = route == "deferred"  # a full row's slot-0 k record, for the readout's flush
     k_shape = jax.ShapeDtypeStruct(records.k.shape, records.k.dtype)
     out_shape = (jax.ShapeDtypeStruct((batch, H, K), f32), jax.ShapeDtypeStruct((batch, H, K), f32),
@@ -612,13 +619,9 @@ def _append_tma(state: GDNReplayState, inputs: Inputs, *, scale: float, use_qk_l
     records = Records(state.d, state.k, state.g)
     qn, kn, terms, entry, shared, cursor, *stash = _head_terms(
         records, state.cursor, _f32_decay(inputs), scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=False,
-        route=route)
+        route=route, move_cursor=not readout_moves_cursor(state.batch))
     state = state.replace(k=shared.k, g=shared.g, cursor=cursor)
-    if route == "deferred":
-        o, d, checkpoint = gdn_append_tma(state, qn, kn, terms, entry, inputs.v, config, k0=stash[0])
-        return o, state.replace(d=d, checkpoint=checkpoint)
-    o, d = gdn_append_tma(state, qn, kn, terms, entry, inputs.v, config)
-    return o, state.replace(d=d)
+    return gdn_append_tma(state, qn, kn, terms, entry, inputs.v, config, k0=stash[0] if stash else None)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config"))

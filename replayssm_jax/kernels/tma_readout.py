@@ -15,7 +15,8 @@ record; nothing is flushed. Here it runs as two launches:
   exp(sum of the live g), k . q, exp(g) and beta; it appends the step's
   shared records (k normalized, not scaled, and g) at each row's cursor,
   in place, writes each row's cursor at entry for the readout, and moves
-  the cursor to min(cursor + 1, L) in place;
+  the cursor to min(cursor + 1, L) in place (where the batch is a multiple
+  of 4 the readout moves it instead: :func:`readout_moves_cursor`);
 - the Mosaic GPU readout (:func:`gdn_append_tma`): its programs,
   `config.programs_per_sm` per SM (at most one per item), each walk their
   share of the (batch row, value head, row tile) items, strided over the
@@ -231,8 +232,9 @@ def _grid(batch: int, HV: int, V: int, config: TMAReadoutConfig) -> tuple[int, i
 def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: bool = False) -> int:
     """Shared-memory bytes of a program: each pipelined buffer (the item's checkpoint tile, d records, terms, q
     and k in f32, v; its outputs o and the d record) times the stages the pipeline keeps (`config.stages`,
-    at most the program's steps) and the cursor, each allocation rounded up to SMEM_ALIGN, and Mosaic GPU's
-    reduction scratch and barriers (8 bytes each; counted for every buffer's stages, a bound). The d records
+    at most the program's steps) and the cursors (at entry; after the step too where
+    `readout_moves_cursor`), each allocation rounded up to SMEM_ALIGN, and Mosaic GPU's reduction
+    scratch and barriers (8 bytes each; counted for every buffer's stages, a bound). The d records
     count as L / R buffers of R slots (R = `config.slots_per_copy(L)`), each rounded up on its own, as the
     lowering allocates them. With one copy of the records (R = L), within 0.2 KiB above what the lowering
     allocates at the shapes tried (2026-12-02); each further copy adds 8 bytes a stage to the bound.
@@ -249,7 +251,8 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: boo
     key_buffers = 1 + config.keys_ahead(state.checkpoint.dtype)
     flush = _align(key_buffers * L * K * state.k.dtype.itemsize) + _align(key_buffers * K * state.k.dtype.itemsize)
     flush = flush if deferred else 0
-    return sum(_align(stages * b) for b in buffers) + _align(cursor_rows(batch) * TMA_MAX * 4) + scratch + flush
+    cursors = (1 + readout_moves_cursor(batch)) * _align(cursor_rows(batch) * TMA_MAX * 4)  # at entry, after the step
+    return sum(_align(stages * b) for b in buffers) + cursors + scratch + flush
 
 
 def mamba2_smem_bytes(checkpoint, C, config: TMAReadoutConfig, flush: Mamba2ReplayState | None = None) -> int:
@@ -270,6 +273,13 @@ def mamba2_smem_bytes(checkpoint, C, config: TMAReadoutConfig, flush: Mamba2Repl
         extra = sum(_align(b) for b in (cursor_rows(batch) * TMA_MAX * 4, H * 4, nh * L * P * flush.x.dtype.itemsize,
                                         L * N * flush.B.dtype.itemsize, nh * L * 4))
     return sum(_align(stages * b) for b in buffers) + scratch + extra
+
+
+def readout_moves_cursor(batch: int) -> bool:
+    """Whether the GDN readout (append and deferred routes) stores the cursors after the step, from one program,
+    in TMA copies of up to TMA_MAX rows: each copy's bytes a multiple of 16, so batch a multiple of 4. Elsewhere
+    the prelude moves them (`cursor.advance_cursor`: an atomic add a program, a store by the row's last)."""
+    return batch % 4 == 0
 
 
 def cursor_rows(batch: int) -> int:
@@ -700,15 +710,36 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
     R = config.slots_per_copy(L)
     count_items, programs, steps = _grid(batch, HV, V, config)
     ahead = deferred and config.keys_ahead(checkpoint_dtype)
+    moves = readout_moves_cursor(batch)
 
     def body(ck_ref, terms_ref, cursor_ref, q_ref, k_ref, v_ref, d_ref, *refs):
+        # inputs after d: [k records, slot-0 keys] (deferred), [the cursor, moved] (moves); the output o;
+        # scratch: the entry cursors, [the cursors after the step] (moves), [key buffers] (deferred), barriers
+        extra = 2 * deferred + moves
+        (*inputs, o_ref, cursor_smem), (*scratch, barrier) = refs[:extra + 2], refs[extra + 2:]
         if deferred:
-            krec_ref, k0_ref, o_ref, cursor_smem, kf_smem, k0_smem, barrier = refs
-        else:
-            o_ref, cursor_smem, barrier = refs
+            krec_ref, k0_ref = inputs[:2]
+            kf_smem, k0_smem = scratch[moves:]
         program = lax.axis_index("program")
         plgpu.copy_gmem_to_smem(cursor_ref, cursor_smem, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
+
+        def move_cursors(cursor_out, next_smem):
+            """The cursors after the step, min(live + 1, L) of the entry cursors, stored in place in TMA copies
+            of up to TMA_MAX rows (no row flushes here: the deferred route's full rows flush before their
+            record, read as empty)."""
+            for r in range(cursor_rows(batch)):
+                entry = cursor_smem[r]
+                live = jnp.where(entry >= L, 0, entry) if deferred else entry
+                next_smem[r] = jnp.minimum(live + 1, L)
+            plgpu.commit_smem()
+            for r in range(cursor_rows(batch)):
+                n = min(TMA_MAX, batch - r * TMA_MAX)
+                plgpu.copy_smem_to_gmem(next_smem.at[r, pl.ds(0, n)], cursor_out.at[pl.ds(r * TMA_MAX, n)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        if moves:
+            pl.when(program == 0)(lambda: move_cursors(inputs[-1], scratch[0]))
 
         def cursor_of(b):  # the row's cursor at entry (L: a full row, which the deferred route flushes first)
             return cursor_smem[b // TMA_MAX, b % TMA_MAX]
@@ -1015,8 +1046,10 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
 
     Args:
       state: the GDNReplayState before the step (checkpoint f32 |
-        bf16[batch, HV, V, K], d records [batch, HV, L, V]; its cursor is
-        not read: `entry` holds it).
+        bf16[batch, HV, V, K], d records [batch, HV, L, V]), but with the
+        prelude's k and g records and cursor: moved already, or where
+        :func:`readout_moves_cursor` as it entered, then moved here (its
+        values are not read: `entry` holds them).
       qn, kn: f32[batch, H, K], q normalized and scaled, k normalized.
       terms: f32[batch, HV, TERMS, L], as :func:`head_terms` returns them.
       entry: i32[rows * TMA_MAX] (rows = cdiv(batch, TMA_MAX)), each row's
@@ -1029,20 +1062,21 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
         terms (`head_terms` with deferred=True).
 
     Returns:
-      (o [batch, HV, V] in v.dtype, d records like state.d): the step's d
-      record at each row's cursor, in place; a row full at entry (cursor ==
-      L): NaN outputs, its d records unchanged. With k0: (o, d records,
-      checkpoint): a full row's checkpoint tile, read into shared memory,
-      takes its L buffered records there (the products on the tensor
-      cores where `keys_on_tensor_cores`, summed in their f32 accumulator;
-      else f32 products and sums: `_flush_tile`; then the
-      checkpoint's dtype), is written back in place and read as the
-      checkpoint of an empty row, whose record goes to slot 0.
+      (o [batch, HV, V] in v.dtype, the GDNReplayState after the step): the
+      step's d record at each row's cursor, in place; a row full at entry
+      (cursor == L): NaN outputs, its d records unchanged; where
+      :func:`readout_moves_cursor`, program 0 stores the cursors
+      min(live + 1, L) in place. With k0, a full row's checkpoint tile,
+      read into shared memory, takes its L buffered records there (the
+      products on the tensor cores where `keys_on_tensor_cores`, summed in
+      their f32 accumulator; else f32 products and sums: `_flush_tile`;
+      then the checkpoint's dtype), is written back in place and read as
+      the checkpoint of an empty row, whose record goes to slot 0.
     """
     batch, HV, V, K = state.checkpoint.shape
     H, L = state.k.shape[1], state.buffer_len
     programs = _grid(batch, HV, V, config)[1]
-    deferred = k0 is not None
+    deferred, moves = k0 is not None, readout_moves_cursor(batch)
     body = _readout_kernel((batch, HV, V), L, HV // H, config, state.checkpoint.dtype, deferred)
     R = config.slots_per_copy(L)
     copies = f"_r{R}" if R < L else ""
@@ -1050,7 +1084,7 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
     keys = "_kf" if deferred and not config.keys_ahead(state.checkpoint.dtype) else ""  # the flush's keys at the flush
     name = f"gdn_{route}_tma_L{L}_bv{config.block_v}_st{config.stages}_p{programs}{copies}{keys}"  # as profiles name it
     rows = cursor_rows(batch)
-    scratch = [plgpu.SMEM((rows, TMA_MAX), jnp.int32)]
+    scratch = [plgpu.SMEM((rows, TMA_MAX), jnp.int32)] * (1 + moves)  # the cursors at entry, after the step
     if deferred:  # a flushing item's key-head k records and slot-0 key (a second buffer: the next item's)
         n = 1 + config.keys_ahead(state.checkpoint.dtype)
         scratch += [plgpu.SMEM((n, L, K), state.k.dtype, transforms=_key_transforms(state.k.dtype, L)),
@@ -1058,10 +1092,14 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(programs,),
                           grid_names=("program",), kernel_name=name,
                           scratch_types=[*scratch, plgpu.Barrier(num_barriers=5 if deferred else 1)])
-    d_ref = jax.new_ref(state.d)  # written in place: the kernel's d records
-    if not deferred:
-        o = kernel(state.checkpoint, terms, entry.reshape(rows, TMA_MAX), qn, kn, v, d_ref)
-        return o, d_ref[...]
-    ck_ref = jax.new_ref(state.checkpoint)  # the full rows' tiles written in place
-    o = kernel(ck_ref, terms, entry.reshape(rows, TMA_MAX), qn, kn, v, d_ref, state.k, k0)
-    return o, d_ref[...], ck_ref[...]
+    # written in place: the d records; on the deferred route the full rows' checkpoint tiles; where `moves`,
+    # the cursor
+    refs = {"d": jax.new_ref(state.d)}
+    if deferred:
+        refs["checkpoint"] = jax.new_ref(state.checkpoint)
+    if moves:
+        refs["cursor"] = jax.new_ref(state.cursor)
+    flush = (state.k, k0) if deferred else ()
+    o = kernel(refs.get("checkpoint", state.checkpoint), terms, entry.reshape(rows, TMA_MAX), qn, kn, v, refs["d"],
+               *flush, *[refs.get("cursor")] * moves)
+    return o, state.replace(**{name: ref[...] for name, ref in refs.items()})
