@@ -150,8 +150,8 @@ def _abstract(batch, K=128, V=128, L=16, checkpoint=f32, d=bf16, act=bf16, H=16,
 ], ids=["K-512", "L-72", "fp8-records", "f16-v", "H-32768", "smem", "record-slots"])
 def test_limits_on_shapes(case, config, match):
     """The shape limits, on abstract states (the shared-memory bound at a batch where the pipeline keeps every
-    stage, with the cursors after the step in shared memory too: batch 200 is a multiple of 4; Mosaic GPU's
-    lowering refuses there, as it did at 233504 bytes allocated before those cursors)."""
+    stage; batch 200, a multiple of 4, also holds the cursors after the step. Before those cursors the
+    bound was 233672 bytes, Mosaic GPU's lowering allocated 233504 there and refused)."""
     state, v = _abstract(**{"batch": 4, **case})
     with pytest.raises(ValueError, match=match):
         tma_readout.check_tma_readout(state, v, kernels.TMAReadoutConfig(**(config or {})), interpret=False,
@@ -383,6 +383,17 @@ def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtyp
         np.testing.assert_array_equal(np.asarray(stash[0], np.float32)[full], np.asarray(rs.k[:, :, 0], np.float32)[full])
 
 
+def test_prelude_keeps_the_cursor_on_the_readout_routes_only(rng):
+    """move_cursor=False on the direct route (whose step sets the cursor to 0 and has no readout to move
+    it) is refused before any launch."""
+    layer = _layer(rng)
+    rs, inp = _state(layer, f32, bf16, np.zeros(SHAPE.batch, np.int32)), layer.draw()
+    with pytest.raises(ValueError, match=r"move_cursor=False on route 'direct'"):
+        gdn_kernels._head_terms(gdn_kernels.Records(rs.d, rs.k, rs.g), rs.cursor,
+                                gdn_kernels._f32_decay(gdn_kernels.Inputs(**inp)), scale=0.3, use_qk_l2norm=True,
+                                interpret=True, route="direct", move_cursor=False)
+
+
 MODEL = GDNShape(batch=200, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer
 MODEL_B67 = MODEL.with_batch(67)  # 4288 items over 264 programs
 
@@ -419,7 +430,8 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, buffer_dtype, act, config, sha
         "the prelude's k and g records and cursor are not aliased"
     readout = re.search(r"@mosaic_gpu_v2\(([^\n]*)", text).group(1)
     pairs = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", readout)
-    moves = tma_readout.readout_moves_cursor(shape.batch)  # batch 200 and 300: the readout moves the cursor
+    moves = shape is not SHAPE  # batch 200 and 300 (multiples of 4): the readout moves the cursor; 5: the prelude
+    assert tma_readout.readout_moves_cursor(shape.batch) == moves
     assert sorted(pairs) == [("1", "6")] + [("2", "7")] * moves, pairs  # the d records (and cursor) in place
 
 
@@ -501,10 +513,12 @@ def test_compiled_append_step_matches_the_reference(checkpoint_dtype, buffer_dty
         "L32-one-copy-wgmma", "b8-f32-readout-moves-cursor", "L16-model-b68-bf16-readout-moves-cursor"])
 def test_compiled_deferred_steps_match_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, buffer_len,
                                                      rng):
-    """The deferred route on Mosaic GPU (the flush launch of the full rows, the prelude, the readout): L + 2
-    steps from staggered cursors, full rows among them, inf and NaN in the dead slots, against the
-    reference's deferred route (`kernel_checks.check_deferred_steps`). At L = 16 and 32 with bf16 records
-    the readout's flush forms its products on the tensor cores; at L = 8 in f32 outer products."""
+    """The deferred route on Mosaic GPU (the prelude, then the readout, which flushes the full rows itself):
+    L + 2 steps from staggered cursors (3 b mod (L + 1): rows full at the start at L = 16 from batch 12 on;
+    every row fills and enters a later step full), inf and NaN in the dead slots, against the reference's
+    deferred route (`kernel_checks.check_deferred_steps`). At L = 16 and 32 with bf16 records the
+    readout's flush forms its products on the tensor cores; at L = 8 in f32 outer products. The cursor
+    is moved by the readout at batch 8 and 68, by the prelude at 5 and 67."""
     layer = _layer(rng, shape, act)
     cursor = (np.arange(shape.batch) * 3 % (buffer_len + 1)).astype(np.int32)
     check_deferred_steps(layer, _state(layer, checkpoint_dtype, buffer_dtype, cursor, buffer_len), config,
@@ -537,12 +551,16 @@ def test_default_append_route_at_batch_256(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [kernels.TMAReadoutConfig(), kernels.TMAReadoutConfig(record_slots=0)],
-                         ids=["4-slot-copies", "one-copy"])
-def test_compiled_full_row_keeps_its_state(config, rng):
-    """A row that entered full, under a trace: NaN outputs, its state kept bit for bit; the others step."""
-    layer = _layer(rng)
-    cursor = np.array([L, 2, L, 0, 5], np.int32)
+@pytest.mark.parametrize(("config", "cursor"), [
+    (kernels.TMAReadoutConfig(), [L, 2, L, 0, 5]),
+    (kernels.TMAReadoutConfig(record_slots=0), [L, 2, L, 0, 5]),
+    (kernels.TMAReadoutConfig(), [L, 2, L, 0, 5, L, 1, 3]),
+], ids=["4-slot-copies", "one-copy", "b8-readout-moves-cursor"])
+def test_compiled_full_row_keeps_its_state(config, cursor, rng):
+    """A row that entered full, under a trace: NaN outputs, its state kept bit for bit, its cursor L; the
+    others step. At batch 8 the readout moves the cursors (`readout_moves_cursor`), at 5 the prelude."""
+    cursor = np.array(cursor, np.int32)
+    layer = _layer(rng, SHAPE.with_batch(len(cursor)))
     rs, inp = _state(layer, f32, bf16, cursor), layer.draw()
     o, new = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "append", config))(rs, inp)
     o_ref, _ = _reference(rs, inp, SHAPE.K ** -0.5)

@@ -18,11 +18,11 @@ cursor moves in place in the Mosaic GPU steps' Triton launch (GDN: the
 prelude; Mamba-2: the launch after the readout), and by an XLA op after
 the Triton replay kernel. Where the batch is a multiple of 4, the GDN
 readout moves it instead, without atomics: its prelude writes each row's
-cursor at entry to a fresh array and leaves the cursor as it was, and one
-program of the readout, which reads only that array, stores the new
-cursors in place (`tma_readout.readout_moves_cursor`). The deferred route's flush launch, which runs
-first, moves no cursor: the launches after it read a full row as empty
-(`live_count`).
+cursor at entry to a fresh array and leaves the cursor as it was, and
+one program of the readout, which reads only that array, stores the new
+cursors in place (`tma_readout.readout_moves_cursor`). The deferred
+route's flush launch, which runs first, moves no cursor: the launches
+after it read a full row as empty (`live_count`).
 
 A two-launch step moves it in place without atomics: its replay kernel,
 which reads the cursor in every program, writes each row's cursor at entry

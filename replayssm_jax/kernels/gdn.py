@@ -35,9 +35,10 @@ touch the same state element.
   full (`launch.flush_full_launch`). With a TMAReadoutConfig the append
   and deferred routes are instead two launches: a Triton prelude, grid
   (batch, H), that forms the per-head terms and writes the shared records
-  and the cursor (`_head_terms`), and the Mosaic GPU readout
+  and the cursors at entry (`_head_terms`), and the Mosaic GPU readout
   (`tma_readout.gdn_append_tma`), which on the deferred route flushes the
-  rows that entered full itself; the direct route likewise, the prelude on
+  rows that entered full itself; one of the two moves the cursor
+  (`tma_readout.readout_moves_cursor`); the direct route likewise, the prelude on
   route "direct" (no record written, the cursor set to 0) and the Mosaic
   GPU step (`tma_step.gdn_direct_tma`).
 - :func:`gdn_replay_verify`: a verify window of W steps. The rows whose
@@ -329,6 +330,9 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
     the readout to move (`tma_readout.readout_moves_cursor`). The pure-JAX form is
     `tma_readout.head_terms` and `tma_readout.append_shared_records` (append,
     deferred), `tma_step.direct_terms` (direct)."""
+    if not move_cursor and route not in NO_FLUSH_ROUTES:
+        raise ValueError(f"the prelude leaves the cursor to the readout on routes {NO_FLUSH_ROUTES} only; got "
+                         f"move_cursor=False on route {route!r}")
     batch, H, K = inputs.q.shape
     HV, L = inputs.v.shape[1], records.d.shape[2]
     BK, BL, BH = next_pow2(K), next_pow2(L), next_pow2(HV)
@@ -735,7 +739,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         append route the shared records) and one Mosaic GPU kernel whose TMA
         copies stream the checkpoint tiles through shared memory
         (:func:`~replayssm_jax.kernels.tma_readout.gdn_append_tma`, which
-        writes the d records; :func:`~replayssm_jax.kernels.tma_step.gdn_direct_tma`,
+        writes the d records, and the cursor where the batch is a multiple
+        of 4; :func:`~replayssm_jax.kernels.tma_step.gdn_direct_tma`,
         which writes the checkpoint back; on the deferred route the flush
         launch before them takes the default ReplayConfig's flush tiling);
         None on the append and deferred routes takes it

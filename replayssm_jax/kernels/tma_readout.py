@@ -113,7 +113,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from replayssm_jax.kernels.config import MAX_BUFFER_LEN, MAX_HEAD_DIM, num_sms
-from replayssm_jax.kernels.cursor import MAX_ROW_PROGRAMS
+from replayssm_jax.kernels.cursor import MAX_ROW_PROGRAMS, live_count
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
 f32 = jnp.float32
@@ -365,8 +365,9 @@ def check_tma_readout(state: GDNReplayState, v, config: TMAReadoutConfig, *, int
         raise ValueError(f"the TMA readout takes V (value dim) a multiple of `config.block_v` = {config.block_v}; "
                          f"got V = {V}")
     if state.k.shape[1] > MAX_ROW_PROGRAMS:
-        raise ValueError(f"the TMA readout takes at most {MAX_ROW_PROGRAMS} key heads (its prelude moves the cursor "
-                         f"once the row's programs, one per key head, have read it); got H = {state.k.shape[1]}")
+        raise ValueError(f"the TMA readout takes at most {MAX_ROW_PROGRAMS} key heads (its prelude's programs, one "
+                         f"per key head, count their arrivals in the cursor where they move it); got "
+                         f"H = {state.k.shape[1]}")
     L = state.buffer_len
     if L % 8 or L > MAX_L:
         raise ValueError(f"the TMA readout takes L (buffer length) a multiple of 8 (each shared-memory stage "
@@ -712,8 +713,10 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
     ahead = deferred and config.keys_ahead(checkpoint_dtype)
     moves = readout_moves_cursor(batch)
 
-    def body(ck_ref, terms_ref, cursor_ref, q_ref, k_ref, v_ref, d_ref, *refs):
-        # inputs after d: [k records, slot-0 keys] (deferred), [the cursor, moved] (moves); the output o;
+    route = "deferred" if deferred else "append"
+
+    def body(ck_ref, terms_ref, entry_ref, q_ref, k_ref, v_ref, d_ref, *refs):
+        # inputs after d: [k records, slot-0 keys] (deferred), [the cursor, moved here] (moves); the output o;
         # scratch: the entry cursors, [the cursors after the step] (moves), [key buffers] (deferred), barriers
         extra = 2 * deferred + moves
         (*inputs, o_ref, cursor_smem), (*scratch, barrier) = refs[:extra + 2], refs[extra + 2:]
@@ -721,17 +724,15 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             krec_ref, k0_ref = inputs[:2]
             kf_smem, k0_smem = scratch[moves:]
         program = lax.axis_index("program")
-        plgpu.copy_gmem_to_smem(cursor_ref, cursor_smem, barrier.at[0])
+        plgpu.copy_gmem_to_smem(entry_ref, cursor_smem, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
 
         def move_cursors(cursor_out, next_smem):
             """The cursors after the step, min(live + 1, L) of the entry cursors, stored in place in TMA copies
-            of up to TMA_MAX rows (no row flushes here: the deferred route's full rows flush before their
-            record, read as empty)."""
+            of up to TMA_MAX rows. None is 0: a full row stays full on the append route, and on the deferred
+            route it flushes first, its record then going to slot 0 (cursor 1)."""
             for r in range(cursor_rows(batch)):
-                entry = cursor_smem[r]
-                live = jnp.where(entry >= L, 0, entry) if deferred else entry
-                next_smem[r] = jnp.minimum(live + 1, L)
+                next_smem[r] = jnp.minimum(live_count(cursor_smem[r], L, route) + 1, L)
             plgpu.commit_smem()
             for r in range(cursor_rows(batch)):
                 n = min(TMA_MAX, batch - r * TMA_MAX)
@@ -739,13 +740,14 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         if moves:
-            pl.when(program == 0)(lambda: move_cursors(inputs[-1], scratch[0]))
+            cursor_out, next_smem = inputs[-1], scratch[0]
+            pl.when(program == 0)(lambda: move_cursors(cursor_out, next_smem))
 
         def cursor_of(b):  # the row's cursor at entry (L: a full row, which the deferred route flushes first)
             return cursor_smem[b // TMA_MAX, b % TMA_MAX]
 
         def live_of(b):  # the live records the readout reads: none in a full row on the deferred route
-            return jnp.where(cursor_of(b) >= L, 0, cursor_of(b)) if deferred else cursor_of(b)
+            return live_count(cursor_of(b), L, route)
 
         def record_slot(b):  # a full row writes its last record back unchanged (append route)
             return jnp.minimum(live_of(b), L - 1)
@@ -1035,14 +1037,15 @@ def mamba2_deferred_readout_tma(state: Mamba2ReplayState, C, A, config: TMAReado
 
 
 def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMAReadoutConfig, k0=None):
-    """The append step's readout on Mosaic GPU, after its prelude: the outputs and the d records; with `k0`,
-    the deferred route's readout, which first flushes the full rows, in place.
+    """The append step's readout on Mosaic GPU, after its prelude: the outputs and the state after the step
+    (its d records, and the cursor where :func:`readout_moves_cursor`); with `k0`, the deferred route's
+    readout, which first flushes the full rows, in place.
 
     Takes the prelude's outputs (the Triton launch of
     :func:`replayssm_jax.kernels.gdn_replay_step`'s append route; their
     pure-JAX form is :func:`head_terms`) on validated arguments whose
     limits the caller checked (:func:`check_tma_readout`). Traced inside
-    the caller's jit: the d records' `jax.Ref` is read back here.
+    the caller's jit: the `jax.Ref`s written in place are read back here.
 
     Args:
       state: the GDNReplayState before the step (checkpoint f32 |
@@ -1101,5 +1104,5 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
         refs["cursor"] = jax.new_ref(state.cursor)
     flush = (state.k, k0) if deferred else ()
     o = kernel(refs.get("checkpoint", state.checkpoint), terms, entry.reshape(rows, TMA_MAX), qn, kn, v, refs["d"],
-               *flush, *[refs.get("cursor")] * moves)
-    return o, state.replace(**{name: ref[...] for name, ref in refs.items()})
+               *flush, *([refs["cursor"]] if moves else []))
+    return o, state.replace(**{field: ref[...] for field, ref in refs.items()})
