@@ -747,7 +747,7 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             return cursor_smem[b // TMA_MAX, b % TMA_MAX]
 
         def live_of(b):  # the live records the readout reads: none in a full row on the deferred route
-            return live_count(cursor_of(b), L, route)
+            return jnp.where(cursor_of(b) >= L, 0, cursor_of(b)) if deferred else cursor_of(b)
 
         def record_slot(b):  # a full row writes its last record back unchanged (append route)
             return jnp.minimum(live_of(b), L - 1)
