@@ -21,7 +21,7 @@ import pytest
 from cases import assert_close
 from hlo_checks import assert_step_alone_and_in_a_loop, carry_copies, per_step_copies, work_besides_kernels
 from kernel_checks import GDN, GDNShape, lower_for_cuda
-from test_tma_readout import _abstract, _state  # GDN replay states, abstract and drawn
+from test_tma_readout import _abstract, _Device, _state  # GDN replay states, abstract and drawn; a device
 from replayssm_jax import kernels, reference
 from replayssm_jax.kernels import gdn as gdn_kernels
 from replayssm_jax.kernels import tma_step
@@ -80,8 +80,9 @@ def test_direct_terms_give_the_reference_direct_step(buffer_dtype, rng):
 ], ids=["bf16-records", "group3-K96-L24"])
 def test_direct_prelude_matches_its_pure_jax_form(shape, buffer_len, buffer_dtype, rng):
     """The Triton prelude launch on route "direct" (interpreted) against `direct_terms`: q, k and the terms
-    within the f32 tolerance, no record written (dead slots' inf kept), the cursor at entry in the kernel's
-    layout and 0 after the step."""
+    within the f32 tolerance, the dead slots' k records zeroed in the rows with live records and no other
+    record written (`clear_dead_keys`; inf kept in an empty row's dead slots), the cursor at entry in the
+    kernel's layout and 0 after the step."""
     layer = GDN(shape, rng, f32)
     cursor = _cursors(shape.batch, buffer_len)
     rs, inp = _state(layer, f32, buffer_dtype, cursor, buffer_len), layer.draw()
@@ -91,7 +92,8 @@ def test_direct_prelude_matches_its_pure_jax_form(shape, buffer_len, buffer_dtyp
         scale=0.3, use_qk_l2norm=True, interpret=True, route="direct")
     for name, a, b in zip(("qn", "kn", "terms"), (qn, kn, terms), want):
         assert_close(a, b, f32, what=f"the prelude's {name}")
-    np.testing.assert_array_equal(np.asarray(shared.k, np.float32), np.asarray(rs.k, np.float32))
+    np.testing.assert_array_equal(np.asarray(shared.k, np.float32),
+                                  np.asarray(tma_step.clear_dead_keys(rs).k, np.float32))
     np.testing.assert_array_equal(np.asarray(shared.g), np.asarray(rs.g))
     np.testing.assert_array_equal(np.asarray(entry)[:shape.batch], cursor)
     np.testing.assert_array_equal(np.asarray(cursor_next), 0)
@@ -112,6 +114,36 @@ def test_limits():
         tma_step.check_direct_tma(*f32_records, tma_step.STEP_CONFIG, interpret=False, slots=None)
     tma_step.check_direct_tma(*f32_records, kernels.TMAReadoutConfig(stages=2, programs_per_sm=1), interpret=False,
                               slots=None)
+
+
+@pytest.mark.parametrize(("device", "case", "kw", "takes"), [
+    (_Device(), dict(batch=256), {}, True),
+    (_Device(), dict(batch=64), {}, True),
+    (_Device(), dict(batch=64, checkpoint=bf16), {}, True),
+    (_Device(), dict(batch=256, L=32, checkpoint=bf16), {}, True),
+    (_Device(), dict(batch=256, L=32), {}, False),
+    (_Device(), dict(batch=63), {}, False),
+    (_Device(), dict(batch=256, L=8), {}, False),
+    (_Device(), dict(batch=256, d=f32), {}, False),
+    (_Device(), dict(batch=256, checkpoint=jnp.int8), {}, False),
+    (_Device(), dict(batch=256), dict(interpret=True), False),
+    (_Device(), dict(batch=256), dict(slots=jnp.arange(256)), False),
+    (_Device(compute_capability="8.0"), dict(batch=256), {}, False),
+    (_Device(platform="cpu"), dict(batch=256), {}, False),
+    (_Device(), dict(batch=256, V=320), {}, False),
+    (_Device(), dict(batch=256, K=256), {}, False),
+], ids=["b256", "b64", "bf16-b64", "bf16-L32", "f32-L32-smem", "b63", "L8", "f32-records", "int8", "interpret", "pool", "sm80", "cpu",
+       "V320", "K256-smem"])
+def test_default_tiling_of_the_direct_route(device, case, kw, takes, monkeypatch):
+    """The direct route takes the Mosaic GPU step by default only where its fold runs on the tensor cores
+    (bf16 keys, L a multiple of 16) and, as the append route, for an f32 or bf16 checkpoint of batch >= 64,
+    compiled, on a Hopper-class GPU, where the step's limits take it with one program an SM (K = 256, or
+    L = 32 with an f32 checkpoint: 3 stages above an SM's shared memory), with V within the Triton
+    kernels' bound."""
+    monkeypatch.setattr(jax, "devices", lambda *a: [device])
+    state, v = _abstract(**case)
+    config = tma_step.default_direct_tma(state, v, interpret=kw.get("interpret", False), slots=kw.get("slots"))
+    assert config == (tma_step.STEP_CONFIG if takes else None)
 
 
 def test_step_lowers_for_cuda(rng):
@@ -181,28 +213,38 @@ def test_standard_step_lowers_for_cuda_and_its_limits(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape"), [
-    (f32, bf16, bf16, tma_step.STEP_CONFIG, SHAPE),
-    (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128, stages=1, programs_per_sm=1), SHAPE),
-    (bf16, bf16, bf16, tma_step.STEP_CONFIG, SHAPE),
-    (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=67, H=16, HV=32, K=128, V=128)),
-    (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=7, H=2, HV=6, K=96, V=64)),
-    (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=300, H=2, HV=4, K=128, V=128)),
-], ids=["f32-bf16", "f32-f32-f32act-128x1", "bf16", "model-b67", "group3-K96", "b300"])
-def test_compiled_direct_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, rng):
+@pytest.mark.parametrize(("checkpoint_dtype", "buffer_dtype", "act", "config", "shape", "buffer_len"), [
+    (f32, bf16, bf16, tma_step.STEP_CONFIG, SHAPE, L),
+    (f32, f32, f32, kernels.TMAReadoutConfig(block_v=128, stages=1, programs_per_sm=1), SHAPE, L),
+    (bf16, bf16, bf16, tma_step.STEP_CONFIG, SHAPE, L),
+    (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=67, H=16, HV=32, K=128, V=128), L),
+    (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=7, H=2, HV=6, K=96, V=64), L),
+    (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=300, H=2, HV=4, K=128, V=128), L),
+    # the fold on the tensor cores (bf16 keys, L a multiple of 16: `tma_readout.keys_on_tensor_cores`)
+    (f32, bf16, bf16, tma_step.STEP_CONFIG, SHAPE, 16),
+    (bf16, bf16, bf16, tma_step.STEP_CONFIG, SHAPE, 32),
+    (f32, bf16, bf16, kernels.TMAReadoutConfig(stages=2, programs_per_sm=1), GDNShape(batch=67, H=16, HV=32, K=128,
+                                                                                      V=128), 16),
+    (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=300, H=2, HV=4, K=128, V=128), 16),
+], ids=["f32-bf16", "f32-f32-f32act-128x1", "bf16", "model-b67", "group3-K96", "b300", "L16-wgmma", "bf16-L32-wgmma",
+        "model-b67-L16-st2-wgmma", "b300-L16-wgmma"])
+def test_compiled_direct_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, buffer_len,
+                                                    rng):
     """From staggered cursors (an empty row, a full one) with inf and NaN in the dead slots: outputs and checkpoint
-    within the tolerance of the case's dtypes, the records untouched, the cursor 0."""
+    within the tolerance of the case's dtypes, the records untouched but the dead keys of rows with live
+    records (zeroed: `clear_dead_keys`), the cursor 0."""
     layer = GDN(shape, rng, act)
-    cursor = _cursors(shape.batch)
-    rs, inp = _state(layer, checkpoint_dtype, buffer_dtype, cursor), layer.draw()
+    cursor = _cursors(shape.batch, buffer_len)
+    rs, inp = _state(layer, checkpoint_dtype, buffer_dtype, cursor, buffer_len), layer.draw()
     o_ref, rs_ref = _reference(rs, inp, shape.K ** -0.5)
     o, new = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "direct", config))(rs, inp)
     tol = tolerance_dtype(act, checkpoint_dtype, buffer_dtype)
     assert_close(o, o_ref, tol, what="outputs")
     assert_close(new.checkpoint, rs_ref.checkpoint, tol, what="checkpoint")
+    want = tma_step.clear_dead_keys(rs)
     for name in ("d", "k", "g"):
         np.testing.assert_array_equal(np.asarray(getattr(new, name), np.float32),
-                                      np.asarray(getattr(rs, name), np.float32), err_msg=f"{name} records")
+                                      np.asarray(getattr(want, name), np.float32), err_msg=f"{name} records")
     np.testing.assert_array_equal(np.asarray(new.cursor), 0)
 
 

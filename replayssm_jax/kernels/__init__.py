@@ -68,12 +68,15 @@ Launches and their configs:
   persistent kernel reads the checkpoint's rows for S_c C, then a Triton
   launch does the per-head work, appends the records and moves the cursor.
 - GDN replay step, direct route, on Mosaic GPU
-  (:mod:`replayssm_jax.kernels.tma_step`, given a :class:`TMAReadoutConfig`;
-  not a default, its fold 1.8x slower than the Triton kernel's): the
-  prelude launch (no record written, the cursor set to 0), then a
-  persistent kernel that folds the live records into each checkpoint tile,
-  runs the step and writes the tile back in place. Compiled GPU only; f32
-  and bf16 checkpoints.
+  (:mod:`replayssm_jax.kernels.tma_step`, :class:`TMAReadoutConfig`; the
+  default where :func:`~replayssm_jax.kernels.tma_step.default_direct_tma`
+  says: bf16 k records, L a multiple of 16, batch >= 64 on a Hopper-class
+  GPU): the prelude launch (the dead slots' keys zeroed in rows with live
+  records, the cursor set to 0), then a persistent kernel that folds the
+  live records into each checkpoint tile (on the tensor cores with bf16
+  keys: the weighted d records in three exact bf16 parts), runs the step
+  and writes the tile back in place. Compiled GPU only; f32 and bf16
+  checkpoints.
 
 8-bit checkpoints (int8, float8_e4m3fn; :mod:`replayssm_jax.state`) take
 the same kernels: a launch gets the checkpoint as a

@@ -83,7 +83,8 @@ from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_
 from replayssm_jax.kernels.tma_readout import (TERMS, TMA_MAX, TMAReadoutConfig, check_tma_readout,
                                                check_tma_route, cursor_rows, default_tma_readout, gdn_append_tma,
                                                readout_moves_cursor)
-from replayssm_jax.kernels.tma_step import STEP_TERMS, check_direct_tma, check_step_tma, gdn_direct_tma, gdn_step_tma
+from replayssm_jax.kernels.tma_step import (STEP_TERMS, check_direct_tma, check_step_tma, default_direct_tma, gdn_direct_tma,
+                                            gdn_step_tma)
 from replayssm_jax.state import GDNReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -243,8 +244,9 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     scalars' lane 4 exp of their log decays' sum; zeros for other rows) and its k record of slot 0
     before this step overwrites it, in `stash` ([BK] in the k records' dtype; unwritten for other rows); the entry is the
     cursor, not the live count. route "direct" (`tma_step.direct_terms`):
-    terms w (the live slots' decay weights), zeros, then the same scalars; no record written; the
-    cursor to 0. route "standard" (the standard step; `tma_step.step_terms`): no records or cursor
+    terms w (the live slots' decay weights), zeros, then the same scalars; in a row with live records
+    the dead slots' k records zeroed (`tma_step.clear_dead_keys`: the step's fold reads every slot's
+    key), no other record written; the cursor to 0. route "standard" (the standard step; `tma_step.step_terms`): no records or cursor
     (their refs None), terms zeros, zeros, then the scalars (exp(0) = 1 for the carried decay).
     move_cursor False: the cursor is left as it was (the readout moves it from the entry cursors,
     `tma_readout.readout_moves_cursor`).
@@ -271,6 +273,10 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     if deferred:  # the full row's slot-0 key, read before this step's record replaces it
         kept = mask_and(kmask, full, k.shape)
         store(stash[0], load(records.k.at[jnp.int32(0)], kept), kept)
+    if route == "direct":  # the step's fold reads every slot's key on the tensor cores: a dead one (maybe inf) zeroed
+        dead = mask_and(lmask, (lanes >= count) & (count > 0), (BL,))
+        shape = (BL, k.shape[0])
+        store(records_out.k, jnp.zeros(shape, records_out.k.dtype), tile_mask(dead, kmask, shape))
     if append:
         keys = load_live_only(records.k, live, kmask)  # dead slots not read (bench/RESULTS.md, 2026-12-03)
         score_k, score_q = jnp.sum(keys * k[None, :], axis=1), jnp.sum(keys * q[None, :], axis=1)
@@ -321,7 +327,8 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
     Returns (qn, kn f32[batch, H, K], terms f32[batch, HV, TERMS, L], entry
     i32[rows * TMA_MAX] (each row's cursor at entry, then unwritten
     padding), k and g records (written in place on the append and deferred
-    routes, unwritten on the direct one) and the cursor after the step
+    routes; on the direct one the dead slots' k records zeroed in a row
+    with live records, `tma_step.clear_dead_keys`) and the cursor after the step
     (moved in place)), and on the deferred route a last output, each full
     row's k record of slot 0 before the step, [batch, H, K] in the k records'
     dtype (other rows unwritten); there the terms are those of a full row read as empty, with
@@ -746,8 +753,10 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         None on the append and deferred routes takes it
         where :func:`~replayssm_jax.kernels.tma_readout.default_tma_readout`
         says (an f32 or bf16 checkpoint of batch >= 64 on a Hopper-class
-        GPU). The direct route's is no default: its fold took 1.8x the
-        Triton kernel's time (bench/RESULTS.md, 2026-12-03).
+        GPU), on the direct route where
+        :func:`~replayssm_jax.kernels.tma_step.default_direct_tma` says
+        (the same, with bf16 k records and L a multiple of 16: its fold on
+        the tensor cores).
       interpret: run the kernels in Pallas interpret mode.
       slots: None, or i32[batch] (validated): the state is a state pool of
         capacity slots and batch row b steps slot slots[b], as
@@ -773,6 +782,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
     """
     if config is None and route in NO_FLUSH_ROUTES:
         config = default_tma_readout(state, v, interpret=interpret, slots=slots, deferred=route == "deferred")
+    elif config is None and route == "direct":
+        config = default_direct_tma(state, v, interpret=interpret, slots=slots)
     if isinstance(config, TMAReadoutConfig):
         check_tma_route(route)
         options = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), config=config)

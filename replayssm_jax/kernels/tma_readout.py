@@ -70,7 +70,7 @@ default with a bf16 one; `TMAReadoutConfig.flush_keys_ahead`); the item
 applies the L records to the checkpoint tile there (with bf16 k records and
 L a multiple of WGMMA_K, on the tensor cores: the weighted d records w_i d_i
 split in three exact bf16 parts, three WGMMAs of a part times the keys, into
-the f32 tile; else f32 outer products; `_flush_tile`), writes the tile back
+the f32 tile; else f32 outer products; `fold_tile`), writes the tile back
 (a TMA store, in place) and reads it as the checkpoint. Each item then runs exactly once (the full rounds, then one
 more step on the first programs: a traced step count, one pipeline body),
 where the append route's programs past the last item repeat it. On the append route a row
@@ -619,7 +619,7 @@ def _swizzled(dtype):
 
 
 def keys_on_tensor_cores(k_dtype, L: int) -> bool:
-    """Whether the GDN deferred readout forms a flush's products on the tensor cores (`_flush_tile`): k
+    """Whether the GDN deferred readout forms a flush's products on the tensor cores (`fold_tile`): k
     records in bf16 and L a multiple of WGMMA_K."""
     return jnp.dtype(k_dtype) == jnp.bfloat16 and L % WGMMA_K == 0
 
@@ -645,41 +645,60 @@ def _key_transforms(k_dtype, L: int):
     return plgpu.TilingTransform((8, WGMMA_K)), plgpu.SwizzleTransform(KEY_SWIZZLE)
 
 
-def _flush_tile(S_s, terms_s, U_s, kf_s, k0_s):
-    """A flushing item's checkpoint tile S_s (shared memory) replaced by the tile after the row's L buffered
-    records, S <- c S + sum_i w_i d_i k_i^T (c and w_i: the prelude's flush terms; d_i: the item's d records,
-    the pipeline's L / R buffers U_s of R slots each; k_i: row i of kf_s [L, K] for i >= 1, the slot-0 key
-    k0_s [K], which this step's record has replaced in kf_s's row 0), stored in the tile's dtype.
+def fold_tile(S_s, scale, weight, U_s, kf_s, k0_s=None, count=None):
+    """A checkpoint tile S_s (shared memory) replaced by the tile after buffered records,
+    S <- scale S + sum_i weight(i) d_i k_i^T over the live slots i (all L where `count` is None, else
+    i < count, a traced scalar), stored in the tile's dtype (`replay_math`'s fold; DESIGN.md section 2).
 
-    Slot 0 is one f32 outer product. Slots 1 .. L - 1: with bf16 keys (`keys_on_tensor_cores`) on the
-    tensor cores, A [block_v, L] holding w_i d_i in its column i (column 0 zero), split into three bf16
-    parts (`bf16_parts`, whose sum is A), and one WGMMA of M = block_v, k = L per part times the swizzled
-    keys, accumulated into the f32 tile; else f32 outer products (one loop body a buffer: the L outer
-    products unrolled took 14 s to lower, 2026-12-03)."""
+    d_i: the item's d records, the pipeline's L / R buffers U_s of R slots
+    each; k_i: row i of kf_s [L, K], but for slot 0 the key k0_s [K] where
+    given (the deferred readout's: this step's record has replaced row 0);
+    weight(i): slot i's f32 scalar (traced i). A dead slot's d record,
+    which may hold anything, is selected out. With bf16 keys
+    (`keys_on_tensor_cores`) the products run on the tensor cores: A
+    [block_v, L] holding weight(i) d_i in column i (0 for a dead slot, and
+    column 0 where k0_s takes slot 0) split into three bf16 parts
+    (`bf16_parts`, whose sum is A), one WGMMA of M = block_v, k = L a part
+    times the swizzled keys, accumulated into the f32 tile; a dead slot's
+    key there must be finite (0 times inf is NaN: the direct route's
+    prelude zeroes them). Else f32 outer products, a dead slot's key
+    selected out too (one loop body a buffer: the L outer products
+    unrolled took 14 s to lower, 2026-12-03). Slot 0 with k0_s is one f32
+    outer product."""
     R = U_s[0].shape[0]
     L = R * len(U_s)
-    record = lambda i: plgpu.load(U_s[i // R].at[i % R], layout=ROW).astype(f32)  # noqa: E731  (static i)
-    S = terms_s[2, 4] * plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
-    S = S + (terms_s[3, 0] * record(0))[:, None] * plgpu.load(k0_s, layout=COL).astype(f32)[None, :]
+    first = 0 if k0_s is None else 1
 
-    def each_slot(body, carry):  # body(i, u_i, carry) over slots 1 .. L - 1, u_i = d_i
+    def live(i, x):  # x where slot i is live, else 0
+        return x if count is None else jnp.where(jnp.broadcast_to(i < count, x.shape), x, jnp.zeros_like(x))
+
+    def record(i, u):  # weight(i) d_i
+        return live(i, weight(i) * u)
+
+    S = scale * plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
+    if k0_s is not None:
+        u = live(0, weight(0) * plgpu.load(U_s[0].at[0], layout=ROW).astype(f32))
+        S = S + u[:, None] * live(0, plgpu.load(k0_s, layout=COL).astype(f32))[None, :]
+
+    def each_slot(body, carry):  # body(i, u_i, carry) over slots first .. L - 1, u_i = d_i
         for c in range(len(U_s)):
             def step(r, x, c=c):
                 return body(c * R + r, plgpu.load(U_s[c].at[r], layout=ROW).astype(f32), x)
-            carry = lax.fori_loop(1 if c == 0 else 0, R, step, carry)
+            carry = lax.fori_loop(first if c == 0 else 0, R, step, carry)
         return carry
 
     if not keys_on_tensor_cores(kf_s.dtype, L):
         def outer(i, u, S):
-            return S + (terms_s[3, i] * u)[:, None] * plgpu.load(kf_s.at[i], layout=COL).astype(f32)[None, :]
+            key = live(i, plgpu.load(kf_s.at[i], layout=COL).astype(f32))
+            return S + record(i, u)[:, None] * key[None, :]
         S_s[...] = each_slot(outer, S).astype(S_s.dtype)
         return
 
     BV = S_s.shape[0]
     column = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BV, L), 1), plgpu.Layout.WGMMA)
 
-    def put(i, u, A):  # column i of A <- w_i d_i
-        return jnp.where(column == i, lax.broadcast_in_dim(terms_s[3, i] * u, (BV, L), [0]), A)
+    def put(i, u, A):  # column i of A <- weight(i) d_i
+        return jnp.where(column == i, lax.broadcast_in_dim(record(i, u), (BV, L), [0]), A)
 
     parts = bf16_parts(each_slot(put, plgpu.layout_cast(jnp.zeros((BV, L), f32), plgpu.Layout.WGMMA)))
 
@@ -835,7 +854,7 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
                     copy_keys(b, h, slot)
                 for i in (1, 2):
                     plgpu.barrier_wait(barrier.at[i + 2 * slot])
-                _flush_tile(S_s, terms_s, U_s, kf_smem.at[slot], k0_smem.at[slot])
+                fold_tile(S_s, terms_s[2, 4], lambda i: terms_s[3, i], U_s, kf_smem.at[slot], k0_smem.at[slot])
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(S_s, ck_ref.at[b, h, pl.ds(j * BV, BV)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -1072,7 +1091,7 @@ def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
       min(live + 1, L) in place. With k0, a full row's checkpoint tile,
       read into shared memory, takes its L buffered records there (the
       products on the tensor cores where `keys_on_tensor_cores`, summed in
-      their f32 accumulator; else f32 products and sums: `_flush_tile`;
+      their f32 accumulator; else f32 products and sums: `fold_tile`;
       then the checkpoint's dtype), is written back in place and read as
       the checkpoint of an empty row, whose record goes to slot 0.
     """

@@ -9,10 +9,11 @@ every row (L - 1 records live). Both run as two launches:
 
 - a Triton prelude: for the direct route the append route's prelude on
   route "direct" (`replayssm_jax.kernels.gdn._head_terms`; pure-JAX form
-  :func:`direct_terms`): q and k L2-normalized (q scaled), the live slots'
-  decay weights w_i (0 in dead slots) and exp of the live log decays' sum,
-  k . q, exp(g) and beta, each row's cursor at entry for the kernel, and
-  the cursor set to 0 in place; for the standard step
+  :func:`direct_terms` and :func:`clear_dead_keys`): q and k L2-normalized
+  (q scaled), the live slots' decay weights w_i (0 in dead slots) and exp
+  of the live log decays' sum, k . q, exp(g) and beta, each row's cursor at
+  entry for the kernel, the dead slots' k records zeroed in rows with live
+  records, and the cursor set to 0 in place; for the standard step
   `replayssm_jax.kernels.gdn._step_terms` (pure-JAX form
   :func:`step_terms`): q, k and the scalars only;
 - the Mosaic GPU step (:func:`gdn_direct_tma`, :func:`gdn_step_tma`):
@@ -31,16 +32,22 @@ every row (L - 1 records live). Both run as two launches:
       S = exp(sum of the live g) S_c + sum_{i < cursor} w_i d_i k_i^T   (direct route)
       d = beta (v - exp(g) S k),  S' = exp(g) S + d k^T,  o = S' q
 
-  the fold as L outer products on the tile in registers (f32 FMAs, no
-  tensor-core rounding; dead slots, which may hold inf or NaN, selected
-  out).
+  the fold, in a row with live records, by `tma_readout.fold_tile` in the
+  tile's shared-memory buffer: with bf16 k records and L a multiple of 16
+  on the tensor cores (the weighted d records split in three exact bf16
+  parts, so the products are f32's; a dead slot's record selected out and
+  its key zeroed by the prelude), else as L outer products (f32 FMAs, dead
+  slots selected out).
 
-Neither is a default: at Qwen3.5-4B's layer, batch 256, f32, on the H200
-the standard step took 287.4 us (prelude included) against the Triton
-kernel's 282.6 on 32-row tiles and 4 warps (and 288.0 against 274.8 on the
-16-row tiles and one warp that later became its default), the direct step 704 against 385: with one program an SM,
-the fold's outer products do not hide under the copies (bench/RESULTS.md,
-2026-12-03). They are taken given a TMAReadoutConfig (`STEP_CONFIG`).
+The standard step is no default: at Qwen3.5-4B's layer, batch 256, f32, on
+the H200 it took 287.4 us (prelude included) against the Triton kernel's
+282.6 on 32-row tiles and 4 warps (and 288.0 against 274.8 on the 16-row
+tiles and one warp that later became its default) (bench/RESULTS.md,
+2026-12-03). The direct step took 704 us against 385 with its fold as
+outer products, which with one program an SM do not hide under the copies;
+on the tensor cores it took 318 against 383 in the lockstep cycle (15 live
+records a row; bench/RESULTS.md, 2026-12-04) and is the direct route's
+default where :func:`default_direct_tma` says.
 
 Limits: the direct route's are those of the append route's readout
 (:func:`~replayssm_jax.kernels.tma_readout.check_tma_readout`), the
@@ -58,9 +65,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from replayssm_jax.kernels.config import MAX_HEAD_DIM
 from replayssm_jax.kernels.tma_readout import (COL, ROW, TERMS, TMA_MAX, TMAReadoutConfig, _align, _check_columns,
-                                               _check_common, _check_smem, _check_wide, _grid, _item_spec, _swizzled,
-                                               check_tma_readout, cursor_rows, head_terms,
-                                               live_weights, normalized_qk)
+                                               _check_common, _check_smem, _check_wide, _grid, _item_spec, _key_transforms,
+                                               _resident_default, _swizzled, check_tma_readout, cursor_rows,
+                                               fold_tile, head_terms, keys_on_tensor_cores, live_weights,
+                                               normalized_qk)
 from replayssm_jax.state import GDNReplayState
 
 f32 = jnp.float32
@@ -121,12 +129,32 @@ def check_step_tma(state, v, config: TMAReadoutConfig, *, interpret: bool, slots
     _check_smem(_smem_bytes(state, v, config, 0, STEP_TERMS, (0, 0)), config)
 
 
-# The tiling of the runs in bench/RESULTS.md (2026-12-03): 3 stages of 64 rows, one program an SM (220 KiB a
-# program at K = 128, L = 16 with bf16 records; with f32 records the direct step takes 2 stages). Neither step
-# is a default: at batch 256 on the H200 the standard step took 287.4 us against the Triton kernel's 282.6 on
-# 32-row tiles and 4 warps (288.0 against 274.8 on its later default, 16 rows and one warp), the direct step 704
-# against 385 (its fold's 16 outer products on the tile).
+# The tiling of the runs in bench/RESULTS.md (2026-12-03, 2026-12-04): 3 stages of 64 rows, one program an SM
+# (220 KiB a program at K = 128, L = 16 with bf16 records; with f32 records the direct step takes 2 stages). The
+# standard step is no default: at batch 256 on the H200 it took 287.4 us against the Triton kernel's 282.6 on
+# 32-row tiles and 4 warps (288.0 against 274.8 on its later default, 16 rows and one warp). The direct step
+# took 704 us against 385 with its fold as 16 outer products on the tile; with the fold on the tensor cores
+# it is the direct route's default (`default_direct_tma`).
 STEP_CONFIG = TMAReadoutConfig(stages=3, programs_per_sm=1)
+
+
+def default_direct_tma(state: GDNReplayState, v, *, interpret: bool, slots) -> TMAReadoutConfig | None:
+    """The direct route's default Mosaic GPU tiling (STEP_CONFIG), or None where the Triton kernel stays the
+    default: where the fold runs on the tensor cores (bf16 k records, L a multiple of 16:
+    `tma_readout.keys_on_tensor_cores`) and, as the append route's default
+    (`tma_readout.default_tma_readout`), on a Hopper-class GPU for an f32 or bf16 checkpoint of at least
+    DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM, within :func:`check_direct_tma`'s limits with one
+    program an SM resident. Raises nothing.
+
+    Measured on the H200 (bench/RESULTS.md, "The direct step's fold on the tensor cores", 2026-12-04):
+    Qwen3.5-4B's layer, L = 16, bf16 records, in the lockstep cycle (15 live records a row), the direct
+    step's two launches took 88 us against the Triton kernel's 100 (f32 checkpoint, batch 64), 318
+    against 383 (256), 621 against 759 (512), 68 against 76 (bf16, 64) and 246 against 287 (bf16, 256).
+    """
+    if state.checkpoint.shape[2] > MAX_HEAD_DIM or not keys_on_tensor_cores(state.k.dtype, state.buffer_len):
+        return None
+    return _resident_default(check_direct_tma, lambda c: step_smem_bytes(state, v, c), state, v,
+                             interpret=interpret, slots=slots, tilings=(STEP_CONFIG,))
 STEP_TERMS = 8  # columns of the standard step's terms (TERMS rows of f32: one 128-byte TMA-aligned stage buffer)
 
 
@@ -145,6 +173,16 @@ def direct_terms(state: GDNReplayState, q, k, g, beta, *, scale: float, use_qk_l
     """
     qn, kn, terms = head_terms(state, q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm)
     return qn, kn, terms.at[:, :, 0].set(live_weights(state)[1]).at[:, :, 1].set(0.0)
+
+
+def clear_dead_keys(state: GDNReplayState) -> GDNReplayState:
+    """The state with the k records of its dead slots (slot >= cursor) zeroed in each row with live records
+    (cursor > 0), the rest as it was: the pure-JAX form of the direct prelude's record writes. The step's
+    fold reads every slot's key on the tensor cores, where a dead slot's, which may hold anything, must be
+    finite (`tma_readout.fold_tile`); the step leaves every slot dead (cursor 0)."""
+    slot = jnp.arange(state.buffer_len)[None, None, :, None]
+    cursor = state.cursor[:, None, None, None]
+    return state.replace(k=jnp.where((slot >= cursor) & (cursor > 0), jnp.zeros_like(state.k), state.k))
 
 
 def step_terms(q, k, g, beta, *, scale: float, use_qk_l2norm: bool):
@@ -206,7 +244,8 @@ def _step_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMARea
             ]
             if L:
                 in_specs += [_item_spec(item, (None, None, L, BV), lambda b, h, j: (b, h, 0, j)),  # d records
-                             _item_spec(item, (None, None, L, K), lambda b, h, j: (b, h // group, 0, 0))]  # k records
+                             _item_spec(item, (None, None, L, K), lambda b, h, j: (b, h // group, 0, 0),
+                                        _key_transforms(krec_ref.dtype, L))]  # k records (WGMMA operand)
             out_specs = [tile, _item_spec(item, (None, None, BV), lambda b, h, j: (b, h, j))]
 
             def compute(index, *bufs):
@@ -235,17 +274,10 @@ def _step_item(bufs, count, L: int) -> None:
     S_s, terms_s, q_s, k_s, v_s = bufs[:5]
     S_out, o_s = bufs[-2:]
     carried, decay, beta = terms_s[2, 0], terms_s[2, 2], terms_s[2, 3]
-    S = plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
-    if L:
+    if L:  # the fold, in place in the tile's buffer, for a row with live records (else carried = exp(0) = 1)
         U_s, Kr_s = bufs[5:7]
-        S = carried * S
-        for i in range(L):  # static: the live records' outer products; dead slots (inf possible) selected out
-            live = i < count
-            u = plgpu.load(U_s.at[i], layout=ROW).astype(f32)
-            u = jnp.where(jnp.broadcast_to(live, u.shape), terms_s[0, i] * u, jnp.zeros_like(u))
-            key = plgpu.load(Kr_s.at[i], layout=COL).astype(f32)
-            key = jnp.where(jnp.broadcast_to(live, key.shape), key, jnp.zeros_like(key))
-            S = S + u[:, None] * key[None, :]
+        pl.when(count > 0)(lambda: fold_tile(S_s, carried, lambda i: terms_s[0, i], [U_s], Kr_s, count=count))
+    S = plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
     kv = plgpu.load(k_s, layout=COL)
     qv = plgpu.load(q_s, layout=COL)
     d = beta * (plgpu.load(v_s, layout=ROW).astype(f32) - decay * jnp.sum(S * kv[None, :], axis=1))
