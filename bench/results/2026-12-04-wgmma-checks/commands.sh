@@ -1,4 +1,4 @@
-# 2026-12-04, one H200, jax 0.11.2. Four GPU commands from the repository root; runs 1-2 the tree of b6f4c9d,
+# 2026-12-04, one H200, jax 0.11.2. Five GPU commands from the repository root; runs 1-2 the tree of b6f4c9d,
 # runs 3-4 that of 69c2e41 (the GDN readout moves the cursor where the batch is a multiple of 4). Files here
 # as runN_<name>. Each run sets:
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -25,3 +25,7 @@ python3 bench/kernels.py --profile --repeats 3 --layers gdn --state-dtypes float
 timeout 200 python3 bench/results/2026-12-04-wgmma-checks/probe_cursor.py > $OUT/probe_cursor.log 2>&1
 timeout 330 python3 -m pytest -m gpu $list -q -n 16 -p no:cacheprovider -p no:benchmark \
   -W ignore::DeprecationWarning > $OUT/gpu_tests.log 2>&1
+
+# run 5 (the tree of 261fb82, later the same day): the whole pytest list of bench/gpu_checks.sh
+timeout 540 python3 -m pytest -m gpu $list tests/test_tma_readout.py -q -n 16 -p no:cacheprovider -p no:benchmark \
+  -W ignore::DeprecationWarning -rA > $OUT/gpu_tests.log 2>&1
