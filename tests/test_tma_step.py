@@ -119,9 +119,10 @@ def test_limits():
 @pytest.mark.parametrize(("device", "case", "kw", "takes"), [
     (_Device(), dict(batch=256), {}, True),
     (_Device(), dict(batch=64), {}, True),
-    (_Device(), dict(batch=64, checkpoint=bf16), {}, True),
-    (_Device(), dict(batch=256, L=32, checkpoint=bf16), {}, True),
+    (_Device(), dict(batch=64, checkpoint=bf16), {}, False),
+    (_Device(), dict(batch=256, L=32, checkpoint=bf16), {}, False),
     (_Device(), dict(batch=256, L=32), {}, False),
+    (_Device(), dict(batch=256, K=96), {}, False),
     (_Device(), dict(batch=63), {}, False),
     (_Device(), dict(batch=256, L=8), {}, False),
     (_Device(), dict(batch=256, d=f32), {}, False),
@@ -132,14 +133,14 @@ def test_limits():
     (_Device(platform="cpu"), dict(batch=256), {}, False),
     (_Device(), dict(batch=256, V=320), {}, False),
     (_Device(), dict(batch=256, K=256), {}, False),
-], ids=["b256", "b64", "bf16-b64", "bf16-L32", "f32-L32-smem", "b63", "L8", "f32-records", "int8", "interpret", "pool", "sm80", "cpu",
-       "V320", "K256-smem"])
+], ids=["b256", "b64", "bf16-b64", "bf16-L32", "f32-L32-smem", "K96", "b63", "L8", "f32-records", "int8",
+       "interpret", "pool", "sm80", "cpu", "V320", "K256-smem"])
 def test_default_tiling_of_the_direct_route(device, case, kw, takes, monkeypatch):
     """The direct route takes the Mosaic GPU step by default only where its fold runs on the tensor cores
-    (bf16 keys, L a multiple of 16) and, as the append route, for an f32 or bf16 checkpoint of batch >= 64,
-    compiled, on a Hopper-class GPU, where the step's limits take it with one program an SM (K = 256, or
-    L = 32 with an f32 checkpoint: 3 stages above an SM's shared memory), with V within the Triton
-    kernels' bound."""
+    in the tile's buffer (an f32 checkpoint, bf16 keys, L a multiple of 16; not a bf16 checkpoint, which
+    folds in registers) with K a multiple of 64 (not 96) and, as the append route, for a checkpoint of
+    batch >= 64, compiled, on a Hopper-class GPU, where the step's limits take it with one program an SM
+    (K = 256, or L = 32: 3 stages above an SM's shared memory), with V within the Triton kernels' bound."""
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
     state, v = _abstract(**case)
     config = tma_step.default_direct_tma(state, v, interpret=kw.get("interpret", False), slots=kw.get("slots"))
@@ -220,13 +221,14 @@ def test_standard_step_lowers_for_cuda_and_its_limits(rng):
     (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=67, H=16, HV=32, K=128, V=128), L),
     (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=7, H=2, HV=6, K=96, V=64), L),
     (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=300, H=2, HV=4, K=128, V=128), L),
-    # the fold on the tensor cores (bf16 keys, L a multiple of 16: `tma_readout.keys_on_tensor_cores`)
+    # the fold on the tensor cores (an f32 tile, bf16 keys, L a multiple of 16: `tma_step.folds_in_place`,
+    # `tma_readout.keys_on_tensor_cores`)
     (f32, bf16, bf16, tma_step.STEP_CONFIG, SHAPE, 16),
-    (bf16, bf16, bf16, tma_step.STEP_CONFIG, SHAPE, 32),
+    (bf16, bf16, bf16, tma_step.STEP_CONFIG, SHAPE, 32),  # a bf16 tile: the fold in registers
     (f32, bf16, bf16, kernels.TMAReadoutConfig(stages=2, programs_per_sm=1), GDNShape(batch=67, H=16, HV=32, K=128,
                                                                                       V=128), 16),
     (f32, bf16, bf16, tma_step.STEP_CONFIG, GDNShape(batch=300, H=2, HV=4, K=128, V=128), 16),
-], ids=["f32-bf16", "f32-f32-f32act-128x1", "bf16", "model-b67", "group3-K96", "b300", "L16-wgmma", "bf16-L32-wgmma",
+], ids=["f32-bf16", "f32-f32-f32act-128x1", "bf16", "model-b67", "group3-K96", "b300", "L16-wgmma", "bf16-L32",
         "model-b67-L16-st2-wgmma", "b300-L16-wgmma"])
 def test_compiled_direct_step_matches_the_reference(checkpoint_dtype, buffer_dtype, act, config, shape, buffer_len,
                                                     rng):

@@ -22,7 +22,9 @@ Launches and their configs:
 - replay step, direct route: the standard step's kernel on the checkpoint,
   each row's live records folded into its checkpoint tile first (a loop over
   the live slots, in a branch that plain decoding never takes); the cursor
-  set to 0 in place. :class:`StepConfig`.
+  set to 0 in place. :class:`StepConfig` (for GDN, where
+  :func:`~replayssm_jax.kernels.tma_step.default_direct_tma` says, the
+  Mosaic GPU step below instead).
 - replay step, output and state routes: :class:`ReplayConfig`. The replay
   kernel computes the outputs, appends the new record at the cursor and
   writes each row's next cursor. At large grids the flush is a second
@@ -70,13 +72,13 @@ Launches and their configs:
 - GDN replay step, direct route, on Mosaic GPU
   (:mod:`replayssm_jax.kernels.tma_step`, :class:`TMAReadoutConfig`; the
   default where :func:`~replayssm_jax.kernels.tma_step.default_direct_tma`
-  says: bf16 k records, L a multiple of 16, batch >= 64 on a Hopper-class
-  GPU): the prelude launch (the dead slots' keys zeroed in rows with live
-  records, the cursor set to 0), then a persistent kernel that folds the
-  live records into each checkpoint tile (on the tensor cores with bf16
-  keys: the weighted d records in three exact bf16 parts), runs the step
-  and writes the tile back in place. Compiled GPU only; f32 and bf16
-  checkpoints.
+  says: an f32 checkpoint, bf16 k records, L a multiple of 16, K a
+  multiple of 64, batch >= 64 on a Hopper-class GPU): the prelude launch
+  (the dead slots' keys zeroed in rows with live records, the cursor set
+  to 0), then a persistent kernel that folds the live records into each
+  checkpoint tile (an f32 tile with bf16 keys on the tensor cores: the
+  weighted d records in three exact bf16 parts), runs the step and writes
+  the tile back in place. Compiled GPU only; f32 and bf16 checkpoints.
 
 8-bit checkpoints (int8, float8_e4m3fn; :mod:`replayssm_jax.state`) take
 the same kernels: a launch gets the checkpoint as a

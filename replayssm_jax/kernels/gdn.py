@@ -39,8 +39,9 @@ touch the same state element.
   (`tma_readout.gdn_append_tma`), which on the deferred route flushes the
   rows that entered full itself; one of the two moves the cursor
   (`tma_readout.readout_moves_cursor`); the direct route likewise, the prelude on
-  route "direct" (no record written, the cursor set to 0) and the Mosaic
-  GPU step (`tma_step.gdn_direct_tma`).
+  route "direct" (the dead slots' keys zeroed in rows with live records, no
+  other record written, the cursor set to 0) and the Mosaic GPU step
+  (`tma_step.gdn_direct_tma`).
 - :func:`gdn_replay_verify`: a verify window of W steps. The rows whose
   window does not fit behind the cursor flush their buffered records first
   (the flush launch); then the verify kernel, grid (batch, HV, splits),
@@ -83,8 +84,8 @@ from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_
 from replayssm_jax.kernels.tma_readout import (TERMS, TMA_MAX, TMAReadoutConfig, check_tma_readout,
                                                check_tma_route, cursor_rows, default_tma_readout, gdn_append_tma,
                                                readout_moves_cursor)
-from replayssm_jax.kernels.tma_step import (STEP_TERMS, check_direct_tma, check_step_tma, default_direct_tma, gdn_direct_tma,
-                                            gdn_step_tma)
+from replayssm_jax.kernels.tma_step import (STEP_TERMS, check_direct_tma, check_step_tma, default_direct_tma,
+                                            gdn_direct_tma, gdn_step_tma)
 from replayssm_jax.state import GDNReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -242,12 +243,13 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     empty (`cursor.live_count`: the readout flushes it first), so its records go to slot 0 and its
     cursor to 1; for a full row also its flush terms (terms row 3 the L slots' decay weights, the
     scalars' lane 4 exp of their log decays' sum; zeros for other rows) and its k record of slot 0
-    before this step overwrites it, in `stash` ([BK] in the k records' dtype; unwritten for other rows); the entry is the
-    cursor, not the live count. route "direct" (`tma_step.direct_terms`):
+    before this step overwrites it, in `stash` ([BK] in the k records' dtype; unwritten for other
+    rows); the entry is the cursor, not the live count. route "direct" (`tma_step.direct_terms`):
     terms w (the live slots' decay weights), zeros, then the same scalars; in a row with live records
-    the dead slots' k records zeroed (`tma_step.clear_dead_keys`: the step's fold reads every slot's
-    key), no other record written; the cursor to 0. route "standard" (the standard step; `tma_step.step_terms`): no records or cursor
-    (their refs None), terms zeros, zeros, then the scalars (exp(0) = 1 for the carried decay).
+    the dead slots' k records zeroed (`tma_step.clear_dead_keys`: the step's fold on the tensor cores
+    reads every slot's key), no other record written; the cursor to 0. route "standard" (the standard
+    step; `tma_step.step_terms`): no records or cursor (their refs None), terms zeros, zeros, then the
+    scalars (exp(0) = 1 for the carried decay).
     move_cursor False: the cursor is left as it was (the readout moves it from the entry cursors,
     `tma_readout.readout_moves_cursor`).
 

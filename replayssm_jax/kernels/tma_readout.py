@@ -124,7 +124,7 @@ SMEM_ALIGN = 1024  # bytes: Mosaic GPU rounds each shared-memory allocation up t
 TMA_ALIGN = 128  # bytes: each stage's buffer starts on this boundary
 TMA_MAX = 256  # elements along any dimension of one TMA copy
 SWIZZLE = 128  # bytes: the checkpoint tile's shared-memory swizzle
-KEY_SWIZZLE = 32  # bytes: the swizzle of a flushing item's bf16 k records, the WGMMA's B operand [L, K]
+KEY_SWIZZLE = 32  # bytes: the swizzle of bf16 k records folded on the tensor cores, the WGMMA's B operand [L, K]
 WGMMA_K = KEY_SWIZZLE // 2  # slots a WGMMA instruction takes of 2-byte records at that swizzle
 TERMS = 4  # rows of an item's terms: a_k, a_q, the scalars, padding
 MAX_K = 256  # key dim: q and k are one copy each
@@ -619,8 +619,8 @@ def _swizzled(dtype):
 
 
 def keys_on_tensor_cores(k_dtype, L: int) -> bool:
-    """Whether the GDN deferred readout forms a flush's products on the tensor cores (`fold_tile`): k
-    records in bf16 and L a multiple of WGMMA_K."""
+    """Whether `fold_tile` forms its products on the tensor cores (the GDN deferred readout's flush, the
+    direct step's fold of an f32 tile): k records in bf16 and L a multiple of WGMMA_K."""
     return jnp.dtype(k_dtype) == jnp.bfloat16 and L % WGMMA_K == 0
 
 
@@ -638,8 +638,8 @@ def bf16_parts(x):
 
 
 def _key_transforms(k_dtype, L: int):
-    """Shared-memory transforms of a flushing item's k records [L, K]: the WGMMA's swizzled B operand where
-    `keys_on_tensor_cores`, else none (rows read one at a time)."""
+    """Shared-memory transforms of k records [L, K] that `fold_tile` folds: the WGMMA's swizzled B operand
+    where `keys_on_tensor_cores`, else none (rows read one at a time)."""
     if not keys_on_tensor_cores(k_dtype, L):
         return ()
     return plgpu.TilingTransform((8, WGMMA_K)), plgpu.SwizzleTransform(KEY_SWIZZLE)

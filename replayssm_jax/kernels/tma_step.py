@@ -32,12 +32,15 @@ every row (L - 1 records live). Both run as two launches:
       S = exp(sum of the live g) S_c + sum_{i < cursor} w_i d_i k_i^T   (direct route)
       d = beta (v - exp(g) S k),  S' = exp(g) S + d k^T,  o = S' q
 
-  the fold, in a row with live records, by `tma_readout.fold_tile` in the
-  tile's shared-memory buffer: with bf16 k records and L a multiple of 16
-  on the tensor cores (the weighted d records split in three exact bf16
-  parts, so the products are f32's; a dead slot's record selected out and
-  its key zeroed by the prelude), else as L outer products (f32 FMAs, dead
-  slots selected out).
+  the fold: for an f32 tile (:func:`folds_in_place`), in a row with live
+  records, by `tma_readout.fold_tile` in the tile's shared-memory buffer,
+  with bf16 k records and L a multiple of 16 on the tensor cores (the
+  weighted d records split in three exact bf16 parts, so each product is
+  exact, summed with S in the tensor cores' f32 accumulator; a dead slot's
+  record selected out and its key zeroed by the prelude), else as L outer
+  products (f32 FMAs, dead slots selected out); for a bf16 tile, which
+  that store would round before the step, as L outer products in
+  registers.
 
 The standard step is no default: at Qwen3.5-4B's layer, batch 256, f32, on
 the H200 it took 287.4 us (prelude included) against the Triton kernel's
@@ -45,9 +48,9 @@ the H200 it took 287.4 us (prelude included) against the Triton kernel's
 tiles and one warp that later became its default) (bench/RESULTS.md,
 2026-12-03). The direct step took 704 us against 385 with its fold as
 outer products, which with one program an SM do not hide under the copies;
-on the tensor cores it took 318 against 383 in the lockstep cycle (15 live
-records a row; bench/RESULTS.md, 2026-12-04) and is the direct route's
-default where :func:`default_direct_tma` says.
+on the tensor cores (f32 checkpoint) it took 318 against 383 in the
+lockstep cycle (15 live records a row; bench/RESULTS.md, 2026-12-04) and
+is the direct route's default where :func:`default_direct_tma` says.
 
 Limits: the direct route's are those of the append route's readout
 (:func:`~replayssm_jax.kernels.tma_readout.check_tma_readout`), the
@@ -65,10 +68,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from replayssm_jax.kernels.config import MAX_HEAD_DIM
 from replayssm_jax.kernels.tma_readout import (COL, ROW, TERMS, TMA_MAX, TMAReadoutConfig, _align, _check_columns,
-                                               _check_common, _check_smem, _check_wide, _grid, _item_spec, _key_transforms,
-                                               _resident_default, _swizzled, check_tma_readout, cursor_rows,
-                                               fold_tile, head_terms, keys_on_tensor_cores, live_weights,
-                                               normalized_qk)
+                                               _check_common, _check_smem, _check_wide, _grid, _item_spec,
+                                               _key_transforms, _resident_default, _swizzled, check_tma_readout,
+                                               cursor_rows, fold_tile, head_terms, keys_on_tensor_cores,
+                                               live_weights, normalized_qk)
 from replayssm_jax.state import GDNReplayState
 
 f32 = jnp.float32
@@ -134,27 +137,42 @@ def check_step_tma(state, v, config: TMAReadoutConfig, *, interpret: bool, slots
 # standard step is no default: at batch 256 on the H200 it took 287.4 us against the Triton kernel's 282.6 on
 # 32-row tiles and 4 warps (288.0 against 274.8 on its later default, 16 rows and one warp). The direct step
 # took 704 us against 385 with its fold as 16 outer products on the tile; with the fold on the tensor cores
-# it is the direct route's default (`default_direct_tma`).
+# (f32 checkpoint) it is the direct route's default (`default_direct_tma`).
 STEP_CONFIG = TMAReadoutConfig(stages=3, programs_per_sm=1)
+
+
+def folds_in_place(checkpoint_dtype) -> bool:
+    """Whether the direct step folds a row's records into its tile in the tile's shared-memory buffer
+    (`tma_readout.fold_tile`, on the tensor cores with bf16 keys and L a multiple of 16): an f32 tile, which
+    that store keeps exactly. A bf16 tile would round the folded state there before the step rounds it
+    again, so it folds in registers, as L outer products."""
+    return jnp.dtype(checkpoint_dtype) == f32
 
 
 def default_direct_tma(state: GDNReplayState, v, *, interpret: bool, slots) -> TMAReadoutConfig | None:
     """The direct route's default Mosaic GPU tiling (STEP_CONFIG), or None where the Triton kernel stays the
-    default: where the fold runs on the tensor cores (bf16 k records, L a multiple of 16:
-    `tma_readout.keys_on_tensor_cores`) and, as the append route's default
-    (`tma_readout.default_tma_readout`), on a Hopper-class GPU for an f32 or bf16 checkpoint of at least
+    default: where the fold runs on the tensor cores in the tile's buffer (an f32 checkpoint,
+    :func:`folds_in_place`; bf16 k records and L a multiple of 16, `tma_readout.keys_on_tensor_cores`) with
+    K a multiple of 64 (the key widths its GPU tests cover: 64 and 128), and, as the append route's default
+    (`tma_readout.default_tma_readout`), on a Hopper-class GPU for a checkpoint of at least
     DEFAULT_MIN_BATCH rows and V <= MAX_HEAD_DIM, within :func:`check_direct_tma`'s limits with one
     program an SM resident. Raises nothing.
 
     Measured on the H200 (bench/RESULTS.md, "The direct step's fold on the tensor cores", 2026-12-04):
-    Qwen3.5-4B's layer, L = 16, bf16 records, in the lockstep cycle (15 live records a row), the direct
-    step's two launches took 88 us against the Triton kernel's 100 (f32 checkpoint, batch 64), 318
-    against 383 (256), 621 against 759 (512), 68 against 76 (bf16, 64) and 246 against 287 (bf16, 256).
+    Qwen3.5-4B's layer, L = 16, bf16 records, f32 checkpoint, in the lockstep cycle (15 live records a
+    row), the direct step's two launches took 88 us against the Triton kernel's 100 at batch 64, 318
+    against 383 at 256 and 621 against 759 at 512. Not measured from empty buffers (route "direct" in
+    plain decoding), where the step has no fold: there the Mosaic GPU standard step, its nearest
+    measured kin, took 1.04x the Triton standard step's kernel time at batch 64 and 256 (same section).
     """
-    if state.checkpoint.shape[2] > MAX_HEAD_DIM or not keys_on_tensor_cores(state.k.dtype, state.buffer_len):
+    K, L = state.checkpoint.shape[3], state.buffer_len
+    if (state.checkpoint.shape[2] > MAX_HEAD_DIM or K % 64 or not folds_in_place(state.checkpoint.dtype)
+            or not keys_on_tensor_cores(state.k.dtype, L)):
         return None
     return _resident_default(check_direct_tma, lambda c: step_smem_bytes(state, v, c), state, v,
                              interpret=interpret, slots=slots, tilings=(STEP_CONFIG,))
+
+
 STEP_TERMS = 8  # columns of the standard step's terms (TERMS rows of f32: one 128-byte TMA-aligned stage buffer)
 
 
@@ -243,9 +261,10 @@ def _step_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMARea
                 _item_spec(item, (None, None, BV), lambda b, h, j: (b, h, j)),
             ]
             if L:
+                keys = _key_transforms(krec_ref.dtype, L) if folds_in_place(checkpoint_dtype) else ()  # WGMMA's B
                 in_specs += [_item_spec(item, (None, None, L, BV), lambda b, h, j: (b, h, 0, j)),  # d records
                              _item_spec(item, (None, None, L, K), lambda b, h, j: (b, h // group, 0, 0),
-                                        _key_transforms(krec_ref.dtype, L))]  # k records (WGMMA operand)
+                                        keys)]  # k records
             out_specs = [tile, _item_spec(item, (None, None, BV), lambda b, h, j: (b, h, j))]
 
             def compute(index, *bufs):
@@ -274,10 +293,19 @@ def _step_item(bufs, count, L: int) -> None:
     S_s, terms_s, q_s, k_s, v_s = bufs[:5]
     S_out, o_s = bufs[-2:]
     carried, decay, beta = terms_s[2, 0], terms_s[2, 2], terms_s[2, 3]
-    if L:  # the fold, in place in the tile's buffer, for a row with live records (else carried = exp(0) = 1)
-        U_s, Kr_s = bufs[5:7]
+    U_s, Kr_s = bufs[5:7] if L else (None, None)
+    if L and folds_in_place(S_s.dtype):  # a row with live records (else carried = exp(0) = 1)
         pl.when(count > 0)(lambda: fold_tile(S_s, carried, lambda i: terms_s[0, i], [U_s], Kr_s, count=count))
     S = plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
+    if L and not folds_in_place(S_s.dtype):
+        S = carried * S
+        for i in range(L):  # static: the live records' outer products; dead slots (inf possible) selected out
+            live = i < count
+            u = plgpu.load(U_s.at[i], layout=ROW).astype(f32)
+            u = jnp.where(jnp.broadcast_to(live, u.shape), terms_s[0, i] * u, jnp.zeros_like(u))
+            key = plgpu.load(Kr_s.at[i], layout=COL).astype(f32)
+            key = jnp.where(jnp.broadcast_to(live, key.shape), key, jnp.zeros_like(key))
+            S = S + u[:, None] * key[None, :]
     kv = plgpu.load(k_s, layout=COL)
     qv = plgpu.load(q_s, layout=COL)
     d = beta * (plgpu.load(v_s, layout=ROW).astype(f32) - decay * jnp.sum(S * kv[None, :], axis=1))
