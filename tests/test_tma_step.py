@@ -147,6 +147,37 @@ def test_default_tiling_of_the_direct_route(device, case, kw, takes, monkeypatch
     assert config == (tma_step.STEP_CONFIG if takes else None)
 
 
+def _kernel_jaxprs(jaxpr):
+    """The text of every Mosaic GPU kernel body in `jaxpr` (its `mpmd_map` equations), nested calls included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "mpmd_map":
+            found += [str(body) for body in eqn.params["jaxprs"]]
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                found += _kernel_jaxprs(inner)
+    return found
+
+
+@pytest.mark.parametrize(("checkpoint_dtype", "wgmma"), [(f32, True), (bf16, False)])
+def test_the_fold_runs_on_the_tensor_cores_for_an_f32_tile_only(checkpoint_dtype, wgmma):
+    """With bf16 keys and L = 16 the direct step's fold runs on the tensor cores (WGMMAs in its kernel) for
+    an f32 checkpoint, whose tile the fold stores in its shared-memory buffer exactly; a bf16 tile, which
+    that store would round before the step, folds in registers (`tma_step.folds_in_place`)."""
+    state, v = _abstract(64, checkpoint=checkpoint_dtype)
+    batch, H, K, HV = 64, 16, 128, 32
+    head, heads = jax.ShapeDtypeStruct((batch, H, K), bf16), (batch, HV)
+    inputs = gdn_kernels.Inputs(q=head, k=head, v=v, g=jax.ShapeDtypeStruct(heads, f32),
+                                beta=jax.ShapeDtypeStruct(heads, bf16))
+    jaxpr = jax.make_jaxpr(lambda s, i: gdn_kernels._direct_tma(s, i, scale=0.1, use_qk_l2norm=True,
+                                                                 config=tma_step.STEP_CONFIG))(state, inputs)
+    kernels_text = _kernel_jaxprs(jaxpr.jaxpr)
+    assert len(kernels_text) == 1, len(kernels_text)
+    assert ("wgmma" in kernels_text[0]) == wgmma
+    assert tma_step.folds_in_place(checkpoint_dtype) == wgmma
+
+
 def test_step_lowers_for_cuda(rng):
     """The direct step's whole lowering on the CPU at the model's shape (abstract inputs): the prelude (its
     records and cursor aliased) and the Mosaic GPU step (the checkpoint aliased), nothing else."""

@@ -757,8 +757,9 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         says (an f32 or bf16 checkpoint of batch >= 64 on a Hopper-class
         GPU), on the direct route where
         :func:`~replayssm_jax.kernels.tma_step.default_direct_tma` says
-        (the same, with bf16 k records and L a multiple of 16: its fold on
-        the tensor cores).
+        (an f32 checkpoint of batch >= 64 on a Hopper-class GPU with bf16 k
+        records, L a multiple of 16 and K of 64: its fold on the tensor
+        cores).
       interpret: run the kernels in Pallas interpret mode.
       slots: None, or i32[batch] (validated): the state is a state pool of
         capacity slots and batch row b steps slot slots[b], as

@@ -333,14 +333,18 @@ def gdn_direct_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMARe
     """The direct step on Mosaic GPU, after its prelude: the outputs and the new checkpoint.
 
     Takes the prelude's outputs (route "direct"; their pure-JAX form is
-    :func:`direct_terms`) on validated arguments within
-    :func:`check_direct_tma`'s limits. Traced inside the caller's jit: the
-    checkpoint's `jax.Ref` is read back here.
+    :func:`direct_terms` and :func:`clear_dead_keys`) on validated
+    arguments within :func:`check_direct_tma`'s limits. Traced inside the
+    caller's jit: the checkpoint's `jax.Ref` is read back here.
 
     Args:
       state: the GDNReplayState before the step (checkpoint f32 |
         bf16[batch, HV, V, K], d records [batch, HV, L, V], k records
-        [batch, H, L, K]; its cursor is not read: `entry` holds it).
+        [batch, H, L, K]; its cursor is not read: `entry` holds it), with
+        the prelude's k records: where the fold runs on the tensor cores
+        (an f32 checkpoint, `tma_readout.keys_on_tensor_cores`) a dead
+        slot's key in a row with live records must be finite, as
+        :func:`clear_dead_keys` leaves it (0 times inf is NaN).
       qn, kn: f32[batch, H, K], q normalized and scaled, k normalized.
       terms: f32[batch, HV, TERMS, L], as :func:`direct_terms` returns them.
       entry: i32[rows * TMA_MAX] (rows = cdiv(batch, TMA_MAX)), each row's
