@@ -282,6 +282,26 @@ def test_compiled_direct_step_matches_the_reference(checkpoint_dtype, buffer_dty
 
 
 @pytest.mark.gpu
+def test_default_direct_route_at_batch_64(rng):
+    """config=None on the direct route at batch 64 with an f32 checkpoint and bf16 records, L = 16: the
+    Mosaic GPU step on a Hopper-class GPU (`default_direct_tma`; the Triton kernel elsewhere), from
+    staggered cursors with inf and NaN in the dead slots, within the tolerance of the reference."""
+    shape = GDNShape(batch=64, H=4, HV=8, K=128, V=128)
+    layer = GDN(shape, rng, bf16)
+    rs, inp = _state(layer, f32, bf16, _cursors(shape.batch, 16), 16), layer.draw()
+    step = jax.jit(lambda s, i: layer.kernel_replay_step(s, i, "direct", None))
+    calls = re.findall(r"custom_call @(\w+)\(", step.trace(rs, inp).lower().as_text())
+    hopper = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+    assert ("mosaic_gpu_v2" in calls) == hopper, calls
+    o, new = step(rs, inp)
+    o_ref, rs_ref = _reference(rs, inp, shape.K ** -0.5)
+    tol = tolerance_dtype(bf16, f32, bf16)
+    assert_close(o, o_ref, tol, what="outputs")
+    assert_close(new.checkpoint, rs_ref.checkpoint, tol, what="checkpoint")
+    np.testing.assert_array_equal(np.asarray(new.cursor), 0)
+
+
+@pytest.mark.gpu
 def test_compiled_lockstep_cycle_is_its_kernels(rng):
     """The direct step on Mosaic GPU jitted alone with its state donated: its two kernels and nothing else;
     a decode loop of lockstep cycles (L - 1 append steps, one direct step, on Mosaic GPU) copies no
