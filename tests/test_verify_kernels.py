@@ -40,19 +40,6 @@ BUFFERS = {GDN: ("d", "k", "g"), Mamba2: ("x", "dt", "B")}
 
 # The Pallas Triton backend warns that it is deprecated when a kernel is lowered.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-
-
-@pytest.fixture(autouse=True)
-def _no_persistent_cache_writes():
-    """This file's programs are not written to the run's persistent compilation cache (tests/conftest.py):
-    serializing an interpreted verify program there crashed a worker (a segmentation fault in
-    `executable.serialize()`, jaxlib 0.11.2 on the CPU) in three full runs of the suite, on 2026-12-03 and
-    twice on 2026-12-04, each time in this file's Mamba-2 cases; the file alone passed twice with the cache.
-    Without the writes the file takes about as long (44 s against 40 on 2 workers, 2026-12-04)."""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 # (L, W, state and buffer dtypes): W in {1, 2, 4, L} at L in {4, 8, 16}, a
 # window that is not a power of two, f32 and bf16 states and buffers. Four
 # are `slow`: W = 2 at L = 8 (W = 2 runs at L = 4, L = 8 with W = 3), the
