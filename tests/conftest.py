@@ -76,6 +76,45 @@ def _restore_compile_cache():
         set_compile_cache(before)
 
 
+# Memory mappings of a test process past which JAX's caches are cleared after a test (`_bounded_memory_maps`),
+# well below Linux's default limit of 65530 a process (vm.max_map_count).
+MAX_MEMORY_MAPS = 40000
+_MAPS_LOG = os.environ.get("REPLAYSSM_TEST_MAPS_LOG")  # a file that records each clearing (pid, mappings)
+
+
+def _memory_maps() -> int | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+    """JAX's caches cleared after a test once the process holds MAX_MEMORY_MAPS memory mappings.
+
+    Each program XLA compiles for the CPU keeps about 20 mappings (its code) while JAX's caches hold it
+    (20-21 a program for 300 small jitted functions, back to the start after `jax.clear_caches()`,
+    2026-12-04), so an xdist worker that compiles a few thousand programs reaches the kernel's limit, and
+    the next compile crashes the process: a segmentation fault in XLA's compile or in
+    `executable.serialize()`, in three clean-clone runs of the suite (2026-12-03, twice on 2026-12-04), each
+    past 92% of it and in an interpreted verify test. The run's persistent compilation cache still holds the
+    programs, so a test that needs one again loads it."""
+    yield
+    count = _memory_maps()
+    if count is not None and count > MAX_MEMORY_MAPS:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+        if _MAPS_LOG:
+            with open(_MAPS_LOG, "a") as log:
+                log.write(f"{os.getpid()} {count} -> {_memory_maps()}\n")
+
+
 @pytest.fixture
 def rng(request):
     seed = int(os.environ.get("REPLAYSSM_TEST_SEED", secrets.randbits(63)))
