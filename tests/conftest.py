@@ -98,8 +98,9 @@ def _bounded_memory_maps():
     (20-21 a program for 300 small jitted functions, back to the start after `jax.clear_caches()`,
     2026-12-04), so an xdist worker that compiles a few thousand programs reaches the kernel's limit, and
     the next compile crashes the process: a segmentation fault in XLA's compile or in
-    `executable.serialize()`, in three clean-clone runs of the suite (2026-12-03, twice on 2026-12-04), each
-    past 92% of it and in an interpreted verify test. The run's persistent compilation cache still holds the
+    `executable.serialize()`, in four clean-clone runs of the suite (2026-12-03, three times on 2026-12-04),
+    each past 92% of it and in an interpreted verify test; sampled in the next run, a worker held 38378 at
+    45% of it. The run's persistent compilation cache still holds the
     programs, so a test that needs one again loads it."""
     yield
     count = _memory_maps()
