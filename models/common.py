@@ -6,7 +6,7 @@ A model is a Flax NNX module with
 - ``prefill(input_ids, max_len, *, replay_buffer_len=None, max_window=1, ...) -> (logits, HybridCache)``;
 - ``decode(tokens, cache, *, route="auto") -> (logits, HybridCache)``;
 - ``verify(tokens [batch, W], cache) -> (logits [batch, W, vocab], HybridCache with the window pending)``
-  and ``commit(cache, num_accepted)``: a speculative round (DESIGN.md section 7).
+  and ``commit(cache, num_accepted)``: a speculative round (ARCHITECTURE.md, "Speculative decoding").
 
 With ``return_hidden=True``, `prefill`, `decode` and `verify` also return the
 hidden state after the final norm, the input of the LM head (and of a
@@ -52,11 +52,15 @@ class HybridCache:
         a verified window moves it only at commit).
       max_window: static int, the longest verify window the cache has room for
         (its conv windows, KV caches and replay buffers; 1: plain decoding).
+      tree: static, the parents (`DraftTree.parents`) of the draft tree whose
+        window is pending (`verify(tree=...)`), which `commit` needs a path
+        of; None: a chain's window, or none pending.
     """
 
     layers: tuple
     position: jax.Array
     max_window: int = struct.field(pytree_node=False, default=1)
+    tree: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
     @property
     def uses_replay(self) -> bool:
@@ -80,15 +84,16 @@ _STATE_TYPES = {"mamba": (SSMLayerState, ReplayLayerState), "gdn": (SSMLayerStat
                 "attention": (KVCache,), "mlp": (type(None),), "moe": (type(None),)}
 
 
-def check_cache(cache: HybridCache, layer_types, batch: int | None = None) -> None:
+def check_cache(cache: HybridCache, layer_types, shape: tuple[int, ...] | None = None, name: str = "tokens") -> None:
     """Raise unless `cache` is a HybridCache with one state of the right type
-    per layer (TypeError, ValueError) and, if `batch` is given, `batch` rows
-    (ValueError, naming `tokens`: the ids given with the cache)."""
+    per layer (TypeError, ValueError) and, if `shape` (that of the ids given
+    with the cache, called `name`) is given, as many rows as its first axis
+    (ValueError)."""
     if not isinstance(cache, HybridCache):
         raise TypeError(f"`cache` must be a HybridCache (from `prefill` or `decode`); got {type(cache).__name__}")
-    if batch is not None and cache.position.shape != (batch,):
-        raise ValueError(f"`tokens` must have shape [batch] = ({cache.position.shape[0]},) (the cache's batch); "
-                         f"got ({batch},)")
+    if shape is not None and cache.position.shape != tuple(shape[:1]):
+        raise ValueError(f"`{name}` must have {cache.position.shape[0]} rows, the cache's batch; got shape "
+                         f"{tuple(shape)}")
     if len(cache.layers) != len(layer_types):
         raise ValueError(f"`cache` has {len(cache.layers)} layer states; the model has {len(layer_types)} layers")
     for i, (kind, state) in enumerate(zip(layer_types, cache.layers)):
@@ -211,7 +216,8 @@ class HybridCausalLM(nnx.Module):
         Raises:
           TypeError: `input_ids` not integers.
           ValueError: `input_ids` not of shape [batch, seqlen], with an empty axis
-            or an id outside the vocabulary; max_len < T, an unknown backend, a
+            or an id outside the vocabulary; max_len not an int >= T (without
+            `cache`), an unknown backend, a
             replay_buffer_len that is not an int >= 1 or that the kernels of
             `backend` cannot take; max_window
             not an int >= 1, or above replay_buffer_len; a `cache` of another
@@ -220,11 +226,14 @@ class HybridCausalLM(nnx.Module):
         """
         ids = check_input_ids(input_ids, self.config.vocab_size)
         if cache is not None:
-            check_cache(cache, self.config.layer_types, ids.shape[0])
+            check_cache(cache, self.config.layer_types, ids.shape, "input_ids")
             if cache.uses_replay or cache.max_window != 1:
                 raise ValueError("`cache` (a chunked prefill's earlier parts) must hold standard SSM states and "
                                  f"max_window 1 (prefill with replay_buffer_len None); got uses_replay = "
                                  f"{cache.uses_replay}, max_window = {cache.max_window}")
+        if cache is None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
+                              or max_len < ids.shape[1]):
+            raise ValueError(f"`max_len` must be an int >= the prompt length T = {ids.shape[1]}; got {max_len!r}")
         if isinstance(max_window, bool) or not isinstance(max_window, (int, np.integer)) or max_window < 1:
             raise ValueError(f"`max_window` must be an int >= 1; got {max_window!r}")
         max_window = int(max_window)
@@ -296,7 +305,7 @@ class HybridCausalLM(nnx.Module):
         tokens = check_tokens(tokens, self.config.vocab_size)
         ops.check_route(route, ops.STEP_ROUTES)  # also where the cache holds standard states, which ignore it
         if slots is None:
-            check_cache(cache, self.config.layer_types, tokens.shape[0])
+            check_cache(cache, self.config.layer_types, tokens.shape)
         else:
             check_cache(cache, self.config.layer_types)
             slots = ops.validate.check_slots(slots, cache.position.shape[0], None)
@@ -320,7 +329,7 @@ class HybridCausalLM(nnx.Module):
 
     def verify(self, tokens: jax.Array, cache: HybridCache, *, backend: str | None = None,
                return_hidden: bool = False, tree=None, slots=None):
-        """Verify W speculative positions of every sequence in one call (DESIGN.md section 7).
+        """Verify W speculative positions of every sequence in one call (ARCHITECTURE.md, "Speculative decoding").
 
         Args:
           tokens: int[batch, W], per row the last accepted token and W - 1 drafts
@@ -364,7 +373,7 @@ class HybridCausalLM(nnx.Module):
         """
         tokens = check_input_ids(tokens, self.config.vocab_size, name="tokens")
         batch, window = tokens.shape
-        slots = _check_pool_slots(cache, self.config.layer_types, slots, batch)
+        slots = _check_pool_slots(cache, self.config.layer_types, slots, tokens.shape)
         _check_no_window(cache)
         _check_room(cache, window, slots)
         tree = check_tree(tree, window, "tokens.shape[1]")
@@ -374,16 +383,17 @@ class HybridCausalLM(nnx.Module):
         for block, state in zip(self._blocks, cache.layers):
             h, state = block.verify(h, state, backend=backend, tree=tree, slots=slots)
             states.append(state)
-        cache = cache.replace(layers=tuple(states))
+        cache = cache.replace(layers=tuple(states), tree=None if tree is None else tuple(tree.parents))
         if return_hidden:
             hidden = self._final_norm(h)
             return self._lm_head(hidden), hidden, cache
         return self._logits(h), cache
 
     def commit(self, cache: HybridCache, num_accepted: jax.Array, path=None, slots=None) -> HybridCache:
-        """Keep the first `num_accepted` positions of the pending window (of a tree: of `path`; over a state
-        pool, of the rows `slots`: `commit_cache`), after checking that `cache` matches the model's layers
-        (TypeError, ValueError)."""
+        """Keep the first `num_accepted` (i32[batch], 0..W) positions of the pending window (after a tree's
+        verify: of `path`, i32[batch, P], the accepted nodes root first; over a state pool, of the rows
+        `slots`, i32[batch]), after checking that `cache` matches the model's layers: `commit_cache` gives
+        the arguments, the result and the errors (TypeError, ValueError, before anything changes)."""
         check_cache(cache, self.config.layer_types)
         return commit_cache(cache, num_accepted, path, slots=slots)
 
@@ -403,9 +413,10 @@ def commit_cache(cache: HybridCache, num_accepted, path=None, *, slots=None) -> 
       num_accepted: int[batch], per row in 0..W (a speculative round gives
         m in 1..W: `replayssm_jax.speculative.Accepted.num_accepted`).
         Checked where concrete; clipped to 0..W inside jit.
-      path: None (a chain: the first m positions), or int[batch, P] after a
-        tree verify: per row the accepted nodes root first (m <= P); every
-        layer compacts their positions to contiguous ones
+      path: None after a chain's verify (the first m positions); after a
+        tree's (`cache.tree`), int[batch, P]: per row the accepted nodes,
+        root first, each a child of the one before (checked where concrete;
+        m <= P); every layer compacts their positions to contiguous ones
         (`replayssm_jax.layers.commit_layer_state`).
       slots: None, or int[batch]: `cache` is a state pool and row b's count
         is slot slots[b]'s (-1: a padding row, whose count is dropped); no
@@ -425,7 +436,9 @@ def commit_cache(cache: HybridCache, num_accepted, path=None, *, slots=None) -> 
     Raises:
       TypeError: `cache` not a HybridCache; non-integer counts or slots.
       ValueError: no pending window; counts not [batch] or outside 0..W; bad
-        `slots` (`ops.validate.check_slots`) or a path with slots.
+        `slots` (`ops.validate.check_slots`) or a path with slots; a path
+        after a chain's verify, none after a tree's, or (concrete) one off
+        the tree (`ops.validate.check_path`). All before anything changes.
     """
     if not isinstance(cache, HybridCache):
         raise TypeError(f"`cache` must be a HybridCache (from `verify`); got {type(cache).__name__}")
@@ -439,10 +452,15 @@ def commit_cache(cache: HybridCache, num_accepted, path=None, *, slots=None) -> 
         target = jnp.where(slots < 0, cache.position.shape[0], slots)  # padding rows: out of range, dropped
         num_accepted = jnp.zeros_like(cache.position).at[target].set(m, mode="drop")
     m = check_num_accepted(num_accepted, cache.position.shape[0], cache.window)
-    path = check_path(path, m, cache.window)
+    if (path is None) != (cache.tree is None):
+        raise ValueError("`path` is required after a draft tree's verify (the accepted nodes, root first)"
+                         if path is None else
+                         "`path` is for a draft tree's window; the pending window is a chain's (verify without "
+                         "`tree`): commit it with path None")
+    path = check_path(path, m, cache.window, cache.tree)
     m = jnp.clip(m, 0, cache.window if path is None else path.shape[1])
     return cache.replace(layers=tuple(commit_layer_state(s, m, path) for s in cache.layers),
-                         position=cache.position + m)
+                         position=cache.position + m, tree=None)
 
 
 def _check_no_window(cache: HybridCache) -> None:
@@ -450,11 +468,13 @@ def _check_no_window(cache: HybridCache) -> None:
         raise ValueError(f"`cache` has a pending verify window (W = {cache.window}); call `commit` first")
 
 
-def _check_pool_slots(cache: HybridCache, layer_types, slots, batch: int):
-    """`cache` checked against the model's layers (and, without slots, the batch); `slots` as checked by
-    `ops.validate.check_slots` (None stays None), of shape [batch] (ValueError otherwise)."""
+def _check_pool_slots(cache: HybridCache, layer_types, slots, shape: tuple[int, ...]):
+    """`cache` checked against the model's layers (and, without slots, the batch of `tokens` of `shape`);
+    `slots` as checked by `ops.validate.check_slots` (None stays None), of shape [batch] (ValueError
+    otherwise)."""
+    batch = shape[0]
     if slots is None:
-        check_cache(cache, layer_types, batch)
+        check_cache(cache, layer_types, shape)
         return None
     check_cache(cache, layer_types)
     slots = ops.validate.check_slots(slots, cache.position.shape[0], None)
@@ -534,8 +554,23 @@ def check_tokens(tokens, vocab_size: int) -> jax.Array:
 
 
 def split_params(model: nnx.Module):
-    """(graphdef, params): the model's static structure and its parameter pytree."""
+    """(graphdef, params) of `model` (`flax.nnx.split`): its static structure, which the `make_*`
+    functions close over, and its parameters, an `nnx.State` pytree of the checkpoint's arrays (their
+    dtypes as loaded), which the functions they return take as their first argument."""
     return nnx.split(model)
+
+
+def merge_params(graphdef, params) -> nnx.Module:
+    """The model of `graphdef` with `params` (`flax.nnx.merge`).
+
+    Raises:
+      ValueError: `params` of another structure than `graphdef`'s (e.g. another model's), naming `params`.
+    """
+    try:
+        return nnx.merge(graphdef, params)
+    except ValueError as e:
+        raise ValueError(f"`params` do not match the model's graphdef: give the params that `split_params` returned "
+                         f"with this graphdef ({e})") from None
 
 
 def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None, buffer_dtype=None,
@@ -560,7 +595,7 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
 
     @jit
     def prefill(params, input_ids):
-        model = nnx.merge(graphdef, params)
+        model = merge_params(graphdef, params)
         return model.prefill(input_ids, max_len, replay_buffer_len=replay_buffer_len, buffer_dtype=buffer_dtype,
                              backend=backend, last_logits_only=last_logits_only, max_window=max_window,
                              return_hidden=return_hidden, checkpoint_dtype=checkpoint_dtype,
@@ -579,7 +614,7 @@ def make_decode_step(graphdef, *, route: str = "auto", backend: str | None = Non
     """
 
     def decode_step(params, cache, tokens, slots=None):
-        model = nnx.merge(graphdef, params)
+        model = merge_params(graphdef, params)
         return model.decode(tokens, cache, route=route, backend=backend, return_hidden=return_hidden,
                             **({} if slots is None else {"slots": slots}))
 
@@ -593,15 +628,17 @@ def make_verify_step(graphdef, *, backend: str | None = None, donate_cache: bool
     of the draft `tree` if given), the cache donated by default."""
 
     def verify(params, cache, tokens):
-        model = nnx.merge(graphdef, params)
+        model = merge_params(graphdef, params)
         return model.verify(tokens, cache, backend=backend, return_hidden=return_hidden, tree=tree)
 
     return jit(verify, donate_argnums=(1,) if donate_cache else ())
 
 
 def make_commit(*, donate_cache: bool = True):
-    """A jitted ``commit(cache, num_accepted, path=None) -> HybridCache`` (`commit_cache`: it needs no
-    parameters), the cache donated by default."""
+    """A jitted ``commit(cache, num_accepted i32[batch], path=None | i32[batch, P]) -> HybridCache``
+    (`commit_cache`, which gives the arguments' meaning: it needs no parameters), the cache donated by
+    default. Under jit the counts are clipped to 0..W and a path is not checked against the tree: check
+    concrete values with `commit_cache` (or `HybridCausalLM.commit`) where they matter."""
     return jit(commit_cache, donate_argnums=(0,) if donate_cache else ())
 
 

@@ -75,8 +75,11 @@ def check_folder(path: str | os.PathLike) -> str:
     """`path` as a str, if it is a folder.
 
     Raises:
+      TypeError: `path` not a str or os.PathLike.
       CheckpointNotFoundError: `path` is not a folder.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"`path` must be a checkpoint folder (str or os.PathLike); got {type(path).__name__} {path!r}")
     path = os.fspath(path)
     if not os.path.isdir(path):
         what = "is a file, not a folder" if os.path.exists(path) else "does not exist"
@@ -354,7 +357,7 @@ def load_model(path: str | os.PathLike, dtype=None, *, ssm_state_dtype=jnp.float
         checkpoint without ``mtp.*`` tensors (naming the folder and the prefix).
       ConfigError: with mtp=True, a config that declares no MTP head (or one of
         another form, `models.mtp.check_config`).
-      TypeError: a `dtype` other than None, float32, bfloat16, an
+      TypeError: `path` not a str or os.PathLike; a `dtype` other than None, float32, bfloat16, an
         `ssm_state_dtype` other than float32, bfloat16, a non-bool `mtp`, or a
         `mesh` that is not a Mesh.
       ValueError: with a mesh: axes other than ("dp", "tp"), mtp=True, or a config

@@ -69,6 +69,8 @@ def family_of(model_type: Any, source: str) -> Family:
     Raises:
       ConfigError: an unregistered (or missing) model_type, naming `source` and the supported ones.
     """
+    if model_type is None:
+        raise ConfigError(f"{source}: missing key 'model_type' (the model family); supported: {', '.join(_FAMILIES)}")
     family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported: {', '.join(_FAMILIES)}")

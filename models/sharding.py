@@ -422,7 +422,7 @@ class ShardedLM(nnx.Module):
                return_hidden: bool = False):
         """`models.common.HybridCausalLM.decode` on the mesh."""
         tokens = check_tokens(tokens, self.config.vocab_size)
-        check_cache(cache, self.config.layer_types, tokens.shape[0])
+        check_cache(cache, self.config.layer_types, tokens.shape)
         check_batch(tokens.shape[0], self.dp, "tokens")
         _check_no_window(cache)
         return self._run("decode", (tokens, cache), route=route, backend=backend, return_hidden=return_hidden)
@@ -432,7 +432,7 @@ class ShardedLM(nnx.Module):
         """`models.common.HybridCausalLM.verify` on the mesh (a draft `tree` too: each device walks it
         on its own heads)."""
         tokens = check_input_ids(tokens, self.config.vocab_size, name="tokens")
-        check_cache(cache, self.config.layer_types, tokens.shape[0])
+        check_cache(cache, self.config.layer_types, tokens.shape)
         check_batch(tokens.shape[0], self.dp, "tokens")
         _check_no_window(cache)
         _check_room(cache, tokens.shape[1])

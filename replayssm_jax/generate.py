@@ -301,7 +301,7 @@ def _prompts(args, checkpoint, vocab) -> tuple[list[list[int]], Tokenizer | None
     has_tokenizer = os.path.exists(os.path.join(checkpoint, "tokenizer.json"))
     if args.prompt_ids is not None:
         prompts = _parse_prompt_ids(args.prompt_ids)
-        _check_ids(prompts, vocab, lambda i: f"`--prompt-ids row {i}`")
+        _check_ids(prompts, vocab, lambda i: f"--prompt-ids row {i}")
         return prompts, Tokenizer(checkpoint) if has_tokenizer or vocab >= 256 else None
     tokenizer = Tokenizer(checkpoint)
     if tokenizer.hf is None and vocab < 256:

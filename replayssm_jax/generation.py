@@ -617,8 +617,8 @@ class Generator:
         checkpoint tile first: one read and one write of each checkpoint a
         cycle, as the flush, and that step's readout with it), where the
         replay step reads the checkpoint once more and writes it in a flush
-        launch. The same math (the flush of the reference, DESIGN.md
-        section 2), up to the rounding of that step's record to the buffer's
+        launch. The same math (the flush of the reference, ARCHITECTURE.md,
+        "The math"), up to the rounding of that step's record to the buffer's
         dtype, which the direct step does not round. None (default): on
         where it applies and pays: a kernel backend, block_size a multiple
         of L, plain decoding (`speculative` None), a float32 or bfloat16
@@ -877,41 +877,43 @@ class Generator:
 
     # -- argument checks --------------------------------------------------------------------------
 
-    def _check_ids(self, ids: np.ndarray, name: str) -> np.ndarray:
+    def _check_ids(self, ids: np.ndarray, row: str) -> np.ndarray:
         vocab = int(self.config.vocab_size)
         bad = ids[(ids < 0) | (ids >= vocab)]
         if bad.size:
-            raise GenerationError(f"`{name}` has token id {int(bad[0])} outside the vocabulary [0, {vocab})")
+            raise GenerationError(f"{row} has token id {int(bad[0])} outside the vocabulary [0, {vocab})")
         return ids
 
-    def _check_prompts(self, prompts):
+    def _check_prompts(self, prompts, name: str = "prompts", row: str = "prompt"):
+        """Token-id rows (`name`: the argument; `row`: what a row of it is called in errors) as i32 arrays
+        and their lengths; GenerationError for anything else."""
         if isinstance(prompts, (np.ndarray, jax.Array)):
             prompts = np.asarray(prompts)
             if prompts.ndim != 2:
-                raise GenerationError(f"`prompts` must have shape [batch, seqlen]; got {prompts.shape}")
+                raise GenerationError(f"`{name}` must have shape [batch, seqlen]; got {prompts.shape}")
             prompts = list(prompts)
         if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
-            raise GenerationError(f"`prompts` must be a list of token-id sequences; got {type(prompts).__name__}")
+            raise GenerationError(f"`{name}` must be a list of token-id sequences; got {type(prompts).__name__}")
         rows = []
         for i, p in enumerate(prompts):
             try:
                 rows.append(np.asarray(p))
             except ValueError as e:  # a ragged nesting
-                raise GenerationError(f"prompt {i} is not a flat list of token ids: {e}") from None
+                raise GenerationError(f"{row} {i} is not a flat list of token ids: {e}") from None
         if not rows:
-            raise GenerationError("`prompts` is empty: give at least one sequence")
+            raise GenerationError(f"`{name}` is empty: give at least one sequence")
         vocab = int(self.config.vocab_size)
         for i, p in enumerate(rows):
             if p.ndim != 1 or p.size == 0:
-                hint = " (`prompts` is a list of sequences: [[ids...], ...])" if p.ndim == 0 else ""
-                raise GenerationError(f"prompt {i} is empty or not a flat list of ids (shape {p.shape}){hint}")
+                hint = f" (`{name}` is a list of sequences: [[ids...], ...])" if p.ndim == 0 else ""
+                raise GenerationError(f"{row} {i} is empty or not a flat list of ids (shape {p.shape}){hint}")
             if p.dtype == object and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
                 # Python ints beyond int64: outside any vocabulary
                 bad = next(int(t) for t in p if not 0 <= t < vocab)
-                raise GenerationError(f"`prompt {i}` has token id {bad} outside the vocabulary [0, {vocab})")
+                raise GenerationError(f"{row} {i} has token id {bad} outside the vocabulary [0, {vocab})")
             if not np.issubdtype(p.dtype, np.integer):
-                raise GenerationError(f"prompt {i} must hold integer token ids; got dtype {p.dtype}")
-            self._check_ids(p, f"prompt {i}")
+                raise GenerationError(f"{row} {i} must hold integer token ids; got dtype {p.dtype}")
+            self._check_ids(p, f"{row} {i}")
         return [p.astype(np.int32) for p in rows], np.array([p.size for p in rows], np.int32)
 
     def _stop_ids(self, stop_tokens) -> np.ndarray:
@@ -1122,7 +1124,7 @@ class Generator:
         if spec.method == "ngram":
             return NgramDrafter(spec.num_draft, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram,
                                 vocab_size=int(self.config.vocab_size) if branches else None)
-        reference, _ = self._check_prompts(spec.reference)
+        reference, _ = self._check_prompts(spec.reference, "speculative.reference", "`speculative.reference` row")
         if len(reference) != plan.batch:
             raise GenerationError(f"`speculative.reference` must have one row per prompt ({plan.batch}); got "
                                   f"{len(reference)}")

@@ -240,15 +240,18 @@ def load_sequence(path: str | os.PathLike) -> SequenceState:
 
     Raises:
       FileNotFoundError: no file at `path`.
-      SequenceStateError: a safetensors file of another format.
+      SequenceStateError: not a safetensors file, or one of another format.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no sequence state file {path}")
-    with safe_open(path, framework="numpy") as f:
-        metadata = f.metadata() or {}
+    try:
+        with safe_open(path, framework="numpy") as f:
+            metadata = f.metadata() or {}
+    except SafetensorError as e:
+        raise SequenceStateError(f"{path}: not a sequence state file (not a safetensors file: {e})") from None
     if metadata.get("format") != FORMAT:
         raise SequenceStateError(f"{path}: not a sequence state file (format {metadata.get('format')!r}; expected "
                                  f"{FORMAT!r})")

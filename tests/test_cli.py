@@ -295,7 +295,7 @@ BAD_COMMANDS = [
     (["--buffer-len", "0"], "--buffer-len must be >= 1; got 0"),
     (["--buffer-len", "65", "--backend", "interpret"], "--buffer-len must be <= 64 with backend 'interpret'"),
     (["--stop", "999999"], "--stop has token id 999999 outside the vocabulary"),
-    (["--prompt-ids", "1,999999"], "`--prompt-ids row 0` has token id 999999 outside the vocabulary"),
+    (["--prompt-ids", "1,999999"], "--prompt-ids row 0 has token id 999999 outside the vocabulary"),
     (["--backend", "cuda"], "--backend must be one of pallas, interpret, xla; got 'cuda'"),
     (["--dtype", "float64"], "--dtype must be one of float32, bfloat16; got 'float64'"),
     (["--top-p", "0", "--temperature", "1"], "--top-p must be in (0, 1]; got 0.0"),
@@ -307,7 +307,7 @@ BAD_COMMANDS = [
     # A non-UTF-8 argument reaches Python as lone surrogates (PEP 383): b"caf\xe9" is "caf\udce9".
     (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8 text: byte 0xe9 at character 3"),
     (["--prompt-ids", "99999999999999999999"],
-     "`--prompt-ids row 0` has token id 99999999999999999999 outside the vocabulary [0, 256)"),
+     "--prompt-ids row 0 has token id 99999999999999999999 outside the vocabulary [0, 256)"),
     (["--stop", ",,,"], "--stop must be comma-separated token ids ('' for none); got ',,,'"),
     (["--state", "standard", "--compare"], "--compare runs both states: leave out --state (got --state standard)"),
     (["--block-size", "0"], "--block-size must be >= 1; got 0"),

@@ -250,7 +250,7 @@ def test_decode_loop_copies_no_checkpoint(name):
 
 def test_generator_errors():
     gen = Generator(model("mamba2_tiny"), state="replay", buffer_len=4)
-    with pytest.raises(GenerationError, match=r"`prompt 1` has token id 256 outside the vocabulary \[0, 256\)"):
+    with pytest.raises(GenerationError, match=r"prompt 1 has token id 256 outside the vocabulary \[0, 256\)"):
         gen.generate([[1, 2], [3, 256]], 4)
     with pytest.raises(GenerationError, match="prompt 0 is empty"):
         gen.generate([[]], 4)
@@ -380,7 +380,7 @@ def test_on_token_streams_the_new_tokens():
 
 
 def test_oversized_prompt_id_is_named():
-    with pytest.raises(GenerationError, match=r"`prompt 1` has token id 99999999999999999999 outside the "
+    with pytest.raises(GenerationError, match=r"prompt 1 has token id 99999999999999999999 outside the "
                                               r"vocabulary \[0, 256\)"):
         Generator(model("mamba2_tiny"), state="replay", buffer_len=4).generate([[1], [99999999999999999999]], 2)
 

@@ -1,6 +1,6 @@
 """Speculative verify and commit through whole models (`verify`, `commit`, `make_verify_step`, `make_commit`).
 
-A speculative greedy loop written here (DESIGN.md section 7): each round
+A speculative greedy loop written here (ARCHITECTURE.md, "Speculative decoding"): each round
 verifies the last accepted token plus K = W - 1 drafts taken from the true
 greedy continuation (the fixture's `generated_ids`) with some positions
 corrupted or padded, accepts with `replayssm_jax.speculative.greedy_acceptance`
@@ -175,6 +175,10 @@ def test_verify_and_commit_errors():
         model.commit(pending, jnp.array([3, 1]))
     with pytest.raises(TypeError, match="`num_accepted` must have an integer dtype"):
         model.commit(pending, jnp.array([1.0, 1.0]))
+    with pytest.raises(ValueError, match="`path` is for a draft tree's window; the pending window is a chain's"):
+        model.commit(pending, jnp.array([2, 2]), jnp.array([[0, 1], [0, 1]]))
+    with pytest.raises(ValueError, match=r"`tokens` must have 2 rows, the cache's batch; got shape \(3, 2\)"):
+        model.verify(jnp.ones((3, 2), jnp.int32), cache)
     committed = model.commit(pending, jnp.array([2, 2]))  # the failed calls left `pending` usable
     assert committed.position.tolist() == [T + 2, T + 2] and committed.layers[3].length.tolist() == [T + 2] * 2
     with pytest.raises(ValueError, match="KV cache holds 14 of max_len = 15"):

@@ -168,6 +168,15 @@ def test_functional_prefill_and_decode_step():
     np.testing.assert_array_equal(np.asarray(cache.layers[2].length), [T + 3] * 2)
 
 
+def test_params_of_another_model_are_named():
+    """The jitted functions of one model's graphdef given another model's params raise, naming `params`."""
+    graphdef, _ = split_params(get_model("qwen3_5_tiny"))
+    _, other = split_params(get_model("qwen3_next_tiny"))
+    ids = jnp.asarray(reference("qwen3_5_tiny")["prompt_ids"])
+    with pytest.raises(ValueError, match="`params` do not match the model's graphdef"):
+        make_prefill(graphdef, max_len=ids.shape[1] + 1)(other, ids)
+
+
 def test_decode_rejects_mismatched_cache():
     model = get_model("nemotron_h_tiny")
     ids = jnp.asarray(reference("nemotron_h_tiny")["prompt_ids"])
@@ -181,12 +190,16 @@ def test_decode_rejects_mismatched_cache():
     with pytest.raises(ValueError, match=r"\[batch\]"):
         model.decode(ids, cache)
     batch = ids.shape[0]
-    with pytest.raises(ValueError, match=rf"`tokens` must have shape \[batch\] = \({batch},\) \(the cache's batch\); got \(1,\)"):
+    with pytest.raises(ValueError, match=rf"`tokens` must have {batch} rows, the cache's batch; got shape \(1,\)"):
         model.decode(ids[:1, 0], cache)
     with pytest.raises(TypeError, match="`cache` must be a HybridCache .*; got NoneType"):
         model.decode(ids[:, 0], None)
-    with pytest.raises(ValueError, match="max_len"):
-        model.prefill(ids, 4)
+    T = ids.shape[1]
+    for bad in (T - 1, float(T + 4), True):
+        with pytest.raises(ValueError, match=rf"`max_len` must be an int >= the prompt length T = {T}; got "):
+            model.prefill(ids, bad)
+    with pytest.raises(ValueError, match=rf"`max_len` must be an int >= the prompt length T = {T}; got 0"):
+        get_model("mamba2_tiny").prefill(ids, 0)  # no attention layer reads it
     # Backends that cannot run fail at prefill, not at the first decode step.
     if jax.default_backend() != "gpu":
         with pytest.raises(RuntimeError, match="`backend='pallas'` needs a CUDA GPU"):
@@ -468,6 +481,13 @@ def test_unknown_model_type(tmp_path):
     _edit_config(dst, lambda c: c.__setitem__("model_type", "llama"))
     with pytest.raises(ConfigError, match=r"config.json: unknown model_type 'llama'"):
         load_model(dst)
+    _edit_config(dst, lambda c: c.pop("model_type"))
+    with pytest.raises(ConfigError, match=r"config.json: missing key 'model_type' \(the model family\); supported: "):
+        load_model(dst)
+    for bad in (None, 3):
+        with pytest.raises(TypeError, match=rf"`path` must be a checkpoint folder \(str or os.PathLike\); got "
+                                            rf"{type(bad).__name__} {bad}"):
+            load_model(bad)
 
 
 def test_unknown_layer_type(tmp_path):
@@ -525,6 +545,10 @@ def test_nemotron_config_validation():
         NemotronHConfig.from_hf_config(dict(base, num_experts_per_tok=5))
     with pytest.raises(ConfigError, match=r"key 'hidden_size' must be int"):
         NemotronHConfig.from_hf_config(dict(base, hidden_size="32"))
+    with pytest.raises(ConfigError, match=r"key 'conv_kernel' must be a positive integer; found 0"):
+        NemotronHConfig.from_hf_config(dict(base, conv_kernel=0))
+    with pytest.raises(ConfigError, match=r"key 'conv_kernel' must be a positive integer; found 0"):
+        NemotronHConfig.from_hf_config(dict(fixture_config("mamba2_tiny"), conv_kernel=0))
 
 
 REQUIRED_KEYS = [  # (fixture, the key and its aliases): each fixes shapes no default would match

@@ -108,6 +108,10 @@ def test_bad_imports_are_refused_and_the_cache_is_untouched(fixture, tmp_path):
     save_file({"w": np.ones(3, np.float32)}, str(bad))
     with pytest.raises(SequenceStateError, match="not a sequence state file"):
         load_sequence(bad)
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not safetensors")
+    with pytest.raises(SequenceStateError, match=r"garbage.safetensors: not a sequence state file \(not a safetensors"):
+        load_sequence(garbage)
     with pytest.raises(TypeError, match="`state` must be a SequenceState; got dict"):
         import_sequence(cache, 0, {})
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache), before)

@@ -249,6 +249,9 @@ def test_speculative_config_errors():
         gen.generate([[1, 2], [3, 4]], 4)
     assert gen.compilations == 1  # the prefill only; the Generator stays usable
     assert gen.generate([[1, 2]], 3).num_generated == [3]
+    bad = gen.with_speculative(SpeculativeConfig("oracle", 2, reference=[[1, 2, 999]]))
+    with pytest.raises(GenerationError, match=r"`speculative.reference` row 0 has token id 999 outside the vocabulary"):
+        bad.generate([[1, 2]], 3)
 
 
 def test_command_line_speculative(capsys):

@@ -58,6 +58,24 @@ def check_bad_trees(model, verify, commit, params, cache):
         commit(cache, jnp.ones(batch, jnp.int32), jnp.zeros((batch, 3), jnp.int32))
 
 
+def check_bad_paths(model, cache, tree):
+    """A tree's pending window is committed only along a path of the tree, root first: no path, a path
+    off the root or across siblings raises (`tree` has nodes 1 and 2 under the root, 3 under 1), naming
+    the row."""
+    batch = cache.position.shape[0]
+    m = jnp.full(batch, 3, jnp.int32)
+    with pytest.raises(ValueError, match="`path` is required after a draft tree's verify"):
+        model.commit(cache, m)
+    across = np.tile(np.array([0, 1, 3], np.int32), (batch, 1))
+    across[-1] = (0, 1, 2)
+    assert tree.parents[3] == 1 and tree.parents[2] == 0
+    with pytest.raises(ValueError, match=rf"`path` must follow the draft tree's edges; row {batch - 1}: node 2 "
+                                         r"\(position 2\) has parent 0, not node 1"):
+        model.commit(cache, m, jnp.asarray(across))
+    with pytest.raises(ValueError, match="`path` must start at the root, node 0; row 0 starts at node 1"):
+        model.commit(cache, m, jnp.asarray(np.tile(np.array([1, 3, 0], np.int32), (batch, 1))))
+
+
 def tree_greedy(name, replay_buffer_len):
     model = load_model(os.path.join(DATA, name))
     ref = dict(np.load(os.path.join(DATA, name, "reference.npz")))
@@ -92,6 +110,8 @@ def tree_greedy(name, replay_buffer_len):
                 assert err < TOL, f"{name}: round {rounds} row {b} node {j}: max abs err {err:.3g}"
         accepted = _accept(logits, jnp.asarray(drafts), jnp.ones(drafts.shape, bool))
         m, path = np.asarray(accepted.num_accepted), np.asarray(accepted.path)
+        if rounds == 1:
+            check_bad_paths(model, cache, TREE)  # the cache stays usable: committed below
         for b, scenario in enumerate(scenarios):
             assert tuple(path[b, :m[b]]) == (0, *BRANCHES[scenario]), (name, rounds, b, scenario)
             seen.add(scenario)

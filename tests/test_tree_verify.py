@@ -236,6 +236,12 @@ def test_commit_path_checks(layer_cls):
         ops.replay_commit(new, m + 2, path=np.zeros((layer.s.batch, 2), np.int32))
     with pytest.raises(TypeError, match="`path` must have an integer dtype"):
         ops.replay_commit(new, m, path=np.zeros((layer.s.batch, 2), np.float32))
+    off_root = np.zeros((layer.s.batch, 2), np.int32)
+    off_root[1, 0] = 1
+    with pytest.raises(ValueError, match="`path` must start at the root, node 0; row 1 starts at node 1"):
+        ops.replay_commit(new, m, path=off_root)
+    m[1] = 0  # a row that keeps no node: its path is not read
+    assert int(ops.replay_commit(new, m, path=off_root).window) == 0
     assert int(ops.replay_commit(new, m, path=np.zeros((layer.s.batch, 2), np.int32)).window) == 0
 
 

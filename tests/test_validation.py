@@ -140,6 +140,12 @@ def test_replay_errors_leave_state_usable(name, request):
         case.replay_step(rs.replace(**{decay: longer}), inp)
     with pytest.raises(ValueError, match=re.escape(f"`state.{decay}` must have rank 3 [batch, ")):
         case.replay_step(rs.replace(**{decay: getattr(rs, decay)[..., None]}), inp)
+    # A checkpoint whose last axis disagrees with the key buffer's: the message says where the shape comes from.
+    key = "B" if name == "mamba" else "k"
+    short = rs.checkpoint[..., :-2]
+    source = f"(from state.checkpoint's shape {tuple(short.shape)} and L = 4)"
+    with pytest.raises(ValueError, match=re.escape(f"`state.{key}` must have shape [") + ".*" + re.escape(source)):
+        case.replay_step(rs.replace(checkpoint=short), inp)
 
     # The state that saw all these failures is intact and still decodes.
     np.testing.assert_array_equal(rs.checkpoint, before[0])

@@ -98,11 +98,13 @@ def check_float(name: str, x, dtypes: Sequence | None = None) -> jax.Array:
     return x
 
 
-def check_shape(name: str, x, dims: str, expected: Sequence[int]) -> None:
-    """Raise ValueError unless `x.shape == expected`; `dims` names the axes."""
+def check_shape(name: str, x, dims: str, expected: Sequence[int], source: str = "") -> None:
+    """Raise ValueError unless `x.shape == expected`; `dims` names the axes, `source` (optional) says
+    where `expected` comes from."""
     expected = tuple(int(e) for e in expected)
     if tuple(x.shape) != expected:
-        raise ValueError(f"`{name}` must have shape [{dims}] = {expected}; got {tuple(x.shape)}")
+        where = f" ({source})" if source else ""
+        raise ValueError(f"`{name}` must have shape [{dims}] = {expected}{where}; got {tuple(x.shape)}")
 
 
 def check_rank(name: str, x, dims: str) -> None:
@@ -350,8 +352,9 @@ def check_replay_state(state, kind: type) -> None:
                         f"got {type(state.cursor).__name__} {state.cursor!r}")
     L = state.buffer_len
     expected = {record: (batch, heads, L, rows), key: (batch, buffers[key].shape[1], L, cols), decay: (batch, heads, L)}
+    source = f"from state.checkpoint's shape {tuple(state.checkpoint.shape)} and L = {L}"
     for name, shape in expected.items():
-        check_shape(f"state.{name}", buffers[name], axes[name], shape)
+        check_shape(f"state.{name}", buffers[name], axes[name], shape, source)
     check_shape("state.cursor", state.cursor, "batch", (batch,))
     if state.cursor.dtype != jnp.int32:
         raise TypeError(f"`state.cursor` must be int32; got {state.cursor.dtype}")
@@ -448,13 +451,15 @@ def check_tree(tree, W: int, name: str):
     return tree
 
 
-def check_path(path, num_accepted: jax.Array, window: int) -> jax.Array | None:
+def check_path(path, num_accepted: jax.Array, window: int, parents: tuple[int, ...] | None = None) -> jax.Array | None:
     """A commit's `path`: None, or int[batch, P] of node indices of a verified draft tree (1 <= P <=
-    window), as i32; values checked where concrete (node indices in 0..window - 1, num_accepted <= P).
+    window), as i32; values checked where concrete: node indices in 0..window - 1, num_accepted <= P,
+    and each row's kept nodes path[b, :m] a path from the root down (node 0 first; with the tree's
+    `parents`, as `DraftTree.parents`, each next node a child of the one before).
 
     Raises:
       TypeError: a non-integer dtype.
-      ValueError: another shape, or a concrete value out of range.
+      ValueError: another shape, or a concrete value out of range or off the tree.
     """
     if path is None:
         return None
@@ -464,10 +469,29 @@ def check_path(path, num_accepted: jax.Array, window: int) -> jax.Array | None:
         raise ValueError(f"`path` must have shape [batch, P] with batch = {batch}, 1 <= P <= W = {window}; got "
                          f"{path.shape}")
     path = check_int_range("path", path, "batch, P", path.shape, 0, window - 1)
-    if not isinstance(num_accepted, jax.core.Tracer) and int(jnp.max(num_accepted)) > path.shape[1]:
-        raise ValueError(f"`num_accepted` must be <= the path length P = {path.shape[1]}; got "
-                         f"{int(jnp.max(num_accepted))}")
+    if isinstance(num_accepted, jax.core.Tracer):
+        return path.astype(jnp.int32)
+    m = np.asarray(num_accepted)
+    if int(m.max(initial=0)) > path.shape[1]:
+        raise ValueError(f"`num_accepted` must be <= the path length P = {path.shape[1]}; got {int(m.max())}")
+    if not isinstance(path, jax.core.Tracer):
+        _check_path_nodes(np.asarray(path), m, parents)
     return path.astype(jnp.int32)
+
+
+def _check_path_nodes(path: np.ndarray, m: np.ndarray, parents: tuple[int, ...] | None) -> None:
+    """ValueError unless each row's kept nodes path[b, :m[b]] start at the root (node 0) and, with
+    `parents`, each is a child of the one before."""
+    for b in range(path.shape[0]):
+        kept = path[b, :m[b]]
+        if kept.size and kept[0] != 0:
+            raise ValueError(f"`path` must start at the root, node 0; row {b} starts at node {kept[0]}")
+        if parents is None:
+            continue
+        for i in range(1, kept.size):
+            if parents[kept[i]] != kept[i - 1]:
+                raise ValueError(f"`path` must follow the draft tree's edges; row {b}: node {kept[i]} (position "
+                                 f"{i}) has parent {parents[kept[i]]}, not node {kept[i - 1]}")
 
 
 def _check_replay_init(checkpoint, buffer_len, shared, buffer_dtype, dims, shared_name, heads, shared_heads):
