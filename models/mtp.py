@@ -3,8 +3,8 @@
 The checkpoints of these models carry a small draft head under ``mtp.*`` that
 predicts the token after next from the model's last hidden state and the next
 token. `models.load_model(path, mtp=True)` attaches it to the model as
-``model.mtp``; `MTPDrafter` proposes speculative drafts with it (DESIGN.md
-section 7). Dimension names: batch, T (positions given in one call), K =
+``model.mtp``; `MTPDrafter` proposes speculative drafts with it (ARCHITECTURE.md,
+"Speculative decoding"). Dimension names: batch, T (positions given in one call), K =
 num_speculative_tokens, hidden (hidden_size), vocab (vocab_size), max_len (the
 head's KV cache length).
 
@@ -444,7 +444,7 @@ class MTPDraftState:
 
 @dataclasses.dataclass(frozen=True)
 class MTPDrafter:
-    """Speculative drafts from a model's MTP head (DESIGN.md section 7).
+    """Speculative drafts from a model's MTP head (ARCHITECTURE.md, "Speculative decoding").
 
     Build it with `MTPDrafter.for_model`. Its fields are static (the drafter is
     a pytree without leaves, so it may be an argument of a jitted function), and

@@ -101,7 +101,7 @@ def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     top-k and top-p: log-probabilities up to a per-row constant.
 
     Softmax over the last axis gives the distribution p that plain sampling
-    draws from; speculative sampling needs the same p (DESIGN.md section 7),
+    draws from; speculative sampling needs the same p (ARCHITECTURE.md, "Speculative decoding"),
     so both call this function.
 
     Args:

@@ -1,6 +1,6 @@
 """The ReplaySSM decode state of one SSM layer, as pytrees.
 
-ReplaySSM (DESIGN.md section 2) keeps the recurrent state in memory only as a
+ReplaySSM (ARCHITECTURE.md, "The math") keeps the recurrent state in memory only as a
 *checkpoint* S_c and buffers the per-step inputs of the recurrence since that
 checkpoint in a ring of L slots. Slot i < cursor holds step i + 1 after the
 checkpoint. With log decays lg_i and G_j = lg_1 + ... + lg_j, the state after
@@ -363,7 +363,7 @@ def gdn_replay_init(checkpoint: jax.Array, buffer_len: int, num_k_heads: int, bu
 
 def replay_commit(state: ReplayState, num_accepted: jax.Array, path: jax.Array | None = None) -> ReplayState:
     """Accept the first `num_accepted` (int[batch]) steps of the pending
-    verify window: `cursor += num_accepted`, `window = 0` (DESIGN.md section 3).
+    verify window: `cursor += num_accepted`, `window = 0` (ARCHITECTURE.md, "The verify window").
     The counts are clipped to 0..W, which keeps the cursor in 0..L where
     they cannot be checked (inside jit). Arguments as validated by
     :func:`replayssm_jax.ops.replay_commit`.

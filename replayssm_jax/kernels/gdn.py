@@ -2,8 +2,8 @@
 
 Letters: batch, H key heads, HV value heads (value head h reads key head
 h // (HV // H)), K key dim, V value dim, L buffer length. The state is
-value-major, S f32 | bf16[batch, HV, V, K]. One decode step (DESIGN.md
-section 2, fla's fused_recurrent_gated_delta_rule with T = 1):
+value-major, S f32 | bf16[batch, HV, V, K]. One decode step (ARCHITECTURE.md,
+"The math", fla's fused_recurrent_gated_delta_rule with T = 1):
 
     S' = exp(g) S;  d = beta (v - S' k);  S_new = S' + d k^T;  o = S_new (scale q)
 
@@ -813,7 +813,7 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, 
     the row's live records to it in registers, S_0 = exp(G) S_c + sum_i
     w_i d_i k_i^T (the flush's `replay_records`; S_0 the state at the
     window's start), then runs the window's W steps on that tile (the
-    gated delta rule; DESIGN.md section 3; Yang, Kautz & Hatamizadeh,
+    gated delta rule; ARCHITECTURE.md, "The verify window"; Yang, Kautz & Hatamizadeh,
     "Gated Delta Networks", ICLR 2025):
 
         S_t = exp(g_t) S_{t-1} + d_t k_t^T,  d_t = beta_t (v_t - exp(g_t) S_{t-1} k_t),  o_t = S_t q_t,

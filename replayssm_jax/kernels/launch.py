@@ -20,7 +20,7 @@ state is made; an 8-bit checkpoint's values, scales and rounding seeds
 
 The lowering (Pallas on Triton) is private to this package. Pallas warns
 that its Triton backend is deprecated; this module silences exactly that
-message (a Mosaic GPU port is expected, DESIGN.md section 5).
+message (the Mosaic GPU kernels, `tma_readout` and `tma_step`, are its successors).
 """
 
 from __future__ import annotations

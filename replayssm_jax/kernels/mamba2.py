@@ -707,7 +707,7 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
     applies the row's live records to it in registers, S_0 = exp(G) S_c +
     sum_i w_i dt_i x_i B_i^T (the flush's `replay_records`; S_0 the state at
     the window's start), then runs the window's W steps on that tile (the
-    selective state update; DESIGN.md section 3; Dao & Gu, "Transformers
+    selective state update; ARCHITECTURE.md, "The verify window"; Dao & Gu, "Transformers
     are SSMs", ICML 2024):
 
         S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,  y_t = S_t C_t + D x_t,

@@ -1,7 +1,7 @@
 """In-kernel math of the replay: decay weights of the buffered slots, the
 rank-L update, and the fold of buffered records into a state tile.
 
-Both layer types run the same per-head recurrence (DESIGN.md section 2)
+Both layer types run the same per-head recurrence (ARCHITECTURE.md, "The math")
 
     S_t = exp(lg_t) S_{t-1} + u_t k_t^T,    y_t = S_t q_t,
 

@@ -29,8 +29,8 @@ record; nothing is flushed. Here it runs as two launches:
   v into shared memory up to `config.stages` - 1 items ahead of the one it
   computes (TMA; the stages capped at the most steps a program runs), and the
   item's compute forms, with
-  S_c the checkpoint tile and d_i its buffered update vectors (DESIGN.md
-  section 2, `replay_math`'s form of the replay):
+  S_c the checkpoint tile and d_i its buffered update vectors (ARCHITECTURE.md,
+  "The math", `replay_math`'s form of the replay):
 
       Sk = exp(g) (carried S_c k + sum_i a_k[i] d_i),   d = beta (v - Sk),
       o  = exp(g) (carried S_c q + sum_i a_q[i] d_i) + (k . q) d,
@@ -648,7 +648,7 @@ def _key_transforms(k_dtype, L: int):
 def fold_tile(S_s, scale, weight, U_s, kf_s, k0_s=None, count=None):
     """A checkpoint tile S_s (shared memory) replaced by the tile after buffered records,
     S <- scale S + sum_i weight(i) d_i k_i^T over the live slots i (all L where `count` is None, else
-    i < count, a traced scalar), stored in the tile's dtype (`replay_math`'s fold; DESIGN.md section 2).
+    i < count, a traced scalar), stored in the tile's dtype (`replay_math`'s fold; ARCHITECTURE.md, "The math").
 
     d_i: the item's d records, the pipeline's L / R buffers U_s of R slots
     each; k_i: row i of kf_s [L, K], but for slot 0 the key k0_s [K] where

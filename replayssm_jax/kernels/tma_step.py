@@ -26,7 +26,7 @@ every row (L - 1 records live). Both run as two launches:
   direct route its d records [L, block_v] and its key head's k records
   [L, K]) into shared memory ahead of the item it computes, and stores the
   new state tile (in place) and the outputs. An item computes, with S_c
-  the state tile (DESIGN.md section 2, `replay_math.replay_records`; Yang,
+  the state tile (ARCHITECTURE.md, "The math", `replay_math.replay_records`; Yang,
   Kautz & Hatamizadeh, "Gated Delta Networks", ICLR 2025, for the step):
 
       S = exp(sum of the live g) S_c + sum_{i < cursor} w_i d_i k_i^T   (direct route)

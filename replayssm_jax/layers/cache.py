@@ -15,7 +15,7 @@ The layer's ``decode`` method dispatches on the type of the state it is given;
 the choice is static (part of the pytree structure), so one jitted decode step
 serves one path.
 
-Speculative decoding (DESIGN.md sections 3 and 7): a layer's ``verify`` runs W
+Speculative decoding (ARCHITECTURE.md, "The verify window" and "Speculative decoding"): a layer's ``verify`` runs W
 positions at once and returns its state with the window *pending*; `commit`
 then keeps the first m of them (m = num_accepted, 0..W per row):
 

@@ -11,7 +11,7 @@ the ops of its layer type in :mod:`replayssm_jax.ops`:
 - `decode` with a `ReplayLayerState`: one ReplaySSM step (`replay_step_op`),
   on a state built by `to_replay` (`replay_init_op`);
 - `verify` of W speculative positions and `commit` of the first m of them
-  (DESIGN.md section 7): with a `ReplayLayerState` the op's verify window
+  (ARCHITECTURE.md, "Speculative decoding"): with a `ReplayLayerState` the op's verify window
   (`replay_verify_op`) and ``replay_commit``; with an `SSMLayerState` (the
   standard baseline, in its slotted layout) the per-draft verify
   (`verify_op`: one launch writes the state after each position to its own

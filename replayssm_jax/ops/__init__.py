@@ -347,7 +347,7 @@ def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=
 def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted, path=None):
     """Accept the first `num_accepted` steps of the pending verify window, or a path of a verified tree.
 
-    Commit is a cursor move (DESIGN.md section 3): `cursor += num_accepted`;
+    Commit is a cursor move (ARCHITECTURE.md, "The verify window"): `cursor += num_accepted`;
     the rejected records stay in their slots as dead entries and are
     overwritten later. The checkpoint is not touched. A row whose cursor
     reaches L is flushed by its next step or verify. With a `path` (tree
@@ -522,7 +522,7 @@ def mamba2_chunked(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softp
 def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
                        dt_limit=(0.0, INF), route: str = "output", *, backend: str | None = None,
                        config: KernelConfig | None = None, slots=None):
-    """One ReplaySSM decode step of a Mamba-2 layer (DESIGN.md section 2).
+    """One ReplaySSM decode step of a Mamba-2 layer (ARCHITECTURE.md, "The math").
 
     Appends this step's record (x, dt, B) at each row's cursor, computes y
     from one read of the checkpoint plus the buffer, and flushes the rows whose
@@ -584,7 +584,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
 def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
                          dt_limit=(0.0, INF), *, tree=None, backend: str | None = None,
                          config: KernelConfig | None = None, slots=None):
-    """Verify a window of W speculative steps of a Mamba-2 layer (DESIGN.md section 3).
+    """Verify a window of W speculative steps of a Mamba-2 layer (ARCHITECTURE.md, "The verify window").
 
     Writes the W records after each row's cursor (flushing first the rows
     that lack room) and returns the W outputs; neither the cursor nor the
@@ -630,8 +630,8 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
 def mamba2_replay_materialize(state: Mamba2ReplayState, A, *, backend: str | None = None,
                               config: KernelConfig | None = None) -> jax.Array:
     """The current full SSM state from checkpoint plus buffer,
-    S = exp(G) S_c + sum_i w_i (dt_i x_i) B_i^T over the live slots (DESIGN.md
-    section 2; :func:`replayssm_jax.reference.mamba2_replay_materialize`).
+    S = exp(G) S_c + sum_i w_i (dt_i x_i) B_i^T over the live slots (ARCHITECTURE.md,
+    "The math"; :func:`replayssm_jax.reference.mamba2_replay_materialize`).
 
     Args:
       state: a Mamba2ReplayState; A: f32[nheads], negative.
@@ -803,7 +803,7 @@ def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_s
 
 def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output",
                     *, backend: str | None = None, config: KernelConfig | None = None, slots=None):
-    """One ReplaySSM decode step of a Gated DeltaNet layer (DESIGN.md section 2).
+    """One ReplaySSM decode step of a Gated DeltaNet layer (ARCHITECTURE.md, "The math").
 
     Forms the delta-rule update vector d from one read of the checkpoint
     plus the buffer, appends the record (d, k, g) at each row's cursor,
@@ -849,7 +849,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
 
 def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, tree=None,
                       backend: str | None = None, config: KernelConfig | None = None, slots=None):
-    """Verify a window of W speculative steps of a Gated DeltaNet layer (DESIGN.md section 3).
+    """Verify a window of W speculative steps of a Gated DeltaNet layer (ARCHITECTURE.md, "The verify window").
 
     As :func:`mamba2_replay_verify`; the window's update vectors, which
     depend on one another, are solved in closed form as one chunk of the
@@ -892,8 +892,8 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
 def gdn_replay_materialize(state: GDNReplayState, *, backend: str | None = None,
                            config: KernelConfig | None = None) -> jax.Array:
     """The current full state from checkpoint plus buffer,
-    S = exp(G) S_c + sum_i w_i d_i k_i^T over the live slots (DESIGN.md
-    section 2; :func:`replayssm_jax.reference.gdn_replay_materialize`).
+    S = exp(G) S_c + sum_i w_i d_i k_i^T over the live slots (ARCHITECTURE.md,
+    "The math"; :func:`replayssm_jax.reference.gdn_replay_materialize`).
 
     Args:
       state: a GDNReplayState.

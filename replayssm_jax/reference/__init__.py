@@ -17,7 +17,7 @@ Glossary (letters used in shapes; config field; paper symbol):
     V   linear_value_head_dim      value dim
     g   log decay <= 0 = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b) in (0, 1)
 
-  ReplaySSM (DESIGN.md)
+  ReplaySSM (ARCHITECTURE.md)
     L   buffer length (steps buffered between flushes);  W  verify window length
     checkpoint [batch, heads, V, K] (Mamba-2: V = head_dim, K = d_state)
     scale f32[batch, heads, V], one per row of an int8 | float8_e4m3fn checkpoint (over K)

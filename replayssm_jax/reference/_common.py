@@ -1,6 +1,6 @@
 """Math shared by the Mamba-2 and Gated DeltaNet references.
 
-Both layers are instances of one recurrence per head (DESIGN.md section 2):
+Both layers are instances of one recurrence per head (ARCHITECTURE.md, "The math"):
 
     S_t = exp(lg_t) S_{t-1} + u_t k_t^T,    y_t = S_t q_t,
 

@@ -3,7 +3,7 @@ prefill, and the ReplaySSM step, verify window, materialisation and flush.
 
 Math: Yang, Kautz & Hatamizadeh, "Gated Delta Networks" (ICLR 2025), in the
 convention of flash-linear-attention's `fused_recurrent_gated_delta_rule`
-(and Qwen3-Next / Qwen3.5); ReplaySSM per DESIGN.md sections 2 and 3. Per
+(and Qwen3-Next / Qwen3.5); ReplaySSM per ARCHITECTURE.md, "The math" and "The verify window". Per
 value head h with key head h // (HV // H), state S f32[V, K] (value-major):
 
     q, k  = l2norm(q), l2norm(k)             (eps 1e-6, if use_qk_l2norm)
@@ -269,7 +269,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
 
 
 def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, tree=None):
-    """Verify a window of W speculative steps (DESIGN.md section 3), or a draft tree of W nodes.
+    """Verify a window of W speculative steps (ARCHITECTURE.md, "The verify window"), or a draft tree of W nodes.
 
     Rows with cursor + W > L flush first. The window's update vectors depend
     on one another (each d_t sees the state after the earlier draft steps);

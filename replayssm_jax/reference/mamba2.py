@@ -3,7 +3,7 @@ and the ReplaySSM step, verify window, materialisation and flush.
 
 Math: Dao & Gu, "Transformers are SSMs" (Mamba-2, 2024), in the convention of
 mamba_ssm's `selective_state_update` and `ssd_minimal`; ReplaySSM per
-DESIGN.md sections 2 and 3. Per head h with group g = h // (nheads // n_groups):
+ARCHITECTURE.md, "The math" and "The verify window". Per head h with group g = h // (nheads // n_groups):
 
     dt    = clamp(softplus(dt_raw + dt_bias), dt_limit)
     S     = exp(dt * A) S + (dt * x) B_g^T          S f32[head_dim, d_state]
@@ -268,7 +268,7 @@ def mamba2_replay_verify(
     dt_limit=(0.0, INF),
     tree=None,
 ):
-    """Verify a window of W speculative steps (DESIGN.md section 3), or a draft tree of W nodes.
+    """Verify a window of W speculative steps (ARCHITECTURE.md, "The verify window"), or a draft tree of W nodes.
 
     Rows with cursor + W > L flush first. The W outputs are computed from
     the state at the window start (checkpoint plus buffer) and the window's

@@ -1,4 +1,4 @@
-"""Speculative decoding's model-free parts (DESIGN.md sections 3 and 7).
+"""Speculative decoding's model-free parts (ARCHITECTURE.md, "The verify window" and "Speculative decoding").
 
 - :mod:`replayssm_jax.speculative.drafters`: the drafter interface
   (:class:`Drafts`, :class:`Drafter` with its state: :class:`DraftStart`,

@@ -1,6 +1,6 @@
 """Acceptance rules of speculative decoding: which drafts a round keeps.
 
-A round (DESIGN.md sections 3 and 7): the drafter proposes K tokens per row;
+A round (ARCHITECTURE.md, "The verify window" and "Speculative decoding"): the drafter proposes K tokens per row;
 the target verifies W = K + 1 positions in one call, the last accepted token
 followed by the K drafts, and returns logits [batch, W, vocab]. Position i
 holds the target's next-token logits after draft i - 1 (position 0: after

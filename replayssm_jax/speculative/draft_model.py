@@ -1,4 +1,4 @@
-"""A separate draft model as the drafter of speculative decoding (DESIGN.md section 7).
+"""A separate draft model as the drafter of speculative decoding (ARCHITECTURE.md, "Speculative decoding").
 
 Any model this project loads (`models.load_model`) with the target's
 vocabulary drafts for it: greedy (the argmax) or sampled drafts (q = the

@@ -1,6 +1,6 @@
 """Drafters for speculative decoding: what proposes the K tokens of a round.
 
-A round (DESIGN.md section 7): the drafter proposes up to K tokens per row;
+A round (ARCHITECTURE.md, "Speculative decoding"): the drafter proposes up to K tokens per row;
 the target verifies W = K + 1 positions in one call; the acceptance rules of
 :mod:`replayssm_jax.speculative.acceptance` keep a prefix of the drafts plus
 one token from the target. Shapes are fixed every round: a row with fewer

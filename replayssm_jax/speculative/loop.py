@@ -1,4 +1,5 @@
-"""The speculative-decoding loop: one compiled round = draft, verify, accept, commit (DESIGN.md section 7).
+"""The speculative-decoding loop: one compiled round = draft, verify, accept, commit
+(ARCHITECTURE.md, "Speculative decoding").
 
 Per row the loop keeps the token history i32[rows, max_len] (prompt, then
 generated tokens) and `known` i32[rows], how many of its tokens are known.

@@ -2,7 +2,7 @@
 
 Tree speculation (SpecInfer: Miao et al., 2024, "SpecInfer: Accelerating
 Large Language Model Serving with Tree-based Speculative Inference and
-Verification"; DESIGN.md section 3) verifies several continuations at once.
+Verification"; ARCHITECTURE.md, "The verify window") verifies several continuations at once.
 The N tree nodes are the positions of one verify call: node 0 is the root,
 the last accepted token (parent -1); every other node j is a draft token
 that follows its parent `parents[j] < j`. Node j's output is the target's

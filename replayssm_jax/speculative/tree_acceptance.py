@@ -1,6 +1,6 @@
 """Acceptance rules of tree speculation: which path of a verified draft tree a round keeps.
 
-A tree round (DESIGN.md section 3; :mod:`replayssm_jax.speculative.tree`):
+A tree round (ARCHITECTURE.md, "The verify window"; :mod:`replayssm_jax.speculative.tree`):
 the target verifies the N nodes of a static :class:`DraftTree` in one call,
 node 0 the last accepted token and node j >= 1 the draft drafts[:, j - 1],
 and returns logits [batch, N, vocab]; node j's logits give the target's
