@@ -10,6 +10,7 @@ transformers does when it builds a generation config from the model config.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,17 @@ def _number(value: Any, where: str) -> float:
     return parse_float(value, where=where)
 
 
+def _within(parse, ok, what: str):
+    """`parse`, then ConfigError unless ok(value) (`what`: the range, for the message)."""
+    def checked(value, where):
+        value = parse(value, where)
+        if not ok(value):
+            raise ConfigError(f"{where} must be {what}; found {value!r}")
+        return value
+
+    return checked
+
+
 def _optional(d: dict, key: str, file: str, parse):
     value = d.get(key)
     return None if value is None else parse(value, f"{file}: key {key!r}")
@@ -99,9 +111,10 @@ def load_generation_config(path: str | os.PathLike) -> GenerationConfig:
     Raises:
       CheckpointNotFoundError: `path` is not a folder.
       ConfigError: generation_config.json or config.json is not a JSON object, or a
-        field has the wrong type (token ids must be integers >= 0, ``eos_token_id``
-        one or a list of them, ``top_k`` an int, ``do_sample`` a bool); the message
-        names the file and the key.
+        field has the wrong type or range (token ids must be integers >= 0,
+        ``eos_token_id`` one or a list of them, ``temperature`` a finite number >= 0,
+        ``top_k`` an int >= 0, ``top_p`` in (0, 1], ``do_sample`` a bool); the
+        message names the file and the key.
     """
     folder = check_folder(path)
     file = os.path.join(folder, GENERATION_CONFIG)
@@ -111,8 +124,9 @@ def load_generation_config(path: str | os.PathLike) -> GenerationConfig:
         eos_token_id=eos if eos is not None else _config_eos(folder),
         bos_token_id=_optional(d, "bos_token_id", file, _token_id),
         pad_token_id=_optional(d, "pad_token_id", file, _token_id),
-        temperature=_optional(d, "temperature", file, _number),
-        top_k=_optional(d, "top_k", file, _typed(int, "an integer")),
-        top_p=_optional(d, "top_p", file, _number),
+        temperature=_optional(d, "temperature", file,
+                              _within(_number, lambda t: 0 <= t < math.inf, "a finite number >= 0")),
+        top_k=_optional(d, "top_k", file, _within(_typed(int, "an integer"), lambda k: k >= 0, "an integer >= 0")),
+        top_p=_optional(d, "top_p", file, _within(_number, lambda p: 0 < p <= 1, "in (0, 1]")),
         do_sample=_optional(d, "do_sample", file, _typed(bool, "true or false")),
     )

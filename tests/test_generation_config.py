@@ -61,7 +61,8 @@ def test_malformed_file_names_it(tmp_path, text):
 
 
 @pytest.mark.parametrize("key, value", [("eos_token_id", "2"), ("eos_token_id", [2, -1]), ("pad_token_id", True),
-                                        ("top_k", 2.5), ("temperature", "hot"), ("do_sample", 1)])
+                                        ("top_k", 2.5), ("temperature", "hot"), ("do_sample", 1),
+                                        ("temperature", -1), ("top_k", -3), ("top_p", 7), ("top_p", 0)])
 def test_bad_field_names_the_file_and_key(tmp_path, key, value):
     write(tmp_path, "generation_config.json", {key: value})
     with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "generation_config.json")) + f": key '{key}'"):
