@@ -284,11 +284,9 @@ def _check_args(args) -> list[str]:
     return states
 
 
-def _sampling(args, generation_config, checkpoint) -> SamplingParams:
-    try:
-        SamplingParams.from_generation_config(generation_config)
-    except ValueError as e:
-        raise UsageError(f"{checkpoint}/generation_config.json: bad sampling defaults: {e}") from None
+def _sampling(args, generation_config) -> SamplingParams:
+    """The checkpoint's sampling defaults (their ranges checked as generation_config.json is read) with the
+    explicit options winning; UsageError naming the options for a bad combination."""
     try:
         return SamplingParams.from_generation_config(generation_config, temperature=args.temperature,
                                                      top_k=args.top_k, top_p=args.top_p)
@@ -552,7 +550,7 @@ def run(args, stream: bool = False) -> dict:
         except (CheckpointNotFoundError, ConfigError, OSError, ValueError) as e:
             raise UsageError(f"--speculative draft:{draft_dir}: {e}") from None
     mesh = _mesh(args, abstract.config)
-    sampling = _sampling(args, generation_config, checkpoint)
+    sampling = _sampling(args, generation_config)
     vocab = int(abstract.config.vocab_size)
     stop = _stop_tokens(args.stop, generation_config)
     _check_ids([stop], vocab, lambda i: "--stop")
