@@ -645,6 +645,32 @@ def _key_transforms(k_dtype, L: int):
     return plgpu.TilingTransform((8, WGMMA_K)), plgpu.SwizzleTransform(KEY_SWIZZLE)
 
 
+def _live(count, i, x):
+    """x where slot i is live (i < count, a traced scalar; every slot where count is None), else 0."""
+    return x if count is None else jnp.where(jnp.broadcast_to(i < count, x.shape), x, jnp.zeros_like(x))
+
+
+def _each_slot(U_s, first: int, body, carry):
+    """body(i, d_i f32[block_v], carry) over slots first .. L - 1 of the d records held as L / R buffers U_s
+    of R slots each: one loop body a buffer (the L slots unrolled took 14 s to lower, 2026-12-03)."""
+    R = U_s[0].shape[0]
+    for c in range(len(U_s)):
+        def step(r, x, c=c):
+            return body(c * R + r, plgpu.load(U_s[c].at[r], layout=ROW).astype(f32), x)
+        carry = lax.fori_loop(first if c == 0 else 0, R, step, carry)
+    return carry
+
+
+def outer_products(S, weight, U_s, kf_s, count=None, first: int = 0):
+    """f32 S [block_v, K] (registers, WGMMA layout) plus the live slots' outer products weight(i) d_i k_i^T
+    over slots first .. L - 1, in f32 FMAs: d_i from the buffers U_s (as `fold_tile`), k_i row i of kf_s
+    [L, K]. A dead slot's d record and key, which may hold anything (inf), are selected out."""
+    def outer(i, u, S):
+        key = _live(count, i, plgpu.load(kf_s.at[i], layout=COL).astype(f32))
+        return S + _live(count, i, weight(i) * u)[:, None] * key[None, :]
+    return _each_slot(U_s, first, outer, S)
+
+
 def fold_tile(S_s, scale, weight, U_s, kf_s, k0_s=None, count=None):
     """A checkpoint tile S_s (shared memory) replaced by the tile after buffered records,
     S <- scale S + sum_i weight(i) d_i k_i^T over the live slots i (all L where `count` is None, else
@@ -661,46 +687,27 @@ def fold_tile(S_s, scale, weight, U_s, kf_s, k0_s=None, count=None):
     (`bf16_parts`, whose sum is A), one WGMMA of M = block_v, k = L a part
     times the swizzled keys, accumulated into the f32 tile; a dead slot's
     key there must be finite (0 times inf is NaN: the direct route's
-    prelude zeroes them). Else f32 outer products, a dead slot's key
-    selected out too (one loop body a buffer: the L outer products
-    unrolled took 14 s to lower, 2026-12-03). Slot 0 with k0_s is one f32
-    outer product."""
-    R = U_s[0].shape[0]
-    L = R * len(U_s)
+    prelude zeroes them). Else f32 outer products (:func:`outer_products`),
+    a dead slot's key selected out too. Slot 0 with k0_s is one f32 outer
+    product."""
+    L = U_s[0].shape[0] * len(U_s)
     first = 0 if k0_s is None else 1
-
-    def live(i, x):  # x where slot i is live, else 0
-        return x if count is None else jnp.where(jnp.broadcast_to(i < count, x.shape), x, jnp.zeros_like(x))
-
-    def record(i, u):  # weight(i) d_i
-        return live(i, weight(i) * u)
-
     S = scale * plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
     if k0_s is not None:
-        u = live(0, weight(0) * plgpu.load(U_s[0].at[0], layout=ROW).astype(f32))
-        S = S + u[:, None] * live(0, plgpu.load(k0_s, layout=COL).astype(f32))[None, :]
-
-    def each_slot(body, carry):  # body(i, u_i, carry) over slots first .. L - 1, u_i = d_i
-        for c in range(len(U_s)):
-            def step(r, x, c=c):
-                return body(c * R + r, plgpu.load(U_s[c].at[r], layout=ROW).astype(f32), x)
-            carry = lax.fori_loop(first if c == 0 else 0, R, step, carry)
-        return carry
-
+        u = _live(count, 0, weight(0) * plgpu.load(U_s[0].at[0], layout=ROW).astype(f32))
+        S = S + u[:, None] * _live(count, 0, plgpu.load(k0_s, layout=COL).astype(f32))[None, :]
     if not keys_on_tensor_cores(kf_s.dtype, L):
-        def outer(i, u, S):
-            key = live(i, plgpu.load(kf_s.at[i], layout=COL).astype(f32))
-            return S + record(i, u)[:, None] * key[None, :]
-        S_s[...] = each_slot(outer, S).astype(S_s.dtype)
+        S_s[...] = outer_products(S, weight, U_s, kf_s, count, first).astype(S_s.dtype)
         return
 
     BV = S_s.shape[0]
     column = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BV, L), 1), plgpu.Layout.WGMMA)
 
     def put(i, u, A):  # column i of A <- weight(i) d_i
-        return jnp.where(column == i, lax.broadcast_in_dim(record(i, u), (BV, L), [0]), A)
+        return jnp.where(column == i, lax.broadcast_in_dim(_live(count, i, weight(i) * u), (BV, L), [0]), A)
 
-    parts = bf16_parts(each_slot(put, plgpu.layout_cast(jnp.zeros((BV, L), f32), plgpu.Layout.WGMMA)))
+    zeros = plgpu.layout_cast(jnp.zeros((BV, L), f32), plgpu.Layout.WGMMA)
+    parts = bf16_parts(_each_slot(U_s, first, put, zeros))
 
     def products(acc):  # acc <- S + sum of the parts' products, on the tensor cores
         acc[...] = S
@@ -766,7 +773,8 @@ def _readout_kernel(shape: tuple[int, int, int], L: int, group: int, config: TMA
             return cursor_smem[b // TMA_MAX, b % TMA_MAX]
 
         def live_of(b):  # the live records the readout reads: none in a full row on the deferred route
-            return jnp.where(cursor_of(b) >= L, 0, cursor_of(b)) if deferred else cursor_of(b)
+            cursor = cursor_of(b)
+            return jnp.where(cursor >= L, 0, cursor) if deferred else cursor
 
         def record_slot(b):  # a full row writes its last record back unchanged (append route)
             return jnp.minimum(live_of(b), L - 1)

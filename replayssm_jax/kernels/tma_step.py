@@ -71,7 +71,7 @@ from replayssm_jax.kernels.tma_readout import (COL, ROW, TERMS, TMA_MAX, TMARead
                                                _check_common, _check_smem, _check_wide, _grid, _item_spec,
                                                _key_transforms, _resident_default, _swizzled, check_tma_readout,
                                                cursor_rows, fold_tile, head_terms, keys_on_tensor_cores,
-                                               live_weights, normalized_qk)
+                                               live_weights, normalized_qk, outer_products)
 from replayssm_jax.state import GDNReplayState
 
 f32 = jnp.float32
@@ -297,15 +297,8 @@ def _step_item(bufs, count, L: int) -> None:
     if L and folds_in_place(S_s.dtype):  # a row with live records (else carried = exp(0) = 1)
         pl.when(count > 0)(lambda: fold_tile(S_s, carried, lambda i: terms_s[0, i], [U_s], Kr_s, count=count))
     S = plgpu.load(S_s, layout=plgpu.Layout.WGMMA).astype(f32)
-    if L and not folds_in_place(S_s.dtype):
-        S = carried * S
-        for i in range(L):  # static: the live records' outer products; dead slots (inf possible) selected out
-            live = i < count
-            u = plgpu.load(U_s.at[i], layout=ROW).astype(f32)
-            u = jnp.where(jnp.broadcast_to(live, u.shape), terms_s[0, i] * u, jnp.zeros_like(u))
-            key = plgpu.load(Kr_s.at[i], layout=COL).astype(f32)
-            key = jnp.where(jnp.broadcast_to(live, key.shape), key, jnp.zeros_like(key))
-            S = S + u[:, None] * key[None, :]
+    if L and not folds_in_place(S_s.dtype):  # the live records' outer products in registers
+        S = outer_products(carried * S, lambda i: terms_s[0, i], [U_s], Kr_s, count)
     kv = plgpu.load(k_s, layout=COL)
     qv = plgpu.load(q_s, layout=COL)
     d = beta * (plgpu.load(v_s, layout=ROW).astype(f32) - decay * jnp.sum(S * kv[None, :], axis=1))
