@@ -106,7 +106,8 @@ class RequestOutput:
       request_id: the id `Engine.add_request` returned.
       sequence: the prompt followed by the generated ids (a stop token included).
       num_generated: generated tokens in `sequence`.
-      finish_reason: "stop" (a stop token) or "length" (max_new_tokens).
+      finish_reason: "stop" (a stop token), "length" (max_new_tokens) or
+        "abort" (`Engine.abort`).
       arrival_s, token_s: `time.perf_counter()` seconds at `add_request` and
         when the host read each generated token (token_s[0]: the first token,
         after the prefill).
@@ -428,14 +429,15 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-                    stop_ids: Sequence[int] = (), draft_reference: Sequence[int] | None = None) -> int:
+                    stop_ids: Sequence[int] | int | None = (), draft_reference: Sequence[int] | None = None) -> int:
         """Queue a request; returns its id (0, 1, ... in order).
 
         Args:
           prompt_ids: the prompt's token ids (non-empty, each in [0, vocab_size)).
           max_new_tokens: tokens to generate at most, >= 1; prompt + max_new_tokens <= max_len.
           sampling: a SamplingParams, or None (greedy).
-          stop_ids: ids that end the request (kept in its sequence); None or () for none.
+          stop_ids: ids that end the request (kept in its sequence), or one id; None or ()
+            for none.
           draft_reference: with speculative method "oracle" (required there, refused
             otherwise): the request's full token sequence that the oracle drafts
             from, prompt included (`OracleDrafter.reference`; its first max_len ids
@@ -443,7 +445,8 @@ class Engine:
 
         Raises:
           EngineError: an empty prompt, a prompt or stop ids that are not a 1-D
-            sequence of integers, an id outside the vocabulary, max_new_tokens < 1,
+            sequence of integers (stop_ids: or one integer), an id outside the
+            vocabulary, max_new_tokens < 1,
             a request longer than max_len, a `sampling` that is not a SamplingParams;
             a draft_reference without the "oracle" method, or missing with it, or
             not a 1-D sequence of ids in the vocabulary.
@@ -461,6 +464,8 @@ class Engine:
         prompt = _token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt:
             raise EngineError("`prompt_ids` must hold at least one token id; got an empty prompt")
+        if isinstance(stop_ids, (int, np.integer)) and not isinstance(stop_ids, bool):
+            stop_ids = (stop_ids,)  # one id, as Generator's stop_tokens takes it
         stop_ids = _token_ids("stop_ids", () if stop_ids is None else stop_ids, self.vocab_size)
         max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
         if len(prompt) + max_new_tokens > self.pool.max_len:
@@ -501,6 +506,41 @@ class Engine:
         while self.num_unfinished:
             outputs.extend(self.step())
         return sorted(outputs, key=lambda o: o.request_id)
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """End a request before it finishes: waiting, prefilling or decoding (between steps).
+
+        Its slot is freed at once; a decode step already dispatched with it computes its next token,
+        which is dropped, as after a stop token the host has not read yet (module docstring), and a
+        request admitted into the slot is written after that step. Prefixes it kept stay in the
+        prefix cache.
+
+        Args:
+          request_id: an id that `add_request` returned.
+
+        Returns:
+          The request's RequestOutput (finish_reason "abort"; its sequence the prompt and the tokens
+          generated so far), or None where it had finished already.
+
+        Raises:
+          EngineError: an id that `add_request` has not returned (checked before anything changes).
+        """
+        if isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer)) \
+                or not 0 <= request_id < self._next_id:
+            raise EngineError(f"`request_id` must be an id that add_request returned (0 .. {self._next_id - 1}); "
+                              f"got {request_id!r}")
+        for queue in (self._waiting, self._prefilling, self._running):
+            request = next((r for r in queue if r.request_id == request_id), None)
+            if request is not None:
+                break
+        else:
+            return None
+        queue.remove(request)
+        request.done, request.cache = True, None
+        if request.slot >= 0:
+            self.pool.release(request.slot)
+        return RequestOutput(request.request_id, request.prompt + request.generated, len(request.generated), "abort",
+                             request.arrival_s, request.token_s, request.cached_tokens)
 
     # -- the step's parts -------------------------------------------------------------------------
 

@@ -271,8 +271,10 @@ def test_bad_requests_and_options(model):
                           ([[1, 2], [3, 4]], r"1-D .*shape \(2, 2\)"), ("abc", "got a str")]:
         with pytest.raises(EngineError, match=f"`prompt_ids` must .*{match}"):
             engine.add_request(prompt, 4)
-    with pytest.raises(EngineError, match=r"`stop_ids` must be a 1-D .*shape \(\)"):
-        engine.add_request([3], 4, stop_ids=5)
+    with pytest.raises(EngineError, match=r"`stop_ids` must be a 1-D .*shape \(2, 1\)"):
+        engine.add_request([3], 4, stop_ids=[[5], [6]])
+    with pytest.raises(EngineError, match=r"`stop_ids` has token id 999 outside the vocabulary"):
+        engine.add_request([3], 4, stop_ids=999)
     with pytest.raises(EngineError, match=r"`stop_ids` has token id 999 outside the vocabulary"):
         engine.add_request([3], 4, stop_ids=[999])
     with pytest.raises(EngineError, match="max_len = 16"):
@@ -281,6 +283,44 @@ def test_bad_requests_and_options(model):
         engine.add_request([3], 0)
     assert engine.num_unfinished == oracle.num_unfinished == 0
     assert engine.add_request([3], 2, stop_ids=None) == 0  # None: no stop ids, as ()
+    assert engine.add_request([3], 2, stop_ids=5) == 1  # one id, as Generator's stop_tokens
+    assert engine._waiting[-1].stop_ids == {5}
+
+
+def test_abort_frees_the_slot_and_keeps_the_other_requests_tokens(model, generated):
+    """Requests ended by `abort` while waiting, prefilling (after the first of its three chunks) and
+    decoding (a dispatched step holding it, whose token is dropped): each returns its sequence so far,
+    finish reason "abort", and frees its slot; a request admitted into that slot and the one that ran
+    beside them get the Generator's tokens; an ended request's abort returns None, an unknown id raises
+    before anything changes."""
+    prompts, tokens = generated
+    expected = _expected(prompts, tokens)
+    engine = Engine(model, 2, buffer_len=4, prefill_chunk=CHUNK, max_len=40, backend="xla")
+    ids = [engine.add_request(prompts[i], REQUESTS[i][2]) for i in range(4)]  # 0, 1 admitted; 2, 3 wait
+    outputs = {}
+    for _ in range(4):  # 0: two chunks; 1: one chunk, then decoding
+        outputs.update({o.request_id: o for o in engine.step()})
+    decoding = engine._decoding
+    assert decoding is not None and ids[1] in [r.request_id for r in decoding.rows]
+    aborted = {ids[1]: engine.abort(ids[1]), ids[3]: engine.abort(ids[3])}  # decoding; waiting
+    assert engine.pool.free_slots == 1
+    outputs.update({o.request_id: o for o in engine.step()})  # 2 admitted: its first chunk of three
+    assert engine.pool.free_slots == 0 and engine._prefilling[0].request_id == ids[2]
+    aborted[ids[2]] = engine.abort(ids[2])
+    for request_id in (-1, 4, True, "0"):
+        with pytest.raises(EngineError, match="`request_id` must be an id that add_request returned"):
+            engine.abort(request_id)
+    assert engine.num_unfinished == 1 and engine.pool.free_slots == 1
+    assert engine.add_request(prompts[4], REQUESTS[4][2]) == 4  # into the freed slot
+    outputs.update({o.request_id: o for o in engine.run_until_done()})
+    assert sorted(outputs) == [0, 4] and [outputs[i].sequence for i in (0, 4)] == [expected[0], expected[4]]
+    for request_id, output in aborted.items():
+        assert output.finish_reason == "abort" and output.request_id == request_id
+        assert output.sequence == expected[request_id][: len(output.sequence)]
+        assert output.num_generated == len(output.sequence) - len(prompts[request_id]) == len(output.token_s)
+    assert aborted[ids[1]].num_generated >= 1 and aborted[ids[2]].num_generated == aborted[ids[3]].num_generated == 0
+    assert engine.abort(ids[1]) is None and engine.abort(0) is None
+    assert engine.pool.free_slots == 2
 
 
 @pytest.mark.parametrize("prefix_caching", [False, pytest.param(True, marks=pytest.mark.slow)])
