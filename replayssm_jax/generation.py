@@ -147,7 +147,9 @@ class SpeculativeConfig:
             raise GenerationError(f"`speculative.method` must be one of {SPECULATIVE_METHODS}; got {self.method!r}")
         _check_int("num_draft", self.num_draft, 1)
         _check_int("min_ngram", self.min_ngram, 1)
-        _check_int("max_ngram", self.max_ngram, self.min_ngram)
+        _check_int("max_ngram", self.max_ngram, 1)
+        if self.max_ngram < self.min_ngram:
+            raise GenerationError(f"`max_ngram` must be >= `min_ngram` = {self.min_ngram}; got {self.max_ngram}")
         alpha = self.alpha
         if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha <= 1.0:
             raise GenerationError(f"`alpha` must be a float in [0, 1]; got {alpha!r}")
@@ -231,14 +233,16 @@ class GenerationOutput:
         / cache_rows, the bytes one sequence holds).
       prompt_lengths: per row, the prompt's length.
       accepted_per_round: speculative decoding: the mean new tokens per row
-        and round (accepted drafts plus the target's own token, 1..K + 1)
-        over the rounds in which a row generated; None otherwise.
+        and round (accepted drafts plus the target's own token, 1..K + 1,
+        counted before any cut at a stop token or max_new_tokens: the
+        drafts' acceptance length, as the Engine's `accepted_tokens`) over
+        the rounds in which a row generated; None otherwise.
       decode_tokens: speculative decoding: the new tokens the rounds produced
         (every real row; the first new token, from the prefill, excluded);
         None otherwise (then `decode_steps` counts them for every row).
       row_accepted_per_round: speculative decoding: per row, the mean new
-        tokens per round over the rounds in which it generated (None for a
-        row without such a round); None otherwise.
+        tokens per round (as `accepted_per_round`) over the rounds in which
+        it generated (None for a row without such a round); None otherwise.
       lockstep: whether the decode blocks flushed every row's buffer in one
         direct step a cycle (`Generator`'s `lockstep`, as resolved for this
         request's batch); False for the standard state and speculative
@@ -904,6 +908,9 @@ class Generator:
             raise GenerationError(f"`{name}` is empty: give at least one sequence")
         vocab = int(self.config.vocab_size)
         for i, p in enumerate(rows):
+            if p.dtype.kind in "US":  # a string, not token ids
+                raise GenerationError(f"{row} {i} must be a sequence of integer token ids; got a string "
+                                      f"{prompts[i]!r:.40} (tokenize text first: `replayssm_jax.text.Tokenizer`)")
             if p.ndim != 1 or p.size == 0:
                 hint = f" (`{name}` is a list of sequences: [[ids...], ...])" if p.ndim == 0 else ""
                 raise GenerationError(f"{row} {i} is empty or not a flat list of ids (shape {p.shape}){hint}")

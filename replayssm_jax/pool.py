@@ -134,16 +134,21 @@ class StatePool:
         place (the pool's arrays donated). The other slots are not touched.
 
         Raises:
-          PoolError: a slot not in use, a `row` of another structure or shape (before any write).
+          PoolError: a slot not in use, a `row` of another structure, or an array of `row` of
+            another shape or dtype than the pool's (named by its path; before any write).
         """
         slot = self._check_used(slot, "write")
         if jax.tree.structure(row) != jax.tree.structure(self.cache):
             raise PoolError("StatePool.write: `row` has another cache structure than the pool (another model, "
                             "state mode or verify window room)")
-        for a, r in zip(jax.tree.leaves(self.cache), jax.tree.leaves(row)):
+        for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(self.cache), jax.tree.leaves(row)):
+            name = f"`row{jax.tree_util.keystr(path)}`"
             if tuple(r.shape) != (1, *a.shape[1:]):
-                raise PoolError(f"StatePool.write: `row` must be a batch-1 cache of the pool's shapes: an array of "
+                raise PoolError(f"StatePool.write: `row` must be a batch-1 cache of the pool's shapes: {name} has "
                                 f"shape {tuple(r.shape)} where the pool's rows are {tuple(a.shape[1:])}")
+            if r.dtype != a.dtype:
+                raise PoolError(f"StatePool.write: {name} has dtype {r.dtype} where the pool's is {a.dtype} (a "
+                                f"prefill with `pool.prefill_options` gives the pool's dtypes)")
         self.cache = _write_row(self.cache, row, jnp.int32(slot))
 
     def export(self, slot: int, *, model: str | None = None) -> SequenceState:

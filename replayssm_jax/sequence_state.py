@@ -182,7 +182,8 @@ def import_sequence(cache, row: int, state: SequenceState, *, model: str | None 
       TypeError: a `row` that is not an int, `state` not a SequenceState.
       SequenceStateError: `row` out of range, a pending window, another
         model name, another tree structure (another model, state mode,
-        verify window room or rounding), an array of another shape or dtype
+        checkpoint format, verify window room or rounding; the message
+        shows where the two first differ), an array of another shape or dtype
         (named by its path in the cache), a KV cache shorter than the sequence.
     """
     if not isinstance(state, SequenceState):
@@ -194,7 +195,8 @@ def import_sequence(cache, row: int, state: SequenceState, *, model: str | None 
     structure = str(jax.tree.structure(cache))
     if state.structure != structure:
         raise SequenceStateError("`state` has another cache structure than `cache` (another model, state mode, "
-                                 f"verify window room or rounding):\n  state: {state.structure}\n  cache: {structure}")
+                                 "checkpoint format (8-bit or not), verify window room or rounding); "
+                                 + _first_difference(state.structure, structure))
     leaves = _leaves(cache)
     missing = sorted(set(name for name, _, _ in leaves) ^ set(state.arrays))
     if missing:
@@ -202,6 +204,17 @@ def import_sequence(cache, row: int, state: SequenceState, *, model: str | None 
     new = [_checked_row(name, leaf, kv, state.arrays[name]) for name, leaf, kv in leaves]
     updated = [leaf.at[row].set(value) for (_, leaf, _), value in zip(leaves, new)]
     return jax.tree.unflatten(jax.tree.structure(cache), updated)
+
+
+def _first_difference(state: str, cache: str, context: int = 70) -> str:
+    """Where two structures' texts first differ, with `context` characters on each side."""
+    at = next((i for i, (a, b) in enumerate(zip(state, cache)) if a != b), min(len(state), len(cache)))
+    start = max(0, at - context)
+
+    def window(text):
+        return ("..." if start else "") + text[start:at + context] + ("..." if at + context < len(text) else "")
+
+    return f"they first differ at character {at}:\n  state: {window(state)}\n  cache: {window(cache)}"
 
 
 def _checked_row(name: str, leaf: jax.Array, kv: bool, value: np.ndarray) -> jax.Array:
@@ -240,7 +253,9 @@ def load_sequence(path: str | os.PathLike) -> SequenceState:
 
     Raises:
       FileNotFoundError: no file at `path`.
-      SequenceStateError: not a safetensors file, or one of another format.
+      SequenceStateError: not a safetensors file, one of another format, or a
+        damaged one (metadata missing or unreadable, arrays that disagree
+        with its dtypes).
     """
     from safetensors import SafetensorError, safe_open
 
@@ -255,9 +270,21 @@ def load_sequence(path: str | os.PathLike) -> SequenceState:
     if metadata.get("format") != FORMAT:
         raise SequenceStateError(f"{path}: not a sequence state file (format {metadata.get('format')!r}; expected "
                                  f"{FORMAT!r})")
-    dtypes = json.loads(metadata["dtypes"])
-    raw = load_file(path)
-    if set(raw) != set(dtypes):
+    missing = [key for key in ("dtypes", "structure", "model") if key not in metadata]
+    if missing:
+        raise SequenceStateError(f"{path}: a damaged sequence state file (its metadata lacks {', '.join(missing)})")
+    def damaged(e):
+        return SequenceStateError(f"{path}: a damaged sequence state file ({type(e).__name__}: {e})")
+
+    try:
+        dtypes, model = json.loads(metadata["dtypes"]), json.loads(metadata["model"])
+        raw = load_file(path)
+    except (ValueError, SafetensorError) as e:  # JSON
+        raise damaged(e) from None
+    if not isinstance(dtypes, dict) or set(raw) != set(dtypes):
         raise SequenceStateError(f"{path}: its arrays and its metadata's dtypes name different arrays")
-    arrays = {name: raw[name].view(jnp.dtype(dtypes[name])) for name in dtypes}
-    return SequenceState(arrays, metadata["structure"], json.loads(metadata["model"]))
+    try:
+        arrays = {name: raw[name].view(jnp.dtype(dtypes[name])) for name in dtypes}
+    except (ValueError, TypeError) as e:  # a dtype name, or one whose size does not divide the bytes
+        raise damaged(e) from None
+    return SequenceState(arrays, metadata["structure"], model)

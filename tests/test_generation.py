@@ -272,6 +272,9 @@ def test_generator_errors():
     with pytest.raises(GenerationError, match=r"prompt 0 is empty or not a flat list of ids \(shape \(\)\) "
                                               r"\(`prompts` is a list of sequences"):
         gen.generate([1, 2, 3], 4)
+    with pytest.raises(GenerationError, match=r"prompt 1 must be a sequence of integer token ids; got a string 'abc' "
+                                              r"\(tokenize text first"):
+        gen.generate([[1, 2], "abc"], 4)
     for sampling in (None, {"temperature": 1.0}):
         with pytest.raises(GenerationError, match="`sampling` must be a SamplingParams; got"):
             gen.generate([[1, 2]], 4, sampling=sampling)

@@ -390,6 +390,14 @@ def test_pool_errors(model):
     other = StatePool(model, 1, max_len=16, backend="xla")  # standard states
     with pytest.raises(PoolError, match="structure"):
         pool.write(slot, other.cache)  # a batch-1 cache of another layout
+    row = jax.tree.map(lambda a: a[:1], pool.cache)
+    narrow = jax.tree_util.tree_map_with_path(  # the f32 checkpoints as bf16: once cast in silence
+        lambda path, a: a.astype(jnp.bfloat16) if "checkpoint" in jax.tree_util.keystr(path) else a, row)
+    assert sum(a.dtype != b.dtype for a, b in zip(jax.tree.leaves(narrow), jax.tree.leaves(row))) > 0
+    with pytest.raises(PoolError, match=r"`row.*checkpoint.*` has dtype bfloat16 where the pool's is float32"):
+        pool.write(slot, narrow)
+    with pytest.raises(PoolError, match=r"`row.*` has shape \(2, .* where the pool's rows are"):
+        pool.write(slot, jax.tree.map(lambda a: jnp.concatenate([a, a]), row))
     exported = other.export(other.allocate())
     before = jax.tree.map(np.asarray, pool.cache)
     with pytest.raises(SequenceStateError, match="structure"):

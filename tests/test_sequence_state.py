@@ -86,8 +86,10 @@ def test_bad_imports_are_refused_and_the_cache_is_untouched(fixture, tmp_path):
                                            **kw), params, prompts)[1]
 
     standard = other_cache()
-    with pytest.raises(SequenceStateError, match="another cache structure"):
+    with pytest.raises(SequenceStateError, match=r"another cache structure .*checkpoint format.*; they first differ "
+                                                 r"at character \d+:\n  state: .{1,150}\n  cache: .{1,150}$") as e:
         import_sequence(standard, 0, state)
+    assert len(str(e.value)) < 500  # a window around the difference, not the whole structures
     longer = other_cache(replay_buffer_len=2 * L)
     with pytest.raises(SequenceStateError, match=r"`state` array .* has shape .*; the cache's rows are"):
         import_sequence(longer, 0, state)
@@ -134,3 +136,23 @@ def test_the_file_keeps_every_dtype_bit_for_bit(tmp_path):
         assert got.dtype == a.dtype and got.shape == a.shape and got.tobytes() == a.tobytes()
     with pytest.raises(FileNotFoundError, match="no sequence state file"):
         load_sequence(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize(("metadata", "match"), [
+    (dict(structure="s", model="null"), "its metadata lacks dtypes"),
+    (dict(structure="s", model="null", dtypes="{not json"), r"damaged sequence state file \(JSONDecodeError"),
+    (dict(structure="s", model="null", dtypes='{".a": "float64"}'), r"damaged sequence state file \(ValueError"),
+    (dict(structure="s", model="null", dtypes='{".a": "no-such-dtype"}'), r"damaged sequence state file \(TypeError"),
+    (dict(structure="s", model="null", dtypes='{".b": "float32"}'), "name different arrays"),
+], ids=["no-dtypes", "bad-json", "bytes-and-dtype", "unknown-dtype", "other-names"])
+def test_a_damaged_file_raises_a_sequence_state_error(tmp_path, metadata, match):
+    """A file of the sequence state format whose metadata is missing or disagrees with its arrays (three f32
+    values, stored as u4): SequenceStateError naming the file."""
+    from safetensors.numpy import save_file
+
+    from replayssm_jax.sequence_state import FORMAT
+
+    path = tmp_path / "damaged.safetensors"
+    save_file({".a": np.ones(3, np.float32).view("u4")}, str(path), metadata={"format": FORMAT, **metadata})
+    with pytest.raises(SequenceStateError, match=f"damaged.safetensors: .*{match}"):
+        load_sequence(path)

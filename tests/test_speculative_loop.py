@@ -237,6 +237,10 @@ def test_speculative_config_errors():
         SpeculativeConfig("eagle", 2)
     with pytest.raises(GenerationError, match="`num_draft` must be >= 1; got 0"):
         SpeculativeConfig("ngram", 0)
+    with pytest.raises(GenerationError, match="`max_ngram` must be >= `min_ngram` = 3; got 1"):
+        SpeculativeConfig("ngram", 2, max_ngram=1, min_ngram=3)
+    with pytest.raises(GenerationError, match="`max_ngram` must be >= 1; got 0"):
+        SpeculativeConfig("ngram", 2, max_ngram=0)
     with pytest.raises(GenerationError, match=r"`alpha` must be a float in \[0, 1\]; got 1.5"):
         SpeculativeConfig("oracle", 2, alpha=1.5, reference=[[1]])
     with pytest.raises(GenerationError, match="`speculative.reference` is required with method 'oracle'"):
