@@ -273,13 +273,14 @@ def load_sequence(path: str | os.PathLike) -> SequenceState:
     missing = [key for key in ("dtypes", "structure", "model") if key not in metadata]
     if missing:
         raise SequenceStateError(f"{path}: a damaged sequence state file (its metadata lacks {', '.join(missing)})")
+
     def damaged(e):
         return SequenceStateError(f"{path}: a damaged sequence state file ({type(e).__name__}: {e})")
 
     try:
         dtypes, model = json.loads(metadata["dtypes"]), json.loads(metadata["model"])
         raw = load_file(path)
-    except (ValueError, SafetensorError) as e:  # JSON
+    except (ValueError, SafetensorError) as e:  # the metadata's JSON, or the arrays
         raise damaged(e) from None
     if not isinstance(dtypes, dict) or set(raw) != set(dtypes):
         raise SequenceStateError(f"{path}: its arrays and its metadata's dtypes name different arrays")
