@@ -182,8 +182,13 @@ def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
     return [int(t) for t in array]
 
 
+def _is_int(value) -> bool:
+    """Whether `value` is an int (NumPy integers accepted, bools not)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not _is_int(value) or value < minimum:
         raise EngineError(f"`{name}` must be an int >= {minimum}; got {value!r}")
     return int(value)
 
@@ -399,7 +404,7 @@ class Engine:
         self._reference_len = np.zeros((capacity,), np.int32)
         self.vocab_size = model.config.vocab_size
         self._graphdef, self._params = nnx.split(model)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        if not _is_int(seed) or not 0 <= seed < 2**32:
             raise EngineError(f"`seed` must be an int in [0, 2**32 - 1]; got {seed!r}")
         self._backend, self._route, self._key = backend, route, jax.random.key(int(seed))
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -464,7 +469,7 @@ class Engine:
         prompt = _token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt:
             raise EngineError("`prompt_ids` must hold at least one token id; got an empty prompt")
-        if isinstance(stop_ids, (int, np.integer)) and not isinstance(stop_ids, bool):
+        if _is_int(stop_ids):
             stop_ids = (stop_ids,)  # one id, as Generator's stop_tokens takes it
         stop_ids = _token_ids("stop_ids", () if stop_ids is None else stop_ids, self.vocab_size)
         max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
@@ -525,8 +530,7 @@ class Engine:
         Raises:
           EngineError: an id that `add_request` has not returned (checked before anything changes).
         """
-        if isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer)) \
-                or not 0 <= request_id < self._next_id:
+        if not _is_int(request_id) or not 0 <= request_id < self._next_id:
             raise EngineError(f"`request_id` must be an id that add_request returned (0 .. {self._next_id - 1}); "
                               f"got {request_id!r}")
         for queue in (self._waiting, self._prefilling, self._running):
