@@ -577,7 +577,8 @@ def make_prefill(graphdef, *, max_len: int, replay_buffer_len: int | None = None
                  last_logits_only: bool = False, backend: str | None = None, max_window: int = 1,
                  return_hidden: bool = False, checkpoint_dtype=None, checkpoint_rounding: str = "nearest"):
     """A jitted ``prefill(params, input_ids) -> (logits, HybridCache)`` (``(logits, hidden,
-    HybridCache)`` with return_hidden, as `HybridCausalLM.prefill`).
+    HybridCache)`` with return_hidden, as `HybridCausalLM.prefill`). The ids are traced, so, as in
+    `make_decode_step`, an id outside the vocabulary is clamped by the embedding, not refused.
 
     Args:
       graphdef: from `split_params`.
@@ -610,7 +611,9 @@ def make_decode_step(graphdef, *, route: str = "auto", backend: str | None = Non
     (``(logits, hidden [batch, hidden], HybridCache)`` with return_hidden, as `HybridCausalLM.decode`;
     `slots`: the rows of a state pool).
 
-    ``donate_cache=True`` donates the cache argument (in-place state updates on GPU).
+    ``donate_cache=True`` donates the cache argument (in-place state updates on GPU). The values of
+    `tokens` are traced, so an id outside the vocabulary is not refused here (`HybridCausalLM.decode`
+    refuses it where the ids are concrete): the embedding lookup clamps it, and its logits are wrong.
     """
 
     def decode_step(params, cache, tokens, slots=None):

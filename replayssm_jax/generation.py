@@ -52,7 +52,6 @@ import numbers
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -570,9 +569,8 @@ def _check_state_dtype(state: str, state_dtype, rounding: str):
         raise GenerationError(f"`state_dtype` applies to state 'replay' (its checkpoints) only; got {dtype} with "
                               "state 'standard' (its SSM states keep the model's ssm_state_dtype)")
     if rounding != "nearest" and (dtype is None or dtype.itemsize != 1):
-        warnings.warn(f"`state_rounding` {rounding!r} applies to 8-bit checkpoints (state_dtype int8 or "
-                      f"float8_e4m3fn) only; with state {state!r} and state_dtype {dtype} it is ignored",
-                      UserWarning, stacklevel=3)
+        validate.warn(f"`state_rounding` {rounding!r} applies to 8-bit checkpoints (state_dtype int8 or "
+                      f"float8_e4m3fn) only; with state {state!r} and state_dtype {dtype} it is ignored")
     return dtype, rounding
 
 
@@ -685,8 +683,7 @@ class Generator:
         if state == "replay":
             buffer_len = _check_int("buffer_len", 16 if buffer_len is None else buffer_len, 1)
         elif buffer_len is not None:
-            warnings.warn(f"`buffer_len` {buffer_len!r} applies to state 'replay' only; the standard state ignores it",
-                          UserWarning, stacklevel=2)
+            validate.warn(f"`buffer_len` {buffer_len!r} applies to state 'replay' only; the standard state ignores it")
         block_size = _check_int("block_size", block_size, 1)
         self.prefill_rows = None if prefill_rows is None else _check_int("prefill_rows", prefill_rows, 1)
         try:
@@ -694,8 +691,7 @@ class Generator:
         except ValueError as e:
             raise GenerationError(str(e)) from None
         if state == "standard" and route != "auto":
-            warnings.warn(f"`route` {route!r} applies to state 'replay' only; the standard state ignores it",
-                          UserWarning, stacklevel=2)
+            validate.warn(f"`route` {route!r} applies to state 'replay' only; the standard state ignores it")
         try:
             floating = buffer_dtype is None or jnp.issubdtype(jnp.dtype(buffer_dtype), jnp.floating)
         except TypeError:

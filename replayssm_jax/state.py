@@ -417,7 +417,8 @@ def write_slots(buffer: jax.Array, records: jax.Array, start: jax.Array) -> jax.
     """
 
     def one_row(buf, rec, s):
-        index = (0, s) + (0,) * (buf.ndim - 2)
+        zero = jnp.zeros((), s.dtype)  # indices of one dtype (Python 0 is int64 under jax_enable_x64)
+        index = (zero, s) + (zero,) * (buf.ndim - 2)
         return jax.lax.dynamic_update_slice(buf, rec.astype(buf.dtype), index)
 
     return jax.vmap(one_row)(buffer, records, start)

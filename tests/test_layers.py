@@ -272,6 +272,16 @@ def test_attention_errors():
         layer.prefill(jnp.zeros((1, 5, 16)), max_len=4)
     with pytest.raises(ValueError, match="cache.k"):
         layer.decode(jnp.zeros((1, 16)), KVCache.zeros(1, 4, 4, 4))
+    with pytest.raises(ValueError, match=r"Attention.prefill: `x` must have shape \[batch, T, hidden\] with "
+                                         r"hidden = 16, T >= 1; got shape \(1, 0, 16\)"):
+        layer.prefill(rand(1, (1, 0, 16)), max_len=4)
+    with pytest.raises(ValueError, match=r"Attention.prefill: `x` must have shape .*; got shape \(5, 16\)"):
+        layer(rand(1, (5, 16)))
+    with pytest.raises(ValueError, match=r"Attention.decode: `x` must have shape \[batch, hidden\] with hidden = 16, "
+                                         r"batch = 1; got shape \(1, 1, 16\)"):
+        layer.decode(rand(1, (1, 1, 16)), KVCache.zeros(1, 4, 2, 4))
+    with pytest.raises(ValueError, match=r"Attention.verify: `x` must have shape \[batch, W, hidden\]"):
+        layer.verify(rand(1, (1, 16)), KVCache.zeros(1, 4, 2, 4))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -564,6 +574,71 @@ def test_ssm_layer_errors():
         Mamba2Mixer(8, num_heads=4, head_dim=2, state_size=4, n_groups=3)
     with pytest.raises(ValueError, match="linear_num_key_heads"):
         GatedDeltaNet(8, num_k_heads=3, num_v_heads=4, head_k_dim=2, head_v_dim=2, packed=False)
+    with pytest.raises(ValueError, match="Mamba2Mixer: `num_heads` must be >= 1; got 0"):
+        Mamba2Mixer(8, num_heads=0, head_dim=2, state_size=4, n_groups=1)
+    with pytest.raises(ValueError, match="Mamba2Mixer: `chunk_size` must be >= 1; got 0"):
+        Mamba2Mixer(8, num_heads=4, head_dim=2, state_size=4, n_groups=1, chunk_size=0)
+    with pytest.raises(ValueError, match="GatedDeltaNet: `head_k_dim` must be >= 1; got -1"):
+        GatedDeltaNet(8, num_k_heads=1, num_v_heads=2, head_k_dim=-1, head_v_dim=2, packed=False)
+    with pytest.raises(TypeError, match=r"GatedDeltaNet: `ssm_state_dtype` must be float32 or bfloat16; got 'float16' "
+                                        r"\(float16 overflows"):
+        GatedDeltaNet(8, num_k_heads=1, num_v_heads=2, head_k_dim=2, head_v_dim=2, packed=False,
+                      ssm_state_dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("name", ["mamba2", "gdn_packed"])
+def test_ssm_layer_input_and_state_errors(name):
+    """Bad input to a mixer's modes is named at the layer (the input `u`, a state of another type or
+    of another layer), before any op runs; the caller's state stays usable."""
+    layer, other = SSM_LAYERS[name](), SSM_LAYERS["gdn_packed" if name == "mamba2" else "mamba2"]()
+    u = rand(21, (2, 5, 24))
+    _, state = layer.prefill(u[:, :3])
+    _, other_state = other.prefill(u[:, :3])
+    owner = type(layer).__name__
+    shape_errors = [
+        (lambda: layer.prefill(u[0]), rf"{owner}.prefill: `u` must have shape \[batch, T, hidden\] with hidden = 24, "
+                                      r"T >= 1; got shape \(5, 24\)"),
+        (lambda: layer(u[:, :0]), r"`u` must have shape \[batch, T, hidden\] .*got shape \(2, 0, 24\)"),
+        (lambda: layer.prefill(u[:1], state), r"with hidden = 24, batch = 2, T >= 1; got shape \(1, 5, 24\)"),
+        (lambda: layer.decode(u[:, 3:4], state), rf"{owner}.decode: `u` must have shape \[batch, hidden\] with "
+                                                 r"hidden = 24, batch = 2; got shape \(2, 1, 24\)"),
+        (lambda: layer.decode(u[:, 3, :20], state), r"hidden = 24, batch = 2; got shape \(2, 20\)"),
+        (lambda: layer.decode(u[:, 3], state, route="fast"), r"`route` must be one of .*got 'fast'"),
+        (lambda: layer.decode(u[:, 3], other_state), rf"{owner}.decode: `state` is not this layer's"),
+        (lambda: layer.to_replay(other_state, 4), rf"{owner}.to_replay: `state` is not this layer's"),
+        (lambda: layer.prefill(u[:, 3:], other_state), rf"{owner}.prefill: `state` is not this layer's"),
+    ]
+    for call, message in shape_errors:
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(TypeError, match=rf"{owner}.to_replay: `state` must be SSMLayerState; got ReplayLayerState"):
+        layer.to_replay(layer.to_replay(state, 4), 4)
+    y, _ = layer.decode(u[:, 3], state)
+    assert y.shape == (2, 24) and np.isfinite(np.asarray(y)).all()
+
+
+def test_ssm_layer_warnings_name_the_callers_line():
+    """A library warning raised deep in the ops (here an unsafe 8-bit checkpoint format) points at the
+    caller's own code, not at a library module."""
+    layer = gdn_layer(False)
+    _, state = layer.prefill(rand(22, (2, 3, 24)))
+    with pytest.warns(UserWarning, match="a bfloat16 checkpoint is safer") as record:
+        layer.to_replay(state, 4, checkpoint_dtype=jnp.float8_e4m3fn, rounding="nearest")
+    assert record[0].filename == __file__
+
+
+def test_to_replay_shares_the_state_arrays():
+    """`to_replay` keeps the standard state's arrays (documented: donating the replay state deletes them);
+    a copy first keeps both usable."""
+    layer = mamba2_layer()
+    _, state = layer.prefill(rand(23, (2, 3, 24)))
+    replay = layer.to_replay(state, 4)
+    assert replay.replay.checkpoint is state.ssm_state and replay.conv_state is state.conv_state
+    kept = jax.tree.map(jnp.copy, state)
+    step = jax.jit(lambda s, x: layer.decode(x, s), donate_argnums=0)
+    step(layer.to_replay(kept, 4), rand(24, (2, 24)))
+    y, _ = layer.decode(rand(24, (2, 24)), state)  # the copy was donated, not `state`
+    assert np.isfinite(np.asarray(y)).all()
 
 
 def test_decode_in_lax_scan_with_split_merge():

@@ -337,7 +337,8 @@ def _check_pool_verify(layer, kind, backend, dims):
     (np.array([0, 5, 1], np.int32), ValueError, r"\[-1, 4\]"),
     (np.array([0, -2, 1], np.int32), ValueError, r"\[-1, 4\]"),
     (np.array([2, -1, 2], np.int32), ValueError, "slot 2 .*twice|twice.*slot 2"),
-    (np.array([0, 1], np.int32), ValueError, "batch"),
+    (np.array([0, 1], np.int32), ValueError, r"`slots` must have one entry per batch row of `x` \(x.shape\[0\] = 3\); "
+                                             "got 2 slots"),
     (np.array([[0, 1, 2]], np.int32), ValueError, r"shape \[batch\]"),
     (np.array([0.0, 1.0, 2.0], np.float32), TypeError, "integer"),
 ], ids=["above", "below", "twice", "short", "rank", "float"])

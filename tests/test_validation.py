@@ -336,3 +336,33 @@ def test_transposed_states_are_named(rng):
     # A square head (K == V) cannot be told from its transpose: no layout error, the math runs.
     square = GDNCase(rng, batch=2, head_k_dim=8, head_v_dim=8)
     ops.gdn_step(np.swapaxes(square.initial_state(), -1, -2), **square.draw())
+
+
+@pytest.mark.parametrize("layer", ["mamba", "gdn"])
+def test_x64_runs_the_reference_and_refuses_the_kernels(layer, request):
+    """With `jax_enable_x64` on, the replay ops on the XLA backend give the numbers (and dtypes) of x64 off
+    (a state's slot indices and cursor stay int32); the kernel backends raise, naming the option, before
+    running."""
+    case, state, _ = request.getfixturevalue(layer)
+    steps = [case.draw() for _ in range(5)]
+    window = case.draw(2)
+
+    def run():
+        rs = case.replay_init(jnp.asarray(state), 3)
+        ys = []
+        for inp in steps:
+            y, rs = case.replay_step(rs, inp, route="deferred")
+            ys.append(y)
+        y_window, pending = case.verify(rs, window)
+        rs = replay_commit(pending, jnp.array([2, 1], jnp.int32))
+        return ys + [y_window, rs.checkpoint, rs.cursor]
+
+    expected = run()
+    with jax.enable_x64(True):
+        got = run()
+        with pytest.raises(RuntimeError, match="do not run with `jax_enable_x64` on; turn it off, or pass "
+                                               "backend='xla'"):
+            case.replay_step(case.replay_init(jnp.asarray(state), 3), steps[0], backend="interpret")
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax.layers.cache import KVCache, check_num_accepted, commit_layer_state
+from replayssm_jax.layers.cache import KVCache, check_input, check_num_accepted, commit_layer_state
 from replayssm_jax.ops import take_slots
 from replayssm_jax.ops.validate import check_path, check_tree
 from replayssm_jax.layers.linear import Linear, default_rngs
@@ -182,6 +182,7 @@ class Attention(nnx.Module):
         return self._prefill(x, max_len)
 
     def _prefill(self, x, max_len):
+        check_input("Attention.prefill", "x", x, self.hidden_size, None, "T")
         batch, seqlen, _ = x.shape
         if max_len is not None and seqlen > max_len:
             raise ValueError(f"Attention.prefill: prompt length T = {seqlen} exceeds `max_len` = {max_len}")
@@ -209,6 +210,7 @@ class Attention(nnx.Module):
         Returns:
           (y [batch, T, hidden], cache with the new keys/values written and length += T).
         """
+        check_input("Attention.extend", "x", x, self.hidden_size, cache.k.shape[0], "T")
         batch, seqlen, _ = x.shape
         if cache.window:
             raise ValueError(f"Attention: `cache` has a pending verify window (W = {cache.window}); commit it first")
@@ -251,6 +253,7 @@ class Attention(nnx.Module):
         attention reads anyway), and only each row's new entry and length
         are scattered back.
         """
+        check_input("Attention.decode", "x", x, self.hidden_size, cache.k.shape[0] if slots is None else None)
         if slots is None:
             y, cache = self.extend(x[:, None, :], cache)
             return y[:, 0], cache
@@ -290,6 +293,7 @@ class Attention(nnx.Module):
         Raises:
           ValueError: a pending window, a cache of another shape, or no room.
         """
+        check_input("Attention.verify", "x", x, self.hidden_size, cache.k.shape[0] if slots is None else None, "W")
         window = x.shape[1]
         tree = check_tree(tree, window, "x.shape[1]")
         if slots is None:

@@ -299,6 +299,23 @@ def committed_index(index: jax.Array, slots: int, num_accepted: jax.Array, path:
     return jnp.where(num_accepted == 0, index, (index + 1 + last) % slots).astype(jnp.int32)
 
 
+def check_input(where: str, name: str, x, hidden: int, batch: int | None, seq: str | None = None) -> None:
+    """Check a layer's input `x`: [batch, hidden], or with `seq` (the axis letter, "T" or "W")
+    [batch, seq, hidden] with seq >= 1; `batch` None: any batch.
+
+    Raises:
+      ValueError: naming `where` (e.g. "Attention.decode") and `name`, with the shape asked and given.
+    """
+    shape = getattr(x, "shape", None)
+    fits = (shape is not None and len(shape) == (3 if seq else 2) and shape[-1] == hidden
+            and (batch is None or shape[0] == batch) and (not seq or shape[1] >= 1))
+    if not fits:
+        axes = f"[batch, {seq}, hidden]" if seq else "[batch, hidden]"
+        want = f"hidden = {hidden}" + ("" if batch is None else f", batch = {batch}") + (f", {seq} >= 1" if seq else "")
+        got = f"shape {tuple(shape)}" if shape is not None else f"a {type(x).__name__}"
+        raise ValueError(f"{where}: `{name}` must have shape {axes} with {want}; got {got}")
+
+
 def check_num_accepted(num_accepted, batch: int, window: int) -> jax.Array:
     """`num_accepted` as i32[batch] in 0..window (values checked where concrete).
 

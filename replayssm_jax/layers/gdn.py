@@ -40,7 +40,7 @@ from replayssm_jax.layers.cache import ConvWindow, SSMLayerState
 from replayssm_jax.layers.conv import CausalConv1d
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import GatedRMSNorm
-from replayssm_jax.layers.ssm_mixer import SSMMixer
+from replayssm_jax.layers.ssm_mixer import SSMMixer, check_mixer_config
 
 __all__ = ["GatedDeltaNet"]
 
@@ -62,7 +62,8 @@ class GatedDeltaNet(SSMMixer):
     bias), ``dt_bias`` [HV], ``A_log`` [HV], ``norm`` (weight [V]), ``out_proj``.
 
     Raises:
-      ValueError: H does not divide HV.
+      TypeError: a size not an int, an ssm_state_dtype other than float32 or bfloat16.
+      ValueError: a size below 1, or H does not divide HV.
     """
 
     chunked_op = staticmethod(ops.gdn_chunked)
@@ -76,8 +77,11 @@ class GatedDeltaNet(SSMMixer):
                  conv_kernel: int = 4, packed: bool, norm_eps: float = 1e-6, chunk_size: int = 64,
                  activation: str = "silu", ssm_state_dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs | None = None):
+        check_mixer_config("GatedDeltaNet", ssm_state_dtype, hidden_size=hidden_size, num_k_heads=num_k_heads,
+                           num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+                           conv_kernel=conv_kernel, chunk_size=chunk_size)
         rngs = default_rngs(rngs)
-        if num_k_heads <= 0 or num_v_heads % num_k_heads:
+        if num_v_heads % num_k_heads:
             raise ValueError(f"GatedDeltaNet: `linear_num_key_heads` must divide linear_num_value_heads = "
                              f"{num_v_heads}; got {num_k_heads}")
         self.hidden_size = hidden_size
@@ -169,8 +173,11 @@ class GatedDeltaNet(SSMMixer):
         o = self.norm(o.astype(z.dtype), z)
         return self.out_proj(o.reshape(*o.shape[:-2], self.value_dim))
 
+    def state_dims(self) -> tuple[int, int, int]:
+        """(HV, V, K): the value-major ssm_state [batch, HV, V, K] per row."""
+        return self.num_v_heads, self.head_v_dim, self.head_k_dim
+
     def init_state(self, batch: int, dtype=jnp.float32) -> SSMLayerState:
         """The state of an empty prefix: zero conv window (max_window 1) and ssm_state [batch, HV, V, K]."""
-        return SSMLayerState(
-            conv_state=ConvWindow.from_conv_state(self.conv1d.init_state(batch, dtype)),
-            ssm_state=jnp.zeros((batch, self.num_v_heads, self.head_v_dim, self.head_k_dim), self.ssm_state_dtype))
+        return SSMLayerState(conv_state=ConvWindow.from_conv_state(self.conv1d.init_state(batch, dtype)),
+                             ssm_state=jnp.zeros((batch, *self.state_dims()), self.ssm_state_dtype))

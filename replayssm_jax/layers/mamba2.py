@@ -32,7 +32,7 @@ from replayssm_jax.layers.cache import ConvWindow, SSMLayerState
 from replayssm_jax.layers.conv import CausalConv1d
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import GatedRMSNorm
-from replayssm_jax.layers.ssm_mixer import SSMMixer
+from replayssm_jax.layers.ssm_mixer import SSMMixer, check_mixer_config
 
 __all__ = ["Mamba2Mixer"]
 
@@ -59,7 +59,8 @@ class Mamba2Mixer(SSMMixer):
     ``A_log`` [H], ``D`` [H], ``norm`` (weight [d_inner]), ``out_proj``.
 
     Raises:
-      ValueError: G does not divide H, or norm_group_size does not divide d_inner.
+      TypeError: a size not an int, an ssm_state_dtype other than float32 or bfloat16.
+      ValueError: a size below 1, G does not divide H, or norm_group_size does not divide d_inner.
     """
 
     chunked_op = staticmethod(ops.mamba2_chunked)
@@ -74,8 +75,11 @@ class Mamba2Mixer(SSMMixer):
                  dt_limit: tuple[float, float] = (0.0, math.inf), norm_eps: float = 1e-5,
                  norm_group_size: int | None = None, activation: str = "silu", ssm_state_dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        check_mixer_config("Mamba2Mixer", ssm_state_dtype, hidden_size=hidden_size, num_heads=num_heads,
+                           head_dim=head_dim, state_size=state_size, n_groups=n_groups, conv_kernel=conv_kernel,
+                           chunk_size=chunk_size)
         rngs = default_rngs(rngs)
-        if n_groups <= 0 or num_heads % n_groups:
+        if num_heads % n_groups:
             raise ValueError(f"Mamba2Mixer: `n_groups` must divide nheads = {num_heads}; got {n_groups}")
         self.hidden_size = hidden_size
         self.num_heads = num_heads
@@ -135,8 +139,11 @@ class Mamba2Mixer(SSMMixer):
         y = y.reshape(*z.shape[:-1], self.d_inner)
         return self.out_proj(self.norm(y, z))
 
+    def state_dims(self) -> tuple[int, int, int]:
+        """(H, P, N): the ssm_state [batch, H, P, N] per row."""
+        return self.num_heads, self.head_dim, self.state_size
+
     def init_state(self, batch: int, dtype=jnp.float32) -> SSMLayerState:
         """The state of an empty prefix: zero conv window (max_window 1) and ssm_state [batch, H, P, N]."""
-        return SSMLayerState(
-            conv_state=ConvWindow.from_conv_state(self.conv1d.init_state(batch, dtype)),
-            ssm_state=jnp.zeros((batch, self.num_heads, self.head_dim, self.state_size), self.ssm_state_dtype))
+        return SSMLayerState(conv_state=ConvWindow.from_conv_state(self.conv1d.init_state(batch, dtype)),
+                             ssm_state=jnp.zeros((batch, *self.state_dims()), self.ssm_state_dtype))

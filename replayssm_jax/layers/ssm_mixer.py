@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import ops
@@ -37,6 +38,7 @@ from replayssm_jax.layers.cache import (
     ConvWindow,
     ReplayLayerState,
     SSMLayerState,
+    check_input,
     check_num_accepted,
     check_path,
     commit_layer_state,
@@ -76,6 +78,10 @@ class SSMMixer(nnx.Module):
         """The layer output from the SSM output y and gate z (gated norm, then out_proj)."""
         raise NotImplementedError(f"{type(self).__name__} must define _finish")
 
+    def state_dims(self) -> tuple[int, int, int]:
+        """The ssm_state's (heads, rows, columns) per batch row: Mamba-2 (H, P, N), GDN (HV, V, K)."""
+        raise NotImplementedError(f"{type(self).__name__} must define state_dims")
+
     def exact_buffer_dtype(self, state: SSMLayerState):
         """The narrowest dtype that holds this layer's ReplaySSM records exactly, for `state` (the dtype
         `to_replay` takes for buffer_dtype None)."""
@@ -96,12 +102,20 @@ class SSMMixer(nnx.Module):
             ``ops.backend_for(op, backend)`` (its XLA form where it has no kernel).
 
         Returns:
-          (out [batch, T, hidden] of u.dtype, SSMLayerState with conv_state
-          [batch, conv_dim, W-1] (u.dtype) and ssm_state = the checkpoint
-          (the layer's state layout, ssm_state_dtype)).
+          (out [batch, T, hidden] of u.dtype, SSMLayerState with conv_state a
+          `ConvWindow` (columns [batch, W, conv_dim] of u.dtype: a ring of the
+          last W - 1 conv inputs and one free slot, max_window 1) and
+          ssm_state = the checkpoint (the layer's state layout,
+          ssm_state_dtype)).
+
+        Raises:
+          TypeError: `state` not an `SSMLayerState`.
+          ValueError: `u` not [batch, T, hidden] with T >= 1 (and the state's batch); a state of another
+            layer's shape, or with a pending verify window.
         """
         if state is not None:
-            _check_state_type(self, state, "prefill", (SSMLayerState,))
+            self._check_state(state, "prefill", (SSMLayerState,))
+        self._check_input(u, "prefill", None if state is None else state.conv_state.batch, window=True)
         inputs, z, conv_state = self._ssm_inputs(u, None if state is None else state.conv_state.conv_state(),
                                                  self.conv1d)
         y, ssm_state = self.chunked_op(None if state is None else state.current_state(), **inputs,
@@ -114,9 +128,21 @@ class SSMMixer(nnx.Module):
     def to_replay(self, state: SSMLayerState, buffer_len: int, buffer_dtype=None, checkpoint_dtype=None,
                   rounding: str = "nearest") -> ReplayLayerState:
         """ReplaySSM state whose checkpoint is `state.ssm_state` (cursor 0), buffer of L = buffer_len steps
-        of records in `buffer_dtype` (None: `exact_buffer_dtype`, the narrowest that holds them exactly);
-        the checkpoint stored in `checkpoint_dtype` (None: the state's dtype; int8 or float8_e4m3fn: quantized
-        per row with `rounding`, "nearest" or "stochastic": replayssm_jax.ops.*_replay_init)."""
+        (>= 1; <= 64 for the kernel backends, replayssm_jax.ops.check_buffer_len) of records in
+        `buffer_dtype` (None: `exact_buffer_dtype`, the narrowest that holds them exactly); the checkpoint
+        stored in `checkpoint_dtype` (None: the state's dtype; int8 or float8_e4m3fn: quantized per row
+        with `rounding`, "nearest" or "stochastic": replayssm_jax.ops.*_replay_init).
+
+        The result shares `state`'s arrays (its conv window, and its ssm_state as the checkpoint where no
+        cast is asked): donating it to a `jax.jit` deletes them in `state` too. To decode both from one
+        prefill, copy first: ``jax.tree.map(jnp.copy, state)``.
+
+        Raises:
+          TypeError: `state` not an `SSMLayerState` (a `ReplayLayerState` is one already).
+          ValueError: a state of another layer's shape, or with a pending verify window; the op's
+            checks (replayssm_jax.ops.*_replay_init).
+        """
+        self._check_state(state, "to_replay", (SSMLayerState,))
         if buffer_dtype is None:
             buffer_dtype = self.exact_buffer_dtype(state)
         replay = self.replay_init_op(state.current_state(), buffer_len, buffer_dtype=buffer_dtype,
@@ -134,7 +160,7 @@ class SSMMixer(nnx.Module):
         if not isinstance(max_window, int) or max_window < 1:
             raise ValueError(f"{type(self).__name__}.with_window: `max_window` must be an int >= 1; "
                              f"got {max_window!r}")
-        _check_state_type(self, state, "with_window", (SSMLayerState, ReplayLayerState))
+        self._check_state(state, "with_window", (SSMLayerState, ReplayLayerState))
         state = state.replace(conv_state=ConvWindow.from_conv_state(state.conv_state.conv_state(), max_window))
         return state.slotted(max_window + 1) if isinstance(state, SSMLayerState) else state
 
@@ -165,11 +191,16 @@ class SSMMixer(nnx.Module):
 
         Raises:
           TypeError: `state` of another type.
-          ValueError: a state with a pending verify window (commit it first);
-            bad `slots` (replayssm_jax.ops.check_slots), or `slots` with a
-            standard state in the per-draft layout.
+          ValueError: `u` not [batch, hidden] (the state's batch, or the
+            number of `slots`); an unknown `route` (also with a standard
+            state, which takes none); a state of another layer's shape, or
+            with a pending verify window (commit it first); bad `slots`
+            (replayssm_jax.ops.check_slots), or `slots` with a standard
+            state in the per-draft layout.
         """
-        _check_state_type(self, state, "decode", (SSMLayerState, ReplayLayerState))
+        ops.check_route(route, ops.STEP_ROUTES)  # also with a standard state, which takes no route
+        self._check_state(state, "decode", (SSMLayerState, ReplayLayerState))
+        self._check_input(u, "decode", state.conv_state.batch if slots is None else None)
         slotted = isinstance(state, SSMLayerState) and state.index is not None
         if slotted and slots is not None:
             raise ValueError(f"{type(self).__name__}.decode: `slots` with a standard state in the per-draft "
@@ -235,11 +266,8 @@ class SSMMixer(nnx.Module):
             that is not a DraftTree of W nodes; with `slots`, a tree or a
             standard state without W + 1 slotted states.
         """
-        _check_state_type(self, state, "verify", (SSMLayerState, ReplayLayerState))
-        batch = state.conv_state.batch if slots is None else slots.shape[0]
-        if u.ndim != 3 or u.shape[0] != batch or u.shape[1] < 1:
-            raise ValueError(f"{type(self).__name__}.verify: `u` must have shape [batch, W, hidden] with batch = "
-                             f"{batch}, W >= 1; got {u.shape}")
+        self._check_state(state, "verify", (SSMLayerState, ReplayLayerState))
+        self._check_input(u, "verify", state.conv_state.batch if slots is None else slots.shape[0], window=True)
         window = u.shape[1]
         limit = state.conv_state.max_window
         if isinstance(state, ReplayLayerState):
@@ -291,20 +319,57 @@ class SSMMixer(nnx.Module):
           TypeError: `state` of another type, non-integer counts.
           ValueError: no pending window, counts not [batch] or outside 0..W.
         """
-        _check_state_type(self, state, "commit", (SSMLayerState, ReplayLayerState), pending=True)
+        self._check_state(state, "commit", (SSMLayerState, ReplayLayerState), pending=True)
         m = check_num_accepted(num_accepted, state.conv_state.batch, state.window)
         return commit_layer_state(state, m, check_path(path, m, state.window))
 
 
-def _check_state_type(layer, state, what: str, types: tuple, *, pending: bool = False) -> None:
-    """Raise TypeError unless `state` is one of `types`, ValueError unless it has a pending
-    verify window exactly when `pending`."""
-    if not isinstance(state, types):
-        want = " or ".join(t.__name__ for t in types)
-        raise TypeError(f"{type(layer).__name__}.{what}: `state` must be {want}; got {type(state).__name__}")
-    if pending and state.window == 0:
-        raise ValueError(f"{type(layer).__name__}.{what}: `state` has no pending verify window; call verify first")
-    if not pending and state.window:
-        raise ValueError(f"{type(layer).__name__}.{what}: `state` has a pending verify window (W = {state.window}); "
-                         f"commit it first")
+    def _check_input(self, u, what: str, batch: int | None, *, window: bool = False) -> None:
+        """`check_input` of the mode `what`'s input `u` ([batch, T, hidden] for prefill, [batch, W, hidden]
+        with `window`, else [batch, hidden])."""
+        check_input(f"{type(self).__name__}.{what}", "u", u, self.hidden_size, batch,
+                    ("T" if what == "prefill" else "W") if window else None)
 
+    def _check_state(self, state, what: str, types: tuple, *, pending: bool = False) -> None:
+        """TypeError unless `state` is one of `types`; ValueError unless it has this layer's shape (conv
+        channels and width, state dims) and a pending verify window exactly when `pending`."""
+        name = type(self).__name__
+        if not isinstance(state, types):
+            want = " or ".join(t.__name__ for t in types)
+            raise TypeError(f"{name}.{what}: `state` must be {want}; got {type(state).__name__}")
+        conv = state.conv_state
+        field, array = (("ssm_state", state.ssm_state) if isinstance(state, SSMLayerState)
+                        else ("replay.checkpoint", state.replay.checkpoint))
+        have = (conv.columns.shape[-1], conv.width, tuple(array.shape[-3:]))
+        want = (self.conv_dim, self.conv1d.kernel_size, tuple(self.state_dims()))
+        if have != want:
+            raise ValueError(f"{name}.{what}: `state` is not this layer's: its conv window has {have[0]} channels of "
+                             f"width {have[1]} and its {field} {have[2]} per row (heads, rows, columns); this "
+                             f"layer's are {want[0]} channels of width {want[1]} and {want[2]}")
+        if pending and state.window == 0:
+            raise ValueError(f"{name}.{what}: `state` has no pending verify window; call verify first")
+        if not pending and state.window:
+            raise ValueError(f"{name}.{what}: `state` has a pending verify window (W = {state.window}); "
+                             f"commit it first")
+
+
+def check_mixer_config(owner: str, ssm_state_dtype, **sizes) -> None:
+    """Check a mixer's sizes (ints >= 1) and its ssm_state dtype (float32 or bfloat16) at construction.
+
+    Raises:
+      TypeError: a size not an int, or another state dtype (float16 overflows these recurrences).
+      ValueError: a size below 1; each message names `owner` (e.g. "Mamba2Mixer") and the argument.
+    """
+    for name, value in sizes.items():
+        try:
+            validate.check_positive_int(name, value)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{owner}: {e}") from None
+    try:
+        dtype = jnp.dtype(ssm_state_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in validate.STATE_DTYPES:
+        why = f" ({validate.FLOAT16_OVERFLOWS})" if dtype == jnp.float16 else ""
+        given = ssm_state_dtype if dtype is None else dtype.name
+        raise TypeError(f"{owner}: `ssm_state_dtype` must be float32 or bfloat16; got {given!r}{why}")

@@ -68,7 +68,6 @@ route on one.
 from __future__ import annotations
 
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -212,7 +211,10 @@ def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=
     Args:
       checkpoint: f32 | bf16[batch, nheads, head_dim, d_state], the SSM state
         to start from (zeros for an empty prefix, or a prefill's final state).
-      buffer_len: L >= 1, the number of buffered steps between flushes.
+      buffer_len: L >= 1, the number of buffered steps between flushes;
+        the kernel backends take L <= 64 (`kernels.MAX_BUFFER_LEN`) and
+        refuse a longer buffer at its first step (:func:`check_buffer_len`
+        checks it up front), the "xla" backend any L.
       n_groups: G, the number of B/C groups; must divide nheads.
       buffer_dtype: dtype of the x and B records (dt is always float32).
         Use the activation dtype (e.g. bfloat16) to halve buffer traffic;
@@ -226,7 +228,10 @@ def mamba2_replay_init(checkpoint, buffer_len: int, n_groups: int, buffer_dtype=
         how an 8-bit checkpoint write rounds; ignored for f32 | bf16.
 
     Returns:
-      Mamba2ReplayState with cursor 0 for every row.
+      Mamba2ReplayState with cursor 0 for every row. Its checkpoint is the
+      given array itself where no cast or quantization is asked (no copy):
+      donating the state to a `jax.jit` deletes `checkpoint` too, so pass
+      ``jnp.copy(checkpoint)`` to keep decoding from the original.
 
     Raises:
       TypeError: non-float checkpoint or buffer_dtype, a checkpoint_dtype
@@ -246,9 +251,8 @@ def _checkpoint_format(layer: str, checkpoint_dtype, rounding):
     rounding = val.check_rounding("rounding", rounding)
     reason = None if dtype is None else UNSAFE_CHECKPOINTS[layer].get((dtype, rounding))
     if reason is not None:
-        warnings.warn(f"a replay checkpoint of {dtype} with {rounding} rounding on {layer} layers {reason} "
-                      "(bench/RESULTS.md, 8-bit checkpoints, 2026-12-01); a bfloat16 checkpoint is safer",
-                      UserWarning, stacklevel=3)
+        val.warn(f"a replay checkpoint of {dtype} with {rounding} rounding on {layer} layers {reason} "
+                 "(bench/RESULTS.md, 8-bit checkpoints, 2026-12-01); a bfloat16 checkpoint is safer")
     return dtype, rounding
 
 
@@ -270,10 +274,9 @@ def _check_append(state, route: str, slots) -> None:
 def _warn_direct_8bit(state, route: str) -> None:
     """A UserWarning for the direct route on an 8-bit checkpoint, which it rounds at every step."""
     if route == "direct" and state.scale is not None:
-        warnings.warn(f"the direct route rounds a checkpoint of {state.checkpoint.dtype} at every step (the output and "
-                      "state routes round it once per flush): its outputs drift about 3x further from the float32 "
-                      "checkpoint's (bench/state_drift.py, 2026-12-01); use route='output'", UserWarning,
-                      stacklevel=3)
+        val.warn(f"the direct route rounds a checkpoint of {state.checkpoint.dtype} at every step (the output and "
+                 "state routes round it once per flush): its outputs drift about 3x further from the float32 "
+                 "checkpoint's (bench/state_drift.py, 2026-12-01); use route='output'")
 
 
 def take_slots(pool, slots):
@@ -323,7 +326,8 @@ def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=
         from (transformers' cache is [batch, HV, K, V]: transpose its last
         two axes first; a transposed checkpoint with K != V is reported by
         the first replay op that sees q or v).
-      buffer_len: L >= 1, the number of buffered steps between flushes.
+      buffer_len: L >= 1, the number of buffered steps between flushes
+        (kernel backends: L <= 64, as :func:`mamba2_replay_init`).
       num_k_heads: H, the number of key heads; must divide HV.
       buffer_dtype: dtype of the d and k records (g is always float32).
       checkpoint_dtype, rounding: as :func:`mamba2_replay_init`; an 8-bit
@@ -331,7 +335,9 @@ def gdn_replay_init(checkpoint, buffer_len: int, num_k_heads: int, buffer_dtype=
         the key dim K (`state.scale` f32[batch, HV, V]).
 
     Returns:
-      GDNReplayState with cursor 0 for every row.
+      GDNReplayState with cursor 0 for every row; its checkpoint is the
+      given array itself where no cast or quantization is asked, as in
+      :func:`mamba2_replay_init` (donating the state deletes `checkpoint`).
 
     Raises:
       TypeError: non-float checkpoint or buffer_dtype, a checkpoint_dtype

@@ -70,18 +70,27 @@ def resolve_backend(backend: str | None, op: str | None = None) -> str:
 
     Raises:
       ValueError: an unknown backend name.
-      RuntimeError: "pallas" requested where JAX has no GPU.
+      RuntimeError: "pallas" requested where JAX has no GPU; "pallas" or
+        "interpret" (also chosen by None) with `jax_enable_x64` on.
     """
     if backend is None:
-        return default_backend() if op is None or op in KERNEL_OPS else "xla"
-    if backend not in BACKENDS:
+        chosen = default_backend() if op is None or op in KERNEL_OPS else "xla"
+    elif backend not in BACKENDS:
         raise ValueError(f"`backend` must be one of {BACKENDS} or None; got {backend!r}")
-    if backend == "pallas" and jax.default_backend() != "gpu":
+    elif backend == "pallas" and jax.default_backend() != "gpu":
         raise RuntimeError(
             f"`backend='pallas'` needs a CUDA GPU; JAX's default backend is {jax.default_backend()!r}"
             " (use backend='interpret' to run the kernels on the CPU, or 'xla')"
         )
-    return backend
+    else:
+        chosen = backend
+    if chosen != "xla" and jax.config.jax_enable_x64:
+        # The kernels index with int32 (cursors, program ids); with x64 on, Pallas forms int64 indices
+        # beside them (its interpret mode then fails with a dtype mismatch inside JAX).
+        raise RuntimeError(f"the Pallas kernels (backend {chosen!r}"
+                           + (", chosen by backend=None" if backend is None else "")
+                           + ") do not run with `jax_enable_x64` on; turn it off, or pass backend='xla'")
+    return chosen
 
 
 def choose_backend(op: str, backend: str | None, config) -> str:

@@ -28,6 +28,8 @@ Dimension letters as in :mod:`replayssm_jax.reference`.
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -39,6 +41,16 @@ from replayssm_jax.state import CHECKPOINT_DTYPES, ROUNDINGS, GDNReplayState, Ma
 STATE_DTYPES = (jnp.float32, jnp.bfloat16)
 FLOAT16_OVERFLOWS = "float16 overflows in these recurrences (its largest value is 65504): use bfloat16 or float32"
 
+# The library's packages (replayssm_jax and models, installed side by side): a warning names the first
+# frame outside them, the user's call, however deep in the library it was raised.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIBRARY_DIRS = (_PACKAGE + os.sep, os.path.join(os.path.dirname(_PACKAGE), "models") + os.sep)
+
+
+def warn(message: str) -> None:
+    """A UserWarning attributed to the caller's own code (the first frame outside the library)."""
+    warnings.warn(message, UserWarning, skip_file_prefixes=_LIBRARY_DIRS)
+
 
 def as_array(name: str, x):
     """Return `x` as a JAX array; raise TypeError if it is not array-like."""
@@ -49,17 +61,19 @@ def as_array(name: str, x):
     raise TypeError(f"`{name}` must be an array; got {type(x).__name__}")
 
 
-def check_slots(slots, capacity: int, state) -> jax.Array | None:
+def check_slots(slots, capacity: int, state, rows: tuple[str, object] | None = None) -> jax.Array | None:
     """`slots` (None: no state pool) as i32[batch]: the state pool's slots of a
     step's batch rows, each in -1 .. capacity - 1 (-1: a padding row), no
     slot twice; the values are checked where concrete. `state`: the pool (an
     array or a replay state, whose 8-bit checkpoint's scales and write counts
-    are pool arrays too), or None; not read.
+    are pool arrays too), or None; not read. `rows`: None, or (name, input)
+    whose axis 0 is the step's batch, which must be the number of slots.
 
     Raises:
       TypeError: a non-integer dtype.
-      ValueError: not of shape [batch] with batch >= 1, a concrete slot
-        outside -1 .. capacity - 1 or one used twice.
+      ValueError: not of shape [batch] with batch >= 1, another length than
+        the batch of `rows`, a concrete slot outside -1 .. capacity - 1 or
+        one used twice.
     """
     if slots is None:
         return None
@@ -70,6 +84,11 @@ def check_slots(slots, capacity: int, state) -> jax.Array | None:
         raise TypeError(f"`slots` must have an integer dtype; got {slots.dtype}")
     if slots.ndim != 1 or slots.shape[0] < 1:
         raise ValueError(f"`slots` must have shape [batch] with batch >= 1; got {tuple(slots.shape)}")
+    name, x = rows or ("", None)
+    batch = getattr(x, "shape", ())[:1]
+    if batch and batch != slots.shape:
+        raise ValueError(f"`slots` must have one entry per batch row of `{name}` ({name}.shape[0] = {batch[0]}); "
+                         f"got {slots.shape[0]} slots")
     if concrete:
         bad = (values < -1) | (values >= capacity)
         if bad.any():
@@ -588,7 +607,7 @@ def check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limi
       (state as a JAX array, dt_softplus, dt_limit as :func:`check_mamba2_inputs`, slots).
     """
     state = check_state_array("state", state, MAMBA2_DIMS)
-    slots = check_slots(slots, state.shape[0], state)
+    slots = check_slots(slots, state.shape[0], state, ("x", x))
     return (state, *check_mamba2_inputs(batch_dims(state.shape, slots), x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                         dt_limit), slots)
 
@@ -625,7 +644,7 @@ def check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, 
       (dt_softplus, dt_limit as :func:`check_mamba2_inputs`, slots).
     """
     check_mamba2_replay_flush(state, A)
-    slots = check_slots(slots, state.checkpoint.shape[0], state)
+    slots = check_slots(slots, state.checkpoint.shape[0], state, ("x", x))
     return (*check_mamba2_inputs(batch_dims(state.checkpoint.shape, slots), x, dt, A, B, C, D, z, dt_bias,
                                  dt_softplus, dt_limit, groups=state.B.shape[1], state_name="state.checkpoint"), slots)
 
@@ -638,7 +657,7 @@ def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus
       (dt_softplus, dt_limit as :func:`check_mamba2_inputs`, slots).
     """
     check_mamba2_replay_flush(state, A)
-    slots = check_slots(slots, state.checkpoint.shape[0], state)
+    slots = check_slots(slots, state.checkpoint.shape[0], state, ("x", x))
     check_no_tree_with_slots(tree, slots)
     x = check_ssm_float("x", x)
     check_rank("x", x, "batch, W, nheads, head_dim")
@@ -767,7 +786,7 @@ def check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots=None):
       (state as a JAX array, scale, use_qk_l2norm as :func:`check_gdn_inputs`, slots).
     """
     state = check_state_array("state", state, GDN_DIMS)
-    slots = check_slots(slots, state.shape[0], state)
+    slots = check_slots(slots, state.shape[0], state, ("q", q))
     return (state, *check_gdn_inputs(batch_dims(state.shape, slots), q, k, v, g, beta, scale, use_qk_l2norm), slots)
 
 
@@ -801,7 +820,7 @@ def check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots=N
       (scale, use_qk_l2norm as :func:`check_gdn_inputs`, slots).
     """
     check_gdn_replay_flush(state)
-    slots = check_slots(slots, state.checkpoint.shape[0], state)
+    slots = check_slots(slots, state.checkpoint.shape[0], state, ("q", q))
     return (*check_gdn_inputs(batch_dims(state.checkpoint.shape, slots), q, k, v, g, beta, scale, use_qk_l2norm,
                               heads=state.k.shape[1], state_name="state.checkpoint"), slots)
 
@@ -814,7 +833,7 @@ def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree=
       (scale, use_qk_l2norm as :func:`check_gdn_inputs`, slots).
     """
     check_gdn_replay_flush(state)
-    slots = check_slots(slots, state.checkpoint.shape[0], state)
+    slots = check_slots(slots, state.checkpoint.shape[0], state, ("q", q))
     check_no_tree_with_slots(tree, slots)
     v = check_ssm_float("v", v)
     check_rank("v", v, "batch, W, HV, V")
