@@ -34,6 +34,7 @@ import tempfile
 import jax
 import numpy as np
 
+import bench_args
 import kernels as kb  # bench/kernels.py: shapes, traffic model, timing
 
 
@@ -107,17 +108,22 @@ def plot(rows, out_dir):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", default="gdn,mamba2")
-    p.add_argument("--batches", default="1,64,256")
-    p.add_argument("--lengths", default="1,2,4,8,16,32,64")
-    p.add_argument("--state-dtypes", default="float32,bfloat16")
+    p.add_argument("--layers", type=bench_args.subset_of("gdn", "mamba2"), default="gdn,mamba2")
+    p.add_argument("--batches", type=bench_args.positive_ints, default=None, help="default 1,64,256 (--dry-run: 2)")
+    p.add_argument("--lengths", type=bench_args.positive_ints, default=None,
+                   help="default 1,2,4,8,16,32,64 (--dry-run: 1,2)")
+    p.add_argument("--state-dtypes", type=bench_args.subset_of(*(d.name for d in kb.CHECKPOINT_DTYPES)),
+                   default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None,
                    help="default: bench/results/DATE-buffer-length (with --dry-run: a new temporary folder)")
     p.add_argument("--dry-run", action="store_true", help="interpret mode on any device, tiny settings")
     args = p.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
-    lengths = [int(L) for L in args.lengths.split(",")]
+    try:  # the plots at the end: refuse before the study runs, not after
+        import matplotlib  # noqa: F401
+    except ImportError:
+        p.error("the plots need matplotlib: install the bench extra (pip install -e '.[bench]')")
+    batches, lengths = args.batches or [1, 64, 256], args.lengths or [1, 2, 4, 8, 16, 32, 64]
     shapes = {layer: kb.CASE_TABLES[layer].model for layer in ("gdn", "mamba2")}
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix="buffer_length_dry_run_") if args.dry_run else kb.results_folder("buffer-length")
@@ -129,7 +135,8 @@ def main(argv=None) -> int:
         options = kb.TimingOptions.dry_run(standard_steps=2)
         shapes = {"gdn": kb.GDNShape(name="tiny-gdn", H=1, HV=2, K=16, V=16),
                   "mamba2": kb.Mamba2Shape(name="tiny-mamba2", H=2, P=8, N=16, G=1)}
-        batches, lengths = [2], [1, 2]  # one batch: the dry run checks the script, not a trend
+        # one batch: the dry run checks the script, not a trend (sizes given still count)
+        batches, lengths = args.batches or [2], args.lengths or [1, 2]
     elif jax.default_backend() != "gpu":
         sys.exit(f"bench/buffer_length.py needs a GPU (JAX default backend is {jax.default_backend()!r}); try --dry-run")
     rng = np.random.default_rng(0)
@@ -145,8 +152,8 @@ def main(argv=None) -> int:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         return plot(rows, args.out)
 
-    for layer in args.layers.split(","):
-        for sd in args.state_dtypes.split(","):
+    for layer in args.layers:
+        for sd in args.state_dtypes:
             study(layer, shapes[layer], sd, batches, lengths, options, rng, lambda s: print(s, flush=True),
                   rows, save)
     paths = save()

@@ -30,6 +30,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_args  # noqa: E402
 import device_rates  # noqa: E402
 import kernels as kb  # noqa: E402
 
@@ -72,8 +73,8 @@ def bytes_per_step(batch: int, C: int, S: int, form: str) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", default="1,64,256,512")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--batches", type=bench_args.positive_ints, default="1,64,256,512")
+    p.add_argument("--repeats", type=bench_args.positive_int, default=7)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU: interpret mode, batch 2, one repeat, 2 steps")
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
         # At most 16 windows: a cycle of 16 chained steps over 64 windows at batch 1 compiled, for the XLA
         # form, for over a minute (1024 steps of several fusions each).
         options = kb.TimingOptions(repeats=args.repeats, profile=args.profile, max_sets=16)
-        batches, kernel = [int(b) for b in args.batches.split(",")], "pallas"
+        batches, kernel = args.batches, "pallas"
     out = args.out or (tempfile.mkdtemp(prefix="conv_dry_run_") if args.dry_run else kb.results_folder("conv"))
     os.makedirs(out, exist_ok=True)
     copy_bw = max(device_rates.copy_bandwidth(nbytes=(1 << 20) if args.dry_run else (2 << 30)).values())

@@ -66,14 +66,16 @@ import numpy as np  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.append(ROOT)  # last: an importable replayssm_jax (installed, or a tree first on PYTHONPATH) wins
 
-import device_rates  # noqa: E402  (bench/device_rates.py; this folder leads sys.path)
+import bench_args  # noqa: E402  (bench/bench_args.py; this folder leads sys.path)
+import device_rates  # noqa: E402  (bench/device_rates.py)
 import kernels as kernel_bench  # noqa: E402  (bench/kernels.py: its timing cycle)
 import step_profile  # noqa: E402  (bench/step_profile.py)
 import step_roofline  # noqa: E402  (bench/step_roofline.py)
-from models import sharding  # noqa: E402
+from models import registry, sharding  # noqa: E402
+from models.loading import read_config  # noqa: E402
 from models.random_init import init_model  # noqa: E402
 from replayssm_jax import ops  # noqa: E402
-from replayssm_jax.generation import Generator  # noqa: E402
+from replayssm_jax.generation import Generator, InsufficientMemoryError  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "bench", "configs")
 MODELS = ("nemotron3_nano_4b_like", "qwen3_5_4b_like")
@@ -247,8 +249,8 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
             try:
                 out = gen.generate(prompts, new_tokens, progress=False)
                 again = gen.generate(prompts, new_tokens, progress=False)
-            except jax.errors.JaxRuntimeError as err:
-                if "RESOURCE_EXHAUSTED" not in str(err):
+            except (jax.errors.JaxRuntimeError, InsufficientMemoryError) as err:
+                if not isinstance(err, InsufficientMemoryError) and "RESOURCE_EXHAUSTED" not in str(err):
                     raise
                 log(f"{name} batch={batch} {mode}: out of device memory, skipped ({str(err).splitlines()[0][:160]})")
                 del gen
@@ -310,24 +312,6 @@ def memory_rows(name, config_dir, modes, prompt_len, new_tokens, dtype, budget_b
     return rows
 
 
-def _positive_ints(text: str) -> list[int]:
-    """argparse type of a comma-separated list of ints >= 1 ('1,64,256')."""
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1 (e.g. '1,64,256'); got {text!r}")
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1; got {text!r}")
-    return values
-
-
-def _positive_int(text: str) -> int:
-    values = _positive_ints(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one integer >= 1; got {text!r}")
-    return values[0]
-
-
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
@@ -338,7 +322,7 @@ def _commit() -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="End-to-end decode throughput: standard vs ReplaySSM")
     p.add_argument("--models", default=None, help=f"default: {','.join(MODELS)} (with --smoke: the tiny fixtures)")
-    p.add_argument("--batches", type=_positive_ints, default=None,
+    p.add_argument("--batches", type=bench_args.positive_ints, default=None,
                    help="default: 1,16,64,128,256,512 (with --smoke: 1,2)")
     p.add_argument("--modes", default="standard,8,16,32",
                    help="'standard' and ReplaySSM buffer lengths (Generator's default lockstep flush where it "
@@ -352,19 +336,20 @@ def main(argv=None) -> int:
     p.add_argument("--memory-only", action="store_true",
                    help="only the caches' bytes per sequence and the sequences in --budget-gib, from shapes "
                         "(no weights allocated, no decoding; any device)")
-    p.add_argument("--prompt-len", type=_positive_int, default=None, help="default: 512 (with --smoke: 8)")
-    p.add_argument("--new-tokens", type=_positive_int, default=None, help="default: 256 (with --smoke: 6)")
-    p.add_argument("--backend", default=None)
-    p.add_argument("--prefill-rows", type=int, default=64,
+    p.add_argument("--prompt-len", type=bench_args.positive_int, default=None, help="default: 512 (with --smoke: 8)")
+    p.add_argument("--new-tokens", type=bench_args.positive_int, default=None, help="default: 256 (with --smoke: 6)")
+    p.add_argument("--backend", default=None, choices=bench_args.BACKENDS)
+    p.add_argument("--prefill-rows", type=bench_args.non_negative_int, default=64,
                    help="rows per prefill pass (the prefill of 512 x 512 tokens at once may not fit); 0: all at once")
     p.add_argument("--profile", action="store_true",
                    help="also break one decode step down by kernel category (a third, traced run per configuration)")
     p.add_argument("--out", default=None,
                    help="JSON path; default: bench/results/DATE-e2e/e2e.json (with --smoke: in a new temporary folder)")
     p.add_argument("--smoke", action="store_true", help="tiny fixture on any device, to check the script")
-    p.add_argument("--tp", type=int, default=None,
+    p.add_argument("--tp", type=bench_args.positive_int, default=None,
                    help="run on a mesh with this tensor-parallel size (models.sharding; default: no mesh)")
-    p.add_argument("--dp", type=int, default=None, help="the mesh's data-parallel size (default 1 with --tp)")
+    p.add_argument("--dp", type=bench_args.positive_int, default=None,
+                   help="the mesh's data-parallel size (default 1 with --tp)")
     args = p.parse_args(argv)
     mesh = None
     if args.tp is not None or args.dp is not None:
@@ -389,6 +374,11 @@ def main(argv=None) -> int:
     for name, path in configs.items():
         if not os.path.isfile(os.path.join(path, "config.json")):
             p.error(f"--models: {name!r} has no config.json in {folder} (models there: {', '.join(known)})")
+        if mesh is not None:
+            try:
+                sharding.check_config(registry.parse(read_config(path), path)[1], mesh.shape[sharding.TP])
+            except ValueError as e:
+                p.error(f"--tp: {name}: {e}")
     modes = args.modes.split(",")
     backend = ops.resolve_backend(args.backend)
     for mode in modes:

@@ -132,6 +132,7 @@ import numpy as np
 # first on the path, for step_profile.)
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import bench_args  # noqa: E402  (bench/bench_args.py)
 import device_rates  # noqa: E402  (bench/device_rates.py)
 import step_profile  # noqa: E402  (bench/step_profile.py)
 
@@ -139,7 +140,7 @@ from replayssm_jax import kernels, ops, testing  # noqa: E402
 from replayssm_jax.kernels import ReplayConfig, StepConfig, tma_readout, tma_step  # noqa: E402
 from replayssm_jax.kernels.config import deferred_flush_default  # noqa: E402
 from replayssm_jax.layers.cache import committed_index  # noqa: E402
-from replayssm_jax.state import dequantize, is_quantized  # noqa: E402
+from replayssm_jax.state import CHECKPOINT_DTYPES, dequantize, is_quantized  # noqa: E402
 from replayssm_jax.testing import (CASE_TABLES, GDNShape, Mamba2Shape,  # noqa: E402,F401
                                    closeness_on_device, tolerance_dtype)
 
@@ -657,18 +658,6 @@ SWEEP_CONFIGS = {
 }
 
 
-def subset_of(*allowed: str):
-    """argparse type: a comma-separated list of `allowed` names -> tuple of them."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(text.split(","))
-        if not set(names) <= set(allowed):
-            raise argparse.ArgumentTypeError(f"expected names of {', '.join(allowed)}; got {text!r}")
-        return names
-
-    return parse
-
-
 def parse_config(spec: str, kind: str = "replay") -> StepConfig | ReplayConfig:
     """A tiling spec -> the config of `kind`'s launch. "replay": 'BVxWxT',
     'BVxWxTxS' (S: num_stages), 'BVxWxTf' (f: fused flush) or
@@ -750,10 +739,11 @@ def sweep(bench, base, rows, lengths, options: TimingOptions, overrides=None, ro
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", default="gdn,mamba2")
-    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    p.add_argument("--state-dtypes", default="float32,bfloat16")
-    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--layers", type=bench_args.subset_of("gdn", "mamba2"), default="gdn,mamba2")
+    p.add_argument("--batches", type=bench_args.positive_ints, default=",".join(map(str, BATCHES)))
+    p.add_argument("--state-dtypes", type=bench_args.subset_of(*(d.name for d in CHECKPOINT_DTYPES)),
+                   default="float32,bfloat16")
+    p.add_argument("--lengths", type=bench_args.positive_ints, default=",".join(map(str, LENGTHS)))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default=None,
                    help="default: bench/results/DATE-TAG (with --dry-run: a new temporary folder)")
@@ -765,12 +755,13 @@ def main(argv=None):
     p.add_argument("--replay-configs", default="",
                    help="with --sweep: replay tilings instead of SWEEP_CONFIGS, e.g. '16x4x1f,64x4x2,64x4x2:32x2x4' "
                         "(BVxWxT or BVxWxTxSTAGES, f: fused; after ':' the flush launch's BVxWxROWS)")
-    p.add_argument("--sweep-routes", type=subset_of("output", "state", "deferred"), default=("output",),
+    p.add_argument("--sweep-routes", type=bench_args.subset_of("output", "state", "deferred"), default=("output",),
                    help="with --sweep: the replay step's routes to time, of output,state,deferred (the state route "
                         "forms the state tile with the rank-L dot, on the tensor cores; the deferred route's "
                         "flush launch takes the tiling's flush fields, or where all are unset its own default, "
                         "which the printed tag shows)")
-    p.add_argument("--sweep-cursors", type=subset_of("staggered", "in-step", "lockstep"), default=("staggered",),
+    p.add_argument("--sweep-cursors", type=bench_args.subset_of("staggered", "in-step", "lockstep"),
+                   default=("staggered",),
                    help="with --sweep: the replay rows' cursors at the start, of staggered,in-step,lockstep (in "
                         "step: every row flushes in the same step, as in a decode loop whose rows started together; "
                         "lockstep: in step, the cycle's last step on the direct route at its default tiling)")
@@ -812,7 +803,7 @@ def main(argv=None):
     elif jax.default_backend() != "gpu":
         sys.exit("bench/kernels.py needs a GPU (JAX default backend is %r)" % jax.default_backend())
     rng = np.random.default_rng(0)
-    lengths = tuple(int(x) for x in args.lengths.split(","))
+    lengths = tuple(args.lengths)
     dev = jax.devices()[0]
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), device=dev.device_kind,
                 jax=jax.__version__, python=platform.python_version(),
@@ -825,9 +816,9 @@ def main(argv=None):
     rows = []
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.tag}.json")
-    for layer in args.layers.split(","):
-        for sd in args.state_dtypes.split(","):
-            for batch in (int(x) for x in args.batches.split(",")):
+    for layer in args.layers:
+        for sd in args.state_dtypes:
+            for batch in args.batches:
                 bench = make_bench(layer, batch, sd, rng)
                 shape_name = str(bench.s)
                 t0 = time.perf_counter()

@@ -17,6 +17,7 @@ print '-').
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("reports", nargs="+", help="text files of ncu's output")
     args = p.parse_args(argv)
     for path in args.reports:
+        if not os.path.isfile(path):
+            p.error(f"report {path!r}: no such file")
         with open(path) as f:
             launches = parse(f.read())
         if not launches:

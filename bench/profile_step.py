@@ -19,17 +19,20 @@ import sys
 import time
 
 import jax
+import bench_args
 import kernels as kb  # bench/kernels.py
 import numpy as np
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--state-dtype", default="float32")
-    p.add_argument("--L", type=int, default=8)
-    p.add_argument("--backend", default="pallas", help="pallas (GPU) or interpret (a CPU check of the script)")
-    p.add_argument("--layers", default="gdn,mamba2", help="comma-separated: gdn, mamba2")
+    p.add_argument("--batch", type=bench_args.positive_int, default=256)
+    p.add_argument("--state-dtype", default="float32", choices=[d.name for d in kb.CHECKPOINT_DTYPES])
+    p.add_argument("--L", type=bench_args.positive_int, default=8)
+    p.add_argument("--backend", default="pallas", choices=("pallas", "interpret"),
+                   help="pallas (GPU) or interpret (a CPU check of the script)")
+    p.add_argument("--layers", type=bench_args.subset_of(*kb.BENCHES), default="gdn,mamba2",
+                   help="comma-separated: gdn, mamba2")
     p.add_argument("--configs", default="",
                    help="extra replay configs to profile, as bench/kernels.py --replay-configs, e.g. '32x4x4,16x2x5x2'")
     args = p.parse_args(argv)
@@ -38,9 +41,10 @@ def main(argv=None) -> int:
         extra = [kb.parse_config(spec) for spec in filter(None, args.configs.split(","))]
     except (ValueError, TypeError) as e:
         p.error(f"--configs: {e}")
-    layers = args.layers.split(",")
-    if unknown := [x for x in layers if x not in kb.BENCHES]:
-        p.error(f"--layers: unknown {', '.join(unknown)}; choose from {', '.join(kb.BENCHES)}")
+    layers = args.layers
+    if args.backend == "pallas" and jax.default_backend() != "gpu":
+        sys.exit(f"bench/profile_step.py --backend pallas needs a GPU (JAX default backend is "
+                 f"{jax.default_backend()!r}); try --backend interpret")
     for layer in layers:
         bench = kb.make_bench(layer, args.batch, args.state_dtype, rng)
         inp = jax.tree.map(lambda a: a[0], bench.inputs(1))

@@ -60,6 +60,7 @@ import sys
 import time
 
 import e2e  # noqa: I001  (bench/e2e.py: sets the GPU memory fraction before JAX starts, puts the checkout on sys.path)
+import bench_args
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,7 +161,7 @@ def configurations(args) -> list[tuple[str, bool, bool, str | None]]:
     """(state, prefix caching, speculative, state_dtype) of each row, in order: per state prefix caching off
     and on, then the speculative row (--speculative), then the 8-bit ReplaySSM row (--state-dtype)."""
     rows = []
-    for state in args.states.split(","):
+    for state in args.states:
         rows += [(state, False, False, None), (state, True, False, None)]
         if args.speculative:
             rows.append((state, False, True, None))
@@ -203,38 +204,34 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def _pair(text: str) -> tuple[int, int]:
-    lo, hi = (int(v) for v in text.split(","))
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI; got {text!r}")
-    return lo, hi
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Continuous batching of a request trace: standard vs ReplaySSM, "
                                             "with and without prefix caching")
     p.add_argument("--models", default=None, help=f"default: {','.join(e2e.MODELS)}")
-    p.add_argument("--capacity", type=int, default=64, help="state pool slots")
-    p.add_argument("--batch-size", type=int, default=None, help="decode batch rows (default: capacity)")
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second")
+    p.add_argument("--capacity", type=bench_args.positive_int, default=64, help="state pool slots")
+    p.add_argument("--batch-size", type=bench_args.positive_int, default=None,
+                   help="decode batch rows (default: capacity)")
+    p.add_argument("--requests", type=bench_args.positive_int, default=256)
+    p.add_argument("--rate", type=bench_args.positive_float, default=8.0, help="Poisson arrivals per second")
     p.add_argument("--prompt-len", default="128,1024", help="LO,HI: uniform prompt lengths")
-    p.add_argument("--prompt-granule", type=int, default=64,
+    p.add_argument("--prompt-granule", type=bench_args.positive_int, default=64,
                    help="prompt lengths are multiples of this (few prefill shapes to compile)")
     p.add_argument("--new-tokens", default="32,256", help="LO,HI: uniform output lengths")
-    p.add_argument("--shared", type=float, default=0.5, help="fraction of prompts with the shared system prompt")
-    p.add_argument("--system-len", type=int, default=512, help="system prompt tokens")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prefill tokens per step (the prefix block)")
-    p.add_argument("--prefill-batch", type=int, default=1,
+    p.add_argument("--shared", type=bench_args.fraction, default=0.5,
+                   help="fraction of prompts with the shared system prompt")
+    p.add_argument("--system-len", type=bench_args.positive_int, default=512, help="system prompt tokens")
+    p.add_argument("--prefill-chunk", type=bench_args.positive_int, default=256,
+                   help="prefill tokens per step (the prefix block)")
+    p.add_argument("--prefill-batch", type=bench_args.positive_int, default=1,
                    help="requests whose chunks one engine step prefills together (Engine's prefill_batch)")
-    p.add_argument("--buffer-len", type=int, default=16, help="ReplaySSM L")
-    p.add_argument("--states", default="standard,replay")
+    p.add_argument("--buffer-len", type=bench_args.positive_int, default=16, help="ReplaySSM L")
+    p.add_argument("--states", type=bench_args.subset_of("standard", "replay"), default="standard,replay")
     p.add_argument("--speculative", default=None, choices=("ngram",),
                    help="one more row per state: speculative rounds with this drafter")
-    p.add_argument("--num-draft", type=int, default=4, help="drafts per speculative round (K)")
+    p.add_argument("--num-draft", type=bench_args.positive_int, default=4, help="drafts per speculative round (K)")
     p.add_argument("--state-dtype", default=None, choices=("int8", "float8_e4m3fn", "bfloat16"),
                    help="one more ReplaySSM row with checkpoints of this dtype")
-    p.add_argument("--backend", default=None)
+    p.add_argument("--backend", default=None, choices=bench_args.BACKENDS)
     p.add_argument("--out", default=None, help="folder for serve.json and serve.png; default "
                                                "bench/results/DATE-serve")
     p.add_argument("--dry-run", action="store_true", help="CPU check of the script on the tiny fixture")
@@ -247,10 +244,22 @@ def main(argv=None) -> int:
     if args.dry_run:
         folder = DRY_RUN["folder"]
         for name, value in DRY_RUN.items():
-            if name != "folder" and (getattr(args, name) == p.get_default(name) or name == "models"):
+            if name != "folder" and getattr(args, name) == p.get_default(name):
                 setattr(args, name, value)
+        for name in args.models.split(","):
+            if not os.path.isfile(os.path.join(folder, name, "config.json")):
+                p.error(f"--models: the dry run takes the fixtures in {folder}; {name!r} is not one of them")
     args.batch_size = args.batch_size or args.capacity
-    prompt_len, new_tokens = _pair(args.prompt_len), _pair(args.new_tokens)
+    if args.batch_size > args.capacity:
+        p.error(f"--batch-size must be <= --capacity = {args.capacity} (decode rows are pool slots); got "
+                f"{args.batch_size}")
+    ranges = []
+    for flag, text in (("--prompt-len", args.prompt_len), ("--new-tokens", args.new_tokens)):
+        try:
+            ranges.append(bench_args.int_range(text))
+        except argparse.ArgumentTypeError as e:
+            p.error(f"argument {flag}: {e}")
+    prompt_len, new_tokens = ranges
     if args.prompt_granule < 1 or -(-prompt_len[0] // args.prompt_granule) * args.prompt_granule > prompt_len[1]:
         p.error(f"--prompt-granule must be >= 1 with a multiple of it in --prompt-len {args.prompt_len}; got "
                 f"{args.prompt_granule}")
@@ -258,7 +267,7 @@ def main(argv=None) -> int:
     out_dir = args.out or os.path.join(e2e.ROOT, "bench", "results",
                                        f"{datetime.date.today().isoformat()}-serve{'-dry-run' if args.dry_run else ''}")
     os.makedirs(out_dir, exist_ok=True)
-    if args.speculative and "replay" in args.states.split(",") and args.num_draft + 1 > args.buffer_len:
+    if args.speculative and "replay" in args.states and args.num_draft + 1 > args.buffer_len:
         p.error(f"--num-draft + 1 = {args.num_draft + 1} must be <= --buffer-len = {args.buffer_len} (a verify "
                 "window fits in the ReplaySSM buffer)")
     progress = sys.stderr.isatty()

@@ -392,8 +392,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"a subset of {','.join(MODES)} (a spec mode needs the "
                                                             "AR mode of its state)")
     p.add_argument("--tree", default=None, metavar="TOPK,DEPTH",
-                   help=f"also run {','.join(TREE_MODES)}: rounds of a draft tree of TOPK candidates per depth, "
-                        "DEPTH deep (1 + TOPK * DEPTH <= --buffer-len)")
+                   help=f"also run {','.join(TREE_MODES)} (each beside its AR mode): rounds of a draft tree of TOPK "
+                        "candidates per depth, DEPTH deep (1 + TOPK * DEPTH <= --buffer-len)")
     p.add_argument("--profile", action="store_true",
                    help="GPU time of a step or round by kernel category, from a traced run")
     p.add_argument("--dry-run", action="store_true",
@@ -435,11 +435,16 @@ def main(argv=None) -> int:
             p.error(f"--tree: 1 + TOPK * DEPTH = {1 + tree[0] * tree[1]} verified positions must be <= "
                     f"--buffer-len = {buffer_len}")
     known = MODES + (TREE_MODES if tree else ())
-    asked = args.modes.split(",") + (list(TREE_MODES) if tree else [])
+    asked = args.modes.split(",")
+    asked += [m for m in TREE_MODES if tree and "ar-" + m.split("-", 1)[1] in asked]  # a tree mode beside its AR mode
     modes = [m for m in known if m in asked]
     unknown = set(args.modes.split(",")) - set(known)
     if unknown or not modes:
         p.error(f"--modes: choose from {','.join(known)}; got {args.modes!r}")
+    alone = [m for m in modes if not m.startswith("ar-") and "ar-" + m.split("-", 1)[1] not in modes]
+    if alone:
+        p.error(f"--modes: {alone[0]} needs ar-{alone[0].split('-', 1)[1]} beside it (the drafts' reference and the "
+                f"speedup come from that AR run); got {args.modes!r}")
     drafters = args.drafters.split(",")
     if not drafters or set(drafters) - {"oracle", "mtp"}:
         p.error(f"--drafters: choose from oracle,mtp; got {args.drafters!r}")

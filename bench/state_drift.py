@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import bench_args  # bench/bench_args.py (this folder leads sys.path when run as a script)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.append(ROOT)  # after a tree put first on PYTHONPATH, as the other bench scripts
@@ -237,13 +239,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small CPU run: CPU test shapes, 512 layer steps, L 8 and "
                                                         "16; two fixtures, L 16, 128 tokens")
-    p.add_argument("--backend", default=None, help="xla (default on the CPU) or pallas (default on a GPU)")
+    p.add_argument("--backend", default=None, choices=bench_args.BACKENDS,
+                   help="xla (default on the CPU) or pallas (default on a GPU)")
     p.add_argument("--model-shapes", action="store_true",
                    help="the layers at the model shapes also with backend xla (the default on a GPU)")
-    p.add_argument("--lengths", type=lambda t: tuple(int(a) for a in t.split(",")), default=None,
+    p.add_argument("--lengths", type=bench_args.positive_ints, default=None,
                    help="buffer lengths L, e.g. 16,32 (default 8,16,32; with --quick 8,16)")
-    p.add_argument("--batch", type=int, default=None, help="rows of the model-shape layers (default 4 on a GPU, "
-                                                          "else 1)")
+    p.add_argument("--batch", type=bench_args.positive_int, default=None,
+                   help="rows of the model-shape layers (default 4 on a GPU, else 1)")
     p.add_argument("--out", default=None, help="output folder (default bench/results/DATE-state-drift)")
     args = p.parse_args(argv)
     backend = args.backend or ("pallas" if jax.default_backend() == "gpu" else "xla")

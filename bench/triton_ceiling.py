@@ -24,9 +24,13 @@ import re
 import statistics
 
 import jax.numpy as jnp
-import torch
-import triton
-import triton.language as tl
+
+try:
+    import torch
+    import triton
+    import triton.language as tl
+except ImportError as e:  # the kernel below is defined at import: say what is missing, not a traceback
+    raise SystemExit(f"bench/triton_ceiling.py needs PyTorch with CUDA and Triton: {e}") from None
 
 import kernels as kb  # bench/kernels.py: parse_config, results_folder
 import roofline

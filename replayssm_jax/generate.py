@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import unicodedata
 import warnings
@@ -84,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "of 1-4 rows, where buffering saves nothing), or auto (default: the kernels pick direct "
                         "where their grid is latency-bound, else deferred from batch 64 with an f32 or bf16 "
                         "state, else output)")
-    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (weights and activations)")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 (default, whatever the checkpoint's dtype) or bfloat16: the weights and "
+                        "activations (a bfloat16 checkpoint is upcast unless --dtype bfloat16)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8", "float8_e4m3fn"), default=None,
                    help="ReplaySSM checkpoint dtype (default: the SSM state's; 8-bit: per-row scales, quantized at "
                         "each flush); --state replay only")
@@ -169,8 +172,16 @@ def _draft_folder(args) -> str | None:
     return spec[len("draft:"):] if spec and spec.startswith("draft:") else None
 
 
+# Options whose value may start with "-" (a negative id, which argparse would take for an option).
+_ID_OPTIONS = ("--prompt-ids", "--stop")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The parsed options; raises UsageError."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i in range(len(argv) - 2, -1, -1):  # `--prompt-ids -1,2` as `--prompt-ids=-1,2`: a value, not an option
+        if argv[i] in _ID_OPTIONS and re.fullmatch(r"-\d[\d,;\s-]*", argv[i + 1]):
+            argv[i:i + 2] = [f"{argv[i]}={argv[i + 1]}"]
     return build_parser().parse_args(argv)
 
 
@@ -231,6 +242,9 @@ def _check_args(args) -> list[str]:
     """Validate the options that need no file; return the states to run."""
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}; got {args.dtype!r}")
+    if args.checkpoint is not None and not args.checkpoint.strip():
+        raise UsageError("--checkpoint must name a folder; got an empty path (leave the option out for the shipped "
+                         "tiny Nemotron-H)")
     if args.backend is not None and args.backend not in ops.BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(ops.BACKENDS)}; got {args.backend!r}")
     if args.max_new_tokens < 0:
@@ -345,6 +359,10 @@ def _check_memory(abstract, states, args, prompts, backend, draft=None, mesh=Non
         raise UsageError(f"{head}; the weights alone do not fit" + ("" if args.dtype == "bfloat16" else
                                                                    " (--dtype bfloat16 halves them)"))
     fits = estimate.fits(free - weights, longest_prompt=max(map(len, prompts)), block_size=args.block_size)
+    sizes = ([f"--buffer-len = {args.buffer_len or DEFAULT_BUFFER_LEN}"] if "replay" in states else []) + (
+        [] if args.speculative is None else ["--tree" if args.tree else f"--num-draft = {_num_draft(args)}"])
+    if estimate.state_bytes > estimate.kv_bytes and sizes:
+        fits += f"; the SSM states, buffers and conv windows take the most, and grow with {' and '.join(sizes)}"
     raise UsageError(_flag_names(f"{head}; {fits}"))
 
 
@@ -394,10 +412,11 @@ def _printable(text: str) -> str:
 
 
 class _Printer:
-    """Prints row 0's new tokens as they come (`on_token`): text with a tokenizer, else ids."""
+    """Prints row 0's new tokens as they come (`on_token`): text with a tokenizer (decoded after the
+    prompt's ids, as the whole sequence decodes), else ids."""
 
-    def __init__(self, tokenizer, stop_tokens):
-        self.stream = TextStream(tokenizer) if tokenizer else None
+    def __init__(self, tokenizer, stop_tokens, prompt):
+        self.stream = TextStream(tokenizer, prompt) if tokenizer else None
         self.stops, self.stopped = set(stop_tokens), False
 
     def _write(self, text):
@@ -576,7 +595,7 @@ def run(args, stream: bool = False) -> dict:
     try:
         for state in states:
             gen = _generator(model, state, args, backend, generation_config, draft, mesh)
-            printer = _Printer(tokenizer, stop) if stream else None
+            printer = _Printer(tokenizer, stop, prompts[0]) if stream else None
             if printer:
                 _print_header(report, gen, prompts[0], tokenizer, args.new_only)
             out = gen.generate(prompts, args.max_new_tokens, sampling=sampling, seed=args.seed, stop_tokens=stop,

@@ -200,12 +200,16 @@ class TextStream:
 
     Args:
       tokenizer: a `Tokenizer`.
+      prefix: ids already shown (the prompt): the new ids are decoded after
+        them, so that text which depends on its left context (a tokenizer
+        that joins words with spaces) comes out as in the decode of the
+        whole sequence; only the text after the prefix's is returned.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, prefix: Sequence[int] = ()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.printed = ""
+        self.ids: list[int] = [int(i) for i in prefix]
+        self.printed = tokenizer.decode(self.ids) if self.ids else ""
 
     def _release(self, text: str) -> str:
         # A tokenizer may rewrite earlier text as tokens arrive (rare); what was

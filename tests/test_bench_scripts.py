@@ -309,6 +309,37 @@ def test_kernels_chain_lasts_min_chain_s():
     assert calls(chained_calls=1, min_chain_s=0.2) > 1
 
 
+BAD_ARGUMENTS = [
+    ("e2e", ["--smoke", "--backend", "foo"], "argument --backend: invalid choice: 'foo'"),
+    ("e2e", ["--smoke", "--prefill-rows", "-1"], "argument --prefill-rows: expected one integer >= 0; got '-1'"),
+    ("serve", ["--dry-run", "--rate", "0"], "argument --rate: expected a number > 0; got '0'"),
+    ("serve", ["--dry-run", "--shared", "1.5"], "argument --shared: expected a number in [0, 1]; got '1.5'"),
+    ("serve", ["--dry-run", "--prompt-len", "5,2"], "argument --prompt-len: expected LO,HI with 1 <= LO <= HI"),
+    ("serve", ["--dry-run", "--states", "fast"], "argument --states: expected names of standard, replay"),
+    ("serve", ["--dry-run", "--models", "nosuch"], "--models: the dry run takes the fixtures in"),
+    ("serve", ["--dry-run", "--batch-size", "9", "--capacity", "4"], "--batch-size must be <= --capacity = 4"),
+    ("kernels", ["--dry-run", "--batches", "0"], "argument --batches: expected integers >= 1; got '0'"),
+    ("kernels", ["--dry-run", "--state-dtypes", "float16"], "argument --state-dtypes: expected names of float32"),
+    ("buffer_length", ["--dry-run", "--layers", "foo"], "argument --layers: expected names of gdn, mamba2"),
+    ("state_drift", ["--quick", "--lengths", "8,0"], "argument --lengths: expected integers >= 1; got '8,0'"),
+    ("spec", ["--dry-run", "--modes", "spec-replay"], "--modes: spec-replay needs ar-replay beside it"),
+    ("ncu_table", ["/nonexistent/report.txt"], "report '/nonexistent/report.txt': no such file"),
+]
+
+
+@pytest.mark.parametrize("script, argv, message", BAD_ARGUMENTS,
+                         ids=[f"{s}-{a[-2] if len(a) > 1 else a[0]}" for s, a, _ in BAD_ARGUMENTS])
+def test_bench_scripts_refuse_bad_arguments_in_one_line(script, argv, message, tmp_path, capsys):
+    """A bad option value is refused by argparse (exit status 2, one usage line and one error line naming
+    the option), before the script writes anything."""
+    with pytest.raises(SystemExit) as exit_info:
+        load(script).main(argv + (["--out", str(tmp_path / "out")] if script not in ("state_drift", "ncu_table")
+                                  else []))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("script", ["kernels", "buffer_length"])
 def test_timed_scripts_reject_bad_repeats_before_running(script, tmp_path, capsys):
     with pytest.raises(SystemExit):
@@ -502,7 +533,7 @@ def test_ncu_table_reads_an_ncu_report(tmp_path, capsys):
 def test_profile_step_rejects_unknown_layers(capsys):
     with pytest.raises(SystemExit):
         load("profile_step").main(["--layers", "mamba", "--backend", "interpret"])
-    assert "--layers: unknown mamba; choose from gdn, mamba2" in capsys.readouterr().err
+    assert "argument --layers: expected names of gdn, mamba2; got 'mamba'" in capsys.readouterr().err
 
 
 def test_roofline_checks_its_kernels(tmp_path, capsys):

@@ -212,6 +212,25 @@ def test_a_single_prompt_streams_its_text(capsys):
     assert capsys.readouterr().out.splitlines()[2] == command._printable(report["new_text"][0])
 
 
+def test_streamed_text_is_the_json_text_with_a_tokenizer_that_spaces_words(tmp_path, capsys):
+    """A tokenizer whose decoder joins words with spaces: the streamed new text is decoded after the prompt,
+    so the printed line equals the JSON's text (decoding the new ids alone would drop the space after the
+    prompt)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 256)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece()
+    ckpt = checkpoint_copy(tmp_path)
+    tokenizer.save(f"{ckpt}/tokenizer.json")
+    argv = ["--checkpoint", ckpt, "--prompt", "w7 w9", "--max-new-tokens", "4", "--block-size", "2", "--stop", ""]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[2]
+    report = run_json(argv, capsys)
+    assert line == report["text"][0] and line.startswith("w7 w9 w") and len(line.split()) == 6
+
+
 def test_status_line_only_where_asked(capsys):
     with status("loading weights", True):
         pass
@@ -318,6 +337,12 @@ BAD_COMMANDS = [
     (["--compile-cache", "/proc/no/such"], "--compile-cache: compile cache directory '/proc/no/such' cannot be"),
     (["--compile-cache", "x", "--no-compile-cache"], "not allowed with argument --compile-cache"),
     (["--max-new-tokens", "1000000000"], "decode cache of 1 prompt x 1073741824 positions needs 256.0 GiB"),
+    # A value that starts with "-" is the option's value, not an option of its own.
+    (["--prompt-ids", "-1,2"], "--prompt-ids row 0 has token id -1 outside the vocabulary [0, 256)"),
+    (["--stop", "-1"], "--stop has token id -1 outside the vocabulary"),
+    (["--checkpoint", ""], "--checkpoint must name a folder; got an empty path"),
+    (["--buffer-len", "100000000", "--max-new-tokens", "2"],
+     "the SSM states, buffers and conv windows take the most, and grow with --buffer-len = 100000000"),
 ]
 
 
