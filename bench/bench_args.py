@@ -40,26 +40,25 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    """A float > 0."""
+def _number(text: str, fits, want: str) -> float:
+    """`text` as a float for which `fits` holds; an ArgumentTypeError saying `want` otherwise."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0; got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0; got {text!r}")
+        value = float("nan")  # fits nothing
+    if not fits(value):
+        raise argparse.ArgumentTypeError(f"expected {want}; got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """A float > 0."""
+    return _number(text, lambda v: v > 0, "a number > 0")
 
 
 def fraction(text: str) -> float:
     """A float in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1]; got {text!r}")
-    return value
+    return _number(text, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 
 def int_range(text: str) -> tuple[int, int]:
