@@ -124,6 +124,8 @@ def main(argv=None) -> int:
     except ImportError:
         p.error("the plots need matplotlib: install the bench extra (pip install -e '.[bench]')")
     batches, lengths = args.batches or [1, 64, 256], args.lengths or [1, 2, 4, 8, 16, 32, 64]
+    if max(lengths) > kb.kernels.MAX_BUFFER_LEN:
+        p.error(f"argument --lengths: the kernels take L <= {kb.kernels.MAX_BUFFER_LEN}; got {max(lengths)}")
     shapes = {layer: kb.CASE_TABLES[layer].model for layer in ("gdn", "mamba2")}
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix="buffer_length_dry_run_") if args.dry_run else kb.results_folder("buffer-length")

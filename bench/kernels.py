@@ -769,7 +769,7 @@ def main(argv=None):
     p.add_argument("--direct-configs", default="",
                    help="with --sweep and --sweep-cursors lockstep: the lockstep cycle's direct step at these tilings "
                         "(as --standard-configs; folding with the rank-L dot, StepConfig.dot_fold)")
-    p.add_argument("--verify", type=int, default=0, metavar="W",
+    p.add_argument("--verify", type=bench_args.non_negative_int, default=0, metavar="W",
                    help="also time speculative verify windows of W positions (all accepted) at each L >= W: "
                         "ReplaySSM's verify kernel + commit against the per-draft standard path; times per window")
     p.add_argument("--verify-configs", default="",
@@ -781,6 +781,8 @@ def main(argv=None):
                    help="CPU smoke test of this script: interpret mode, 1 state set, 1 repeat, the real shapes "
                         "(minutes per layer and state dtype; numbers meaningless)")
     args = p.parse_args(argv)
+    if max(args.lengths) > kernels.MAX_BUFFER_LEN:
+        p.error(f"argument --lengths: the kernels take L <= {kernels.MAX_BUFFER_LEN}; got {max(args.lengths)}")
     overrides = {}  # --standard-configs / --replay-configs
     for kind, specs in (("standard", args.standard_configs), ("replay", args.replay_configs),
                         ("verify", args.verify_configs), ("direct", args.direct_configs)):

@@ -466,3 +466,12 @@ def test_default_buffer_dtype_is_each_layers_exact_one():
                                   np.array(wide.generate(prompts, 6, progress=False).sequences))
     saved = sum(r.x.size + r.B.size for r in mamba) * 2  # bytes: the bf16 records at 2 bytes, not 4
     assert wide.memory_estimate(prompts, 6).state_bytes - exact.memory_estimate(prompts, 6).state_bytes == saved
+
+
+def test_a_warning_raised_while_a_program_traces_names_the_callers_line():
+    """The unsafe-format warning of an int8 GDN checkpoint is raised while the Generator's programs trace
+    (inside JAX's tracing frames): it still names this file, the caller's code."""
+    gen = Generator(load_model(DATA / "qwen3_next_tiny"), state="replay", buffer_len=4, state_dtype="int8")
+    with pytest.warns(UserWarning, match="a replay checkpoint of int8 with nearest rounding on gdn layers") as record:
+        gen.generate([[1, 2, 3]], 2)
+    assert {w.filename for w in record if "replay checkpoint of int8" in str(w.message)} == {__file__}

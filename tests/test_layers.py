@@ -282,6 +282,16 @@ def test_attention_errors():
         layer.decode(rand(1, (1, 1, 16)), KVCache.zeros(1, 4, 2, 4))
     with pytest.raises(ValueError, match=r"Attention.verify: `x` must have shape \[batch, W, hidden\]"):
         layer.verify(rand(1, (1, 16)), KVCache.zeros(1, 4, 2, 4))
+    with pytest.raises(TypeError, match="Attention.decode: `cache` must be a KVCache; got SSMLayerState"):
+        layer.decode(rand(1, (1, 16)), mamba2_layer().init_state(1))
+    with pytest.raises(ValueError, match=r"`slots` must have one entry per batch row of `x` \(x.shape\[0\] = 2\); "
+                                         "got 3 slots"):
+        layer.decode(rand(1, (2, 16)), KVCache.zeros(4, 4, 2, 4), slots=jnp.array([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"`slots` must be in \[-1, 3\]"):
+        layer.decode(rand(1, (2, 16)), KVCache.zeros(4, 4, 2, 4), slots=jnp.array([9, 0]))
+    for sizes, name in [((16, 0, 1, 4), "num_heads"), ((16, 4, 2, 0), "head_dim"), ((0, 4, 2, 4), "hidden_size")]:
+        with pytest.raises(ValueError, match=f"Attention: `{name}` must be >= 1; got 0"):
+            Attention(*sizes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -613,6 +623,12 @@ def test_ssm_layer_input_and_state_errors(name):
             call()
     with pytest.raises(TypeError, match=rf"{owner}.to_replay: `state` must be SSMLayerState; got ReplayLayerState"):
         layer.to_replay(layer.to_replay(state, 4), 4)
+    pool = jax.tree.map(lambda a: jnp.concatenate([a, a]), state)  # a pool of 4 slots
+    with pytest.raises(ValueError, match=r"`slots` must have one entry per batch row of `u` \(u.shape\[0\] = 2\); "
+                                         "got 3 slots"):
+        layer.decode(u[:, 3], pool, slots=jnp.array([0, 1, 2]))
+    with pytest.raises(TypeError, match="`slots` must have an integer dtype; got float32"):
+        layer.decode(u[:, 3], pool, slots=jnp.array([0.0, 1.0]))
     y, _ = layer.decode(u[:, 3], state)
     assert y.shape == (2, 24) and np.isfinite(np.asarray(y)).all()
 

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax.layers.cache import KVCache, check_input, check_num_accepted, commit_layer_state
+from replayssm_jax.layers.cache import KVCache, check_input, check_num_accepted, check_sizes, commit_layer_state
 from replayssm_jax.ops import take_slots
-from replayssm_jax.ops.validate import check_path, check_tree
+from replayssm_jax.ops.validate import check_path, check_slots, check_tree
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import RMSNorm
 from replayssm_jax.state import in_order
@@ -88,8 +88,10 @@ class Attention(nnx.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool = False,
                  output_gate: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, rotary_dim: int = 0,
                  rope_theta: float = 10000.0, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        check_sizes("Attention", hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim)
         rngs = default_rngs(rngs)
-        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        if num_heads % num_kv_heads:
             raise ValueError(f"Attention: `num_key_value_heads` must divide num_attention_heads = {num_heads}; "
                              f"got {num_kv_heads}")
         if rotary_dim < 0 or rotary_dim % 2 or rotary_dim > head_dim:
@@ -178,8 +180,14 @@ class Attention(nnx.Module):
           ValueError: T > max_len; with `cache`, as `extend`.
         """
         if cache is not None:
+            self._check_cache(cache, "prefill")
             return self.extend(x, cache)
         return self._prefill(x, max_len)
+
+    @staticmethod
+    def _check_cache(cache, what: str) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"Attention.{what}: `cache` must be a KVCache; got {type(cache).__name__}")
 
     def _prefill(self, x, max_len):
         check_input("Attention.prefill", "x", x, self.hidden_size, None, "T")
@@ -210,6 +218,7 @@ class Attention(nnx.Module):
         Returns:
           (y [batch, T, hidden], cache with the new keys/values written and length += T).
         """
+        self._check_cache(cache, "extend")
         check_input("Attention.extend", "x", x, self.hidden_size, cache.k.shape[0], "T")
         batch, seqlen, _ = x.shape
         if cache.window:
@@ -246,13 +255,16 @@ class Attention(nnx.Module):
     def decode(self, x: jax.Array, cache: KVCache, slots=None) -> tuple[jax.Array, KVCache]:
         """One decode step. x: [batch, hidden] -> (y [batch, hidden], updated cache).
 
-        slots: None, or i32[batch] (validated by the caller): `cache` is a
-        state pool of capacity rows and row b decodes slot slots[b] (-1: a
-        padding row, which changes nothing). XLA indexing: the slots' K/V
-        rows are gathered (a copy of batch x max_len entries, which the
+        slots: None, or i32[batch] (checked first:
+        replayssm_jax.ops.validate.check_slots, ValueError or TypeError):
+        `cache` is a state pool of capacity rows and row b decodes slot
+        slots[b] (-1: a padding row, which changes nothing). XLA indexing:
+        the slots' K/V rows are gathered (a copy of batch x max_len entries, which the
         attention reads anyway), and only each row's new entry and length
         are scattered back.
         """
+        self._check_cache(cache, "decode")
+        slots = check_slots(slots, cache.k.shape[0], None, ("x", x))
         check_input("Attention.decode", "x", x, self.hidden_size, cache.k.shape[0] if slots is None else None)
         if slots is None:
             y, cache = self.extend(x[:, None, :], cache)
@@ -279,7 +291,7 @@ class Attention(nnx.Module):
           cache: KVCache without a pending window, with room: length + W <= max_len
             (checked where the lengths are concrete).
           tree: None or a DraftTree of W nodes.
-          slots: None, or i32[batch] (validated by the caller): `cache` is a
+          slots: None, or i32[batch] (checked as in `decode`): `cache` is a
             state pool of capacity rows and row b verifies slot slots[b] (-1:
             a padding row, which changes nothing); a chain window only. XLA
             indexing, as `decode`: the slots' K/V rows gathered (batch x
@@ -293,6 +305,8 @@ class Attention(nnx.Module):
         Raises:
           ValueError: a pending window, a cache of another shape, or no room.
         """
+        self._check_cache(cache, "verify")
+        slots = check_slots(slots, cache.k.shape[0], None, ("x", x))
         check_input("Attention.verify", "x", x, self.hidden_size, cache.k.shape[0] if slots is None else None, "W")
         window = x.shape[1]
         tree = check_tree(tree, window, "x.shape[1]")

@@ -299,6 +299,20 @@ def committed_index(index: jax.Array, slots: int, num_accepted: jax.Array, path:
     return jnp.where(num_accepted == 0, index, (index + 1 + last) % slots).astype(jnp.int32)
 
 
+def check_sizes(owner: str, **sizes) -> None:
+    """Check a layer's sizes at construction: each an int >= 1.
+
+    Raises:
+      TypeError: a size not an int; ValueError: a size below 1; each naming `owner` (e.g. "Attention")
+      and the argument.
+    """
+    for name, value in sizes.items():
+        try:
+            validate.check_positive_int(name, value)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{owner}: {e}") from None
+
+
 def check_input(where: str, name: str, x, hidden: int, batch: int | None, seq: str | None = None) -> None:
     """Check a layer's input `x`: [batch, hidden], or with `seq` (the axis letter, "T" or "W")
     [batch, seq, hidden] with seq >= 1; `batch` None: any batch.

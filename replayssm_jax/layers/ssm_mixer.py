@@ -41,6 +41,7 @@ from replayssm_jax.layers.cache import (
     check_input,
     check_num_accepted,
     check_path,
+    check_sizes,
     commit_layer_state,
 )
 
@@ -195,12 +196,13 @@ class SSMMixer(nnx.Module):
             number of `slots`); an unknown `route` (also with a standard
             state, which takes none); a state of another layer's shape, or
             with a pending verify window (commit it first); bad `slots`
-            (replayssm_jax.ops.check_slots), or `slots` with a standard
+            (replayssm_jax.ops.validate.check_slots), or `slots` with a standard
             state in the per-draft layout.
         """
         ops.check_route(route, ops.STEP_ROUTES)  # also with a standard state, which takes no route
         self._check_state(state, "decode", (SSMLayerState, ReplayLayerState))
-        self._check_input(u, "decode", state.conv_state.batch if slots is None else None)
+        slots = validate.check_slots(slots, state.conv_state.batch, None, ("u", u))
+        self._check_input(u, "decode", state.conv_state.batch if slots is None else slots.shape[0])
         slotted = isinstance(state, SSMLayerState) and state.index is not None
         if slotted and slots is not None:
             raise ValueError(f"{type(self).__name__}.decode: `slots` with a standard state in the per-draft "
@@ -241,8 +243,9 @@ class SSMMixer(nnx.Module):
             :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes:
             position t follows its parent node (conv and SSM read t's path
             only; the standard state steps from its parent's state).
-          slots: None, or i32[batch] (validated by the caller): `state` is a
-            state pool of capacity slots and row b verifies slot slots[b]
+          slots: None, or i32[batch] (checked:
+            replayssm_jax.ops.validate.check_slots): `state` is a state
+            pool of capacity slots and row b verifies slot slots[b]
             (-1: a padding row, which reads and writes nothing); a chain
             window only (tree None), and a standard state already in the
             slotted layout of >= W + 1 states (a pool prefilled with
@@ -267,6 +270,7 @@ class SSMMixer(nnx.Module):
             standard state without W + 1 slotted states.
         """
         self._check_state(state, "verify", (SSMLayerState, ReplayLayerState))
+        slots = validate.check_slots(slots, state.conv_state.batch, None, ("u", u))
         self._check_input(u, "verify", state.conv_state.batch if slots is None else slots.shape[0], window=True)
         window = u.shape[1]
         limit = state.conv_state.max_window
@@ -360,11 +364,7 @@ def check_mixer_config(owner: str, ssm_state_dtype, **sizes) -> None:
       TypeError: a size not an int, or another state dtype (float16 overflows these recurrences).
       ValueError: a size below 1; each message names `owner` (e.g. "Mamba2Mixer") and the argument.
     """
-    for name, value in sizes.items():
-        try:
-            validate.check_positive_int(name, value)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{owner}: {e}") from None
+    check_sizes(owner, **sizes)
     try:
         dtype = jnp.dtype(ssm_state_dtype)
     except TypeError:

@@ -35,16 +35,20 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from replayssm_jax.state import CHECKPOINT_DTYPES, ROUNDINGS, GDNReplayState, Mamba2ReplayState, is_quantized
 
 STATE_DTYPES = (jnp.float32, jnp.bfloat16)
 FLOAT16_OVERFLOWS = "float16 overflows in these recurrences (its largest value is 65504): use bfloat16 or float32"
 
-# The library's packages (replayssm_jax and models, installed side by side): a warning names the first
-# frame outside them, the user's call, however deep in the library it was raised.
+# The library's packages (replayssm_jax and models, installed side by side), and JAX's and Flax's (a warning
+# raised while `jax.jit` traces a library program): a warning names the first frame outside them, the
+# user's call, however deep in the library it was raised.
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LIBRARY_DIRS = (_PACKAGE + os.sep, os.path.join(os.path.dirname(_PACKAGE), "models") + os.sep)
+_LIBRARY_DIRS = tuple(folder + os.sep for folder in (
+    _PACKAGE, os.path.join(os.path.dirname(_PACKAGE), "models"), os.path.dirname(jax.__file__),
+    os.path.dirname(struct.__file__)))
 
 
 def warn(message: str) -> None:
