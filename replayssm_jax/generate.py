@@ -415,8 +415,12 @@ class _Printer:
     """Prints row 0's new tokens as they come (`on_token`): text with a tokenizer (decoded after the
     prompt's ids, as the whole sequence decodes), else ids."""
 
+    # The prompt ids the new ones are decoded after: enough left context for spacing and a split UTF-8
+    # character, without decoding a long prompt again at every block.
+    CONTEXT = 16
+
     def __init__(self, tokenizer, stop_tokens, prompt):
-        self.stream = TextStream(tokenizer, prompt) if tokenizer else None
+        self.stream = TextStream(tokenizer, prompt[-self.CONTEXT:]) if tokenizer else None
         self.stops, self.stopped = set(stop_tokens), False
 
     def _write(self, text):
