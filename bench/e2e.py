@@ -201,7 +201,8 @@ def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16, max_sets=
 
 
 def _profile(gen, prompts, new_tokens):
-    """ms per decode step by category and the longest kernels (None on a CPU).
+    """ms per decode step by category, the longest kernels, and the HLO instructions behind the decode's
+    copy launches (`step_profile.issuers`; empty where the trace does not say) (None on a CPU).
 
     Two traced runs: the configuration's, and the same prompts with one new
     token (the prefill alone, no decode step); the decode's share is their
@@ -218,7 +219,8 @@ def _profile(gen, prompts, new_tokens):
     b = step_profile.difference(full, base)
     steps = out[0].decode_steps
     return dict(ms={k: v / steps / 1e6 for k, v in b["ns"].items()},
-                top=[(name, t / steps / 1e6, n // steps) for name, t, n in b["top"]])
+                top=[(name, t / steps / 1e6, n // steps) for name, t, n in b["top"]],
+                copies=step_profile.issuers(b, hlo))
 
 
 def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log, prefill_rows=None,

@@ -21,7 +21,10 @@ steps) by category:
 
 and lists the kernels that took longest. Kernel names come from CUPTI, so
 "gemm" and "other" are told apart by name patterns; a kernel name the
-patterns miss counts as "other" (the top list shows what was there).
+patterns miss counts as "other" (the top list shows what was there). A
+kernel whose name says nothing of its source (XLA's `memcpy*` launches for
+HLO copies) is traced to the HLO instructions that issued it: the trace's
+`hlo_op` stat of each launch, looked up in the compiled HLO (`issuers`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def category(kernel: str, attention: frozenset = frozenset()) -> str:
 
 
 _OP_NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*\bop_name="([^"]*)"', re.MULTILINE)
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 
 
 def attention_kernels(hlo_texts) -> frozenset:
@@ -94,7 +98,9 @@ def decode_breakdown(profile: ProfileData, module: str = "jit_block", top: int =
         the trace has no "XLA Modules" line: then the span of all kernels);
       ns: {category: nanoseconds} for CATEGORIES (idle = window - union of kernels);
       top: [(kernel name, nanoseconds, launches)], longest first;
-      kernels: {kernel name: (nanoseconds, launches)}, all of them.
+      kernels: {kernel name: (nanoseconds, launches)}, all of them;
+      hlo_ops: {kernel name: sorted names of the HLO instructions its
+        launches ran for (the trace's `hlo_op` stat)}, where the trace says.
     """
     planes = [p for p in profile.planes if p.name.startswith("/device:GPU")]
     if not planes:
@@ -105,22 +111,50 @@ def decode_breakdown(profile: ProfileData, module: str = "jit_block", top: int =
             if line.name == "XLA Modules":
                 windows += [(e.start_ns, e.end_ns) for e in line.events if module in e.name]
             elif line.name.startswith("Stream"):
-                kernels += [(e.start_ns, e.end_ns, e.name) for e in line.events]
+                kernels += [(e.start_ns, e.end_ns, e.name, _hlo_op(e)) for e in line.events]
     if not windows and kernels:
         windows = [(min(k[0] for k in kernels), max(k[1] for k in kernels))]
     inside = [k for k in kernels if any(s <= k[0] and k[1] <= e for s, e in windows)]
     ns = dict.fromkeys(CATEGORIES, 0.0)
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    ops = collections.defaultdict(set)
     attention = attention_kernels(hlo)
-    for start, end, name in inside:
+    for start, end, name, op in inside:
         ns[category(name, attention)] += end - start
         per_kernel[name][0] += end - start
         per_kernel[name][1] += 1
+        if op:
+            ops[name].add(op)
     window_ns = sum(e - s for s, e in windows)
-    ns["idle"] = max(0.0, window_ns - _merged_length([(s, e) for s, e, _ in inside]))
+    ns["idle"] = max(0.0, window_ns - _merged_length([(s, e) for s, e, _, _ in inside]))
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return dict(window_ns=window_ns, ns=ns, top=[(name, t, n) for name, (t, n) in ranked],
-                kernels={name: (t, n) for name, (t, n) in per_kernel.items()})
+                kernels={name: (t, n) for name, (t, n) in per_kernel.items()},
+                hlo_ops={name: sorted(v) for name, v in ops.items()})
+
+
+def _hlo_op(event) -> str | None:
+    """The `hlo_op` stat of a kernel event (the HLO instruction XLA ran it for), or None."""
+    return next((str(value) for key, value in event.stats if key == "hlo_op"), None)
+
+
+def issuers(profile: dict, hlo_texts, pattern: str = r"^memcpy", limit: int = 6) -> dict:
+    """For each kernel of a breakdown (`decode_breakdown` or `difference`) whose name matches `pattern`
+    (by default XLA's copy launches), the HLO instructions that issued it: {kernel: [the instruction's
+    line in the compiled HLO `hlo_texts` (its shape, operands and op_name), or its name where the text
+    lacks it]}, at most `limit` a kernel. Empty where the trace carries no `hlo_op` stats."""
+    lines = {}
+    for text in hlo_texts:
+        for line in text.splitlines():
+            m = _INSTRUCTION.match(line)
+            if m:
+                lines.setdefault(m.group(1), line.strip()[:400])
+    found = {}
+    for name, op_names in profile.get("hlo_ops", {}).items():
+        if re.search(pattern, name):
+            found[name] = [lines.get(op, op) for op in op_names[:limit]]
+    return found
+
 
 
 def difference(full: dict, base: dict, top: int = 8) -> dict:
@@ -138,14 +172,19 @@ def difference(full: dict, base: dict, top: int = 8) -> dict:
         if t - t0 > 0:
             kernels[name] = (t - t0, max(0, n - n0))
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    hlo_ops = {name: ops for name, ops in full.get("hlo_ops", {}).items() if name in kernels}
     return dict(window_ns=max(0.0, full["window_ns"] - base["window_ns"]), ns=ns,
-                top=[(name, t, n) for name, (t, n) in ranked], kernels=kernels)
+                top=[(name, t, n) for name, (t, n) in ranked], kernels=kernels, hlo_ops=hlo_ops)
 
 
 def print_breakdowns(entries, what: str = "decode step", top: int = 3) -> None:
     """Print one line per (label, profile) of `entries` (a profile: {"ms": {category: ms}, "top":
-    [(kernel, ms, launches)]}, per `what`): ms by CATEGORIES, then the `top` longest kernels."""
+    [(kernel, ms, launches)]}, per `what`, and optionally "copies", `issuers`' dict): ms by CATEGORIES,
+    then the `top` longest kernels; under it, the HLO instructions behind each copy launch."""
     print(f"\nms per {what}: {' '.join(f'{c:>7s}' for c in CATEGORIES)}   (then the longest kernels)")
     for label, profile in entries:
         longest = ", ".join(f"{n[:40]} {t:.3f}" for n, t, _ in profile["top"][:top])
         print(f"{label} {' '.join(f'{profile['ms'][c]:7.3f}' for c in CATEGORIES)}   {longest}")
+        for kernel, instructions in profile.get("copies", {}).items():
+            for instruction in instructions:
+                print(f"    {kernel} <- {instruction[:200]}")

@@ -423,7 +423,36 @@ def test_step_profile_breakdown():
     assert b["window_ns"] == 10_000
     assert b["ns"] == dict(ssm=3000, gemm=2000, attention=0.0, other=1000, idle=6000)
     assert b["top"][0] == ("mamba2_replay_output_L8", 3000, 1)
+    assert b["hlo_ops"] == {}  # these events carry no hlo_op stat
     assert step_profile.decode_breakdown(ProfileData.from_text_proto('planes { id: 1 name: "/host:CPU" }')) is None
+
+
+def test_step_profile_copy_issuers():
+    """A copy launch is traced to the HLO instructions it ran for (the events' hlo_op stats), named with
+    their line of the compiled HLO; launches outside the decode module and other kernels are left out."""
+    from jax.profiler import ProfileData
+
+    step_profile = load("step_profile")
+    names = ["jit_block(7)", "memcpy128", "loop_add_fusion"]
+    metadata = "".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}\n'
+                       for i, n in enumerate(names, 1))
+    stat = lambda op: f'stats {{ metadata_id: 9 str_value: "{op}" }}'  # noqa: E731
+    text = (f'planes {{ id: 1 name: "/device:GPU:0"\n'
+            f'lines {{ id: 1 name: "XLA Modules" timestamp_ns: 1000 '
+            f'events {{ metadata_id: 1 offset_ps: 0 duration_ps: {10**7} }} }}\n'
+            f'lines {{ id: 2 name: "Stream #13(Compute)" timestamp_ns: 1000 '
+            f'events {{ metadata_id: 2 offset_ps: {10**6} duration_ps: {10**6} {stat("copy.7")} }} '
+            f'events {{ metadata_id: 2 offset_ps: {3 * 10**6} duration_ps: {10**6} {stat("copy.9")} }} '
+            f'events {{ metadata_id: 3 offset_ps: {5 * 10**6} duration_ps: {10**6} {stat("add.1")} }} '
+            f'events {{ metadata_id: 2 offset_ps: {2 * 10**7} duration_ps: {10**6} {stat("copy.99")} }} }}\n'
+            f'{metadata}stat_metadata {{ key: 9 value {{ id: 9 name: "hlo_op" }} }}\n}}')
+    b = step_profile.decode_breakdown(ProfileData.from_text_proto(text))
+    assert b["hlo_ops"] == {"memcpy128": ["copy.7", "copy.9"], "loop_add_fusion": ["add.1"]}
+    hlo = ('  %copy.7 = bf16[256,4,192,256]{3,2,1,0} copy(%param.3), metadata={op_name="jit(block)/while/body/x"}\n'
+           '  ROOT %add.1 = f32[4]{0} add(%a, %b)\n')
+    assert step_profile.issuers(b, [hlo]) == {"memcpy128": [hlo.splitlines()[0].strip(), "copy.9"]}
+    assert step_profile.issuers(step_profile.difference(b, dict(window_ns=0, ns=dict.fromkeys(
+        step_profile.CATEGORIES, 0.0), kernels={})), [hlo])["memcpy128"][0].startswith("%copy.7 = bf16[256,4,192,256]")
 
 
 def test_buffer_length_dry_run(tmp_path, capsys):
