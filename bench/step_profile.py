@@ -142,7 +142,10 @@ def issuers(profile: dict, hlo_texts, pattern: str = r"^memcpy", limit: int = 6)
     """For each kernel of a breakdown (`decode_breakdown` or `difference`) whose name matches `pattern`
     (by default XLA's copy launches), the HLO instructions that issued it: {kernel: [the instruction's
     line in the compiled HLO `hlo_texts` (its shape, operands and op_name), or its name where the text
-    lacks it]}, at most `limit` a kernel. Empty where the trace carries no `hlo_op` stats."""
+    lacks it]}, at most `limit` a kernel. Empty where the trace carries no `hlo_op` stats. A launch
+    inside one of XLA's command buffers (CUDA graphs, on by default) carries the command buffer's name
+    (`command_buffer_N`) instead: run with `XLA_FLAGS=--xla_gpu_enable_command_buffer=` to see the
+    instruction itself."""
     lines = {}
     for text in hlo_texts:
         for line in text.splitlines():

@@ -22,3 +22,7 @@ timeout 300 python3 bench/e2e.py --models qwen3_5_4b_like --batches 256,512 --mo
 # run 3
 python3 bench/e2e.py --models qwen3_5_4b_like --batches 512 --modes standard,16 --ssm-state-dtype float32 --prompt-len 128 \
   --new-tokens 64 --profile --out e2e_qwen_b512.json > e2e_qwen_b512.log 2>&1
+
+# run 4 (the tree of 715cf78: the profile names the HLO instructions behind copy launches)
+python3 bench/e2e.py --models qwen3_5_4b_like --batches 256 --modes standard --ssm-state-dtype float32 --prompt-len 128 \
+  --new-tokens 64 --profile --out e2e_qwen_copies.json > e2e_qwen_copies.log 2>&1
