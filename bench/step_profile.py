@@ -159,7 +159,6 @@ def issuers(profile: dict, hlo_texts, pattern: str = r"^memcpy", limit: int = 6)
     return found
 
 
-
 def difference(full: dict, base: dict, top: int = 8) -> dict:
     """The breakdown of `full` less that of `base` (two `decode_breakdown`s):
     per category and per kernel, floored at 0.
