@@ -136,23 +136,35 @@ def _check_committed(cache, what: str) -> None:
                                  "first")
 
 
-def export_sequence(cache, row: int, *, model: str | None = None) -> SequenceState:
+def _model_name(model, where: str) -> str | None:
+    """`model` as stored with a state: a str, a path (os.PathLike, e.g. a checkpoint folder) as its str,
+    or None. Raises TypeError naming `where`'s `model` otherwise."""
+    if model is None or isinstance(model, str):
+        return model
+    if isinstance(model, os.PathLike):
+        return os.fspath(model)
+    raise TypeError(f"{where}: `model` must be a str, a path or None; got {type(model).__name__} {model!r}")
+
+
+def export_sequence(cache, row: int, *, model: str | os.PathLike | None = None) -> SequenceState:
     """Row `row` of `cache` as a :class:`SequenceState` on the host (the cache is not changed).
 
     Args:
       cache: a decode cache (`models.HybridCache` or a pytree of layer states)
         with no pending verify window.
       row: the batch row, in [0, batch).
-      model: the model's name to store with the state (None: none).
+      model: the model's name to store with the state (a path, e.g. the
+        checkpoint folder, is stored as its str; None: none).
 
     Returns:
       The row's arrays without the batch axis; each KV cache's k / v up to
       the row's length.
 
     Raises:
-      TypeError: a `row` that is not an int.
+      TypeError: a `row` that is not an int, a `model` that is not a str, a path or None.
       SequenceStateError: `row` out of range, a pending verify window, a cache without arrays.
     """
+    model = _model_name(model, "export_sequence")
     row = _check_row(row, _batch(cache))
     _check_committed(cache, "export_sequence")
     lengths = {k: int(v[row]) for k, v in _kv_lengths(cache).items()}
@@ -163,7 +175,7 @@ def export_sequence(cache, row: int, *, model: str | None = None) -> SequenceSta
     return SequenceState(arrays, str(jax.tree.structure(cache)), model)
 
 
-def import_sequence(cache, row: int, state: SequenceState, *, model: str | None = None):
+def import_sequence(cache, row: int, state: SequenceState, *, model: str | os.PathLike | None = None):
     """`cache` with row `row` replaced by `state` (a new cache; `cache` is not changed).
 
     Args:
@@ -172,14 +184,15 @@ def import_sequence(cache, row: int, state: SequenceState, *, model: str | None 
         long as the sequence), with no pending verify window.
       row: the batch row to write, in [0, batch).
       state: from :func:`export_sequence` or :func:`load_sequence`.
-      model: if given, the model name `state` must carry.
+      model: if given, the model name `state` must carry (a path compared as its str).
 
     Returns:
       The cache with the row's every array set from `state`; a KV cache's
       slots past the sequence's length zeroed.
 
     Raises:
-      TypeError: a `row` that is not an int, `state` not a SequenceState.
+      TypeError: a `row` that is not an int, `state` not a SequenceState, a
+        `model` that is not a str, a path or None.
       SequenceStateError: `row` out of range, a pending window, another
         model name, another tree structure (another model, state mode,
         checkpoint format, verify window room or rounding; the message
@@ -188,6 +201,7 @@ def import_sequence(cache, row: int, state: SequenceState, *, model: str | None 
     """
     if not isinstance(state, SequenceState):
         raise TypeError(f"`state` must be a SequenceState; got {type(state).__name__}")
+    model = _model_name(model, "import_sequence")
     row = _check_row(row, _batch(cache))
     _check_committed(cache, "import_sequence")
     if model is not None and state.model != model:
@@ -238,9 +252,17 @@ def _checked_row(name: str, leaf: jax.Array, kv: bool, value: np.ndarray) -> jax
 def save_sequence(path: str | os.PathLike, state: SequenceState) -> None:
     """Write `state` to a safetensors file: each array under its path in the cache, stored as
     unsigned integers of its width (bit for bit, whatever its dtype), with the dtypes, the
-    structure and the model name in the metadata."""
+    structure and the model name in the metadata.
+
+    Raises:
+      TypeError: `state` not a SequenceState.
+      FileNotFoundError: `path`'s folder does not exist (nothing is written).
+    """
     if not isinstance(state, SequenceState):
         raise TypeError(f"`state` must be a SequenceState; got {type(state).__name__}")
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"save_sequence: the folder of `path` {os.fspath(path)!r} does not exist ({folder})")
     tensors = {name: np.array(a, order="C").view(f"u{a.dtype.itemsize}") for name, a in state.arrays.items()}
     dtypes = {name: a.dtype.name for name, a in state.arrays.items()}
     metadata = {"format": FORMAT, "structure": state.structure, "dtypes": json.dumps(dtypes),

@@ -80,6 +80,18 @@ def test_bad_imports_are_refused_and_the_cache_is_untouched(fixture, tmp_path):
         export_sequence(cache, 1.0)
     with pytest.raises(SequenceStateError, match="`state` belongs to model .*; expected 'other'"):
         import_sequence(cache, 0, state, model="other")
+    # a checkpoint folder given as a path is the model's name as its str, through a file too
+    folder = DATA / name
+    by_path = export_sequence(cache, 0, model=folder)
+    assert by_path.model == str(folder)
+    save_sequence(tmp_path / "by_path.safetensors", by_path)
+    assert load_sequence(tmp_path / "by_path.safetensors").model == str(folder)
+    import_sequence(cache, 0, by_path, model=str(folder))
+    import_sequence(cache, 0, by_path, model=folder)
+    with pytest.raises(TypeError, match=r"export_sequence: `model` must be a str, a path or None; got int 3"):
+        export_sequence(cache, 0, model=3)
+    with pytest.raises(TypeError, match=r"import_sequence: `model` must be a str, a path or None; got list"):
+        import_sequence(cache, 0, state, model=["m"])
 
     def other_cache(**kw):  # shapes and dtypes only: the refusals read no values
         return jax.eval_shape(make_prefill(graphdef, max_len=32, last_logits_only=True, max_window=3, backend="xla",
@@ -136,6 +148,9 @@ def test_the_file_keeps_every_dtype_bit_for_bit(tmp_path):
         assert got.dtype == a.dtype and got.shape == a.shape and got.tobytes() == a.tobytes()
     with pytest.raises(FileNotFoundError, match="no sequence state file"):
         load_sequence(tmp_path / "missing.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"save_sequence: the folder of `path` .*no/such/s.safetensors"):
+        save_sequence(tmp_path / "no" / "such" / "s.safetensors", state)
+    assert not (tmp_path / "no").exists()
 
 
 @pytest.mark.parametrize(("metadata", "match"), [
