@@ -172,6 +172,8 @@ def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
         array = np.asarray(ids)
     except ValueError as e:  # ragged nesting
         raise EngineError(f"`{name}` must be a 1-D sequence of integer token ids; got {ids!r:.80}") from e
+    if array.ndim == 0:
+        raise EngineError(f"`{name}` must be a 1-D sequence of integer token ids; got the scalar {ids!r:.80}")
     if array.ndim != 1:
         raise EngineError(f"`{name}` must be a 1-D sequence of integer token ids; got shape {array.shape}")
     if array.size and not np.issubdtype(array.dtype, np.integer):
@@ -344,7 +346,8 @@ class Engine:
         stop token or max_new_tokens).
 
     Raises:
-      EngineError: an unknown state, route or prefix_store, prefix_store "host" without
+      EngineError: a `model` that is not a model of this package (`StatePool`'s
+        check), an unknown state, route or prefix_store, prefix_store "host" without
         prefix_caching, a buffer_len with "standard", a
         non-positive int option, batch_size above capacity; a `speculative` that
         is not a SpeculativeConfig, of a method other than "ngram" and "oracle"
@@ -353,6 +356,7 @@ class Engine:
         num_draft + 1 exceeds buffer_len with the replay state; a state_dtype
         or rounding that `Generator` refuses (a state_dtype with "standard").
       ValueError: a buffer_len the backend's kernels cannot take.
+      TypeError: a buffer_dtype that is not a floating dtype.
     """
 
     def __init__(self, model, capacity: int, *, state: str = "replay", buffer_len: int | None = None,
@@ -469,8 +473,8 @@ class Engine:
         prompt = _token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt:
             raise EngineError("`prompt_ids` must hold at least one token id; got an empty prompt")
-        if _is_int(stop_ids):
-            stop_ids = (stop_ids,)  # one id, as Generator's stop_tokens takes it
+        if _is_int(stop_ids) or (np.ndim(stop_ids) == 0 and np.issubdtype(np.asarray(stop_ids).dtype, np.integer)):
+            stop_ids = (int(stop_ids),)  # one id (a 0-d integer array too), as Generator's stop_tokens takes it
         stop_ids = _token_ids("stop_ids", () if stop_ids is None else stop_ids, self.vocab_size)
         max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
         if len(prompt) + max_new_tokens > self.pool.max_len:
@@ -531,8 +535,8 @@ class Engine:
           EngineError: an id that `add_request` has not returned (checked before anything changes).
         """
         if not _is_int(request_id) or not 0 <= request_id < self._next_id:
-            raise EngineError(f"`request_id` must be an id that add_request returned (0 .. {self._next_id - 1}); "
-                              f"got {request_id!r}")
+            known = f"0 .. {self._next_id - 1}" if self._next_id else "none yet: no request has been added"
+            raise EngineError(f"`request_id` must be an id that add_request returned ({known}); got {request_id!r}")
         for queue in (self._waiting, self._prefilling, self._running):
             request = next((r for r in queue if r.request_id == request_id), None)
             if request is not None:

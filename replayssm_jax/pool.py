@@ -75,15 +75,20 @@ class StatePool:
       capacity, max_len, buffer_len.
 
     Raises:
-      PoolError: capacity, max_len or max_window not an int >= 1; a
-        state_dtype with standard states (buffer_len None).
+      PoolError: a `model` without `prefill`, `decode` and `config`;
+        capacity, max_len or max_window not an int >= 1; a state_dtype with
+        standard states (buffer_len None).
       ValueError: a buffer_len the backend's kernels cannot take, a max_window
         above it, an unknown state_dtype or rounding (`model.prefill`).
+      TypeError: a buffer_dtype that is not a floating dtype (`model.prefill`).
     """
 
     def __init__(self, model, capacity: int, *, max_len: int, buffer_len: int | None = None,
                  buffer_dtype=None, backend: str | None = None, max_window: int = 1, state_dtype=None,
                  state_rounding: str = "nearest"):
+        if not all(hasattr(model, attr) for attr in ("prefill", "decode", "config")):
+            raise PoolError(f"`model` must be a model of this package (with `prefill`, `decode` and `config`, e.g. "
+                            f"from models.load_model); got {type(model).__name__} {model!r:.80}")
         for name, value in (("capacity", capacity), ("max_len", max_len), ("max_window", max_window)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise PoolError(f"`{name}` must be an int >= 1; got {value!r}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -273,6 +274,12 @@ def test_bad_requests_and_options(model):
             engine.add_request(prompt, 4)
     with pytest.raises(EngineError, match=r"`stop_ids` must be a 1-D .*shape \(2, 1\)"):
         engine.add_request([3], 4, stop_ids=[[5], [6]])
+    with pytest.raises(EngineError, match=r"`stop_ids` must be a 1-D sequence of integer token ids; got the scalar "
+                                          r"True"):
+        engine.add_request([3], 4, stop_ids=True)
+    with pytest.raises(EngineError, match="`request_id` must be an id that add_request returned \(none yet: no "
+                                          "request has been added\); got 0"):
+        engine.abort(0)
     with pytest.raises(EngineError, match=r"`stop_ids` has token id 999 outside the vocabulary"):
         engine.add_request([3], 4, stop_ids=999)
     with pytest.raises(EngineError, match=r"`stop_ids` has token id 999 outside the vocabulary"):
@@ -285,6 +292,14 @@ def test_bad_requests_and_options(model):
     assert engine.add_request([3], 2, stop_ids=None) == 0  # None: no stop ids, as ()
     assert engine.add_request([3], 2, stop_ids=5) == 1  # one id, as Generator's stop_tokens
     assert engine._waiting[-1].stop_ids == {5}
+    assert engine.add_request([3], 2, stop_ids=jnp.int32(6)) == 2  # a 0-d integer array: one id too
+    assert engine._waiting[-1].stop_ids == {6}
+    for not_a_model in ("tests/data/nemotron_h_tiny", None):
+        with pytest.raises(EngineError, match=r"`model` must be a model of this package \(with `prefill`, `decode` "
+                                              r"and `config`"):
+            Engine(not_a_model, 2, backend="xla")
+    with pytest.raises(TypeError, match="`buffer_dtype` must be a floating dtype; got int32"):
+        Engine(model, 2, buffer_len=4, max_len=16, backend="xla", buffer_dtype=jnp.int32)
 
 
 def test_abort_frees_the_slot_and_keeps_the_other_requests_tokens(model, generated):

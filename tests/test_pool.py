@@ -384,6 +384,8 @@ def test_pool_errors(model):
     than the tokens or with a slot twice: each refused before anything is written (the pool unchanged)."""
     pool = StatePool(model, 1, max_len=16, buffer_len=L, backend="xla")
     slot = pool.allocate()
+    with pytest.raises(PoolError, match=r"`model` must be a model of this package .*got str 'x'"):
+        StatePool("x", 2, max_len=8)
     with pytest.raises(PoolError, match="full"):
         pool.allocate()
     with pytest.raises(PoolError, match="in use"):
