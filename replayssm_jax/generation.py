@@ -1379,8 +1379,14 @@ class _Stream:
         return rows
 
     def _emit(self, upto: int):
-        if self.on_token is not None and upto > self.emitted:
-            self.emitted = _emit_rows(self.on_token, self._new_tokens(), self.emitted, upto, self.pad)
+        """Hand positions emitted..upto-1 to on_token, none past the longest row once every row has stopped
+        (as `_RowStream`: the calls together cover the longest output)."""
+        if self.on_token is None or upto <= self.emitted:
+            return
+        rows = self._new_tokens()
+        upto = min(upto, max(len(new) if new and new[-1] in self.stops else upto for new in rows))
+        if upto > self.emitted:
+            self.emitted = _emit_rows(self.on_token, rows, self.emitted, upto, self.pad)
 
     def finish(self, prompts):
         rows = self._new_tokens()

@@ -21,7 +21,8 @@ from hlo_checks import per_step_copies
 from models import GenerationConfig, load_generation_config, load_model
 from models.random_init import init_model
 from replayssm_jax import generation
-from replayssm_jax.generation import GenerationError, Generator, InsufficientMemoryError, free_memory, generate
+from replayssm_jax.generation import (GenerationError, Generator, InsufficientMemoryError, SpeculativeConfig, free_memory,
+                                      generate)
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
@@ -380,6 +381,24 @@ def test_on_token_streams_the_new_tokens():
         assert (streamed[len(new):, row] == 0).all()  # the pad token
     with pytest.raises(GenerationError, match="`on_token` must be callable or None; got int"):
         gen.generate(prompts, 2, on_token=3)
+
+
+@pytest.mark.parametrize("speculative", [None, SpeculativeConfig("ngram", 3)], ids=["plain", "ngram"])
+def test_on_token_stops_with_the_longest_row(speculative):
+    """Every row stops early inside one decode block: the streamed columns end with the longest row's
+    output (no column of padding alone), in plain and speculative decoding alike."""
+    gen = Generator(model("nemotron_h_tiny"), state="replay", buffer_len=4, block_size=16, backend="xla",
+                    speculative=speculative)
+    prompts = [[5, 9, 2, 7, 3], [11, 4], [8, 8, 6]]
+    first = gen.generate(prompts, 12).new_ids
+    stops = [first[0][1], first[1][2], first[2][0]]  # every row stops within its first three tokens
+    calls = []
+    out = gen.generate(prompts, 12, stop_tokens=stops, on_token=lambda step, t: calls.append(t.copy()))
+    assert max(out.num_generated) <= 3 < 12
+    streamed = np.concatenate(calls)
+    assert len(streamed) == max(out.num_generated)
+    for row, new in enumerate(out.new_ids):
+        assert streamed[: len(new), row].tolist() == new
 
 
 def test_oversized_prompt_id_is_named():
