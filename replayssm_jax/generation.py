@@ -1127,15 +1127,22 @@ class Generator:
         if spec.method == "ngram":
             return NgramDrafter(spec.num_draft, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram,
                                 vocab_size=int(self.config.vocab_size) if branches else None)
-        reference, _ = self._check_prompts(spec.reference, "speculative.reference", "`speculative.reference` row")
-        if len(reference) != plan.batch:
-            raise GenerationError(f"`speculative.reference` must have one row per prompt ({plan.batch}); got "
-                                  f"{len(reference)}")
+        reference = self._oracle_reference(plan.batch)
         padded = np.full((plan.rows, history_len), self._pad_id, np.int32)
         for row, ref in enumerate(reference):
             padded[row, : min(len(ref), history_len)] = ref[:history_len]
         return OracleDrafter(jnp.asarray(padded), spec.alpha, spec.num_draft, int(self.config.vocab_size),
                              branches=branches)
+
+    def _oracle_reference(self, batch: int) -> list[np.ndarray]:
+        """The oracle's reference rows, checked against the vocabulary and one per prompt of `batch`
+        (GenerationError otherwise)."""
+        reference, _ = self._check_prompts(self.speculative.reference, "speculative.reference",
+                                           "`speculative.reference` row")
+        if len(reference) != batch:
+            raise GenerationError(f"`speculative.reference` must have one row per prompt ({batch}); got "
+                                  f"{len(reference)}")
+        return reference
 
     def _drafter_state(self, drafter, plan: _Plan, sampling, history, hidden, key, progress):
         """The drafter's state before the first round (`Drafter.init_state`, compiled for stateful
@@ -1279,7 +1286,9 @@ class Generator:
           GenerationError: prompts that are not a list of non-empty id
             sequences, an id outside the vocabulary, max_new_tokens < 0 or
             more positions than int32 holds, a `sampling` that is not a
-            SamplingParams, an `on_token` that is not callable.
+            SamplingParams, an `on_token` that is not callable, with the
+            "oracle" method a reference row outside the vocabulary or not
+            one per prompt (each before anything compiles).
           InsufficientMemoryError (a GenerationError and a MemoryError): a
             decode cache that does not fit the free memory (`free_memory`);
             the message gives the batch and max_new_tokens that would fit.
@@ -1292,6 +1301,8 @@ class Generator:
         stop_ids = self._stop_ids(stop_tokens)
         if on_token is not None and not callable(on_token):
             raise GenerationError(f"`on_token` must be callable or None; got {type(on_token).__name__}")
+        if self.speculative is not None and self.speculative.method == "oracle":
+            self._oracle_reference(len(prompts))  # before anything compiles
         if max_new_tokens == 0:
             return GenerationOutput([p.tolist() for p in prompts], [0] * len(prompts), 0.0, 0.0, 0.0, 0,
                                     prompt_lengths=lengths.tolist(),

@@ -251,11 +251,13 @@ def test_speculative_config_errors():
     gen = Generator(m, state="replay", buffer_len=4, speculative=SpeculativeConfig("oracle", 2, reference=[[1, 2]]))
     with pytest.raises(GenerationError, match=r"`speculative.reference` must have one row per prompt \(2\); got 1"):
         gen.generate([[1, 2], [3, 4]], 4)
-    assert gen.compilations == 1  # the prefill only; the Generator stays usable
+    assert gen.compilations == 0  # refused before anything compiles; the Generator stays usable
     assert gen.generate([[1, 2]], 3).num_generated == [3]
     bad = gen.with_speculative(SpeculativeConfig("oracle", 2, reference=[[1, 2, 999]]))
+    compiled = bad.compilations
     with pytest.raises(GenerationError, match=r"`speculative.reference` row 0 has token id 999 outside the vocabulary"):
-        bad.generate([[1, 2]], 3)
+        bad.generate([[1, 5]], 3)
+    assert bad.compilations == compiled
 
 
 def test_command_line_speculative(capsys):
