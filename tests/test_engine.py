@@ -277,8 +277,8 @@ def test_bad_requests_and_options(model):
     with pytest.raises(EngineError, match=r"`stop_ids` must be a 1-D sequence of integer token ids; got the scalar "
                                           r"True"):
         engine.add_request([3], 4, stop_ids=True)
-    with pytest.raises(EngineError, match="`request_id` must be an id that add_request returned \(none yet: no "
-                                          "request has been added\); got 0"):
+    with pytest.raises(EngineError, match=r"`request_id` must be an id that add_request returned \(none yet: no "
+                                          r"request has been added\); got 0"):
         engine.abort(0)
     with pytest.raises(EngineError, match=r"`stop_ids` has token id 999 outside the vocabulary"):
         engine.add_request([3], 4, stop_ids=999)

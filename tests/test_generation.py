@@ -21,8 +21,8 @@ from hlo_checks import per_step_copies
 from models import GenerationConfig, load_generation_config, load_model
 from models.random_init import init_model
 from replayssm_jax import generation
-from replayssm_jax.generation import (GenerationError, Generator, InsufficientMemoryError, SpeculativeConfig, free_memory,
-                                      generate)
+from replayssm_jax.generation import (GenerationError, Generator, InsufficientMemoryError, SpeculativeConfig,
+                                      free_memory, generate)
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
