@@ -376,6 +376,12 @@ def _nbytes(tree) -> int:
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
+def _kv_bytes(tree) -> int:
+    """Bytes of the attention KV caches (keys and values) in `tree` (a cache, a carry holding one, or None)."""
+    caches = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, KVCache)) if isinstance(x, KVCache)]
+    return _nbytes([(c.k, c.v) for c in caches])
+
+
 def format_bytes(n: float) -> str:
     """`n` bytes as "12 B", "3.4 KiB", ..., "5.6 TiB"."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -421,6 +427,9 @@ class MemoryEstimate:
       state_bytes: everything else the decode loop carries: SSM states or
         ReplaySSM checkpoints and buffers, conv states, lengths, cursors.
       input_bytes: the prompt ids and the other inputs of the compiled calls.
+      draft_bytes: of kv_bytes + state_bytes, the speculative drafter's own
+        state (a draft model's KV caches and SSM states, an MTP head's
+        cache); 0 without a stateful drafter.
     """
 
     rows: int
@@ -428,6 +437,7 @@ class MemoryEstimate:
     kv_bytes: int
     state_bytes: int
     input_bytes: int
+    draft_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -435,8 +445,9 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         """One phrase: the total and its parts."""
+        draft = f"; the draft's own {format_bytes(self.draft_bytes)} included" if self.draft_bytes else ""
         return (f"{format_bytes(self.total_bytes)} (KV caches {format_bytes(self.kv_bytes)}, SSM states, buffers and conv states "
-                f"{format_bytes(self.state_bytes)}, prompt ids {format_bytes(self.input_bytes)})")
+                f"{format_bytes(self.state_bytes)}, prompt ids {format_bytes(self.input_bytes)}{draft})")
 
     def fits(self, free: int, *, longest_prompt: int, block_size: int) -> str:
         """What would fit in `free` bytes: the largest batch at this length and
@@ -973,13 +984,27 @@ class Generator:
     def _trace_start(self, plan, sampling, inputs, key):
         """The start function traced for `plan` (shapes only); records its MemoryEstimate."""
         traced = self._start_fn(plan.prefix_len, plan.max_len, sampling).trace(self.params, *inputs, key)
-        carry = traced.out_info[0] if self._needs_hidden else traced.out_info
-        kv = [leaf for layer in carry.cache.layers if isinstance(layer, KVCache) for leaf in (layer.k, layer.v)]
-        kv_bytes = _nbytes(kv)
+        carry, hidden = traced.out_info if self._needs_hidden else (traced.out_info, None)
+        draft = self._drafter_state_shapes(plan, hidden)
+        kv_bytes = _kv_bytes(carry) + _kv_bytes(draft)
         self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)] = MemoryEstimate(
-            rows=plan.rows, max_len=plan.max_len, kv_bytes=kv_bytes, state_bytes=_nbytes(carry) - kv_bytes,
-            input_bytes=_nbytes(inputs))
+            rows=plan.rows, max_len=plan.max_len, kv_bytes=kv_bytes,
+            state_bytes=_nbytes(carry) + _nbytes(draft) - kv_bytes, input_bytes=_nbytes(inputs),
+            draft_bytes=_nbytes(draft))
         return traced
+
+    def _drafter_state_shapes(self, plan, hidden):
+        """The shapes of the stateful drafter's state before the first round (a draft model's cache, an
+        MTP head's), traced for `plan` (nothing allocated); None without a stateful drafter."""
+        from replayssm_jax.speculative.drafters import DraftStart
+
+        if self._stateful_drafter is None:
+            return None
+        start = DraftStart(history=jax.ShapeDtypeStruct((plan.rows, plan.max_len + self._window), jnp.int32),
+                           hidden=hidden, key=jax.eval_shape(jax.random.key, 0), prefix_len=plan.prefix_len)
+        return jax.eval_shape(lambda params, drafter, start: drafter.init_state(nnx.merge(self.graphdef, params),
+                                                                                start),
+                              self.params, self._stateful_drafter, start)
 
     def memory_estimate(self, prompts, max_new_tokens: int) -> MemoryEstimate:
         """The device bytes `generate(prompts, max_new_tokens)` would allocate beyond the

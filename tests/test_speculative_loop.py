@@ -18,10 +18,13 @@ accepted).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_generation import DATA, FIXTURES, model, reference
@@ -30,7 +33,10 @@ from test_mtp import HEAD_FIXTURES, with_mtp_tensors
 from models import load_model
 from models.random_init import init_model
 from replayssm_jax.generate import main
-from replayssm_jax.generation import GenerationError, Generator, SpeculativeConfig
+from replayssm_jax import generation
+from replayssm_jax.generation import (GenerationError, Generator, InsufficientMemoryError, SpeculativeConfig,
+                                      format_bytes)
+from replayssm_jax.layers.cache import KVCache
 from replayssm_jax.sampling import SamplingParams
 
 NEW_TOKENS = 16
@@ -314,6 +320,39 @@ def test_model_drafter_errors(tmp_path):
                                               r"`buffer_len` = 4"):
         Generator(m, buffer_len=4, speculative=SpeculativeConfig("draft", 4, draft_model=m))
     assert Generator(m, state="replay", buffer_len=4).generate([[1, 2]], 3).num_generated == [3]
+
+
+def test_memory_estimate_counts_the_draft_models_cache(monkeypatch):
+    """With a draft model, the estimate (and so the check before allocating) holds the draft's own cache: a
+    prefill of the draft model over the padded rows with one position more than the target's KV cache
+    (its history) and the verify window; the refusal names it, and the Generator stays usable."""
+    target, draft = model("mamba2_tiny"), model("nemotron_h_tiny")  # the draft has attention layers
+    prompts = [[5, 6, 7, 8]] * 3
+    spec = Generator(target, state="replay", buffer_len=4,
+                     speculative=SpeculativeConfig("draft", 2, draft_model=draft))
+    estimate = spec.memory_estimate(prompts, 40)
+    ids = jax.ShapeDtypeStruct((estimate.rows, 4), jnp.int32)
+    _, cache = jax.eval_shape(lambda x: draft.prefill(x, estimate.max_len + 1, replay_buffer_len=4, max_window=3,
+                                                      last_logits_only=True), ids)
+    draft_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
+    assert estimate.draft_bytes == draft_bytes > _kv_bytes(cache) > 0
+    ngram = Generator(target, state="replay", buffer_len=4, speculative=SpeculativeConfig("ngram", 2))
+    assert ngram.memory_estimate(prompts, 40) == dataclasses.replace(
+        estimate, kv_bytes=estimate.kv_bytes - _kv_bytes(cache), draft_bytes=0,
+        state_bytes=estimate.state_bytes - draft_bytes + _kv_bytes(cache))
+    need = estimate.total_bytes
+    monkeypatch.setattr(generation, "free_memory", lambda device=None: (need - draft_bytes // 2, "test memory"))
+    with pytest.raises(InsufficientMemoryError, match=rf"the draft's own {re.escape(format_bytes(draft_bytes))} "
+                                                      rf"included"):
+        spec.generate(prompts, 40, progress=False)
+    assert spec.compilations == 0
+    monkeypatch.undo()
+    assert spec.generate(prompts, 6, progress=False).num_generated == [6, 6, 6]
+
+
+def _kv_bytes(cache) -> int:
+    return sum(a.size * a.dtype.itemsize for layer in cache.layers if isinstance(layer, KVCache)
+               for a in (layer.k, layer.v))
 
 
 def test_command_line_model_drafters(tmp_path, capsys):
