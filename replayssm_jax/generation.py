@@ -227,7 +227,8 @@ class GenerationOutput:
         steps of the last block past the longest row's end included);
         speculative decoding: the rounds run.
       cache_bytes: device bytes of the decode cache (SSM states or checkpoints
-        and buffers, conv states, KV caches) at the padded batch.
+        and buffers, conv states, KV caches) at the padded batch; with a
+        stateful drafter, its state (a draft model's cache) included.
       cache_rows: that padded batch (`cache_bytes_per_sequence` = cache_bytes
         / cache_rows, the bytes one sequence holds).
       prompt_lengths: per row, the prompt's length.
@@ -1169,6 +1170,21 @@ class Generator:
                                   f"{len(reference)}")
         return reference
 
+    def _spec_begin_fn(self, plan: _Plan):
+        """The function (for `jit`) from the prefill's outputs to the first round's carry fields:
+        (padded i32[rows, width], row_lengths i32[rows], token i32[rows], done bool[rows],
+        max_new_tokens i32[], key) -> (history i32[rows, max_len + W], known i32[rows], done
+        bool[rows], the drafter state's key)."""
+        history_len, pad_id, width, prefix_len = plan.max_len + self._window, self._pad_id, plan.width, plan.prefix_len
+
+        def begin(padded, row_lengths, token, done, max_new_tokens, key):
+            history = jnp.full((padded.shape[0], history_len), pad_id, jnp.int32).at[:, :width].set(padded)
+            known = jnp.maximum(row_lengths, prefix_len + 1)
+            return (history.at[:, prefix_len].set(token), known, done | (known - row_lengths >= max_new_tokens),
+                    jax.random.split(key)[1])
+
+        return begin
+
     def _drafter_state(self, drafter, plan: _Plan, sampling, history, hidden, key, progress):
         """The drafter's state before the first round (`Drafter.init_state`, compiled for stateful
         drafters); returns (state, compile seconds)."""
@@ -1176,7 +1192,7 @@ class Generator:
 
         if self._stateful_drafter is None:
             return None, 0.0
-        start = DraftStart(history=history, hidden=hidden, key=jax.random.split(key)[1], prefix_len=plan.prefix_len)
+        start = DraftStart(history=history, hidden=hidden, key=key, prefix_len=plan.prefix_len)
 
         def init(params, drafter, start):
             return drafter.init_state(nnx.merge(self.graphdef, params), start)
@@ -1201,17 +1217,21 @@ class Generator:
         t0 = time.perf_counter()
         out = start(self.params, *inputs, key)
         first, hidden = out if self._needs_hidden else (out, None)
-        history = jnp.full((plan.rows, history_len), self._pad_id, jnp.int32).at[:, : plan.width].set(padded)
-        history = history.at[:, plan.prefix_len].set(first.token)
-        known = jnp.maximum(row_lengths, plan.prefix_len + 1)
-        drafter_state, seconds = self._drafter_state(drafter, plan, sampling, history, hidden, key, progress)
+        begin_args = (padded, row_lengths, first.token, first.done, np.int32(max_new_tokens), key)
+        begin, begin_s = self._compile(("spec-begin", plan.rows, plan.width, plan.prefix_len, plan.max_len),
+                                       lambda: jit(self._spec_begin_fn(plan)).trace(*begin_args),
+                                       "speculative start", progress)
+        history, known, done, draft_key = begin(*begin_args)
+        drafter_state, seconds = self._drafter_state(drafter, plan, sampling, history, hidden, draft_key, progress)
+        seconds += begin_s
         compile_s += seconds
-        carry = SpeculativeCarry(cache=first.cache, history=history, known=known,
-                                 done=first.done | (known - row_lengths >= max_new_tokens),
-                                 rounds=jnp.zeros((), jnp.int32), accepted=jnp.zeros(plan.rows, jnp.int32),
-                                 row_rounds=jnp.zeros(plan.rows, jnp.int32), key=key, drafter_state=drafter_state)
+        zeros = np.zeros(plan.rows, np.int32)
+        carry = SpeculativeCarry(cache=first.cache, history=history, known=known, done=done,
+                                 rounds=np.int32(0), accepted=zeros, row_rounds=zeros, key=key,
+                                 drafter_state=drafter_state)
+        carry = jax.tree.map(jnp.asarray, carry)
         jax.block_until_ready(carry)
-        prefill_s = time.perf_counter() - t0 - seconds  # the drafter's prefill included, its compilation not
+        prefill_s = time.perf_counter() - t0 - seconds  # the drafter's prefill included, compilations not
 
         block_key = ("spec", self.speculative.program_key, sampling, max_new_tokens, plan.rows, plan.width, plan.max_len)
         make = lambda: make_block(  # noqa: E731
@@ -1236,7 +1256,7 @@ class Generator:
         row_rounds = np.asarray(carry.row_rounds)[: plan.batch]
         from_prefill = sum(1 for n, c in zip(lengths, counts) if n <= plan.prefix_len and c)
         return GenerationOutput(sequences, counts, prefill_s, decode_s, compile_s, int(carry.rounds),
-                                _nbytes(carry.cache), prompt_lengths=lengths.tolist(),
+                                _nbytes((carry.cache, carry.drafter_state)), prompt_lengths=lengths.tolist(),
                                 accepted_per_round=float(accepted.sum() / row_rounds.sum()) if row_rounds.sum() else None,
                                 decode_tokens=sum(counts) - from_prefill, cache_rows=plan.rows,
                                 row_accepted_per_round=[float(a / r) if r else None

@@ -156,7 +156,7 @@ def test_greedy_speculative_with_a_drafter_state_equals_plain_greedy(name, metho
     np.testing.assert_array_equal(np.array(out.sequences), expected[:, : T + NEW_TOKENS])
     assert out.num_generated == [NEW_TOKENS] * 2 and out.decode_tokens == 2 * (NEW_TOKENS - 1)
     assert out.tokens_per_s > 0 and 1.0 <= out.accepted_per_round <= K + 1
-    assert gen.compilations == 3  # the prefill, the drafter's state, the block of rounds
+    assert gen.compilations == 4  # the prefill, the rounds' start, the drafter's state, the block of rounds
     if method == "draft-self":  # q = p: every draft accepted, K + 1 tokens every round
         assert out.row_accepted_per_round == [K + 1.0] * 2
         assert out.decode_steps == -(-(NEW_TOKENS - 1) // (K + 1))
@@ -213,7 +213,7 @@ def test_sampling_with_a_draft_model():
         stats[method] = out.row_accepted_per_round
         if method == "draft-other":
             again = gen.generate(ref["prompt_ids"], NEW_TOKENS, sampling=sampling, seed=5, stop_tokens=None)
-            assert again.sequences == out.sequences and gen.compilations == 3
+            assert again.sequences == out.sequences and gen.compilations == 4
     assert all(r > K + 0.5 for r in stats["draft-self"]), stats
     assert all(1.0 <= r <= K + 1 for r in stats["draft-other"]), stats
     assert sum(stats["draft-other"]) < sum(stats["draft-self"]), stats
@@ -227,7 +227,7 @@ def test_sampling_is_reproducible_for_a_seed():
     again = gen.generate(ref["prompt_ids"], NEW_TOKENS, sampling=sampling, seed=3, stop_tokens=None)
     other = gen.generate(ref["prompt_ids"], NEW_TOKENS, sampling=sampling, seed=4, stop_tokens=None)
     assert first.sequences == again.sequences and first.sequences != other.sequences
-    assert first.num_generated == [NEW_TOKENS] * 2 and gen.compilations == 2
+    assert first.num_generated == [NEW_TOKENS] * 2 and gen.compilations == 3  # the prefill, the rounds' start, the block
 
 
 def test_speculative_config_errors():
@@ -325,7 +325,8 @@ def test_model_drafter_errors(tmp_path):
 def test_memory_estimate_counts_the_draft_models_cache(monkeypatch):
     """With a draft model, the estimate (and so the check before allocating) holds the draft's own cache: a
     prefill of the draft model over the padded rows with one position more than the target's KV cache
-    (its history) and the verify window; the refusal names it, and the Generator stays usable."""
+    (its history) and the verify window; the refusal names it, the Generator stays usable, and the run's
+    cache_bytes holds the draft's cache too."""
     target, draft = model("mamba2_tiny"), model("nemotron_h_tiny")  # the draft has attention layers
     prompts = [[5, 6, 7, 8]] * 3
     spec = Generator(target, state="replay", buffer_len=4,
@@ -347,7 +348,10 @@ def test_memory_estimate_counts_the_draft_models_cache(monkeypatch):
         spec.generate(prompts, 40, progress=False)
     assert spec.compilations == 0
     monkeypatch.undo()
-    assert spec.generate(prompts, 6, progress=False).num_generated == [6, 6, 6]
+    out = spec.generate(prompts, 40, progress=False)
+    assert out.num_generated == [40] * 3
+    # the run's cache (the draft's included) is the estimate's less the loop's tokens, flags and key
+    assert 0 < estimate.kv_bytes + estimate.state_bytes - out.cache_bytes <= 64
 
 
 def _kv_bytes(cache) -> int:
