@@ -455,6 +455,31 @@ def test_step_profile_copy_issuers():
         step_profile.CATEGORIES, 0.0), kernels={})), [hlo])["memcpy128"][0].startswith("%copy.7 = bf16[256,4,192,256]")
 
 
+def test_step_profile_counts_a_kernel_by_its_module():
+    """A kernel whose launch names its module (the `hlo_module` stat) counts by that name, inside the module's
+    window or not: another program's kernel inside the window is left out; one without the stat counts by
+    the window."""
+    from jax.profiler import ProfileData
+
+    step_profile = load("step_profile")
+    names = ["jit_block(7)", "loop_add_fusion", "input_reduce_fusion", "loop_select_fusion"]
+    metadata = "".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}\n'
+                       for i, n in enumerate(names, 1))
+    module = lambda m: f'stats {{ metadata_id: 9 str_value: "{m}" }}'  # noqa: E731
+    text = (f'planes {{ id: 1 name: "/device:GPU:0"\n'
+            f'lines {{ id: 1 name: "XLA Modules" timestamp_ns: 1000 '
+            f'events {{ metadata_id: 1 offset_ps: 0 duration_ps: {10**7} }} }}\n'
+            f'lines {{ id: 2 name: "Stream #13(Compute)" timestamp_ns: 1000 '
+            f'events {{ metadata_id: 2 offset_ps: {10**6} duration_ps: {10**6} {module("jit_block")} }} '
+            f'events {{ metadata_id: 3 offset_ps: {3 * 10**6} duration_ps: {2 * 10**6} {module("jit_start")} }} '
+            f'events {{ metadata_id: 4 offset_ps: {6 * 10**6} duration_ps: {10**6} }} '
+            f'events {{ metadata_id: 2 offset_ps: {2 * 10**7} duration_ps: {10**6} {module("jit_block")} }} }}\n'
+            f'{metadata}stat_metadata {{ key: 9 value {{ id: 9 name: "hlo_module" }} }}\n}}')
+    b = step_profile.decode_breakdown(ProfileData.from_text_proto(text))
+    assert b["kernels"] == {"loop_add_fusion": (2000, 2), "loop_select_fusion": (1000, 1)}
+    assert b["ns"]["other"] == 3000
+
+
 def test_buffer_length_dry_run(tmp_path, capsys):
     assert load("buffer_length").main(["--dry-run", "--layers", "mamba2", "--state-dtypes", "float32",
                                        "--out", str(tmp_path)]) == 0
