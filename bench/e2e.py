@@ -346,7 +346,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also break one decode step down by kernel category (a third, traced run per configuration)")
     p.add_argument("--out", default=None,
-                   help="JSON path; default: bench/results/DATE-e2e/e2e.json (with --smoke: in a new temporary folder)")
+                   help="JSON path, or a folder to write e2e.json in; default: bench/results/DATE-e2e/e2e.json "
+                        "(with --smoke: in a new temporary folder)")
     p.add_argument("--smoke", action="store_true", help="tiny fixture on any device, to check the script")
     p.add_argument("--tp", type=bench_args.positive_int, default=None,
                    help="run on a mesh with this tensor-parallel size (models.sharding; default: no mesh)")
@@ -363,6 +364,8 @@ def main(argv=None) -> int:
         folder = (tempfile.mkdtemp(prefix="e2e_smoke_") if args.smoke else
                   os.path.join(ROOT, "bench", "results", f"{datetime.date.today().isoformat()}-e2e"))
         args.out = os.path.join(folder, "e2e.json")
+    elif os.path.isdir(args.out):
+        args.out = os.path.join(args.out, "e2e.json")
     if args.smoke:
         folder, dtype = os.path.join(ROOT, "tests", "data"), jnp.float32
         names = args.models or "qwen3_next_tiny,nemotron_h_tiny"

@@ -176,7 +176,8 @@ def main(argv=None) -> None:
     p.add_argument("--state-dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--ours", help="a bench/kernels.py JSON of the same machine")
-    p.add_argument("--out", default=None, help="JSON path; default: bench/results/DATE-external/external.json")
+    p.add_argument("--out", default=None, help="JSON path, or a folder to write external.json in; default: "
+                                               "bench/results/DATE-external/external.json")
     p.add_argument("--workdir", default="/tmp/external_baselines")
     args = p.parse_args(argv)
     for dtype in args.state_dtypes.split(","):
@@ -213,6 +214,8 @@ def main(argv=None) -> None:
                 del calls
                 torch.cuda.empty_cache()
     args.out = args.out or f"bench/results/{datetime.date.today().isoformat()}-external/external.json"
+    if Path(args.out).is_dir():
+        args.out = str(Path(args.out) / "external.json")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 fla_wheel=Path(args.fla_wheel).name, mamba_sdist=Path(args.mamba_sdist).name)

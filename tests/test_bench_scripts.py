@@ -98,6 +98,10 @@ def test_e2e_checkpoint_formats_and_memory_only(tmp_path, capsys):
     assert f32 > bf16 > int8 > 0 and rows["standard"]["cache_bytes_per_seq"] > 0
     assert all(r["max_sequences"] == 2**30 // r["cache_bytes_per_seq"] for r in rows.values())
     assert "4:int8" in capsys.readouterr().out
+    folder = tmp_path / "results"  # --out a folder: e2e.json in it
+    folder.mkdir()
+    assert e2e.main(["--smoke", "--models", "qwen3_5_tiny", "--memory-only", "--modes", "4", "--out", str(folder)]) == 0
+    assert json.loads((folder / "e2e.json").read_text())["memory"][0]["mode"] == "4"
 
 
 @pytest.mark.parametrize("mode", ["16x", "d", "0", "-4", "16dd", "16fd", "f", "\u00b2", "16:int4", "16:"])
