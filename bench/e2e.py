@@ -364,7 +364,7 @@ def main(argv=None) -> int:
         folder = (tempfile.mkdtemp(prefix="e2e_smoke_") if args.smoke else
                   os.path.join(ROOT, "bench", "results", f"{datetime.date.today().isoformat()}-e2e"))
         args.out = os.path.join(folder, "e2e.json")
-    elif os.path.isdir(args.out):
+    elif os.path.isdir(args.out) or args.out.endswith(("/", os.sep)):  # a folder, new or not
         args.out = os.path.join(args.out, "e2e.json")
     if args.smoke:
         folder, dtype = os.path.join(ROOT, "tests", "data"), jnp.float32

@@ -34,6 +34,7 @@ import datetime
 import importlib.util
 import json
 import math
+import os
 import statistics
 import sys
 import tarfile
@@ -214,7 +215,7 @@ def main(argv=None) -> None:
                 del calls
                 torch.cuda.empty_cache()
     args.out = args.out or f"bench/results/{datetime.date.today().isoformat()}-external/external.json"
-    if Path(args.out).is_dir():
+    if Path(args.out).is_dir() or args.out.endswith(("/", os.sep)):  # a folder, new or not
         args.out = str(Path(args.out) / "external.json")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,

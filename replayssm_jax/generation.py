@@ -377,6 +377,12 @@ def _nbytes(tree) -> int:
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
+def _estimate_key(plan, sampling) -> tuple:
+    """The key of `Generator._estimates`: the plan's shapes and the sampling (a sampling drafter's state
+    is larger)."""
+    return plan.rows, plan.prefix_len, plan.width, plan.max_len, sampling
+
+
 def _kv_bytes(tree) -> int:
     """Bytes of the attention KV caches (keys and values) in `tree` (a cache, a carry holding one, or None)."""
     caches = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, KVCache)) if isinstance(x, KVCache)]
@@ -957,6 +963,17 @@ class Generator:
             raise GenerationError(f"`sampling` must be a SamplingParams; got {type(sampling).__name__}")
         return sampling
 
+    def _check_concrete(self):
+        """GenerationError where the model's or the draft model's parameters are shapes only (an
+        abstract model, from nnx.eval_shape, which serves `memory_estimate` alone)."""
+        draft = None
+        if self.speculative is not None and self.speculative.method == "draft":
+            draft = self._stateful_drafter.params
+        for what, params in (("model", self.params), ("speculative.draft_model", draft)):
+            if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
+                raise GenerationError(f"`{what}` is abstract (its parameters are shapes only, as nnx.eval_shape "
+                                      f"gives them): it serves `memory_estimate`; load its weights to generate")
+
     def _check_request(self, prompts, max_new_tokens):
         prompts, lengths = self._check_prompts(prompts)
         max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
@@ -986,42 +1003,46 @@ class Generator:
         """The start function traced for `plan` (shapes only); records its MemoryEstimate."""
         traced = self._start_fn(plan.prefix_len, plan.max_len, sampling).trace(self.params, *inputs, key)
         carry, hidden = traced.out_info if self._needs_hidden else (traced.out_info, None)
-        draft = self._drafter_state_shapes(plan, hidden)
+        draft = self._drafter_state_shapes(plan, sampling, hidden)
         kv_bytes = _kv_bytes(carry) + _kv_bytes(draft)
-        self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)] = MemoryEstimate(
+        self._estimates[_estimate_key(plan, sampling)] = MemoryEstimate(
             rows=plan.rows, max_len=plan.max_len, kv_bytes=kv_bytes,
             state_bytes=_nbytes(carry) + _nbytes(draft) - kv_bytes, input_bytes=_nbytes(inputs),
             draft_bytes=_nbytes(draft))
         return traced
 
-    def _drafter_state_shapes(self, plan, hidden):
+    def _drafter_state_shapes(self, plan, sampling, hidden):
         """The shapes of the stateful drafter's state before the first round (a draft model's cache, an
-        MTP head's), traced for `plan` (nothing allocated); None without a stateful drafter."""
+        MTP head's, with what a tree or `sampling` adds to it), traced for `plan` with the drafter the
+        run builds (nothing allocated); None without a stateful drafter."""
         from replayssm_jax.speculative.drafters import DraftStart
 
         if self._stateful_drafter is None:
             return None
-        start = DraftStart(history=jax.ShapeDtypeStruct((plan.rows, plan.max_len + self._window), jnp.int32),
+        history_len = plan.max_len + self._window
+        start = DraftStart(history=jax.ShapeDtypeStruct((plan.rows, history_len), jnp.int32),
                            hidden=hidden, key=jax.eval_shape(jax.random.key, 0), prefix_len=plan.prefix_len)
         return jax.eval_shape(lambda params, drafter, start: drafter.init_state(nnx.merge(self.graphdef, params),
                                                                                 start),
-                              self.params, self._stateful_drafter, start)
+                              self.params, self._drafter(plan, history_len, sampling), start)
 
-    def memory_estimate(self, prompts, max_new_tokens: int) -> MemoryEstimate:
-        """The device bytes `generate(prompts, max_new_tokens)` would allocate beyond the
-        weights, from shapes alone (nothing is allocated or compiled; an abstract
+    def memory_estimate(self, prompts, max_new_tokens: int, *, sampling: SamplingParams = FROM_CONFIG
+                        ) -> MemoryEstimate:
+        """The device bytes `generate(prompts, max_new_tokens, sampling=sampling)` would allocate
+        beyond the weights, from shapes alone (nothing is allocated or compiled; an abstract
         model serves, e.g. `nnx.eval_shape(lambda: models.random_init.init_model(path, dtype))`).
+        `sampling` as `generate`'s (a sampling speculative drafter keeps its draft distributions).
 
         Raises:
           GenerationError: as `generate`.
         """
         prompts, lengths, max_new_tokens = self._check_request(prompts, max_new_tokens)
+        sampling = self._sampling(sampling)
         plan = _plan(lengths, max(max_new_tokens, 1), self.block_size, self.dp)
-        shapes = (plan.rows, plan.prefix_len, plan.width, plan.max_len)
-        if shapes not in self._estimates:
+        if _estimate_key(plan, sampling) not in self._estimates:
             inputs = self._inputs(plan, prompts, lengths, np.zeros(0, np.int32))
-            self._trace_start(plan, SamplingParams(), inputs, jax.random.key(0))
-        return self._estimates[shapes]
+            self._trace_start(plan, sampling, inputs, jax.random.key(0))
+        return self._estimates[_estimate_key(plan, sampling)]
 
     def _check_fits(self, estimate: MemoryEstimate, plan: _Plan, lengths, temp_bytes: int = 0,
                     program: str = "the prefill"):
@@ -1083,7 +1104,7 @@ class Generator:
             t0 = time.perf_counter()
             traced = self._trace_start(plan, sampling, inputs, key)
             trace_s = time.perf_counter() - t0
-        estimate = self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)]
+        estimate = self._estimates[_estimate_key(plan, sampling)]
         self._check_fits(estimate, plan, lengths)
         what = f"prefill ({plan.rows} rows x {plan.prefix_len} tokens, cache of {plan.max_len} positions)"
         start, compile_s = self._compile(start_key, lambda: traced, what, progress)
@@ -1214,24 +1235,27 @@ class Generator:
         drafter = self._drafter(plan, history_len, sampling)
         padded, row_lengths, _, stops = inputs
 
+        # prefill_s: the target's prefill, then the rounds' start and the drafter's state, each timed
+        # after its program compiled (a compile overlapping a running program would hide its time)
         t0 = time.perf_counter()
-        out = start(self.params, *inputs, key)
+        out = jax.block_until_ready(start(self.params, *inputs, key))
+        prefill_s = time.perf_counter() - t0
         first, hidden = out if self._needs_hidden else (out, None)
         begin_args = (padded, row_lengths, first.token, first.done, np.int32(max_new_tokens), key)
-        begin, begin_s = self._compile(("spec-begin", plan.rows, plan.width, plan.prefix_len, plan.max_len),
+        begin, seconds = self._compile(("spec-begin", plan.rows, plan.width, plan.prefix_len, plan.max_len),
                                        lambda: jit(self._spec_begin_fn(plan)).trace(*begin_args),
                                        "speculative start", progress)
-        history, known, done, draft_key = begin(*begin_args)
+        compile_s += seconds
+        t0 = time.perf_counter()
+        history, known, done, draft_key = jax.block_until_ready(begin(*begin_args))
         drafter_state, seconds = self._drafter_state(drafter, plan, sampling, history, hidden, draft_key, progress)
-        seconds += begin_s
         compile_s += seconds
         zeros = np.zeros(plan.rows, np.int32)
         carry = SpeculativeCarry(cache=first.cache, history=history, known=known, done=done,
                                  rounds=np.int32(0), accepted=zeros, row_rounds=zeros, key=key,
                                  drafter_state=drafter_state)
-        carry = jax.tree.map(jnp.asarray, carry)
-        jax.block_until_ready(carry)
-        prefill_s = time.perf_counter() - t0 - seconds  # the drafter's prefill included, compilations not
+        carry = jax.block_until_ready(jax.tree.map(jnp.asarray, carry))
+        prefill_s += time.perf_counter() - t0 - seconds  # the drafter's prefill included, its compilation not
 
         block_key = ("spec", self.speculative.program_key, sampling, max_new_tokens, plan.rows, plan.width, plan.max_len)
         make = lambda: make_block(  # noqa: E731
@@ -1352,6 +1376,7 @@ class Generator:
             return GenerationOutput([p.tolist() for p in prompts], [0] * len(prompts), 0.0, 0.0, 0.0, 0,
                                     prompt_lengths=lengths.tolist(),
                                     decode_tokens=None if self.speculative is None else 0)
+        self._check_concrete()
         plan = _plan(lengths, max_new_tokens, self.block_size, self.dp)
         inputs = self._inputs(plan, prompts, lengths, stop_ids)
         key = jax.random.key(seed)
@@ -1367,7 +1392,7 @@ class Generator:
                 self.params, carry_info, inputs[0], inputs[1], inputs[3])
             blocks[n], seconds = self._compile(block_key, make, f"decode block ({n} steps)", progress)
             compile_s += seconds
-        estimate = self._estimates[(plan.rows, plan.prefix_len, plan.width, plan.max_len)]
+        estimate = self._estimates[_estimate_key(plan, sampling)]
         temps = {n: _temp_bytes(block) for n, block in blocks.items()}  # none: one new token, the prefill's
         if temps:
             n = max(temps, key=temps.get)

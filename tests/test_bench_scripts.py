@@ -102,6 +102,9 @@ def test_e2e_checkpoint_formats_and_memory_only(tmp_path, capsys):
     folder.mkdir()
     assert e2e.main(["--smoke", "--models", "qwen3_5_tiny", "--memory-only", "--modes", "4", "--out", str(folder)]) == 0
     assert json.loads((folder / "e2e.json").read_text())["memory"][0]["mode"] == "4"
+    new = tmp_path / "new"  # a folder that does not exist yet, named with a trailing separator
+    assert e2e.main(["--smoke", "--models", "qwen3_5_tiny", "--memory-only", "--modes", "4", "--out", f"{new}/"]) == 0
+    assert (new / "e2e.json").is_file()
 
 
 @pytest.mark.parametrize("mode", ["16x", "d", "0", "-4", "16dd", "16fd", "f", "\u00b2", "16:int4", "16:"])

@@ -27,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from test_generation import DATA, FIXTURES, model, reference
 from test_mtp import HEAD_FIXTURES, with_mtp_tensors
 
 from models import load_model
 from models.random_init import init_model
-from replayssm_jax.generate import main
 from replayssm_jax import generation
+from replayssm_jax.generate import main
 from replayssm_jax.generation import (GenerationError, Generator, InsufficientMemoryError, SpeculativeConfig,
                                       format_bytes)
 from replayssm_jax.layers.cache import KVCache
@@ -352,6 +353,35 @@ def test_memory_estimate_counts_the_draft_models_cache(monkeypatch):
     assert out.num_generated == [40] * 3
     # the run's cache (the draft's included) is the estimate's less the loop's tokens, flags and key
     assert 0 < estimate.kv_bytes + estimate.state_bytes - out.cache_bytes <= 64
+
+
+@pytest.mark.parametrize("tree, temperature", [((3, 2), 0.0), (None, 0.8)], ids=["tree", "sampling"])
+def test_memory_estimate_holds_what_a_tree_or_sampling_adds_to_the_drafter_state(tree, temperature, mtp_model):
+    """The MTP head's state of a tree run (the drafts' scores) and of a sampling run (the draft
+    distributions) is larger than a greedy chain's: the estimate for the run's sampling holds it."""
+    gen = Generator(mtp_model("nemotron_h_tiny"), state="replay", buffer_len=8,
+                    speculative=SpeculativeConfig("mtp", 2, tree=tree))
+    prompts, sampling = [[5, 6, 7, 8, 5, 6, 7, 8, 5], [9, 10, 11], [3, 4, 3, 4, 3, 4]], \
+        SamplingParams(temperature=temperature)
+    estimate = gen.memory_estimate(prompts, 24, sampling=sampling)
+    out = gen.generate(prompts, 24, sampling=sampling, seed=1, stop_tokens=None, progress=False)
+    assert 0 < estimate.kv_bytes + estimate.state_bytes - out.cache_bytes <= 64
+    chain = Generator(mtp_model("nemotron_h_tiny"), state="replay", buffer_len=8,
+                      speculative=SpeculativeConfig("mtp", 2)).memory_estimate(prompts, 24)
+    assert estimate.draft_bytes > chain.draft_bytes > 0
+
+
+def test_an_abstract_model_is_refused_by_generate():
+    """An abstract model (nnx.eval_shape: parameters as shapes) serves `memory_estimate`; `generate` refuses it,
+    as target or as draft, naming it, before anything compiles."""
+    abstract = nnx.eval_shape(lambda: init_model(DATA / "mamba2_tiny", jnp.float32))
+    for gen, what in ((Generator(abstract), "model"),
+                      (Generator(model("mamba2_tiny"), speculative=SpeculativeConfig("draft", 2, draft_model=abstract)),
+                       "speculative.draft_model")):
+        assert gen.memory_estimate([[1, 2, 3]], 4).total_bytes > 0
+        with pytest.raises(GenerationError, match=rf"`{what}` is abstract \(its parameters are shapes only"):
+            gen.generate([[1, 2, 3]], 4, progress=False)
+        assert gen.compilations == 0
 
 
 def _kv_bytes(cache) -> int:
