@@ -63,6 +63,7 @@ from replayssm_jax import ops
 from replayssm_jax.compilation import jit
 from replayssm_jax.layers.cache import KVCache, ReplayLayerState
 from replayssm_jax.ops import check_route, validate
+from replayssm_jax.pool import is_abstract
 from replayssm_jax.sampling import SamplingParams, sample_tokens
 from replayssm_jax.state import is_quantized
 
@@ -970,7 +971,7 @@ class Generator:
         if self.speculative is not None and self.speculative.method == "draft":
             draft = self._stateful_drafter.params
         for what, params in (("model", self.params), ("speculative.draft_model", draft)):
-            if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
+            if is_abstract(params):
                 raise GenerationError(f"`{what}` is abstract (its parameters are shapes only, as nnx.eval_shape "
                                       f"gives them): it serves `memory_estimate`; load its weights to generate")
 

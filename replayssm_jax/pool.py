@@ -31,10 +31,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from replayssm_jax.sequence_state import SequenceState, export_sequence, import_sequence
 
-__all__ = ["PoolError", "StatePool"]
+__all__ = ["PoolError", "StatePool", "is_abstract"]
+
+
+def is_abstract(params) -> bool:
+    """Whether a model (or its parameters, or any pytree) holds shapes only: an abstract model from
+    `nnx.eval_shape`, which can be measured (`Generator.memory_estimate`) but not run."""
+    return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params))
 
 
 class PoolError(ValueError):
@@ -75,7 +82,7 @@ class StatePool:
       capacity, max_len, buffer_len.
 
     Raises:
-      PoolError: a `model` without `prefill`, `decode` and `config`;
+      PoolError: a `model` without `prefill`, `decode` and `config`, or abstract;
         capacity, max_len or max_window not an int >= 1; a state_dtype with
         standard states (buffer_len None).
       ValueError: a buffer_len the backend's kernels cannot take, a max_window
@@ -89,6 +96,9 @@ class StatePool:
         if not all(hasattr(model, attr) for attr in ("prefill", "decode", "config")):
             raise PoolError(f"`model` must be a model of this package (with `prefill`, `decode` and `config`, e.g. "
                             f"from models.load_model); got {type(model).__name__} {model!r:.80}")
+        if is_abstract(nnx.state(model)):
+            raise PoolError("`model` is abstract (its parameters are shapes only, as nnx.eval_shape gives them); "
+                            "load its weights to allocate a pool")
         for name, value in (("capacity", capacity), ("max_len", max_len), ("max_window", max_window)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise PoolError(f"`{name}` must be an int >= 1; got {value!r}")

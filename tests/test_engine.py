@@ -10,8 +10,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models import load_model
+from models.random_init import init_model
 from replayssm_jax.engine import Engine, EngineError
 from replayssm_jax.generation import Generator, SpeculativeConfig
 from replayssm_jax.sampling import SamplingParams
@@ -298,6 +300,9 @@ def test_bad_requests_and_options(model):
         with pytest.raises(EngineError, match=r"`model` must be a model of this package \(with `prefill`, `decode` "
                                               r"and `config`"):
             Engine(not_a_model, 2, backend="xla")
+    abstract = nnx.eval_shape(lambda: init_model(DATA / "nemotron_h_tiny", jnp.float32))
+    with pytest.raises(EngineError, match=r"`model` is abstract \(its parameters are shapes only"):
+        Engine(abstract, 2, backend="xla")
     with pytest.raises(TypeError, match="`buffer_dtype` must be a floating dtype; got int32"):
         Engine(model, 2, buffer_len=4, max_len=16, backend="xla", buffer_dtype=jnp.int32)
 
