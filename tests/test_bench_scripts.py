@@ -434,25 +434,30 @@ def test_step_profile_breakdown():
     assert step_profile.decode_breakdown(ProfileData.from_text_proto('planes { id: 1 name: "/host:CPU" }')) is None
 
 
+def _one_module_trace(names, kernels, stat: str) -> str:
+    """A GPU plane in text proto: one window of module names[0] (0-10 us), and `kernels` [(index in
+    `names`, start us, duration us, the launch's `stat` value or None)] on one stream."""
+    metadata = "".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}\n'
+                       for i, n in enumerate(names, 1))
+    events = "".join(f"events {{ metadata_id: {i + 1} offset_ps: {t * 10**6} duration_ps: {d * 10**6} "
+                     + ("" if v is None else f'stats {{ metadata_id: 99 str_value: "{v}" }} ') + "} "
+                     for i, t, d, v in kernels)
+    return (f'planes {{ id: 1 name: "/device:GPU:0"\n'
+            f'lines {{ id: 1 name: "XLA Modules" timestamp_ns: 1000 '
+            f'events {{ metadata_id: 1 offset_ps: 0 duration_ps: {10**7} }} }}\n'
+            f'lines {{ id: 2 name: "Stream #13(Compute)" timestamp_ns: 1000 {events}}}\n'
+            f'{metadata}stat_metadata {{ key: 99 value {{ id: 99 name: "{stat}" }} }}\n}}')
+
+
 def test_step_profile_copy_issuers():
     """A copy launch is traced to the HLO instructions it ran for (the events' hlo_op stats), named with
     their line of the compiled HLO; launches outside the decode module and other kernels are left out."""
     from jax.profiler import ProfileData
 
     step_profile = load("step_profile")
-    names = ["jit_block(7)", "memcpy128", "loop_add_fusion"]
-    metadata = "".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}\n'
-                       for i, n in enumerate(names, 1))
-    stat = lambda op: f'stats {{ metadata_id: 9 str_value: "{op}" }}'  # noqa: E731
-    text = (f'planes {{ id: 1 name: "/device:GPU:0"\n'
-            f'lines {{ id: 1 name: "XLA Modules" timestamp_ns: 1000 '
-            f'events {{ metadata_id: 1 offset_ps: 0 duration_ps: {10**7} }} }}\n'
-            f'lines {{ id: 2 name: "Stream #13(Compute)" timestamp_ns: 1000 '
-            f'events {{ metadata_id: 2 offset_ps: {10**6} duration_ps: {10**6} {stat("copy.7")} }} '
-            f'events {{ metadata_id: 2 offset_ps: {3 * 10**6} duration_ps: {10**6} {stat("copy.9")} }} '
-            f'events {{ metadata_id: 3 offset_ps: {5 * 10**6} duration_ps: {10**6} {stat("add.1")} }} '
-            f'events {{ metadata_id: 2 offset_ps: {2 * 10**7} duration_ps: {10**6} {stat("copy.99")} }} }}\n'
-            f'{metadata}stat_metadata {{ key: 9 value {{ id: 9 name: "hlo_op" }} }}\n}}')
+    text = _one_module_trace(["jit_block(7)", "memcpy128", "loop_add_fusion"],
+                             [(1, 1, 1, "copy.7"), (1, 3, 1, "copy.9"), (2, 5, 1, "add.1"), (1, 20, 1, "copy.99")],
+                             "hlo_op")
     b = step_profile.decode_breakdown(ProfileData.from_text_proto(text))
     assert b["hlo_ops"] == {"memcpy128": ["copy.7", "copy.9"], "loop_add_fusion": ["add.1"]}
     hlo = ('  %copy.7 = bf16[256,4,192,256]{3,2,1,0} copy(%param.3), metadata={op_name="jit(block)/while/body/x"}\n'
@@ -469,19 +474,9 @@ def test_step_profile_counts_a_kernel_by_its_module():
     from jax.profiler import ProfileData
 
     step_profile = load("step_profile")
-    names = ["jit_block(7)", "loop_add_fusion", "input_reduce_fusion", "loop_select_fusion"]
-    metadata = "".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}\n'
-                       for i, n in enumerate(names, 1))
-    module = lambda m: f'stats {{ metadata_id: 9 str_value: "{m}" }}'  # noqa: E731
-    text = (f'planes {{ id: 1 name: "/device:GPU:0"\n'
-            f'lines {{ id: 1 name: "XLA Modules" timestamp_ns: 1000 '
-            f'events {{ metadata_id: 1 offset_ps: 0 duration_ps: {10**7} }} }}\n'
-            f'lines {{ id: 2 name: "Stream #13(Compute)" timestamp_ns: 1000 '
-            f'events {{ metadata_id: 2 offset_ps: {10**6} duration_ps: {10**6} {module("jit_block")} }} '
-            f'events {{ metadata_id: 3 offset_ps: {3 * 10**6} duration_ps: {2 * 10**6} {module("jit_start")} }} '
-            f'events {{ metadata_id: 4 offset_ps: {6 * 10**6} duration_ps: {10**6} }} '
-            f'events {{ metadata_id: 2 offset_ps: {2 * 10**7} duration_ps: {10**6} {module("jit_block")} }} }}\n'
-            f'{metadata}stat_metadata {{ key: 9 value {{ id: 9 name: "hlo_module" }} }}\n}}')
+    text = _one_module_trace(["jit_block(7)", "loop_add_fusion", "input_reduce_fusion", "loop_select_fusion"],
+                             [(1, 1, 1, "jit_block"), (2, 3, 2, "jit_start"), (3, 6, 1, None), (1, 20, 1, "jit_block")],
+                             "hlo_module")
     b = step_profile.decode_breakdown(ProfileData.from_text_proto(text))
     assert b["kernels"] == {"loop_add_fusion": (2000, 2), "loop_select_fusion": (1000, 1)}
     assert b["ns"]["other"] == 3000
