@@ -1358,7 +1358,8 @@ class Generator:
             more positions than int32 holds, a `sampling` that is not a
             SamplingParams, an `on_token` that is not callable, with the
             "oracle" method a reference row outside the vocabulary or not
-            one per prompt (each before anything compiles).
+            one per prompt, an abstract model or draft model (each before
+            anything compiles).
           InsufficientMemoryError (a GenerationError and a MemoryError): a
             decode cache that does not fit the free memory (`free_memory`);
             the message gives the batch and max_new_tokens that would fit.
