@@ -346,8 +346,8 @@ class Engine:
         stop token or max_new_tokens).
 
     Raises:
-      EngineError: a `model` that is not a model of this package (`StatePool`'s
-        check), an unknown state, route or prefix_store, prefix_store "host" without
+      EngineError: a `model` that is not a model of this package, or an abstract
+        one (`StatePool`'s checks), an unknown state, route or prefix_store, prefix_store "host" without
         prefix_caching, a buffer_len with "standard", a
         non-positive int option, batch_size above capacity; a `speculative` that
         is not a SpeculativeConfig, of a method other than "ngram" and "oracle"
