@@ -194,6 +194,30 @@ def work_besides_kernels(hlo: str) -> list[str]:
     return found
 
 
+_SLICE_WORK = frozenset({"parameter", "slice", "bitcast", "tuple"})
+
+
+def slice_launches(hlo: str) -> list[str]:
+    """The entry computation's launches that only cut arrays: a `slice`, or a fusion whose computation holds
+    nothing but parameters, slices, bitcasts and tuples (a slice that no consumer's fusion took in)."""
+    comps = _computations(hlo)
+    entry = _COMPUTATION.match(next(line for line in hlo.splitlines() if line.startswith("ENTRY "))).group(1)
+
+    def ops(lines):
+        return {m.group(3) for line in lines if (m := _INSTRUCTION.match(_COMMENT.sub("", line)))}
+
+    found = []
+    for line in comps[entry]:
+        m = _INSTRUCTION.match(_COMMENT.sub("", line))
+        if m is None:
+            continue
+        callee = re.search(r"\bcalls=%?([\w.\-]+)", line) if m.group(3) == "fusion" else None
+        inner = ops(comps.get(callee.group(1), [])) if callee else set()
+        if m.group(3) == "slice" or ("slice" in inner and inner <= _SLICE_WORK):
+            found.append(line[:300])
+    return found
+
+
 def assert_step_alone_and_in_a_loop(step, state, draws, protected) -> None:
     """Compile `step(state, inputs) -> (y, new state)` on GPU inputs twice and assert (1) jitted alone with
     its state donated, its entry computation is its kernels and plumbing (`work_besides_kernels`), and (2)

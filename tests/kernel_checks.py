@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -278,3 +279,12 @@ def lower_for_cuda(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         gpu_info.get_gpu_info = real
+
+
+def jaxpr_equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs in its equations' parameters (kernels, calls, loops,
+    branches), in order."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for inner in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from jaxpr_equations(inner)

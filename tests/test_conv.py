@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from hlo_checks import work_besides_kernels
-from kernel_checks import lower_for_cuda
+from kernel_checks import jaxpr_equations, lower_for_cuda
 from replayssm_jax import kernels, ops
 from replayssm_jax.layers.cache import ConvWindow
 from replayssm_jax.layers.conv import CausalConv1d
@@ -115,7 +115,7 @@ def test_layer_step_on_each_backend(backend, rng):
 
 @pytest.mark.parametrize("change, error, message", [
     (dict(x=np.ones((2, 8), np.float16)), TypeError, "`x` must not be float16"),
-    (dict(weight=np.ones((7, 4), np.float32)), ValueError, "`weight` must have shape [C, W] with C = 8 (axis 1 of `x`)"),
+    (dict(weight=np.ones((7, 4), np.float32)), ValueError, "`weight` must have shape [C, W] with C = 8 (axis 2 of `columns`)"),
     (dict(columns=np.ones((2, 3, 8), np.float32)), ValueError, "`columns` must hold at least W = 4 slots"),
     (dict(columns=np.ones((3, 5, 8), np.float32)), ValueError, "`columns` must have shape [batch, S, C] = (2, 5, 8)"),
     (dict(start=np.array([0, 5])), ValueError, "`start` must be in [0, 4] for every row; got [0, 5]"),
@@ -123,6 +123,15 @@ def test_layer_step_on_each_backend(backend, rng):
     (dict(activation="tanh"), ValueError, "`activation` must be one of"),
     (dict(activation="gelu", backend="interpret"), ValueError, "`activation` 'gelu': the conv kernel computes"),
     (dict(config=kernels.ConvConfig(block_v=8), backend="xla"), TypeError, "`config` tunes the Pallas kernels"),
+    (dict(x=np.ones((2, 9), np.float32)), ValueError, "`x` must have C = 8 columns (the conv's channels); got 9"),
+    (dict(offset=-1), ValueError, "`offset` must be in [0, X - C] = [0, 0]"),
+    (dict(offset=1), ValueError, "`offset` must be in [0, X - C] = [0, 0] (X = 8 columns of `x`, C = 8"),
+    (dict(offset=2.0), TypeError, "`offset` must be an int; got float 2.0"),
+    (dict(splits=(4, 2)), ValueError, "`splits` must be increasing channel indices in (0, C = 8); got (4, 2)"),
+    (dict(splits=(0, 4)), ValueError, "`splits` must be increasing channel indices in (0, C = 8); got (0, 4)"),
+    (dict(splits=(8,)), ValueError, "`splits` must be increasing channel indices in (0, C = 8); got (8,)"),
+    (dict(splits=4), TypeError, "`splits` must be a sequence of ints; got int"),
+    (dict(splits=(2.5,)), TypeError, "`splits` must be an int; got float 2.5"),
 ])
 def test_bad_arguments_raise_before_any_work(change, error, message, rng):
     """Each bad argument raises naming it, before anything runs (the ring is left as it was)."""
@@ -144,9 +153,11 @@ def test_backend_none_runs_other_activations_on_xla(rng):
 
 
 @pytest.mark.parametrize("x, message", [
-    (np.ones((2, 1, 8), np.float32), "`x` must be an array of shape [batch, 8]; got (2, 1, 8)"),
-    (np.ones((8,), np.float32), "`x` must be an array of shape [batch, 8]; got (8,)"),
-    ([[1.0] * 8], "`x` must be an array of shape [batch, 8]; got list"),
+    (np.ones((2, 1, 8), np.float32), "`x` must be an array of shape [batch, 8] (or [batch, X] with `offset`); "
+                                     "got (2, 1, 8)"),
+    (np.ones((8,), np.float32), "`x` must be an array of shape [batch, 8] (or [batch, X] with `offset`); got (8,)"),
+    ([[1.0] * 8], "`x` must be an array of shape [batch, 8] (or [batch, X] with `offset`); got list"),
+    (np.ones((2, 9), np.float32), "CausalConv1d.step: `x` must have C = 8 columns (the conv's channels); got 9"),
     (np.ones((3, 8), np.float32), "columns [batch, S, C] = (3, S, 8) (batch: axis 0 of `x`); got width 4"),
 ])
 def test_layer_step_names_a_bad_x(x, message, rng):
@@ -161,3 +172,114 @@ def test_config_with_an_activation_the_kernel_does_not_compute(rng):
     with pytest.raises(TypeError, match=re.escape("`config` tunes the conv kernel, which does not compute "
                                                   "`activation` 'gelu'")):
         ops.conv_update(*draw(rng, 2, 8, 4, 1, jnp.float32), "gelu", config=kernels.ConvConfig(block_v=8))
+
+
+# ---------------------------------------------------------------------------
+# Packed operands: x read at a column offset of a wider array, y written in pieces
+
+PACKED_CASES = [  # (batch, X, offset, C, splits, dtype, bias, block of channels)
+    (2, 132, 32, 96, (32, 64), jnp.float32, True, 32),  # Mamba-2's zxbcdt: xBC at d_inner, cut into x, B, C
+    (3, 100, 0, 100, (32, 64), jnp.bfloat16, False, 32),  # GDN's q, k, v; v's last block past C
+    (2, 150, 20, 96, (40,), jnp.float32, True, 32),  # boundaries off the block: XLA cuts around the launch
+]
+PACKED_IDS = ["mamba2-layout", "gdn-layout", "off-the-block"]
+
+
+def draw_packed(rng, case):
+    """(x [batch, X], the ring's arguments of C channels, offset, splits, config) of a packed case."""
+    batch, X, offset, C, splits, dtype, bias, block = case
+    x = jnp.asarray(rng.standard_normal((batch, X)), dtype)
+    return x, draw(rng, batch, C, 4, 2, dtype, jnp.float32, bias)[1:], offset, splits, kernels.ConvConfig(
+        block_v=block, num_warps=2)
+
+
+@pytest.mark.parametrize("case", PACKED_CASES, ids=PACKED_IDS)
+def test_packed_kernel_matches_reference(case, rng):
+    """The kernel reading x at its offset and writing y's pieces equals the reference on x's C columns."""
+    x, ring, offset, splits, config = draw_packed(rng, case)
+    C = ring[0].shape[2]
+    pieces, columns = ops.conv_update(x, *ring, offset=offset, splits=splits, backend="interpret", config=config)
+    want_y, want_columns = ops.conv_update(x[:, offset:offset + C], *ring, backend="xla")
+    assert [p.shape for p in pieces] == [w.shape for w in jnp.split(want_y, splits, axis=1)]
+    np.testing.assert_array_equal(np.asarray(columns, np.float32), np.asarray(want_columns, np.float32))
+    tol = TOLERANCE[x.dtype.type]
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(pieces, axis=1), np.float32),
+                               np.asarray(want_y, np.float32), rtol=tol, atol=tol)
+    xla_pieces, _ = ops.conv_update(x, *ring, offset=offset, splits=splits, backend="xla")
+    for got, want in zip(pieces, xla_pieces):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case", PACKED_CASES, ids=PACKED_IDS)
+def test_packed_kernel_cuts_nothing_in_xla(case, rng):
+    """Where the block divides the offset and the split points, the launch takes the packed x itself and
+    returns the pieces: no slice before or after it; off the block, XLA slices x and cuts y."""
+    x, ring, offset, splits, config = draw_packed(rng, case)
+    jaxpr = jax.make_jaxpr(lambda x, *ring: ops.conv_update(x, *ring, offset=offset, splits=splits,
+                                                            backend="interpret", config=config))(x, *ring)
+    equations = list(jaxpr_equations(jaxpr.jaxpr))
+    (launch,) = [e for e in equations if e.primitive.name == "pallas_call"]
+    cuts = [e for e in equations if e.primitive.name in ("slice", "split")]
+    on_block = all(b % config.block_v == 0 for b in (offset, *splits))
+    assert launch.invars[0].aval.shape == (x.shape if on_block else (x.shape[0], ring[0].shape[2]))
+    assert len(launch.outvars) == (len(splits) + 2 if on_block else 2)
+    assert bool(cuts) != on_block, cuts
+
+
+def test_packed_kernel_lowers_for_cuda(rng):
+    """Nemotron-3-Nano-4B's layout lowered for CUDA on the CPU: one launch that reads xBC at column 7680 of
+    in_proj's output and writes x, B and C apart; the ring (operand 1) aliased to output 3."""
+    batch, d_inner, gn, heads = 8, 7680, 1024, 96
+    C = d_inner + 2 * gn
+    x = jnp.asarray(rng.standard_normal((batch, d_inner + C + heads)), jnp.bfloat16)
+    ring = draw(rng, batch, C, 4, 1, jnp.bfloat16, jnp.bfloat16, True)[1:]
+    text = lower_for_cuda(lambda x, *a: kernels.conv_update(x, *a, offset=d_inner, splits=(d_inner, d_inner + gn)),
+                          x, *ring)
+    calls = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
+    assert len(calls) == 1 and "conv_update_w4_bc512_w4_s1_p7680_1024_1024" in calls[0], calls
+    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
+    assert aliases == [("3", "1")], calls[0][:2000]
+    assert "stablehlo.slice" not in text
+
+
+@pytest.mark.parametrize("C, boundaries, block", [
+    (9728, (7680, 7680, 8704), 512),  # Nemotron-3-Nano-4B: xBC at d_inner = 7680, cut at 7680 and 8704
+    (8192, (0, 2048, 4096), 512),  # Qwen3.5-4B: q, k, v
+    (5376, (5120, 5120, 5248), 128),  # Mamba-2 2.7B: d_inner 5120, G N = 128
+    (96, (32, 32, 64), 32),  # the tiny checkpoints
+    (9728, (7680, 7690), 512),  # no block of 32 or more divides 7690: the widest, XLA cuts the pieces
+])
+def test_default_config_fits_the_pieces(C, boundaries, block):
+    assert kernels.default_conv_config(C, boundaries).block_v == block
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 256])
+def test_compiled_packed_kernel_matches_reference(batch, rng):
+    """Compiled at Nemotron-3-Nano-4B's layout (xBC at column 7680 of in_proj's 17504, cut into x, B, C)."""
+    d_inner, gn = 7680, 1024
+    case = (batch, d_inner + d_inner + 2 * gn + 96, d_inner, d_inner + 2 * gn, (d_inner, d_inner + gn),
+            jnp.bfloat16, True, 512)
+    x, ring, offset, splits, _ = draw_packed(rng, case)
+    pieces, columns = ops.conv_update(x, *ring, offset=offset, splits=splits, backend="pallas")
+    want, want_columns = ops.conv_update(x, *ring, offset=offset, splits=splits, backend="xla")
+    np.testing.assert_array_equal(np.asarray(columns, np.float32), np.asarray(want_columns, np.float32))
+    for got, ref in zip(pieces, want, strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.gpu
+def test_compiled_packed_step_is_the_kernel_in_place(rng):
+    """`CausalConv1d.step` on a packed projection (Nemotron-3-Nano-4B's layout), jitted with the window
+    donated: the kernel and the start's advance, no slice of x or of y and no copy of the ring."""
+    batch, d_inner, gn = 64, 7680, 1024
+    C = d_inner + 2 * gn
+    conv = CausalConv1d(C, 4, bias=True, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    window = ConvWindow.from_conv_state(jnp.asarray(rng.standard_normal((batch, C, 3)), jnp.bfloat16))
+    x = jnp.asarray(rng.standard_normal((batch, d_inner + C + 96)), jnp.bfloat16)
+    step = jax.jit(lambda w, x: conv.step(x, w, backend="pallas", offset=d_inner, splits=(d_inner, d_inner + gn))[::-1],
+                   donate_argnums=0)
+    found = [line for line in work_besides_kernels(step.lower(window, x).compile().as_text())
+             if f"= s32[{batch}]" not in line]
+    assert not found, found
+

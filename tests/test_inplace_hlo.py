@@ -35,10 +35,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hlo_checks import carry_copies, merged_weights, per_step_copies, work_besides_kernels
+from hlo_checks import carry_copies, merged_weights, per_step_copies, slice_launches, work_besides_kernels
 from kernel_checks import GDN, GDNShape, Mamba2, Mamba2Shape, lower_for_cuda, replay_config
 from models import load_model
 from replayssm_jax.generation import Generator, SpeculativeConfig
+from replayssm_jax.layers import GatedDeltaNet, Mamba2Mixer
 
 STEPS = 32
 L = 4
@@ -120,6 +121,15 @@ def test_work_detector_finds_work():
     for fn in (lambda x: x * 2.0, lambda x: x):
         work = jax.jit(fn).lower(x).compile().as_text()
         assert work_besides_kernels(work), work
+
+
+def test_slice_detector_finds_a_slice_launch():
+    """`slice_launches` finds a slice that runs as its own launch, not one that a fusion takes in."""
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 16)), jnp.float32)
+    hlo = jax.jit(lambda x: (x[:, 2:5], jnp.sin(x)[:, 1:3], x[:, 4:12] * 2.0)).lower(x).compile().as_text()
+    found = slice_launches(hlo)
+    assert len(found) == 1 and "f32[4,3]" in found[0], found
+    assert slice_launches(jax.jit(lambda x: jnp.sin(x)[:, 1:3]).lower(x).compile().as_text()) == []
 
 
 @pytest.mark.parametrize("name", ["gdn", "mamba2"])
@@ -291,6 +301,24 @@ def test_pallas_step_is_its_kernels(name, step, rng):
     hlo = jax.jit(fn, donate_argnums=0).lower(carry, layer.draw()).compile().as_text()
     found = work_besides_kernels(hlo)
     assert not found, "work besides the kernels:\n" + "\n".join(found)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, cuts", [("mamba2", ["bf16[64,8]"]), ("gdn", [])])
+def test_compiled_decode_step_cuts_no_operand_of_its_kernels(name, cuts, rng):
+    """A layer's decode step on "pallas" (bf16 weights and activations, the state donated), compiled: no
+    slice of its projections runs as a launch of its own, but Mamba-2's dt [batch, H] (its conv kernel reads
+    xBC inside in_proj's output and writes x, B and C apart; GDN's writes q, k and v apart)."""
+    rngs = nnx.Rngs(int(rng.integers(1 << 30)))
+    layer = (Mamba2Mixer(256, num_heads=8, head_dim=64, state_size=128, n_groups=2, param_dtype=jnp.bfloat16,
+                         rngs=rngs) if name == "mamba2" else
+             GatedDeltaNet(256, num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128, packed=False,
+                           param_dtype=jnp.bfloat16, rngs=rngs))
+    u = jnp.asarray(rng.standard_normal((64, 2, 256)), jnp.bfloat16)
+    _, state = layer.prefill(u[:, :1])
+    step = jax.jit(lambda s, x: layer.decode(x, s, backend="pallas"), donate_argnums=0)
+    found = slice_launches(step.lower(state, u[:, 1]).compile().as_text())
+    assert [re.search(r"= (\w+\[[\d,]*\])", line).group(1) for line in found] == cuts, found
 
 
 @pytest.mark.gpu

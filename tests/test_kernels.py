@@ -39,6 +39,7 @@ from kernel_checks import (
     Mamba2Shape,
     check_replay,
     check_standard,
+    jaxpr_equations,
     lower_for_cuda,
     mixed_cursors,
     replay_config,
@@ -326,7 +327,7 @@ def test_auto_route_is_the_picked_route(case, rng):
 def launched_kernels(fn, *args) -> list[str]:
     """The `name=` of each pallas_call that fn(*args) launches (traced on abstract inputs: nothing runs)."""
     jaxpr = jax.make_jaxpr(fn)(*args)
-    return [e.params["name"] for e in _equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    return [e.params["name"] for e in jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
 
 
 def model_replay_step(layer: str, batch: int):
@@ -714,22 +715,7 @@ def kernel_dots(layer, rs, config):
     """(lhs dtype, rhs dtype, precision) of each dot in the jaxpr of one replay step."""
     jaxpr = jax.make_jaxpr(lambda r, i: layer.kernel_replay_step(r, i, "output", config))(rs, layer.draw())
     return [(str(e.invars[0].aval.dtype), str(e.invars[1].aval.dtype), str(e.params["precision"]).split(".")[-1])
-            for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-
-
-def _equations(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs in its equations' parameters (kernels, loops, branches)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        stack = list(eqn.params.values())
-        while stack:
-            value = stack.pop()
-            if isinstance(value, (tuple, list)):
-                stack.extend(value)
-            elif hasattr(value, "eqns"):
-                yield from _equations(value)
-            elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-                yield from _equations(value.jaxpr)
+            for e in jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
 
 
 # The f32-key cases check the dot's accuracy on the GPU only: the CPU

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kernel_checks import jaxpr_equations
 from replayssm_jax.layers import (
     MLP,
     Attention,
@@ -414,6 +415,28 @@ SSM_LAYERS = {
 # and test_gdn_packed_layout_equals_separate checks that they project alike: the decode and verify tests
 # run the packed layout by default and the separate one as `slow`.
 SSM_LAYER_CASES = ["gdn_packed", pytest.param("gdn_separate", marks=pytest.mark.slow), "mamba2"]
+
+
+def test_decode_step_cuts_no_operand_of_its_kernels(rng):
+    """A decode step on the kernels (interpret) slices no operand of its kernels where the conv kernel's
+    block divides the pieces' boundaries: the conv reads xBC inside Mamba-2's in_proj output and returns x,
+    B and C apart (GDN: q, k and v). Left are Mamba-2's z (which the gated norm's fusion reads) and dt
+    [batch, H]. Each step equals the XLA form's."""
+    layers = {"mamba2": (Mamba2Mixer(32, num_heads=4, head_dim=8, state_size=16, n_groups=2), [(2, 4), (2, 32)]),
+              "gdn": (GatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8, packed=False), [])}
+    for name, (layer, cuts) in layers.items():
+        layer = randomize(layer, seed=int(rng.integers(1 << 30)), scale=0.3)
+        u = jnp.asarray(rng.standard_normal((2, 3, 32)), jnp.float32)
+        _, state = layer.prefill(u[:, :2])
+        jaxpr = jax.make_jaxpr(lambda s, x: layer.decode(x, s, backend="interpret"))(state, u[:, 2])
+        slices = sorted(tuple(e.outvars[0].aval.shape) for e in jaxpr_equations(jaxpr.jaxpr)
+                        if e.primitive.name in ("slice", "split"))
+        assert slices == cuts, (name, slices)
+        y, new = layer.decode(u[:, 2], state, backend="interpret")
+        want, want_state = layer.decode(u[:, 2], state, backend="xla")
+        assert_close(y, want, what=f"{name} decode output")
+        assert_close(new.ssm_state, want_state.ssm_state, what=f"{name} ssm_state")
+        np.testing.assert_array_equal(np.asarray(new.conv_state.columns), np.asarray(want_state.conv_state.columns))
 
 
 def np_mamba2(layer: Mamba2Mixer, u):

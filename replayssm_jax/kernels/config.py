@@ -189,11 +189,24 @@ class ConvConfig(_Tiling):
 # few hundred programs per wave at the models' conv_dim (8192, 9728).
 CONV_BLOCK = 512
 
+# The narrowest block the conv update takes so that it reads its input at a
+# column offset of a packed projection and writes its output in pieces
+# (`kernels.conv_update`'s offset and splits): the models' boundaries are
+# multiples of 512 (Nemotron-3-Nano-4B: 7680, 8704; Qwen3.5-4B: 2048, 4096) or
+# 128 (Mamba-2 2.7B: 5120, 5248); below it the pieces are cut by XLA.
+MIN_PIECE_BLOCK = 32
 
-def default_conv_config(channels: int) -> ConvConfig:
+
+def default_conv_config(channels: int, boundaries: tuple[int, ...] = ()) -> ConvConfig:
     """The conv update's tiling for `channels` (C): CONV_BLOCK channels (C rounded up to a power of two
-    where smaller) on 4 warps."""
-    return ConvConfig(block_v=min(CONV_BLOCK, next_pow2(channels)), num_warps=4)
+    where smaller) on 4 warps, halved down to MIN_PIECE_BLOCK until the block divides every one of
+    `boundaries` (the input's column offset and the output's split points), and left at its widest
+    where no such block divides them all (the kernel's caller then cuts the pieces in XLA)."""
+    widest = min(CONV_BLOCK, next_pow2(channels))
+    block = widest
+    while block > MIN_PIECE_BLOCK and any(b % block for b in boundaries):
+        block //= 2
+    return ConvConfig(block_v=block if not any(b % block for b in boundaries) else widest, num_warps=4)
 
 
 @dataclasses.dataclass(frozen=True)

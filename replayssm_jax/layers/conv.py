@@ -27,6 +27,7 @@ from flax import nnx
 from replayssm_jax import ops
 from replayssm_jax.layers.cache import ConvWindow
 from replayssm_jax.layers.linear import default_rngs
+from replayssm_jax.ops.validate import check_pieces
 from replayssm_jax.reference.conv import ACTIVATIONS
 from replayssm_jax.state import in_order
 
@@ -106,83 +107,118 @@ class CausalConv1d(nnx.Module):
             acc = acc + self.bias[...].astype(jnp.float32)
         return self._act(acc).astype(dtype)
 
-    def __call__(self, x: jax.Array, conv_state: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def _check_x(self, x, offset, splits, what: str, rank: int) -> tuple[int, tuple[int, ...]]:
+        """(offset, splits) checked for an input x of `rank` axes whose C conv inputs are
+        x[..., offset:offset + C] (offset None: 0, x exactly C wide).
+
+        Raises:
+          ValueError: x of another rank; x not C columns wide without an offset, an offset or splits
+            outside x or C (`check_pieces`)."""
+        if getattr(x, "ndim", None) != rank:
+            axes = "[batch, " + "T, " * (rank == 3)
+            raise ValueError(f"CausalConv1d.{what}: `x` must be an array of shape {axes}{self.channels}] (or "
+                             f"{axes}X] with `offset`); got {getattr(x, 'shape', type(x).__name__)}")
+        try:
+            offset, splits = check_pieces(offset, splits, x.shape[-1], self.channels)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"CausalConv1d.{what}: {e}") from None
+        return offset, splits
+
+    def __call__(self, x: jax.Array, conv_state: jax.Array | None = None, *, offset: int | None = None,
+                 splits=()) -> tuple[jax.Array | tuple[jax.Array, ...], jax.Array]:
         """Prefill: convolve a whole sequence.
 
         Args:
-          x: [batch, T, C].
+          x: [batch, T, C]; with `offset`, [batch, T, X] holding the C inputs at columns
+            offset .. offset + C - 1 (a packed projection).
           conv_state: [batch, C, W - 1] inputs preceding x, or None (zeros).
+          splits: increasing channel indices in (0, C): y comes back cut into pieces there.
 
         Returns:
-          (y [batch, T, C] of x.dtype, after the activation; new conv_state
+          (y [batch, T, C] of x.dtype, after the activation, or its pieces with `splits`; new conv_state
           [batch, C, W - 1] of x.dtype: the last W - 1 inputs of [conv_state ; x]).
+
+        Raises:
+          ValueError: x not [batch, T, C] (or X wide with an offset inside it), bad splits, a conv_state of
+            another shape.
         """
-        batch, seqlen, channels = x.shape
-        if channels != self.channels:
-            raise ValueError(f"CausalConv1d: `x` must have shape [batch, T, {self.channels}]; got {x.shape}")
+        offset, splits = self._check_x(x, offset, splits, "__call__", 3)
+        x = x[..., offset:offset + self.channels]
+        batch, seqlen, _ = x.shape
         width = self.kernel_size
         if conv_state is None:
             conv_state = self.init_state(batch, x.dtype)
         self._check_state(conv_state, batch)
         xp = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)  # [b, W-1+T, C]
         new_state = jnp.swapaxes(xp[:, xp.shape[1] - (width - 1):, :], 1, 2)
-        return self._convolve(xp, seqlen, x.dtype), new_state
+        return _cut(self._convolve(xp, seqlen, x.dtype), splits), new_state
 
-    def verify(self, x: jax.Array, conv_state: ConvWindow, tree=None) -> tuple[jax.Array, ConvWindow]:
+    def verify(self, x: jax.Array, conv_state: ConvWindow, tree=None, *, offset: int | None = None,
+               splits=()) -> tuple[jax.Array | tuple[jax.Array, ...], ConvWindow]:
         """A verify window: T new inputs after the live ones, written into the ring, start unchanged.
 
         Args:
-          x: [batch, T, C], 1 <= T <= conv_state.max_window.
+          x: [batch, T, C], 1 <= T <= conv_state.max_window; with `offset`, [batch, T, X] holding the C
+            inputs at columns offset .. offset + C - 1.
           conv_state: `ConvWindow` of this conv's width and channels.
           tree: None, or a :class:`~replayssm_jax.speculative.tree.DraftTree`
             of T nodes: output t convolves the inputs on t's path root .. t
             (after the live ones), not the T positions before it.
+          splits: increasing channel indices in (0, C): y comes back cut into pieces there.
 
         Returns:
-          (y [batch, T, C] of x.dtype: output t assumes inputs 0..t-1 of the
+          (y [batch, T, C] of x.dtype (its pieces with `splits`): output t assumes inputs 0..t-1 of the
           window (of a tree: t's ancestors) are accepted; the ConvWindow with
           the T inputs written in node order, for ``advance(m)`` to keep the
           first m, after ``keep_path`` for a tree).
 
         Raises:
           TypeError: `conv_state` not a ConvWindow.
-          ValueError: shapes that do not match, or T > max_window.
+          ValueError: shapes that do not match, bad offset or splits, or T > max_window.
         """
-        batch, seqlen, channels = x.shape
-        if channels != self.channels:
-            raise ValueError(f"CausalConv1d.verify: `x` must have shape [batch, T, {self.channels}]; got {x.shape}")
+        offset, splits = self._check_x(x, offset, splits, "verify", 3)
+        x = x[..., offset:offset + self.channels]
+        batch, seqlen, _ = x.shape
         self._check_window(conv_state, batch, seqlen, "verify")
         xp = jnp.concatenate([conv_state.live().astype(x.dtype), x], axis=1)  # [b, W-1+T, C]
         y = self._convolve(xp, seqlen, x.dtype, None if tree is None or tree.is_chain else tree_taps(tree,
                                                                                                    self.kernel_size))
         conv_state, y = in_order(conv_state, y)  # the live inputs are read before the ring is written
-        return y, conv_state.write(x)
+        return _cut(y, splits), conv_state.write(x)
 
-    def step(self, x: jax.Array, conv_state: ConvWindow, *,
-             backend: str | None = None) -> tuple[jax.Array, ConvWindow]:
+    def step(self, x: jax.Array, conv_state: ConvWindow, *, backend: str | None = None, offset: int | None = None,
+             splits=()) -> tuple[jax.Array | tuple[jax.Array, ...], ConvWindow]:
         """Decode: one new time step, its input written into the ring in place
-        (`replayssm_jax.ops.conv_update`: one kernel launch on the kernel backends).
+        (`replayssm_jax.ops.conv_update`: one kernel launch on the kernel backends, which reads a packed x
+        at its offset and writes y's pieces where its channel block divides their boundaries).
 
         Args:
-          x: [batch, C], the new input.
+          x: [batch, C], the new input; with `offset`, [batch, X] holding it at columns
+            offset .. offset + C - 1 (a decode layer's packed projection).
           conv_state: `ConvWindow` of this conv's width and channels.
           backend: passed to `ops.conv_update`.
+          splits: increasing channel indices in (0, C): y comes back cut into pieces there.
 
         Returns:
-          (y [batch, C] of x.dtype, the ConvWindow with x live and the oldest input dropped).
+          (y [batch, C] of x.dtype (its pieces with `splits`), the ConvWindow with x live and the oldest
+          input dropped).
 
         Raises:
           TypeError, ValueError: as `verify`.
         """
-        if getattr(x, "ndim", None) != 2 or x.shape[1] != self.channels:
-            raise ValueError(f"CausalConv1d.step: `x` must be an array of shape [batch, {self.channels}]; got "
-                             f"{getattr(x, 'shape', type(x).__name__)}")
+        self._check_x(x, offset, splits, "step", 2)
         self._check_window(conv_state, x.shape[0], 1, "step")
         y, columns = ops.conv_update(x, conv_state.columns, conv_state.start, self.weight[...][:, 0, :],
-                                     None if self.bias is None else self.bias[...], self.activation, backend=backend)
+                                     None if self.bias is None else self.bias[...], self.activation, offset=offset,
+                                     splits=splits, backend=backend)
         window = conv_state.replace(columns=columns)
         window, y = in_order(window, y)  # the write has read start before start moves
         return y, window.advance(1)
+
+
+def _cut(y, splits: tuple[int, ...]):
+    """y, or the tuple of its pieces along the channel axis at `splits`."""
+    return tuple(jnp.split(y, splits, axis=-1)) if splits else y
 
 
 def tree_taps(tree, width: int) -> np.ndarray:

@@ -135,13 +135,11 @@ class GatedDeltaNet(SSMMixer):
             a = self.in_proj_a(u)
         return qkv, z, b, a
 
-    def _split_qkv(self, qkv):
-        lead = qkv.shape[:-1]
-        kd = self.key_dim
-        q = qkv[..., :kd].reshape(*lead, self.num_k_heads, self.head_k_dim)
-        k = qkv[..., kd:2 * kd].reshape(*lead, self.num_k_heads, self.head_k_dim)
-        v = qkv[..., 2 * kd:].reshape(*lead, self.num_v_heads, self.head_v_dim)
-        return q, k, v
+    def _heads(self, q, k, v):
+        """q, k [..., H K], v [..., HV V] -> [..., H, K], [..., H, K], [..., HV, V] (free reshapes)."""
+        lead = q.shape[:-1]
+        H, K = self.num_k_heads, self.head_k_dim
+        return q.reshape(*lead, H, K), k.reshape(*lead, H, K), v.reshape(*lead, self.num_v_heads, self.head_v_dim)
 
     def _gates(self, b, a):
         """(g f32[..., HV] log decay <= 0, beta f32[..., HV] in (0, 1))."""
@@ -152,8 +150,9 @@ class GatedDeltaNet(SSMMixer):
 
     def _ssm_inputs(self, u, conv_state, conv):
         qkv, z, b, a = self._project(u)
-        qkv, conv_state = conv(qkv, conv_state)
-        q, k, v = self._split_qkv(qkv)
+        # the conv returns q, k and v apart (in a decode step from its kernel, no slice: ops.conv_update)
+        (q, k, v), conv_state = conv(qkv, conv_state, splits=(self.key_dim, 2 * self.key_dim))
+        q, k, v = self._heads(q, k, v)
         g, beta = self._gates(b, a)
         return dict(q=q, k=k, v=v, g=g, beta=beta), z, conv_state
 

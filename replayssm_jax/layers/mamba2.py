@@ -6,6 +6,7 @@ Matches transformers' `Mamba2Mixer` and `NemotronHMamba2Mixer` (torch_forward):
     z, xBC, dt = split(zxbcdt)                 d_inner, conv_dim = d_inner + 2 G N, nheads
     xBC = silu(conv1d(xBC))                    causal depthwise, width W, conv_state
     x, B, C = split(xBC)                       [.., nheads, head_dim], [.., G, N], [.., G, N]
+                                               (the conv reads xBC in zxbcdt and returns x, B, C apart)
     y = SSM(x, dt, A = -exp(A_log), B, C, D, dt_bias, dt_limit)   (replayssm_jax.ops)
     y = norm(y, z)                             gated RMSNorm, groups of norm_group_size
     out = out_proj(y)
@@ -103,26 +104,24 @@ class Mamba2Mixer(SSMMixer):
         self.out_proj = Linear(self.d_inner, hidden_size, bias=use_bias, param_dtype=param_dtype, rngs=rngs)
 
     # -- pieces -------------------------------------------------------------------------------
-    def _split_proj(self, zxbcdt):
-        d, c = self.d_inner, self.conv_dim
-        return zxbcdt[..., :d], zxbcdt[..., d:d + c], zxbcdt[..., d + c:]
-
-    def _split_xbc(self, xbc):
-        d, gn = self.d_inner, self.n_groups * self.state_size
-        lead = xbc.shape[:-1]
-        x = xbc[..., :d].reshape(*lead, self.num_heads, self.head_dim)
-        B = xbc[..., d:d + gn].reshape(*lead, self.n_groups, self.state_size)
-        C = xbc[..., d + gn:].reshape(*lead, self.n_groups, self.state_size)
-        return x, B, C
+    def _heads(self, x, B, C):
+        """x [..., d_inner], B and C [..., G N] -> [..., H, P], [..., G, N], [..., G, N] (free reshapes)."""
+        lead = x.shape[:-1]
+        return (x.reshape(*lead, self.num_heads, self.head_dim), B.reshape(*lead, self.n_groups, self.state_size),
+                C.reshape(*lead, self.n_groups, self.state_size))
 
     def _op_params(self):
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         return dict(A=A, D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=self.dt_limit)
 
     def _ssm_inputs(self, u, conv_state, conv):
-        z, xbc, dt = self._split_proj(self.in_proj(u))
-        xbc, conv_state = conv(xbc, conv_state)
-        x, B, C = self._split_xbc(xbc)
+        # The conv reads xBC at its offset in in_proj's output and returns x, B and C apart (in a decode
+        # step one kernel launch, no slice of zxbcdt or of the conv's output: ops.conv_update).
+        zxbcdt = self.in_proj(u)
+        d, gn = self.d_inner, self.n_groups * self.state_size
+        (x, B, C), conv_state = conv(zxbcdt, conv_state, offset=d, splits=(d, d + gn))
+        x, B, C = self._heads(x, B, C)
+        z, dt = zxbcdt[..., :d], zxbcdt[..., d + self.conv_dim:]
         return dict(x=x, dt=dt, B=B, C=C), z, conv_state
 
     def _replay_init_params(self):

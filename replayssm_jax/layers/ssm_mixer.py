@@ -62,8 +62,9 @@ class SSMMixer(nnx.Module):
     # Hooks each layer defines (Mamba2Mixer, GatedDeltaNet); the base has no default.
 
     def _ssm_inputs(self, u, conv_state, conv):
-        """(SSM op inputs as keywords, gate z, new conv_state); `conv` is `self.conv1d`
-        (a whole sequence) or `self.conv1d.step` (one token)."""
+        """(SSM op inputs as keywords, gate z, new conv_state); `conv` is `self.conv1d` (a whole sequence),
+        `self.conv1d.verify` (a window) or `self.conv1d.step` (one token), each called as
+        ``conv(x, conv_state, offset=, splits=)`` on a packed projection."""
         raise NotImplementedError(f"{type(self).__name__} must define _ssm_inputs")
 
     def _op_params(self) -> dict:

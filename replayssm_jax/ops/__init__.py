@@ -153,8 +153,8 @@ KernelConfig = kernels.StepConfig | kernels.ReplayConfig | kernels.TMAReadoutCon
 # The conv update
 
 
-def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", *, backend: str | None = None,
-                config: kernels.ConvConfig | None = None):
+def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", *, offset: int | None = None,
+                splits=(), backend: str | None = None, config: kernels.ConvConfig | None = None):
     """One decode step of the short causal conv (Mamba-2's and GDN's conv1d) on its ring of inputs.
 
     With xp_j = columns[b, (start + j) mod S] for j < W - 1 and xp_{W-1} = x:
@@ -165,26 +165,41 @@ def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", 
     columns and x and writes y and the new column, the ring in place when
     donated; the reference writes the ring with a select over every slot.
 
+    Packed operands (a decode layer's projections): `offset` reads x from
+    columns offset .. offset + C - 1 of a wider array, and `splits` returns
+    y cut into pieces; the kernel reads and writes them in place where its
+    channel block divides the offset and every split point (Mamba-2's xBC
+    at in_proj's column d_inner, cut into x, B, C; GDN's q, k, v), so no
+    XLA slice runs before or after it.
+
     Args:
-      x: [batch, C], the new inputs (bf16 or f32).
+      x: [batch, C], the new inputs (bf16 or f32); with `offset`, [batch, X]
+        holding them at columns offset .. offset + C - 1.
       columns: [batch, S, C] (S >= W), the ring: `ConvWindow.columns`.
       start: int[batch] in [0, S), the slot of each row's oldest live input.
       weight: [C, W], the conv's [C, 1, W] weight reshaped; bias: [C] or None.
       activation: a name of :data:`replayssm_jax.reference.conv.ACTIVATIONS`;
         the kernel computes silu / swish, relu, relu2 and identity, and the
         backend None runs the others on "xla".
+      offset: None, or the int column of x where the conv's inputs start.
+      splits: increasing int channel indices in (0, C) (as `jnp.split`'s):
+        y comes back as the tuple of its len(splits) + 1 pieces.
       backend, config: as every op (module docstring); a
-        :class:`replayssm_jax.kernels.ConvConfig` for the kernel.
+        :class:`replayssm_jax.kernels.ConvConfig` for the kernel (None: the
+        default for C and the pieces' boundaries).
 
     Returns:
-      (y [batch, C] of x's dtype, the ring [batch, S, C] with x written).
+      (y [batch, C] of x's dtype, or the tuple of its pieces [batch, size]
+      with `splits`; the ring [batch, S, C] with x's C inputs written).
 
     Raises:
-      TypeError, ValueError: bad arguments (`validate.check_conv_update`), an
-        activation that an explicitly requested kernel backend does not compute.
+      TypeError, ValueError: bad arguments (`validate.check_conv_update`:
+        x not [batch, C] without `offset`, an offset or splits outside x or
+        C), an activation that an explicitly requested kernel backend does
+        not compute.
     """
-    x, columns, start, weight, bias, activation = val.check_conv_update(
-        x, columns, start, weight, bias, activation, reference.conv.ACTIVATIONS)
+    x, columns, start, weight, bias, activation, offset, splits = val.check_conv_update(
+        x, columns, start, weight, bias, activation, reference.conv.ACTIVATIONS, offset, splits)
     if backend is None and activation not in kernels.CONV_ACTIVATIONS:
         if config is not None:
             raise TypeError(f"`config` tunes the conv kernel, which does not compute `activation` {activation!r} "
@@ -192,12 +207,14 @@ def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", 
         backend = "xla"  # an activation that the kernel does not compute
     chosen = choose_backend("conv_update", backend, config)
     if chosen == "xla":
-        return reference.conv_update(x, columns, start, weight, bias, activation)
+        y, columns = reference.conv_update(x[:, offset:offset + columns.shape[2]], columns, start, weight, bias,
+                                           activation)
+        return (tuple(jnp.split(y, splits, axis=1)) if splits else y), columns
     if activation not in kernels.CONV_ACTIVATIONS:
         raise ValueError(f"`activation` {activation!r}: the conv kernel computes {', '.join(kernels.CONV_ACTIVATIONS)}"
                          " (use backend='xla' or None)")
-    return kernels.conv_update(x, columns, start, weight, bias, activation=activation, config=config,
-                               interpret=chosen == "interpret")
+    return kernels.conv_update(x, columns, start, weight, bias, activation=activation, offset=offset, splits=splits,
+                               config=config, interpret=chosen == "interpret")
 
 
 # --------------------------------------------------------------------------

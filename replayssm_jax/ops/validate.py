@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from replayssm_jax.kernels.conv import check_pieces
 from replayssm_jax.state import CHECKPOINT_DTYPES, ROUNDINGS, GDNReplayState, Mamba2ReplayState, is_quantized
 
 STATE_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -861,20 +862,25 @@ def check_gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm, tree=
             slots)
 
 
-def check_conv_update(x, columns, start, weight, bias, activation, activations):
-    """The arguments of `ops.conv_update` (x [batch, C]; the ring columns [batch, S, C] with S >= W; start
-    i32[batch] in [0, S); weight [C, W]; bias [C] or None; activation a name of `activations`)."""
+def check_conv_update(x, columns, start, weight, bias, activation, activations, offset=None, splits=()):
+    """The arguments of `ops.conv_update` (x [batch, C], or [batch, X] with offset + C <= X where `offset` is
+    given; the ring columns [batch, S, C] with S >= W; start i32[batch] in [0, S); weight [C, W]; bias [C]
+    or None; activation a name of `activations`; splits increasing in (0, C)); returns them, offset and
+    splits as ints (offset None: 0)."""
     x = check_ssm_float("x", x)
-    check_rank("x", x, "batch, C")
-    batch, C = x.shape
+    check_rank("x", x, "batch, X")
+    batch = x.shape[0]
+    columns = check_ssm_float("columns", columns)
+    check_rank("columns", columns, "batch, S, C")
+    C = columns.shape[2]
+    check_shape("columns", columns, "batch, S, C", (batch, columns.shape[1], C))
+    offset, splits = check_pieces(offset, splits, x.shape[1], C)
     weight = check_ssm_float("weight", weight)
     check_rank("weight", weight, "C, W")
     if weight.shape[0] != C:
-        raise ValueError(f"`weight` must have shape [C, W] with C = {C} (axis 1 of `x`); got {tuple(weight.shape)}")
+        raise ValueError(f"`weight` must have shape [C, W] with C = {C} (axis 2 of `columns`); got "
+                         f"{tuple(weight.shape)}")
     W = weight.shape[1]
-    columns = check_ssm_float("columns", columns)
-    check_rank("columns", columns, "batch, S, C")
-    check_shape("columns", columns, "batch, S, C", (batch, columns.shape[1], C))
     if columns.shape[1] < W:
         raise ValueError(f"`columns` must hold at least W = {W} slots (axis 1, S = W - 1 + max_window); "
                          f"got {columns.shape[1]}")
@@ -882,4 +888,4 @@ def check_conv_update(x, columns, start, weight, bias, activation, activations):
     bias = optional_ssm_arg("bias", bias, "C", (C,))
     if activation not in activations:
         raise ValueError(f"`activation` must be one of {sorted(activations)}; got {activation!r}")
-    return x, columns, start, weight, bias, activation
+    return x, columns, start, weight, bias, activation, offset, splits
