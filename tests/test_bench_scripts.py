@@ -892,6 +892,18 @@ def test_conv_update_dry_run(tmp_path, capsys):
     assert "| qwen3.5-4b-gdn | 2 |" in out
 
 
+def test_attention_dry_run(tmp_path, capsys):
+    """bench/attention.py --dry-run: both model shapes checked (the kernel against XLA's products), both
+    forms timed, the table printed, the kernel's bytes those of the live positions."""
+    assert load("attention").main(["--dry-run", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "attention.json").read_text())["rows"]
+    assert [(r["shape"], r["batch"]) for r in rows] == [("qwen3.5-4b", 2), ("nemotron3-nano-4b", 2)]
+    assert all(r["check"]["ok"] and r["interpret"]["us"] > 0 for r in rows)
+    assert all(r["interpret"]["bytes"] < r["xla"]["bytes"] for r in rows)  # 33 of 40 positions
+    assert "| qwen3.5-4b | 2 |" in out
+
+
 def test_step_roofline_counts_the_lockstep_flush():
     """bench/step_roofline.py: a Generator in lockstep moves each checkpoint 1 + 1/L times a step (read, and
     written by the direct step once a cycle) where the replay step's flush moves it 1 + 2/L times."""

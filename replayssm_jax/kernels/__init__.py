@@ -91,6 +91,13 @@ reference's rounding bit for bit. The scales are written in place with the
 values; the rows' write counts advance outside the launches. An f32 or
 bf16 checkpoint is a plain array: those kernels are unchanged.
 
+Around the SSM kernels of a decode step: the conv update
+(:func:`conv_update`, :class:`ConvConfig`: one launch, the ring in place;
+it reads a packed projection at its column offset and writes its output in
+pieces) and the decode attention (:func:`attention_decode`,
+:class:`AttentionConfig`: one launch over each row's live cache positions,
+flash decoding's parts where the rows are few).
+
 Every replay step moves the cursor in place
 (:mod:`replayssm_jax.kernels.cursor`): a one-launch step (fused flush,
 direct route) by counting arrivals, a two-launch step in its flush launch,
@@ -101,17 +108,21 @@ Modules: :mod:`~.config` (configs, heuristics, limits), :mod:`~.launch`
 mat-vecs), :mod:`~.replay_math` (replay weights, rank-L update, record
 fold), :mod:`~.cursor` (the cursor protocol), :mod:`~.gdn` and
 :mod:`~.mamba2` (the kernels of each layer), :mod:`~.tma_readout` and
-:mod:`~.tma_step` (the Mosaic GPU kernels).
+:mod:`~.tma_step` (the Mosaic GPU kernels), :mod:`~.conv` and
+:mod:`~.attention`.
 """
 
 from __future__ import annotations
 
+from replayssm_jax.kernels.attention import attention_decode
 from replayssm_jax.kernels.config import (
     MAX_BUFFER_LEN,
     MAX_HEAD_DIM,
+    AttentionConfig,
     ConvConfig,
     ReplayConfig,
     StepConfig,
+    default_attention_config,
     default_conv_config,
     default_direct_config,
     default_replay_config,
@@ -126,6 +137,7 @@ from replayssm_jax.kernels.mamba2 import mamba2_replay_step, mamba2_replay_verif
 from replayssm_jax.kernels.tma_readout import TMAReadoutConfig
 
 __all__ = [
+    "AttentionConfig",
     "CONV_ACTIVATIONS",
     "ConvConfig",
     "MAX_BUFFER_LEN",
@@ -133,7 +145,9 @@ __all__ = [
     "ReplayConfig",
     "StepConfig",
     "TMAReadoutConfig",
+    "attention_decode",
     "conv_update",
+    "default_attention_config",
     "default_conv_config",
     "default_direct_config",
     "default_replay_config",

@@ -210,6 +210,44 @@ def default_conv_config(channels: int, boundaries: tuple[int, ...] = ()) -> Conv
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionConfig(_Tiling):
+    """Static tiling of the decode attention's kernel (:func:`replayssm_jax.kernels.attention_decode`):
+    grid (batch, HK, parts); `block_v` key positions per block (a power of two >= 16: the dots' extent),
+    `parts` programs sharing a row's live positions (flash decoding; > 1: XLA joins their softmax
+    statistics); num_warps, num_stages, memory_order as :class:`StepConfig`. Raises as StepConfig, and
+    ValueError for block_v < 16 or parts < 1."""
+
+    parts: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block_v < 16:
+            raise ValueError(f"`config.block_v` (key positions per block) must be >= 16; got {self.block_v}")
+        if self.parts < 1:
+            raise ValueError(f"`config.parts` must be >= 1; got {self.parts}")
+
+    def tag(self) -> str:
+        """The tiling in the kernel's name, e.g. "bt32_w8_s1_p1"."""
+        return f"bt{self.block_v}_w{self.num_warps}_s{self.num_stages}_p{self.parts}"
+
+
+# Key positions per block of the decode attention, by head_dim: K and V blocks of 16 KiB each in bf16 (not
+# timed against other tilings).
+ATTENTION_BLOCK = {64: 128, 128: 64, 256: 32}
+
+
+def default_attention_config(batch: int, kv_heads: int, max_len: int, head_dim: int) -> AttentionConfig:
+    """The decode attention's tiling: ATTENTION_BLOCK positions (16 for head_dim above 256), 8 warps for
+    head_dim 256 or more (else 4), and parts enough for two programs an SM where batch x kv_heads
+    programs are fewer, at most one part per block of the cache."""
+    width = next_pow2(head_dim)
+    block = ATTENTION_BLOCK.get(width, 128 if width < 64 else 16)
+    programs = batch * kv_heads
+    parts = max(1, min(cdiv(2 * num_sms(), programs), cdiv(max_len, block)))
+    return AttentionConfig(block_v=block, num_warps=8 if width >= 256 else 4, parts=parts)
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplayConfig(_Tiling):
     """Static tiling of the replay step's output and state routes: the
     replay kernel and its flush.

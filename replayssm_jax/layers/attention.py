@@ -27,6 +27,7 @@ from flax import nnx
 from replayssm_jax.layers.cache import KVCache, check_input, check_num_accepted, check_sizes, commit_layer_state
 from replayssm_jax.ops import take_slots
 from replayssm_jax.ops.validate import check_path, check_slots, check_tree
+from replayssm_jax.reference.attention import attend
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import RMSNorm
 from replayssm_jax.state import in_order
@@ -144,14 +145,8 @@ class Attention(nnx.Module):
         """q [b, T, nh, D]; k, v [b, S, kvh, D]; mask bool[b, T, S] -> [b, T, nh * D]. Its ops carry the
         name scope `ATTENTION_SCOPE` (profiles and bench/step_roofline.py tell attention apart by it)."""
         batch, seqlen, _, d = q.shape
-        rep = self.num_heads // self.num_kv_heads
         with jax.named_scope(ATTENTION_SCOPE):
-            qg = q.reshape(batch, seqlen, self.num_kv_heads, rep, d)
-            scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-            scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-            out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
-            return out.reshape(batch, seqlen, self.num_heads * d)
+            return attend(q, k, v, mask, d ** -0.5).reshape(batch, seqlen, self.num_heads * d)
 
     def _output(self, attn, gate):
         if gate is not None:

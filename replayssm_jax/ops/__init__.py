@@ -1,4 +1,5 @@
-"""Public SSM ops with a choice of backend.
+"""Public ops of a decode step (the SSM layers' steps and states, the conv update, the decode
+attention) with a choice of backend.
 
 Every op validates its arguments once (:mod:`replayssm_jax.ops.validate`),
 resolves its backend and, for a replay step, its route
@@ -15,7 +16,8 @@ resolves its backend and, for a replay step, its route
            replay step's direct route) or :class:`~replayssm_jax.kernels.ReplayConfig`
            (the replay step's output, state, append and deferred routes,
            the verify window) or :class:`~replayssm_jax.kernels.ConvConfig`
-           (the conv update) overriding the kernels' frozen tiling
+           (the conv update) or :class:`~replayssm_jax.kernels.AttentionConfig`
+           (the decode attention) overriding the kernels' frozen tiling
            heuristic, or None; only the kernel backends take one. The
            replay step's append and deferred routes (both layers; the
            deferred route's flush launch then takes the default
@@ -53,8 +55,8 @@ batch, H key heads, HV value heads, K key dim, V value dim; L the buffer
 length, W a verify window. States are value-major: Mamba-2 [batch, nheads,
 head_dim, d_state] (mamba_ssm's and transformers' ssm_state), GDN [batch,
 HV, V, K] (FLA's; transformers' cache is [batch, HV, K, V]: transpose it).
-float16 arrays (activations, parameters, states, buffers) raise TypeError:
-float16 overflows in these recurrences; use bfloat16 or float32.
+float16 arrays of the SSM ops (activations, parameters, states, buffers) raise
+TypeError: float16 overflows in these recurrences; use bfloat16 or float32.
 
 Replay checkpoints may also be int8 or float8_e4m3fn (`checkpoint_dtype`
 of the init ops): one f32 scale per state row, quantized at every
@@ -97,6 +99,7 @@ __all__ = [
     "Mamba2ReplayState",
     "ROUTES",
     "STEP_ROUTES",
+    "attention_decode",
     "backend_for",
     "check_buffer_len",
     "check_route",
@@ -215,6 +218,43 @@ def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", 
                          " (use backend='xla' or None)")
     return kernels.conv_update(x, columns, start, weight, bias, activation=activation, offset=offset, splits=splits,
                                config=config, interpret=chosen == "interpret")
+
+
+def attention_decode(q, k, v, length, *, scale=None, backend: str | None = None,
+                     config: kernels.AttentionConfig | None = None):
+    """Attention of one new position per row over its KV cache (GQA), as a decode step's attention layer
+    forms it: o[b, h] = sum_{t < length[b]} softmax_t(scale q[b, h] . k[b, t, g]) v[b, t, g] with g the KV
+    head of query head h (h // (HQ / HK)); scores and softmax in f32.
+
+    The reference (`replayssm_jax.reference.attention_decode`, the attention layers' math) masks the
+    positions at and after `length` and runs XLA's two products over all S; the kernel (one launch, grid
+    over rows, KV heads and parts of the live positions) reads each row's live positions only, K and V
+    once for the KV head's query heads, with an online softmax; where the rows are few, parts of a row
+    run side by side and XLA joins them (flash decoding). The kernel's probabilities enter the second
+    product unnormalised, the reference's normalised, each in V's dtype: the two differ by that rounding.
+
+    Args:
+      q: [batch, HQ, D] (f32, bf16 or f16), the new position's queries, RoPE and norms applied.
+      k, v: [batch, S, HK, D] of q's dtype, the KV cache with the new position's entry written
+        (`replayssm_jax.layers.cache.KVCache` layout); HK divides HQ.
+      length: int[batch] in [1, S], the live positions of each row, the new one included (checked where
+        concrete).
+      scale: the scores' factor, a finite number; None: D ** -0.5.
+      backend, config: as every op (module docstring); a
+        :class:`replayssm_jax.kernels.AttentionConfig` for the kernel (None: `default_attention_config`).
+
+    Returns:
+      o [batch, HQ, D] of q's dtype.
+
+    Raises:
+      TypeError, ValueError: bad arguments (`validate.check_attention_decode`), named; on the kernel
+        backends D above 256 (ValueError).
+    """
+    q, k, v, length, scale = val.check_attention_decode(q, k, v, length, scale)
+    chosen = choose_backend("attention_decode", backend, config)
+    if chosen == "xla":
+        return reference.attention_decode(q, k, v, length, scale)
+    return kernels.attention_decode(q, k, v, length, scale=scale, config=config, interpret=chosen == "interpret")
 
 
 # --------------------------------------------------------------------------

@@ -889,3 +889,25 @@ def check_conv_update(x, columns, start, weight, bias, activation, activations, 
     if activation not in activations:
         raise ValueError(f"`activation` must be one of {sorted(activations)}; got {activation!r}")
     return x, columns, start, weight, bias, activation, offset, splits
+
+
+ATTENTION_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def check_attention_decode(q, k, v, length, scale):
+    """The arguments of `ops.attention_decode` (q [batch, HQ, D]; k, v [batch, S, HK, D] of q's dtype, HK
+    dividing HQ; length int[batch] in [1, S]; scale None or a finite number); returns them with length as
+    i32 and scale as a float (None: D ** -0.5)."""
+    q = check_float("q", q, ATTENTION_DTYPES)
+    check_rank("q", q, "batch, HQ, D")
+    batch, heads, d = q.shape
+    k = check_float("k", k, (q.dtype,))
+    check_rank("k", k, "batch, S, HK, D")
+    check_shape("k", k, "batch, S, HK, D", (batch, k.shape[1], k.shape[2], d), "batch and D of `q`")
+    v = check_float("v", v, (q.dtype,))
+    check_shape("v", v, "batch, S, HK, D", k.shape, "the shape of `k`")
+    check_divisible("HQ (axis 1 of `q`)", heads, "HK (axis 2 of `k`)", k.shape[2])
+    length = check_int_range("length", length, "batch", (batch,), 1, k.shape[1])
+    scale = check_scale(scale)
+    return q, k, v, length, d ** -0.5 if scale is None else scale
+

@@ -41,6 +41,7 @@ return garbage. Call :mod:`replayssm_jax.ops` with backend="xla" for the
 same math with every argument checked.
 """
 
+from replayssm_jax.reference.attention import attend, attention_decode
 from replayssm_jax.reference.conv import conv_update
 from replayssm_jax.reference.gdn import (
     gdn_chunked,
@@ -71,6 +72,8 @@ from replayssm_jax.state import (
 __all__ = [
     "GDNReplayState",
     "Mamba2ReplayState",
+    "attend",
+    "attention_decode",
     "conv_update",
     "gdn_chunked",
     "gdn_replay_flush",
