@@ -225,7 +225,7 @@ def _profile(gen, prompts, new_tokens):
 
 def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log, prefill_rows=None,
                 save=lambda rows: None, profile=False, budget_bytes=100 * 2**30, mesh=None, rates=None,
-                ssm_state_dtype=jnp.float32, share_timing=None):
+                ssm_state_dtype=jnp.float32, share_timing=None, attention_backend="xla"):
     """Rows of one model over batches x modes; `save(rows)` after each row. A
     configuration that runs out of device memory is logged and skipped (the
     others still run). `profile`: also break a decode step down by kernel
@@ -235,8 +235,10 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
     for each row's roofline (bench/step_roofline.py; not on a mesh). `ssm_state_dtype`: the model's
     SSM state dtype (float32 or bfloat16), which the standard state and the checkpoints of a mode
     without ':FORMAT' keep. `share_timing`: `_ssm_op_time`'s `steps`, `max_sets` and `chained_calls` where not its
-    defaults (--smoke: SMOKE_SHARE_TIMING)."""
+    defaults (--smoke: SMOKE_SHARE_TIMING). `attention_backend`: the attention layers' decode_backend
+    ("xla": XLA's products; "pallas": the decode attention kernel)."""
     model = init_model(config_dir, dtype, mesh=mesh, ssm_state_dtype=ssm_state_dtype)
+    (model if mesh is None else model.inner).set_attention_decode_backend(attention_backend)
     tp, dp = (None, None) if mesh is None else (mesh.shape["tp"], mesh.shape["dp"])
     shard_config = model.config if mesh is None else sharding.local_config(model.config, tp)
     n_ssm = len(_ssm_layers(model.config))
@@ -341,6 +343,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=bench_args.positive_int, default=None, help="default: 512 (with --smoke: 8)")
     p.add_argument("--new-tokens", type=bench_args.positive_int, default=None, help="default: 256 (with --smoke: 6)")
     p.add_argument("--backend", default=None, choices=bench_args.BACKENDS)
+    p.add_argument("--attention-backend", default="xla", choices=bench_args.BACKENDS,
+                   help="the attention layers' decode steps: xla (XLA's products, the layers' default) or the "
+                        "decode attention kernel (pallas; interpret on the CPU)")
     p.add_argument("--prefill-rows", type=bench_args.non_negative_int, default=64,
                    help="rows per prefill pass (the prefill of 512 x 512 tokens at once may not fit); 0: all at once")
     p.add_argument("--profile", action="store_true",
@@ -416,6 +421,7 @@ def main(argv=None) -> int:
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=_commit(), prompt_len=prompt_len,
                 new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, ssm_state_dtype=args.ssm_state_dtype,
+                attention_backend=args.attention_backend,
                 command=" ".join(sys.argv),
                 mesh=None if mesh is None else dict(dp=mesh.shape["dp"], tp=mesh.shape["tp"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -434,7 +440,7 @@ def main(argv=None) -> int:
         rows += bench_model(name, path, batches, modes, prompt_len, new_tokens, backend, dtype,
                             lambda s: print(s, file=sys.stderr, flush=True), args.prefill_rows or None, save,
                             args.profile, budget, mesh, rates, jnp.dtype(args.ssm_state_dtype),
-                            SMOKE_SHARE_TIMING if args.smoke else None)
+                            SMOKE_SHARE_TIMING if args.smoke else None, args.attention_backend)
         save([])
     print(f"\n{meta['date']} {meta['device']} backend={backend} commit={meta['commit']} "
           f"prompt={prompt_len} new={new_tokens} {meta['dtype']} ssm_state={args.ssm_state_dtype}"

@@ -27,6 +27,7 @@ from flax import nnx, struct
 
 from replayssm_jax import ops
 from replayssm_jax.compilation import jit
+from replayssm_jax.layers.attention import Attention
 from replayssm_jax.layers.cache import (
     KVCache,
     ReplayLayerState,
@@ -35,7 +36,7 @@ from replayssm_jax.layers.cache import (
     commit_layer_state,
     pending_window,
 )
-from replayssm_jax.ops.validate import check_path, check_tree
+from replayssm_jax.ops.validate import check_backend_name, check_path, check_tree
 
 __all__ = ["HybridBlock", "HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "make_verify_step",
            "make_commit", "commit_cache", "split_params"]
@@ -151,6 +152,20 @@ class HybridCausalLM(nnx.Module):
     def _logits(self, h):
         """hidden -> logits f32 (final norm and LM head)."""
         return self._lm_head(self._final_norm(h))
+
+    def set_attention_decode_backend(self, backend: str | None) -> None:
+        """Set every attention layer's `decode_backend`: the backend of a decode step's attention over the
+        KV cache (`replayssm_jax.ops.attention_decode`), "xla" (the layers' default: XLA's products over
+        all max_len positions), "pallas", "interpret" or None (by platform) for its kernel. Programs
+        compiled before keep theirs; the next `jit` of the model takes the new one.
+
+        Raises:
+          ValueError: another value (before any layer changes).
+        """
+        check_backend_name("backend", backend)
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, Attention):
+                module.decode_backend = backend
 
     def __call__(self, input_ids: jax.Array, *, backend: str | None = None) -> jax.Array:
         """Full causal forward, no cache.

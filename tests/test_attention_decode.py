@@ -9,6 +9,7 @@ V's dtype: outputs agree within that rounding (TOLERANCE, relative to the output
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import jax
@@ -17,8 +18,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kernel_checks import lower_for_cuda
+from kernel_checks import jaxpr_equations, lower_for_cuda
+from models import load_model
 from replayssm_jax import kernels, ops, reference
+from replayssm_jax.generation import Generator
 from replayssm_jax.layers import Attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -175,4 +178,68 @@ def test_compiled_kernel_with_parts_matches_reference(rng):
     """A long cache (4096 positions) of one row in 66 parts joined by XLA."""
     HQ, HK, D = GPU_SHAPES["qwen3.5-4b"]
     assert_matches_reference(draw(rng, 1, HQ, HK, D, 4096, jnp.bfloat16), "pallas")
+
+
+# ---------------------------------------------------------------------------
+# The attention layers on the kernel (decode_backend)
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def _layer(rng, backend):
+    """Qwen3.5's attention form (q/k norms, output gate, partial RoPE) at a small shape."""
+    return Attention(32, 4, 2, 16, qk_norm=True, output_gate=True, rotary_dim=8, decode_backend=backend,
+                     rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+
+
+def test_layer_decode_on_the_kernel(rng):
+    """An Attention layer with decode_backend "interpret": a decode step (also over a state pool's slots)
+    launches the kernel and equals the XLA form's output and cache; a verify window (W = 3) keeps XLA's
+    products."""
+    layer = _layer(rng, "interpret")
+    prompt = jnp.asarray(rng.standard_normal((3, 5, 32)), jnp.float32)
+    _, cache = layer.prefill(prompt, max_len=12)
+    x = jnp.asarray(rng.standard_normal((3, 32)), jnp.float32)
+    y, new = layer.decode(x, cache)
+    layer.decode_backend = "xla"
+    want, want_cache = layer.decode(x, cache)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    slots = jnp.asarray([2, 0], jnp.int32)
+    want_pool = layer.decode(x[:2], cache, slots=slots)
+    layer.decode_backend = "interpret"
+    got_pool = layer.decode(x[:2], cache, slots=slots)
+    np.testing.assert_allclose(np.asarray(got_pool[0]), np.asarray(want_pool[0]), rtol=1e-5, atol=1e-5)
+    launches = [e for e in jaxpr_equations(jax.make_jaxpr(lambda x, c: layer.decode(x, c))(x, cache).jaxpr)
+                if e.primitive.name == "pallas_call"]
+    assert len(launches) == 1
+    window = jnp.asarray(rng.standard_normal((3, 3, 32)), jnp.float32)
+    assert not [e for e in jaxpr_equations(jax.make_jaxpr(lambda w, c: layer.verify(w, c))(window, cache).jaxpr)
+                if e.primitive.name == "pallas_call"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "nemotron_h_tiny"])
+def test_model_decodes_the_reference_tokens_on_the_kernel(name):
+    """A fixture model with its attention layers on the kernel (interpreted) decodes transformers' greedy
+    tokens, with both states."""
+    model = load_model(DATA / name)
+    model.set_attention_decode_backend("interpret")
+    ref = np.load(DATA / name / "reference.npz")
+    prompts, expected = ref["prompt_ids"], ref["generated_ids"]
+    for state in ("standard", "replay"):
+        replay = dict(buffer_len=4) if state == "replay" else {}
+        out = Generator(model, state=state, backend="interpret", **replay).generate(
+            prompts, expected.shape[1] - prompts.shape[1])
+        np.testing.assert_array_equal(np.array(out.sequences), expected, err_msg=state)
+
+
+def test_decode_backend_is_checked(rng):
+    with pytest.raises(ValueError, match=re.escape("`decode_backend` must be one of 'pallas', 'interpret', 'xla' or "
+                                                  "None; got 'gpu'")):
+        _layer(rng, "gpu")
+    model = load_model(DATA / "nemotron_h_tiny")
+    with pytest.raises(ValueError, match=re.escape("`backend` must be one of 'pallas', 'interpret', 'xla' or None")):
+        model.set_attention_decode_backend("triton")
+    assert {m.decode_backend for _, m in nnx.iter_modules(model) if isinstance(m, Attention)} == {"xla"}
 

@@ -62,12 +62,15 @@ def test_bench_scripts_measure_the_tree_on_pythonpath(tmp_path):
 def test_e2e_smoke(tmp_path, capsys):
     """The three kinds of mode: the standard state, ReplaySSM, ReplaySSM on the direct route ('Ld'); the
     same greedy tokens in each. With --ssm-state-dtype bfloat16: the states in bf16, half the f32 states'
-    bytes per sequence (from shapes, --memory-only)."""
+    bytes per sequence (from shapes, --memory-only). The attention layers' decode steps on the decode
+    attention kernel (--attention-backend, interpreted)."""
     out = tmp_path / "e2e.json"
     assert load("e2e").main(["--smoke", "--models", "nemotron_h_tiny", "--batches", "2", "--modes",
-                             "standard,2,3d", "--ssm-state-dtype", "bfloat16", "--out", str(out)]) == 0
+                             "standard,2,3d", "--ssm-state-dtype", "bfloat16", "--attention-backend", "interpret",
+                             "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["meta"]["ssm_state_dtype"] == "bfloat16"
+    assert result["meta"]["attention_backend"] == "interpret"
     rows = result["rows"]
     assert [r["mode"] for r in rows] == ["standard", "2", "3d"]
     assert all(r["tokens_per_s"] > 0 and r["identical_to_standard"] for r in rows)

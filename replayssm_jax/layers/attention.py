@@ -25,8 +25,9 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax.layers.cache import KVCache, check_input, check_num_accepted, check_sizes, commit_layer_state
+from replayssm_jax import ops
 from replayssm_jax.ops import take_slots
-from replayssm_jax.ops.validate import check_path, check_slots, check_tree
+from replayssm_jax.ops.validate import check_backend_name, check_path, check_slots, check_tree
 from replayssm_jax.reference.attention import attend
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import RMSNorm
@@ -78,17 +79,23 @@ class Attention(nnx.Module):
       qk_norm: zero-centered RMSNorm over head_dim on queries and keys (eps = norm_eps).
       rotary_dim: number of rotated dims (0: no RoPE). Even, <= head_dim.
       rope_theta: RoPE base.
+      decode_backend: the backend of a one-position step's attention over the cache
+        (`replayssm_jax.ops.attention_decode`: "pallas", "interpret" or None, by platform, for its
+        kernel, which reads the live positions only), or "xla" (the default: XLA's products over
+        all max_len positions, as every other mode; the kernel has not yet been timed against them
+        in a model). Settable afterwards (`HybridCausalLM.set_attention_decode_backend`).
 
     Parameters (Hugging Face names): ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
     (`Linear`), and with qk_norm ``q_norm``, ``k_norm`` (`RMSNorm`, [head_dim]).
 
     Raises:
-      ValueError: inconsistent sizes.
+      ValueError: inconsistent sizes, an unknown decode_backend.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool = False,
                  output_gate: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, rotary_dim: int = 0,
-                 rope_theta: float = 10000.0, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+                 rope_theta: float = 10000.0, decode_backend: str | None = "xla", param_dtype=jnp.float32,
+                 rngs: nnx.Rngs | None = None):
         check_sizes("Attention", hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                     head_dim=head_dim)
         rngs = default_rngs(rngs)
@@ -105,6 +112,7 @@ class Attention(nnx.Module):
         self.output_gate = output_gate
         self.rotary_dim = rotary_dim
         self.rope_theta = float(rope_theta)
+        self.decode_backend = check_backend_name("decode_backend", decode_backend)
         q_out = num_heads * head_dim * (2 if output_gate else 1)
         kw = dict(bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.q_proj = Linear(hidden_size, q_out, **kw)
@@ -243,7 +251,13 @@ class Attention(nnx.Module):
             on_path = jnp.take(jnp.asarray(tree.ancestors), jnp.clip(node, 0, seqlen - 1), axis=1)  # [T, b, max]
             in_window = (node >= 0) & (node < seqlen)
             mask = (node < 0)[:, None, :] | (in_window[:, None, :] & jnp.moveaxis(on_path, 0, 1))
-        y = self._output(self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask), gate)
+        if seqlen == 1 and tree is None and self.decode_backend != "xla":  # one position: the op's kernel
+            with jax.named_scope(ATTENTION_SCOPE):
+                o = ops.attention_decode(q[:, 0], k_all.astype(q.dtype), v_all.astype(q.dtype), cache.length + 1,
+                                         backend=self.decode_backend)
+            y = self._output(o.reshape(batch, 1, self.num_heads * self.head_dim), gate)
+        else:
+            y = self._output(self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask), gate)
         length, y = in_order(cache.length, y)  # read before it moves: XLA updates it in place
         return y, KVCache(k=k_all, v=v_all, length=length + seqlen)
 

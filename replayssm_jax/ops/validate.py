@@ -911,3 +911,15 @@ def check_attention_decode(q, k, v, length, scale):
     scale = check_scale(scale)
     return q, k, v, length, d ** -0.5 if scale is None else scale
 
+
+def check_backend_name(name: str, backend):
+    """A backend choice by name, "pallas", "interpret", "xla" or None, checked where it is configured (its
+    platform is checked where an op runs: `dispatch.resolve_backend`).
+
+    Raises:
+      ValueError: another value, naming `name`.
+    """
+    if backend is not None and backend not in ("pallas", "interpret", "xla"):
+        raise ValueError(f"`{name}` must be one of 'pallas', 'interpret', 'xla' or None; got {backend!r}")
+    return backend
+
