@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax.layers.cache import KVCache, check_input, check_num_accepted, check_sizes, commit_layer_state
 from replayssm_jax import ops
+from replayssm_jax.layers.cache import KVCache, check_input, check_num_accepted, check_sizes, commit_layer_state
 from replayssm_jax.ops import take_slots
 from replayssm_jax.ops.validate import check_backend_name, check_path, check_slots, check_tree
 from replayssm_jax.reference.attention import attend
