@@ -238,7 +238,7 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
     defaults (--smoke: SMOKE_SHARE_TIMING). `attention_backend`: the attention layers' decode_backend
     ("xla": XLA's products; "pallas": the decode attention kernel)."""
     model = init_model(config_dir, dtype, mesh=mesh, ssm_state_dtype=ssm_state_dtype)
-    (model if mesh is None else model.inner).set_attention_decode_backend(attention_backend)
+    model.set_attention_decode_backend(attention_backend)
     tp, dp = (None, None) if mesh is None else (mesh.shape["tp"], mesh.shape["dp"])
     shard_config = model.config if mesh is None else sharding.local_config(model.config, tp)
     n_ssm = len(_ssm_layers(model.config))

@@ -36,7 +36,7 @@ from replayssm_jax.layers.cache import (
     commit_layer_state,
     pending_window,
 )
-from replayssm_jax.ops.validate import check_backend_name, check_path, check_tree
+from replayssm_jax.ops.validate import check_path, check_tree
 
 __all__ = ["HybridBlock", "HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "make_verify_step",
            "make_commit", "commit_cache", "split_params"]
@@ -156,16 +156,19 @@ class HybridCausalLM(nnx.Module):
     def set_attention_decode_backend(self, backend: str | None) -> None:
         """Set every attention layer's `decode_backend`: the backend of a decode step's attention over the
         KV cache (`replayssm_jax.ops.attention_decode`), "xla" (the layers' default: XLA's products over
-        all max_len positions), "pallas", "interpret" or None (by platform) for its kernel. Programs
-        compiled before keep theirs; the next `jit` of the model takes the new one.
+        all max_len positions), "pallas", "interpret" or None (by platform) for its kernel. The next
+        `jit` of the model, `Generator` or `Engine` built from it, or `models.sharding.shard_model` of it
+        takes the new one; those built before keep theirs (they split the model when built).
 
         Raises:
-          ValueError: another value (before any layer changes).
+          TypeError, ValueError: not a backend name, or a kernel backend for a head_dim above the
+            kernel's limit (`Attention.check_decode_backend`), before any layer changes.
         """
-        check_backend_name("backend", backend)
-        for _, module in nnx.iter_modules(self):
-            if isinstance(module, Attention):
-                module.decode_backend = backend
+        layers = [module for _, module in nnx.iter_modules(self) if isinstance(module, Attention)]
+        for layer in layers:
+            layer.check_decode_backend(backend, "backend")
+        for layer in layers:
+            layer.decode_backend = backend
 
     def __call__(self, input_ids: jax.Array, *, backend: str | None = None) -> jax.Array:
         """Full causal forward, no cache.

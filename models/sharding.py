@@ -75,7 +75,7 @@ from models.common import (
     commit_cache,
 )
 from models.config import NemotronHConfig, QwenHybridConfig
-from replayssm_jax.layers import Embedding, Linear, Mamba2Mixer, MoE
+from replayssm_jax.layers import Attention, Embedding, Linear, Mamba2Mixer, MoE
 
 __all__ = ["AXES", "make_mesh", "check_mesh", "check_config", "check_batch", "local_config", "param_axis",
            "fused_parts", "shard_ranges", "place", "shard_layout", "shardings", "state_specs", "names_of",
@@ -394,6 +394,10 @@ class ShardedLM(nnx.Module):
     def dp(self) -> int:
         return self.mesh.shape[DP]
 
+    def set_attention_decode_backend(self, backend: str | None) -> None:
+        """`models.common.HybridCausalLM.set_attention_decode_backend` of the shards' model."""
+        self.inner.set_attention_decode_backend(backend)
+
     def _run(self, method: str, args: tuple, **options):
         """``inner.<method>(*args, **options)`` on every device's shard, under one shard_map."""
         graphdef, params = nnx.split(self.inner)
@@ -491,7 +495,14 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedLM:
 
     placed = _placed_state(state, config, mesh, reader_of)
     options = dict(ssm_state_dtype=_ssm_state_dtype(model))
-    return sharded_from_state(type(model), config, placed, mesh, **options)
+    sharded = sharded_from_state(type(model), config, placed, mesh, **options)
+    for layer, source in zip(_attention_layers(sharded.inner), _attention_layers(model), strict=True):
+        layer.decode_backend = source.decode_backend  # a static setting, not in the state
+    return sharded
+
+
+def _attention_layers(model) -> list[Attention]:
+    return [module for _, module in nnx.iter_modules(model) if isinstance(module, Attention)]
 
 
 def _ssm_state_dtype(model) -> jnp.dtype:

@@ -54,6 +54,7 @@ CPU_CASES = [  # (batch, HQ, HK, D, S, dtype, config: (positions per block, part
     (4, 4, 4, 16, 70, jnp.float32, (16, 3)),  # one query head a KV head, three parts of each row
     (2, 16, 4, 64, 33, jnp.bfloat16, (16, 5)),  # more parts than a short row's blocks: empty parts
     (1, 2, 1, 80, 9, jnp.float16, (32, 2)),  # the cache shorter than one block
+    (2, 5, 1, 8, 20, jnp.float32, (16, 1)),  # head_dim below a dot's 16: padded
 ]
 
 
@@ -68,17 +69,46 @@ def test_kernel_takes_a_scale(rng):
     assert_matches_reference(draw(rng, 2, 4, 2, 16, 20, jnp.float32), "interpret", scale=0.37)
 
 
-def test_kernel_reads_live_positions_only(rng):
-    """Values past a row's length (here NaN) change nothing: the kernel neither reads them into its sums nor
-    lets a masked score through."""
+def test_live_positions_only(rng):
+    """Values past a row's length (here NaN) change nothing on either backend: neither reads them into its
+    sums nor lets a masked score through."""
     q, k, v, length = draw(rng, 3, 4, 2, 16, 50, jnp.float32)
     length = jnp.asarray([50, 17, 1], jnp.int32)
     dead = jnp.arange(50)[None, :, None, None] >= length[:, None, None, None]
     poisoned = [jnp.where(dead, jnp.nan, a) for a in (k, v)]
     config = kernels.AttentionConfig(block_v=16, num_warps=2, parts=2)
-    got = ops.attention_decode(q, *poisoned, length, backend="interpret", config=config)
     want = ops.attention_decode(q, k, v, length, backend="xla")
+    for backend, kw in (("interpret", dict(config=config)), ("xla", {})):
+        got = ops.attention_decode(q, *poisoned, length, backend=backend, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=TOLERANCE[jnp.float32],
+                                   err_msg=backend)
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_scores_of_minus_infinity(parts, rng):
+    """A block of scores that are all -inf (keys of -inf) before the finite ones gets no weight: no NaN from
+    a running maximum of -inf, in a part or where the parts are joined."""
+    q = jnp.abs(jnp.asarray(rng.standard_normal((1, 2, 16)), jnp.float32)) + 0.5
+    k = jnp.asarray(rng.standard_normal((1, 40, 1, 16)), jnp.float32).at[:, :16].set(-jnp.inf)
+    v = jnp.asarray(rng.standard_normal((1, 40, 1, 16)), jnp.float32)
+    length = jnp.asarray([40], jnp.int32)
+    config = kernels.AttentionConfig(block_v=16, num_warps=2, parts=parts)
+    got = ops.attention_decode(q, k, v, length, backend="interpret", config=config)
+    want = ops.attention_decode(q, k[:, 16:], v[:, 16:], length - 16, backend="xla")
+    assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=TOLERANCE[jnp.float32])
+
+
+def test_a_traced_length_past_the_cache_reads_no_further(rng):
+    """Inside jit a length above S is not checked; the kernel reads S positions, as with length S."""
+    q, k, v, _ = draw(rng, 2, 4, 2, 16, 40, jnp.float32)
+    config = kernels.AttentionConfig(block_v=16, num_warps=2, parts=2)
+
+    def run(length):
+        return ops.attention_decode(q, k, v, length, backend="interpret", config=config)
+
+    got = jax.jit(run)(jnp.asarray([41, 1000], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(run(jnp.asarray([40, 40], jnp.int32))))
 
 
 def test_reference_is_the_attention_layers_math(rng):
@@ -235,9 +265,18 @@ def test_model_decodes_the_reference_tokens_on_the_kernel(name):
 
 
 def test_decode_backend_is_checked(rng):
+    """A bad decode_backend raises naming it, at construction and in the model's setter (before any layer
+    changes); a kernel backend is refused for a head_dim above the kernel's."""
     with pytest.raises(ValueError, match=re.escape("`decode_backend` must be one of 'pallas', 'interpret', 'xla' or "
                                                   "None; got 'gpu'")):
         _layer(rng, "gpu")
+    with pytest.raises(TypeError, match=re.escape("`decode_backend` must be a str ('pallas', 'interpret', 'xla') or "
+                                                 "None; got int 5")):
+        _layer(rng, 5)
+    with pytest.raises(ValueError, match=re.escape("`decode_backend` 'interpret' takes the decode attention kernel, "
+                                                  "which takes head_dim <= 256; this layer's is 320 (use 'xla')")):
+        Attention(64, 2, 1, 320, decode_backend="interpret")
+    assert Attention(64, 2, 1, 320).decode_backend == "xla"
     model = load_model(DATA / "nemotron_h_tiny")
     with pytest.raises(ValueError, match=re.escape("`backend` must be one of 'pallas', 'interpret', 'xla' or None")):
         model.set_attention_decode_backend("triton")

@@ -57,8 +57,10 @@ from jax.sharding import PartitionSpec as P
 from hlo_checks import per_step_copies
 from models import load_model
 from models.random_init import init_model
+from models import sharding as models_sharding
 from models.sharding import ShardedLM, check_config, make_mesh, shard_ranges
 from replayssm_jax.generation import GenerationError, Generator, SpeculativeConfig
+from replayssm_jax.layers import Attention
 
 DATA = pathlib.Path(__file__).parent / "data"
 DEVICES = 4
@@ -147,6 +149,21 @@ def _check_checkpoints_in_place(gen, hlo, prompts, tp, dp):
 def _local_shape(shape, tp, dp):
     """One device's block of a [batch, heads, ...] state array on a dp x tp mesh."""
     return (shape[0] // dp, shape[1] // tp, *shape[2:])
+
+
+def test_sharded_model_keeps_the_attention_decode_backend():
+    """`shard_model` carries each attention layer's decode_backend (a static setting, not in the state) to
+    the shards' model, and `ShardedLM.set_attention_decode_backend` sets it there (a one-device mesh)."""
+    model = load_model(DATA / "qwen3_5_tiny")
+    model.set_attention_decode_backend("interpret")
+    sharded = models_sharding.shard_model(model, make_mesh(1, 1))
+
+    def backends(m):
+        return {layer.decode_backend for _, layer in nnx.iter_modules(m) if isinstance(layer, Attention)}
+
+    assert backends(sharded.inner) == {"interpret"}
+    sharded.set_attention_decode_backend("xla")
+    assert backends(sharded.inner) == {"xla"} and backends(model) == {"interpret"}
 
 
 @needs_devices

@@ -30,11 +30,11 @@ from replayssm_jax.kernels.config import MAX_HEAD_DIM, AttentionConfig, default_
 from replayssm_jax.kernels.launch import pallas_call
 from replayssm_jax.kernels.tiles import lane_ids, load, program_id, store, tile_mask
 
-# Rows of a dot on the tensor cores: the R query rows of a KV head are padded to this many.
+# The least extent of a dot on the tensor cores: the R query rows of a KV head and head_dim are padded to it.
 DOT_ROWS = 16
 
 
-def _attention_kernel(length_ref, q_ref, k_ref, v_ref, *out_refs, R: int, D: int, BT: int, parts: int,
+def _attention_kernel(length_ref, q_ref, k_ref, v_ref, *out_refs, R: int, D: int, S: int, BT: int, parts: int,
                       scale: float):
     """One (row, KV head, part): the online softmax over the part's blocks of live positions. q_ref [BR, BD]
     (the R query rows, D columns, padded); k_ref, v_ref [S rounded up to BT, BD]; out_refs: o [BR, BD], or
@@ -43,7 +43,7 @@ def _attention_kernel(length_ref, q_ref, k_ref, v_ref, *out_refs, R: int, D: int
     dmask = None if BD == D else lane_ids(BD) < D
     rmask = None if BR == R else lane_ids(BR) < R
     q = load(q_ref, tile_mask(rmask, dmask, (BR, BD)), q_ref.dtype)
-    length = length_ref[0]
+    length = jnp.minimum(length_ref[0], S)  # a traced length past the cache reads no further
     blocks = pl.cdiv(length, BT)
     per_part = pl.cdiv(blocks, parts)
     first = program_id(2) * per_part
@@ -59,8 +59,9 @@ def _attention_kernel(length_ref, q_ref, k_ref, v_ref, *out_refs, R: int, D: int
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(live[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no score above -inf yet: weights exp(-inf) = 0
+        alpha = jnp.exp(m - shift)
+        p = jnp.exp(s - shift[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), v, preferred_element_type=jnp.float32)
         return m_new, l, acc
@@ -83,7 +84,7 @@ def _attention_decode(q, k, v, length, *, scale: float, config: AttentionConfig,
     batch, HQ, D = q.shape
     S, HK = k.shape[1], k.shape[2]
     R, BT, parts = HQ // HK, config.block_v, config.parts
-    BR, BD, BS = max(DOT_ROWS, next_pow2(R)), next_pow2(D), pl.cdiv(S, BT) * BT
+    BR, BD, BS = max(DOT_ROWS, next_pow2(R)), max(DOT_ROWS, next_pow2(D)), pl.cdiv(S, BT) * BT
     heads = pl.BlockSpec((None, None, BR, BD), lambda b, g, p: (b, g, 0, 0))
     cache = pl.BlockSpec((None, BS, None, BD), lambda b, g, p: (b, 0, g, 0))
     q = q.reshape(batch, HK, R, D)
@@ -95,7 +96,7 @@ def _attention_decode(q, k, v, length, *, scale: float, config: AttentionConfig,
                      *[pl.BlockSpec((None, None, None, BR), lambda b, g, p: (b, g, p, 0))] * 2)
         out_shape = (jax.ShapeDtypeStruct((batch, HK, parts, R, D), jnp.float32),
                      *[jax.ShapeDtypeStruct((batch, HK, parts, R), jnp.float32)] * 2)
-    kernel = functools.partial(_attention_kernel, R=R, D=D, BT=BT, parts=parts, scale=scale)
+    kernel = functools.partial(_attention_kernel, R=R, D=D, S=S, BT=BT, parts=parts, scale=scale)
     out = pallas_call(
         kernel,
         grid=(batch, HK, parts),
@@ -109,7 +110,7 @@ def _attention_decode(q, k, v, length, *, scale: float, config: AttentionConfig,
     if parts > 1:  # the parts' softmax statistics joined: a part with no live position has m = -inf, l = 0
         acc, m, l = out
         top = jnp.max(m, axis=2, keepdims=True)
-        w = jnp.exp(m - top)
+        w = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - top))
         out = jnp.sum(w[..., None] * acc, axis=2) / jnp.sum(w * l, axis=2)[..., None]
     return out.reshape(batch, HQ, D).astype(q.dtype)
 
@@ -120,9 +121,11 @@ def attention_decode(q, k, v, length, *, scale: float | None = None, config: Att
     docstring).
 
     Args:
-      q: [batch, HQ, D], the new position's queries (bf16 or f32).
-      k, v: [batch, S, HK, D], the KV cache (`replayssm_jax.layers.cache.KVCache` layout), HK dividing HQ.
-      length: i32[batch] in [1, S], the live positions of each row (the new one included).
+      q: [batch, HQ, D], the new position's queries (f32, bf16 or f16).
+      k, v: [batch, S, HK, D] of q's dtype, the KV cache (`replayssm_jax.layers.cache.KVCache` layout), HK
+        dividing HQ (validated by `replayssm_jax.ops.attention_decode`).
+      length: i32[batch] in [1, S], the live positions of each row (the new one included; a traced length
+        above S reads S).
       scale: the scores' factor (None: D ** -0.5).
       config: the launch's AttentionConfig (None: `default_attention_config`).
       interpret: run in Pallas interpret mode (any platform).

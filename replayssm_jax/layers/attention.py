@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax import ops
+from replayssm_jax import kernels, ops
 from replayssm_jax.layers.cache import KVCache, check_input, check_num_accepted, check_sizes, commit_layer_state
 from replayssm_jax.ops import take_slots
 from replayssm_jax.ops.validate import check_backend_name, check_path, check_slots, check_tree
@@ -112,7 +112,7 @@ class Attention(nnx.Module):
         self.output_gate = output_gate
         self.rotary_dim = rotary_dim
         self.rope_theta = float(rope_theta)
-        self.decode_backend = check_backend_name("decode_backend", decode_backend)
+        self.decode_backend = self.check_decode_backend(decode_backend)
         q_out = num_heads * head_dim * (2 if output_gate else 1)
         kw = dict(bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.q_proj = Linear(hidden_size, q_out, **kw)
@@ -125,6 +125,19 @@ class Attention(nnx.Module):
         else:
             self.q_norm = None
             self.k_norm = None
+
+    def check_decode_backend(self, backend: str | None, name: str = "decode_backend") -> str | None:
+        """`backend` checked as this layer's decode_backend: a backend name (`check_backend_name`), and a
+        kernel backend ("pallas", "interpret", None) only for a head_dim the decode attention kernel takes.
+
+        Raises:
+          TypeError, ValueError: naming `name`.
+        """
+        check_backend_name(name, backend)
+        if backend != "xla" and self.head_dim > kernels.MAX_HEAD_DIM:
+            raise ValueError(f"`{name}` {backend!r} takes the decode attention kernel, which takes head_dim <= "
+                             f"{kernels.MAX_HEAD_DIM}; this layer's is {self.head_dim} (use 'xla')")
+        return backend
 
     # -- pieces -------------------------------------------------------------------------------
     def _project(self, x: jax.Array, positions: jax.Array):

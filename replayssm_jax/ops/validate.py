@@ -917,8 +917,11 @@ def check_backend_name(name: str, backend):
     platform is checked where an op runs: `dispatch.resolve_backend`).
 
     Raises:
-      ValueError: another value, naming `name`.
+      TypeError: neither a str nor None; ValueError: another name (each naming `name`).
     """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"`{name}` must be a str ('pallas', 'interpret', 'xla') or None; got "
+                        f"{type(backend).__name__} {backend!r}")
     if backend is not None and backend not in ("pallas", "interpret", "xla"):
         raise ValueError(f"`{name}` must be one of 'pallas', 'interpret', 'xla' or None; got {backend!r}")
     return backend

@@ -38,7 +38,9 @@ def attention_decode(q, k, v, length, scale: float):
       q: [batch, HQ, D]; k, v: [batch, S, HK, D]; length: i32[batch] in [1, S]; scale as `attend`.
 
     Returns:
-      [batch, HQ, D] of v's dtype.
+      [batch, HQ, D] of v's dtype. The positions at and after `length` carry no weight, and their values
+      are not read (a NaN there does not reach the output).
     """
     live = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < length[:, None]  # [batch, S]
+    v = jnp.where(live[:, :, None, None], v, jnp.zeros((), v.dtype))
     return attend(q[:, None], k, v, live[:, None, :], scale)[:, 0]
