@@ -130,8 +130,12 @@ def test_layer_step_on_each_backend(backend, rng):
     (dict(splits=(4, 2)), ValueError, "`splits` must be increasing channel indices in (0, C = 8); got (4, 2)"),
     (dict(splits=(0, 4)), ValueError, "`splits` must be increasing channel indices in (0, C = 8); got (0, 4)"),
     (dict(splits=(8,)), ValueError, "`splits` must be increasing channel indices in (0, C = 8); got (8,)"),
-    (dict(splits=4), TypeError, "`splits` must be a sequence of ints; got int"),
-    (dict(splits=(2.5,)), TypeError, "`splits` must be an int; got float 2.5"),
+    (dict(splits=4), TypeError, "`splits` must be a list, tuple or 1-D NumPy array of ints; got int"),
+    (dict(splits={2, 4}), TypeError, "`splits` must be a list, tuple or 1-D NumPy array of ints; got set"),
+    (dict(splits=(2.5,)), TypeError, "each of `splits` must be an int; got float 2.5"),
+    (dict(splits=[jnp.int32(2)]), TypeError, "each of `splits` must be an int; got ArrayImpl"),
+    (dict(x=np.ones((2, 6), np.float32), offset=0), ValueError,
+     "`x` must have at least C = 8 columns (the conv's channels) to read them at `offset`; got 6"),
 ])
 def test_bad_arguments_raise_before_any_work(change, error, message, rng):
     """Each bad argument raises naming it, before anything runs (the ring is left as it was)."""
@@ -208,6 +212,24 @@ def test_packed_kernel_matches_reference(case, rng):
     xla_pieces, _ = ops.conv_update(x, *ring, offset=offset, splits=splits, backend="xla")
     for got, want in zip(pieces, xla_pieces):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_layer_step_on_packed_operands(backend, rng):
+    """CausalConv1d.step on a packed x (its inputs at offset 8 of 64 columns), splits given as a NumPy array:
+    the pieces of the step's y, equal to the step on x's 40 columns cut there; a one-shot iterator of splits
+    is refused (its entries would be read twice)."""
+    conv = CausalConv1d(40, 4, bias=True, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    window = ConvWindow.from_conv_state(jnp.asarray(rng.standard_normal((2, 40, 3)), jnp.float32), max_window=2)
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    pieces, packed_window = conv.step(x, window, offset=8, splits=np.array([16, 32]), backend=backend)
+    y, want_window = conv.step(x[:, 8:48], window, backend=backend)
+    assert [p.shape for p in pieces] == [(2, 16), (2, 16), (2, 8)]
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate(pieces, axis=1)), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(packed_window.columns), np.asarray(want_window.columns))
+    with pytest.raises(TypeError, match=re.escape("CausalConv1d.step: `splits` must be a list, tuple or 1-D NumPy "
+                                                 "array of ints; got list_iterator")):
+        conv.step(x, window, offset=8, splits=iter([16, 32]), backend=backend)
 
 
 @pytest.mark.parametrize("case", PACKED_CASES, ids=PACKED_IDS)

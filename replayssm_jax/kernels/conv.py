@@ -33,6 +33,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from replayssm_jax.kernels.config import ConvConfig, default_conv_config, next_pow2
@@ -94,9 +95,9 @@ def check_pieces(offset, splits, width: int, channels: int) -> tuple[int, tuple[
       TypeError: an offset or split that is not an int.
       ValueError: X != C with offset None, offset < 0 or offset + C > X; splits not increasing inside (0, C).
     """
-    def integer(name, value):
+    def integer(what, value):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise TypeError(f"`{name}` must be an int; got {type(value).__name__} {value!r}")
+            raise TypeError(f"{what} must be an int; got {type(value).__name__} {value!r}")
         return int(value)
 
     if offset is None:
@@ -104,13 +105,16 @@ def check_pieces(offset, splits, width: int, channels: int) -> tuple[int, tuple[
             raise ValueError(f"`x` must have C = {channels} columns (the conv's channels); got {width} (pass "
                              f"`offset` to read the conv's inputs from a wider, packed array)")
         offset = 0
-    offset = integer("offset", offset)
+    offset = integer("`offset`", offset)
+    if width < channels:
+        raise ValueError(f"`x` must have at least C = {channels} columns (the conv's channels) to read them at "
+                         f"`offset`; got {width}")
     if offset < 0 or offset + channels > width:
         raise ValueError(f"`offset` must be in [0, X - C] = [0, {width - channels}] (X = {width} columns of `x`, "
                          f"C = {channels} channels of the conv); got {offset}")
-    if isinstance(splits, (str, bytes)) or not hasattr(splits, "__iter__"):
-        raise TypeError(f"`splits` must be a sequence of ints; got {type(splits).__name__}")
-    splits = tuple(integer("splits", b) for b in splits)
+    if not isinstance(splits, (list, tuple, np.ndarray)) or np.ndim(splits) != 1:
+        raise TypeError(f"`splits` must be a list, tuple or 1-D NumPy array of ints; got {type(splits).__name__}")
+    splits = tuple(integer("each of `splits`", b) for b in splits)
     if any(not 0 < b < channels for b in splits) or any(a >= b for a, b in zip(splits, splits[1:])):
         raise ValueError(f"`splits` must be increasing channel indices in (0, C = {channels}); got {splits}")
     return offset, splits
@@ -171,7 +175,8 @@ def conv_update(x, columns, start, weight, bias=None, *, activation: str = "silu
       launch.
 
     Raises:
-      ValueError: an activation the kernel does not compute; S < W; an offset or splits outside x or C.
+      ValueError: an activation the kernel does not compute; S < W; x not of rank 2; an offset or splits
+        outside x or C.
       TypeError: a config that is not a ConvConfig.
     """
     if activation not in ACTIVATIONS:
@@ -181,6 +186,8 @@ def conv_update(x, columns, start, weight, bias=None, *, activation: str = "silu
         raise ValueError(f"`columns` must hold at least W = {weight.shape[1]} slots; got {columns.shape[1]}")
     if config is not None and not isinstance(config, ConvConfig):
         raise TypeError(f"`config` must be a ConvConfig; got {type(config).__name__}")
+    if x.ndim != 2:
+        raise ValueError(f"`x` must have rank 2 [batch, X]; got shape {tuple(x.shape)}")
     C = columns.shape[2]
     offset, splits = check_pieces(offset, splits, x.shape[1], C)
     config = config or default_conv_config(C, (offset, *splits))

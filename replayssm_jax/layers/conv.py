@@ -206,7 +206,7 @@ class CausalConv1d(nnx.Module):
         Raises:
           TypeError, ValueError: as `verify`.
         """
-        self._check_x(x, offset, splits, "step", 2)
+        offset, splits = self._check_x(x, offset, splits, "step", 2)
         self._check_window(conv_state, x.shape[0], 1, "step")
         y, columns = ops.conv_update(x, conv_state.columns, conv_state.start, self.weight[...][:, 0, :],
                                      None if self.bias is None else self.bias[...], self.activation, offset=offset,
