@@ -16,9 +16,6 @@ Usage (GPU): python3 bench/conv_update.py [--batches 1,64,256,512] [--profile] [
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
-import json
 import os
 import sys
 import tempfile
@@ -121,19 +118,7 @@ def main(argv=None) -> int:
                       f"{nbytes / copy_bw / 1e3:6.2f} us)", flush=True)
                 kb.print_kernel_times(profile)
             rows.append(row)
-    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                device=jax.devices()[0].device_kind, copy_gbps=copy_bw, timing=dataclasses.asdict(options),
-                argv=sys.argv[1:] if argv is None else list(argv))
-    with open(os.path.join(out, "conv_update.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"\n| shape | batch | XLA us | kernel us | XLA / kernel | kernel at copy rate us |\n|---|---|---|---|---|---|")
-    for r in rows:
-        if kernel in r:
-            print(f"| {r['shape']} | {r['batch']} | {r['xla']['us']:.2f} | {r[kernel]['us']:.2f} | "
-                  f"{r['xla']['us'] / r[kernel]['us']:.2f} | {r[kernel]['at_copy_us']:.2f} |")
-    print("JSON:", os.path.join(out, "conv_update.json"))
-    return 0 if all(r["check"]["ok"] for r in rows) else 1
-
+    return kb.report_against_xla(out, "conv_update", rows, options, copy_bw, argv, kernel)
 
 if __name__ == "__main__":
     sys.exit(main())

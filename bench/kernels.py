@@ -952,6 +952,27 @@ def print_kernel_times(times):
         print(f"      {t['us']:9.2f} us/step  {t['launches_per_step']:5.2f} launches/step  {name[:90]}", flush=True)
 
 
+def report_against_xla(out: str, name: str, rows: list, options: TimingOptions, copy_bw: float, argv,
+                       kernel: str) -> int:
+    """Write `out`/`name`.json (the rows and the run's meta) and print the table of a benchmark that times
+    an op's XLA form against its kernel (rows with "shape", "batch", "check" {"ok"} and, where timed, "xla"
+    and `kernel` {"us", "at_copy_us"}). Returns the exit status: 0 where every row's check passed."""
+    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                device=jax.devices()[0].device_kind, copy_gbps=copy_bw, timing=dataclasses.asdict(options),
+                argv=sys.argv[1:] if argv is None else list(argv))
+    path = os.path.join(out, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print("\n| shape | batch | XLA us | kernel us | XLA / kernel | kernel's bytes at copy rate us |\n"
+          "|---|---|---|---|---|---|")
+    for r in rows:
+        if kernel in r:
+            print(f"| {r['shape']} | {r['batch']} | {r['xla']['us']:.2f} | {r[kernel]['us']:.2f} | "
+                  f"{r['xla']['us'] / r[kernel]['us']:.2f} | {r[kernel]['at_copy_us']:.2f} |")
+    print("JSON:", path)
+    return 0 if all(r["check"]["ok"] for r in rows) else 1
+
+
 def summary(rows, copy_bw):
     print("\n| layer | state | batch | standard us | std % copy | best replay | replay us | replay/standard |")
     print("|---|---|---|---|---|---|---|---|")
