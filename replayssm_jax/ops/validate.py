@@ -38,6 +38,7 @@ import numpy as np
 from flax import struct
 
 from replayssm_jax.kernels.conv import check_pieces
+from replayssm_jax.ops.dispatch import BACKENDS
 from replayssm_jax.state import CHECKPOINT_DTYPES, ROUNDINGS, GDNReplayState, Mamba2ReplayState, is_quantized
 
 STATE_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -919,10 +920,9 @@ def check_backend_name(name: str, backend):
     Raises:
       TypeError: neither a str nor None; ValueError: another name (each naming `name`).
     """
+    names = ", ".join(map(repr, BACKENDS))
     if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"`{name}` must be a str ('pallas', 'interpret', 'xla') or None; got "
-                        f"{type(backend).__name__} {backend!r}")
-    if backend is not None and backend not in ("pallas", "interpret", "xla"):
-        raise ValueError(f"`{name}` must be one of 'pallas', 'interpret', 'xla' or None; got {backend!r}")
+        raise TypeError(f"`{name}` must be a str ({names}) or None; got {type(backend).__name__} {backend!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"`{name}` must be one of {names} or None; got {backend!r}")
     return backend
-
