@@ -210,9 +210,7 @@ def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", 
         backend = "xla"  # an activation that the kernel does not compute
     chosen = choose_backend("conv_update", backend, config)
     if chosen == "xla":
-        y, columns = reference.conv_update(x[:, offset:offset + columns.shape[2]], columns, start, weight, bias,
-                                           activation)
-        return (tuple(jnp.split(y, splits, axis=1)) if splits else y), columns
+        return reference.conv_update(x, columns, start, weight, bias, activation, offset, splits)
     if activation not in kernels.CONV_ACTIVATIONS:
         raise ValueError(f"`activation` {activation!r}: the conv kernel computes {', '.join(kernels.CONV_ACTIVATIONS)}"
                          " (use backend='xla' or None)")

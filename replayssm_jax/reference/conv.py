@@ -36,20 +36,25 @@ ACTIVATIONS = {
 }
 
 
-def conv_update(x, columns, start, weight, bias=None, activation: str = "silu"):
+def conv_update(x, columns, start, weight, bias=None, activation: str = "silu", offset: int = 0,
+                splits: tuple[int, ...] = ()):
     """One decode step of the conv (module docstring).
 
     Args:
-      x: [batch, C], the new inputs.
+      x: [batch, C], the new inputs; or [batch, X], holding them at columns offset .. offset + C - 1.
       columns: [batch, S, C], the ring, S >= W.
       start: i32[batch], the ring slot of each row's oldest live input.
       weight: [C, W]; bias: [C] or None.
       activation: a name of ACTIVATIONS.
+      offset: the column of x where the C inputs start.
+      splits: increasing channel indices in (0, C) where y is cut (as `jnp.split`'s).
 
     Returns:
-      (y [batch, C] of x.dtype, computed in f32; the ring with x at slot (start + W - 1) mod S).
+      (y [batch, C] of x.dtype, computed in f32, or its pieces with `splits`; the ring with x's C inputs
+      at slot (start + W - 1) mod S).
     """
-    S, W = columns.shape[1], weight.shape[1]
+    S, C, W = columns.shape[1], columns.shape[2], weight.shape[1]
+    x = x[:, offset:offset + C]
     slots = (start[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]) % S  # [batch, W]: live inputs, then x's
     live = jnp.take_along_axis(columns, slots[:, :W - 1, None], axis=1).astype(jnp.float32)  # [batch, W - 1, C]
     xp = jnp.concatenate([live, x[:, None, :].astype(jnp.float32)], axis=1)
@@ -60,4 +65,5 @@ def conv_update(x, columns, start, weight, bias=None, activation: str = "silu"):
     y = ACTIVATIONS[activation](acc).astype(x.dtype)
     columns, y = in_order(columns, y)  # the live inputs read before the ring is written: in place in a loop
     ring = jnp.arange(S, dtype=jnp.int32)[None, :, None]
-    return y, jnp.where(ring == slots[:, W - 1, None, None], x[:, None, :].astype(columns.dtype), columns)
+    columns = jnp.where(ring == slots[:, W - 1, None, None], x[:, None, :].astype(columns.dtype), columns)
+    return (tuple(jnp.split(y, splits, axis=1)) if splits else y), columns
