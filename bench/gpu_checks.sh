@@ -3,7 +3,8 @@
 #   1. the kernel tests at realistic shapes (pytest -m gpu),
 #   2. replayssm-generate --backend pallas --compare on a fixture (tokens vs transformers)
 #      and on a random-weight Nemotron-3-Nano-4B-shaped model,
-#   3. the kernel benchmark at the batches given in $KERNEL_BATCHES (default 256).
+#   3. the kernel benchmark at the batches given in $KERNEL_BATCHES (default 256),
+#   4. the decode attention kernel against XLA's products at batch 1 and 256 (bench/attention.py).
 # Logs and JSON go to $OUT (or bench/results/DATE-gpu-checks when unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,3 +41,5 @@ print('nemotron-4b-like b64 bf16: identical', d['identical'], '| speedup %.2fx' 
 
 timeout 170 python3 bench/kernels.py --batches "${KERNEL_BATCHES:-256}" --lengths 8,16 --repeats 5 \
   --out "$out" --tag kernels 2>&1 | tail -14
+
+timeout 150 python3 bench/attention.py --batches 1,256 --tilings 32:4:2,64:4:2 --repeats 5 --out "$out" 2>&1 | tail -12

@@ -898,13 +898,17 @@ def test_conv_update_dry_run(tmp_path, capsys):
 def test_attention_dry_run(tmp_path, capsys):
     """bench/attention.py --dry-run: both model shapes checked (the kernel against XLA's products), both
     forms timed, the table printed, the kernel's bytes those of the live positions."""
-    assert load("attention").main(["--dry-run", "--out", str(tmp_path)]) == 0
+    assert load("attention").main(["--dry-run", "--tilings", "16:2:2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = json.loads((tmp_path / "attention.json").read_text())["rows"]
     assert [(r["shape"], r["batch"]) for r in rows] == [("qwen3.5-4b", 2), ("nemotron3-nano-4b", 2)]
-    assert all(r["check"]["ok"] and r["interpret"]["us"] > 0 for r in rows)
+    swept = [[r[k]["us"] for k in r if k.startswith("interpret bt16_w2_s2_p")] for r in rows]  # the default's parts
+    assert all(r["check"]["ok"] and r["interpret"]["us"] > 0 for r in rows) and all(len(t) == 1 and t[0] > 0
+                                                                                      for t in swept)
     assert all(r["interpret"]["bytes"] < r["xla"]["bytes"] for r in rows)  # 33 of 40 positions
-    assert "| qwen3.5-4b | 2 |" in out
+    assert "| qwen3.5-4b | 2 |" in out and "| qwen3.5-4b | 2 | bt16_w2_s2_p" in out
+    with pytest.raises(SystemExit):
+        load("attention").main(["--dry-run", "--tilings", "16:2"])
 
 
 def test_step_roofline_counts_the_lockstep_flush():
