@@ -182,10 +182,11 @@ def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16, max_sets=
         H, HV, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         shape, groups = (batch, HV, V, K), H
         inputs = dict(q=jax.random.normal(k[1], (batch, H, K), bf16), k=jax.random.normal(k[2], (batch, H, K), bf16),
-                      v=jax.random.normal(k[3], (batch, HV, V), bf16), g=-jnp.exp(jax.random.normal(k[4], (batch, HV))),
-                      beta=jax.nn.sigmoid(jax.random.normal(k[5], (batch, HV))))
-        init, step = ops.gdn_replay_init, functools.partial(ops.gdn_step, backend=backend)
-        replay = functools.partial(ops.gdn_replay_step, route=route, backend=backend)
+                      v=jax.random.normal(k[3], (batch, HV, V), bf16), a=jax.random.normal(k[4], (batch, HV), bf16),
+                      b=jax.random.normal(k[5], (batch, HV), bf16))
+        gates = dict(A_log=jnp.log(jnp.linspace(1.0, 16.0, HV)), dt_bias=jnp.zeros((HV,)))  # raw, as the layers
+        init, step = ops.gdn_replay_init, functools.partial(ops.gdn_step, **gates, backend=backend)
+        replay = functools.partial(ops.gdn_replay_step, **gates, route=route, backend=backend)
     options = kernel_bench.TimingOptions(repeats=3, min_sets=min(2, max_sets), max_sets=max_sets,
                                          chained_calls=chained_calls)
     sets = max(1, min(max_sets, math.ceil(options.l2_target_bytes / (math.prod(shape) * state_dtype.itemsize))))

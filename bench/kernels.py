@@ -261,9 +261,28 @@ class _LayerBench:
 
 
 class GDNBench(_LayerBench, testing.GDN):
+    """The GDN layer's ops as the layers call them: the gates raw (a, b bf16[batch, HV]; A_log f32[HV] =
+    log(linspace(1, 16)) as the layer's init, dt_bias -3: log decays of about -0.05 to -0.8 a step), which
+    the kernels form into g and beta, as the original ReplaySSM kernels do."""
+
+    def __init__(self, shape, batch: int, state_dtype, rng):
+        super().__init__(shape, batch, state_dtype, rng)
+        self.A_log = jnp.log(jnp.linspace(1.0, 16.0, self.s.HV, dtype=f32))
+        self.dt_bias = jnp.full((self.s.HV,), -3.0, f32)
+
+    def random_inputs(self, lead):
+        """q, k, v as the adapter's; a, b [*lead, HV] N(0, 1) in the activations' dtype."""
+        inp = super().random_inputs(lead)
+        del inp["g"], inp["beta"]
+        HV = self.s.HV
+        return dict(inp, a=jnp.asarray(self._n(*lead, HV), self.dtype), b=jnp.asarray(self._n(*lead, HV), self.dtype))
+
+    def _kw(self, inp):
+        return dict(inp, A_log=self.A_log, dt_bias=self.dt_bias)
+
     def io_bytes(self):
         s, b = self.s, self.b
-        return b * (2 * s.H * s.K * 2 + s.HV * s.V * 2 * 2 + s.HV * (4 + 2))  # q, k, v, o, g, beta
+        return b * (2 * s.H * s.K * 2 + s.HV * s.V * 2 * 2 + s.HV * (2 + 2))  # q, k, v, o, a, b
 
     def buffer_bytes(self, L):
         """(read per step, written per step): the full L-slot tiles of d, k, g; one record."""

@@ -420,9 +420,9 @@ SSM_LAYER_CASES = ["gdn_packed", pytest.param("gdn_separate", marks=pytest.mark.
 def test_decode_step_cuts_no_operand_of_its_kernels(rng):
     """A decode step on the kernels (interpret) slices no operand of its kernels where the conv kernel's
     block divides the pieces' boundaries: the conv reads xBC inside Mamba-2's in_proj output and returns x,
-    B and C apart (GDN: q, k and v). Left are Mamba-2's z (which the gated norm's fusion reads) and dt
-    [batch, H]. Each step equals the XLA form's."""
-    layers = {"mamba2": (Mamba2Mixer(32, num_heads=4, head_dim=8, state_size=16, n_groups=2), [(2, 4), (2, 32)]),
+    B and C apart (GDN: q, k and v), and the SSM kernels read dt there (dt_offset). Left is Mamba-2's z,
+    which the gated norm's fusion reads. Each step equals the XLA form's."""
+    layers = {"mamba2": (Mamba2Mixer(32, num_heads=4, head_dim=8, state_size=16, n_groups=2), [(2, 32)]),
               "gdn": (GatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8, packed=False), [])}
     for name, (layer, cuts) in layers.items():
         layer = randomize(layer, seed=int(rng.integers(1 << 30)), scale=0.3)

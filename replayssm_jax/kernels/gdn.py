@@ -77,7 +77,8 @@ from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, flush_full_l
                                           run_replay_program, run_verify_program,
                                           run_window, step_launch, tree_option, triton_params, verify_launch,
                                           verify_window, window_start)
-from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
+from replayssm_jax.kernels.replay_math import (fold_live_records, rank_update, replay_records, replay_weights,
+                                               softplus)
 from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_checkpoint, load_live,
                                          load_live_only, load_scalar, load_slots, mask_and, matvec, program_id, row_ids,
                                          row_mask, stochastic, store, store_checkpoint, tile_mask, tile_row_ids)
@@ -94,14 +95,52 @@ DIMS = (("value dim", "V"), ("key dim", "K"))
 
 class Inputs(NamedTuple):
     """A step's inputs (arrays, their block specs, or their refs in a kernel):
-    q, k [batch, H, K]; v [batch, HV, V]; g f32[batch, HV] (log decay <= 0);
-    beta [batch, HV]."""
+    q, k [batch, H, K]; v [batch, HV, V]; the gates g f32[batch, HV] (log
+    decay <= 0) and beta [batch, HV], A_log and dt_bias None; or, with
+    A_log and dt_bias [HV] given, the raw projections in their places (g
+    holds a, beta holds b), from which the kernels form the gates (`_gates`)."""
 
     q: Any
     k: Any
     v: Any
     g: Any
     beta: Any
+    A_log: Any = None
+    dt_bias: Any = None
+
+
+# The inputs without a batch axis (the layer's parameters of the raw gates).
+PER_HEAD = ("A_log", "dt_bias")
+
+
+def _inputs(q, k, v, g, beta, a, b, A_log, dt_bias) -> Inputs:
+    """The Inputs of a kernel op's validated arguments: q, k, v and either g and beta (A_log None) or the
+    raw a, b, A_log and dt_bias."""
+    return Inputs(q, k, v, g, beta) if A_log is None else Inputs(q, k, v, a, b, A_log, dt_bias)
+
+
+def raw_gates(a, b, A_log, dt_bias):
+    """(g, beta) f32 from the raw projections, in a kernel or in XLA: g = -exp(A_log) softplus(a +
+    dt_bias), beta = sigmoid(b) (`reference.gdn_gates`; f32 operands of any matching shapes)."""
+    return -jnp.exp(A_log) * softplus(a + dt_bias), 1.0 / (1.0 + jnp.exp(-b))
+
+
+def _gates(inputs: Inputs, at=(), head=()):
+    """(g, beta) f32 of one step: inputs.g and inputs.beta at index `at` of their blocks (() a 0-d block,
+    a window step, a value head of the prelude's heads block), or formed from the raw a and b there and
+    A_log and dt_bias at `head`."""
+    g, beta = inputs.g[at].astype(f32), inputs.beta[at].astype(f32)
+    if inputs.A_log is None:
+        return g, beta
+    return raw_gates(g, beta, inputs.A_log[head].astype(f32), inputs.dt_bias[head].astype(f32))
+
+
+def _window_log_decays(inputs: Inputs, wmask):
+    """f32[BW]: the log decays of a verify window's steps (lanes outside wmask unspecified)."""
+    g = load(inputs.g, wmask)
+    if inputs.A_log is None:
+        return g
+    return raw_gates(g, g, load_scalar(inputs.A_log), load_scalar(inputs.dt_bias))[0]
 
 
 class Records(NamedTuple):
@@ -152,7 +191,8 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
     tmask = tile_mask(vmask, kmask, (BV, BK))
     S = load_checkpoint(state_ref, None, tmask, vmask)
     ids = row_ids(state_ref.shape[0]) if stochastic(state_ref) else None  # the rows' global ids (stochastic rounding)
-    decay, v, beta = jnp.exp(load_scalar(inputs.g)), load(inputs.v, vmask), load_scalar(inputs.beta)
+    g, beta = _gates(inputs)
+    decay, v = jnp.exp(g), load(inputs.v, vmask)
 
     def finish(S):
         S = S * decay
@@ -185,8 +225,8 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
     a_k = w * jnp.sum(Kb * k[None, :], axis=1)
     a_q = w * jnp.sum(Kb * q[None, :], axis=1)
     kq = jnp.sum(k * q)
-    decay = jnp.exp(load_scalar(inputs.g))
-    beta = load_scalar(inputs.beta)
+    g, beta = _gates(inputs)
+    decay = jnp.exp(g)
     carried = jnp.exp(total)  # decay of the checkpoint up to the last live slot
     append = count < L  # a row that entered full has no free slot (the flush absorbs this step)
 
@@ -213,7 +253,7 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                                   split=split, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm)
     # The shared records: the step's g, and its k normalized, not scaled.
     run_replay_program(tile, flush_row, V=V, L=L, config=config, split=split, count=count, append=append,
-                       group=group, decay_record=lambda: load_scalar(inputs.g), decay_out=records_out.g, key=k,
+                       group=group, decay_record=lambda: g, decay_out=records_out.g, key=k,
                        key_out=records_out.k, key_mask=kmask, cursor_out=cursor_out, programs=programs,
                        flush=route not in NO_FLUSH_ROUTES)
 
@@ -285,7 +325,7 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
         store(records_out.k.at[count], k, mask_and(kmask, free, k.shape))
     for j in range(group):  # the key head's value heads
         hv = h * group + j
-        g, beta = inputs.g[hv].astype(f32), inputs.beta[hv].astype(f32)
+        g, beta = _gates(inputs, hv, hv)
         if standard:
             total, w = jnp.float32(0.0), jnp.zeros((BL,), f32)
         else:
@@ -346,7 +386,6 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
     HV, L = inputs.v.shape[1], records.d.shape[2]
     BK, BL, BH = next_pow2(K), next_pow2(L), next_pow2(HV)
     head = pl.BlockSpec((None, None, BK), lambda b, h: (b, h, 0))
-    heads = pl.BlockSpec((None, BH), lambda b, h: (b, 0))
     row = pl.BlockSpec((1,), lambda b, h: (b,))
     g_spec = pl.BlockSpec((None, BH, BL), lambda b, h: (b, 0, 0))
     k_spec = pl.BlockSpec((None, None, BL, BK), lambda b, h: (b, h, 0, 0))
@@ -362,7 +401,7 @@ def _head_terms(records: Records, cursor, inputs: Inputs, *, scale: float, use_q
     return pl.pallas_call(
         kernel, grid=(batch, H), interpret=interpret, name=f"gdn_{route}_terms_L{L}",
         compiler_params=triton_params(head_work_warps(BL * BK)),
-        in_specs=(Records(d=None, k=k_spec, g=g_spec), row, Inputs(q=head, k=head, v=None, g=heads, beta=heads)),
+        in_specs=(Records(d=None, k=k_spec, g=g_spec), row, _heads_specs(BH, inputs)),
         out_specs=(head, head, pl.BlockSpec((None, BH, TERMS, BL), lambda b, h: (b, 0, 0, 0)), row,
                    Records(d=None, k=k_spec, g=g_spec), row) + ((head,) * stash),
         out_shape=out_shape, input_output_aliases={0: 4, 1: 5, 2: 6},
@@ -379,13 +418,12 @@ def _step_terms(inputs: Inputs, *, scale: float, use_qk_l2norm: bool, interpret:
     HV = inputs.v.shape[1]
     BK, BH = next_pow2(K), next_pow2(HV)
     head = pl.BlockSpec((None, None, BK), lambda b, h: (b, h, 0))
-    heads = pl.BlockSpec((None, BH), lambda b, h: (b, 0))
     kernel = functools.partial(_terms_kernel, K=K, L=STEP_TERMS, group=HV // H, scale=scale,
                                use_qk_l2norm=use_qk_l2norm, programs=H, route="standard")
     qn, kn, terms, *_ = pl.pallas_call(
         kernel, grid=(batch, H), interpret=interpret, name="gdn_step_terms",
         compiler_params=triton_params(head_work_warps(BK)),
-        in_specs=(None, None, Inputs(q=head, k=head, v=None, g=heads, beta=heads)),
+        in_specs=(None, None, _heads_specs(BH, inputs)),
         out_specs=(head, head, pl.BlockSpec((None, BH, TERMS, STEP_TERMS), lambda b, h: (b, 0, 0, 0)), None, None,
                    None),
         out_shape=(jax.ShapeDtypeStruct((batch, H, K), f32), jax.ShapeDtypeStruct((batch, H, K), f32),
@@ -431,8 +469,8 @@ def _flush_row(checkpoint_ref, records: Records, inputs: Inputs, checkpoint_out,
         kmask, _, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
         append = cursor < L
         k_rec = jnp.where(append, k.astype(records.k.dtype).astype(f32), k)
-        decay = jnp.exp(load_scalar(inputs.g))
-        beta = load_scalar(inputs.beta)
+        g, beta = _gates(inputs)
+        decay = jnp.exp(g)
     else:
         kmask = lane_mask(BK, K)
 
@@ -458,8 +496,9 @@ def _window_steps(inputs: Inputs, o_ref, rows, vmask, S_0, keep, *, W, K, scale,
 
     def advance(t, S):  # S after step t, and the step's scaled q and d
         _, q, k = _load_head_vectors(inputs.q.at[t], inputs.k.at[t], K, use_qk_l2norm, scale)
-        S = jnp.exp(inputs.g[t].astype(f32)) * S
-        d = inputs.beta[t].astype(f32) * (load(inputs.v.at[t, rows], vmask) - matvec(S, k))
+        g, beta = _gates(inputs, t)
+        S = jnp.exp(g) * S
+        d = beta * (load(inputs.v.at[t, rows], vmask) - matvec(S, k))
         return S + d[:, None] * k[None, :], q, d
 
     def step(t, S):
@@ -497,8 +536,8 @@ def _verify_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
 
     # The shared records: the window's g, and its k normalized, not scaled.
     run_verify_program(tile, V=V, W=W, config=config, split=split, start=start, group=group,
-                       decay_window=load(inputs.g, wmask), decay_out=records_out.g, keys=keys, key_out=records_out.k,
-                       key_mask=kmask)
+                       decay_window=_window_log_decays(inputs, wmask), decay_out=records_out.g, keys=keys,
+                       key_out=records_out.k, key_mask=kmask)
 
 
 def _per_draft_kernel(state_ref, index_ref, inputs: Inputs, o_ref, state_out_ref, *, V, K, W, slots, scale,
@@ -519,9 +558,10 @@ def _per_draft_kernel(state_ref, index_ref, inputs: Inputs, o_ref, state_out_ref
                   use_qk_l2norm=use_qk_l2norm, tree=tree)
 
 
-def _block_specs(H, HV, K, L, rows, nb=None, window=None) -> BlockSpecs:
+def _block_specs(H, HV, K, L, raw, rows, nb=None, window=None) -> BlockSpecs:
     """Block specs of programs of `rows` state rows and nb batch rows (None:
-    one, the batch axis squeezed); records None where L is None. window:
+    one, the batch axis squeezed); records None where L is None; A_log and
+    dt_bias the head's (0-d) where `raw` (the raw gates), else None. window:
     BW, the block of a verify window's axis (after batch) on the inputs and
     the output; None: one step, no window axis."""
     BK, group = next_pow2(K), HV // H
@@ -536,11 +576,29 @@ def _block_specs(H, HV, K, L, rows, nb=None, window=None) -> BlockSpecs:
         records = Records(d=pl.BlockSpec((nb, None, BL, rows), lambda b, h, j: (b, h, 0, j)),
                           k=pl.BlockSpec((nb, None, BL, BK), lambda b, h, j: (b, h // group, 0, 0)),
                           g=pl.BlockSpec((nb, None, BL), lambda b, h, j: (b, h, 0)))
-    return BlockSpecs(state=state, inputs=Inputs(q=qk, k=qk, v=vrow, g=scal, beta=scal), out=vrow, records=records)
+    head = pl.BlockSpec((None,), lambda b, h, j: (h,)) if raw else None
+    inputs = Inputs(q=qk, k=qk, v=vrow, g=scal, beta=scal, A_log=head, dt_bias=head)
+    return BlockSpecs(state=state, inputs=inputs, out=vrow, records=records)
+
+
+def _specs_of(H, HV, K, L, inputs: Inputs):
+    """`_block_specs` of these shapes for `inputs` (raw gates or not), as the launches call it: (rows, nb,
+    window) -> BlockSpecs."""
+    return functools.partial(_block_specs, H, HV, K, L, inputs.A_log is not None)
 
 
 def _f32_decay(inputs: Inputs) -> Inputs:
-    return inputs._replace(g=inputs.g.astype(f32))
+    """inputs with g in f32 (the raw a as given: the kernels form g)."""
+    return inputs if inputs.A_log is not None else inputs._replace(g=inputs.g.astype(f32))
+
+
+def _heads_specs(BH: int, inputs: Inputs) -> Inputs:
+    """The prelude's (grid (batch, H)) input specs: q and k of the program's key head, the gates (or a and
+    b) of all BH value heads of its row, A_log and dt_bias whole where given."""
+    head = pl.BlockSpec((None, None, next_pow2(inputs.q.shape[-1])), lambda b, h: (b, h, 0))
+    heads = pl.BlockSpec((None, BH), lambda b, h: (b, 0))
+    params = pl.BlockSpec((BH,), lambda b, h: (0,)) if inputs.A_log is not None else None
+    return Inputs(q=head, k=head, v=None, g=heads, beta=heads, A_log=params, dt_bias=params)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret"))
@@ -552,7 +610,7 @@ def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *,
     L = None if records is None else records.d.shape[2]
     kernel = functools.partial(_step_kernel, V=state.shape[2], K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                dot_fold=config.dot_fold)
-    return step_launch("gdn", kernel, functools.partial(_block_specs, H, HV, K, L), state, _f32_decay(inputs),
+    return step_launch("gdn", kernel, _specs_of(H, HV, K, L, inputs), state, _f32_decay(inputs),
                        jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype), records, cursor, config=config,
                        interpret=interpret, pool=pool_of(slots, state))
 
@@ -571,9 +629,9 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *,
     kernel = functools.partial(_replay_kernel, V=V, K=K, L=L, group=HV // H, scale=scale,
                                use_qk_l2norm=use_qk_l2norm, route=route)
     flush_row = functools.partial(_flush_row, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    return replay_launch("gdn", kernel, flush_row, functools.partial(_block_specs, H, HV, K, L), checkpoint, records,
+    return replay_launch("gdn", kernel, flush_row, _specs_of(H, HV, K, L, inputs), checkpoint, records,
                          cursor, _f32_decay(inputs), jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype),
-                         per_head=(), route=route, config=config, interpret=interpret,
+                         per_head=PER_HEAD, route=route, config=config, interpret=interpret,
                          pool=pool_of(slots, checkpoint))
 
 
@@ -585,8 +643,8 @@ def _flush_full(checkpoint, records: Records, cursor, inputs: Inputs, slots=None
     _, HV, V, K = checkpoint.shape
     H, L = inputs.q.shape[1], records.d.shape[2]
     flush_row = functools.partial(_flush_row, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm, step=False)
-    return flush_full_launch("gdn", flush_row, functools.partial(_block_specs, H, HV, K, L), checkpoint, records,
-                             cursor, None, per_head=(), config=config, interpret=interpret,
+    return flush_full_launch("gdn", flush_row, _specs_of(H, HV, K, L, inputs), checkpoint, records,
+                             cursor, None, per_head=PER_HEAD, config=config, interpret=interpret,
                              pool=pool_of(slots, checkpoint))
 
 
@@ -601,10 +659,11 @@ def _verify(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *,
     kernel = functools.partial(_verify_kernel, V=V, K=K, L=L, W=W, group=HV // H, scale=scale,
                                use_qk_l2norm=use_qk_l2norm, **tree_option(tree))
     flush_row = functools.partial(_flush_row, V=V, K=K, L=L, scale=scale, use_qk_l2norm=use_qk_l2norm, step=False)
-    return verify_launch("gdn", kernel, flush_row, functools.partial(_block_specs, H, HV, K, L, window=next_pow2(W)),
+    specs = functools.partial(_specs_of(H, HV, K, L, inputs), window=next_pow2(W))
+    return verify_launch("gdn", kernel, flush_row, specs,
                          checkpoint, records, cursor, _f32_decay(inputs), None,
-                         jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype), window=W, per_head=(), config=config,
-                         interpret=interpret, tree=tree, pool=pool_of(slots, checkpoint))
+                         jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype), window=W, per_head=PER_HEAD,
+                         config=config, interpret=interpret, tree=tree, pool=pool_of(slots, checkpoint))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "config", "interpret", "tree"))
@@ -616,7 +675,7 @@ def _per_draft(state, index, inputs: Inputs, slots=None, *, scale: float, use_qk
     H, W = inputs.q.shape[2], inputs.v.shape[1]
     kernel = functools.partial(_per_draft_kernel, V=V, K=K, W=W, slots=S, scale=scale,
                                use_qk_l2norm=use_qk_l2norm, **tree_option(tree))
-    return per_draft_launch("gdn", kernel, functools.partial(_block_specs, H, HV, K, None, window=next_pow2(W)),
+    return per_draft_launch("gdn", kernel, functools.partial(_specs_of(H, HV, K, None, inputs), window=next_pow2(W)),
                             state, index, _f32_decay(inputs), jax.ShapeDtypeStruct(inputs.v.shape, inputs.v.dtype),
                             window=W, config=config, interpret=interpret, tree=tree, pool=pool_of(slots, state))
 
@@ -660,7 +719,8 @@ def _step_tma(state, inputs: Inputs, *, scale: float, use_qk_l2norm: bool, confi
     return gdn_step_tma(state, qn, kn, terms, inputs.v, config)
 
 
-def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
+def gdn_step(state, q, k, v, g=None, beta=None, *, a=None, b=None, A_log=None, dt_bias=None, scale: float,
+             use_qk_l2norm: bool,
              config: StepConfig | TMAReadoutConfig | None = None, interpret: bool = False, slots=None):
     """One standard Gated DeltaNet decode step (Pallas kernel); the state is updated in place.
 
@@ -670,7 +730,10 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
     Args:
       state: f32 | bf16[batch, HV, V, K], value-major.
       q, k: [batch, H, K] (H divides HV); v: [batch, HV, V].
-      g: f32[batch, HV], log decay <= 0; beta: [batch, HV] in (0, 1).
+      g: f32[batch, HV], log decay <= 0; beta: [batch, HV] in (0, 1). Or,
+        in their place, the raw gates, which the kernels form
+        (`reference.gdn_gates`): a, b [batch, HV] (the projections) and
+        A_log, dt_bias f32[HV] (the layer's parameters).
       scale: the factor of q (after the L2 norm), e.g. K ** -0.5.
       use_qk_l2norm: L2-normalize q and k over K (eps 1e-6) first.
       config: the tiling; None: :func:`default_step_config` (layer "gdn"). A
@@ -701,17 +764,18 @@ def gdn_step(state, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool,
     Math: Yang, Kautz & Hatamizadeh, "Gated Delta Networks" (ICLR 2025), as
     flash-linear-attention's fused_recurrent_gated_delta_rule.
     """
+    inputs = _inputs(q, k, v, g, beta, a, b, A_log, dt_bias)
     if isinstance(config, TMAReadoutConfig):
         check_step_tma(state, v, config, interpret=interpret, slots=slots)
-        return _step_tma(state, Inputs(q, k, v, g, beta), scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
-                         config=config)
+        return _step_tma(state, inputs, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), config=config)
     config = step_config_for(config, batch_shaped(state, slots), DIMS, layer="gdn")
-    o, state, _ = _step(state, Inputs(q, k, v, g, beta), None, None, slots, scale=float(scale),
-                        use_qk_l2norm=bool(use_qk_l2norm), config=config, interpret=interpret)
+    o, state, _ = _step(state, inputs, None, None, slots, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
+                        config=config, interpret=interpret)
     return o, state
 
 
-def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, route: str,
+def gdn_replay_step(state: GDNReplayState, q, k, v, g=None, beta=None, *, a=None, b=None, A_log=None, dt_bias=None,
+                    scale: float, use_qk_l2norm: bool, route: str,
                     config: StepConfig | ReplayConfig | TMAReadoutConfig | None = None, interpret: bool = False,
                     slots=None):
     """One ReplaySSM Gated DeltaNet decode step (Pallas kernels); checkpoint, buffers and cursor in place.
@@ -783,6 +847,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         Mosaic GPU kernels' limits (:func:`~replayssm_jax.kernels.tma_readout.check_tma_readout`,
         :func:`~replayssm_jax.kernels.tma_step.check_direct_tma`).
     """
+    inputs = _inputs(q, k, v, g, beta, a, b, A_log, dt_bias)
     if config is None and route in NO_FLUSH_ROUTES:
         config = default_tma_readout(state, v, interpret=interpret, slots=slots, deferred=route == "deferred")
     elif config is None and route == "direct":
@@ -792,17 +857,17 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, *, scale: float, us
         options = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), config=config)
         if route == "direct":
             check_direct_tma(state, v, config, interpret=interpret, slots=slots)
-            return _direct_tma(state, Inputs(q, k, v, g, beta), **options)
+            return _direct_tma(state, inputs, **options)
         check_tma_readout(state, v, config, interpret=interpret, slots=slots, deferred=route == "deferred")
-        return _append_tma(state, Inputs(q, k, v, g, beta), route=route, **options)
+        return _append_tma(state, inputs, route=route, **options)
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     kw = dict(scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), interpret=interpret)
-    return replay_step(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), route=route,
-                       config=config, step=functools.partial(_step, **kw), replay=functools.partial(_replay, **kw),
-                       slots=slots)
+    return replay_step(state, Records(state.d, state.k, state.g), inputs, route=route, config=config,
+                       step=functools.partial(_step, **kw), replay=functools.partial(_replay, **kw), slots=slots)
 
 
-def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, tree=None,
+def gdn_replay_verify(state: GDNReplayState, q, k, v, g=None, beta=None, *, a=None, b=None, A_log=None,
+                      dt_bias=None, scale: float, use_qk_l2norm: bool, tree=None,
                       config: ReplayConfig | None = None, interpret: bool = False, slots=None):
     """Verify a window of W speculative Gated DeltaNet steps (Pallas kernels); checkpoint and buffers in place.
 
@@ -859,11 +924,12 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, *, scale: float, 
     config = verify_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, W, DIMS, tree)
     verify = functools.partial(_verify, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm), config=config,
                                interpret=interpret, **tree_option(tree))
-    return verify_window(state, Records(state.d, state.k, state.g), Inputs(q, k, v, g, beta), window=W,
-                         verify=verify, slots=slots)
+    return verify_window(state, Records(state.d, state.k, state.g), _inputs(q, k, v, g, beta, a, b, A_log, dt_bias),
+                         window=W, verify=verify, slots=slots)
 
 
-def gdn_verify(state, index, q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool, tree=None,
+def gdn_verify(state, index, q, k, v, g=None, beta=None, *, a=None, b=None, A_log=None, dt_bias=None,
+               scale: float, use_qk_l2norm: bool, tree=None,
                config: StepConfig | None = None, interpret: bool = False, slots=None):
     """The per-draft standard verify of W speculative Gated DeltaNet steps (Pallas kernel); the state in place.
 
@@ -900,5 +966,5 @@ def gdn_verify(state, index, q, k, v, g, beta, *, scale: float, use_qk_l2norm: b
       ValueError, TypeError: as :func:`gdn_step`.
     """
     config = per_draft_config_for(config, batch_shaped(state, slots), DIMS)
-    return _per_draft(state, index, Inputs(q, k, v, g, beta), slots, scale=float(scale),
+    return _per_draft(state, index, _inputs(q, k, v, g, beta, a, b, A_log, dt_bias), slots, scale=float(scale),
                       use_qk_l2norm=bool(use_qk_l2norm), config=config, interpret=interpret, **tree_option(tree))

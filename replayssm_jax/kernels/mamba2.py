@@ -65,7 +65,8 @@ from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, flush_full_l
                                           run_replay_program, run_verify_program,
                                           run_window, step_launch, tree_option, triton_params, verify_launch,
                                           verify_window, window_start)
-from replayssm_jax.kernels.replay_math import fold_live_records, rank_update, replay_records, replay_weights
+from replayssm_jax.kernels.replay_math import (fold_live_records, rank_update, replay_records, replay_weights,
+                                               softplus)
 from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_live, load_live_only,
                                          load_scalar, program_id)
 from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_ids, row_mask, stochastic, store,
@@ -84,8 +85,9 @@ PER_HEAD = ("A", "D", "dt_bias")
 
 class Inputs(NamedTuple):
     """A step's inputs (arrays, their block specs, or their refs in a kernel):
-    x [batch, H, P]; dt [batch, H] raw; A f32[H] negative; B, C [batch, G, N];
-    D [H]; dt_bias [H]; z [batch, H, P] or None (no gate)."""
+    x [batch, H, P]; dt [batch, H] raw (as an array, [batch, X] with its H
+    values at the launch's static `dt_offset`); A f32[H] negative; B, C
+    [batch, G, N]; D [H]; dt_bias [H]; z [batch, H, P] or None (no gate)."""
 
     x: Any
     dt: Any
@@ -104,11 +106,6 @@ class Records(NamedTuple):
     x: Any
     dt: Any
     B: Any
-
-
-def softplus(x: jax.Array) -> jax.Array:
-    """log(1 + exp(x)), exact to f32 rounding, linear above 20 (mamba_ssm's threshold)."""
-    return jnp.where(x <= 20.0, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))), x)
 
 
 def _process_dt(dt_raw, dt_bias, dt_softplus, dt_limit):
@@ -297,9 +294,9 @@ def _after_readout_kernel(readout_ref, records: Records, cursor_ref, inputs: Inp
     advance_cursor(cursor_out, cursor, jnp.minimum(count + 1, L), programs)
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "interpret", "route"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "dt_offset", "interpret", "route"))
 def _after_readout(readout, records: Records, cursor, inputs: Inputs, *, dt_softplus: bool,
-                   dt_limit: tuple[float, float], interpret: bool, route: str = "append"):
+                   dt_limit: tuple[float, float], interpret: bool, route: str = "append", dt_offset: int = 0):
     """The append (or deferred) route's launch after the Mosaic GPU readout (`_after_readout_kernel`),
     grid (batch, H).
     Takes the readout f32[batch, H, P] (S_c C), the state's records and cursor and the step's inputs (with
@@ -310,7 +307,7 @@ def _after_readout(readout, records: Records, cursor, inputs: Inputs, *, dt_soft
     L, group = records.x.shape[2], H // G
     BP, BN, BL = next_pow2(P), next_pow2(N), next_pow2(L)
     rows = pl.BlockSpec((None, None, BP), lambda b, h: (b, h, 0))
-    per_row = pl.BlockSpec((None, None), lambda b, h: (b, h))
+    per_row = pl.BlockSpec((None, None), lambda b, h: (b, h + dt_offset))
     per_head = pl.BlockSpec((None,), lambda b, h: (h,))
     grp = pl.BlockSpec((None, None, BN), lambda b, h: (b, h // group, 0))
     record_specs = Records(x=pl.BlockSpec((None, None, BL, BP), lambda b, h: (b, h, 0, 0)),
@@ -333,9 +330,9 @@ def _after_readout(readout, records: Records, cursor, inputs: Inputs, *, dt_soft
     return y, records, cursor
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "route"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "dt_offset", "config", "route"))
 def _append_tma(state: Mamba2ReplayState, inputs: Inputs, *, dt_softplus: bool, dt_limit: tuple[float, float],
-                config: TMAReadoutConfig, route: str):
+                dt_offset: int, config: TMAReadoutConfig, route: str):
     """The append or deferred route on Mosaic GPU: the readout S_c C (`tma_readout.mamba2_readout_tma`), then
     the per-head launch (`_after_readout`), on validated arguments within the readout's limits
     (`tma_readout.check_mamba2_tma`). On the deferred route the readout flushes the full rows itself
@@ -354,7 +351,7 @@ def _append_tma(state: Mamba2ReplayState, inputs: Inputs, *, dt_softplus: bool, 
                                                          interpret=False))
         readout = mamba2_readout_tma(state.checkpoint, inputs.C, config)
     y, records, cursor = _after_readout(readout, records, state.cursor, inputs, dt_softplus=dt_softplus,
-                                        dt_limit=dt_limit, interpret=False, route=route)
+                                        dt_limit=dt_limit, dt_offset=dt_offset, interpret=False, route=route)
     return y, state.replace(x=records.x, dt=records.dt, B=records.B, cursor=cursor)
 
 
@@ -487,16 +484,17 @@ def _per_draft_kernel(state_ref, index_ref, inputs: Inputs, y_ref, state_out_ref
                   dt_limit=dt_limit, tree=tree)
 
 
-def _block_specs(H, G, N, L, gated, rows, nb=None, window=None) -> BlockSpecs:
+def _block_specs(H, G, N, L, gated, dt_offset, rows, nb=None, window=None) -> BlockSpecs:
     """Block specs of programs of `rows` state rows and nb batch rows (None:
     one, the batch axis squeezed); z's None without the gate; records None
-    where L is None. window: BW, the block of a verify window's axis (after
-    batch) on the inputs and the output; None: one step, no window axis."""
+    where L is None; dt's value of head h at column dt_offset + h. window:
+    BW, the block of a verify window's axis (after batch) on the inputs and
+    the output; None: one step, no window axis."""
     BN, group = next_pow2(N), H // G
     lead, at = ((nb,), ()) if window is None else ((nb, window), (0,))
     state = pl.BlockSpec((nb, None, rows, BN), lambda b, h, j: (b, h, j, 0))
     row = pl.BlockSpec((*lead, None, rows), lambda b, h, j: (b, *at, h, j))
-    scal = pl.BlockSpec((*lead, None), lambda b, h, j: (b, *at, h))
+    dt = pl.BlockSpec((*lead, None), lambda b, h, j: (b, *at, h + dt_offset))
     head = pl.BlockSpec((None,), lambda b, h, j: (h,))
     grp = pl.BlockSpec((*lead, None, BN), lambda b, h, j: (b, *at, h // group, 0))
     records = None
@@ -505,7 +503,7 @@ def _block_specs(H, G, N, L, gated, rows, nb=None, window=None) -> BlockSpecs:
         records = Records(x=pl.BlockSpec((nb, None, BL, rows), lambda b, h, j: (b, h, 0, j)),
                           dt=pl.BlockSpec((nb, None, BL), lambda b, h, j: (b, h, 0)),
                           B=pl.BlockSpec((nb, None, BL, BN), lambda b, h, j: (b, h // group, 0, 0)))
-    inputs = Inputs(x=row, dt=scal, A=head, B=grp, C=grp, D=head, dt_bias=head, z=row if gated else None)
+    inputs = Inputs(x=row, dt=dt, A=head, B=grp, C=grp, D=head, dt_bias=head, z=row if gated else None)
     return BlockSpecs(state=state, inputs=inputs, out=row, records=records)
 
 
@@ -522,24 +520,24 @@ def _with_defaults(inputs: Inputs) -> Inputs:
                            dt_bias=zeros if inputs.dt_bias is None else inputs.dt_bias)
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "dt_offset", "config", "interpret"))
 def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *, dt_softplus: bool,
-          dt_limit: tuple[float, float], config: StepConfig, interpret: bool):
+          dt_limit: tuple[float, float], dt_offset: int, config: StepConfig, interpret: bool):
     """The standard step's launch; with records and cursor, the direct route's; over a state pool with
     `slots` (`launch.Pool`). Returns (y, state, cursor or None)."""
     _, H, P, N = state.shape
     L = None if records is None else records.x.shape[2]
     kernel = functools.partial(_step_kernel, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit,
                                dot_fold=config.dot_fold)
-    specs = functools.partial(_block_specs, H, inputs.B.shape[1], N, L, inputs.z is not None)
+    specs = functools.partial(_block_specs, H, inputs.B.shape[1], N, L, inputs.z is not None, dt_offset)
     return step_launch("mamba2", kernel, specs, state, _with_defaults(inputs),
                        jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), records, cursor, config=config,
                        interpret=interpret, pool=pool_of(slots, state))
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "route", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "dt_offset", "route", "config", "interpret"))
 def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, dt_softplus: bool,
-            dt_limit: tuple[float, float], route: str, config: ReplayConfig, interpret: bool):
+            dt_limit: tuple[float, float], dt_offset: int, route: str, config: ReplayConfig, interpret: bool):
     """The replay step's launches (output, state, append and deferred routes; the deferred route's
     flush launch first); over a state pool with `slots` (`launch.Pool`). Returns (y, checkpoint,
     records, cursor)."""
@@ -552,7 +550,7 @@ def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *,
     kernel = functools.partial(_replay_kernel, P=P, N=N, L=L, group=H // G, dt_softplus=dt_softplus,
                                dt_limit=dt_limit, route=route)
     flush_row = functools.partial(_flush_row, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None)
+    specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None, dt_offset)
     return replay_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, inputs,
                          jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), per_head=PER_HEAD, route=route,
                          config=config, interpret=interpret, pool=pool_of(slots, checkpoint))
@@ -566,14 +564,14 @@ def _flush_full(checkpoint, records: Records, cursor, inputs: Inputs, slots=None
     _, H, P, N = checkpoint.shape
     G, L = inputs.B.shape[1], records.x.shape[2]
     flush_row = functools.partial(_flush_row, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit, step=False)
-    specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None)
+    specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None, 0)  # dt not read
     return flush_full_launch("mamba2", flush_row, specs, checkpoint, records, cursor, _only_A(inputs),
                              per_head=PER_HEAD, config=config, interpret=interpret, pool=pool_of(slots, checkpoint))
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret", "tree"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "dt_offset", "config", "interpret", "tree"))
 def _verify(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, dt_softplus: bool,
-            dt_limit: tuple[float, float], config: ReplayConfig, interpret: bool, tree=None):
+            dt_limit: tuple[float, float], dt_offset: int, config: ReplayConfig, interpret: bool, tree=None):
     """A verify window's launches (early flush, verify kernel); tree: a draft
     tree (not a chain) or None; over a state pool with `slots` (`launch.Pool`).
     Returns (y, checkpoint, records, cursor)."""
@@ -582,35 +580,38 @@ def _verify(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *,
     kernel = functools.partial(_verify_kernel, P=P, N=N, L=L, W=W, group=H // G, dt_softplus=dt_softplus,
                                dt_limit=dt_limit, **tree_option(tree))
     flush_row = functools.partial(_flush_row, P=P, N=N, L=L, dt_softplus=dt_softplus, dt_limit=dt_limit, step=False)
-    specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None, window=next_pow2(W))
+    specs = functools.partial(_block_specs, H, G, N, L, inputs.z is not None, dt_offset, window=next_pow2(W))
     inputs = _with_defaults(inputs)
     return verify_launch("mamba2", kernel, flush_row, specs, checkpoint, records, cursor, inputs, _only_A(inputs),
                          jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), window=W, per_head=PER_HEAD,
                          config=config, interpret=interpret, tree=tree, pool=pool_of(slots, checkpoint))
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "config", "interpret", "tree"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "dt_offset", "config", "interpret", "tree"))
 def _per_draft(state, index, inputs: Inputs, slots=None, *, dt_softplus: bool, dt_limit: tuple[float, float],
-               config: StepConfig, interpret: bool, tree=None):
+               dt_offset: int, config: StepConfig, interpret: bool, tree=None):
     """The per-draft verify's launch; tree: a draft tree (not a chain) or None; over a state pool with
     `slots`. Returns (y, state)."""
     _, S, H, P, N = state.shape
     W = inputs.x.shape[1]
     kernel = functools.partial(_per_draft_kernel, P=P, N=N, W=W, slots=S, dt_softplus=dt_softplus,
                                dt_limit=dt_limit, **tree_option(tree))
-    specs = functools.partial(_block_specs, H, inputs.B.shape[2], N, None, inputs.z is not None, window=next_pow2(W))
+    specs = functools.partial(_block_specs, H, inputs.B.shape[2], N, None, inputs.z is not None, dt_offset,
+                              window=next_pow2(W))
     return per_draft_launch("mamba2", kernel, specs, state, index, _with_defaults(inputs),
                             jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype), window=W, config=config,
                             interpret=interpret, tree=tree, pool=pool_of(slots, state))
 
 
-def _step_options(dt_softplus, dt_limit, interpret) -> dict:
+def _step_options(dt_softplus, dt_limit, dt_offset, interpret) -> dict:
     low, high = dt_limit
-    return dict(dt_softplus=bool(dt_softplus), dt_limit=(float(low), float(high)), interpret=interpret)
+    return dict(dt_softplus=bool(dt_softplus), dt_limit=(float(low), float(high)), dt_offset=int(dt_offset or 0),
+                interpret=interpret)
 
 
 def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_limit: tuple[float, float],
-                config: StepConfig | None = None, interpret: bool = False, slots=None):
+                dt_offset: int | None = None, config: StepConfig | None = None, interpret: bool = False,
+                slots=None):
     """One standard Mamba-2 decode step (Pallas kernel); the state is updated in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.mamba2_step`
@@ -626,6 +627,9 @@ def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_l
       dt_softplus: dt = softplus(dt + dt_bias) (else dt + dt_bias).
       dt_limit: (low, high), 0 <= low <= high: dt is clamped to it (the
         model's time_step_limit; (0, inf): no clamp).
+      dt_offset: None, or an int: dt is [batch, X] and holds the H values
+        at columns dt_offset .. dt_offset + H - 1, read there by the kernels
+        (Mamba-2's in_proj output zxbcdt: no slice of it before the launch).
       config, interpret, slots: as :func:`replayssm_jax.kernels.gdn_step`
         (a state pool [capacity, H, P, N] with slots); the default tiling is
         :func:`default_step_config` with layer "mamba2".
@@ -638,12 +642,12 @@ def mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_l
     """
     config = step_config_for(config, batch_shaped(state, slots), DIMS, layer="mamba2")
     y, state, _ = _step(state, Inputs(x, dt, A, B, C, D, dt_bias, z), None, None, slots, config=config,
-                        **_step_options(dt_softplus, dt_limit, interpret))
+                        **_step_options(dt_softplus, dt_limit, dt_offset, interpret))
     return y, state
 
 
 def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool,
-                       dt_limit: tuple[float, float], route: str,
+                       dt_limit: tuple[float, float], route: str, dt_offset: int | None = None,
                        config: StepConfig | ReplayConfig | TMAReadoutConfig | None = None, interpret: bool = False,
                        slots=None):
     """One ReplaySSM Mamba-2 decode step (Pallas kernels); checkpoint, buffers and cursor in place.
@@ -670,7 +674,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
       state: a Mamba2ReplayState: checkpoint f32 | bf16[batch, H, P, N];
         records x [batch, H, L, P], dt f32[batch, H, L] (processed dt),
         B [batch, G, L, N]; cursor i32[batch] in 0..L.
-      x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit: as
+      x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, dt_offset: as
         :func:`mamba2_step`.
 
     Returns:
@@ -679,14 +683,14 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
     Raises:
       ValueError, TypeError: as :func:`replayssm_jax.kernels.gdn_replay_step`.
     """
-    kw = _step_options(dt_softplus, dt_limit, interpret)
+    kw = _step_options(dt_softplus, dt_limit, dt_offset, interpret)
     if config is None and route in NO_FLUSH_ROUTES:
         config = default_mamba2_tma(state, C, interpret=interpret, slots=slots, deferred=route == "deferred")
     if isinstance(config, TMAReadoutConfig):
         check_tma_route(route, NO_FLUSH_ROUTES)
         check_mamba2_tma(state, C, config, interpret=interpret, slots=slots)
         return _append_tma(state, Inputs(x, dt, A, B, C, D, dt_bias, z), config=config, route=route,
-                           dt_softplus=kw["dt_softplus"], dt_limit=kw["dt_limit"])
+                           dt_softplus=kw["dt_softplus"], dt_limit=kw["dt_limit"], dt_offset=kw["dt_offset"])
     config = replay_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, DIMS, route=route)
     return replay_step(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),
                        route=route, config=config, step=functools.partial(_step, **kw),
@@ -694,8 +698,8 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, 
 
 
 def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool,
-                         dt_limit: tuple[float, float], tree=None, config: ReplayConfig | None = None,
-                         interpret: bool = False, slots=None):
+                         dt_limit: tuple[float, float], dt_offset: int | None = None, tree=None,
+                         config: ReplayConfig | None = None, interpret: bool = False, slots=None):
     """Verify a window of W speculative Mamba-2 steps (Pallas kernels); checkpoint and buffers in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.mamba2_replay_verify`
@@ -721,8 +725,8 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
       state: a Mamba2ReplayState with no pending window (as
         :func:`mamba2_replay_step`).
       x: [batch, W, H, P]; dt: [batch, W, H], raw; B, C: [batch, W, G, N];
-        z: [batch, W, H, P] or None; A, D, dt_bias, dt_softplus, dt_limit:
-        as :func:`mamba2_step`.
+        z: [batch, W, H, P] or None; A, D, dt_bias, dt_softplus, dt_limit,
+        dt_offset (dt then [batch, W, X]): as :func:`mamba2_step`.
       tree: None or a DraftTree of W nodes (static), run as in
         :func:`replayssm_jax.kernels.gdn_replay_verify`.
       config: a ReplayConfig (fused_flush False; its flush fields tile the
@@ -745,14 +749,15 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D, z, dt_bias
     """
     W = x.shape[1]
     config = verify_config_for(config, batch_shaped(state.checkpoint, slots), state.buffer_len, W, DIMS, tree)
-    verify = functools.partial(_verify, config=config, **_step_options(dt_softplus, dt_limit, interpret),
+    verify = functools.partial(_verify, config=config, **_step_options(dt_softplus, dt_limit, dt_offset, interpret),
                                **tree_option(tree))
     return verify_window(state, Records(state.x, state.dt, state.B), Inputs(x, dt, A, B, C, D, dt_bias, z),
                          window=W, verify=verify, slots=slots)
 
 
 def mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: bool, dt_limit: tuple[float, float],
-                  tree=None, config: StepConfig | None = None, interpret: bool = False, slots=None):
+                  dt_offset: int | None = None, tree=None, config: StepConfig | None = None, interpret: bool = False,
+                  slots=None):
     """The per-draft standard verify of W speculative Mamba-2 steps (Pallas kernel); the state in place.
 
     Takes validated arguments (:func:`replayssm_jax.ops.mamba2_verify`
@@ -768,8 +773,8 @@ def mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: b
       state: f32 | bf16[batch, slots, H, P, N], the slotted standard state;
         index: i32[batch], each row's slot of the current state.
       x: [batch, W, H, P]; dt: [batch, W, H], raw; B, C: [batch, W, G, N];
-        z: [batch, W, H, P] or None; A, D, dt_bias, dt_softplus, dt_limit:
-        as :func:`mamba2_step`.
+        z: [batch, W, H, P] or None; A, D, dt_bias, dt_softplus, dt_limit,
+        dt_offset (dt then [batch, W, X]): as :func:`mamba2_step`.
       tree, config, interpret, slots: as :func:`replayssm_jax.kernels.gdn_verify`
         (a state pool [capacity, slots, H, P, N] with index i32[capacity]).
 
@@ -781,4 +786,4 @@ def mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus: b
     """
     config = per_draft_config_for(config, batch_shaped(state, slots), DIMS)
     return _per_draft(state, index, Inputs(x, dt, A, B, C, D, dt_bias, z), slots, config=config,
-                      **_step_options(dt_softplus, dt_limit, interpret), **tree_option(tree))
+                      **_step_options(dt_softplus, dt_limit, dt_offset, interpret), **tree_option(tree))

@@ -1,5 +1,6 @@
 """In-kernel math of the replay: decay weights of the buffered slots, the
-rank-L update, and the fold of buffered records into a state tile.
+rank-L update, and the fold of buffered records into a state tile; and the
+gates' softplus, which the kernels form from the layers' raw projections.
 
 Both layer types run the same per-head recurrence (ARCHITECTURE.md, "The math")
 
@@ -23,6 +24,11 @@ from replayssm_jax.kernels.tiles import f32, lane_ids
 
 # The smallest extent of every dimension of a dot on the Triton lowering.
 DOT_MIN = 16
+
+
+def softplus(x: jax.Array) -> jax.Array:
+    """log(1 + exp(x)), exact to f32 rounding, linear above 20 (mamba_ssm's and PyTorch's threshold)."""
+    return jnp.where(x <= 20.0, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))), x)
 
 
 def replay_weights(lg: jax.Array, count) -> tuple[jax.Array, jax.Array]:

@@ -5,7 +5,7 @@ Matches transformers' `Qwen3NextGatedDeltaNet` (packed projections) and
 
     q, k, v, z, b, a = projections(u)
     qkv = silu(conv1d([q ; k ; v]))           causal depthwise, width W, conv_state
-    beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)      (float32)
+    beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)      (float32, formed by the ops)
     o = GDN(q, k, v, g, beta)                  L2-normalised q, k; scale K**-0.5 (replayssm_jax.ops)
     o = norm(o, z)                             per value head: weight * rmsnorm(o) * silu(z)
     out = out_proj(o)
@@ -31,7 +31,6 @@ state from `to_replay`) and the speculative `verify` / `commit` come from
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -141,23 +140,16 @@ class GatedDeltaNet(SSMMixer):
         H, K = self.num_k_heads, self.head_k_dim
         return q.reshape(*lead, H, K), k.reshape(*lead, H, K), v.reshape(*lead, self.num_v_heads, self.head_v_dim)
 
-    def _gates(self, b, a):
-        """(g f32[..., HV] log decay <= 0, beta f32[..., HV] in (0, 1))."""
-        beta = jax.nn.sigmoid(b.astype(jnp.float32))
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        return g, beta
-
     def _ssm_inputs(self, u, conv_state, conv):
         qkv, z, b, a = self._project(u)
         # the conv returns q, k and v apart (in a decode step from its kernel, no slice: ops.conv_update)
         (q, k, v), conv_state = conv(qkv, conv_state, splits=(self.key_dim, 2 * self.key_dim))
         q, k, v = self._heads(q, k, v)
-        g, beta = self._gates(b, a)
-        return dict(q=q, k=k, v=v, g=g, beta=beta), z, conv_state
+        # the raw gates: the ops form g and beta (inside the kernels in a decode step, no XLA launch)
+        return dict(q=q, k=k, v=v, a=a, b=b), z, conv_state
 
     def _op_params(self):
-        return dict(use_qk_l2norm=True)
+        return dict(use_qk_l2norm=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...])
 
     def _replay_init_params(self):
         return dict(num_k_heads=self.num_k_heads)

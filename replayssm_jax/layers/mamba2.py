@@ -7,7 +7,7 @@ Matches transformers' `Mamba2Mixer` and `NemotronHMamba2Mixer` (torch_forward):
     xBC = silu(conv1d(xBC))                    causal depthwise, width W, conv_state
     x, B, C = split(xBC)                       [.., nheads, head_dim], [.., G, N], [.., G, N]
                                                (the conv reads xBC in zxbcdt and returns x, B, C apart)
-    y = SSM(x, dt, A = -exp(A_log), B, C, D, dt_bias, dt_limit)   (replayssm_jax.ops)
+    y = SSM(x, dt, A = -exp(A_log), B, C, D, dt_bias, dt_limit)   (replayssm_jax.ops; dt read in zxbcdt)
     y = norm(y, z)                             gated RMSNorm, groups of norm_group_size
     out = out_proj(y)
 
@@ -112,17 +112,18 @@ class Mamba2Mixer(SSMMixer):
 
     def _op_params(self):
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        return dict(A=A, D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=self.dt_limit)
+        return dict(A=A, D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=self.dt_limit,
+                    dt_offset=self.d_inner + self.conv_dim)  # dt: the last H columns of zxbcdt
 
     def _ssm_inputs(self, u, conv_state, conv):
         # The conv reads xBC at its offset in in_proj's output and returns x, B and C apart (in a decode
-        # step one kernel launch, no slice of zxbcdt or of the conv's output: ops.conv_update).
+        # step one kernel launch, no slice of zxbcdt or of the conv's output: ops.conv_update); the SSM
+        # kernels read dt inside zxbcdt (dt_offset, `_op_params`).
         zxbcdt = self.in_proj(u)
         d, gn = self.d_inner, self.n_groups * self.state_size
         (x, B, C), conv_state = conv(zxbcdt, conv_state, offset=d, splits=(d, d + gn))
         x, B, C = self._heads(x, B, C)
-        z, dt = zxbcdt[..., :d], zxbcdt[..., d + self.conv_dim:]
-        return dict(x=x, dt=dt, B=B, C=C), z, conv_state
+        return dict(x=x, dt=zxbcdt, B=B, C=C), zxbcdt[..., :d], conv_state
 
     def _replay_init_params(self):
         return dict(n_groups=self.n_groups)

@@ -444,7 +444,8 @@ def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted, path=
 
 
 def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF), *,
-                backend: str | None = None, config: KernelConfig | None = None, slots=None):
+                dt_offset: int | None = None, backend: str | None = None, config: KernelConfig | None = None,
+                slots=None):
     """One standard Mamba-2 decode step (the selective state update).
 
     Per head h with group g = h // (nheads // n_groups):
@@ -464,6 +465,11 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
       dt_softplus: bool, apply softplus to dt (+ dt_bias).
       dt_limit: (low, high) with 0 <= low <= high, clamp of the processed dt
         (the model's time_step_limit).
+      dt_offset: None, or an int >= 0: `dt` is [batch, X] and holds the
+        nheads values at columns dt_offset .. dt_offset + nheads - 1, where
+        the kernels read them (Mamba-2's in_proj output zxbcdt, dt its last
+        nheads columns: no slice launch before the step). The other Mamba-2
+        ops take it too (dt then [batch, W or seqlen, X]).
       backend, config, slots: see the module docstring (a kernel op; with
         slots, `state` is a pool [capacity, nheads, head_dim, d_state]).
 
@@ -484,17 +490,19 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
         TypeError: `slots` not integers.
     """
     state, dt_softplus, dt_limit, slots = val.check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                                                dt_limit, slots)
+                                                                dt_limit, slots, dt_offset)
     chosen = choose_backend("mamba2_step", backend, config)
     if chosen == "xla":
-        return _on_slots(lambda s: reference.mamba2_step(s, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit),
-                         state, slots)
+        return _on_slots(lambda s: reference.mamba2_step(s, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit,
+                                                         dt_offset=dt_offset), state, slots)
     return kernels.mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                               config=config, interpret=chosen == "interpret", **_pool_option(slots))
+                               dt_offset=dt_offset, config=config, interpret=chosen == "interpret",
+                               **_pool_option(slots))
 
 
 def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
-                  *, tree=None, backend: str | None = None, config: KernelConfig | None = None, slots=None):
+                  *, tree=None, dt_offset: int | None = None, backend: str | None = None,
+                  config: KernelConfig | None = None, slots=None):
     """The per-draft standard verify of W speculative Mamba-2 steps: one state per draft position.
 
     The standard-state baseline of speculative decoding, as vLLM runs it
@@ -535,19 +543,20 @@ def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
       RuntimeError: backend "pallas" without a GPU.
     """
     state, index, dt_softplus, dt_limit, slots = val.check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias,
-                                                                         dt_softplus, dt_limit, tree, slots)
+                                                                         dt_softplus, dt_limit, tree, slots, dt_offset)
     chosen = choose_backend("mamba2_verify", backend, config)
     if chosen == "xla":
         rows_index = index if slots is None else take_slots(index, slots)
         return _on_slots(lambda s: reference.mamba2_verify(s, rows_index, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                                           dt_limit, tree), state, slots)
+                                                           dt_limit, tree, dt_offset=dt_offset), state, slots)
     return kernels.mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
-                                 dt_limit=dt_limit, tree=tree, config=config, interpret=chosen == "interpret",
-                                 **_pool_option(slots))
+                                 dt_limit=dt_limit, dt_offset=dt_offset, tree=tree, config=config,
+                                 interpret=chosen == "interpret", **_pool_option(slots))
 
 
 def mamba2_chunked(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
-                   chunk_size=64, *, backend: str | None = None, config: KernelConfig | None = None):
+                   chunk_size=64, *, dt_offset: int | None = None, backend: str | None = None,
+                   config: KernelConfig | None = None):
     """T Mamba-2 steps at once in the chunked SSD form (the prefill path).
 
     Within a chunk of `chunk_size` steps the outputs are one masked
@@ -575,13 +584,15 @@ def mamba2_chunked(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softp
       NotImplementedError: backend "pallas" or "interpret".
     """
     state, dt_softplus, dt_limit, chunk_size = val.check_mamba2_chunked(
-        state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size)
+        state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size, dt_offset)
     choose_backend("mamba2_chunked", backend, config)
-    return reference.mamba2_chunked(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size)
+    return reference.mamba2_chunked(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size,
+                                    dt_offset=dt_offset)
 
 
 def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
-                       dt_limit=(0.0, INF), route: str = "output", *, backend: str | None = None,
+                       dt_limit=(0.0, INF), route: str = "output", *, dt_offset: int | None = None,
+                       backend: str | None = None,
                        config: KernelConfig | None = None, slots=None):
     """One ReplaySSM decode step of a Mamba-2 layer (ARCHITECTURE.md, "The math").
 
@@ -629,22 +640,22 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
         TypeError: `slots` not integers.
     """
     dt_softplus, dt_limit, slots = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                                                dt_limit, slots)
+                                                                dt_limit, slots, dt_offset)
     chosen = choose_backend("mamba2_replay_step", backend, config)
     route = resolve_route(route, chosen, _rows_shape(state, slots), config, pool=slots is not None)
     _warn_direct_8bit(state, route)
     _check_append(state, route, slots)
     if chosen == "xla":
         return _on_slots(lambda s: reference.mamba2_replay_step(s, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                                                dt_limit, route), state, slots)
+                                                                dt_limit, route, dt_offset=dt_offset), state, slots)
     return kernels.mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
-                                      dt_limit=dt_limit, route=route, config=config,
+                                      dt_limit=dt_limit, dt_offset=dt_offset, route=route, config=config,
                                       interpret=chosen == "interpret", **_pool_option(slots))
 
 
 def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
-                         dt_limit=(0.0, INF), *, tree=None, backend: str | None = None,
-                         config: KernelConfig | None = None, slots=None):
+                         dt_limit=(0.0, INF), *, tree=None, dt_offset: int | None = None,
+                         backend: str | None = None, config: KernelConfig | None = None, slots=None):
     """Verify a window of W speculative steps of a Mamba-2 layer (ARCHITECTURE.md, "The verify window").
 
     Writes the W records after each row's cursor (flushing first the rows
@@ -678,13 +689,13 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
         (:func:`replayssm_jax.kernels.mamba2_replay_verify`).
     """
     dt_softplus, dt_limit, slots = val.check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                                                  dt_limit, tree, slots)
+                                                                  dt_limit, tree, slots, dt_offset)
     chosen = choose_backend("mamba2_replay_verify", backend, config)
     if chosen == "xla":
         return _on_slots(lambda s: reference.mamba2_replay_verify(s, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                                                  dt_limit, tree), state, slots)
+                                                                  dt_limit, tree, dt_offset=dt_offset), state, slots)
     return kernels.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
-                                        dt_limit=dt_limit, tree=tree, config=config,
+                                        dt_limit=dt_limit, dt_offset=dt_offset, tree=tree, config=config,
                                         interpret=chosen == "interpret", **_pool_option(slots))
 
 
@@ -747,8 +758,8 @@ def mamba2_replay_flush(state: Mamba2ReplayState, A, *, backend: str | None = No
 # Gated DeltaNet
 
 
-def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend: str | None = None,
-             config: KernelConfig | None = None, slots=None):
+def gdn_step(state, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None, b=None, A_log=None,
+             dt_bias=None, backend: str | None = None, config: KernelConfig | None = None, slots=None):
     """One standard Gated DeltaNet decode step (the gated delta rule).
 
     Per value head h with key head h // (HV // H): q, k <- l2norm(q, k) (if
@@ -765,6 +776,13 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend
       beta: [batch, HV], write strength in [0, 2]: sigmoid(b) in (0, 1), or
         2 sigmoid(b) with negative eigenvalues (outside [0, 2], I - beta k k^T
         amplifies the state along a unit k: ValueError where concrete).
+      a, b, A_log, dt_bias: the raw gates, in place of g and beta: a, b
+        [batch, HV] the layer's projections (any float dtype but float16),
+        A_log, dt_bias [HV] its parameters; g = -exp(A_log) softplus(a +
+        dt_bias) and beta = sigmoid(b) are formed in float32 inside the
+        kernels (:func:`replayssm_jax.reference.gdn_gates` on "xla"), as the
+        original ReplaySSM and vLLM's fused GDN kernels do: no XLA launch
+        for them in a decode step.
       scale: query scale, a finite real number (a concrete scalar) or None
         for K ** -0.5.
       use_qk_l2norm: bool, L2-normalise q and k over K (eps 1e-6), as the models do.
@@ -777,7 +795,8 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend
 
     Raises:
       TypeError: a non-floating argument, a state that is not f32 / bf16, a
-        bad scale or use_qk_l2norm, or a `config` on "xla".
+        bad scale or use_qk_l2norm, or a `config` on "xla"; gates other than
+        one whole form (g and beta, or a, b, A_log and dt_bias).
       ValueError: a shape mismatch (a state in transformers' [batch, HV, K,
         V] layout, K != V, is named as such), HV not divisible by H, an
         unknown backend; on the kernel backends also the kernels' limits
@@ -787,16 +806,19 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, backend
         [-1, capacity) or used twice;
         TypeError: `slots` not integers.
     """
-    state, scale, use_qk_l2norm, slots = val.check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots)
+    gates = val.GDNGates(g, beta, a, b, A_log, dt_bias)
+    state, scale, use_qk_l2norm, slots = val.check_gdn_step(state, q, k, v, gates, scale, use_qk_l2norm, slots)
     chosen = choose_backend("gdn_step", backend, config)
     if chosen == "xla":
-        return _on_slots(lambda s: reference.gdn_step(s, q, k, v, g, beta, scale, use_qk_l2norm), state, slots)
-    return kernels.gdn_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, config=config,
-                            interpret=chosen == "interpret", **_pool_option(slots))
+        return _on_slots(lambda s: reference.gdn_step(s, q, k, v, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                                      **gates.keywords()), state, slots)
+    return kernels.gdn_step(state, q, k, v, **gates.keywords(), scale=scale, use_qk_l2norm=use_qk_l2norm,
+                            config=config, interpret=chosen == "interpret", **_pool_option(slots))
 
 
-def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, tree=None,
-               backend: str | None = None, config: KernelConfig | None = None, slots=None):
+def gdn_verify(state, index, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None, b=None,
+               A_log=None, dt_bias=None, tree=None, backend: str | None = None, config: KernelConfig | None = None,
+               slots=None):
     """The per-draft standard verify of W speculative Gated DeltaNet steps: one state per draft position.
 
     As :func:`mamba2_verify`, with :func:`gdn_step` for the step (vLLM's
@@ -806,8 +828,9 @@ def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *
     Args:
       state: f32 | bf16[batch, slots, HV, V, K], value-major.
       index: int[batch] in 0..slots - 1, each row's slot of the current state.
-      q, k: [batch, W, H, K]; v: [batch, W, HV, V]; g, beta: [batch, W, HV];
-      scale, use_qk_l2norm: as :func:`gdn_step`. 1 <= W <= slots - 1.
+      q, k: [batch, W, H, K]; v: [batch, W, HV, V]; g, beta (or a, b):
+      [batch, W, HV]; A_log, dt_bias, scale, use_qk_l2norm: as :func:`gdn_step`.
+      1 <= W <= slots - 1.
       tree: None (a chain) or a DraftTree of W nodes (static).
       backend, config, slots: see the module docstring (a kernel op; config a
         StepConfig; with slots, as :func:`mamba2_verify`).
@@ -820,19 +843,21 @@ def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *
       TypeError, ValueError, RuntimeError: as :func:`mamba2_verify`, for
         the arguments of :func:`gdn_step`.
     """
-    state, index, scale, use_qk_l2norm, slots = val.check_gdn_verify(state, index, q, k, v, g, beta, scale,
+    gates = val.GDNGates(g, beta, a, b, A_log, dt_bias)
+    state, index, scale, use_qk_l2norm, slots = val.check_gdn_verify(state, index, q, k, v, gates, scale,
                                                                      use_qk_l2norm, tree, slots)
     chosen = choose_backend("gdn_verify", backend, config)
     if chosen == "xla":
         rows_index = index if slots is None else take_slots(index, slots)
-        return _on_slots(lambda s: reference.gdn_verify(s, rows_index, q, k, v, g, beta, scale, use_qk_l2norm, tree),
+        return _on_slots(lambda s: reference.gdn_verify(s, rows_index, q, k, v, scale=scale,
+                                                        use_qk_l2norm=use_qk_l2norm, tree=tree, **gates.keywords()),
                          state, slots)
-    return kernels.gdn_verify(state, index, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, tree=tree,
-                              config=config, interpret=chosen == "interpret", **_pool_option(slots))
+    return kernels.gdn_verify(state, index, q, k, v, **gates.keywords(), scale=scale, use_qk_l2norm=use_qk_l2norm,
+                              tree=tree, config=config, interpret=chosen == "interpret", **_pool_option(slots))
 
 
-def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64, *,
-                backend: str | None = None, config: KernelConfig | None = None):
+def gdn_chunked(state, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, chunk_size=64, *, a=None,
+                b=None, A_log=None, dt_bias=None, backend: str | None = None, config: KernelConfig | None = None):
     """T Gated DeltaNet steps in the chunk-parallel WY / UT-transform form.
 
     Each chunk's update vectors are solved in closed form, D = (I + A)^-1 R
@@ -843,7 +868,8 @@ def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_s
     Args:
       state: None (zeros) or f32 | bf16[batch, HV, V, K].
       q, k: [batch, seqlen, H, K]; v: [batch, seqlen, HV, V];
-      g, beta: [batch, seqlen, HV]; scale, use_qk_l2norm: as :func:`gdn_step`.
+      g, beta (or a, b): [batch, seqlen, HV]; A_log, dt_bias, scale,
+      use_qk_l2norm: as :func:`gdn_step`.
       chunk_size: steps per chunk (an int >= 1; need not divide seqlen).
       backend, config: see the module docstring; this op has no kernel, so
         "pallas", "interpret" and a config raise.
@@ -856,14 +882,17 @@ def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_s
       TypeError, ValueError: as :func:`gdn_step`; also chunk_size < 1.
       NotImplementedError: backend "pallas" or "interpret".
     """
-    state, scale, use_qk_l2norm, chunk_size = val.check_gdn_chunked(state, q, k, v, g, beta, scale, use_qk_l2norm,
+    gates = val.GDNGates(g, beta, a, b, A_log, dt_bias)
+    state, scale, use_qk_l2norm, chunk_size = val.check_gdn_chunked(state, q, k, v, gates, scale, use_qk_l2norm,
                                                                     chunk_size)
     choose_backend("gdn_chunked", backend, config)
-    return reference.gdn_chunked(state, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size)
+    return reference.gdn_chunked(state, q, k, v, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                                 **gates.keywords())
 
 
-def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output",
-                    *, backend: str | None = None, config: KernelConfig | None = None, slots=None):
+def gdn_replay_step(state: GDNReplayState, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True,
+                    route: str = "output", *, a=None, b=None, A_log=None, dt_bias=None, backend: str | None = None,
+                    config: KernelConfig | None = None, slots=None):
     """One ReplaySSM decode step of a Gated DeltaNet layer (ARCHITECTURE.md, "The math").
 
     Forms the delta-rule update vector d from one read of the checkpoint
@@ -876,6 +905,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
       state: GDNReplayState with no pending verify window.
       q, k, v, g, beta, scale, use_qk_l2norm: as :func:`gdn_step`; q and k
         with the state's H.
+      a, b, A_log, dt_bias: the raw gates in place of g and beta, as
+        :func:`gdn_step` (formed inside the kernels).
       route: "output", "state", "direct", "deferred", "auto" or "append",
         as :func:`mamba2_replay_step`.
       backend, config, slots: see the module docstring (a kernel op; with
@@ -896,20 +927,22 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
         [-1, capacity) or used twice;
         TypeError: `slots` not integers.
     """
-    scale, use_qk_l2norm, slots = val.check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots)
+    gates = val.GDNGates(g, beta, a, b, A_log, dt_bias)
+    scale, use_qk_l2norm, slots = val.check_gdn_replay_step(state, q, k, v, gates, scale, use_qk_l2norm, slots)
     chosen = choose_backend("gdn_replay_step", backend, config)
     route = resolve_route(route, chosen, _rows_shape(state, slots), config, pool=slots is not None)
     _warn_direct_8bit(state, route)
     _check_append(state, route, slots)
     if chosen == "xla":
-        return _on_slots(lambda s: reference.gdn_replay_step(s, q, k, v, g, beta, scale, use_qk_l2norm, route),
-                         state, slots)
-    return kernels.gdn_replay_step(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, route=route,
-                                   config=config, interpret=chosen == "interpret", **_pool_option(slots))
+        return _on_slots(lambda s: reference.gdn_replay_step(s, q, k, v, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                                             route=route, **gates.keywords()), state, slots)
+    return kernels.gdn_replay_step(state, q, k, v, **gates.keywords(), scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                   route=route, config=config, interpret=chosen == "interpret", **_pool_option(slots))
 
 
-def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, *, tree=None,
-                      backend: str | None = None, config: KernelConfig | None = None, slots=None):
+def gdn_replay_verify(state: GDNReplayState, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None,
+                      b=None, A_log=None, dt_bias=None, tree=None, backend: str | None = None,
+                      config: KernelConfig | None = None, slots=None):
     """Verify a window of W speculative steps of a Gated DeltaNet layer (ARCHITECTURE.md, "The verify window").
 
     As :func:`mamba2_replay_verify`; the window's update vectors, which
@@ -922,7 +955,8 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
     Args:
       state: GDNReplayState with no pending window.
       q, k: [batch, W, H, K]; v: [batch, W, HV, V], 1 <= W <= L;
-      g, beta: [batch, W, HV]; scale, use_qk_l2norm: as :func:`gdn_step`.
+      g, beta (or a, b): [batch, W, HV]; A_log, dt_bias, scale,
+      use_qk_l2norm: as :func:`gdn_step`.
       tree: as :func:`mamba2_replay_verify` (node t's update vector from the
         delta rule along its path root .. t).
       backend, config, slots: see the module docstring (a kernel op; config a
@@ -940,14 +974,15 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
         kernel backends the kernels' limits
         (:func:`replayssm_jax.kernels.gdn_replay_verify`).
     """
-    scale, use_qk_l2norm, slots = val.check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree,
+    gates = val.GDNGates(g, beta, a, b, A_log, dt_bias)
+    scale, use_qk_l2norm, slots = val.check_gdn_replay_verify(state, q, k, v, gates, scale, use_qk_l2norm, tree,
                                                               slots)
     chosen = choose_backend("gdn_replay_verify", backend, config)
     if chosen == "xla":
-        return _on_slots(lambda s: reference.gdn_replay_verify(s, q, k, v, g, beta, scale, use_qk_l2norm, tree),
-                         state, slots)
-    return kernels.gdn_replay_verify(state, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, tree=tree,
-                                     config=config, interpret=chosen == "interpret", **_pool_option(slots))
+        return _on_slots(lambda s: reference.gdn_replay_verify(s, q, k, v, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                                               tree=tree, **gates.keywords()), state, slots)
+    return kernels.gdn_replay_verify(state, q, k, v, **gates.keywords(), scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                     tree=tree, config=config, interpret=chosen == "interpret", **_pool_option(slots))
 
 
 def gdn_replay_materialize(state: GDNReplayState, *, backend: str | None = None,

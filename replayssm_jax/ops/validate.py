@@ -31,6 +31,7 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -561,14 +562,26 @@ def check_replay_commit(state, num_accepted) -> jax.Array:
 # Mamba-2 ops
 
 
+def check_dt_offset(dt, dt_offset, lead: tuple[int, ...], lead_names: str, H: int) -> None:
+    """A dt of [*lead, X] holding the nheads raw values at columns dt_offset .. dt_offset + nheads - 1 (the
+    ops' dt_offset: a wider array, such as Mamba-2's in_proj output zxbcdt)."""
+    offset = check_positive_int("dt_offset", dt_offset, minimum=0)
+    dt = check_ssm_float("dt", dt)
+    check_rank("dt", dt, f"{lead_names}, X")
+    if tuple(dt.shape[:-1]) != tuple(lead) or dt.shape[-1] < offset + H:
+        raise ValueError(f"`dt` with dt_offset = {offset} must have shape [{lead_names}, X] with leading axes "
+                         f"{tuple(lead)} and X >= dt_offset + nheads = {offset + H}; got {tuple(dt.shape)}")
+
+
 def check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, *, seq=None,
-                        seq_name="seqlen", groups=None, state_name="state") -> tuple[bool, tuple[float, float]]:
+                        seq_name="seqlen", groups=None, state_name="state",
+                        dt_offset=None) -> tuple[bool, tuple[float, float]]:
     """The inputs of one Mamba-2 step (seq None) or of `seq` steps.
 
     Args:
       dims: (batch, nheads, head_dim, d_state), the shape of the state
         `state_name` (whose last two axes are blamed if swapped).
-      x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit: as
+      x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, dt_offset: as
         :func:`replayssm_jax.ops.mamba2_step`, with a `seq` axis after batch
         if `seq` is given (named `seq_name`).
       groups: the n_groups that B and C must have (a replay state's), or
@@ -585,7 +598,10 @@ def check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_lim
         check_layout(state_name, dims, MAMBA2_DIMS, x.shape[-1], B.shape[-1], "head_dim of `x`, d_state of `B`",
                      MAMBA2_LAYOUT)
     check_shape("x", x, f"{lead_names}, nheads, head_dim", (*lead, H, P))
-    ssm_arg("dt", dt, f"{lead_names}, nheads", (*lead, H))
+    if dt_offset is None:
+        ssm_arg("dt", dt, f"{lead_names}, nheads", (*lead, H))
+    else:
+        check_dt_offset(dt, dt_offset, lead, lead_names, H)
     ssm_arg("A", A, "nheads", (H,))
     check_negative("A", A, "A = -exp(A_log)")
     check_rank("B", B, f"{lead_names}, n_groups, d_state")
@@ -606,7 +622,7 @@ def check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_lim
     return check_bool("dt_softplus", dt_softplus), check_dt_limit(dt_limit)
 
 
-def check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, slots=None):
+def check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, slots=None, dt_offset=None):
     """Checks of :func:`replayssm_jax.ops.mamba2_step` (`slots`: :func:`check_slots`).
 
     Returns:
@@ -615,10 +631,10 @@ def check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limi
     state = check_state_array("state", state, MAMBA2_DIMS)
     slots = check_slots(slots, state.shape[0], state, ("x", x))
     return (state, *check_mamba2_inputs(batch_dims(state.shape, slots), x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                        dt_limit), slots)
+                                        dt_limit, dt_offset=dt_offset), slots)
 
 
-def check_mamba2_chunked(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size):
+def check_mamba2_chunked(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size, dt_offset=None):
     """Checks of :func:`replayssm_jax.ops.mamba2_chunked`.
 
     Returns:
@@ -626,7 +642,8 @@ def check_mamba2_chunked(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_l
     """
     T, dims = _sequence_dims("x", x, "batch, seqlen, nheads, head_dim", "B", B, "batch, seqlen, n_groups, d_state")
     state = _check_initial_state(state, dims, MAMBA2_DIMS, "head_dim of `x`, d_state of `B`", MAMBA2_LAYOUT)
-    dt_softplus, dt_limit = check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=T)
+    dt_softplus, dt_limit = check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=T,
+                                                dt_offset=dt_offset)
     return state, dt_softplus, dt_limit, check_positive_int("chunk_size", chunk_size)
 
 
@@ -643,7 +660,7 @@ def check_mamba2_replay_flush(state, A) -> None:
     check_no_pending_window(state)
 
 
-def check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, slots=None):
+def check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, slots=None, dt_offset=None):
     """Checks of :func:`replayssm_jax.ops.mamba2_replay_step` (but `route`; `slots`: :func:`check_slots`).
 
     Returns:
@@ -652,10 +669,12 @@ def check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, 
     check_mamba2_replay_flush(state, A)
     slots = check_slots(slots, state.checkpoint.shape[0], state, ("x", x))
     return (*check_mamba2_inputs(batch_dims(state.checkpoint.shape, slots), x, dt, A, B, C, D, z, dt_bias,
-                                 dt_softplus, dt_limit, groups=state.B.shape[1], state_name="state.checkpoint"), slots)
+                                 dt_softplus, dt_limit, groups=state.B.shape[1], state_name="state.checkpoint",
+                                 dt_offset=dt_offset), slots)
 
 
-def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None, slots=None):
+def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None, slots=None,
+                               dt_offset=None):
     """Checks of :func:`replayssm_jax.ops.mamba2_replay_verify`: also 1 <= W <= L, a `tree` of W nodes
     (`slots`: :func:`check_slots`; a tree not with slots).
 
@@ -672,7 +691,7 @@ def check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus
     check_tree(tree, W, "x.shape[1]")
     return (*check_mamba2_inputs(batch_dims(state.checkpoint.shape, slots), x, dt, A, B, C, D, z, dt_bias,
                                  dt_softplus, dt_limit, seq=W, seq_name="W", groups=state.B.shape[1],
-                                 state_name="state.checkpoint"), slots)
+                                 state_name="state.checkpoint", dt_offset=dt_offset), slots)
 
 
 def check_no_tree_with_slots(tree, slots) -> None:
@@ -716,7 +735,8 @@ def check_slotted_state(state, index, dims: str, W: int, W_name: str, tree=None,
     return state, index, batch_dims((batch, *state.shape[2:]), slots), slots
 
 
-def check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None, slots=None):
+def check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree=None, slots=None,
+                        dt_offset=None):
     """Checks of :func:`replayssm_jax.ops.mamba2_verify`.
 
     Returns:
@@ -726,7 +746,7 @@ def check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias, dt_softplus
     W, (state, index, dims, slots) = _per_draft_window(state, index, "x", x, "batch, W, nheads, head_dim",
                                                        SLOTTED_MAMBA2_DIMS, tree, slots)
     return (state, index, *check_mamba2_inputs(dims, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, seq=W,
-                                               seq_name="W"), slots)
+                                               seq_name="W", dt_offset=dt_offset), slots)
 
 
 def _per_draft_window(state, index, name: str, first, layout: str, dims: str, tree, slots):
@@ -742,16 +762,65 @@ def _per_draft_window(state, index, name: str, first, layout: str, dims: str, tr
 # Gated DeltaNet ops
 
 
-def check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, *, seq=None, seq_name="seqlen", heads=None,
-                     state_name="state") -> tuple[float, bool]:
+class GDNGates(NamedTuple):
+    """The gate arguments of a Gated DeltaNet op: g and beta, or the raw a, b,
+    A_log and dt_bias (the other form's fields None)."""
+
+    g: Any = None
+    beta: Any = None
+    a: Any = None
+    b: Any = None
+    A_log: Any = None
+    dt_bias: Any = None
+
+    @property
+    def raw(self) -> bool:
+        """Whether the gates are the raw projections and parameters."""
+        return self.A_log is not None
+
+    def keywords(self) -> dict:
+        """The given form's arguments by name (a kernel op's keywords)."""
+        return {name: x for name, x in self._asdict().items() if x is not None}
+
+
+GATE_FORMS = "`g` and `beta`, or the raw `a`, `b`, `A_log` and `dt_bias`"
+
+
+def check_gdn_gate_form(gates: GDNGates) -> None:
+    """Raise TypeError unless `gates` holds exactly one whole form (checked before the shapes)."""
+    given = [name for name, x in gates._asdict().items() if x is not None]
+    if given not in (["g", "beta"], ["a", "b", "A_log", "dt_bias"]):
+        raise TypeError(f"the gates must be given as {GATE_FORMS} (g = -exp(A_log) softplus(a + dt_bias), "
+                        f"beta = sigmoid(b)); got {', '.join(f'`{n}`' for n in given) or 'none of them'}")
+
+
+def _check_gdn_gates(gates: GDNGates, lead: tuple[int, ...], names: str, HV: int) -> None:
+    """The gates' shapes and values (`check_gdn_gate_form` first)."""
+    check_gdn_gate_form(gates)
+    if gates.raw:
+        ssm_arg("a", gates.a, f"{names}, HV", (*lead, HV))
+        ssm_arg("b", gates.b, f"{names}, HV", (*lead, HV))
+        ssm_arg("A_log", gates.A_log, "HV", (HV,))
+        ssm_arg("dt_bias", gates.dt_bias, "HV", (HV,))
+        return
+    ssm_arg("g", gates.g, f"{names}, HV", (*lead, HV))
+    check_non_positive("g", gates.g, "a log decay: exp(g) > 1 would amplify the state")
+    ssm_arg("beta", gates.beta, f"{names}, HV", (*lead, HV))
+    check_closed_range("beta", gates.beta, 0.0, 2.0, "a delta-rule write strength: outside it I - beta k k^T "
+                                                     "amplifies the state along a unit k")
+
+
+def check_gdn_inputs(dims, q, k, v, gates: GDNGates, scale, use_qk_l2norm, *, seq=None, seq_name="seqlen",
+                     heads=None, state_name="state") -> tuple[float, bool]:
     """The inputs of one Gated DeltaNet step (seq None) or of `seq` steps.
 
     Args:
       dims: (batch, HV, V, K), the shape of the state `state_name` (whose
         last two axes are blamed if swapped).
-      q, k, v, g, beta, scale, use_qk_l2norm: as
-        :func:`replayssm_jax.ops.gdn_step`, with a `seq` axis after batch if
-        `seq` is given (named `seq_name`).
+      q, k, v, scale, use_qk_l2norm: as :func:`replayssm_jax.ops.gdn_step`,
+        with a `seq` axis after batch if `seq` is given (named `seq_name`).
+      gates: a GDNGates of one whole form (TypeError otherwise), a, b, g and
+        beta with q's leading axes.
       heads: the key heads H that q and k must have (a replay state's), or
         None (any divisor of HV).
 
@@ -776,16 +845,12 @@ def check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, *, seq=None, 
         raise ValueError(f"`q` and `k` must have the same H (key heads); got {H} and {k.shape[-2]}")
     check_shape("k", k, f"{names}, H, K", (*lead, H, K))
     check_shape("v", v, f"{names}, HV, V", (*lead, HV, V))
-    ssm_arg("g", g, f"{names}, HV", (*lead, HV))
-    check_non_positive("g", g, "a log decay: exp(g) > 1 would amplify the state")
-    ssm_arg("beta", beta, f"{names}, HV", (*lead, HV))
-    check_closed_range("beta", beta, 0.0, 2.0, "a delta-rule write strength: outside it I - beta k k^T amplifies "
-                                               "the state along a unit k")
+    _check_gdn_gates(gates, lead, names, HV)
     scale = check_scale(scale)
     return (K ** -0.5 if scale is None else scale), check_bool("use_qk_l2norm", use_qk_l2norm)
 
 
-def check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots=None):
+def check_gdn_step(state, q, k, v, gates, scale, use_qk_l2norm, slots=None):
     """Checks of :func:`replayssm_jax.ops.gdn_step` (`slots`: :func:`check_slots`).
 
     Returns:
@@ -793,10 +858,10 @@ def check_gdn_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots=None):
     """
     state = check_state_array("state", state, GDN_DIMS)
     slots = check_slots(slots, state.shape[0], state, ("q", q))
-    return (state, *check_gdn_inputs(batch_dims(state.shape, slots), q, k, v, g, beta, scale, use_qk_l2norm), slots)
+    return (state, *check_gdn_inputs(batch_dims(state.shape, slots), q, k, v, gates, scale, use_qk_l2norm), slots)
 
 
-def check_gdn_chunked(state, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size):
+def check_gdn_chunked(state, q, k, v, gates, scale, use_qk_l2norm, chunk_size):
     """Checks of :func:`replayssm_jax.ops.gdn_chunked`.
 
     Returns:
@@ -804,7 +869,7 @@ def check_gdn_chunked(state, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size)
     """
     T, dims = _sequence_dims("v", v, "batch, seqlen, HV, V", "k", k, "batch, seqlen, H, K")
     state = _check_initial_state(state, dims, GDN_DIMS, "V of `v`, K of `k`", GDN_LAYOUT)
-    scale, use_qk_l2norm = check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, seq=T)
+    scale, use_qk_l2norm = check_gdn_inputs(dims, q, k, v, gates, scale, use_qk_l2norm, seq=T)
     return state, scale, use_qk_l2norm, check_positive_int("chunk_size", chunk_size)
 
 
@@ -819,7 +884,7 @@ def check_gdn_replay_flush(state) -> None:
     check_no_pending_window(state)
 
 
-def check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots=None):
+def check_gdn_replay_step(state, q, k, v, gates, scale, use_qk_l2norm, slots=None):
     """Checks of :func:`replayssm_jax.ops.gdn_replay_step` (but `route`; `slots`: :func:`check_slots`).
 
     Returns:
@@ -827,11 +892,11 @@ def check_gdn_replay_step(state, q, k, v, g, beta, scale, use_qk_l2norm, slots=N
     """
     check_gdn_replay_flush(state)
     slots = check_slots(slots, state.checkpoint.shape[0], state, ("q", q))
-    return (*check_gdn_inputs(batch_dims(state.checkpoint.shape, slots), q, k, v, g, beta, scale, use_qk_l2norm,
+    return (*check_gdn_inputs(batch_dims(state.checkpoint.shape, slots), q, k, v, gates, scale, use_qk_l2norm,
                               heads=state.k.shape[1], state_name="state.checkpoint"), slots)
 
 
-def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree=None, slots=None):
+def check_gdn_replay_verify(state, q, k, v, gates, scale, use_qk_l2norm, tree=None, slots=None):
     """Checks of :func:`replayssm_jax.ops.gdn_replay_verify`: also 1 <= W <= L, a `tree` of W nodes
     (`slots`: :func:`check_slots`; a tree not with slots).
 
@@ -846,11 +911,11 @@ def check_gdn_replay_verify(state, q, k, v, g, beta, scale, use_qk_l2norm, tree=
     W = v.shape[1]
     check_window(W, state.buffer_len, "v.shape[1]")
     check_tree(tree, W, "v.shape[1]")
-    return (*check_gdn_inputs(batch_dims(state.checkpoint.shape, slots), q, k, v, g, beta, scale, use_qk_l2norm,
+    return (*check_gdn_inputs(batch_dims(state.checkpoint.shape, slots), q, k, v, gates, scale, use_qk_l2norm,
                               seq=W, seq_name="W", heads=state.k.shape[1], state_name="state.checkpoint"), slots)
 
 
-def check_gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm, tree=None, slots=None):
+def check_gdn_verify(state, index, q, k, v, gates, scale, use_qk_l2norm, tree=None, slots=None):
     """Checks of :func:`replayssm_jax.ops.gdn_verify`.
 
     Returns:
@@ -859,7 +924,7 @@ def check_gdn_verify(state, index, q, k, v, g, beta, scale, use_qk_l2norm, tree=
     """
     W, (state, index, dims, slots) = _per_draft_window(state, index, "v", v, "batch, W, HV, V", SLOTTED_GDN_DIMS,
                                                        tree, slots)
-    return (state, index, *check_gdn_inputs(dims, q, k, v, g, beta, scale, use_qk_l2norm, seq=W, seq_name="W"),
+    return (state, index, *check_gdn_inputs(dims, q, k, v, gates, scale, use_qk_l2norm, seq=W, seq_name="W"),
             slots)
 
 

@@ -45,6 +45,7 @@ from replayssm_jax.reference.attention import attend, attention_decode
 from replayssm_jax.reference.conv import conv_update
 from replayssm_jax.reference.gdn import (
     gdn_chunked,
+    gdn_gates,
     gdn_replay_flush,
     gdn_replay_materialize,
     gdn_replay_step,
@@ -76,6 +77,7 @@ __all__ = [
     "attention_decode",
     "conv_update",
     "gdn_chunked",
+    "gdn_gates",
     "gdn_replay_flush",
     "gdn_replay_init",
     "gdn_replay_materialize",

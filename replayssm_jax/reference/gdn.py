@@ -35,6 +35,28 @@ from replayssm_jax.state import GDNReplayState, as_f32_checkpoint, in_order, ste
 f32 = jnp.float32
 
 
+def gdn_gates(a, b, A_log, dt_bias):
+    """The gates of a Gated DeltaNet step from the layer's raw projections.
+
+    Args:
+      a, b: [..., HV], any float dtype (the outputs of in_proj_a and in_proj_b).
+      A_log, dt_bias: [HV], the layer's parameters.
+
+    Returns:
+      (g, beta), f32[..., HV]: g = -exp(A_log) softplus(a + dt_bias), the
+      log decay (<= 0), and beta = sigmoid(b) in (0, 1), as transformers'
+      Qwen3NextGatedDeltaNet and vLLM's fused_sigmoid_gating_delta_rule_update
+      form them.
+    """
+    g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
+    return g, jax.nn.sigmoid(b.astype(f32))
+
+
+def _gates_of(g, beta, a, b, A_log, dt_bias):
+    """(g, beta) as given, or (A_log given) formed from the raw gates by :func:`gdn_gates`."""
+    return (g, beta) if A_log is None else gdn_gates(a, b, A_log, dt_bias)
+
+
 def _prepare_qk(q, k, scale, use_qk_l2norm):
     """(scaled q, k) in float32, L2-normalised if asked."""
     if use_qk_l2norm:
@@ -43,21 +65,25 @@ def _prepare_qk(q, k, scale, use_qk_l2norm):
     return q.astype(f32) * scale, k.astype(f32)
 
 
-def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
+def gdn_step(state, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None, b=None, A_log=None,
+             dt_bias=None):
     """One standard Gated DeltaNet decode step (the gated delta rule).
 
     Args:
       state: f32 | bf16[batch, HV, V, K], value-major recurrent state.
       q, k: [batch, H, K]; v: [batch, HV, V]; g: [batch, HV], log decay <= 0;
       beta: [batch, HV] in (0, 1); scale: float or None (K ** -0.5);
-      use_qk_l2norm: bool. Their meaning: :func:`replayssm_jax.ops.gdn_step`.
+      use_qk_l2norm: bool; or, in place of g and beta, the raw gates a, b
+      [batch, HV] and A_log, dt_bias [HV] (:func:`gdn_gates`; the other
+      ops take them too). Their meaning: :func:`replayssm_jax.ops.gdn_step`.
 
     Returns:
       (o [batch, HV, V] in v.dtype, new_state in state.dtype).
     """
+    g, beta = _gates_of(g, beta, a, b, A_log, dt_bias)
     HV = state.shape[1]
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
-    qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
+    qh, kh = (c.expand_heads(x, HV, axis=1) for x in (q, k))
     S = state.astype(f32) * jnp.exp(g.astype(f32))[..., None, None]
     d = beta.astype(f32)[..., None] * (v.astype(f32) - c.einsum("bhvk,bhk->bhv", S, kh))
     S = S + d[..., None] * kh[:, :, None, :]
@@ -65,7 +91,8 @@ def gdn_step(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True):
     return o.astype(v.dtype), S.astype(state.dtype)
 
 
-def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, tree=None):
+def gdn_verify(state, index, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None, b=None,
+               A_log=None, dt_bias=None, tree=None):
     """The per-draft standard verify of W speculative Gated DeltaNet steps (one state per draft position).
 
     Step t (of a tree: node t) is :func:`gdn_step` from the state of step
@@ -85,6 +112,7 @@ def gdn_verify(state, index, q, k, v, g, beta, scale=None, use_qk_l2norm=True, t
     Returns:
       (o [batch, W, HV, V] in v.dtype, the new slotted state).
     """
+    g, beta = _gates_of(g, beta, a, b, A_log, dt_bias)
 
     def step(S, q, k, v, g, beta):
         return gdn_step(S, q, k, v, g, beta, scale, use_qk_l2norm)
@@ -126,7 +154,8 @@ def gdn_chunk(state, q, k, v, g, beta, ancestors=None):
     return o, final, jnp.where(valid[..., None], d, jnp.nan)
 
 
-def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64):
+def gdn_chunked(state, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, chunk_size=64, *, a=None, b=None,
+                A_log=None, dt_bias=None):
     """T Gated DeltaNet steps in the chunk-parallel WY / UT-transform form.
 
     Args:
@@ -139,11 +168,12 @@ def gdn_chunked(state, q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_s
       (o [batch, seqlen, HV, V] in v.dtype, final state in state.dtype, or
       float32 if state is None).
     """
+    g, beta = _gates_of(g, beta, a, b, A_log, dt_bias)
     batch, T, HV, V = v.shape
     if state is None:
         state = jnp.zeros((batch, HV, V, k.shape[-1]), f32)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
-    qh, kh = (c.expand_heads(a, HV, axis=2) for a in (q, k))
+    qh, kh = (c.expand_heads(x, HV, axis=2) for x in (q, k))
 
     def chunk(S, *inputs):
         o, final, _ = gdn_chunk(S, *inputs)
@@ -185,7 +215,8 @@ def gdn_replay_flush(state: GDNReplayState) -> GDNReplayState:
     return c.flush_where(state, jnp.ones_like(state.cursor, bool), unify)
 
 
-def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, route: str = "output"):
+def gdn_replay_step(state: GDNReplayState, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True,
+                    route: str = "output", *, a=None, b=None, A_log=None, dt_bias=None):
     """One ReplaySSM decode step of a Gated DeltaNet layer.
 
     Per row: form d = beta (v - exp(g) S_prev k), where S_prev k comes from
@@ -226,6 +257,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
       (:func:`replayssm_jax.reference._common.on_f32_checkpoint`), a
       bfloat16 one rounded once per step (`on_widened_checkpoint`).
     """
+    g, beta = _gates_of(g, beta, a, b, A_log, dt_bias)
     if route == "deferred":  # the full rows flush first; the append route then finds a free slot in every row
         return gdn_replay_step(c.flush_full(state, unify), q, k, v, g, beta, scale, use_qk_l2norm, "append")
     if state.scale is not None:
@@ -241,7 +273,7 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     before = state
     state = c.make_room(state, 1, unify)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
-    qh, kh = (c.expand_heads(a, HV, axis=1) for a in (q, k))
+    qh, kh = (c.expand_heads(x, HV, axis=1) for x in (q, k))
     g = g.astype(f32)
     buffered = (state.checkpoint, *unify(state), state.cursor)  # S_{j-1} = checkpoint + buffer
     prev = c.replay_materialize(*buffered)  # f32, formed for the flush
@@ -268,7 +300,8 @@ def gdn_replay_step(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_
     return o.astype(v.dtype), buffers
 
 
-def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_qk_l2norm=True, tree=None):
+def gdn_replay_verify(state: GDNReplayState, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None,
+                      b=None, A_log=None, dt_bias=None, tree=None):
     """Verify a window of W speculative steps (ARCHITECTURE.md, "The verify window"), or a draft tree of W nodes.
 
     Rows with cursor + W > L flush first. The window's update vectors depend
@@ -298,16 +331,17 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g, beta, scale=None, use_q
       padded or garbage draft) cannot reach it; from the first draft with a
       non-finite input that enters the state on, the outputs are NaN.
     """
+    g, beta = _gates_of(g, beta, a, b, A_log, dt_bias)
     W = v.shape[1]
     if state.scale is not None:
         state = c.early_flush_8bit(state, W, unify)
         return c.reading_f32_checkpoint(state, lambda s: gdn_replay_verify(s, q, k, v, g, beta, scale,
-                                                                           use_qk_l2norm, tree))
+                                                                           use_qk_l2norm, tree=tree))
     HV = state.checkpoint.shape[1]
     state = c.make_room(state, W, unify)
     start = c.replay_materialize(state.checkpoint, *unify(state), state.cursor)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm)
-    qh, kh = (c.expand_heads(a, HV, axis=2) for a in (q, k))
+    qh, kh = (c.expand_heads(x, HV, axis=2) for x in (q, k))
     o, _, d = gdn_chunk(start, qh, kh, v, g, beta, ancestors=c.tree_ancestors(tree))
     state, (o, d) = in_order(state, (o, d))  # the buffers are read before the window is written
     state = state.replace(

@@ -41,6 +41,12 @@ def process_dt(dt, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF)) -> jax.A
     return dt
 
 
+def dt_columns(dt, dt_offset, nheads: int):
+    """dt's nheads columns: dt itself (dt_offset None), or dt[..., dt_offset : dt_offset + nheads] of a wider
+    array (the ops' dt_offset: Mamba-2's in_proj output zxbcdt, whose kernels read dt in place)."""
+    return dt if dt_offset is None else dt[..., dt_offset:dt_offset + nheads]
+
+
 def _skip_and_gate(y, x, D, z, head_axis):
     """y + D x, then y * silu(z) (mamba_ssm's order)."""
     if D is not None:
@@ -52,19 +58,22 @@ def _skip_and_gate(y, x, D, z, head_axis):
     return y
 
 
-def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF)):
+def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF), *,
+                dt_offset=None):
     """One standard Mamba-2 decode step (the selective state update).
 
     Args:
       state: f32 | bf16[batch, nheads, head_dim, d_state], ssm_state before the step.
       x: [batch, nheads, head_dim]; dt: [batch, nheads] (raw); A: f32[nheads] < 0;
       B, C: [batch, n_groups, d_state]; D: optional [nheads]; z: optional like x;
-      dt_bias: optional [nheads]; dt_softplus: bool; dt_limit: (low, high) floats.
-      Their meaning: :func:`replayssm_jax.ops.mamba2_step`.
+      dt_bias: optional [nheads]; dt_softplus: bool; dt_limit: (low, high) floats;
+      dt_offset: None, or dt's column of head 0 in a wider dt (:func:`dt_columns`; the
+      other ops take it too). Their meaning: :func:`replayssm_jax.ops.mamba2_step`.
 
     Returns:
       (y [batch, nheads, head_dim] in x.dtype, new_state in state.dtype).
     """
+    dt = dt_columns(dt, dt_offset, A.shape[0])
     H = state.shape[1]
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     Bh, Ch = (c.expand_heads(a.astype(f32), H, axis=1) for a in (B, C))
@@ -77,7 +86,7 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
 
 
 def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
-                  tree=None):
+                  tree=None, *, dt_offset=None):
     """The per-draft standard verify of W speculative Mamba-2 steps (one state per draft position).
 
     Step t (of a chain; of a tree: node t) is :func:`mamba2_step` from the
@@ -99,6 +108,7 @@ def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
     Returns:
       (y [batch, W, nheads, head_dim] in x.dtype, the new slotted state).
     """
+    dt = dt_columns(dt, dt_offset, A.shape[0])
 
     def step(S, x, dt, B, C, z):
         return mamba2_step(S, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
@@ -107,7 +117,8 @@ def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
 
 
 def mamba2_chunked(
-    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF), chunk_size=64
+    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF), chunk_size=64, *,
+    dt_offset=None
 ):
     """T Mamba-2 steps at once in the chunked SSD form (the prefill path).
 
@@ -126,6 +137,7 @@ def mamba2_chunked(
       (y [batch, seqlen, nheads, head_dim] in x.dtype, final state in
       state.dtype, or float32 if state is None).
     """
+    dt = dt_columns(dt, dt_offset, A.shape[0])
     batch, T, H, P = x.shape
     if state is None:
         state = jnp.zeros((batch, H, P, B.shape[-1]), f32)
@@ -184,6 +196,8 @@ def mamba2_replay_step(
     dt_softplus=True,
     dt_limit=(0.0, INF),
     route: str = "output",
+    *,
+    dt_offset=None,
 ):
     """One ReplaySSM decode step of a Mamba-2 layer.
 
@@ -218,6 +232,7 @@ def mamba2_replay_step(
       per write (:func:`replayssm_jax.reference._common.on_f32_checkpoint`),
       a bfloat16 one rounded once per step (`on_widened_checkpoint`).
     """
+    dt = dt_columns(dt, dt_offset, A.shape[0])
     if route == "deferred":  # the full rows flush first; the append route then finds a free slot in every row
         return mamba2_replay_step(c.flush_full(state, lambda s: unify(s, A)), x, dt, A, B, C, D, z, dt_bias,
                                   dt_softplus, dt_limit, "append")
@@ -267,6 +282,8 @@ def mamba2_replay_verify(
     dt_softplus=True,
     dt_limit=(0.0, INF),
     tree=None,
+    *,
+    dt_offset=None,
 ):
     """Verify a window of W speculative steps (ARCHITECTURE.md, "The verify window"), or a draft tree of W nodes.
 
@@ -297,6 +314,7 @@ def mamba2_replay_verify(
       padded or garbage draft) cannot reach it; from the first draft with a
       non-finite input that enters the state on, the outputs are NaN.
     """
+    dt = dt_columns(dt, dt_offset, A.shape[0])
     W = x.shape[1]
     if state.scale is not None:
         state = c.early_flush_8bit(state, W, lambda s: unify(s, A))
