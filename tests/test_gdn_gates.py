@@ -12,24 +12,23 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from cases import assert_close
+from input_forms import FORM_CASES, L, cursors, run_both_forms
 from kernel_checks import lower_for_cuda
 from test_layers import randomize  # the layers' random weights
 from replayssm_jax import kernels, ops, reference
 from replayssm_jax.kernels import gdn as gdn_kernels
 from replayssm_jax.layers import GatedDeltaNet
-from replayssm_jax.speculative.tree import DraftTree
 from replayssm_jax.testing import GDN, GDNShape
 
 f32, bf16 = jnp.float32, jnp.bfloat16
-L = 8
 CPU_SHAPE = GDNShape(batch=4, H=2, HV=4, K=20, V=24)
 GPU_SHAPE = GDNShape(batch=64, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer; batch 64: the Mosaic GPU routes
-ROUTES = ("output", "state", "direct", "append", "deferred")
 
 
 def np_gates(a, b, A_log, dt_bias):
@@ -64,50 +63,15 @@ def assert_same(got, want, what):
             assert_close(jnp.asarray(x, f32), jnp.asarray(y, f32), f32, what=f"{what}, leaf {i}")
 
 
-def _cursor(route, batch):
-    """Mixed cursors in 0..L; a full row (cursor L, as after a commit) but on the append route."""
-    top = L - 1 if route == "append" else L
-    return (np.arange(batch) * 5 + 1) % (top + 1)
-
-
 def _run(name, layer, rng, backend, route=None, tree=None, config=None):
-    """(op with the raw gates, op with g and beta) on `backend`: op `name` of ops at `layer`'s shape."""
-    s = layer.s
-    if name == "step":
-        state = layer.state(f32)
-        inp, raw = layer.draw(), raw_gates(rng, (s.batch,), s.HV)
-        call = lambda gates: ops.gdn_step(state, inp["q"], inp["k"], inp["v"], **gates, backend=backend)  # noqa: E731
-    elif name == "replay_step":
-        rs = layer.replay_state(L, f32, bf16, _cursor(route, s.batch))
-        inp, raw = layer.draw(), raw_gates(rng, (s.batch,), s.HV)
-        call = lambda gates: ops.gdn_replay_step(rs, inp["q"], inp["k"], inp["v"], **gates,  # noqa: E731
-                                                 route=route, backend=backend, config=config)
-    elif name == "replay_verify":
-        W = 4 if tree is None else tree.size
-        rs = layer.replay_state(L, f32, bf16, (np.arange(s.batch) * 3) % (L + 1))
-        inp, raw = layer.draw(W), raw_gates(rng, (s.batch, W), s.HV)
-        call = lambda gates: ops.gdn_replay_verify(rs, inp["q"], inp["k"], inp["v"], **gates,  # noqa: E731
-                                                   tree=tree, backend=backend)
-    elif name == "verify":
-        W = 3
-        state = jnp.asarray(0.5 * rng.standard_normal((s.batch, W + 1, s.HV, s.V, s.K)), f32)
-        index = jnp.asarray(np.arange(s.batch) % (W + 1), jnp.int32)
-        inp, raw = layer.draw(W), raw_gates(rng, (s.batch, W), s.HV)
-        call = lambda gates: ops.gdn_verify(state, index, inp["q"], inp["k"], inp["v"], **gates,  # noqa: E731
-                                            tree=tree, backend=backend)
-    else:  # chunked
-        T, state = 11, layer.state(f32)
-        inp, raw = layer.draw(T), raw_gates(rng, (s.batch, T), s.HV)
-        call = lambda gates: ops.gdn_chunked(state, inp["q"], inp["k"], inp["v"], **gates,  # noqa: E731
-                                             chunk_size=4, backend=backend)
-    return call(raw), call(given_gates(raw))
+    """(op with the raw gates, op with g and beta formed from them in float64)."""
 
+    def forms(inp):
+        q_k_v = {key: inp[key] for key in ("q", "k", "v")}
+        raw = raw_gates(rng, inp["v"].shape[:-2], layer.s.HV)
+        return dict(q_k_v, **raw), dict(q_k_v, **given_gates(raw))
 
-CASES = [("step", None, None)] + [("replay_step", route, None) for route in ROUTES] + [
-    ("replay_verify", None, None), ("replay_verify", None, DraftTree((-1, 0, 0, 1, 2))),
-    ("verify", None, None), ("verify", None, DraftTree((-1, 0, 0)))]
-CASE_IDS = ["step"] + [f"replay_step-{route}" for route in ROUTES] + [
-    "replay_verify", "replay_verify-tree", "verify", "verify-tree"]
+    return run_both_forms(layer, name, rng, backend, forms, route, tree, config)
 
 
 def test_gates_match_float64(rng):
@@ -127,41 +91,15 @@ def test_gates_match_float64(rng):
             assert (np.asarray(g) <= 0).all() and np.isfinite(np.asarray(g)).all(), name
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
-@pytest.mark.parametrize("name, route, tree", CASES, ids=CASE_IDS)
-def test_raw_gates_equal_given_gates(name, route, tree, backend, rng):
+@pytest.mark.parametrize("name, route, tree, config, backend", FORM_CASES)
+def test_raw_gates_equal_given_gates(name, route, tree, config, backend, rng):
     """Each GDN op given a, b, A_log and dt_bias equals the op given g and beta (float64-formed), outputs and
-    states, with bf16 projections and mixed cursors (a full row on all routes but append)."""
-    got, want = _run(name, GDN(CPU_SHAPE, rng), rng, backend, route, tree)
+    states, with bf16 projections and mixed cursors (a full row on all routes but append); compiled at
+    Qwen3.5-4B's layer, batch 64, the append, deferred and direct routes run their default Mosaic GPU
+    kernels, whose Triton prelude forms the gates."""
+    layer = GDN(GPU_SHAPE if backend == "pallas" else CPU_SHAPE, rng)
+    got, want = _run(name, layer, rng, backend, route, tree, config)
     assert_same(got, want, f"{name} {route or ''} on {backend}")
-
-
-def test_chunked_takes_the_raw_gates(rng):
-    """The chunked prefill (reference only) forms the raw gates as the steps do."""
-    got, want = _run("chunked", GDN(CPU_SHAPE, rng), rng, "xla")
-    assert_same(got, want, "chunked")
-
-
-
-# The replay step's flush outside the default tilings: inside the replay launch, and a launch of its own
-# over blocks of two batch rows (the per-head parameters not indexed by row).
-FLUSH_TILINGS = [kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, fused_flush=True),
-                 kernels.ReplayConfig(block_v=8, num_warps=2, tiles=2, flush_block_v=4, flush_warps=1, flush_rows=2)]
-
-
-@pytest.mark.parametrize("config", FLUSH_TILINGS, ids=["fused-flush", "flush-launch-2-rows"])
-def test_raw_gates_on_the_flush_tilings(config, rng):
-    """The output route's flushing rows (raw gates) on both flush tilings, interpreted."""
-    got, want = _run("replay_step", GDN(CPU_SHAPE, rng), rng, "interpret", "output", config=config)
-    assert_same(got, want, f"output route, {config}")
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name, route, tree", CASES, ids=CASE_IDS)
-def test_compiled_raw_gates_equal_given_gates(name, route, tree, rng):
-    """Compiled at Qwen3.5-4B's layer, batch 64: the append, deferred and direct routes on their default
-    (Mosaic GPU) kernels, whose Triton prelude forms the gates."""
-    got, want = _run(name, GDN(GPU_SHAPE, rng), rng, "pallas", route, tree)
-    assert_same(got, want, f"{name} {route or ''} compiled")
 
 
 @pytest.mark.parametrize("given, match", [
@@ -191,7 +129,7 @@ def test_raw_gate_errors_name_the_argument(arg, bad, match, rng):
     """A raw gate of the wrong shape or dtype is named, with the expected and the given, before any kernel;
     the replay state given stays usable."""
     layer = GDN(CPU_SHAPE, rng)
-    rs = layer.replay_state(L, f32, bf16, _cursor("output", CPU_SHAPE.batch))
+    rs = layer.replay_state(L, f32, bf16, cursors("output", CPU_SHAPE.batch))
     inp, raw = layer.draw(), raw_gates(rng, (CPU_SHAPE.batch,), CPU_SHAPE.HV)
     error = TypeError if arg in ("b", "dt_bias") else ValueError
     with pytest.raises(error, match=match):

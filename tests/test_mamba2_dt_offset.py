@@ -16,16 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from input_forms import FORM_CASES, L, cursors, run_both_forms
 from kernel_checks import lower_for_cuda
 from replayssm_jax import kernels, ops
-from replayssm_jax.speculative.tree import DraftTree
 from replayssm_jax.testing import Mamba2, Mamba2Shape
 
 f32, bf16 = jnp.float32, jnp.bfloat16
-L = 8
 CPU_SHAPE = Mamba2Shape(batch=4, H=6, P=24, N=20, G=2, dt_limit=(0.05, 0.8))
 GPU_SHAPE = Mamba2Shape(batch=64, H=96, P=80, N=128, G=8)  # Nemotron-3-Nano-4B's layer; batch 64: Mosaic GPU routes
-ROUTES = ("output", "state", "direct", "append", "deferred")
 OFFSET, TAIL = 37, 5  # dt's columns in the wide array: not aligned, not its end
 
 
@@ -41,85 +39,26 @@ def assert_equal(got, want, what):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), err_msg=f"{what}, leaf {i}")
 
 
-def _cursor(route, batch):
-    """Mixed cursors in 0..L; a full row (cursor L, as after a commit) but on the append route."""
-    top = L - 1 if route == "append" else L
-    return (np.arange(batch) * 5 + 1) % (top + 1)
-
-
 def _run(name, layer, rng, backend, route=None, tree=None, config=None):
-    """(op with dt inside a wider array, op with dt) on `backend`: op `name` of ops at `layer`'s shape."""
-    s, params = layer.s, layer.params
-    if name == "step":
-        state, inp = layer.state(f32), layer.draw()
-        call = lambda dt, **kw: ops.mamba2_step(state, **dict(inp, dt=dt), **params, **kw,  # noqa: E731
-                                                backend=backend)
-    elif name == "replay_step":
-        rs, inp = layer.replay_state(L, f32, bf16, _cursor(route, s.batch)), layer.draw()
-        call = lambda dt, **kw: ops.mamba2_replay_step(rs, **dict(inp, dt=dt), **params, **kw,  # noqa: E731
-                                                       route=route, backend=backend, config=config)
-    elif name == "replay_verify":
-        W = 4 if tree is None else tree.size
-        rs, inp = layer.replay_state(L, f32, bf16, (np.arange(s.batch) * 3) % (L + 1)), layer.draw(W)
-        call = lambda dt, **kw: ops.mamba2_replay_verify(rs, **dict(inp, dt=dt), **params, **kw,  # noqa: E731
-                                                         tree=tree, backend=backend)
-    elif name == "verify":
-        W = 3
-        state = jnp.asarray(0.5 * rng.standard_normal((s.batch, W + 1, s.H, s.P, s.N)), f32)
-        index = jnp.asarray(np.arange(s.batch) % (W + 1), jnp.int32)
-        inp = layer.draw(W)
-        call = lambda dt, **kw: ops.mamba2_verify(state, index, **dict(inp, dt=dt), **params, **kw,  # noqa: E731
-                                                  tree=tree, backend=backend)
-    else:  # chunked
-        state, inp = layer.state(f32), layer.draw(11)
-        call = lambda dt, **kw: ops.mamba2_chunked(state, **dict(inp, dt=dt), **params, **kw,  # noqa: E731
-                                                   chunk_size=4, backend=backend)
-    wide, offset = widen(inp["dt"])
-    return call(wide, dt_offset=offset), call(inp["dt"])
+    """(op with dt inside a wider array, its other columns NaN, op with dt)."""
+
+    def forms(inp):
+        wide, offset = widen(inp["dt"])
+        return dict(inp, dt=wide, dt_offset=offset), inp
+
+    return run_both_forms(layer, name, rng, backend, forms, route, tree, config)
 
 
-CASES = [("step", None, None)] + [("replay_step", route, None) for route in ROUTES] + [
-    ("replay_verify", None, None), ("replay_verify", None, DraftTree((-1, 0, 0, 1, 2))),
-    ("verify", None, None), ("verify", None, DraftTree((-1, 0, 0)))]
-CASE_IDS = ["step"] + [f"replay_step-{route}" for route in ROUTES] + [
-    "replay_verify", "replay_verify-tree", "verify", "verify-tree"]
-
-
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
-@pytest.mark.parametrize("name, route, tree", CASES, ids=CASE_IDS)
-def test_dt_in_a_wider_array_equals_dt(name, route, tree, backend, rng):
+@pytest.mark.parametrize("name, route, tree, config, backend", FORM_CASES)
+def test_dt_in_a_wider_array_equals_dt(name, route, tree, config, backend, rng):
     """Each Mamba-2 op given dt at an offset of a wider array (its other columns NaN) equals the op given dt,
-    outputs and states bit for bit, with a dt clamp and mixed cursors (a full row on all routes but
-    append): the kernels read dt's columns only."""
-    got, want = _run(name, Mamba2(CPU_SHAPE, rng), rng, backend, route, tree)
+    outputs and states bit for bit, with a dt clamp (CPU shape) and mixed cursors (a full row on all
+    routes but append): the kernels read dt's columns only. Compiled at Nemotron-3-Nano-4B's layer, batch
+    64, the append and deferred routes run their default Mosaic GPU readout and the Triton launch after
+    it, which reads dt."""
+    layer = Mamba2(GPU_SHAPE if backend == "pallas" else CPU_SHAPE, rng)
+    got, want = _run(name, layer, rng, backend, route, tree, config)
     assert_equal(got, want, f"{name} {route or ''} on {backend}")
-
-
-def test_chunked_takes_dt_offset(rng):
-    got, want = _run("chunked", Mamba2(CPU_SHAPE, rng), rng, "xla")
-    assert_equal(got, want, "chunked")
-
-
-
-# The replay step's flush outside the default tilings: inside the replay launch, and a launch of its own
-# over blocks of two batch rows (the per-head parameters not indexed by row).
-FLUSH_TILINGS = [kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, fused_flush=True),
-                 kernels.ReplayConfig(block_v=8, num_warps=2, tiles=2, flush_block_v=4, flush_warps=1, flush_rows=2)]
-
-
-@pytest.mark.parametrize("config", FLUSH_TILINGS, ids=["fused-flush", "flush-launch-2-rows"])
-def test_dt_offset_on_the_flush_tilings(config, rng):
-    """The output route's flushing rows (dt in a wider array) on both flush tilings, interpreted."""
-    got, want = _run("replay_step", Mamba2(CPU_SHAPE, rng), rng, "interpret", "output", config=config)
-    assert_equal(got, want, f"output route, {config}")
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name, route, tree", CASES, ids=CASE_IDS)
-def test_compiled_dt_in_a_wider_array_equals_dt(name, route, tree, rng):
-    """Compiled at Nemotron-3-Nano-4B's layer, batch 64: the append and deferred routes on their default
-    Mosaic GPU readout and the Triton launch after it, which reads dt."""
-    got, want = _run(name, Mamba2(GPU_SHAPE, rng), rng, "pallas", route, tree)
-    assert_equal(got, want, f"{name} {route or ''} compiled")
 
 
 @pytest.mark.parametrize("dt_offset, width, error, match", [
@@ -132,7 +71,7 @@ def test_dt_offset_errors_name_the_argument(dt_offset, width, error, match, rng)
     """A dt_offset that is not an int >= 0, or a dt too narrow for it, is named with the expected and the
     given, before any kernel; the replay state given stays usable."""
     layer = Mamba2(CPU_SHAPE, rng)
-    rs, inp = layer.replay_state(L, f32, bf16, _cursor("output", CPU_SHAPE.batch)), layer.draw()
+    rs, inp = layer.replay_state(L, f32, bf16, cursors("output", CPU_SHAPE.batch)), layer.draw()
     wide = jnp.asarray(rng.standard_normal((CPU_SHAPE.batch, width)), f32)
     with pytest.raises(error, match=match):
         ops.mamba2_replay_step(rs, **dict(inp, dt=wide), **layer.params, dt_offset=dt_offset, backend="interpret")
@@ -141,7 +80,7 @@ def test_dt_offset_errors_name_the_argument(dt_offset, width, error, match, rng)
 
 
 LOWERED = [("step", None, None), ("verify", None, None), ("replay_verify", None, None)] + [
-    ("replay_step", route, None) for route in ROUTES] + [
+    ("replay_step", route, None) for route in ("output", "state", "direct", "append", "deferred")] + [
     ("replay_step", route, kernels.TMAReadoutConfig()) for route in ("append", "deferred")]
 
 
