@@ -6,20 +6,27 @@
 #   3. the kernel benchmark at the batches given in $KERNEL_BATCHES (default 256),
 #   4. the decode attention kernel against XLA's products at batch 1 and 256 (bench/attention.py).
 # Logs and JSON go to $OUT (or bench/results/DATE-gpu-checks when unset).
+# `bash bench/gpu_checks.sh tests` runs part 1 only, `bash bench/gpu_checks.sh bench` parts 2-4 (each part
+# within a 10-minute command; all parts: no argument).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+part=${1:-all}
+case $part in all | tests | bench) ;; *) echo "usage: $0 [tests | bench]; got $part" >&2; exit 2 ;; esac
 out=${OUT:-bench/results/$(date -u +%F)-gpu-checks}
 mkdir -p "$out"
 
 # 16 pytest workers share the GPU (no preallocation): compiling the kernels is the slow part
 # (16 cores on the H200 machine; the 207 tests took 288 s on 2026-12-02).
+if [[ $part != bench ]]; then
 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -m gpu tests/test_kernels.py tests/test_verify_kernels.py \
   tests/test_quantized_state.py tests/test_tree_verify.py tests/test_per_draft_verify.py tests/test_pool.py tests/test_conv.py tests/test_attention_decode.py \
   tests/test_inplace_hlo.py tests/test_tma_readout.py tests/test_mamba2_tma.py tests/test_tma_step.py \
   tests/test_gdn_gates.py tests/test_mamba2_dt_offset.py \
   -q -n 16 -p no:cacheprovider -p no:benchmark -W ignore::DeprecationWarning 2>&1 \
   | tee "$out/gpu_tests.log" | tail -3
+fi
+[[ $part == tests ]] && exit 0
 
 ids() { python3 -c "import numpy as n; r = n.load('$1')['prompt_ids']; print(';'.join(','.join(map(str, x)) for x in r))"; }
 fixture=tests/data/qwen3_next_tiny
