@@ -387,11 +387,11 @@ class GDN(_Layer):
     def kernel_step(self, state, inp):
         """The standard step's kernel entry point (replayssm_jax.kernels), no dispatch: the
         reference's defaults (scale K ** -0.5, L2-normalized q and k) given explicitly."""
-        return kernels.gdn_step(state, **inp, scale=self.s.K ** -0.5, use_qk_l2norm=True)
+        return kernels.gdn_step(state, **self._kw(inp), scale=self.s.K ** -0.5, use_qk_l2norm=True)
 
     def kernel_replay_step(self, rs, inp, route, config=None):
-        return kernels.gdn_replay_step(rs, **inp, scale=self.s.K ** -0.5, use_qk_l2norm=True, route=route,
-                                       config=config)
+        return kernels.gdn_replay_step(rs, **self._kw(inp), scale=self.s.K ** -0.5, use_qk_l2norm=True,
+                                       route=route, config=config)
 
 
 class Mamba2(_Layer):

@@ -111,3 +111,18 @@ def test_dt_offset_kernels_lower_for_cuda(name, route, config, rng):
     targets = set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text))
     assert targets == ({"__gpu$xla.gpu.triton", "mosaic_gpu_v2"} if config else {"__gpu$xla.gpu.triton"}), targets
     assert "stablehlo.slice" not in text
+
+
+def test_dt_offset_of_numpy_and_traced_types(rng):
+    """A NumPy integer dt_offset (a uint8 whose sum with nheads would wrap) is taken as its value on every
+    backend; a traced one is refused as not static."""
+    layer = Mamba2(CPU_SHAPE, rng)
+    state, inp = layer.state(f32), layer.draw()
+    filler = jnp.zeros((CPU_SHAPE.batch, 250 + CPU_SHAPE.H), f32)
+    wide = filler.at[:, 250:].set(inp["dt"])
+    for backend in ("xla", "interpret"):
+        got = ops.mamba2_step(state, **dict(inp, dt=wide), **layer.params, dt_offset=np.uint8(250), backend=backend)
+        assert_equal(got, ops.mamba2_step(state, **inp, **layer.params, backend=backend), backend)
+    with pytest.raises(TypeError, match=r"`dt_offset` must be a static int .*; got a traced value"):
+        jax.jit(lambda o: ops.mamba2_step(state, **dict(inp, dt=wide), **layer.params, dt_offset=o,
+                                          backend="xla"))(250)

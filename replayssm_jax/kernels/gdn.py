@@ -733,7 +733,8 @@ def gdn_step(state, q, k, v, g=None, beta=None, *, a=None, b=None, A_log=None, d
       g: f32[batch, HV], log decay <= 0; beta: [batch, HV] in (0, 1). Or,
         in their place, the raw gates, which the kernels form
         (`reference.gdn_gates`): a, b [batch, HV] (the projections) and
-        A_log, dt_bias f32[HV] (the layer's parameters).
+        A_log, dt_bias [HV] (the layer's parameters, f32 or bf16; the
+        kernels compute in f32).
       scale: the factor of q (after the L2 norm), e.g. K ** -0.5.
       use_qk_l2norm: L2-normalize q and k over K (eps 1e-6) first.
       config: the tiling; None: :func:`default_step_config` (layer "gdn"). A

@@ -479,16 +479,20 @@ def mamba2_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus
 
     Raises:
       TypeError: an argument is not a floating array, the state is not
-        f32 / bf16, dt_softplus is not a bool, or a `config` on "xla".
+        f32 / bf16, dt_softplus is not a bool, dt_offset is not a static
+        int, or a `config` on "xla".
       ValueError: a shape does not match (a state with its last two axes
-        swapped is named as such), nheads % n_groups != 0, a bad dt_limit,
-        a concrete A with an entry >= 0, an unknown backend; on the kernel
-        backends also the kernels' limits (:func:`replayssm_jax.kernels.mamba2_step`).
+        swapped is named as such; with dt_offset, a dt narrower than
+        dt_offset + nheads), nheads % n_groups != 0, a bad dt_limit, a
+        negative dt_offset, a concrete A with an entry >= 0, an unknown
+        backend; on the kernel backends also the kernels' limits
+        (:func:`replayssm_jax.kernels.mamba2_step`).
       RuntimeError: backend "pallas" without a GPU.
       ValueError: `slots` not of shape [batch], a concrete slot outside
         [-1, capacity) or used twice;
         TypeError: `slots` not integers.
     """
+    dt_offset = val.check_dt_offset_value(dt_offset)
     state, dt_softplus, dt_limit, slots = val.check_mamba2_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                                                 dt_limit, slots, dt_offset)
     chosen = choose_backend("mamba2_step", backend, config)
@@ -522,6 +526,7 @@ def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
       x: [batch, W, nheads, head_dim]; dt: [batch, W, nheads] (raw);
       B, C: [batch, W, n_groups, d_state]; z: optional like x; A, D,
       dt_bias, dt_softplus, dt_limit: as :func:`mamba2_step`. 1 <= W <= slots - 1.
+      dt_offset: as :func:`mamba2_step` (dt then [batch, W, X]).
       tree: None (a chain) or a
         :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes (static).
       backend, config, slots: see the module docstring (a kernel op; config a
@@ -542,6 +547,7 @@ def mamba2_verify(state, index, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
         W outside [1, slots - 1]; a tree of another size than W.
       RuntimeError: backend "pallas" without a GPU.
     """
+    dt_offset = val.check_dt_offset_value(dt_offset)
     state, index, dt_softplus, dt_limit, slots = val.check_mamba2_verify(state, index, x, dt, A, B, C, D, z, dt_bias,
                                                                          dt_softplus, dt_limit, tree, slots, dt_offset)
     chosen = choose_backend("mamba2_verify", backend, config)
@@ -571,6 +577,7 @@ def mamba2_chunked(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softp
       A: f32[nheads] < 0; B, C: [batch, seqlen, n_groups, d_state];
       D: optional [nheads]; z: optional like x; dt_bias: optional [nheads];
       dt_softplus, dt_limit: as :func:`mamba2_step`.
+      dt_offset: as :func:`mamba2_step` (dt then [batch, seqlen, X]).
       chunk_size: steps per chunk (an int >= 1; need not divide seqlen).
       backend, config: see the module docstring; this op has no kernel, so
         "pallas", "interpret" and a config raise.
@@ -583,6 +590,7 @@ def mamba2_chunked(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softp
       TypeError, ValueError: as :func:`mamba2_step`; also chunk_size < 1.
       NotImplementedError: backend "pallas" or "interpret".
     """
+    dt_offset = val.check_dt_offset_value(dt_offset)
     state, dt_softplus, dt_limit, chunk_size = val.check_mamba2_chunked(
         state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, chunk_size, dt_offset)
     choose_backend("mamba2_chunked", backend, config)
@@ -603,7 +611,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
 
     Args:
       state: Mamba2ReplayState with no pending verify window.
-      x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit: as
+      x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, dt_offset: as
         :func:`mamba2_step`; B and C with the state's n_groups.
       route: "output" (y from the checkpoint plus the buffer, no state
         formed), "state" (the state formed for the readout), "direct" (the
@@ -639,6 +647,7 @@ def mamba2_replay_step(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=None,
         [-1, capacity) or used twice;
         TypeError: `slots` not integers.
     """
+    dt_offset = val.check_dt_offset_value(dt_offset)
     dt_softplus, dt_limit, slots = val.check_mamba2_replay_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                                                 dt_limit, slots, dt_offset)
     chosen = choose_backend("mamba2_replay_step", backend, config)
@@ -668,6 +677,7 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
       x: [batch, W, nheads, head_dim], 1 <= W <= L; dt: [batch, W, nheads]
         (raw); B, C: [batch, W, n_groups, d_state]; z: optional like x;
         A, D, dt_bias, dt_softplus, dt_limit: as :func:`mamba2_step`.
+      dt_offset: as :func:`mamba2_step` (dt then [batch, W, X]).
       tree: None (a chain window) or a
         :class:`~replayssm_jax.speculative.tree.DraftTree` of W nodes (tree
         speculation: node t reads its ancestors' steps only; a chain tree
@@ -688,6 +698,7 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
         kernel backends the kernels' limits
         (:func:`replayssm_jax.kernels.mamba2_replay_verify`).
     """
+    dt_offset = val.check_dt_offset_value(dt_offset)
     dt_softplus, dt_limit, slots = val.check_mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                                                   dt_limit, tree, slots, dt_offset)
     chosen = choose_backend("mamba2_replay_verify", backend, config)

@@ -562,10 +562,22 @@ def check_replay_commit(state, num_accepted) -> jax.Array:
 # Mamba-2 ops
 
 
-def check_dt_offset(dt, dt_offset, lead: tuple[int, ...], lead_names: str, H: int) -> None:
+def check_dt_offset_value(dt_offset) -> int | None:
+    """The ops' dt_offset as a Python int >= 0, or None: a column index fixed at trace time (TypeError for
+    a traced value, a non-integer; ValueError below 0)."""
+    if dt_offset is None:
+        return None
+    if isinstance(dt_offset, jax.core.Tracer):
+        raise TypeError("`dt_offset` must be a static int (a column fixed at trace time: under jit, a static "
+                        f"argument or a constant); got a traced value {dt_offset.aval}")
+    return check_positive_int("dt_offset", dt_offset, minimum=0)
+
+
+def check_dt_offset(dt, dt_offset: int, lead: tuple[int, ...], lead_names: str, H: int) -> None:
     """A dt of [*lead, X] holding the nheads raw values at columns dt_offset .. dt_offset + nheads - 1 (the
-    ops' dt_offset: a wider array, such as Mamba-2's in_proj output zxbcdt)."""
-    offset = check_positive_int("dt_offset", dt_offset, minimum=0)
+    ops' dt_offset, checked by `check_dt_offset_value`: a wider array, such as Mamba-2's in_proj output
+    zxbcdt)."""
+    offset = dt_offset
     dt = check_ssm_float("dt", dt)
     check_rank("dt", dt, f"{lead_names}, X")
     if tuple(dt.shape[:-1]) != tuple(lead) or dt.shape[-1] < offset + H:
