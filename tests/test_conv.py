@@ -297,6 +297,7 @@ def test_compiled_packed_step_is_the_kernel_in_place(rng):
     batch, d_inner, gn = 64, 7680, 1024
     C = d_inner + 2 * gn
     conv = CausalConv1d(C, 4, bias=True, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    conv.bias.value = jnp.asarray(rng.standard_normal(C), jnp.float32)  # not zeros: XLA would launch a broadcast
     window = ConvWindow.from_conv_state(jnp.asarray(rng.standard_normal((batch, C, 3)), jnp.bfloat16))
     x = jnp.asarray(rng.standard_normal((batch, d_inner + C + 96)), jnp.bfloat16)
     step = jax.jit(lambda w, x: conv.step(x, w, backend="pallas", offset=d_inner, splits=(d_inner, d_inner + gn))[::-1],

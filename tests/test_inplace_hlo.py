@@ -38,6 +38,7 @@ from flax import nnx
 from hlo_checks import carry_copies, merged_weights, per_step_copies, slice_launches, work_besides_kernels
 from kernel_checks import GDN, GDNShape, Mamba2, Mamba2Shape, lower_for_cuda, replay_config
 from models import load_model
+from replayssm_jax import compilation
 from replayssm_jax.generation import Generator, SpeculativeConfig
 from replayssm_jax.layers import GatedDeltaNet, Mamba2Mixer
 
@@ -316,7 +317,9 @@ def test_compiled_decode_step_cuts_no_operand_of_its_kernels(name, rng):
                            param_dtype=jnp.bfloat16, rngs=rngs))
     u = jnp.asarray(rng.standard_normal((64, 2, 256)), jnp.bfloat16)
     _, state = layer.prefill(u[:, :1])
-    step = jax.jit(lambda s, x: layer.decode(x, s, backend="pallas"), donate_argnums=0)
+    # compiled as the models' programs are (replayssm_jax.compilation: XLA's dot merger off, which would
+    # merge the projections that read u into one GEMM and slice its output)
+    step = compilation.jit(lambda s, x: layer.decode(x, s, backend="pallas"), donate_argnums=0)
     found = slice_launches(step.lower(state, u[:, 1]).compile().as_text())
     assert found == [], found
 
@@ -333,7 +336,7 @@ def test_compiled_gdn_decode_step_forms_its_gates_in_its_kernels(ssm_state, rng)
     _, state = layer.prefill(u[:, :1])
     if ssm_state == "replay":
         state = layer.to_replay(state, buffer_len=16)
-    step = jax.jit(lambda s, x: layer.decode(x, s, backend="pallas"), donate_argnums=0)
+    step = compilation.jit(lambda s, x: layer.decode(x, s, backend="pallas"), donate_argnums=0)
     work = work_besides_kernels(step.lower(state, u[:, 1]).compile().as_text())
     assert not [line for line in work if re.search(r"= f32\[64,8\]", line)], work
 

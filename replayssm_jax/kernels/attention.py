@@ -32,6 +32,9 @@ from replayssm_jax.kernels.tiles import lane_ids, load, program_id, store, tile_
 
 # The least extent of a dot on the tensor cores: the R query rows of a KV head and head_dim are padded to it.
 DOT_ROWS = 16
+# The dots' precision: f32 operands as IEEE products, not TF32 (the reference's f32 scores, to 2e-5 on the
+# GPU); bf16 and f16 operands as they are, f32 accumulation.
+EXACT = jax.lax.Precision.HIGHEST
 
 
 def _attention_kernel(length_ref, q_ref, k_ref, v_ref, *out_refs, R: int, D: int, S: int, BT: int, parts: int,
@@ -56,14 +59,16 @@ def _attention_kernel(length_ref, q_ref, k_ref, v_ref, *out_refs, R: int, D: int
         kv_mask = tile_mask(live, dmask, (BT, BD))
         k = load(k_ref.at[pl.ds(t0, BT)], kv_mask, k_ref.dtype)
         v = load(v_ref.at[pl.ds(t0, BT)], kv_mask, v_ref.dtype)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=EXACT,
+                                preferred_element_type=jnp.float32) * scale
         s = jnp.where(live[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no score above -inf yet: weights exp(-inf) = 0
         alpha = jnp.exp(m - shift)
         p = jnp.exp(s - shift[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), v, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), v, precision=EXACT,
+                                             preferred_element_type=jnp.float32)
         return m_new, l, acc
 
     init = (jnp.full((BR,), -jnp.inf, jnp.float32), jnp.zeros((BR,), jnp.float32), jnp.zeros((BR, BD), jnp.float32))
