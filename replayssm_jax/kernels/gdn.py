@@ -119,10 +119,15 @@ def _inputs(q, k, v, g, beta, a, b, A_log, dt_bias) -> Inputs:
     return Inputs(q, k, v, g, beta) if A_log is None else Inputs(q, k, v, a, b, A_log, dt_bias)
 
 
+def raw_log_decay(a, A_log, dt_bias):
+    """g = -exp(A_log) softplus(a + dt_bias), f32 operands of any matching shapes, in a kernel or in XLA."""
+    return -jnp.exp(A_log) * softplus(a + dt_bias)
+
+
 def raw_gates(a, b, A_log, dt_bias):
-    """(g, beta) f32 from the raw projections, in a kernel or in XLA: g = -exp(A_log) softplus(a +
-    dt_bias), beta = sigmoid(b) (`reference.gdn_gates`; f32 operands of any matching shapes)."""
-    return -jnp.exp(A_log) * softplus(a + dt_bias), 1.0 / (1.0 + jnp.exp(-b))
+    """(g, beta) f32 from the raw projections, in a kernel or in XLA: `raw_log_decay` and beta = sigmoid(b)
+    (`reference.gdn_gates`; f32 operands of any matching shapes)."""
+    return raw_log_decay(a, A_log, dt_bias), 1.0 / (1.0 + jnp.exp(-b))
 
 
 def _gates(inputs: Inputs, at=(), head=()):
@@ -140,7 +145,7 @@ def _window_log_decays(inputs: Inputs, wmask):
     g = load(inputs.g, wmask)
     if inputs.A_log is None:
         return g
-    return raw_gates(g, g, load_scalar(inputs.A_log), load_scalar(inputs.dt_bias))[0]
+    return raw_log_decay(g, load_scalar(inputs.A_log), load_scalar(inputs.dt_bias))
 
 
 class Records(NamedTuple):
