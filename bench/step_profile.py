@@ -11,7 +11,8 @@ steps) by category:
          their flush, the per-draft verify; the conv update is "other");
   attention  the kernels of the attention layers' scores, softmax and values
          over the KV caches (the XLA fusions whose ops carry the attention
-         layers' name scope in the compiled HLO given as `hlo`; none without);
+         layers' name scope in the compiled HLO given as `hlo`; none without)
+         and the decode attention kernel (names attention_decode_*);
   gemm   matrix products (cuBLAS / CUTLASS / XLA's Triton GEMMs): the
          projections, the MLP or experts, the LM head;
   other  every other kernel: XLA fusions for norms, activations, the causal
@@ -44,10 +45,13 @@ _GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|wgmma|matmul", re.IGNORECASE
 
 
 def category(kernel: str, attention: frozenset = frozenset()) -> str:
-    """"ssm", "attention" (a name in `attention`), "gemm" or "other" for a GPU kernel name."""
+    """"ssm", "attention" (a name in `attention`, or the decode attention kernel's), "gemm" or "other" for a
+    GPU kernel name."""
+    from replayssm_jax.kernels.attention import KERNEL_NAME
+
     if _SSM.match(kernel):
         return "ssm"
-    if kernel in attention:
+    if kernel in attention or kernel.startswith(KERNEL_NAME):
         return "attention"
     return "gemm" if _GEMM.search(kernel) else "other"
 

@@ -6,8 +6,9 @@ attention over the KV caches, and the SSM kernels over their states. Its bound i
 - GEMMs: per other dot of the step's jaxpr (projections, MLP, experts, LM head), max(its operand
   and result bytes at the copy bandwidth, its FLOPs at the bf16 matmul rate);
 - attention: per dot under the attention layers' name scope (`ATTENTION_SCOPE`: scores and
-  values over a KV cache), its bytes at the copy bandwidth, a KV cache operand counted at the
-  live length only (the positions a step must read, not the cache's allocated max_len);
+  values over a KV cache), and per Pallas kernel there (the decode attention kernel), its bytes
+  at the copy bandwidth, a KV cache operand counted at the live length only (the positions a
+  step must read, not the cache's allocated max_len);
 - SSM states (the Pallas kernels, which are no dots of the jaxpr; with the "xla" backend the
   ops' reference form adds dots to the GEMMs, so the bound means something on the kernel
   backends only): standard state 2 |S| (read and written); ReplaySSM checkpoint |S| (1 + 2 / L)
@@ -52,19 +53,30 @@ def _subjaxprs(eqn):
                 yield item, times
 
 
+def _attention_bytes(avals, max_len: int, live_len: int) -> float:
+    """Bytes of attention operands or results, one with an axis of max_len (a KV cache) at live_len."""
+    return sum(_nbytes(a) * (live_len / max_len if max_len in a.shape else 1) for a in avals)
+
+
 def dot_costs(jaxpr, max_len: int, live_len: int, times: int = 1):
     """(kind, bytes, flops) of every dot_general in `jaxpr` and the jaxprs it calls: kind "attention" (under
-    `ATTENTION_SCOPE`; an operand with an axis of max_len counted at live_len) or "gemm"."""
+    `ATTENTION_SCOPE`; an operand with an axis of max_len counted at live_len) or "gemm"; and of every Pallas
+    kernel under `ATTENTION_SCOPE` (the decode attention kernel): "attention", its operands' and results'
+    bytes counted so, its FLOPs 0 (the bound is its traffic)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
+        if eqn.primitive.name == "pallas_call" and ATTENTION_SCOPE in str(eqn.source_info.name_stack):
+            avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+            yield "attention", times * _attention_bytes(avals, max_len, live_len), 0
+        elif eqn.primitive.name == "dot_general":
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             lhs, rhs = (v.aval for v in eqn.invars)
             out = eqn.outvars[0].aval
             flops = 2 * int(np.prod(out.shape)) * math.prod(lhs.shape[d] for d in lhs_contract)
-            kind = "attention" if ATTENTION_SCOPE in str(eqn.source_info.name_stack) else "gemm"
-            operands = [_nbytes(a) * (live_len / max_len if kind == "attention" and max_len in a.shape else 1)
-                        for a in (lhs, rhs)]
-            yield kind, times * (sum(operands) + _nbytes(out)), times * flops
+            if ATTENTION_SCOPE in str(eqn.source_info.name_stack):
+                yield "attention", times * (_attention_bytes((lhs, rhs), max_len, live_len) + _nbytes(out)), \
+                    times * flops
+            else:
+                yield "gemm", times * (_nbytes(lhs) + _nbytes(rhs) + _nbytes(out)), times * flops
         for sub, count in _subjaxprs(eqn):
             yield from dot_costs(sub, max_len, live_len, times * count)
 

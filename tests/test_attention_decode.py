@@ -125,6 +125,19 @@ def test_reference_is_the_attention_layers_math(rng):
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype, precision", [(jnp.float32, jax.lax.Precision.HIGHEST), (jnp.bfloat16, None)])
+def test_reference_products_are_ieee_f32_for_f32_operands(dtype, precision, rng):
+    """Both products of the reference request IEEE f32 products for f32 operands (XLA's default on a GPU
+    takes TF32, about 1e-3 off at head_dim 128: the H200 run of 2026-12-05) and XLA's default for narrower
+    ones, whose products are exact in f32 accumulation anyway."""
+    args = draw(rng, 2, 4, 2, 16, 9, dtype)
+    jaxpr = jax.make_jaxpr(lambda *a: reference.attention_decode(*a, 0.25))(*args).jaxpr
+    dots = [e for e in jaxpr_equations(jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 2
+    for dot in dots:
+        assert dot.params["precision"] == (None if precision is None else (precision, precision))
+
+
 @pytest.mark.parametrize("batch, kv_heads, max_len, head_dim, config", [
     (256, 4, 192, 256, kernels.AttentionConfig(block_v=32, num_warps=8, parts=1)),  # Qwen3.5-4B, batch 256
     (1, 4, 4096, 256, kernels.AttentionConfig(block_v=32, num_warps=8, parts=66)),  # one row: 2 x 132 programs

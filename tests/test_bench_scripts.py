@@ -410,6 +410,7 @@ def test_step_profile_attention_kernels():
            "gdn_deferred_tma_L16_bv64_st2_p264_r4_mosaic_gpu_kernel")
     assert {step_profile.category(k) for k in ssm} == {"ssm"}
     assert step_profile.category("conv_update_w4_bc512_w4_s1") == "other"
+    assert step_profile.category("attention_decode_bt32_w8_s1_p1") == "attention"  # the decode attention kernel
 
 
 def test_step_profile_breakdown():
@@ -933,3 +934,22 @@ def test_step_roofline_counts_the_lockstep_flush():
                       for layer in cache.layers if isinstance(layer, ReplayLayerState))
     saved = (bounds[False]["state_gib"] - bounds[True]["state_gib"]) * 2**30
     assert checkpoints > 0 and saved == pytest.approx(checkpoints / 4, rel=1e-6)
+
+
+def test_step_roofline_counts_the_attention_kernel():
+    """bench/step_roofline.py: with the decode attention kernel (no dots), the attention term is the kernel's
+    traffic, the KV caches at the live length: within a fifth of XLA's products' (which also write and read
+    the scores), and the other terms unchanged."""
+    from models import load_model
+    from replayssm_jax.generation import Generator
+
+    roofline = load("step_roofline")
+    model = load_model(pathlib.Path(__file__).parent / "data" / "qwen3_5_tiny")
+    bounds = {}
+    for backend in ("xla", "interpret"):
+        model.set_attention_decode_backend(backend)
+        gen = Generator(model, state="replay", buffer_len=4, backend="xla", route="output")
+        bounds[backend] = roofline.decode_roofline(gen, 2, 8, 8, copy_gbps=1.0, matmul_tflops=1.0)
+    xla, kernel = bounds["xla"], bounds["interpret"]
+    assert 0 < kernel["attention_ms"] == pytest.approx(xla["attention_ms"], rel=0.2)
+    assert (kernel["gemm_ms"], kernel["state_ms"]) == (xla["gemm_ms"], xla["state_ms"])

@@ -35,6 +35,8 @@ DOT_ROWS = 16
 # The dots' precision: f32 operands as IEEE products, not TF32 (the reference's f32 scores, to 2e-5 on the
 # GPU); bf16 and f16 operands as they are, f32 accumulation.
 EXACT = jax.lax.Precision.HIGHEST
+# The kernel's name before its tiling's tag (profiles count kernels so named as attention).
+KERNEL_NAME = "attention_decode"
 
 
 def _attention_kernel(length_ref, q_ref, k_ref, v_ref, *out_refs, R: int, D: int, S: int, BT: int, parts: int,
@@ -110,7 +112,7 @@ def _attention_decode(q, k, v, length, *, scale: float, config: AttentionConfig,
         out_shape=out_shape,
         interpret=interpret,
         config=config,
-        name=f"attention_decode_{config.tag()}",
+        name=f"{KERNEL_NAME}_{config.tag()}",
     )(length, q, k, v)
     if parts > 1:  # the parts' softmax statistics joined: a part with no live position has m = -inf, l = 0
         acc, m, l = out

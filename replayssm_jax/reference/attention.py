@@ -1,6 +1,8 @@
 """Attention over a KV cache, the math of the attention layers (GQA): softmax(scale q k^T) v with the
 scores and softmax in float32 and the probabilities cast to V's dtype before the second product, as
-transformers' eager attention computes it.
+transformers' eager attention computes it. With f32 operands both products are IEEE f32 products
+(`Precision.HIGHEST`): XLA's default on a GPU rounds f32 operands to TF32, an error of about 1e-3 at a
+head_dim of 128 (bench/RESULTS.md, "GPU test runs", 2026-12-05).
 
 Letters: batch, T query positions, S cache positions, HQ query heads, HK KV heads (query head h reads
 KV head h // (HQ / HK)), D head_dim.
@@ -25,10 +27,11 @@ def attend(q, k, v, mask, scale: float):
     batch, seqlen, heads, d = q.shape
     kv_heads = k.shape[2]
     qg = q.reshape(batch, seqlen, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * scale
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32, precision=precision) * scale
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(batch, seqlen, heads, d)
+    return jnp.einsum("bgrts,bsgd->btgrd", probs, v, precision=precision).reshape(batch, seqlen, heads, d)
 
 
 def attention_decode(q, k, v, length, scale: float):
