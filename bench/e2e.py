@@ -21,7 +21,7 @@ standard state's.
 
 Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
                              [--modes standard,8,16,32,16f,16d,16:int8] [--prompt-len 512] [--new-tokens 256]
-                             [--prefill-rows 64] [--profile] [--budget-gib 100]
+                             [--prefill-rows 64] [--profile] [--budget-gib 100] [--buffer-dtype exact]
         python3 bench/e2e.py --memory-only [--modes ...]   (bytes per sequence from shapes, any device)
         python3 bench/e2e.py --smoke     (CPU check of the script on a tiny fixture)
 --profile adds, per configuration, a breakdown of a decode step by kernel
@@ -226,7 +226,7 @@ def _profile(gen, prompts, new_tokens):
 
 def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backend, dtype, log, prefill_rows=None,
                 save=lambda rows: None, profile=False, budget_bytes=100 * 2**30, mesh=None, rates=None,
-                ssm_state_dtype=jnp.float32, share_timing=None, attention_backend="xla"):
+                ssm_state_dtype=jnp.float32, share_timing=None, attention_backend="xla", buffer_dtype=None):
     """Rows of one model over batches x modes; `save(rows)` after each row. A
     configuration that runs out of device memory is logged and skipped (the
     others still run). `profile`: also break a decode step down by kernel
@@ -237,7 +237,8 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
     SSM state dtype (float32 or bfloat16), which the standard state and the checkpoints of a mode
     without ':FORMAT' keep. `share_timing`: `_ssm_op_time`'s `steps`, `max_sets` and `chained_calls` where not its
     defaults (--smoke: SMOKE_SHARE_TIMING). `attention_backend`: the attention layers' decode_backend
-    ("xla": XLA's products; "pallas": the decode attention kernel)."""
+    ("xla": XLA's products; "pallas": the decode attention kernel). `buffer_dtype`: the ReplaySSM
+    records' dtype (Generator's buffer_dtype; None: each layer's exact one)."""
     model = init_model(config_dir, dtype, mesh=mesh, ssm_state_dtype=ssm_state_dtype)
     model.set_attention_decode_backend(attention_backend)
     tp, dp = (None, None) if mesh is None else (mesh.shape["tp"], mesh.shape["dp"])
@@ -250,7 +251,8 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
         reference_tokens = None
         for mode in modes:
             m = _mode(mode)
-            gen = _generator(model, m, backend=backend, block_size=new_tokens, prefill_rows=prefill_rows)
+            gen = _generator(model, m, backend=backend, block_size=new_tokens, prefill_rows=prefill_rows,
+                             buffer_dtype=buffer_dtype)
             try:
                 out = gen.generate(prompts, new_tokens, progress=False)
                 again = gen.generate(prompts, new_tokens, progress=False)
@@ -299,10 +301,11 @@ def _generator(model, m: Mode, **kw) -> Generator:
 
 
 def memory_rows(name, config_dir, modes, prompt_len, new_tokens, dtype, budget_bytes,
-                ssm_state_dtype=jnp.float32) -> list[dict]:
+                ssm_state_dtype=jnp.float32, buffer_dtype=None) -> list[dict]:
     """Per mode, the decode cache's bytes per sequence for prompts of `prompt_len` tokens and
     `new_tokens` new ones, and the sequences that fit `budget_bytes`: from shapes alone (an
-    abstract model, `Generator.memory_estimate` of one row; nothing allocated, any device)."""
+    abstract model, `Generator.memory_estimate` of one row; nothing allocated, any device), the
+    ReplaySSM records in `buffer_dtype` (None: each layer's exact one)."""
     from flax import nnx
 
     model = nnx.eval_shape(lambda: init_model(config_dir, dtype, ssm_state_dtype=ssm_state_dtype))
@@ -310,7 +313,7 @@ def memory_rows(name, config_dir, modes, prompt_len, new_tokens, dtype, budget_b
     for mode in modes:
         with warnings.catch_warnings():  # the fp8 formats warn: measured all the same
             warnings.simplefilter("ignore", UserWarning)
-            estimate = _generator(model, _mode(mode), block_size=new_tokens).memory_estimate(
+            estimate = _generator(model, _mode(mode), block_size=new_tokens, buffer_dtype=buffer_dtype).memory_estimate(
                 [[1] * prompt_len], new_tokens)
         per_seq = (estimate.kv_bytes + estimate.state_bytes) // estimate.rows
         rows.append(dict(model=name, mode=mode, cache_bytes_per_seq=per_seq, max_sequences=int(budget_bytes // per_seq)))
@@ -337,6 +340,10 @@ def main(argv=None) -> int:
     p.add_argument("--ssm-state-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the models' SSM state dtype: the standard state's, and the checkpoints' of a mode without "
                         "':FORMAT'")
+    p.add_argument("--buffer-dtype", default="exact", choices=("exact", "bfloat16", "float32"),
+                   help="the ReplaySSM records' dtype: exact (default: each layer's narrowest exact one, f32 for "
+                        "GDN's normalized keys and deltas, the activations' for Mamba-2's x and B) or one for all "
+                        "layers (bfloat16: the original ReplaySSM kernels' records)")
     p.add_argument("--budget-gib", type=float, default=100.0, help="cache memory budget for max_sequences")
     p.add_argument("--memory-only", action="store_true",
                    help="only the caches' bytes per sequence and the sequences in --budget-gib, from shapes "
@@ -402,27 +409,29 @@ def main(argv=None) -> int:
     if not args.budget_gib > 0:
         p.error(f"--budget-gib: must be > 0; got {args.budget_gib}")
     budget = args.budget_gib * 2**30
+    buffer_dtype = None if args.buffer_dtype == "exact" else jnp.dtype(args.buffer_dtype)
     if args.memory_only:
         print(f"decode cache per sequence (prompt {prompt_len}, {new_tokens} new tokens, SSM state "
               f"{args.ssm_state_dtype}) and sequences in {args.budget_gib:g} GiB, from shapes:")
         print(f"{'model':26s} {'mode':>10s} {'MiB/seq':>9s} {'max seqs':>8s}")
         memory = [r for name, path in configs.items()
                   for r in memory_rows(name, path, modes, prompt_len, new_tokens, dtype, budget,
-                                       jnp.dtype(args.ssm_state_dtype))]
+                                       jnp.dtype(args.ssm_state_dtype), buffer_dtype)]
         for r in memory:
             print(f"{r['model']:26s} {r['mode']:>10s} {r['cache_bytes_per_seq'] / 2**20:9.2f} {r['max_sequences']:8d}")
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(dict(meta=dict(date=datetime.date.today().isoformat(), commit=_commit(), prompt_len=prompt_len,
                                      new_tokens=new_tokens, budget_gib=args.budget_gib,
-                                     ssm_state_dtype=args.ssm_state_dtype, command=" ".join(sys.argv)),
+                                     ssm_state_dtype=args.ssm_state_dtype, buffer_dtype=args.buffer_dtype,
+                                     command=" ".join(sys.argv)),
                            memory=memory), f, indent=1)
         print(f"JSON: {args.out}")
         return 0
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=_commit(), prompt_len=prompt_len,
                 new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, ssm_state_dtype=args.ssm_state_dtype,
-                attention_backend=args.attention_backend,
+                attention_backend=args.attention_backend, buffer_dtype=args.buffer_dtype,
                 command=" ".join(sys.argv),
                 mesh=None if mesh is None else dict(dp=mesh.shape["dp"], tp=mesh.shape["tp"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -441,10 +450,11 @@ def main(argv=None) -> int:
         rows += bench_model(name, path, batches, modes, prompt_len, new_tokens, backend, dtype,
                             lambda s: print(s, file=sys.stderr, flush=True), args.prefill_rows or None, save,
                             args.profile, budget, mesh, rates, jnp.dtype(args.ssm_state_dtype),
-                            SMOKE_SHARE_TIMING if args.smoke else None, args.attention_backend)
+                            SMOKE_SHARE_TIMING if args.smoke else None, args.attention_backend, buffer_dtype)
         save([])
     print(f"\n{meta['date']} {meta['device']} backend={backend} commit={meta['commit']} "
-          f"prompt={prompt_len} new={new_tokens} {meta['dtype']} ssm_state={args.ssm_state_dtype}"
+          f"prompt={prompt_len} new={new_tokens} {meta['dtype']} ssm_state={args.ssm_state_dtype} "
+          f"records={args.buffer_dtype}"
           + ("" if mesh is None else f" mesh dp={mesh.shape['dp']} tp={mesh.shape['tp']}"))
     print(f"{'model':26s} {'batch':>5s} {'mode':>10s} {'tok/s':>10s} {'step ms':>8s} {'speedup':>7s} "
           f"{'SSM%':>5s} {'cache GiB':>9s} {'MiB/seq':>8s} {'max seqs':>8s} {'peak GiB':>8s} {'compile s':>9s} same")

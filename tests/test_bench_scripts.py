@@ -110,6 +110,22 @@ def test_e2e_checkpoint_formats_and_memory_only(tmp_path, capsys):
     assert (new / "e2e.json").is_file()
 
 
+def test_e2e_buffer_dtype(tmp_path):
+    """--buffer-dtype: the ReplaySSM records' dtype for every layer. Qwen3.5's exact records (its GDN layers')
+    are f32, so bfloat16 records take fewer bytes a sequence, float32 the same, the standard state no other."""
+    e2e = load("e2e")
+    per_seq = {}
+    for dtype in ("exact", "bfloat16", "float32"):
+        out = tmp_path / f"{dtype}.json"
+        assert e2e.main(["--smoke", "--models", "qwen3_5_tiny", "--memory-only", "--modes", "standard,4",
+                         "--buffer-dtype", dtype, "--out", str(out)]) == 0
+        data = json.loads(out.read_text())
+        assert data["meta"]["buffer_dtype"] == dtype
+        per_seq[dtype] = {r["mode"]: r["cache_bytes_per_seq"] for r in data["memory"]}
+    assert per_seq["bfloat16"]["4"] < per_seq["exact"]["4"] == per_seq["float32"]["4"]
+    assert per_seq["bfloat16"]["standard"] == per_seq["exact"]["standard"] == per_seq["float32"]["standard"]
+
+
 @pytest.mark.parametrize("mode", ["16x", "d", "0", "-4", "16dd", "16fd", "f", "\u00b2", "16:int4", "16:"])
 def test_e2e_rejects_bad_modes(mode, tmp_path, capsys):
     with pytest.raises(SystemExit):
