@@ -1,8 +1,8 @@
 """Attention over a KV cache, the math of the attention layers (GQA): softmax(scale q k^T) v with the
 scores and softmax in float32 and the probabilities cast to V's dtype before the second product, as
 transformers' eager attention computes it. With f32 operands both products are IEEE f32 products
-(`Precision.HIGHEST`): XLA's default on a GPU rounds f32 operands to TF32, an error of about 1e-3 at a
-head_dim of 128 (bench/RESULTS.md, "GPU test runs", 2026-12-05).
+(`Precision.HIGHEST`): XLA's default on a GPU rounds f32 operands to TF32, errors of 2e-4 to 2e-3 at the
+models' head_dims (bench/RESULTS.md, "GPU test runs", 2026-12-05).
 
 Letters: batch, T query positions, S cache positions, HQ query heads, HK KV heads (query head h reads
 KV head h // (HQ / HK)), D head_dim.
