@@ -102,6 +102,9 @@ Usage (GPU):  python3 bench/kernels.py [--layers gdn,mamba2] [--batches 1,8,...]
               the ReplaySSM verify kernels' correctness is the GPU tests'
               (tests/test_verify_kernels.py).
   --orig JSON the anchors harness's JSON (harness_orig.py run, same GPU command): ratios to the original.
+  --gdn-gates raw | given  the GDN kernels' gate form: raw (default; a, b, A_log, dt_bias, formed
+              in the kernels) or given (g and beta as inputs): the two side by side show the
+              cost of forming the gates in the kernels.
   --dry-run   run the script on the CPU in interpret mode (numbers meaningless).
 Prints a table; writes JSON to DIR/NAME.json (default DIR: bench/results/DATE-NAME).
 Results: bench/RESULTS.md.
@@ -263,26 +266,33 @@ class _LayerBench:
 class GDNBench(_LayerBench, testing.GDN):
     """The GDN layer's ops as the layers call them: the gates raw (a, b bf16[batch, HV]; A_log f32[HV] =
     log(linspace(1, 16)) as the layer's init, dt_bias -3: log decays of about -0.05 to -0.8 a step), which
-    the kernels form into g and beta, as the original ReplaySSM kernels do."""
+    the kernels form into g and beta, as the original ReplaySSM kernels do. raw_gates False: g f32 and
+    beta bf16 [batch, HV] given instead, as the adapter draws them (the kernels' other form; the benchmark
+    before the raw gates)."""
 
-    def __init__(self, shape, batch: int, state_dtype, rng):
+    def __init__(self, shape, batch: int, state_dtype, rng, raw_gates: bool = True):
         super().__init__(shape, batch, state_dtype, rng)
+        self.raw_gates = raw_gates
         self.A_log = jnp.log(jnp.linspace(1.0, 16.0, self.s.HV, dtype=f32))
         self.dt_bias = jnp.full((self.s.HV,), -3.0, f32)
 
     def random_inputs(self, lead):
-        """q, k, v as the adapter's; a, b [*lead, HV] N(0, 1) in the activations' dtype."""
+        """q, k, v as the adapter's; a, b [*lead, HV] N(0, 1) in the activations' dtype (raw gates), else the
+        adapter's g and beta."""
         inp = super().random_inputs(lead)
+        if not self.raw_gates:
+            return inp
         del inp["g"], inp["beta"]
         HV = self.s.HV
         return dict(inp, a=jnp.asarray(self._n(*lead, HV), self.dtype), b=jnp.asarray(self._n(*lead, HV), self.dtype))
 
     def _kw(self, inp):
-        return dict(inp, A_log=self.A_log, dt_bias=self.dt_bias)
+        return dict(inp, A_log=self.A_log, dt_bias=self.dt_bias) if self.raw_gates else inp
 
     def io_bytes(self):
         s, b = self.s, self.b
-        return b * (2 * s.H * s.K * 2 + s.HV * s.V * 2 * 2 + s.HV * (2 + 2))  # q, k, v, o, a, b
+        gates = 2 + 2 if self.raw_gates else 4 + 2  # a, b bf16 or g f32, beta bf16
+        return b * (2 * s.H * s.K * 2 + s.HV * s.V * 2 * 2 + s.HV * gates)  # q, k, v, o, the gates
 
     def buffer_bytes(self, L):
         """(read per step, written per step): the full L-slot tiles of d, k, g; one record."""
@@ -375,14 +385,19 @@ def _check(bench, lengths, backend, config_std):
 
 
 BENCHES = {"gdn": GDNBench, "mamba2": Mamba2Bench}
+GDN_GATES = ("raw", "given")  # the GDN ops' gate forms: a, b, A_log, dt_bias (the layers'), or g and beta
 
 
-def make_bench(layer: str, batch: int, state_dtype, rng, shape=None):
+def make_bench(layer: str, batch: int, state_dtype, rng, shape=None, gdn_gates: str = "raw"):
     """The benchmark of one layer ('gdn' or 'mamba2') at `shape` (default: its model shape, the case table's
-    `model`). Raises ValueError for another layer name."""
+    `model`); `gdn_gates` "raw" (a, b, A_log, dt_bias) or "given" (g, beta): the GDN ops' gate form.
+    Raises ValueError for another layer name or gate form."""
     if layer not in BENCHES:
         raise ValueError(f"unknown layer {layer!r}; choose from {', '.join(BENCHES)}")
-    return BENCHES[layer](shape or CASE_TABLES[layer].model, batch, state_dtype, rng)
+    if gdn_gates not in GDN_GATES:
+        raise ValueError(f"`gdn_gates` must be one of {', '.join(GDN_GATES)}; got {gdn_gates!r}")
+    extra = dict(raw_gates=gdn_gates == "raw") if layer == "gdn" else {}
+    return BENCHES[layer](shape or CASE_TABLES[layer].model, batch, state_dtype, rng, **extra)
 
 
 def n_sets_for(bench, options: TimingOptions) -> int:
@@ -794,6 +809,9 @@ def main(argv=None):
     p.add_argument("--verify-configs", default="",
                    help="with --verify: also time the verify launch at these tilings, e.g. '8x4x1,16x2x1' (BVxWxT, "
                         "as --replay-configs; not fused)")
+    p.add_argument("--gdn-gates", default="raw", choices=GDN_GATES,
+                   help="the GDN kernels' gates: raw (a, b, A_log, dt_bias, formed into g and beta in the kernels, "
+                        "as the layers and the original's kernels take them) or given (g and beta as inputs)")
     p.add_argument("--orig", default=None, metavar="JSON",
                    help="a ../shared/anchors harness_orig.py JSON of the same run: each row's time over the original's")
     p.add_argument("--dry-run", action="store_true",
@@ -828,7 +846,8 @@ def main(argv=None):
     dev = jax.devices()[0]
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), device=dev.device_kind,
                 jax=jax.__version__, python=platform.python_version(),
-                argv=sys.argv[1:] if argv is None else list(argv), timing=dataclasses.asdict(options))
+                argv=sys.argv[1:] if argv is None else list(argv), timing=dataclasses.asdict(options),
+                gdn_gates=args.gdn_gates)
     meta["bandwidth_gbps"] = device_rates.copy_bandwidth(nbytes=(1 << 20) if args.dry_run else (2 << 30))
     copy_bw = max(meta["bandwidth_gbps"].values())  # the device's copy ceiling (bench/device_rates.py)
     print(f"# {meta['device']}  jax {meta['jax']}  copy {copy_bw:.0f} GB/s  (" +
@@ -840,12 +859,13 @@ def main(argv=None):
     for layer in args.layers:
         for sd in args.state_dtypes:
             for batch in args.batches:
-                bench = make_bench(layer, batch, sd, rng)
+                bench = make_bench(layer, batch, sd, rng, gdn_gates=args.gdn_gates)
                 shape_name = str(bench.s)
                 t0 = time.perf_counter()
                 chk = check(bench, lengths, options.backend)
                 check_s = time.perf_counter() - t0
-                base = dict(layer=layer, shape=shape_name, batch=batch, state_dtype=sd, check=chk, check_s=check_s)
+                base = dict(layer=layer, shape=shape_name, batch=batch, state_dtype=sd, check=chk, check_s=check_s,
+                            gates=args.gdn_gates if layer == "gdn" else None)
                 if not chk["ok"]:
                     print(f"FAILED correctness {layer} {sd} b{batch}: {chk}", flush=True)
                     rows.append(dict(base, variant="check", passed=False))

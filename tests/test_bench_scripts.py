@@ -199,6 +199,35 @@ def test_kernels_direct_variant_and_check(monkeypatch):
     assert not kb.check(bench, (4,), "interpret")["ok"]
 
 
+def test_kernels_gdn_gate_forms():
+    """make_bench's gdn_gates: "raw" hands the GDN ops a, b, A_log and dt_bias, "given" g and beta; one
+    replay step of each (interpret mode, small shape) matches the reference on its own inputs, and the raw
+    form's outputs equal the given form's on the gates the raw ones make. Mamba-2 takes no gate form."""
+    import numpy as np
+
+    from replayssm_jax import reference
+
+    kb = load("kernels")
+    small = kb.GDNShape(H=2, HV=4, K=16, V=32)
+    raw, given = (kb.make_bench("gdn", 2, "float32", None, shape=small, gdn_gates=g) for g in kb.GDN_GATES)
+    step = raw.inputs(1)
+    assert {"a", "b"} <= set(step) and not {"g", "beta"} & set(step)
+    assert {"g", "beta"} <= set(given.inputs(1)) and "A_log" not in given._kw(given.inputs(1))
+    inp = {k: v[0] for k, v in step.items()}
+    g, beta = reference.gdn_gates(inp["a"], inp["b"], raw.A_log, raw.dt_bias)
+    rs = given.replay_init(given.state(), 4)
+    formed = dict({k: v for k, v in inp.items() if k not in ("a", "b")}, g=g, beta=beta.astype(inp["b"].dtype))
+    y_raw, _ = raw.replay_step(rs, inp, "output", "interpret")
+    y_given, _ = given.replay_step(rs, formed, "output", "interpret")
+    y_ref, _ = raw.replay_step(rs, inp, "output", "xla")
+    np.testing.assert_allclose(np.asarray(y_raw, np.float32), np.asarray(y_ref, np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(y_raw, np.float32), np.asarray(y_given, np.float32), rtol=2e-2, atol=2e-2)
+    assert raw.io_bytes() < given.io_bytes()  # a and b bf16 against g f32 and beta bf16
+    with pytest.raises(ValueError, match="gdn_gates"):
+        kb.make_bench("gdn", 2, "float32", None, shape=small, gdn_gates="sigmoid")
+    assert not hasattr(kb.make_bench("mamba2", 2, "float32", None, gdn_gates="given"), "raw_gates")
+
+
 def test_kernels_timing_options(monkeypatch):
     """How a variant is timed is a TimingOptions passed down to the cycle: its state sets, its standard
     cycle's length, its backend (interpret mode here, tiny shape)."""
