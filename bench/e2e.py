@@ -160,9 +160,10 @@ def _ssm_layers(config):
 
 
 def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16, max_sets=SHARE_SETS,
-                 chained_calls=kernel_bench.TimingOptions.chained_calls) -> float:
+                 chained_calls=kernel_bench.TimingOptions.chained_calls, buffer_dtype=None) -> float:
     """Seconds per decode step of one SSM layer's op alone (config `c`, same batch, state dtype,
-    checkpoint format, backend; on a mesh, one device's shard: the local config and batch / dp),
+    checkpoint format, backend, records in `buffer_dtype` (None: the layer's exact dtype, as the models':
+    GDN's f32, Mamba-2's bf16 activations'); on a mesh, one device's shard: the local config and batch / dp),
     timed as bench/kernels.py times a layer (`time_cycle`: an unrolled cycle on fixed inputs over
     copies of the state, here at most `max_sets`, `chained_calls` calls a repeat; at small batches
     they fit in the L2, so the estimate is then low)."""
@@ -195,7 +196,8 @@ def _ssm_op_time(c, batch, mode: Mode, backend, state_dtype, steps=16, max_sets=
     if state == "standard":
         carries, fn = tuple(states), lambda st, i: step(st, **i)
     else:
-        carries = tuple(init(s, L, groups, buffer_dtype=bf16, **fmt) for s in states)
+        records = buffer_dtype or (bf16 if "mamba" in c.layer_types else jnp.float32)
+        carries = tuple(init(s, L, groups, buffer_dtype=records, **fmt) for s in states)
         fn = lambda st, i: replay(st, **i)  # noqa: E731
     seconds, *_ = kernel_bench.time_cycle(fn, carries, inputs, steps, options)
     return seconds
@@ -270,7 +272,8 @@ def bench_model(name, config_dir, batches, modes, prompt_len, new_tokens, backen
                 ssm_share = breakdown["ms"]["ssm"] / (step_s * 1e3)
             else:
                 ssm_share = n_ssm * _ssm_op_time(shard_config, max(batch // (dp or 1), 1), m, backend,
-                                                 ssm_state_dtype, **(share_timing or {})) / step_s
+                                                 ssm_state_dtype, **(share_timing or {}),
+                                                 buffer_dtype=buffer_dtype) / step_s
             tokens = np.array(best.sequences)
             if m.state == "standard":
                 reference_tokens = tokens
@@ -313,8 +316,8 @@ def memory_rows(name, config_dir, modes, prompt_len, new_tokens, dtype, budget_b
     for mode in modes:
         with warnings.catch_warnings():  # the fp8 formats warn: measured all the same
             warnings.simplefilter("ignore", UserWarning)
-            estimate = _generator(model, _mode(mode), block_size=new_tokens, buffer_dtype=buffer_dtype).memory_estimate(
-                [[1] * prompt_len], new_tokens)
+            gen = _generator(model, _mode(mode), block_size=new_tokens, buffer_dtype=buffer_dtype)
+            estimate = gen.memory_estimate([[1] * prompt_len], new_tokens)
         per_seq = (estimate.kv_bytes + estimate.state_bytes) // estimate.rows
         rows.append(dict(model=name, mode=mode, cache_bytes_per_seq=per_seq, max_sequences=int(budget_bytes // per_seq)))
     return rows
@@ -412,7 +415,8 @@ def main(argv=None) -> int:
     buffer_dtype = None if args.buffer_dtype == "exact" else jnp.dtype(args.buffer_dtype)
     if args.memory_only:
         print(f"decode cache per sequence (prompt {prompt_len}, {new_tokens} new tokens, SSM state "
-              f"{args.ssm_state_dtype}) and sequences in {args.budget_gib:g} GiB, from shapes:")
+              f"{args.ssm_state_dtype}, records {args.buffer_dtype}) and sequences in {args.budget_gib:g} GiB, "
+              "from shapes:")
         print(f"{'model':26s} {'mode':>10s} {'MiB/seq':>9s} {'max seqs':>8s}")
         memory = [r for name, path in configs.items()
                   for r in memory_rows(name, path, modes, prompt_len, new_tokens, dtype, budget,

@@ -810,8 +810,9 @@ def main(argv=None):
                    help="with --verify: also time the verify launch at these tilings, e.g. '8x4x1,16x2x1' (BVxWxT, "
                         "as --replay-configs; not fused)")
     p.add_argument("--gdn-gates", default="raw", choices=GDN_GATES,
-                   help="the GDN kernels' gates: raw (a, b, A_log, dt_bias, formed into g and beta in the kernels, "
-                        "as the layers and the original's kernels take them) or given (g and beta as inputs)")
+                   help="the GDN kernels' gates: raw (default; a, b, A_log, dt_bias, formed into g and beta in the "
+                        "kernels, as the layers and the original's kernels take them) or given (g and beta as inputs; "
+                        "--orig's ratios then leave the gates out of our side)")
     p.add_argument("--orig", default=None, metavar="JSON",
                    help="a ../shared/anchors harness_orig.py JSON of the same run: each row's time over the original's")
     p.add_argument("--dry-run", action="store_true",
@@ -851,7 +852,8 @@ def main(argv=None):
     meta["bandwidth_gbps"] = device_rates.copy_bandwidth(nbytes=(1 << 20) if args.dry_run else (2 << 30))
     copy_bw = max(meta["bandwidth_gbps"].values())  # the device's copy ceiling (bench/device_rates.py)
     print(f"# {meta['device']}  jax {meta['jax']}  copy {copy_bw:.0f} GB/s  (" +
-          ", ".join(f"{k} {v:.0f}" for k, v in meta["bandwidth_gbps"].items()) + ")", flush=True)
+          ", ".join(f"{k} {v:.0f}" for k, v in meta["bandwidth_gbps"].items()) + f")  GDN gates {args.gdn_gates}",
+          flush=True)
     original = load_original(args.orig) if args.orig else []
     rows = []
     os.makedirs(args.out, exist_ok=True)

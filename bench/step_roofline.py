@@ -7,8 +7,8 @@ attention over the KV caches, and the SSM kernels over their states. Its bound i
   and result bytes at the copy bandwidth, its FLOPs at the bf16 matmul rate);
 - attention: per dot under the attention layers' name scope (`ATTENTION_SCOPE`: scores and
   values over a KV cache), and per Pallas kernel there (the decode attention kernel), its bytes
-  at the copy bandwidth, a KV cache operand counted at the live length only (the positions a
-  step must read, not the cache's allocated max_len);
+  at the copy bandwidth, a KV cache operand (an array of a KV cache's shape) counted at the live
+  length only (the positions a step must read, not the cache's allocated max_len);
 - SSM states (the Pallas kernels, which are no dots of the jaxpr; with the "xla" backend the
   ops' reference form adds dots to the GEMMs, so the bound means something on the kernel
   backends only): standard state 2 |S| (read and written); ReplaySSM checkpoint |S| (1 + 2 / L)
@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax.layers.attention import ATTENTION_SCOPE
-from replayssm_jax.layers.cache import ReplayLayerState, SSMLayerState
+from replayssm_jax.layers.cache import KVCache, ReplayLayerState, SSMLayerState
 
 
 def _nbytes(aval) -> int:
@@ -53,32 +53,34 @@ def _subjaxprs(eqn):
                 yield item, times
 
 
-def _attention_bytes(avals, max_len: int, live_len: int) -> float:
-    """Bytes of attention operands or results, one with an axis of max_len (a KV cache) at live_len."""
-    return sum(_nbytes(a) * (live_len / max_len if max_len in a.shape else 1) for a in avals)
+def _attention_bytes(avals, kv_shapes: frozenset, live_fraction: float) -> float:
+    """Bytes of attention operands or results, one of a KV cache's shape (in `kv_shapes`) at `live_fraction`
+    of its size."""
+    return sum(_nbytes(a) * (live_fraction if tuple(a.shape) in kv_shapes else 1) for a in avals)
 
 
-def dot_costs(jaxpr, max_len: int, live_len: int, times: int = 1):
+def dot_costs(jaxpr, kv_shapes: frozenset, live_fraction: float, times: int = 1):
     """(kind, bytes, flops) of every dot_general in `jaxpr` and the jaxprs it calls: kind "attention" (under
-    `ATTENTION_SCOPE`; an operand with an axis of max_len counted at live_len) or "gemm"; and of every Pallas
-    kernel under `ATTENTION_SCOPE` (the decode attention kernel): "attention", its operands' and results'
-    bytes counted so, its FLOPs 0 (the bound is its traffic)."""
+    `ATTENTION_SCOPE`; an operand of a KV cache's shape, one of `kv_shapes`, counted at `live_fraction` of
+    its bytes: live length over max_len) or "gemm"; and of every Pallas kernel under `ATTENTION_SCOPE` (the
+    decode attention kernel): "attention", its operands' and results' bytes counted so, its FLOPs 0 (the
+    bound is its traffic)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call" and ATTENTION_SCOPE in str(eqn.source_info.name_stack):
             avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
-            yield "attention", times * _attention_bytes(avals, max_len, live_len), 0
+            yield "attention", times * _attention_bytes(avals, kv_shapes, live_fraction), 0
         elif eqn.primitive.name == "dot_general":
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             lhs, rhs = (v.aval for v in eqn.invars)
             out = eqn.outvars[0].aval
             flops = 2 * int(np.prod(out.shape)) * math.prod(lhs.shape[d] for d in lhs_contract)
             if ATTENTION_SCOPE in str(eqn.source_info.name_stack):
-                yield "attention", times * (_attention_bytes((lhs, rhs), max_len, live_len) + _nbytes(out)), \
+                yield "attention", times * (_attention_bytes((lhs, rhs), kv_shapes, live_fraction) + _nbytes(out)), \
                     times * flops
             else:
                 yield "gemm", times * (_nbytes(lhs) + _nbytes(rhs) + _nbytes(out)), times * flops
         for sub, count in _subjaxprs(eqn):
-            yield from dot_costs(sub, max_len, live_len, times * count)
+            yield from dot_costs(sub, kv_shapes, live_fraction, times * count)
 
 
 def state_bytes(cache, lockstep: bool = False) -> int:
@@ -125,7 +127,9 @@ def decode_roofline(gen, batch: int, prompt_len: int, new_tokens: int, copy_gbps
 
     jaxpr = jax.make_jaxpr(decode)(params, cache, jax.ShapeDtypeStruct((batch,), jnp.int32)).jaxpr
     bandwidth, rate = copy_gbps * 1e9, matmul_tflops * 1e12
-    costs = list(dot_costs(jaxpr, max_len, prompt_len + new_tokens // 2))
+    kv_shapes = frozenset(tuple(a.shape) for layer in cache.layers if isinstance(layer, KVCache)
+                          for a in (layer.k, layer.v))
+    costs = list(dot_costs(jaxpr, kv_shapes, (prompt_len + new_tokens // 2) / max_len))
     gemm_s = sum(max(b / bandwidth, f / rate) for kind, b, f in costs if kind == "gemm")
     attention_s = sum(b / bandwidth for kind, b, _ in costs if kind == "attention")
     states = state_bytes(cache, lockstep=gen.lockstep_cycle(cache) is not None)

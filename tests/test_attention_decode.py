@@ -127,15 +127,21 @@ def test_reference_is_the_attention_layers_math(rng):
 
 @pytest.mark.parametrize("dtype, precision", [(jnp.float32, jax.lax.Precision.HIGHEST), (jnp.bfloat16, None)])
 def test_reference_products_are_ieee_f32_for_f32_operands(dtype, precision, rng):
-    """Both products of the reference request IEEE f32 products for f32 operands (XLA's default on a GPU
-    takes TF32, 2e-4 to 2e-3 off at the models' head_dims: the H200 run of 2026-12-05) and XLA's default for narrower
-    ones, whose products are exact in f32 accumulation anyway."""
+    """Each product of the reference with an f32 operand requests IEEE f32 products (XLA's default on a
+    GPU takes TF32, 2e-4 to 2e-3 off at the models' head_dims: the H200 run of 2026-12-05), the others
+    XLA's default (bf16 and f16 products are exact in f32 accumulation)."""
     args = draw(rng, 2, 4, 2, 16, 9, dtype)
     jaxpr = jax.make_jaxpr(lambda *a: reference.attention_decode(*a, 0.25))(*args).jaxpr
     dots = [e for e in jaxpr_equations(jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) == 2
     for dot in dots:
         assert dot.params["precision"] == (None if precision is None else (precision, precision))
+    if dtype == jnp.float32:  # a product with one f32 operand is IEEE f32 too: bf16 q and k, f32 v
+        q, k, v, length = args
+        mixed = jax.make_jaxpr(lambda *a: reference.attention_decode(*a, 0.25))(
+            q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, length).jaxpr
+        assert [e.params["precision"] for e in jaxpr_equations(mixed) if e.primitive.name == "dot_general"] == [
+            None, (precision, precision)]
 
 
 @pytest.mark.parametrize("batch, kv_heads, max_len, head_dim, config", [

@@ -998,3 +998,8 @@ def test_step_roofline_counts_the_attention_kernel():
     xla, kernel = bounds["xla"], bounds["interpret"]
     assert 0 < kernel["attention_ms"] == pytest.approx(xla["attention_ms"], rel=0.2)
     assert (kernel["gemm_ms"], kernel["state_ms"]) == (xla["gemm_ms"], xla["state_ms"])
+    # the caches at the live length, the other operands whole: 13 live positions of 16 or of 17 (head_dim 16,
+    # as max_len 16: only the caches' axis is cut), the same attention bytes
+    same_live = [roofline.decode_roofline(gen, 2, prompt, new, copy_gbps=1.0, matmul_tflops=1.0)["attention_ms"]
+                 for prompt, new in ((10, 6), (9, 8))]
+    assert same_live[0] == pytest.approx(same_live[1], rel=1e-12)

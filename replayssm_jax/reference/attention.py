@@ -1,6 +1,6 @@
 """Attention over a KV cache, the math of the attention layers (GQA): softmax(scale q k^T) v with the
 scores and softmax in float32 and the probabilities cast to V's dtype before the second product, as
-transformers' eager attention computes it. With f32 operands both products are IEEE f32 products
+transformers' eager attention computes it. A product with an f32 operand is an IEEE f32 product
 (`Precision.HIGHEST`): XLA's default on a GPU rounds f32 operands to TF32, errors of 2e-4 to 2e-3 at the
 models' head_dims (bench/RESULTS.md, "GPU test runs", 2026-12-05).
 
@@ -27,11 +27,16 @@ def attend(q, k, v, mask, scale: float):
     batch, seqlen, heads, d = q.shape
     kv_heads = k.shape[2]
     qg = q.reshape(batch, seqlen, kv_heads, heads // kv_heads, d)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32, precision=precision) * scale
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32,
+                        precision=_precision(q, k)) * scale
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bgrts,bsgd->btgrd", probs, v, precision=precision).reshape(batch, seqlen, heads, d)
+    return jnp.einsum("bgrts,bsgd->btgrd", probs, v, precision=_precision(v)).reshape(batch, seqlen, heads, d)
+
+
+def _precision(*operands):
+    """IEEE f32 products (`Precision.HIGHEST`) for a product with an f32 operand; XLA's default otherwise."""
+    return jax.lax.Precision.HIGHEST if any(x.dtype == jnp.float32 for x in operands) else None
 
 
 def attention_decode(q, k, v, length, scale: float):
