@@ -80,8 +80,9 @@ from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, flush_full_l
 from replayssm_jax.kernels.replay_math import (fold_live_records, rank_update, replay_records, replay_weights,
                                                softplus)
 from replayssm_jax.kernels.tiles import (f32, for_each_row_tile, lane_ids, lane_mask, load, load_checkpoint, load_live,
-                                         load_live_only, load_scalar, load_slots, mask_and, matvec, program_id, row_ids,
-                                         row_mask, stochastic, store, store_checkpoint, tile_mask, tile_row_ids)
+                                         load_live_only, load_scalar, mask_and, matvec, pick_row, program_id,
+                                         row_ids, row_mask, stochastic, store, store_checkpoint, tile_mask,
+                                         tile_row_ids)
 from replayssm_jax.kernels.tma_readout import (TERMS, TMA_MAX, TMAReadoutConfig, check_tma_readout,
                                                check_tma_route, cursor_rows, default_tma_readout, gdn_append_tma,
                                                readout_moves_cursor)
@@ -130,14 +131,20 @@ def raw_gates(a, b, A_log, dt_bias):
     return raw_log_decay(a, A_log, dt_bias), 1.0 / (1.0 + jnp.exp(-b))
 
 
-def _gates(inputs: Inputs, at=(), head=()):
-    """(g, beta) f32 of one step: inputs.g and inputs.beta at index `at` of their blocks (() a 0-d block,
-    a window step, a value head of the prelude's heads block), or formed from the raw a and b there and
-    A_log and dt_bias at `head`."""
+def _gates(inputs: Inputs, at=()):
+    """(g, beta) f32: inputs.g and inputs.beta at index `at` of their blocks (() a 0-d block or whole
+    loaded vectors, t a window step), or formed from the raw a and b there and A_log and dt_bias."""
     g, beta = inputs.g[at].astype(f32), inputs.beta[at].astype(f32)
     if inputs.A_log is None:
         return g, beta
-    return raw_gates(g, beta, inputs.A_log[head].astype(f32), inputs.dt_bias[head].astype(f32))
+    return raw_gates(g, beta, inputs.A_log[()].astype(f32), inputs.dt_bias[()].astype(f32))
+
+
+def _gate_vectors(inputs: Inputs, heads) -> Inputs:
+    """The gate fields of a prelude's row blocks ([BH] each: g and beta, or a, b, A_log and dt_bias) loaded
+    as f32 vectors where `heads` (bool[BH]), zeros elsewhere; the other fields None."""
+    fields = (inputs.g, inputs.beta, inputs.A_log, inputs.dt_bias)
+    return Inputs(None, None, None, *(None if f is None else load(f, heads) for f in fields))
 
 
 def _window_log_decays(inputs: Inputs, wmask):
@@ -263,15 +270,15 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                        flush=route not in NO_FLUSH_ROUTES)
 
 
-def _flush_terms(g_ref, terms_ref, hv, L: int) -> None:
+def _flush_terms(lg, terms_ref, hv, L: int) -> None:
     """A full row's flush terms in the deferred prelude's terms tile of value head hv (terms_ref f32[BH,
-    TERMS, BL]): row 3 the decay weights of the L slots of g_ref (f32[BL], the head's log decay records),
+    TERMS, BL]): row 3 the decay weights of the L slots of lg (f32[BL], the head's log decay records),
     row 2's lane 4 exp of their sum. Only the rows that flush run this: the other rows' programs neither
-    load their g records twice nor form these terms. (Qwen3.5-4B's layer at batch 256, staggered cursors,
-    H200, 2026-12-03: 14.0 us a launch, against 14.5 with the terms formed in every program and 12.7 with
-    none formed.)"""
-    BL = g_ref.shape[0]
-    total, w = replay_weights(load_slots(g_ref, L), L)
+    load their g records' dead slots nor form these terms. (Qwen3.5-4B's layer at batch 256, staggered
+    cursors, H200, 2026-12-03: 14.0 us a launch, against 14.5 with the terms formed in every program and
+    12.7 with none formed.)"""
+    BL = lg.shape[0]
+    total, w = replay_weights(lg, L)
     store(terms_ref.at[hv, jnp.int32(3)], w, lane_mask(BL, L))
     store(terms_ref.at[hv, jnp.int32(2)], jnp.broadcast_to(jnp.exp(total), (BL,)), lane_ids(BL) == 4)
 
@@ -309,12 +316,18 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
     kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
     cursor = jnp.int32(0) if standard else read_cursor(cursor_ref)
     count = live_count(cursor, L, route)
-    BL = terms_ref.shape[-1]
+    BH, BL = terms_ref.shape[0], terms_ref.shape[-1]
     lanes, lmask = lane_ids(BL), lane_mask(BL, L)
     live = lanes < count
     kq = jnp.sum(k * q)
     free = count < L  # a row that entered full writes no record
     full = cursor >= L  # (deferred) a row the readout flushes first
+    # What the value heads' loop reads, loaded before the first store (a store may alias a later load):
+    # their gates and log decay records, the live ones (a full row's all L on the deferred route).
+    mine = lane_ids(BH) // group == h  # the key head's value heads
+    gates = _gates(_gate_vectors(inputs, mine))
+    loaded = lanes < jnp.where(full, L, count) if deferred else live
+    decays = None if standard else load(records.g, tile_mask(mine, loaded, (BH, BL)))
     store(qn_ref, q, kmask)
     store(kn_ref, k, kmask)
     if deferred:  # the full row's slot-0 key, read before this step's record replaces it
@@ -330,11 +343,12 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
         store(records_out.k.at[count], k, mask_and(kmask, free, k.shape))
     for j in range(group):  # the key head's value heads
         hv = h * group + j
-        g, beta = _gates(inputs, hv, hv)
+        g, beta = (pick_row(x, hv) for x in gates)
         if standard:
             total, w = jnp.float32(0.0), jnp.zeros((BL,), f32)
         else:
-            total, w = replay_weights(load_live_only(records.g.at[hv], live), count)
+            lg = pick_row(decays, hv)
+            total, w = replay_weights(lg, count)
         scalars = jnp.where(lanes == 0, jnp.exp(total), jnp.where(lanes == 1, kq, jnp.where(
             lanes == 2, jnp.exp(g), jnp.where(lanes == 3, beta, 0.0))))
         first, second = (w * score_k, w * score_q) if append else (w, jnp.zeros_like(w))
@@ -344,7 +358,7 @@ def _terms_kernel(records: Records, cursor_ref, inputs: Inputs, qn_ref, kn_ref, 
         mask = tile_mask(None, lmask, (TERMS, BL))
         if deferred:  # a full row's flush terms are stored apart (`_flush_terms`), the rest as above
             mask = mask_and(mask, ~full | ((rows < 2) | ((rows == 2) & (lanes[None, :] != 4))), (TERMS, BL))
-            pl.when(full)(functools.partial(_flush_terms, records.g.at[hv], terms_ref, hv, L))
+            pl.when(full)(functools.partial(_flush_terms, lg, terms_ref, hv, L))
         store(terms_ref.at[hv], tile, mask)
         if append:
             store(records_out.g.at[hv], jnp.broadcast_to(g, (BL,)), (lanes == count) & free)

@@ -327,11 +327,12 @@ def for_each_row_tile(V: int, tiling, split, tile) -> None:
         jax.lax.fori_loop(0, count, body, 0)
 
 
-def pick_row(tile: jax.Array, t: int) -> jax.Array:
-    """Row t (static) of a register tile f32[n, m] -> f32[m]: a select and a
-    sum over the rows (Triton has no static slice of a register tile), so
-    a NaN or inf in another row never reaches the result."""
-    return jnp.sum(jnp.where(lane_ids(tile.shape[0])[:, None] == t, tile, jnp.zeros((), tile.dtype)), axis=0)
+def pick_row(tile: jax.Array, t) -> jax.Array:
+    """Row t (an int or an i32 scalar) of a register tile f32[n, ...] -> f32[...]: a select and a sum over
+    the rows (Triton has no slice of a register tile), so a NaN or inf in another row never reaches the
+    result."""
+    rows = lane_ids(tile.shape[0]).reshape((-1,) + (1,) * (tile.ndim - 1))
+    return jnp.sum(jnp.where(rows == t, tile, jnp.zeros((), tile.dtype)), axis=0)
 
 
 def store_window(slot_ref, window: jax.Array, W: int, mask) -> None:
