@@ -26,10 +26,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from cases import assert_close
 from hlo_checks import assert_step_alone_and_in_a_loop
 from kernel_checks import (GDN, GDNShape, check_auto_is_deferred, check_deferred_step_kernels, check_deferred_steps,
-                           lower_for_cuda, poison_dead_slots)
+                           jaxpr_equations, lower_for_cuda, poison_dead_slots)
 from replayssm_jax import kernels, ops, reference
 from replayssm_jax.kernels import gdn as gdn_kernels
 from replayssm_jax.kernels import tma_readout
+from replayssm_jax.kernels.config import next_pow2
 from replayssm_jax.testing import tolerance_dtype
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -394,6 +395,36 @@ def test_prelude_keeps_the_cursor_on_the_readout_routes_only(rng):
         gdn_kernels._head_terms(gdn_kernels.Records(rs.d, rs.k, rs.g), rs.cursor,
                                 gdn_kernels._f32_decay(gdn_kernels.Inputs(**inp)), scale=0.3, use_qk_l2norm=True,
                                 interpret=True, route="direct", move_cursor=False)
+
+
+@pytest.mark.parametrize("route", ["append", "deferred", "direct"])
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-gates", "given-gates"])
+def test_prelude_reads_nothing_after_its_first_terms_store(route, raw):
+    """The prelude's kernel loads all it reads (the value heads' gates and g records among them) before
+    its loop over a key head's value heads stores the first terms tile: a load placed after a store that
+    may alias it waits for it, a global round trip for each value head in every program (on the H200 at
+    batch 64, 4.0-4.9 us a launch against 5.6-6.3 with the loads in the loop, bench/RESULTS.md,
+    2026-12-05). Checked on the kernel's jaxpr, in program order, at a group of three value heads."""
+    B, H, HV, K, V = 3, 2, 6, 96, 64
+    S = jax.ShapeDtypeStruct
+    records = gdn_kernels.Records(d=S((B, HV, 24, V), bf16), k=S((B, H, 24, K), bf16), g=S((B, HV, 24), f32))
+    per_head = S((HV,), f32) if raw else None
+    inputs = gdn_kernels.Inputs(q=S((B, H, K), bf16), k=S((B, H, K), bf16), v=S((B, HV, V), bf16),
+                                g=S((B, HV), bf16 if raw else f32), beta=S((B, HV), bf16), A_log=per_head,
+                                dt_bias=per_head)
+    jaxpr = jax.make_jaxpr(lambda r, c, i: gdn_kernels._head_terms(r, c, i, scale=0.3, use_qk_l2norm=True,
+                                                                   interpret=True, route=route))(
+        records, S((B,), jnp.int32), inputs)
+    call = next(e for e in jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call")
+    kernel = call.params["jaxpr"]
+    terms_ref = kernel.invars[len(call.invars) + 2]  # outputs after the operands: qn, kn, terms, ...
+    assert terms_ref.aval.shape == (next_pow2(HV), tma_readout.TERMS, 32)
+    order = [(e.primitive.name, e.invars[0] if e.invars else None) for e in jaxpr_equations(kernel)]
+    first_store = order.index(("masked_swap", terms_ref))
+    reads = [name for name, _ in order if name in ("masked_load", "get", "load")]
+    assert reads, "no load found: the primitives' names changed"
+    late = [name for name, _ in order[first_store:] if name in ("masked_load", "get", "load")]
+    assert not late, f"loads after the first store of the terms tile: {late}"
 
 
 MODEL = GDNShape(batch=200, H=16, HV=32, K=128, V=128)  # Qwen3.5-4B's layer
