@@ -402,9 +402,10 @@ def test_prelude_keeps_the_cursor_on_the_readout_routes_only(rng):
 def test_prelude_reads_nothing_after_its_first_terms_store(route, raw):
     """The prelude's kernel loads all it reads (the value heads' gates and g records among them) before
     its loop over a key head's value heads stores the first terms tile: a load placed after a store that
-    may alias it waits for it, a global round trip for each value head in every program (on the H200 at
-    batch 64, 4.0-4.9 us a launch against 5.6-6.3 with the loads in the loop, bench/RESULTS.md,
-    2026-12-05). Checked on the kernel's jaxpr, in program order, at a group of three value heads."""
+    may alias it waits for it, a global round trip for each value head in every program (Qwen3.5-4B's
+    layer on the H200 at batch 64: 4.0-4.9 us a step against 5.6-6.4 with the loads in the loop,
+    bench/RESULTS.md, 2026-12-05). Checked on the kernel's jaxpr, in program order, with three value
+    heads a key head."""
     B, H, HV, K, V = 3, 2, 6, 96, 64
     S = jax.ShapeDtypeStruct
     records = gdn_kernels.Records(d=S((B, HV, 24, V), bf16), k=S((B, H, 24, K), bf16), g=S((B, HV, 24), f32))
