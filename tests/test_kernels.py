@@ -718,6 +718,26 @@ def kernel_dots(layer, rs, config):
             for e in jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
 
 
+@pytest.mark.parametrize(("state_dtype", "interpret", "fused"), [
+    (jnp.float32, False, True), (jnp.bfloat16, False, False), (jnp.float32, True, False),
+], ids=["f32-compiled", "bf16-compiled", "f32-interpreted"])
+def test_gdn_standard_step_fuses_its_update_on_an_f32_state(state_dtype, interpret, fused):
+    """The GDN standard step's state update S + d k^T is one PTX fma.rn.f32 an element
+    (`tiles.fma`: XLA's Triton path contracts no product into a sum) in a kernel compiled for the GPU
+    on an f32 state, the one case where that measured faster (bench/RESULTS.md, 2026-12-05); on a
+    bf16 state, and interpreted, a product and a sum. Checked on the traced jaxpr (no GPU needed)."""
+    B, H, HV, K, V = 2, 2, 4, 64, 32
+    S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    args = (S((B, HV, V, K), state_dtype), S((B, H, K), bf16), S((B, H, K), bf16), S((B, HV, V), bf16),
+            S((B, HV), jnp.float32), S((B, HV), bf16))
+    jaxpr = jax.make_jaxpr(lambda *a: kernels.gdn_step(*a, scale=K ** -0.5, use_qk_l2norm=True,
+                                                       interpret=interpret))(*args)
+    names = {e.primitive.name for e in jaxpr_equations(jaxpr.jaxpr)}
+    assert "pallas_call" in names
+    asm = [e.params["asm"] for e in jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "elementwise_inline_asm_p"]
+    assert asm == (["fma.rn.f32 $0, $1, $2, $3;"] if fused else [])
+
+
 # The f32-key cases check the dot's accuracy on the GPU only: the CPU
 # computes it exactly whatever the algorithm (there they check the product).
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])

@@ -39,7 +39,7 @@ from replayssm_jax.kernels.config import NO_FLUSH_ROUTES, ReplayConfig, StepConf
 from replayssm_jax.kernels.cursor import (advance_cursor, cursor_spec, for_each_flushing_row, live_count, next_cursor,
                                           store_entry_cursor, store_next_cursors)
 from replayssm_jax.kernels.tiles import (Quantized, SlotView, for_each_row_tile, hoisted_program_ids, lane_ids,
-                                         mask_and, program_id, store, store_window)
+                                         mask_and, program_id, store, store_window, triton_arithmetic)
 from replayssm_jax.state import advance_counter, row_seeds, step_writes, window_writes
 
 # Pallas warns, when it lowers a Triton kernel (at the outermost jit's
@@ -93,8 +93,13 @@ def pallas_call(kernel, *, interpret: bool, config: StepConfig | ReplayConfig, g
     """
     if len(grid) == 3 and config.memory_order:
         kernel, grid, in_specs, out_specs = _launched_reversed(kernel, grid, in_specs, out_specs)
+
+    def traced(*refs):
+        with triton_arithmetic(not interpret):
+            kernel(*refs)
+
     return pl.pallas_call(
-        kernel,
+        traced,
         interpret=interpret,
         compiler_params=triton_params(config.num_warps, config.num_stages),
         grid=grid,

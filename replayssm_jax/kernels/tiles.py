@@ -295,6 +295,44 @@ def load_live(ref, live, L: int, cols=None, dtype=f32):
                      jnp.zeros((), dtype))
 
 
+# Whether the kernel being traced compiles for the GPU through Triton (`triton_arithmetic`, which
+# `launch.pallas_call` enters for a launch that is not interpreted): there `fma` is one instruction.
+_TRITON: list[bool] = []
+
+
+@contextlib.contextmanager
+def triton_arithmetic(compiled: bool):
+    """Trace the kernel body within as compiled by Triton for the GPU (`compiled`) or as interpreted."""
+    _TRITON.append(compiled)
+    try:
+        yield
+    finally:
+        _TRITON.pop()
+
+
+def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+    """a * b + c in f32, broadcast to one shape, rounded once in a compiled kernel.
+
+    XLA compiles Triton kernels with floating-point contraction off: the PTX
+    has mul.rn.f32 and add.rn.f32, which ptxas never fuses, where upstream
+    Triton (and the original ReplaySSM's and vLLM's kernels) get FFMA. In a
+    kernel traced within `triton_arithmetic(True)` this is one PTX
+    fma.rn.f32 per element (inline assembly); interpreted, a * b + c (two
+    roundings: the results differ in the last bit). Measured in the
+    standard steps (H100, batch 64-512, bench/RESULTS.md, 2026-12-05): the
+    GDN state update fused took 0.9% less kernel time on an f32 state and
+    9-11% more on a bf16 one; Mamba-2's moved by under 0.4% either way. So
+    only the GDN step on an f32 state uses it.
+    """
+    if not (_TRITON and _TRITON[-1]):
+        return a * b + c
+    shape = jnp.broadcast_shapes(a.shape, b.shape, c.shape)
+    operands = [jnp.broadcast_to(x.astype(f32), shape) for x in (a, b, c)]
+    [out] = plgpu.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=operands, constraints="=f,f,f,f",
+                                         pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(shape, f32)])
+    return out
+
+
 def matvec(S: jax.Array, vec: jax.Array) -> jax.Array:
     """S f32[BV, BK] times vec f32[BK] -> f32[BV]."""
     return jnp.sum(S * vec[None, :], axis=1)
