@@ -5,9 +5,12 @@ compiler that the original ReplaySSM kernels and vLLM's standard kernels use.
 Both kernels scale a [programs, block_v * tiles, 128] array in place, a program walking its
 `tiles` tiles of [block_v, 128] one after the other on `num_warps` warps: the traffic of the
 standard decode step. The Triton side is timed with CUDA events over 10 back-to-back launches
-(median of 5), and its PTX is searched for vector loads and stores (`ld.global.v4` ...). The
-gap between the two columns is what the compiler path costs a bandwidth-bound kernel, apart from
-anything our kernels do.
+(median of 5), and its PTX is searched for vector loads and stores (`ld.global.v4` ...); the Pallas
+side by the host clock around 10 dispatches (`roofline.measure`). The two clocks are not the same:
+this script put the Pallas column 7-16% and 0-5% below the Triton one in two runs (2026-12-02),
+where Nsight Compute timed one launch of each at 179.5 and 180.0 us, with the same 128-bit loads
+and stores in their SASS (2026-12-05, bench/RESULTS.md). Read the gap as an upper bound on what the
+compiler path costs; for the kernels alone, time them under ncu.
 
     python3 bench/triton_ceiling.py --configs 32x4x1,32x1x1,32x1x4,16x2x5 --dtypes float32,bfloat16
 
