@@ -723,7 +723,7 @@ def kernel_dots(layer, rs, config):
 ], ids=["f32-compiled", "bf16-compiled", "f32-interpreted"])
 def test_gdn_standard_step_fuses_its_update_on_an_f32_state(state_dtype, interpret, fused):
     """The GDN standard step's state update S + d k^T is one PTX fma.rn.f32 an element
-    (`tiles.fma`: XLA's Triton path contracts no product into a sum) in a kernel compiled for the GPU
+    (`tiles.fma`: XLA's Triton path leaves products and sums unfused) in a kernel compiled for the GPU
     on an f32 state, the one case where that measured faster (bench/RESULTS.md, 2026-12-05); on a
     bf16 state, and interpreted, a product and a sum. Checked on the traced jaxpr (no GPU needed)."""
     B, H, HV, K, V = 2, 2, 4, 64, 32
