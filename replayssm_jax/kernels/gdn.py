@@ -209,7 +209,8 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
     def finish(S):
         S = S * decay
         d = beta * (v - matvec(S, k))
-        # One rounding (`fma`) on an f32 state: 0.9% less kernel time; 9-11% more on a bf16 state (H100, 2026-12-05).
+        # One rounding (`fma`) on an f32 state: 0.9-1.0% less kernel time (H100, H200); on a bf16 state 9-11% more
+        # on the H100, the same on the H200 (2026-12-05).
         S = fma(d[:, None], k[None, :], S) if state_ref.dtype == f32 else S + d[:, None] * k[None, :]
         store(o_ref, matvec(S, q), vmask)
         store_checkpoint(state_ref, state_out_ref, None, S, tmask, vmask, ids, K)

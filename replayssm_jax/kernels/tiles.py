@@ -320,10 +320,11 @@ def fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     kernel traced within `triton_arithmetic(True)` this is one PTX
     fma.rn.f32 per element (inline assembly); interpreted, a * b + c (two
     roundings: the results differ in the last bit). Measured in the
-    standard steps (H100, batch 64-512, bench/RESULTS.md, 2026-12-05): the
-    GDN state update fused took 0.9% less kernel time on an f32 state and
-    9-11% more on a bf16 one; Mamba-2's moved by under 0.4% either way. So
-    only the GDN step on an f32 state uses it.
+    standard steps (batch 64-512, bench/RESULTS.md, 2026-12-05): the GDN
+    state update fused took 0.9-1.0% less kernel time on an f32 state (H100
+    and H200); on a bf16 one 9-11% more on the H100 and the same on the
+    H200; Mamba-2's moved by under 0.4% either way (H100). So only the GDN
+    step on an f32 state uses it.
     """
     if not (_TRITON and _TRITON[-1]):
         return a * b + c
