@@ -6,6 +6,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 S=bench/results/2026-12-05-standard-step-h200
 
 # run 1 (H200): vLLM's GDN kernel at its best config, then our GDN standard step with its update plain and fused
+# (probe_std_tiles.py holds the two probes of runs 1 and 2, which ran as two scripts of the same code, one variant
+# list each)
 python3 .anchors/harness_orig.py run --out vllm.json --layers gdn --batches 64,256,512 --dtypes float32,bfloat16 \
   --lengths 16 --repeats 3 --deadline-s 1 > vllm.log 2>&1
 python3 $S/probe_std_tiles.py fma > probe.log 2>&1
@@ -16,8 +18,8 @@ python3 $S/probe_std_tiles.py tiles > probe.log 2>&1
 python3 -m pytest -m gpu tests/test_kernels.py tests/test_pool.py tests/test_inplace_hlo.py tests/test_verify_kernels.py \
   -q -n 16 -p no:cacheprovider -p no:benchmark -W ignore::DeprecationWarning > gpu_tests.log 2>&1   # 207 passed
 
-# run 3 (H100): vLLM's GDN kernel, then the standard step in column pieces (pieces.py; the run used an earlier
-# copy of it with the same code for P = 2 and 4)
+# run 3 (H100): vLLM's GDN kernel, then the standard step in column pieces (pieces.py, probe_pieces.py; the run
+# used earlier copies of both with the same code for P = 2 and 4)
 python3 .anchors/harness_orig.py run --out vllm.json --layers gdn --batches 64,256,512 --dtypes float32,bfloat16 \
   --lengths 16 --repeats 3 --deadline-s 1 > vllm.log 2>&1
 python3 $S/probe_pieces.py > probe.log 2>&1

@@ -2,28 +2,14 @@
 column pieces with the matvecs' products chained as fmas (pieces.py). Kernel us a step (CUPTI), each variant
 checked against the f32 reference first."""
 import json, os, sys
-import jax, jax.numpy as jnp, numpy as np
+import jax, numpy as np
 sys.path.insert(0, "bench"); sys.path.insert(0, os.path.dirname(__file__))
 import kernels as kb
 import pieces
+from probe_std_tiles import ok
 
 OUT = os.environ.get("OUT", "/tmp")
 opts = kb.TimingOptions(repeats=3, profile=True)
-
-
-def ok(b):
-    with jax.default_matmul_precision("highest"):
-        tol = kb.tolerance_dtype(b.dtype, b.sd)
-        xs = b.inputs(2)
-        s_k = b.state(); s_r = s_k.astype(jnp.float32)
-        ys, states = [], []
-        for t in range(2):
-            x = kb._take(xs, t)
-            y_k, s_k = b.step(s_k, x, "pallas", None)
-            y_r, s_r = b.step(s_r, x, "xla")
-            ys.append((y_k, y_r)); states.append((s_k, s_r))
-        return bool(kb._compared(ys, tol)["ok"] and kb._compared(states, tol)["ok"])
-
 
 rows = []
 for sd in ("float32", "bfloat16"):

@@ -17,7 +17,8 @@ plain = lambda a, b, c: a * b + c  # noqa: E731
 tiling = lambda rows: StepConfig(block_v=rows, num_warps=1, num_stages=1)  # noqa: E731
 
 
-def ok(b, config):
+def ok(b, config=None):
+    """Two standard steps of bench `b` on the compiled kernels (tiling `config`) against the f32 reference."""
     with jax.default_matmul_precision("highest"):
         tol = kb.tolerance_dtype(b.dtype, b.sd)
         xs = b.inputs(2)
@@ -40,25 +41,26 @@ def variants(sd):
             ("16x1 default (again)", default, None)]
 
 
-shapes = [("float32", 64), ("float32", 256), ("float32", 512), ("bfloat16", 64), ("bfloat16", 256)]
-if sys.argv[1] == "tiles":
-    shapes.append(("bfloat16", 512))
-rows = []
-for sd, batch in shapes:
-    b = kb.make_bench("gdn", batch, sd, np.random.default_rng(0))
-    for name, f, config in variants(sd):
-        gdn.fma = f
-        jax.clear_caches()
-        good = ok(b, config)
-        r = kb.run_variant(b, None, None, opts, config=config)
-        ks = {k: round(v["us"], 2) for k, v in (r["kernels_us"] or {}).items()}
-        row = dict(layer="gdn", batch=batch, state=sd, variant=name, ok=good, us=round(r["seconds"] * 1e6, 2),
-                   kernel_us=ks.get("(all kernels)"))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    gdn.fma = tiles.fma
-    json.dump(rows, open(f"{OUT}/probe_std_tiles.json", "w"), indent=1)
-print()
-for r in rows:
-    print(f"gdn {r['batch']:4d} {r['state']:9s} {r['variant']:20s} ok {r['ok']!s:5s} kernels {r['kernel_us']:8.2f} "
-          f"wall {r['us']:8.2f}")
+if __name__ == "__main__":
+    shapes = [("float32", 64), ("float32", 256), ("float32", 512), ("bfloat16", 64), ("bfloat16", 256)]
+    if sys.argv[1] == "tiles":
+        shapes.append(("bfloat16", 512))
+    rows = []
+    for sd, batch in shapes:
+        b = kb.make_bench("gdn", batch, sd, np.random.default_rng(0))
+        for name, f, config in variants(sd):
+            gdn.fma = f
+            jax.clear_caches()
+            good = ok(b, config)
+            r = kb.run_variant(b, None, None, opts, config=config)
+            ks = {k: round(v["us"], 2) for k, v in (r["kernels_us"] or {}).items()}
+            row = dict(layer="gdn", batch=batch, state=sd, variant=name, ok=good, us=round(r["seconds"] * 1e6, 2),
+                       kernel_us=ks.get("(all kernels)"))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        gdn.fma = tiles.fma
+        json.dump(rows, open(f"{OUT}/probe_std_tiles.json", "w"), indent=1)
+    print()
+    for r in rows:
+        print(f"gdn {r['batch']:4d} {r['state']:9s} {r['variant']:20s} ok {r['ok']!s:5s} kernels {r['kernel_us']:8.2f} "
+              f"wall {r['us']:8.2f}")
