@@ -22,7 +22,7 @@ if [[ $part != bench ]]; then
 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -m gpu tests/test_kernels.py tests/test_verify_kernels.py \
   tests/test_quantized_state.py tests/test_tree_verify.py tests/test_per_draft_verify.py tests/test_pool.py tests/test_conv.py tests/test_attention_decode.py \
   tests/test_inplace_hlo.py tests/test_tma_readout.py tests/test_mamba2_tma.py tests/test_tma_step.py \
-  tests/test_gdn_gates.py tests/test_mamba2_dt_offset.py \
+  tests/test_gdn_gates.py tests/test_mamba2_dt_offset.py tests/test_conv_step.py \
   -q -n 16 -p no:cacheprovider -p no:benchmark -W ignore::DeprecationWarning 2>&1 \
   | tee "$out/gpu_tests.log" | tail -3
 fi

@@ -993,17 +993,24 @@ def print_kernel_times(times):
         print(f"      {t['us']:9.2f} us/step  {t['launches_per_step']:5.2f} launches/step  {name[:90]}", flush=True)
 
 
-def report_against_xla(out: str, name: str, rows: list, options: TimingOptions, copy_bw: float, argv,
-                       kernel: str) -> int:
-    """Write `out`/`name`.json (the rows and the run's meta) and print the table of a benchmark that times
-    an op's XLA form against its kernel (rows with "shape", "batch", "check" {"ok"} and, where timed, "xla"
-    and `kernel` {"us", "at_copy_us"}). Returns the exit status: 0 where every row's check passed."""
+def write_json(out: str, name: str, rows: list, options: TimingOptions, copy_bw: float, argv) -> str:
+    """Write `out`/`name`.json: the rows and the run's meta (date, device, copy rate, timing, arguments).
+    Returns its path."""
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 device=jax.devices()[0].device_kind, copy_gbps=copy_bw, timing=dataclasses.asdict(options),
                 argv=sys.argv[1:] if argv is None else list(argv))
     path = os.path.join(out, f"{name}.json")
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    return path
+
+
+def report_against_xla(out: str, name: str, rows: list, options: TimingOptions, copy_bw: float, argv,
+                       kernel: str) -> int:
+    """Write `out`/`name`.json (the rows and the run's meta) and print the table of a benchmark that times
+    an op's XLA form against its kernel (rows with "shape", "batch", "check" {"ok"} and, where timed, "xla"
+    and `kernel` {"us", "at_copy_us"}). Returns the exit status: 0 where every row's check passed."""
+    path = write_json(out, name, rows, options, copy_bw, argv)
     print("\n| shape | batch | XLA us | kernel us | XLA / kernel | kernel's bytes at copy rate us |\n"
           "|---|---|---|---|---|---|")
     for r in rows:

@@ -941,6 +941,21 @@ def test_conv_update_dry_run(tmp_path, capsys):
     assert "| qwen3.5-4b-gdn | 2 |" in out
 
 
+def test_conv_step_dry_run(tmp_path, capsys):
+    """bench/conv_step.py --dry-run: both forms checked against the references (rings equal) and timed at
+    both state dtypes, the table printed, the fused form's bytes those of the two launches less q, k and v's
+    write and read."""
+    cs = load("conv_step")
+    assert cs.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "conv_step.json").read_text())["rows"]
+    assert [(r["state_dtype"], r["batch"]) for r in rows] == [("float32", 2), ("bfloat16", 2)]
+    for r in rows:
+        assert all(r["check"][f]["ok"] and r["check"][f]["ring_equal"] and r[f]["us"] > 0 for f in cs.FORMS)
+        assert r["two launches"]["bytes"] - r["fused"]["bytes"] == 2 * 2 * 2 * (2 * 2 * 32 + 4 * 32)
+    assert "| float32 | 2 |" in out and "| bfloat16 | 2 |" in out
+
+
 def test_attention_dry_run(tmp_path, capsys):
     """bench/attention.py --dry-run: both model shapes checked (the kernel against XLA's products), both
     forms timed, the table printed, the kernel's bytes those of the live positions."""

@@ -76,7 +76,7 @@ def test_ops_without_a_kernel_refuse_kernel_backends():
     assert dispatch.choose_backend("gdn_step", "interpret", kernels.StepConfig(block_v=8)) == "interpret"
     assert dispatch.choose_backend("gdn_chunked", None, None) == "xla"
     assert set(ops.KERNEL_OPS) == {"attention_decode", "conv_update", "mamba2_step", "mamba2_verify", "mamba2_replay_step", "mamba2_replay_verify",
-                                   "gdn_step", "gdn_verify", "gdn_replay_step", "gdn_replay_verify"}
+                                   "gdn_conv_step", "gdn_step", "gdn_verify", "gdn_replay_step", "gdn_replay_verify"}
 
 
 OPS = [name for name in ops.__all__ if name.startswith(("mamba2_", "gdn_", "conv_", "attention_"))

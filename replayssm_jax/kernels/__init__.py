@@ -15,6 +15,11 @@ Launches and their configs:
   :class:`TMAReadoutConfig`; not a default, 2% slower at batch 256): a
   Triton prelude (q and k normalized) and a persistent kernel that streams
   each state tile through shared memory and back.
+- standard GDN step with its conv fused (:func:`gdn_conv_step`): one
+  launch forms q, k and v from the packed conv input and the conv's ring
+  (writing the ring's new column in place) and steps the state; the
+  decode layer's conv launch goes away (the layers take it where
+  :func:`~replayssm_jax.kernels.config.fuse_conv_default` says).
 - per-draft standard verify (:func:`gdn_verify`, :func:`mamba2_verify`):
   the standard step's tiling (:class:`StepConfig`) on a slotted state
   [batch, slots, heads, V, K]; one launch reads the current slot's tile
@@ -128,11 +133,13 @@ from replayssm_jax.kernels.config import (
     default_replay_config,
     default_step_config,
     default_verify_config,
+    fuse_conv_default,
     replay_is_one_launch,
 )
 from replayssm_jax.kernels.conv import ACTIVATIONS as CONV_ACTIVATIONS
 from replayssm_jax.kernels.conv import conv_update
-from replayssm_jax.kernels.gdn import gdn_replay_step, gdn_replay_verify, gdn_step, gdn_verify
+from replayssm_jax.kernels.gdn import (conv_step_fits, gdn_conv_step, gdn_replay_step, gdn_replay_verify, gdn_step,
+                                      gdn_verify)
 from replayssm_jax.kernels.mamba2 import mamba2_replay_step, mamba2_replay_verify, mamba2_step, mamba2_verify
 from replayssm_jax.kernels.tma_readout import TMAReadoutConfig
 
@@ -146,6 +153,7 @@ __all__ = [
     "StepConfig",
     "TMAReadoutConfig",
     "attention_decode",
+    "conv_step_fits",
     "conv_update",
     "default_attention_config",
     "default_conv_config",
@@ -153,6 +161,8 @@ __all__ = [
     "default_replay_config",
     "default_step_config",
     "default_verify_config",
+    "fuse_conv_default",
+    "gdn_conv_step",
     "gdn_replay_step",
     "gdn_replay_verify",
     "gdn_step",

@@ -398,6 +398,18 @@ STANDARD_TILES = {"gdn": {4: (16, 1), 2: (16, 1)}, "mamba2": {4: (8, 1), 2: (16,
 STANDARD_TILE_COLS = 128
 
 
+# The largest batch at which a GDN layer's standard decode step runs its conv inside the step's launch
+# (`gdn.gdn_conv_step`), per state itemsize (bench/conv_step.py; bench/RESULTS.md, "The GDN conv fused into
+# the standard step").
+FUSED_CONV_MAX_BATCH = {4: 64, 2: 64}
+
+
+def fuse_conv_default(batch: int, state_dtype) -> bool:
+    """Whether a GDN layer's standard decode step of `batch` rows on a state of `state_dtype` runs its conv
+    inside the step's launch (`FUSED_CONV_MAX_BATCH`; other dtypes: no)."""
+    return batch <= FUSED_CONV_MAX_BATCH.get(jnp.dtype(state_dtype).itemsize, 0)
+
+
 def default_step_config(batch: int, heads: int, V: int, K: int, state_dtype, layer: str | None = None) -> StepConfig:
     """The frozen heuristic of the standard step (and, with layer None, of the direct route and the per-draft
     verify).

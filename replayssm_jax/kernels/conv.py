@@ -50,6 +50,27 @@ ACTIVATIONS = {"silu": _silu, "swish": _silu, "identity": lambda x: x, "relu": l
                "relu2": lambda x: jnp.square(jnp.maximum(x, 0.0))}
 
 
+def conv_channels(x, column, taps_ref, start, *, W: int, S: int, activation: str, mask=None, bias=None):
+    """The conv's output f32[n] for a block of n channels (traced inside a kernel).
+
+    x: f32[n], the new inputs; column(slot) -> the ref [n] of these channels at ring slot `slot`; taps_ref:
+    the [n, BW] block of the weight (W taps, BW a power of two >= W); start: the row's oldest live slot (i32
+    scalar); mask: bool[n] or None (all channels); bias: f32[n] or None. Reads ring slots start .. start +
+    W - 2 mod S, writes nothing.
+    """
+    n, BW = taps_ref.shape
+    taps = load(taps_ref, tile_mask(mask, lane_mask(BW, W), (n, BW)))
+    lane = lane_ids(BW)[None, :]
+
+    def tap(j):  # w[:, j], f32[n]
+        return jnp.sum(jnp.where(lane == j, taps, 0.0), axis=1)
+
+    acc = tap(W - 1) * x if bias is None else bias + tap(W - 1) * x
+    for j in range(W - 1):
+        acc = acc + tap(j) * load(column((start + j) % S), mask)
+    return ACTIVATIONS[activation](acc)
+
+
 def _conv_kernel(x_ref, columns_ref, start_ref, weight_ref, bias_ref, *refs, C, W, S, activation, firsts):
     """One row's block of channels: y (into the piece whose blocks start at `firsts[i]`, block units) and
     the new ring column. refs: the pieces of y, then the ring."""
@@ -58,18 +79,10 @@ def _conv_kernel(x_ref, columns_ref, start_ref, weight_ref, bias_ref, *refs, C, 
     c = program_id(1)
     cmask = None if C % BC == 0 else c * BC + lane_ids(BC) < C
     start = start_ref[0]
-    BW = weight_ref.shape[1]
-    taps = load(weight_ref, tile_mask(cmask, lane_mask(BW, W), (BC, BW)))
-    lane = lane_ids(BW)[None, :]
-
-    def tap(j):  # w[:, j], f32[BC]
-        return jnp.sum(jnp.where(lane == j, taps, 0.0), axis=1)
-
     x = load(x_ref, cmask)
-    acc = tap(W - 1) * x if bias_ref is None else load(bias_ref, cmask) + tap(W - 1) * x
-    for j in range(W - 1):
-        acc = acc + tap(j) * load(columns_ref.at[(start + j) % S], cmask)
-    y = ACTIVATIONS[activation](acc)
+    bias = None if bias_ref is None else load(bias_ref, cmask)
+    y = conv_channels(x, lambda slot: columns_ref.at[slot], weight_ref, start, W=W, S=S, activation=activation,
+                      mask=cmask, bias=bias)
     if len(y_refs) == 1:
         store(y_refs[0], y, cmask)
     else:  # into the piece this block lies in

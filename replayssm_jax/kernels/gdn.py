@@ -63,7 +63,7 @@ touch the same state element.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,7 @@ from jax.experimental import pallas as pl
 
 from replayssm_jax.kernels.config import (NO_FLUSH_ROUTES, ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
                                           replay_config_for, step_config_for, verify_config_for)
+from replayssm_jax.kernels.conv import ACTIVATIONS, conv_channels
 from replayssm_jax.kernels.cursor import advance_cursor, live_count, read_cursor
 from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, flush_full_launch, head_work_warps,
                                           per_draft_launch, pool_of, replay_launch, replay_step,
@@ -165,12 +166,33 @@ class Records(NamedTuple):
     g: Any
 
 
+class ConvOperands(NamedTuple):
+    """The fused conv's operands of the standard step (arrays, block specs or refs in a kernel): the ring
+    columns [batch, S, C] (`layers.cache.ConvWindow.columns`, written in place; a program's block is its
+    row's whole ring), start i32[batch] (its oldest live slot), and the conv weight [C, W] three times, as
+    the blocks of the program's q, k and v channels (wq, wk, wv; one array)."""
+
+    columns: Any
+    start: Any
+    wq: Any
+    wk: Any
+    wv: Any
+
+
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x * rsqrt(sum(x^2) + eps) over the last axis (a vector [BK] or each row of [BW, BK]); padded lanes must
     be zero."""
     if x.ndim == 1:
         return x * jax.lax.rsqrt(jnp.sum(x * x) + eps)
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _normalized(q, k, use_qk_l2norm, scale):
+    """(scale * q, k) of f32 q and k, L2-normalized (each row of a window's tiles) if use_qk_l2norm."""
+    if use_qk_l2norm:
+        q = l2norm(q)
+        k = l2norm(k)
+    return q * scale, k
 
 
 def _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale, wmask=None):
@@ -180,31 +202,32 @@ def _load_head_vectors(q_ref, k_ref, K, use_qk_l2norm, scale, wmask=None):
     BK = q_ref.shape[-1]
     kmask = lane_mask(BK, K)
     mask = kmask if len(q_ref.shape) == 1 else tile_mask(wmask, kmask, tuple(q_ref.shape))
-    q = load(q_ref, mask)
-    k = load(k_ref, mask)
-    if use_qk_l2norm:
-        q = l2norm(q)
-        k = l2norm(k)
-    return kmask, q * scale, k
+    return kmask, *_normalized(load(q_ref, mask), load(k_ref, mask), use_qk_l2norm, scale)
 
 
 def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref, o_ref, state_out_ref, cursor_out_ref,
-                 *, V, K, L, scale, use_qk_l2norm, dot_fold, programs):
+                 *, V, K, L, scale, use_qk_l2norm, dot_fold, programs, conv=None):
     """The standard step on one state tile. Given the row's records and cursor
     (not None), the replay step's direct route: the live records are first
     folded into the checkpoint tile (one at a time, or with dot_fold all L
-    slots as one rank-L update), and the cursor is set to 0 in place."""
+    slots as one rank-L update), and the cursor is set to 0 in place. conv:
+    None (q, k and v loaded from their refs), or the fused conv's
+    `_ConvLoaders` (formed from the packed inputs and the ring)."""
     direct = records is not None
     if direct:
         count = read_cursor(cursor_ref)  # first: the fold's trip count waits on it
     BV, BK = state_ref.shape
     vmask = row_mask(BV, V)
-    kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
+    if conv is None:
+        kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
+    else:
+        kmask = lane_mask(BK, K)
+        q, k = _normalized(*conv.qk(kmask), use_qk_l2norm, scale)
     tmask = tile_mask(vmask, kmask, (BV, BK))
     S = load_checkpoint(state_ref, None, tmask, vmask)
     ids = row_ids(state_ref.shape[0]) if stochastic(state_ref) else None  # the rows' global ids (stochastic rounding)
     g, beta = _gates(inputs)
-    decay, v = jnp.exp(g), load(inputs.v, vmask)
+    decay, v = jnp.exp(g), load(inputs.v, vmask) if conv is None else conv.v(vmask)
 
     def finish(S):
         S = S * decay
@@ -220,6 +243,53 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
     record, whole = _record_loaders(records, pl.ds(0, BV), vmask, kmask, L)
     fold_live_records(S, count, record, finish, whole if dot_fold else None, L, state_ref.dtype)
     advance_cursor(cursor_out_ref, count, jnp.int32(0), programs)
+
+
+class _ConvLoaders(NamedTuple):
+    """The fused conv in a step program: qk(kmask) -> the key head's raw (q, k) and v(vmask) -> the program's
+    v rows, f32, each formed from the packed inputs and the ring and its new ring column written."""
+
+    qk: Callable
+    v: Callable
+
+
+def _conv_loaders(inputs: Inputs, ring: ConvOperands, ring_out, *, H, K, V, group, W, activation) -> _ConvLoaders:
+    """The `_ConvLoaders` of a program (batch row, value head h, row tile j) whose inputs.q, .k and .v are
+    blocks of the packed conv input [batch, C] (C = 2 H K + HV V, channels [q; k; v]) and ring its
+    row's: the conv reads ring slots start .. start + W - 2 (mod S) of the program's channels and writes x
+    at slot start + W - 1, q's and k's by one program of the key head (h % group == 0, j == 0). y is
+    rounded to the inputs' dtype, as the conv's own launch stores it."""
+    S = ring.columns.shape[0]
+    h, j = program_id(1), program_id(2)
+    start = ring.start[0]
+    slot = (start + W - 1) % S
+
+    def conv(x_ref, taps_ref, first, mask, writes):
+        n = x_ref.shape[-1]
+        x = load(x_ref, mask)
+        y = conv_channels(x, lambda at: ring.columns.at[at, pl.ds(first, n)], taps_ref, start, W=W, S=S,
+                          activation=activation, mask=mask)
+        pl.when(writes)(functools.partial(store, ring_out.at[slot, pl.ds(first, n)], x, mask))
+        return y.astype(x_ref.dtype).astype(f32)
+
+    def qk(kmask):
+        first, head = (h % group == 0) & (j == 0), h // group
+        return (conv(inputs.q, ring.wq, head * K, kmask, first),
+                conv(inputs.k, ring.wk, (H + head) * K, kmask, first))
+
+    def v(vmask):
+        BV = inputs.v.shape[-1]
+        return conv(inputs.v, ring.wv, 2 * H * K + h * V + j * BV, vmask, True)
+
+    return _ConvLoaders(qk, v)
+
+
+def _conv_step_kernel(state_ref, inputs: Inputs, records, cursor_ref, ring: ConvOperands, o_ref, state_out_ref,
+                      cursor_out_ref, ring_out, *, H, group, W, activation, **step):
+    """The standard step (`_step_kernel`, its keywords `step`) with the conv fused (`_conv_loaders`)."""
+    conv = _conv_loaders(inputs, ring, ring_out, H=H, K=step["K"], V=step["V"], group=group, W=W,
+                         activation=activation)
+    _step_kernel(state_ref, inputs, records, cursor_ref, o_ref, state_out_ref, cursor_out_ref, conv=conv, **step)
 
 
 def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs, o_ref, checkpoint_out,
@@ -636,6 +706,51 @@ def _step(state, inputs: Inputs, records: Records | None, cursor, slots=None, *,
                        interpret=interpret, pool=pool_of(slots, state))
 
 
+def _conv_specs(H: int, HV: int, K: int, V: int, ring, rows: int):
+    """(the packed inputs' q, k and v specs, the ConvOperands' specs) of the fused conv step's programs of
+    `rows` state rows: blocks of the packed conv input [batch, C] and of the weight [C, W] at the program's
+    channels (K a power of two, rows dividing V and 2 H K), the row's whole ring, its start."""
+    group, (S, C), BW = HV // H, ring.columns.shape[1:], next_pow2(ring.wq.shape[1])
+    vfirst, per_head = 2 * H * K // rows, V // rows
+
+    def v_block(h, j):
+        return vfirst + h * per_head + j
+
+    x = dict(q=pl.BlockSpec((None, K), lambda b, h, j: (b, h // group)),
+             k=pl.BlockSpec((None, K), lambda b, h, j: (b, H + h // group)),
+             v=pl.BlockSpec((None, rows), lambda b, h, j: (b, v_block(h, j))))
+    return x, ConvOperands(columns=pl.BlockSpec((None, S, C), lambda b, h, j: (b, 0, 0)),
+                           start=pl.BlockSpec((1,), lambda b, h, j: (b,)),
+                           wq=pl.BlockSpec((K, BW), lambda b, h, j: (h // group, 0)),
+                           wk=pl.BlockSpec((K, BW), lambda b, h, j: (H + h // group, 0)),
+                           wv=pl.BlockSpec((rows, BW), lambda b, h, j: (v_block(h, j), 0)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "activation", "config", "interpret"))
+def _conv_step(state, inputs: Inputs, ring: ConvOperands, *, scale: float, use_qk_l2norm: bool, activation: str,
+               config: StepConfig, interpret: bool):
+    """The fused conv step's launch: inputs.q, .k and .v are the packed conv input x [batch, C]. Returns (o,
+    state, columns)."""
+    _, HV, V, K = state.shape
+    C = ring.columns.shape[2]
+    H = (C - HV * V) // (2 * K)
+    x_specs, ring_specs = _conv_specs(H, HV, K, V, ring, config.block_v)
+    step_specs = _specs_of(H, HV, K, None, inputs)
+
+    def specs(rows, nb):
+        block = step_specs(rows, nb)
+        return block._replace(inputs=block.inputs._replace(**x_specs))
+
+    kernel = functools.partial(_conv_step_kernel, H=H, group=HV // H, W=ring.wq.shape[1], activation=activation,
+                               V=V, K=K, L=None,
+                               scale=scale, use_qk_l2norm=use_qk_l2norm, dot_fold=False)
+    o, state, _, columns = step_launch(
+        "gdn", kernel, specs, state, _f32_decay(inputs),
+        jax.ShapeDtypeStruct((state.shape[0], HV, V), inputs.v.dtype), config=config, interpret=interpret,
+        ring=(ring, ring_specs))
+    return o, state, columns
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "route", "config", "interpret"))
 def _replay(checkpoint, records: Records, cursor, inputs: Inputs, slots=None, *, scale: float,
             use_qk_l2norm: bool, route: str, config: ReplayConfig, interpret: bool):
@@ -794,6 +909,70 @@ def gdn_step(state, q, k, v, g=None, beta=None, *, a=None, b=None, A_log=None, d
     o, state, _ = _step(state, inputs, None, None, slots, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
                         config=config, interpret=interpret)
     return o, state
+
+
+def conv_step_fits(state_shape, C: int, W: int, S: int, config: StepConfig) -> str | None:
+    """Why the fused conv step (:func:`gdn_conv_step`) cannot take these shapes with this tiling, or None where it
+    can: state [batch, HV, V, K], C conv channels (2 H K + HV V), W taps, S ring slots."""
+    _, HV, V, K = state_shape
+    key_dim, rows = (C - HV * V) // 2, config.block_v
+    if C <= HV * V or (C - HV * V) % (2 * K) or HV % (key_dim // K):
+        return (f"the conv's C = {C} channels are not 2 H K + HV V with H dividing HV = {HV} (K = {K}, "
+                f"V = {V})")
+    if K != next_pow2(K):
+        return f"the key dim K = {K} is not a power of two"
+    if V % rows or (2 * key_dim) % rows:
+        return f"the tile's {rows} rows do not divide V = {V} and 2 H K = {2 * key_dim}"
+    if S < W:
+        return f"the ring holds S = {S} slots, fewer than the conv's W = {W} taps"
+    return None
+
+
+def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, *, a=None, b=None, A_log=None, dt_bias=None,
+                  scale: float, use_qk_l2norm: bool, activation: str = "silu", config: StepConfig | None = None,
+                  interpret: bool = False):
+    """One standard Gated DeltaNet decode step with its short conv fused: one launch.
+
+    The decode layer's conv (:func:`replayssm_jax.kernels.conv_update`,
+    no bias) and step (:func:`gdn_step`) in one kernel: each program forms
+    its key head's q and k and its own v rows from the packed conv input
+    and the ring, writes its part of the ring's new column, and steps its
+    state tile; q, k and v never reach memory. A key head's q and k are
+    formed by all of its programs (HV / H heads, V / block_v tiles each),
+    from the L2. Takes validated arguments (`ops.gdn_conv_step`).
+
+    Args:
+      state: f32 | bf16[batch, HV, V, K], value-major; updated in place.
+      x: [batch, C], the conv's inputs [q; k; v] (C = 2 H K + HV V).
+      columns: [batch, S, C], the conv's ring (ConvWindow.columns), S >= W;
+        x is written at slot (start + W - 1) mod S, in place.
+      start: i32[batch], each row's oldest live ring slot, in [0, S).
+      weight: [C, W], the conv's weight ([C, 1, W] reshaped).
+      g, beta, a, b, A_log, dt_bias, scale, use_qk_l2norm, config,
+        interpret: as :func:`gdn_step` (the tiling a StepConfig).
+      activation: the conv's, a name of `kernels.conv.ACTIVATIONS`.
+
+    Returns:
+      (o [batch, HV, V] in x.dtype, new state, new columns); the start is
+      left to the caller (`ConvWindow.advance`).
+
+    Raises:
+      ValueError: an unknown activation; shapes or a tiling the launch does
+        not take (:func:`conv_step_fits`); as :func:`gdn_step`.
+      TypeError: a `config` that is not a StepConfig.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {', '.join(map(repr, ACTIVATIONS))}; got {activation!r}")
+    if config is not None and not isinstance(config, StepConfig):
+        raise TypeError(f"`config` must be a StepConfig for the fused conv step; got {type(config).__name__}")
+    config = step_config_for(config, state, DIMS, layer="gdn")
+    why = conv_step_fits(state.shape, columns.shape[2], weight.shape[1], columns.shape[1], config)
+    if why is not None:
+        raise ValueError(f"gdn_conv_step: {why}")
+    inputs = _inputs(x, x, x, g, beta, a, b, A_log, dt_bias)
+    ring = ConvOperands(columns, start, weight, weight, weight)
+    return _conv_step(state, inputs, ring, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),
+                      activation=activation, config=config, interpret=interpret)
 
 
 def gdn_replay_step(state: GDNReplayState, q, k, v, g=None, beta=None, *, a=None, b=None, A_log=None, dt_bias=None,

@@ -256,7 +256,7 @@ def _with_checkpoint(state, checkpoint, written_rows, **changes):
 
 
 def step_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], state, inputs, out_shape, records=None,
-                cursor=None, *, config: StepConfig, interpret: bool, pool: Pool | None = None):
+                cursor=None, *, config: StepConfig, interpret: bool, pool: Pool | None = None, ring=None):
     """Launch a layer's standard step kernel; its state (operand 0) is updated in place (output 1).
 
     Grid (batch, heads, cdiv(V, block_v)), one state tile per program.
@@ -267,10 +267,17 @@ def step_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], stat
     the inputs, and the cursor is an output in place; otherwise their refs
     are None. block_specs(rows, nb) -> BlockSpecs (records None without a
     buffer). pool: a :class:`Pool` (state, records and cursor hold its
-    slots, the grid's batch is the slots'), or None.
+    slots, the grid's batch is the slots'), or None. ring: None, or
+    (operands, specs) of a fused conv (`gdn.ConvOperands`, no pool): they
+    follow the cursor, their first leaf (the conv's ring) is written in
+    place as a fourth output, and the kernel is called as
+    kernel(state_ref, inputs, records, cursor_ref, ring_refs, out_ref,
+    state_out_ref, cursor_out_ref, ring_out_ref, *, programs).
 
-    Returns (output, state, new cursor or None).
+    Returns (output, state, new cursor or None), and the ring with `ring`.
     """
+    if ring is not None and pool is not None:
+        raise NotImplementedError("a fused conv over a state pool")
     direct = records is not None
     specs = block_specs(config.block_v, None)
     row_cursor = cursor_spec() if direct else None
@@ -280,20 +287,30 @@ def step_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], stat
         aliases[_num_leaves((state, inputs, records))] = 1 + n_written
     batch, heads, V, _ = state.shape
     grid = (batch if pool is None else pool.batch, heads, pl.cdiv(V, config.block_v))
+    operands = (state, inputs, records, cursor)
+    in_specs = (_checkpoint_specs(specs.state, state, config.block_v), specs.inputs, specs.records, row_cursor)
+    out_specs = (specs.out, _checkpoint_specs(specs.state, state, config.block_v, written=True), row_cursor)
+    out_shape = (out_shape, _shapes(_written(state)), _shapes(cursor))
+    if ring is not None:  # the ring (its operands' first leaf) in place, after the cursor
+        aliases[_num_leaves(operands)] = 1 + n_written + direct
+        ring_leaf, ring_spec = jax.tree.leaves(ring[0])[0], jax.tree.leaves(ring[1], is_leaf=_is_spec)[0]
+        operands, in_specs = (*operands, ring[0]), (*in_specs, ring[1])
+        out_specs, out_shape = (*out_specs, ring_spec), (*out_shape, _shapes(ring_leaf))
     return _launch(
         functools.partial(kernel, programs=grid[1] * grid[2]),
-        (state, inputs, records, cursor),
+        operands,
         grid=grid,
-        in_specs=(_checkpoint_specs(specs.state, state, config.block_v), specs.inputs, specs.records, row_cursor),
-        out_specs=(specs.out, _checkpoint_specs(specs.state, state, config.block_v, written=True), row_cursor),
-        out_shape=(out_shape, _shapes(_written(state)), _shapes(cursor)),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         aliases=aliases,
         pool=pool,
         pooled_in=(True, False, direct, direct),
         pooled_out=(False, True, direct),
         interpret=interpret,
         config=config,
-        name=f"{layer}_{'direct' if direct else 'step'}{'' if pool is None else '_pool'}_{config.tag()}",
+        name=f"{layer}_{'direct' if direct else 'step'}{'' if ring is None else '_conv'}"
+             f"{'' if pool is None else '_pool'}_{config.tag()}",
     )
 
 

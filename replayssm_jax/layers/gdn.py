@@ -34,12 +34,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from replayssm_jax import ops
+from replayssm_jax import kernels, ops
 from replayssm_jax.layers.cache import ConvWindow, SSMLayerState
 from replayssm_jax.layers.conv import CausalConv1d
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import GatedRMSNorm
 from replayssm_jax.layers.ssm_mixer import SSMMixer, check_mixer_config
+from replayssm_jax.state import in_order
 
 __all__ = ["GatedDeltaNet"]
 
@@ -147,6 +148,28 @@ class GatedDeltaNet(SSMMixer):
         q, k, v = self._heads(q, k, v)
         # the raw gates: the ops form g and beta (inside the kernels in a decode step, no XLA launch)
         return dict(q=q, k=k, v=v, a=a, b=b), z, conv_state
+
+    def _fused_step(self, u, state: SSMLayerState, backend: str | None):
+        """The standard step with the conv fused (`ops.gdn_conv_step`: one launch forms q, k and v from the
+        conv input and the ring and steps the state) where the op runs a kernel, the conv has no bias and an
+        activation the kernel computes, the launch takes the shapes (`kernels.conv_step_fits`) and
+        `kernels.fuse_conv_default` takes the batch; else None."""
+        window, ssm_state = state.conv_state, state.ssm_state
+        if (ops.backend_for("gdn_conv_step", backend) == "xla" or self.conv1d.bias is not None
+                or self.conv1d.activation not in kernels.CONV_ACTIVATIONS
+                or not kernels.fuse_conv_default(window.batch, ssm_state.dtype)):
+            return None
+        config = kernels.default_step_config(*ssm_state.shape, ssm_state.dtype, layer="gdn")
+        if kernels.conv_step_fits(ssm_state.shape, self.conv_dim, self.conv1d.kernel_size, window.slots,
+                                  config) is not None:
+            return None
+        qkv, z, b, a = self._project(u)
+        o, ssm_state, columns = ops.gdn_conv_step(ssm_state, qkv, window.columns, window.start,
+                                                  self.conv1d.weight[...][:, 0, :], a=a, b=b,
+                                                  activation=self.conv1d.activation, backend=backend,
+                                                  **self._op_params())
+        window, o = in_order(window.replace(columns=columns), o)  # the kernel has read start before it moves
+        return self._finish(o, z), SSMLayerState(conv_state=window.advance(1), ssm_state=ssm_state)
 
     def _op_params(self):
         return dict(use_qk_l2norm=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...])

@@ -67,6 +67,13 @@ class SSMMixer(nnx.Module):
         ``conv(x, conv_state, offset=, splits=)`` on a packed projection."""
         raise NotImplementedError(f"{type(self).__name__} must define _ssm_inputs")
 
+    def _fused_step(self, u, state: SSMLayerState, backend: str | None):
+        """(out, new state) of a standard decode step whose conv runs inside the SSM step's launch, where
+        the layer has such a kernel and takes it for this step (GatedDeltaNet), else None: the conv and
+        the step as two ops."""
+        del u, state, backend
+        return None
+
     def _op_params(self) -> dict:
         """Keyword parameters of every op call (A, D, dt_bias, ... or use_qk_l2norm)."""
         raise NotImplementedError(f"{type(self).__name__} must define _op_params")
@@ -209,6 +216,10 @@ class SSMMixer(nnx.Module):
             raise ValueError(f"{type(self).__name__}.decode: `slots` with a standard state in the per-draft "
                              "layout (`index` set, from `with_window`, e.g. a StatePool with max_window > 1) is not "
                              "supported; decode such a pool by verify windows of one position (`verify` + `commit`)")
+        if isinstance(state, SSMLayerState) and not slotted and slots is None:
+            fused = self._fused_step(u, state, backend)
+            if fused is not None:
+                return fused
         conv_rows = state.conv_state if slots is None else ops.take_slots(state.conv_state, slots)
         inputs, z, conv_rows = self._ssm_inputs(u, conv_rows, functools.partial(self.conv1d.step, backend=backend))
         pool = {} if slots is None else {"slots": slots}

@@ -106,6 +106,7 @@ __all__ = [
     "conv_update",
     "default_backend",
     "gdn_chunked",
+    "gdn_conv_step",
     "gdn_replay_flush",
     "gdn_replay_init",
     "gdn_replay_materialize",
@@ -825,6 +826,56 @@ def gdn_step(state, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, 
                                                       **gates.keywords()), state, slots)
     return kernels.gdn_step(state, q, k, v, **gates.keywords(), scale=scale, use_qk_l2norm=use_qk_l2norm,
                             config=config, interpret=chosen == "interpret", **_pool_option(slots))
+
+
+def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None,
+                  b=None, A_log=None, dt_bias=None, activation: str = "silu", backend: str | None = None,
+                  config: kernels.StepConfig | None = None):
+    """A Gated DeltaNet layer's decode step from its conv input: the short conv, then the standard step.
+
+    (q, k, v) = act(conv(x)) as :func:`conv_update` (no bias), cut at H K
+    and 2 H K, then :func:`gdn_step`
+    (:func:`replayssm_jax.reference.gdn_conv_step`). The kernel backends run both
+    in one launch (:func:`replayssm_jax.kernels.gdn_conv_step`: q, k and v
+    formed in the step's programs, never stored); "xla" runs the two
+    references.
+
+    Args:
+      state: f32 | bf16[batch, HV, V, K], value-major.
+      x: [batch, C], the conv's new inputs [q; k; v] (C = 2 H K + HV V,
+        H the key heads, dividing HV), bf16 or f32.
+      columns, start, weight, activation: the conv's ring [batch, S, C],
+        i32[batch] oldest live slots in [0, S) and weight [C, W], as
+        :func:`conv_update` (S >= W).
+      g, beta, a, b, A_log, dt_bias, scale, use_qk_l2norm: as :func:`gdn_step`.
+      backend, config: as every op (module docstring; a StepConfig).
+
+    Returns:
+      (o [batch, HV, V] in x.dtype, new state, the ring with x written at
+      slot (start + W - 1) mod S); the kernels update state and ring in
+      place. start is the caller's to move (`ConvWindow.advance`).
+
+    Raises:
+      TypeError, ValueError: as :func:`conv_update` and :func:`gdn_step`; x
+        not of C = 2 H K + HV V channels; on the kernel backends, an
+        activation the kernel does not compute, or shapes and a tiling the
+        fused launch does not take (:func:`replayssm_jax.kernels.conv_step_fits`:
+        K a power of two, the tile's rows dividing V and 2 H K).
+      RuntimeError: backend "pallas" without a GPU.
+    """
+    gates = val.GDNGates(g, beta, a, b, A_log, dt_bias)
+    state, x, columns, start, weight, scale, use_qk_l2norm = val.check_gdn_conv_step(
+        state, x, columns, start, weight, gates, scale, use_qk_l2norm, activation, reference.conv.ACTIVATIONS)
+    chosen = choose_backend("gdn_conv_step", backend, config)
+    if chosen == "xla":
+        return reference.gdn_conv_step(state, x, columns, start, weight, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                       activation=activation, **gates.keywords())
+    if activation not in kernels.CONV_ACTIVATIONS:
+        raise ValueError(f"`activation` {activation!r}: the conv kernel computes {', '.join(kernels.CONV_ACTIVATIONS)}"
+                         " (use backend='xla')")
+    return kernels.gdn_conv_step(state, x, columns, start, weight, **gates.keywords(), scale=scale,
+                                 use_qk_l2norm=use_qk_l2norm, activation=activation, config=config,
+                                 interpret=chosen == "interpret")
 
 
 def gdn_verify(state, index, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None, b=None,

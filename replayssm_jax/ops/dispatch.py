@@ -49,7 +49,7 @@ DEFERRED_MIN_BATCH = 64
 # Ops with a Pallas kernel; the others run the reference on every backend
 # choice of None and raise for an explicit "pallas" / "interpret".
 KERNEL_OPS = frozenset({"attention_decode", "conv_update", "mamba2_step", "mamba2_verify", "mamba2_replay_step", "mamba2_replay_verify",
-                        "gdn_step", "gdn_verify", "gdn_replay_step", "gdn_replay_verify"})
+                        "gdn_conv_step", "gdn_step", "gdn_verify", "gdn_replay_step", "gdn_replay_verify"})
 
 
 def default_backend() -> str:

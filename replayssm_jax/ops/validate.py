@@ -873,6 +873,32 @@ def check_gdn_step(state, q, k, v, gates, scale, use_qk_l2norm, slots=None):
     return (state, *check_gdn_inputs(batch_dims(state.shape, slots), q, k, v, gates, scale, use_qk_l2norm), slots)
 
 
+def check_gdn_conv_step(state, x, columns, start, weight, gates, scale, use_qk_l2norm, activation, activations):
+    """Checks of :func:`replayssm_jax.ops.gdn_conv_step`: the conv's as :func:`check_conv_update` (no bias, x
+    holding the C channels alone), the state f32 | bf16[batch, HV, V, K] of x's batch, C = 2 H K + HV V with H
+    dividing HV, and the gates, scale and use_qk_l2norm as :func:`check_gdn_inputs`.
+
+    Returns:
+      (state, x, columns, start, weight as arrays, scale as a float (K ** -0.5 if None), use_qk_l2norm).
+    """
+    if getattr(x, "ndim", None) == 2 and getattr(columns, "ndim", None) == 3 and x.shape[1] != columns.shape[2]:
+        raise ValueError(f"`x` must have C = {columns.shape[2]} columns (axis 2 of `columns`: the conv's channels); "
+                         f"got {x.shape[1]}")
+    x, columns, start, weight, _, activation, _, _ = check_conv_update(x, columns, start, weight, None, activation,
+                                                                       activations)
+    state = check_state_array("state", state, GDN_DIMS)
+    batch, HV, V, K = state.shape
+    check_shape("state", state, "batch, HV, V, K", (x.shape[0], HV, V, K), "batch of `x`")
+    C = x.shape[1]
+    if C <= HV * V or (C - HV * V) % (2 * K) or HV % ((C - HV * V) // (2 * K)):
+        raise ValueError(f"`x` must hold the conv's C = 2 H K + HV V channels [q; k; v] with H dividing HV = {HV} "
+                         f"(V = {V}, K = {K} from `state`); got C = {C}")
+    _check_gdn_gates(gates, (batch,), "batch", HV)
+    scale = check_scale(scale)
+    return (state, x, columns, start, weight, K ** -0.5 if scale is None else scale,
+            check_bool("use_qk_l2norm", use_qk_l2norm))
+
+
 def check_gdn_chunked(state, q, k, v, gates, scale, use_qk_l2norm, chunk_size):
     """Checks of :func:`replayssm_jax.ops.gdn_chunked`.
 

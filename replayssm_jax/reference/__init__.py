@@ -45,6 +45,7 @@ from replayssm_jax.reference.attention import attend, attention_decode
 from replayssm_jax.reference.conv import conv_update
 from replayssm_jax.reference.gdn import (
     gdn_chunked,
+    gdn_conv_step,
     gdn_gates,
     gdn_replay_flush,
     gdn_replay_materialize,
@@ -77,6 +78,7 @@ __all__ = [
     "attention_decode",
     "conv_update",
     "gdn_chunked",
+    "gdn_conv_step",
     "gdn_gates",
     "gdn_replay_flush",
     "gdn_replay_init",

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from replayssm_jax.reference import _common as c
+from replayssm_jax.reference.conv import conv_update
 from replayssm_jax.state import GDNReplayState, as_f32_checkpoint, in_order, step_writes, write_slots
 
 f32 = jnp.float32
@@ -89,6 +90,23 @@ def gdn_step(state, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, 
     S = S + d[..., None] * kh[:, :, None, :]
     o = c.einsum("bhvk,bhk->bhv", S, qh)
     return o.astype(v.dtype), S.astype(state.dtype)
+
+
+def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None,
+                  b=None, A_log=None, dt_bias=None, activation="silu"):
+    """A Gated DeltaNet layer's decode step from its conv input: :func:`conv_update` (no bias) of x [batch,
+    C = 2 H K + HV V], its output cut into q [batch, H, K], k and v [batch, HV, V], then :func:`gdn_step`.
+    Their meaning: :func:`replayssm_jax.ops.gdn_conv_step`.
+
+    Returns:
+      (o [batch, HV, V] in x.dtype, new_state in state.dtype, the ring with x written).
+    """
+    batch, HV, V, K = state.shape
+    H = (x.shape[1] - HV * V) // (2 * K)
+    (q, k, v), columns = conv_update(x, columns, start, weight, None, activation, 0, (H * K, 2 * H * K))
+    o, state = gdn_step(state, q.reshape(batch, H, K), k.reshape(batch, H, K), v.reshape(batch, HV, V), g, beta,
+                        scale, use_qk_l2norm, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    return o, state, columns
 
 
 def gdn_verify(state, index, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None, b=None,
