@@ -22,8 +22,11 @@ standard state's.
 Usage:  python3 bench/e2e.py [--models a,b] [--batches 1,16,64,128,256,512]
                              [--modes standard,8,16,32,16f,16d,16:int8] [--prompt-len 512] [--new-tokens 256]
                              [--prefill-rows 64] [--profile] [--budget-gib 100] [--buffer-dtype exact]
+                             [--fuse-conv default|on|off]
         python3 bench/e2e.py --memory-only [--modes ...]   (bytes per sequence from shapes, any device)
         python3 bench/e2e.py --smoke     (CPU check of the script on a tiny fixture)
+--fuse-conv on|off runs the GDN layers' standard decode steps with their conv inside the step's launch
+(ops.gdn_conv_step) at every batch, or never, in place of kernels.fuse_conv_default's choice.
 --profile adds, per configuration, a breakdown of a decode step by kernel
 category (SSM kernels, GEMMs, attention, other kernels, idle): the profiler trace of a
 third run less that of a prefill-only run (bench/step_profile.py).
@@ -75,6 +78,7 @@ from models import registry, sharding  # noqa: E402
 from models.loading import read_config  # noqa: E402
 from models.random_init import init_model  # noqa: E402
 from replayssm_jax import ops  # noqa: E402
+from replayssm_jax.kernels import config as kernel_config  # noqa: E402
 from replayssm_jax.generation import Generator, InsufficientMemoryError  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "bench", "configs")
@@ -357,6 +361,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="xla", choices=bench_args.BACKENDS,
                    help="the attention layers' decode steps: xla (XLA's products, the layers' default) or the "
                         "decode attention kernel (pallas; interpret on the CPU)")
+    p.add_argument("--fuse-conv", default="default", choices=("default", "on", "off"),
+                   help="the GDN layers' standard decode steps: their conv inside the step's launch where "
+                        "kernels.fuse_conv_default says (default), at every batch (on), or never (off)")
     p.add_argument("--prefill-rows", type=bench_args.non_negative_int, default=64,
                    help="rows per prefill pass (the prefill of 512 x 512 tokens at once may not fit); 0: all at once")
     p.add_argument("--profile", action="store_true",
@@ -402,6 +409,8 @@ def main(argv=None) -> int:
                 p.error(f"--tp: {name}: {e}")
     modes = args.modes.split(",")
     backend = ops.resolve_backend(args.backend)
+    if args.fuse_conv != "default":  # the heuristic's table, for this process
+        kernel_config.FUSED_CONV_MAX_BATCH = {4: 1 << 30, 2: 1 << 30} if args.fuse_conv == "on" else {}
     for mode in modes:
         try:
             L = _mode(mode).L
@@ -435,7 +444,7 @@ def main(argv=None) -> int:
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, backend=backend,
                 jax=jax.__version__, python=platform.python_version(), commit=_commit(), prompt_len=prompt_len,
                 new_tokens=new_tokens, dtype=jnp.dtype(dtype).name, ssm_state_dtype=args.ssm_state_dtype,
-                attention_backend=args.attention_backend, buffer_dtype=args.buffer_dtype,
+                attention_backend=args.attention_backend, buffer_dtype=args.buffer_dtype, fuse_conv=args.fuse_conv,
                 command=" ".join(sys.argv),
                 mesh=None if mesh is None else dict(dp=mesh.shape["dp"], tp=mesh.shape["tp"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -10,6 +10,7 @@ activation and state dtypes (`testing.TOLERANCES`).
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -22,6 +23,8 @@ from hlo_checks import work_besides_kernels
 from kernel_checks import lower_for_cuda
 from replayssm_jax import kernels, ops
 from replayssm_jax.kernels import config as kernel_config
+from models import load_model
+from models.common import make_decode_step, make_prefill, split_params
 from replayssm_jax.layers.gdn import GatedDeltaNet
 from replayssm_jax.testing import assert_close, tolerance_dtype
 
@@ -173,9 +176,11 @@ def _layer(rng):
 
 @pytest.mark.parametrize("state_dtype", [f32, bf16])
 def test_layer_decode_takes_the_fused_step(state_dtype, rng, monkeypatch):
-    """`GatedDeltaNet.decode` on a standard state: with the fused step taken (`fuse_conv_default`) the same
-    outputs and states, bit for bit, as the conv and the step as two kernels, over 3 steps from a prefill;
-    the fused op called once a step, and not at all where the default declines."""
+    """`GatedDeltaNet.decode` on a standard state (f32 activations): with the fused step taken
+    (`fuse_conv_default`) the outputs and states of the conv and the step as two kernels, within the
+    tolerance of the state's dtype (interpreted, XLA on the CPU may contract the conv's products and sums
+    differently in the two kernels), over 3 steps from a prefill, the rings equal; the fused op called once
+    a step, and not at all where the default declines."""
     layer = _layer(rng)
     layer.ssm_state_dtype = state_dtype
     u = jnp.asarray(rng.standard_normal((2, 5, 32)), f32)
@@ -193,14 +198,41 @@ def test_layer_decode_takes_the_fused_step(state_dtype, rng, monkeypatch):
         runs[fuse] = (outs, state)
         assert len(calls) == (3 if fuse else 0)
         calls.clear()
-    for got, want in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False])):
-        np.testing.assert_array_equal(np.asarray(got, f32), np.asarray(want, f32))
-    np.testing.assert_array_equal(np.asarray(runs[True][1].conv_state.start), np.asarray(state0.conv_state.start + 3)
-                                  % state0.conv_state.slots)
+    (outs, fused), (want_outs, unfused) = runs[True], runs[False]
+    tol = tolerance_dtype(f32, state_dtype)
+    for t, (got, want) in enumerate(zip(outs, want_outs)):
+        assert_close(got, want, tol, f"out {t}")
+    assert_close(fused.ssm_state, unfused.ssm_state, tol, "ssm_state")
+    np.testing.assert_array_equal(np.asarray(fused.conv_state.columns), np.asarray(unfused.conv_state.columns))
+    np.testing.assert_array_equal(np.asarray(fused.conv_state.start),
+                                  np.asarray(state0.conv_state.start + 3) % state0.conv_state.slots)
 
 
-def test_fuse_conv_default_follows_the_measured_batches():
-    for itemsize, dtype in ((4, f32), (2, bf16)):
-        most = kernel_config.FUSED_CONV_MAX_BATCH[itemsize]
-        assert kernels.fuse_conv_default(most, dtype) and not kernels.fuse_conv_default(most + 1, dtype)
+def test_fuse_conv_default_follows_the_batches_per_itemsize(monkeypatch):
+    monkeypatch.setattr(kernel_config, "FUSED_CONV_MAX_BATCH", {4: 64, 2: 8})
+    assert kernels.fuse_conv_default(64, f32) and not kernels.fuse_conv_default(65, f32)
+    assert kernels.fuse_conv_default(8, bf16) and not kernels.fuse_conv_default(9, bf16)
     assert not kernels.fuse_conv_default(1, jnp.int8)
+    monkeypatch.setattr(kernel_config, "FUSED_CONV_MAX_BATCH", {})
+    assert not kernels.fuse_conv_default(1, f32)
+
+
+def test_model_decode_with_the_fused_step_matches_transformers(monkeypatch):
+    """The Qwen3.5 fixture (tests/data/qwen3_5_tiny: its GDN layers H = 2, HV = 4, K = V = 16), prefilled on
+    "xla" and decoded 4 greedy steps on "interpret" with every GDN layer's conv fused into its step: the
+    logits within the model tests' 1e-4 of transformers' and the same tokens."""
+    monkeypatch.setattr(kernel_config, "FUSED_CONV_MAX_BATCH", {4: 1 << 30, 2: 1 << 30})
+    folder = os.path.join(os.path.dirname(__file__), "data", "qwen3_5_tiny")
+    model, ref = load_model(folder), dict(np.load(os.path.join(folder, "reference.npz")))
+    calls = []
+    fused_op = ops.gdn_conv_step
+    monkeypatch.setattr(ops, "gdn_conv_step", lambda *a, **k: calls.append(1) or fused_op(*a, **k))
+    graphdef, params = split_params(model)
+    T = ref["prompt_ids"].shape[1]
+    logits, cache = make_prefill(graphdef, max_len=T + 4, last_logits_only=True)(params, jnp.asarray(ref["prompt_ids"]))
+    step = make_decode_step(graphdef, backend="interpret")
+    for j in range(4):
+        assert float(np.max(np.abs(np.asarray(logits, np.float64) - ref["step_logits"][j]))) < 1e-4, j
+        np.testing.assert_array_equal(np.asarray(jnp.argmax(logits, axis=-1)), ref["generated_ids"][:, T + j])
+        logits, cache = step(params, cache, jnp.asarray(ref["generated_ids"][:, T + j]))
+    assert calls, "no GDN layer took the fused step"

@@ -399,9 +399,10 @@ STANDARD_TILE_COLS = 128
 
 
 # The largest batch at which a GDN layer's standard decode step runs its conv inside the step's launch
-# (`gdn.gdn_conv_step`), per state itemsize (bench/conv_step.py; bench/RESULTS.md, "The GDN conv fused into
-# the standard step").
-FUSED_CONV_MAX_BATCH = {4: 64, 2: 64}
+# (`gdn.gdn_conv_step`), per state itemsize. Empty (the two launches at every batch) until the fused launch
+# is timed on a GPU against the two (bench/conv_step.py, bench/e2e.py --fuse-conv); not yet timed
+# (2026-12-05; its static SASS: bench/RESULTS.md, "The GDN conv fused into the standard step").
+FUSED_CONV_MAX_BATCH: dict[int, int] = {}
 
 
 def fuse_conv_default(batch: int, state_dtype) -> bool:

@@ -50,25 +50,35 @@ ACTIVATIONS = {"silu": _silu, "swish": _silu, "identity": lambda x: x, "relu": l
                "relu2": lambda x: jnp.square(jnp.maximum(x, 0.0))}
 
 
-def conv_channels(x, column, taps_ref, start, *, W: int, S: int, activation: str, mask=None, bias=None):
-    """The conv's output f32[n] for a block of n channels (traced inside a kernel).
+def conv_channels(x_ref, column, taps_ref, bias_ref, start, *, W: int, S: int, activation: str, mask=None,
+                  tap_columns: bool = False):
+    """(x, y): the new inputs and the conv's output, f32[n], for a block of n channels (traced inside a kernel).
 
-    x: f32[n], the new inputs; column(slot) -> the ref [n] of these channels at ring slot `slot`; taps_ref:
-    the [n, BW] block of the weight (W taps, BW a power of two >= W); start: the row's oldest live slot (i32
-    scalar); mask: bool[n] or None (all channels); bias: f32[n] or None. Reads ring slots start .. start +
-    W - 2 mod S, writes nothing.
+    x_ref: the [n] block of the new inputs; column(slot) -> the ref [n] of these channels at ring slot `slot`;
+    taps_ref: the [n, BW] block of the weight (W taps, BW a power of two >= W); bias_ref: the [n] block of
+    the bias, or None; start: the row's oldest live slot (i32 scalar); mask: bool[n] or None (all channels).
+    Reads ring slots start .. start + W - 2 mod S, writes nothing. The taps are read as one [n, BW] tile and
+    picked out of it by lane, or (`tap_columns`) as W strided columns [n], which leave the vectors in the
+    layout of a plain [n] load: in a fused step program, whose q, k and v then feed the state tile's
+    products without a layout conversion (the tile form took 255 registers there and spilled, against
+    64-144 for columns; static SASS, bench/RESULTS.md, "The GDN conv fused into the standard step").
     """
     n, BW = taps_ref.shape
-    taps = load(taps_ref, tile_mask(mask, lane_mask(BW, W), (n, BW)))
-    lane = lane_ids(BW)[None, :]
+    if tap_columns:
+        def tap(j):  # w[:, j], f32[n]
+            return load(taps_ref.at[:, jnp.int32(j)], mask)
+    else:
+        taps = load(taps_ref, tile_mask(mask, lane_mask(BW, W), (n, BW)))
+        lane = lane_ids(BW)[None, :]
 
-    def tap(j):  # w[:, j], f32[n]
-        return jnp.sum(jnp.where(lane == j, taps, 0.0), axis=1)
+        def tap(j):  # w[:, j], f32[n]
+            return jnp.sum(jnp.where(lane == j, taps, 0.0), axis=1)
 
-    acc = tap(W - 1) * x if bias is None else bias + tap(W - 1) * x
+    x = load(x_ref, mask)
+    acc = tap(W - 1) * x if bias_ref is None else load(bias_ref, mask) + tap(W - 1) * x
     for j in range(W - 1):
         acc = acc + tap(j) * load(column((start + j) % S), mask)
-    return ACTIVATIONS[activation](acc)
+    return x, ACTIVATIONS[activation](acc)
 
 
 def _conv_kernel(x_ref, columns_ref, start_ref, weight_ref, bias_ref, *refs, C, W, S, activation, firsts):
@@ -79,10 +89,8 @@ def _conv_kernel(x_ref, columns_ref, start_ref, weight_ref, bias_ref, *refs, C, 
     c = program_id(1)
     cmask = None if C % BC == 0 else c * BC + lane_ids(BC) < C
     start = start_ref[0]
-    x = load(x_ref, cmask)
-    bias = None if bias_ref is None else load(bias_ref, cmask)
-    y = conv_channels(x, lambda slot: columns_ref.at[slot], weight_ref, start, W=W, S=S, activation=activation,
-                      mask=cmask, bias=bias)
+    x, y = conv_channels(x_ref, lambda slot: columns_ref.at[slot], weight_ref, bias_ref, start, W=W, S=S,
+                         activation=activation, mask=cmask)
     if len(y_refs) == 1:
         store(y_refs[0], y, cmask)
     else:  # into the piece this block lies in

@@ -266,9 +266,8 @@ def _conv_loaders(inputs: Inputs, ring: ConvOperands, ring_out, *, H, K, V, grou
 
     def conv(x_ref, taps_ref, first, mask, writes):
         n = x_ref.shape[-1]
-        x = load(x_ref, mask)
-        y = conv_channels(x, lambda at: ring.columns.at[at, pl.ds(first, n)], taps_ref, start, W=W, S=S,
-                          activation=activation, mask=mask)
+        x, y = conv_channels(x_ref, lambda at: ring.columns.at[at, pl.ds(first, n)], taps_ref, None, start, W=W,
+                             S=S, activation=activation, mask=mask, tap_columns=True)
         pl.when(writes)(functools.partial(store, ring_out.at[slot, pl.ds(first, n)], x, mask))
         return y.astype(x_ref.dtype).astype(f32)
 
