@@ -741,8 +741,7 @@ def _conv_step(state, inputs: Inputs, ring: ConvOperands, *, scale: float, use_q
         return block._replace(inputs=block.inputs._replace(**x_specs))
 
     kernel = functools.partial(_conv_step_kernel, H=H, group=HV // H, W=ring.wq.shape[1], activation=activation,
-                               V=V, K=K, L=None,
-                               scale=scale, use_qk_l2norm=use_qk_l2norm, dot_fold=False)
+                               V=V, K=K, L=None, scale=scale, use_qk_l2norm=use_qk_l2norm, dot_fold=False)
     o, state, _, columns = step_launch(
         "gdn", kernel, specs, state, _f32_decay(inputs),
         jax.ShapeDtypeStruct((state.shape[0], HV, V), inputs.v.dtype), config=config, interpret=interpret,
