@@ -76,8 +76,8 @@ def step_fn(form: str, params, backend: str, dims=(H, HV, K, V)):
         (state, columns, start), (x, a, b) = carry, inputs
         batch = x.shape[0]
         if form == "fused":
-            o, state, columns = ops.gdn_conv_step(state, x, columns, start, params["weight"], a=a, b=b, **gates,
-                                                  backend=backend)
+            o, state, columns = ops.gdn_conv_step(state, x, columns, start, params["weight"], num_k_heads=h, a=a,
+                                                  b=b, **gates, backend=backend)
         else:
             (q, kk, vv), columns = ops.conv_update(x, columns, start, params["weight"], splits=(h * k, 2 * h * k),
                                                    backend=backend)

@@ -34,17 +34,17 @@ f32, bf16 = jnp.float32, jnp.bfloat16
 
 
 def draw(rng, batch, H, HV, K, V, W, max_window, x_dtype, state_dtype, gates="raw"):
-    """(state, x, columns, start, weight, gate keywords), random."""
+    """(state, x, columns, start, weight, keywords: the gates and num_k_heads), random."""
     C, S = 2 * H * K + HV * V, W - 1 + max_window
 
     def normal(shape, dtype, scale=1.0):
         return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
 
     if gates == "raw":
-        gate_kw = dict(a=normal((batch, HV), x_dtype), b=normal((batch, HV), x_dtype),
+        gate_kw = dict(num_k_heads=H, a=normal((batch, HV), x_dtype), b=normal((batch, HV), x_dtype),
                        A_log=jnp.asarray(np.log(rng.uniform(1.0, 16.0, HV)), f32), dt_bias=normal((HV,), f32))
     else:
-        gate_kw = dict(g=jnp.asarray(-rng.uniform(0.01, 2.0, (batch, HV)), f32),
+        gate_kw = dict(num_k_heads=H, g=jnp.asarray(-rng.uniform(0.01, 2.0, (batch, HV)), f32),
                        beta=jnp.asarray(rng.uniform(0.05, 0.95, (batch, HV)), x_dtype))
     return (normal((batch, HV, V, K), state_dtype, 0.3), normal((batch, C), x_dtype), normal((batch, S, C), x_dtype),
             jnp.asarray(rng.integers(0, S, batch), jnp.int32), normal((C, W), f32, 0.5), gate_kw)
@@ -86,6 +86,7 @@ def test_kernel_equals_the_two_launches(state_dtype, rng):
                                                   config=config)
     (q, k, v), want_columns = ops.conv_update(x, columns, start, weight, splits=(H * K, 2 * H * K),
                                               backend="interpret")
+    del gate_kw["num_k_heads"]
     want_o, want_state = ops.gdn_step(state, q.reshape(batch, H, K), k.reshape(batch, H, K), v.reshape(batch, HV, V),
                                       **gate_kw, backend="interpret", config=config)
     for got, want in ((o, want_o), (new_state, want_state), (new_columns, want_columns)):
@@ -117,6 +118,7 @@ def test_kernel_lowers_for_cuda(rng):
     """The Triton lowering on the CPU at Qwen3.5-4B's layer: one launch, the state (operand 0 -> output 1)
     and the ring (operand 8, after the state, the three views of x, a, b, A_log, dt_bias -> output 2) in place."""
     state, x, columns, start, weight, gate_kw = draw(rng, 8, 16, 32, 128, 128, 4, 1, bf16, f32)
+    del gate_kw["num_k_heads"]  # the kernel's arguments are validated: H follows from C
     text = lower_for_cuda(lambda *a: kernels.gdn_conv_step(*a, **gate_kw, scale=128 ** -0.5, use_qk_l2norm=True),
                           state, x, columns, start, weight)
     calls = [line for line in text.splitlines() if "custom_call" in line and "triton" in line]
@@ -127,7 +129,13 @@ def test_kernel_lowers_for_cuda(rng):
 
 @pytest.mark.parametrize("change, error, message", [
     (dict(x=np.ones((2, 80), np.float32), columns=np.ones((2, 4, 80), np.float32), weight=np.ones((80, 4), np.float32)),
-     ValueError, "`x` must hold the conv's C = 2 H K + HV V channels [q; k; v] with H dividing HV = 4"),
+     ValueError, "`x` must have C = 2 H K + HV V = 64 columns (H = 2 `num_k_heads`, HV = 4, V = 8, K = 8 from "
+     "`state` [batch, HV, V, K]); got 80"),
+    (dict(num_k_heads=3), ValueError, "HV (axis 1 of `state`) = 4 must be divisible by `num_k_heads` = 3"),
+    (dict(num_k_heads=0), ValueError, "`num_k_heads` must be >= 1; got 0"),
+    (dict(num_k_heads=2.0), TypeError, "`num_k_heads` must be an int; got float"),
+    (dict(x=np.ones((3, 64), np.float32)), ValueError,
+     "`columns` must have shape [batch, S, C] = (3, 4, 64) (batch of `x`); got (2, 4, 64)"),
     (dict(x=np.ones((2, 80), np.float32)), ValueError,
      "`x` must have C = 64 columns (axis 2 of `columns`: the conv's channels); got 80"),
     (dict(columns=np.ones((3, 4, 64), np.float32)), ValueError, "`columns` must have shape [batch, S, C]"),
@@ -142,7 +150,13 @@ def test_kernel_lowers_for_cuda(rng):
     (dict(a=None), TypeError, "gates"),
     (dict(state=np.ones((2, 4, 8, 6), np.float32), x=np.ones((2, 56), np.float32),
           columns=np.ones((2, 4, 56), np.float32), weight=np.ones((56, 4), np.float32), backend="interpret"),
-     ValueError, "gdn_conv_step: the key dim K = 6 is not a power of two"),
+     ValueError, "gdn_conv_step: the key dim K = 6 (axis 3 of `state`) is not a power of two, which the fused "
+     "launch needs (backend='xla' takes any)"),
+    (dict(state=np.ones((2, 4, 8, 2), np.float32), config=kernels.StepConfig(block_v=8), x=np.ones((2, 36), np.float32),
+          columns=np.ones((2, 4, 36), np.float32), weight=np.ones((36, 4), np.float32), num_k_heads=1,
+          backend="interpret"), ValueError,
+     "`config.block_v` = 8 must divide V = 8 and 2 H K = 4, the tile's rows lying in one piece of the conv's "
+     "channels (e.g. 4)"),
     (dict(config=kernels.StepConfig(block_v=16), backend="interpret"), ValueError,
      "`config.block_v` must be <= 8 (the state's value dim V = 8 rows, rounded up to a power of two); got 16"),
 ])
@@ -157,6 +171,26 @@ def test_bad_arguments_raise_before_any_work(change, error, message, rng):
     for name, value in kept.items():
         np.testing.assert_array_equal(np.asarray(dict(state=state, x=x, columns=columns, start=start, weight=weight,
                                                       **gate_kw)[name]), value)
+
+
+def test_a_state_in_transformers_layout_is_named(rng):
+    """H = 1, HV = 4, K = 8, V = 16: with the state's last two axes swapped, x's 2 H K + HV V = 80 columns read
+    as 2 H V + HV K; the error says so (where HV = 2 H both read the same: the layouts cannot be told apart)."""
+    state, x, columns, start, weight, kw = draw(rng, 2, 1, 4, 8, 16, 4, 1, f32, f32)
+    with pytest.raises(ValueError, match=re.escape("got 80 (K and V swapped: a state in transformers' [batch, HV, "
+                                                   "K, V] layout; transpose its last two axes)")):
+        ops.gdn_conv_step(jnp.swapaxes(state, 2, 3), x, columns, start, weight, **kw, backend="xla")
+
+
+def test_default_tiling_divides_the_pieces():
+    """H = HV = 1, K = 8, V = 256 at batch 256: the standard step's default tile (32 rows) does not divide
+    2 H K = 16; the fused step's default halves it to 16 (`kernels.conv_step_config`), so the op and the layer
+    take the shape; an explicit 32 is refused."""
+    state, C = jax.ShapeDtypeStruct((256, 1, 256, 8), f32), 2 * 8 + 256
+    assert kernels.default_step_config(256, 1, 256, 8, f32, layer="gdn").block_v == 32
+    assert kernels.conv_step_config(state, C).block_v == 16
+    assert kernels.conv_step_fits(state, C) is None
+    assert "(e.g. 16)" in kernels.conv_step_fits(state, C, kernels.StepConfig(block_v=32))
 
 
 def test_reference_takes_shapes_the_kernel_does_not(rng):

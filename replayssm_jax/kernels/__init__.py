@@ -138,7 +138,7 @@ from replayssm_jax.kernels.config import (
 )
 from replayssm_jax.kernels.conv import ACTIVATIONS as CONV_ACTIVATIONS
 from replayssm_jax.kernels.conv import conv_update
-from replayssm_jax.kernels.gdn import (conv_step_fits, gdn_conv_step, gdn_replay_step, gdn_replay_verify, gdn_step,
+from replayssm_jax.kernels.gdn import (conv_step_config, conv_step_fits, gdn_conv_step, gdn_replay_step, gdn_replay_verify, gdn_step,
                                       gdn_verify)
 from replayssm_jax.kernels.mamba2 import mamba2_replay_step, mamba2_replay_verify, mamba2_step, mamba2_verify
 from replayssm_jax.kernels.tma_readout import TMAReadoutConfig
@@ -153,6 +153,7 @@ __all__ = [
     "StepConfig",
     "TMAReadoutConfig",
     "attention_decode",
+    "conv_step_config",
     "conv_step_fits",
     "conv_update",
     "default_attention_config",

@@ -62,6 +62,7 @@ touch the same state element.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -909,20 +910,39 @@ def gdn_step(state, q, k, v, g=None, beta=None, *, a=None, b=None, A_log=None, d
     return o, state
 
 
-def conv_step_fits(state_shape, C: int, W: int, S: int, config: StepConfig) -> str | None:
-    """Why the fused conv step (:func:`gdn_conv_step`) cannot take these shapes with this tiling, or None where it
-    can: state [batch, HV, V, K], C conv channels (2 H K + HV V), W taps, S ring slots."""
-    _, HV, V, K = state_shape
-    key_dim, rows = (C - HV * V) // 2, config.block_v
-    if C <= HV * V or (C - HV * V) % (2 * K) or HV % (key_dim // K):
-        return (f"the conv's C = {C} channels are not 2 H K + HV V with H dividing HV = {HV} (K = {K}, "
-                f"V = {V})")
+def conv_step_config(state, C: int, config: StepConfig | None = None) -> StepConfig:
+    """The fused conv step's tiling for `state` [batch, HV, V, K] and C conv channels: `config`, checked as the
+    standard step's (:func:`step_config_for`), or the standard step's default (layer "gdn") with its rows
+    halved until they divide V and 2 H K = C - HV V.
+
+    Raises as :func:`step_config_for`.
+    """
+    fitted = step_config_for(config, state, DIMS, layer="gdn")
+    if config is None:
+        V, qk = state.shape[2], C - state.shape[1] * state.shape[2]
+        rows = fitted.block_v
+        while rows > 1 and (V % rows or qk % rows):
+            rows //= 2
+        fitted = dataclasses.replace(fitted, block_v=rows)
+    return fitted
+
+
+def conv_step_fits(state, C: int, config: StepConfig | None = None) -> str | None:
+    """Why the fused conv step (:func:`gdn_conv_step`) cannot take a state [batch, HV, V, K] (an array or its
+    shape) and C = 2 H K + HV V conv channels with this tiling (None: :func:`conv_step_config`'s default), or
+    None where it can.
+
+    Raises as :func:`step_config_for`.
+    """
+    _, HV, V, K = state.shape
     if K != next_pow2(K):
-        return f"the key dim K = {K} is not a power of two"
-    if V % rows or (2 * key_dim) % rows:
-        return f"the tile's {rows} rows do not divide V = {V} and 2 H K = {2 * key_dim}"
-    if S < W:
-        return f"the ring holds S = {S} slots, fewer than the conv's W = {W} taps"
+        return (f"the key dim K = {K} (axis 3 of `state`) is not a power of two, which the fused launch needs "
+                "(backend='xla' takes any)")
+    rows, qk = conv_step_config(state, C, config).block_v, C - HV * V
+    if V % rows or qk % rows:
+        fit = next(r for r in (rows >> i for i in range(rows.bit_length())) if V % r == 0 and qk % r == 0)
+        return (f"`config.block_v` = {rows} must divide V = {V} and 2 H K = {qk}, the tile's rows lying in one "
+                f"piece of the conv's channels (e.g. {fit})")
     return None
 
 
@@ -946,8 +966,9 @@ def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, *, a=None
         x is written at slot (start + W - 1) mod S, in place.
       start: i32[batch], each row's oldest live ring slot, in [0, S).
       weight: [C, W], the conv's weight ([C, 1, W] reshaped).
-      g, beta, a, b, A_log, dt_bias, scale, use_qk_l2norm, config,
-        interpret: as :func:`gdn_step` (the tiling a StepConfig).
+      g, beta, a, b, A_log, dt_bias, scale, use_qk_l2norm, interpret: as
+        :func:`gdn_step`.
+      config: the tiling, a StepConfig; None: :func:`conv_step_config`.
       activation: the conv's, a name of `kernels.conv.ACTIVATIONS`.
 
     Returns:
@@ -955,7 +976,7 @@ def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, *, a=None
       left to the caller (`ConvWindow.advance`).
 
     Raises:
-      ValueError: an unknown activation; shapes or a tiling the launch does
+      ValueError: an unknown activation; a K or a tiling the launch does
         not take (:func:`conv_step_fits`); as :func:`gdn_step`.
       TypeError: a `config` that is not a StepConfig.
     """
@@ -963,10 +984,10 @@ def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, *, a=None
         raise ValueError(f"`activation` must be one of {', '.join(map(repr, ACTIVATIONS))}; got {activation!r}")
     if config is not None and not isinstance(config, StepConfig):
         raise TypeError(f"`config` must be a StepConfig for the fused conv step; got {type(config).__name__}")
-    config = step_config_for(config, state, DIMS, layer="gdn")
-    why = conv_step_fits(state.shape, columns.shape[2], weight.shape[1], columns.shape[1], config)
+    why = conv_step_fits(state, columns.shape[2], config)
     if why is not None:
         raise ValueError(f"gdn_conv_step: {why}")
+    config = conv_step_config(state, columns.shape[2], config)
     inputs = _inputs(x, x, x, g, beta, a, b, A_log, dt_bias)
     ring = ConvOperands(columns, start, weight, weight, weight)
     return _conv_step(state, inputs, ring, scale=float(scale), use_qk_l2norm=bool(use_qk_l2norm),

@@ -159,14 +159,12 @@ class GatedDeltaNet(SSMMixer):
                 or self.conv1d.activation not in kernels.CONV_ACTIVATIONS
                 or not kernels.fuse_conv_default(window.batch, ssm_state.dtype)):
             return None
-        config = kernels.default_step_config(*ssm_state.shape, ssm_state.dtype, layer="gdn")
-        if kernels.conv_step_fits(ssm_state.shape, self.conv_dim, self.conv1d.kernel_size, window.slots,
-                                  config) is not None:
+        if kernels.conv_step_fits(ssm_state, self.conv_dim) is not None:
             return None
         qkv, z, b, a = self._project(u)
         o, ssm_state, columns = ops.gdn_conv_step(ssm_state, qkv, window.columns, window.start,
-                                                  self.conv1d.weight[...][:, 0, :], a=a, b=b,
-                                                  activation=self.conv1d.activation, backend=backend,
+                                                  self.conv1d.weight[...][:, 0, :], num_k_heads=self.num_k_heads,
+                                                  a=a, b=b, activation=self.conv1d.activation, backend=backend,
                                                   **self._op_params())
         window, o = in_order(window.replace(columns=columns), o)  # the kernel has read start before it moves
         return self._finish(o, z), SSMLayerState(conv_state=window.advance(1), ssm_state=ssm_state)

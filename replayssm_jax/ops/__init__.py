@@ -828,9 +828,9 @@ def gdn_step(state, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, 
                             config=config, interpret=chosen == "interpret", **_pool_option(slots))
 
 
-def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None,
-                  b=None, A_log=None, dt_bias=None, activation: str = "silu", backend: str | None = None,
-                  config: kernels.StepConfig | None = None):
+def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, scale=None, use_qk_l2norm=True, *,
+                  num_k_heads: int, a=None, b=None, A_log=None, dt_bias=None, activation: str = "silu",
+                  backend: str | None = None, config: kernels.StepConfig | None = None):
     """A Gated DeltaNet layer's decode step from its conv input: the short conv, then the standard step.
 
     (q, k, v) = act(conv(x)) as :func:`conv_update` (no bias), cut at H K
@@ -842,8 +842,12 @@ def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, scale=Non
 
     Args:
       state: f32 | bf16[batch, HV, V, K], value-major.
-      x: [batch, C], the conv's new inputs [q; k; v] (C = 2 H K + HV V,
-        H the key heads, dividing HV), bf16 or f32.
+      x: [batch, C], the conv's new inputs [q; k; v] (C = 2 H K + HV V),
+        bf16 or f32.
+      num_k_heads: H, the key heads (a positive int dividing HV). A state
+        in transformers' [batch, HV, K, V] layout is then refused by name
+        (K != V), except where HV = 2 H: there C reads the same in both
+        layouts, and the state must be value-major as stated.
       columns, start, weight, activation: the conv's ring [batch, S, C],
         i32[batch] oldest live slots in [0, S) and weight [C, W], as
         :func:`conv_update` (S >= W).
@@ -857,19 +861,22 @@ def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, scale=Non
 
     Raises:
       TypeError, ValueError: as :func:`conv_update` and :func:`gdn_step`; x
-        not of C = 2 H K + HV V channels; on the kernel backends, an
-        activation the kernel does not compute, or shapes and a tiling the
-        fused launch does not take (:func:`replayssm_jax.kernels.conv_step_fits`:
-        K a power of two, the tile's rows dividing V and 2 H K).
+        not of C = 2 H K + HV V channels (a state in transformers' [batch,
+        HV, K, V] layout named as such), num_k_heads not dividing HV; on the
+        kernel backends, an activation the kernel does not compute, or a K
+        or tiling the fused launch does not take
+        (:func:`replayssm_jax.kernels.conv_step_fits`: K a power of two,
+        `config.block_v` dividing V and 2 H K; None picks such a tiling).
       RuntimeError: backend "pallas" without a GPU.
     """
     gates = val.GDNGates(g, beta, a, b, A_log, dt_bias)
     state, x, columns, start, weight, scale, use_qk_l2norm = val.check_gdn_conv_step(
-        state, x, columns, start, weight, gates, scale, use_qk_l2norm, activation, reference.conv.ACTIVATIONS)
+        state, x, columns, start, weight, gates, scale, use_qk_l2norm, activation, reference.conv.ACTIVATIONS,
+        num_k_heads)
     chosen = choose_backend("gdn_conv_step", backend, config)
     if chosen == "xla":
         return reference.gdn_conv_step(state, x, columns, start, weight, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                       activation=activation, **gates.keywords())
+                                       num_k_heads=num_k_heads, activation=activation, **gates.keywords())
     if activation not in kernels.CONV_ACTIVATIONS:
         raise ValueError(f"`activation` {activation!r}: the conv kernel computes {', '.join(kernels.CONV_ACTIVATIONS)}"
                          " (use backend='xla')")

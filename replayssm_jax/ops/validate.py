@@ -873,14 +873,17 @@ def check_gdn_step(state, q, k, v, gates, scale, use_qk_l2norm, slots=None):
     return (state, *check_gdn_inputs(batch_dims(state.shape, slots), q, k, v, gates, scale, use_qk_l2norm), slots)
 
 
-def check_gdn_conv_step(state, x, columns, start, weight, gates, scale, use_qk_l2norm, activation, activations):
+def check_gdn_conv_step(state, x, columns, start, weight, gates, scale, use_qk_l2norm, activation, activations,
+                        num_k_heads):
     """Checks of :func:`replayssm_jax.ops.gdn_conv_step`: the conv's as :func:`check_conv_update` (no bias, x
-    holding the C channels alone), the state f32 | bf16[batch, HV, V, K] of x's batch, C = 2 H K + HV V with H
-    dividing HV, and the gates, scale and use_qk_l2norm as :func:`check_gdn_inputs`.
+    holding the C channels alone), the state f32 | bf16[batch, HV, V, K] of x's batch, num_k_heads H a
+    positive int dividing HV with C = 2 H K + HV V (a state in transformers' [batch, HV, K, V] layout named
+    as such), and the gates, scale and use_qk_l2norm as :func:`check_gdn_inputs`.
 
     Returns:
       (state, x, columns, start, weight as arrays, scale as a float (K ** -0.5 if None), use_qk_l2norm).
     """
+    H = check_positive_int("num_k_heads", num_k_heads)
     if getattr(x, "ndim", None) == 2 and getattr(columns, "ndim", None) == 3 and x.shape[1] != columns.shape[2]:
         raise ValueError(f"`x` must have C = {columns.shape[2]} columns (axis 2 of `columns`: the conv's channels); "
                          f"got {x.shape[1]}")
@@ -889,10 +892,13 @@ def check_gdn_conv_step(state, x, columns, start, weight, gates, scale, use_qk_l
     state = check_state_array("state", state, GDN_DIMS)
     batch, HV, V, K = state.shape
     check_shape("state", state, "batch, HV, V, K", (x.shape[0], HV, V, K), "batch of `x`")
+    check_divisible("HV (axis 1 of `state`)", HV, "`num_k_heads`", H)
     C = x.shape[1]
-    if C <= HV * V or (C - HV * V) % (2 * K) or HV % ((C - HV * V) // (2 * K)):
-        raise ValueError(f"`x` must hold the conv's C = 2 H K + HV V channels [q; k; v] with H dividing HV = {HV} "
-                         f"(V = {V}, K = {K} from `state`); got C = {C}")
+    if C != 2 * H * K + HV * V:
+        swapped = (" (K and V swapped: a state in transformers' [batch, HV, K, V] layout; transpose its last two "
+                   "axes)" if V != K and C == 2 * H * V + HV * K else "")
+        raise ValueError(f"`x` must have C = 2 H K + HV V = {2 * H * K + HV * V} columns (H = {H} `num_k_heads`, "
+                         f"HV = {HV}, V = {V}, K = {K} from `state` [batch, HV, V, K]); got {C}{swapped}")
     _check_gdn_gates(gates, (batch,), "batch", HV)
     scale = check_scale(scale)
     return (state, x, columns, start, weight, K ** -0.5 if scale is None else scale,
@@ -977,7 +983,7 @@ def check_conv_update(x, columns, start, weight, bias, activation, activations, 
     columns = check_ssm_float("columns", columns)
     check_rank("columns", columns, "batch, S, C")
     C = columns.shape[2]
-    check_shape("columns", columns, "batch, S, C", (batch, columns.shape[1], C))
+    check_shape("columns", columns, "batch, S, C", (batch, columns.shape[1], C), "batch of `x`")
     offset, splits = check_pieces(offset, splits, x.shape[1], C)
     weight = check_ssm_float("weight", weight)
     check_rank("weight", weight, "C, W")

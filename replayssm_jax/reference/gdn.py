@@ -92,17 +92,17 @@ def gdn_step(state, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=True, 
     return o.astype(v.dtype), S.astype(state.dtype)
 
 
-def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, scale=None, use_qk_l2norm=True, *, a=None,
-                  b=None, A_log=None, dt_bias=None, activation="silu"):
+def gdn_conv_step(state, x, columns, start, weight, g=None, beta=None, scale=None, use_qk_l2norm=True, *,
+                  num_k_heads, a=None, b=None, A_log=None, dt_bias=None, activation="silu"):
     """A Gated DeltaNet layer's decode step from its conv input: :func:`conv_update` (no bias) of x [batch,
-    C = 2 H K + HV V], its output cut into q [batch, H, K], k and v [batch, HV, V], then :func:`gdn_step`.
-    Their meaning: :func:`replayssm_jax.ops.gdn_conv_step`.
+    C = 2 H K + HV V] (H = num_k_heads), its output cut into q [batch, H, K], k and v [batch, HV, V], then
+    :func:`gdn_step`. Their meaning: :func:`replayssm_jax.ops.gdn_conv_step`.
 
     Returns:
       (o [batch, HV, V] in x.dtype, new_state in state.dtype, the ring with x written).
     """
     batch, HV, V, K = state.shape
-    H = (x.shape[1] - HV * V) // (2 * K)
+    H = num_k_heads
     (q, k, v), columns = conv_update(x, columns, start, weight, None, activation, 0, (H * K, 2 * H * K))
     o, state = gdn_step(state, q.reshape(batch, H, K), k.reshape(batch, H, K), v.reshape(batch, HV, V), g, beta,
                         scale, use_qk_l2norm, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
