@@ -142,7 +142,8 @@ def main(argv=None) -> int:
         # At most 32 copies of the layer: a cycle of 16 steps over 64 copies at batch 1 compiles 2048 launches.
         options = kb.TimingOptions(repeats=args.repeats, profile=args.profile, max_sets=32)
         batches, backend = args.batches, "pallas"
-    out = args.out or (tempfile.mkdtemp(prefix="conv_step_dry_run_") if args.dry_run else kb.results_folder("conv_step"))
+    out = args.out or (tempfile.mkdtemp(prefix="conv_step_dry_run_") if args.dry_run
+                       else kb.results_folder("conv_step"))
     os.makedirs(out, exist_ok=True)
     copy_bw = max(device_rates.copy_bandwidth(nbytes=(1 << 20) if args.dry_run else (2 << 30)).values())
     rng = np.random.default_rng(0)

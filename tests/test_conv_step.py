@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hlo_checks import work_besides_kernels
 from kernel_checks import lower_for_cuda
@@ -69,8 +71,29 @@ CPU_CASES = [  # (batch, H, HV, K, V, W, max_window, x dtype, state dtype, gates
 ]
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"b{c[0]}-H{c[1]}-HV{c[2]}-K{c[3]}-W{c[5]}-S{c[5] - 1 + c[6]}")
+@pytest.mark.parametrize("case", CPU_CASES,
+                         ids=lambda c: f"b{c[0]}-H{c[1]}-HV{c[2]}-K{c[3]}-W{c[5]}-S{c[5] - 1 + c[6]}")
 def test_kernel_matches_reference(case, rng):
+    *shape, gates, block = case
+    assert_matches_reference(draw(rng, *shape, gates), "interpret", kernels.StepConfig(block_v=block, num_warps=1))
+
+
+@st.composite
+def shapes(draw_from):
+    """(batch, H, HV, K, V, W, max_window, x dtype, state dtype, gates, block_v): small shapes, K and V powers
+    of two, block_v a power of two dividing V and 2 H K."""
+    H, group = draw_from(st.integers(1, 3)), draw_from(st.sampled_from([1, 2, 4]))
+    K, V = (draw_from(st.sampled_from([8, 16, 32])) for _ in range(2))
+    rows = [r for r in (2, 4, 8, 16) if V % r == 0 and (2 * H * K) % r == 0]
+    batch, W, max_window = draw_from(st.integers(1, 3)), draw_from(st.integers(2, 4)), draw_from(st.integers(1, 3))
+    return (batch, H, H * group, K, V, W, max_window,
+            draw_from(st.sampled_from([f32, bf16])), draw_from(st.sampled_from([f32, bf16])),
+            draw_from(st.sampled_from(["raw", "gates"])), draw_from(st.sampled_from(rows)))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=shapes())
+def test_kernel_matches_reference_on_drawn_shapes(case, rng):
     *shape, gates, block = case
     assert_matches_reference(draw(rng, *shape, gates), "interpret", kernels.StepConfig(block_v=block, num_warps=1))
 
