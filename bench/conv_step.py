@@ -162,14 +162,9 @@ def main(argv=None) -> int:
                     print(f"FAILED check {dtype_name} b{batch} {form}: {chk[form]}", flush=True)
                     continue
                 carries = tuple(make_carry(batch, state_dtype, rng, dims) for _ in range(sets))
-                t, spread, compile_s, profile = kb.time_cycle(step_fn(form, params, backend, dims), carries, inputs,
-                                                              steps, options)
-                nbytes = bytes_per_step(batch, state_dtype, form, dims)
-                row[form] = dict(us=t * 1e6, spread_us=spread * 1e6, compile_s=compile_s, sets=sets, bytes=nbytes,
-                                 at_copy_us=nbytes / copy_bw / 1e3, kernels_us=profile)
-                print(f"{dtype_name:8s} b{batch:<4d} {form:12s} {t * 1e6:8.2f} us  (bytes at copy rate "
-                      f"{nbytes / copy_bw / 1e3:7.2f} us)", flush=True)
-                kb.print_kernel_times(profile)
+                timing = kb.time_cycle(step_fn(form, params, backend, dims), carries, inputs, steps, options)
+                row[form] = kb.timed_form(f"{dtype_name:8s} b{batch:<4d} {form:12s}", timing,
+                                          bytes_per_step(batch, state_dtype, form, dims), sets, copy_bw)
             rows.append(row)
     return report(out, rows, options, copy_bw, argv)
 

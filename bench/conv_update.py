@@ -110,13 +110,10 @@ def main(argv=None) -> int:
                     y, w = conv.step(x, w, backend=form)
                     return y, w
 
-                t, spread, compile_s, profile = kb.time_cycle(step, windows, x, steps, options, chain=True)
-                nbytes = bytes_per_step(batch, C, window.slots, "xla" if form == "xla" else "pallas")
-                row[form] = dict(us=t * 1e6, spread_us=spread * 1e6, compile_s=compile_s, sets=sets, bytes=nbytes,
-                                 at_copy_us=nbytes / copy_bw / 1e3, kernels_us=profile)
-                print(f"{name:18s} b{batch:<4d} {form:9s} {t * 1e6:8.2f} us  (bytes at copy rate "
-                      f"{nbytes / copy_bw / 1e3:6.2f} us)", flush=True)
-                kb.print_kernel_times(profile)
+                timing = kb.time_cycle(step, windows, x, steps, options, chain=True)
+                row[form] = kb.timed_form(f"{name:18s} b{batch:<4d} {form:9s}", timing,
+                                          bytes_per_step(batch, C, window.slots, "xla" if form == "xla" else "pallas"),
+                                          sets, copy_bw)
             rows.append(row)
     return kb.report_against_xla(out, "conv_update", rows, options, copy_bw, argv, kernel)
 

@@ -993,6 +993,16 @@ def print_kernel_times(times):
         print(f"      {t['us']:9.2f} us/step  {t['launches_per_step']:5.2f} launches/step  {name[:90]}", flush=True)
 
 
+def timed_form(label: str, timing, nbytes: int, sets: int, copy_bw: float) -> dict:
+    """A benchmark row's entry for one timed form: `timing` (`time_cycle`'s result), its bytes per step and their
+    time at the copy rate `copy_bw` (GB/s); printed as one line after `label`, then its kernel times."""
+    t, spread, compile_s, profile = timing
+    print(f"{label} {t * 1e6:8.2f} us  (bytes at copy rate {nbytes / copy_bw / 1e3:7.2f} us)", flush=True)
+    print_kernel_times(profile)
+    return dict(us=t * 1e6, spread_us=spread * 1e6, compile_s=compile_s, sets=sets, bytes=nbytes,
+                at_copy_us=nbytes / copy_bw / 1e3, kernels_us=profile)
+
+
 def write_json(out: str, name: str, rows: list, options: TimingOptions, copy_bw: float, argv) -> str:
     """Write `out`/`name`.json: the rows and the run's meta (date, device, copy rate, timing, arguments).
     Returns its path."""
