@@ -91,6 +91,7 @@ def shapes(draw_from):
             draw_from(st.sampled_from(["raw", "gates"])), draw_from(st.sampled_from(rows)))
 
 
+@pytest.mark.slow  # breadth: CPU_CASES cover each path
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=shapes())
 def test_kernel_matches_reference_on_drawn_shapes(case, rng):
