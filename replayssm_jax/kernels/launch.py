@@ -276,8 +276,9 @@ def step_launch(layer: str, kernel, block_specs: Callable[..., BlockSpecs], stat
 
     Returns (output, state, new cursor or None), and the ring with `ring`.
     """
-    if ring is not None and pool is not None:
-        raise NotImplementedError("a fused conv over a state pool")
+    if ring is not None and pool is not None:  # no op passes both: ops.gdn_conv_step takes no slots
+        raise NotImplementedError("step_launch: a fused conv (`ring`) over a state pool (`pool`): the pool's rows "
+                                  "would need their rings gathered by slot; decode a pool with the conv apart")
     direct = records is not None
     specs = block_specs(config.block_v, None)
     row_cursor = cursor_spec() if direct else None
