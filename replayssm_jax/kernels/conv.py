@@ -61,7 +61,7 @@ def conv_channels(x_ref, column, taps_ref, bias_ref, start, *, W: int, S: int, a
     picked out of it by lane, or (`tap_columns`) as W strided columns [n], which leave the vectors in the
     layout of a plain [n] load: in a fused step program, whose q, k and v then feed the state tile's
     products without a layout conversion (the tile form took 255 registers there and spilled, against
-    64-144 for columns; static SASS, bench/RESULTS.md, "The GDN conv fused into the standard step").
+    64-130 for columns; static SASS, bench/RESULTS.md, "The GDN conv fused into the standard step").
     """
     n, BW = taps_ref.shape
     if tap_columns:

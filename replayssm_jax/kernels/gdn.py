@@ -213,7 +213,9 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
     folded into the checkpoint tile (one at a time, or with dot_fold all L
     slots as one rank-L update), and the cursor is set to 0 in place. conv:
     None (q, k and v loaded from their refs), or the fused conv's
-    `_ConvLoaders` (formed from the packed inputs and the ring)."""
+    `_ConvLoaders` (formed from the packed inputs and the ring, after the
+    state tile's load, which waits on nothing where the conv's loads wait
+    on the ring's start; the ring written last)."""
     direct = records is not None
     if direct:
         count = read_cursor(cursor_ref)  # first: the fold's trip count waits on it
@@ -221,11 +223,13 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
     vmask = row_mask(BV, V)
     if conv is None:
         kmask, q, k = _load_head_vectors(inputs.q, inputs.k, K, use_qk_l2norm, scale)
+        tmask = tile_mask(vmask, kmask, (BV, BK))
+        S = load_checkpoint(state_ref, None, tmask, vmask)
     else:
         kmask = lane_mask(BK, K)
+        tmask = tile_mask(vmask, kmask, (BV, BK))
+        S = load_checkpoint(state_ref, None, tmask, vmask)
         q, k = _normalized(*conv.qk(kmask), use_qk_l2norm, scale)
-    tmask = tile_mask(vmask, kmask, (BV, BK))
-    S = load_checkpoint(state_ref, None, tmask, vmask)
     ids = row_ids(state_ref.shape[0]) if stochastic(state_ref) else None  # the rows' global ids (stochastic rounding)
     g, beta = _gates(inputs)
     decay, v = jnp.exp(g), load(inputs.v, vmask) if conv is None else conv.v(vmask)
@@ -240,18 +244,24 @@ def _step_kernel(state_ref, inputs: Inputs, records: Records | None, cursor_ref,
         store_checkpoint(state_ref, state_out_ref, None, S, tmask, vmask, ids, K)
 
     if not direct:
-        return finish(S)
-    record, whole = _record_loaders(records, pl.ds(0, BV), vmask, kmask, L)
-    fold_live_records(S, count, record, finish, whole if dot_fold else None, L, state_ref.dtype)
-    advance_cursor(cursor_out_ref, count, jnp.int32(0), programs)
+        finish(S)
+    else:
+        record, whole = _record_loaders(records, pl.ds(0, BV), vmask, kmask, L)
+        fold_live_records(S, count, record, finish, whole if dot_fold else None, L, state_ref.dtype)
+        advance_cursor(cursor_out_ref, count, jnp.int32(0), programs)
+    if conv is not None:
+        conv.write_ring()
 
 
 class _ConvLoaders(NamedTuple):
     """The fused conv in a step program: qk(kmask) -> the key head's raw (q, k) and v(vmask) -> the program's
-    v rows, f32, each formed from the packed inputs and the ring and its new ring column written."""
+    v rows, f32, each formed from the packed inputs and the ring; write_ring() then stores their inputs into
+    the ring's new column (a store before the state tile's load would hold that load back: no alias
+    information lets the compiler move a load above a store)."""
 
     qk: Callable
     v: Callable
+    write_ring: Callable
 
 
 def _conv_loaders(inputs: Inputs, ring: ConvOperands, ring_out, *, H, K, V, group, W, activation) -> _ConvLoaders:
@@ -264,13 +274,18 @@ def _conv_loaders(inputs: Inputs, ring: ConvOperands, ring_out, *, H, K, V, grou
     h, j = program_id(1), program_id(2)
     start = ring.start[0]
     slot = (start + W - 1) % S
+    writes = []  # the ring's new column, stored by write_ring
 
-    def conv(x_ref, taps_ref, first, mask, writes):
+    def conv(x_ref, taps_ref, first, mask, owns):
         n = x_ref.shape[-1]
         x, y = conv_channels(x_ref, lambda at: ring.columns.at[at, pl.ds(first, n)], taps_ref, None, start, W=W,
                              S=S, activation=activation, mask=mask, tap_columns=True)
-        pl.when(writes)(functools.partial(store, ring_out.at[slot, pl.ds(first, n)], x, mask))
+        writes.append((owns, functools.partial(store, ring_out.at[slot, pl.ds(first, n)], x, mask)))
         return y.astype(x_ref.dtype).astype(f32)
+
+    def write_ring():
+        for owns, write in writes:
+            pl.when(owns)(write)
 
     def qk(kmask):
         first, head = (h % group == 0) & (j == 0), h // group
@@ -281,7 +296,7 @@ def _conv_loaders(inputs: Inputs, ring: ConvOperands, ring_out, *, H, K, V, grou
         BV = inputs.v.shape[-1]
         return conv(inputs.v, ring.wv, 2 * H * K + h * V + j * BV, vmask, True)
 
-    return _ConvLoaders(qk, v)
+    return _ConvLoaders(qk, v, write_ring)
 
 
 def _conv_step_kernel(state_ref, inputs: Inputs, records, cursor_ref, ring: ConvOperands, o_ref, state_out_ref,
