@@ -18,6 +18,11 @@ touch the same state element.
   step's direct route runs the same kernel with the row's buffered records
   and cursor: its live records are folded into its checkpoint tile first,
   and the cursor is set to 0 in place.
+- :func:`gdn_conv_step`: the standard step with the layer's short conv
+  fused, one launch on the standard step's grid: each program forms its
+  key head's q and k and its own v rows from the packed conv input and
+  the conv's ring (`conv.conv_channels`), steps its tile, and writes its
+  part of the ring's new column last (`_conv_loaders`).
 - :func:`gdn_replay_step` on the output, state, append and deferred routes:
   the replay kernel, grid (batch, HV, splits): a program forms the per-head
   terms once (decay weights of the live slots, the buffered keys' scores
