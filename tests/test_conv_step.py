@@ -68,6 +68,10 @@ CPU_CASES = [  # (batch, H, HV, K, V, W, max_window, x dtype, state dtype, gates
     (2, 2, 4, 32, 32, 4, 3, bf16, bf16, "raw", 8),  # a verify-sized ring: S = 6
     (2, 1, 2, 64, 32, 3, 1, bf16, f32, "gates", 16),  # W = 3 (taps padded to 4), g and beta given
     (1, 2, 2, 16, 16, 2, 2, f32, bf16, "raw", 16),  # one key head per value head
+    # the live ring slots loaded at the start (`conv_channels`' other form): a ring of 9 slots, more than
+    # WHOLE_RING_SLOTS; a grid of batch x HV = 144 rows of heads, more than the SMs (DEFAULT_NUM_SMS on a CPU)
+    (2, 2, 4, 16, 16, 4, 6, bf16, f32, "raw", 8),
+    (3, 12, 48, 8, 8, 4, 1, bf16, f32, "raw", 8),
 ]
 
 

@@ -50,8 +50,13 @@ ACTIVATIONS = {"silu": _silu, "swish": _silu, "identity": lambda x: x, "relu": l
                "relu2": lambda x: jnp.square(jnp.maximum(x, 0.0))}
 
 
+# The most ring slots that `conv_channels(..., whole_ring=True)` loads (the decode ring, W - 1 live inputs and
+# one free slot, has W; a verify window's more).
+WHOLE_RING_SLOTS = 8
+
+
 def conv_channels(x_ref, column, taps_ref, bias_ref, start, *, W: int, S: int, activation: str, mask=None,
-                  tap_columns: bool = False):
+                  tap_columns: bool = False, whole_ring: bool = False):
     """(x, y): the new inputs and the conv's output, f32[n], for a block of n channels (traced inside a kernel).
 
     x_ref: the [n] block of the new inputs; column(slot) -> the ref [n] of these channels at ring slot `slot`;
@@ -62,6 +67,9 @@ def conv_channels(x_ref, column, taps_ref, bias_ref, start, *, W: int, S: int, a
     layout of a plain [n] load: in a fused step program, whose q, k and v then feed the state tile's
     products without a layout conversion (the tile form took 255 registers there and spilled, against
     64-130 for columns; static SASS, bench/RESULTS.md, "The GDN conv fused into the standard step").
+    The live columns are loaded at their slots (each load waits on `start`), or (`whole_ring`, S at most
+    WHOLE_RING_SLOTS) all S slots at once, whose addresses wait on nothing, and the live ones picked by
+    slot: one load latency fewer on a latency-bound program's path, for S - W + 1 more columns read.
     """
     n, BW = taps_ref.shape
     if tap_columns:
@@ -74,10 +82,21 @@ def conv_channels(x_ref, column, taps_ref, bias_ref, start, *, W: int, S: int, a
         def tap(j):  # w[:, j], f32[n]
             return jnp.sum(jnp.where(lane == j, taps, 0.0), axis=1)
 
+    if whole_ring and S <= WHOLE_RING_SLOTS:
+        ring = [load(column(jnp.int32(slot)), mask) for slot in range(S)]
+
+        def live(j):  # the column at slot (start + j) mod S
+            at = (start + j) % S
+            return functools.reduce(lambda picked, slot: jnp.where(at == slot, ring[slot], picked), range(1, S),
+                                    ring[0])
+    else:
+        def live(j):
+            return load(column((start + j) % S), mask)
+
     x = load(x_ref, mask)
     acc = tap(W - 1) * x if bias_ref is None else load(bias_ref, mask) + tap(W - 1) * x
     for j in range(W - 1):
-        acc = acc + tap(j) * load(column((start + j) % S), mask)
+        acc = acc + tap(j) * live(j)
     return x, ACTIVATIONS[activation](acc)
 
 

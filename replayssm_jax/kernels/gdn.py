@@ -75,8 +75,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from replayssm_jax.kernels.config import (NO_FLUSH_ROUTES, ReplayConfig, StepConfig, next_pow2, per_draft_config_for,
-                                          replay_config_for, step_config_for, verify_config_for)
+from replayssm_jax.kernels.config import (NO_FLUSH_ROUTES, ReplayConfig, StepConfig, next_pow2, num_sms,
+                                          per_draft_config_for, replay_config_for, step_config_for, verify_config_for)
 from replayssm_jax.kernels.conv import ACTIVATIONS, conv_channels
 from replayssm_jax.kernels.cursor import advance_cursor, live_count, read_cursor
 from replayssm_jax.kernels.launch import (BlockSpecs, batch_shaped, flush_full_launch, head_work_warps,
@@ -269,12 +269,14 @@ class _ConvLoaders(NamedTuple):
     write_ring: Callable
 
 
-def _conv_loaders(inputs: Inputs, ring: ConvOperands, ring_out, *, H, K, V, group, W, activation) -> _ConvLoaders:
+def _conv_loaders(inputs: Inputs, ring: ConvOperands, ring_out, *, H, K, V, group, W, activation,
+                  whole_ring) -> _ConvLoaders:
     """The `_ConvLoaders` of a program (batch row, value head h, row tile j) whose inputs.q, .k and .v are
     blocks of the packed conv input [batch, C] (C = 2 H K + HV V, channels [q; k; v]) and ring its
     row's: the conv reads ring slots start .. start + W - 2 (mod S) of the program's channels and writes x
     at slot start + W - 1, q's and k's by one program of the key head (h % group == 0, j == 0). y is
-    rounded to the inputs' dtype, as the conv's own launch stores it."""
+    rounded to the inputs' dtype, as the conv's own launch stores it. whole_ring: load the ring's S slots
+    at once rather than the live ones at start (`conv.conv_channels`)."""
     S = ring.columns.shape[0]
     h, j = program_id(1), program_id(2)
     start = ring.start[0]
@@ -284,7 +286,7 @@ def _conv_loaders(inputs: Inputs, ring: ConvOperands, ring_out, *, H, K, V, grou
     def conv(x_ref, taps_ref, first, mask, owns):
         n = x_ref.shape[-1]
         x, y = conv_channels(x_ref, lambda at: ring.columns.at[at, pl.ds(first, n)], taps_ref, None, start, W=W,
-                             S=S, activation=activation, mask=mask, tap_columns=True)
+                             S=S, activation=activation, mask=mask, tap_columns=True, whole_ring=whole_ring)
         writes.append((owns, functools.partial(store, ring_out.at[slot, pl.ds(first, n)], x, mask)))
         return y.astype(x_ref.dtype).astype(f32)
 
@@ -305,10 +307,10 @@ def _conv_loaders(inputs: Inputs, ring: ConvOperands, ring_out, *, H, K, V, grou
 
 
 def _conv_step_kernel(state_ref, inputs: Inputs, records, cursor_ref, ring: ConvOperands, o_ref, state_out_ref,
-                      cursor_out_ref, ring_out, *, H, group, W, activation, **step):
+                      cursor_out_ref, ring_out, *, H, group, W, activation, whole_ring, **step):
     """The standard step (`_step_kernel`, its keywords `step`) with the conv fused (`_conv_loaders`)."""
     conv = _conv_loaders(inputs, ring, ring_out, H=H, K=step["K"], V=step["V"], group=group, W=W,
-                         activation=activation)
+                         activation=activation, whole_ring=whole_ring)
     _step_kernel(state_ref, inputs, records, cursor_ref, o_ref, state_out_ref, cursor_out_ref, conv=conv, **step)
 
 
@@ -761,8 +763,13 @@ def _conv_step(state, inputs: Inputs, ring: ConvOperands, *, scale: float, use_q
         block = step_specs(rows, nb)
         return block._replace(inputs=block.inputs._replace(**x_specs))
 
+    # On a latency-bound grid (batch x HV <= the SMs, as `replay_is_one_launch`) the ring's slots are loaded
+    # whole, none waiting on the start (a load latency off the program's path); elsewhere the live ones, as
+    # the whole ring took 168 registers a program against 128-130 at batch 64-256 (static SASS,
+    # bench/RESULTS.md, "The GDN conv fused into the standard step").
     kernel = functools.partial(_conv_step_kernel, H=H, group=HV // H, W=ring.wq.shape[1], activation=activation,
-                               V=V, K=K, L=None, scale=scale, use_qk_l2norm=use_qk_l2norm, dot_fold=False)
+                               whole_ring=state.shape[0] * HV <= num_sms(), V=V, K=K, L=None, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm, dot_fold=False)
     o, state, _, columns = step_launch(
         "gdn", kernel, specs, state, _f32_decay(inputs),
         jax.ShapeDtypeStruct((state.shape[0], HV, V), inputs.v.dtype), config=config, interpret=interpret,
