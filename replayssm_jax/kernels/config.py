@@ -399,10 +399,11 @@ STANDARD_TILE_COLS = 128
 
 
 # The largest batch at which a GDN layer's standard decode step runs its conv inside the step's launch
-# (`gdn.gdn_conv_step`), per state itemsize. Empty (the two launches at every batch) until the fused launch
-# is timed on a GPU against the two (bench/conv_step.py, bench/e2e.py --fuse-conv); not yet timed
-# (2026-12-05; its static SASS: bench/RESULTS.md, "The GDN conv fused into the standard step").
-FUSED_CONV_MAX_BATCH: dict[int, int] = {}
+# (`gdn.gdn_conv_step`), per state itemsize. Qwen3.5-4B's layer on an H100 (bench/conv_step.py, 2026-12-05,
+# bench/RESULTS.md, "The GDN conv fused into the standard step"): a step at batch 1 took 5.40 us fused against
+# 9.63 for the conv and step launches (f32 state), 5.28 against 6.12 (bf16); at batch 8 and above the fused
+# launch was 6-22% slower (its programs form their key head's q and k again; twice the instructions).
+FUSED_CONV_MAX_BATCH: dict[int, int] = {4: 1, 2: 1}
 
 
 def fuse_conv_default(batch: int, state_dtype) -> bool:
