@@ -399,11 +399,12 @@ STANDARD_TILE_COLS = 128
 
 
 # The largest batch at which a GDN layer's standard decode step runs its conv inside the step's launch
-# (`gdn.gdn_conv_step`), per state itemsize. Qwen3.5-4B's layer on an H100 (bench/conv_step.py, 2026-12-05,
-# bench/RESULTS.md, "The GDN conv fused into the standard step"): a step at batch 1 took 5.40 us fused against
-# 9.63 for the conv and step launches (f32 state), 5.28 against 6.12 (bf16); at batch 8 and above the fused
-# launch was 6-22% slower (its programs form their key head's q and k again; twice the instructions).
-FUSED_CONV_MAX_BATCH: dict[int, int] = {4: 1, 2: 1}
+# (`gdn.gdn_conv_step`), per state itemsize: none. Qwen3.5-4B's layer on an H100 (2026-12-05, bench/RESULTS.md,
+# "The GDN conv fused into the standard step"): in bench/conv_step.py's cycle a step at batch 1 took 5.40 us
+# fused against 9.63 for the two launches (f32 state), 5.28 against 6.12 (bf16), and 6-22% longer from batch 8;
+# end to end (bench/e2e.py --fuse-conv, Qwen3.5-4B-like, f32 state) the decode step took 4.21 ms fused against
+# 3.97 at batch 1 and 4.68 against 4.66 at batch 8.
+FUSED_CONV_MAX_BATCH: dict[int, int] = {}
 
 
 def fuse_conv_default(batch: int, state_dtype) -> bool:
