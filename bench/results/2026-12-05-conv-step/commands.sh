@@ -9,8 +9,9 @@
 #   python3 bench/results/2026-12-05-conv-step/same_ttir.py DIR           # the step's and the conv launch's IR,
 #                                                                          # run at a94592c and at cf84120: identical
 #
-# To run on a GPU (not yet run):
-#   python3 -m pytest -m gpu tests/test_conv_step.py tests/test_conv.py tests/test_inplace_hlo.py -q -n 16 -p no:cacheprovider
-#   python3 bench/conv_step.py --batches 1,8,64,256,512 --profile
-#   python3 bench/e2e.py --models qwen3_5_4b_like --batches 1,64,256 --modes standard --fuse-conv on --profile
-#   python3 bench/e2e.py --models qwen3_5_4b_like --batches 1,64,256 --modes standard --fuse-conv off --profile
+# On a GPU (2026-12-05, one H100 80GB HBM3; the tree of 8bb00c3, its kernels those of 3e71e84), from the
+# repository root, files here as runN_<name>:
+#   run1.sh: bench/conv_step.py --batches 1,8,64,256 --profile --repeats 5, then tests/test_conv_step.py -m gpu
+#   run2.sh: bench/e2e.py --models qwen3_5_4b_like --batches 1,8 --modes standard --prompt-len 128
+#            --new-tokens 64 --fuse-conv off|on, then tests/test_conv.py tests/test_inplace_hlo.py -m gpu
+#   run3.sh: the same e2e at batch 1 with --profile
