@@ -94,10 +94,12 @@ def _check_step(y, new, y_ref, rs_ref, rs, cursor, tol, buffer_len=L):
     (Mamba2Shape(batch=5, H=12, P=24, N=20, G=1), 6, f32, f32),
     (Mamba2Shape(batch=4, H=10, P=100, N=16, G=2, gated=False, dt_limit=(0.05, 0.8)), 24, bf16, f32),
 ], ids=["bf16-group4", "f32-group12-L6", "group5-P100-ungated-dtlimit-L24"])
-def test_launch_after_the_readout_matches_the_reference(shape, buffer_len, buffer_dtype, act, rng):
+@pytest.mark.parametrize("entry", [False, True], ids=["atomics", "entry-copy"])
+def test_launch_after_the_readout_matches_the_reference(shape, buffer_len, buffer_dtype, act, entry, rng):
     """The Triton launch after the readout (interpreted), given S_c C, against the reference's append step:
     from staggered cursors with inf and NaN in the dead slots and one row that entered full (NaN outputs, its
-    records kept), groups of 4, 12 and 5 heads, dims and L not powers of two."""
+    records kept), groups of 4, 12 and 5 heads, dims and L not powers of two; the cursor read and moved with
+    atomics, or read from the readout's copy of it at entry and moved by each row's first program."""
     layer = _layer(rng, shape, act)
     cursor = (np.arange(shape.batch) * 5 % buffer_len).astype(np.int32)
     cursor[-1] = buffer_len
@@ -106,8 +108,9 @@ def test_launch_after_the_readout_matches_the_reference(shape, buffer_len, buffe
     kw = layer._kernel_args(inp)
     inputs = mamba2_kernels._with_defaults(mamba2_kernels.Inputs(*(kw[n] for n in mamba2_kernels.Inputs._fields)))
     y, records, cursor_next = mamba2_kernels._after_readout(
-        _readout(rs, inp["C"]), mamba2_kernels.Records(rs.x, rs.dt, rs.B), rs.cursor, inputs, dt_softplus=True,
-        dt_limit=tuple(map(float, shape.dt_limit)), interpret=True)
+        _readout(rs, inp["C"]), mamba2_kernels.Records(rs.x, rs.dt, rs.B), rs.cursor, inputs,
+        jnp.array(rs.cursor) if entry else None, dt_softplus=True, dt_limit=tuple(map(float, shape.dt_limit)),
+        interpret=True)
     new = rs.replace(x=records.x, dt=records.dt, B=records.B, cursor=cursor_next)
     _check_step(y, new, y_ref, rs_ref, rs, cursor, tolerance_dtype(act, f32, buffer_dtype), buffer_len)
 
@@ -203,11 +206,14 @@ def test_default_tiling_of_the_deferred_route_counts_the_flush(monkeypatch):
 @pytest.mark.parametrize(("checkpoint_dtype", "act", "config", "batch"), [
     (f32, bf16, kernels.TMAReadoutConfig(), 300),
     (bf16, bf16, kernels.TMAReadoutConfig(stages=3, programs_per_sm=3), 8),
-], ids=["f32-b300", "bf16-3stages-b8"])
+    (f32, f32, kernels.TMAReadoutConfig(), 301),
+], ids=["f32-b300", "bf16-3stages-b8", "f32-b301-atomics"])
 def test_kernel_lowers_for_cuda(checkpoint_dtype, act, config, batch, rng):
     """The step's whole lowering on the CPU at the model's shape (abstract inputs), short of compiling: two
     custom calls, the Mosaic GPU readout and the Triton launch after it (its x, dt and B records and its
-    cursor aliased in place), and nothing else but the checkpoint's reshape to rows."""
+    cursor aliased in place), and nothing else but the checkpoint's reshape to rows. The cursor moves with
+    atomics only where the batch is not a multiple of 4 (elsewhere the readout copies it at entry for the
+    launch after it: `tma_readout.readout_moves_cursor`)."""
     layer = _layer(rng, MODEL.with_batch(batch), act)
     state, _ = _abstract(batch, checkpoint=checkpoint_dtype)
     text = lower_for_cuda(lambda rs, inp: layer.kernel_replay_step(rs, inp, "append", config), state,
@@ -217,6 +223,7 @@ def test_kernel_lowers_for_cuda(checkpoint_dtype, act, config, batch, rng):
     aliases = re.search(r"@__gpu\$xla\.gpu\.triton\([^\n]*output_operand_aliases = \[(.*?)\]\}", text).group(1)
     pairs = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", aliases)
     assert sorted(pairs) == [("1", "1"), ("2", "2"), ("3", "3"), ("4", "4")], pairs
+    assert ("atomic" in text) == (batch % 4 != 0)
 
 
 @pytest.mark.parametrize(("checkpoint_dtype", "batch"), [(f32, 64), (bf16, 64), (f32, 66)],
@@ -236,13 +243,14 @@ def test_deferred_step_lowers_for_cuda(checkpoint_dtype, batch, rng):
     calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)\(([^\n]*)", text)
     want = ["__gpu$xla.gpu.triton"] * (1 + (not fused)) + ["mosaic_gpu_v2"]
     assert sorted(c for c, _ in calls) == want, calls
+    assert ("atomic" in text) == (not fused)  # the cursor copied at entry by the readout (batch % 4 == 0)
     flush = [line for _, line in calls if "mamba2_deferred_flush_L16" in line]
     assert len(flush) == (not fused), "a flush launch beside the readout that flushes" if fused else "no flush launch"
     if fused:
         readout = next(line for c, line in calls if c == "mosaic_gpu_v2")
         assert "mamba2_deferred_tma" in readout
         pairs = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", readout)
-        assert pairs == [("1", "0")], pairs  # the checkpoint in place
+        assert pairs == [("2", "0")], pairs  # the checkpoint in place (after the readout and the entry cursors)
         return
     tile = "_bv32_w4_" if checkpoint_dtype == f32 else "_bv16_w2_"  # config.DEFERRED_FLUSH_TILE for f32 only
     assert f"mamba2_deferred_flush_L16{tile}" in flush[0], flush[0]

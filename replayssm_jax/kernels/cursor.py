@@ -20,7 +20,11 @@ the Triton replay kernel. Where the batch is a multiple of 4, the GDN
 readout moves it instead, without atomics: its prelude writes each row's
 cursor at entry to a fresh array and leaves the cursor as it was, and
 one program of the readout, which reads only that array, stores the new
-cursors in place (`tma_readout.readout_moves_cursor`). The deferred
+cursors in place (`tma_readout.readout_moves_cursor`). The Mamba-2 readout
+runs before its Triton launch, so it is the other way round there: one
+program of the readout copies each row's cursor at entry to a fresh array,
+the launch after it reads that copy, and each row's first program stores
+the new cursor in place. The deferred
 route's flush launch, which runs first, moves no cursor: the launches
 after it read a full row as empty (`live_count`).
 

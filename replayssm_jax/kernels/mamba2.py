@@ -73,7 +73,8 @@ from replayssm_jax.kernels.tiles import (load_checkpoint, mask_and, matvec, row_
                                          store_checkpoint, tile_mask, tile_row_ids)
 from replayssm_jax.kernels.tma_readout import (TMAReadoutConfig, check_mamba2_tma, check_tma_route,
                                                default_mamba2_tma, mamba2_deferred_readout_tma,
-                                               mamba2_flushes_in_readout, mamba2_readout_tma)
+                                               mamba2_flushes_in_readout, mamba2_readout_tma,
+                                               readout_moves_cursor)
 from replayssm_jax.state import Mamba2ReplayState
 
 # The state's rows and columns, as the size errors name them.
@@ -238,8 +239,8 @@ def _replay_kernel(checkpoint_ref, records: Records, cursor_ref, inputs: Inputs,
                        flush=route not in NO_FLUSH_ROUTES)
 
 
-def _after_readout_kernel(readout_ref, records: Records, cursor_ref, inputs: Inputs, y_ref, outs, *, P, N, L, group,
-                          dt_softplus, dt_limit, programs, route):
+def _after_readout_kernel(readout_ref, records: Records, cursor_ref, inputs: Inputs, entry_ref, y_ref, outs, *, P,
+                          N, L, group, dt_softplus, dt_limit, programs, route):
     """The append route's per-head work after the Mosaic GPU readout, on one (batch row, head): the live
     slots' decay weights and the buffered B's scores against C, then
 
@@ -247,22 +248,23 @@ def _after_readout_kernel(readout_ref, records: Records, cursor_ref, inputs: Inp
 
     times silu(z), with S_c C from `readout_ref`; the x and dt records at the row's cursor, the group's
     B record by the group's first head, all where the row has a free slot (else NaN outputs and nothing
-    written), and the cursor moved to min(cursor + 1, L) in place once the row's `programs` programs
-    have read it (`advance_cursor`); on the deferred route a full row is read as empty
-    (`cursor.live_count`: its flush launch ran before the readout), its cursor moved to 1. The buffered
-    records are loaded where live only (`tiles.load_live_only`).
+    written), and the cursor moved to min(cursor + 1, L) in place: given `entry_ref` (the readout's copy of
+    the cursor at entry, which the programs read instead of the cursor), by the row's first program; else
+    once the row's `programs` programs have read it (`advance_cursor`). On the deferred route a full row is
+    read as empty (`cursor.live_count`: its flush ran before), its cursor moved to 1. The buffered records
+    are loaded where live only (`tiles.load_live_only`).
 
     Refs (BP, BN, BL: P, N, L up to powers of two; the head's and its
     group's blocks): readout_ref f32[BP], records.x [BL, BP], records.dt
-    f32[BL], records.B [BL, BN], cursor_ref i32[1]; inputs.x, inputs.z
-    [BP], inputs.dt, inputs.A, inputs.D, inputs.dt_bias scalars,
-    inputs.B, inputs.C [BN]; y_ref [BP]; outs (records_out, cursor_out),
-    the aliased records and cursor. Padded lanes are neither read nor
-    written."""
+    f32[BL], records.B [BL, BN], cursor_ref and entry_ref (or None)
+    i32[1]; inputs.x, inputs.z [BP], inputs.dt, inputs.A, inputs.D,
+    inputs.dt_bias scalars, inputs.B, inputs.C [BN]; y_ref [BP]; outs
+    (records_out, cursor_out), the aliased records and cursor. Padded lanes
+    are neither read nor written."""
     records_out, cursor_out = outs
     BL, BN, BP = records.dt.shape[0], inputs.B.shape[0], inputs.x.shape[0]
     pmask, nmask = lane_mask(BP, P), lane_mask(BN, N)
-    cursor = read_cursor(cursor_ref)
+    cursor = read_cursor(cursor_ref if entry_ref is None else entry_ref)
     count = live_count(cursor, L, route)
     lanes = lane_ids(BL)
     live = lanes < count
@@ -291,16 +293,24 @@ def _after_readout_kernel(readout_ref, records: Records, cursor_ref, inputs: Inp
     def _():
         store(records_out.B.at[count], Bv, mask_and(nmask, append, (BN,)))
 
-    advance_cursor(cursor_out, cursor, jnp.minimum(count + 1, L), programs)
+    new = jnp.minimum(count + 1, L)
+    if entry_ref is None:
+        advance_cursor(cursor_out, cursor, new, programs)
+    else:  # no program of this launch reads the cursor
+
+        @pl.when((program_id(1) == 0) & (new != cursor))
+        def _():
+            cursor_out[0] = new
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "dt_offset", "interpret", "route"))
-def _after_readout(readout, records: Records, cursor, inputs: Inputs, *, dt_softplus: bool,
+def _after_readout(readout, records: Records, cursor, inputs: Inputs, entry=None, *, dt_softplus: bool,
                    dt_limit: tuple[float, float], interpret: bool, route: str = "append", dt_offset: int = 0):
     """The append (or deferred) route's launch after the Mosaic GPU readout (`_after_readout_kernel`),
     grid (batch, H).
-    Takes the readout f32[batch, H, P] (S_c C), the state's records and cursor and the step's inputs (with
-    D and dt_bias); returns (y [batch, H, P] in x.dtype, records, cursor), the records and the cursor
+    Takes the readout f32[batch, H, P] (S_c C), the state's records and cursor, the step's inputs (with
+    D and dt_bias) and the readout's copy of the cursor at entry i32[batch] (None: the cursor is read and
+    moved with atomics); returns (y [batch, H, P] in x.dtype, records, cursor), the records and the cursor
     written in place."""
     batch, H, P = inputs.x.shape
     G, N = inputs.B.shape[1:]
@@ -321,12 +331,12 @@ def _after_readout(readout, records: Records, cursor, inputs: Inputs, *, dt_soft
     y, (records, cursor) = pl.pallas_call(
         kernel, grid=(batch, H), interpret=interpret, name=f"mamba2_append_heads_L{L}",
         compiler_params=triton_params(head_work_warps(BL * BP)),
-        in_specs=(rows, record_specs, cursor_spec, input_specs),
+        in_specs=(rows, record_specs, cursor_spec, input_specs, None if entry is None else cursor_spec),
         out_specs=(rows, (record_specs, cursor_spec)),
         out_shape=(jax.ShapeDtypeStruct(inputs.x.shape, inputs.x.dtype),
                    jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (records, cursor))),
         input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4},
-    )(readout, records, cursor, inputs)
+    )(readout, records, cursor, inputs, entry)
     return y, records, cursor
 
 
@@ -341,7 +351,7 @@ def _append_tma(state: Mamba2ReplayState, inputs: Inputs, *, dt_softplus: bool, 
     Returns (y [batch, H, P] in x.dtype, new Mamba2ReplayState), as :func:`mamba2_replay_step`."""
     records, inputs = Records(state.x, state.dt, state.B), _with_defaults(inputs)
     if route == "deferred" and mamba2_flushes_in_readout(state, inputs.C, config):
-        readout, checkpoint = mamba2_deferred_readout_tma(state, inputs.C, inputs.A, config)
+        readout, checkpoint, entry = mamba2_deferred_readout_tma(state, inputs.C, inputs.A, config)
         state = state.replace(checkpoint=checkpoint)
     else:
         if route == "deferred":
@@ -349,8 +359,11 @@ def _append_tma(state: Mamba2ReplayState, inputs: Inputs, *, dt_softplus: bool, 
             state = state.replace(checkpoint=_flush_full(state.checkpoint, records, state.cursor, inputs,
                                                          dt_softplus=dt_softplus, dt_limit=dt_limit, config=flush,
                                                          interpret=False))
-        readout = mamba2_readout_tma(state.checkpoint, inputs.C, config)
-    y, records, cursor = _after_readout(readout, records, state.cursor, inputs, dt_softplus=dt_softplus,
+        if readout_moves_cursor(state.cursor.shape[0]):
+            readout, entry = mamba2_readout_tma(state.checkpoint, inputs.C, config, state.cursor)
+        else:
+            readout, entry = mamba2_readout_tma(state.checkpoint, inputs.C, config), None
+    y, records, cursor = _after_readout(readout, records, state.cursor, inputs, entry, dt_softplus=dt_softplus,
                                         dt_limit=dt_limit, dt_offset=dt_offset, interpret=False, route=route)
     return y, state.replace(x=records.x, dt=records.dt, B=records.B, cursor=cursor)
 

@@ -47,7 +47,11 @@ writes S_c C, f32[batch, H, P]; then a Triton launch
 does the Triton append kernel's per-head work on it (the live slots' decay
 weights, the buffered B's scores against C, the buffer terms from the x
 records, the skip and the gate), appends the x, dt and B records and moves
-the cursor in place (`advance_cursor`).
+the cursor in place: where the batch is a multiple of 4 the readout copies
+each row's cursor at entry to a fresh array (one program, TMA copies), which
+the launch after it reads instead of the cursor, so that one program a row
+stores the new cursor, with no atomics (:func:`readout_moves_cursor`);
+elsewhere each program counts its arrival (`advance_cursor`).
 
 The deferred route (route="deferred") reads the rows that entered full
 (cursor L) as empty after flushing them: their record goes to slot 0 and
@@ -257,28 +261,32 @@ def smem_bytes(state: GDNReplayState, v, config: TMAReadoutConfig, deferred: boo
 
 def mamba2_smem_bytes(checkpoint, C, config: TMAReadoutConfig, flush: Mamba2ReplayState | None = None) -> int:
     """Shared-memory bytes of a program of :func:`mamba2_readout_tma`, counted as :func:`smem_bytes`: the
-    item's checkpoint tile [block_v, N], its C [N] and its readout f32[block_v], times the stages. `flush`:
-    the state of the deferred route's readout (:func:`mamba2_deferred_readout_tma`), which also holds the
-    cursor, A, and a flushing item's x records [nh L, P], B records [L, N] and dt records f32[nh, L] (nh =
-    `heads_per_item`; one buffer each, not staged), and four more barriers."""
+    item's checkpoint tile [block_v, N], its C [N] and its readout f32[block_v], times the stages, and where
+    :func:`readout_moves_cursor` the cursors and one more barrier. `flush`: the state of the deferred route's
+    readout (:func:`mamba2_deferred_readout_tma`), which also holds the cursor, A, and a flushing item's x
+    records [nh L, P], B records [L, N] and dt records f32[nh, L] (nh = `heads_per_item`; one buffer each, not
+    staged), and four more barriers."""
     batch, H, P, N = checkpoint.shape
     BV = config.block_v
     buffers = (BV * N * checkpoint.dtype.itemsize, N * C.dtype.itemsize, BV * 4)
     stages = min(config.stages, _grid(batch, 1, H * P, config)[2])
     scratch = plgpu.CompilerParams().reduction_scratch_bytes + 8 * (1 + 4 * (flush is not None) + stages * len(buffers))
-    extra = 0
+    extra = (_align(cursor_rows(batch) * TMA_MAX * 4) + 8) * readout_moves_cursor(batch)
     if flush is not None:
         L = flush.buffer_len
         nh = heads_per_item(P, BV)
         extra = sum(_align(b) for b in (cursor_rows(batch) * TMA_MAX * 4, H * 4, nh * L * P * flush.x.dtype.itemsize,
-                                        L * N * flush.B.dtype.itemsize, nh * L * 4))
+                                        L * N * flush.B.dtype.itemsize, nh * L * 4))  # flushes: batch % 4 == 0
     return sum(_align(stages * b) for b in buffers) + scratch + extra
 
 
 def readout_moves_cursor(batch: int) -> bool:
-    """Whether the GDN readout (append and deferred routes) stores the cursors after the step, from one program,
-    in TMA copies of up to TMA_MAX rows: each copy's bytes a multiple of 16, so batch a multiple of 4. Elsewhere
-    the prelude moves them (`cursor.advance_cursor`: an atomic add a program, a store by the row's last)."""
+    """Whether the readout (append and deferred routes) takes the cursors over from the atomics, in TMA copies of
+    up to TMA_MAX rows: each copy's bytes a multiple of 16, so batch a multiple of 4. GDN: the readout stores the
+    cursors after the step, from one program. Mamba-2: the readout copies the cursors at entry to a fresh array,
+    from one program, and the launch after it, which reads that copy, stores each row's new cursor from the row's
+    first program. Elsewhere the launch that reads the cursor in every program of a row moves it
+    (`cursor.advance_cursor`: an atomic add a program, a store by the row's last)."""
     return batch % 4 == 0
 
 
@@ -917,10 +925,11 @@ def _mamba2_flush_tile(S_s, records, h0, p0, *, P: int, L: int, H: int):
 
 
 def _mamba2_readout_kernel(shape: tuple[int, int], rows_per_group: int, config: TMAReadoutConfig, checkpoint_dtype,
-                           flush: tuple[int, int] | None = None):
+                           flush: tuple[int, int] | None = None, copies_cursor: bool = False):
     """The readout's body over the (batch row, row tile) items of `shape` = (batch, rows); `flush` = (P, L):
     the deferred route's readout, whose item of a full row (cursor L) flushes its tile first (see
-    :func:`mamba2_deferred_readout_tma`)."""
+    :func:`mamba2_deferred_readout_tma`); `copies_cursor` (always with `flush`): one program copies the
+    cursors at entry to the output `entry`."""
     batch, rows = shape
     BV = config.block_v
     tiles = rows // BV
@@ -928,10 +937,25 @@ def _mamba2_readout_kernel(shape: tuple[int, int], rows_per_group: int, config: 
 
     def body(ck_ref, c_ref, *refs):
         if flush:
-            cursor_ref, x_ref, dt_ref, B_ref, A_ref, o_ref, cursor_s, A_s, x_s, B_s, dt_s, barrier = refs
+            cursor_ref, x_ref, dt_ref, B_ref, A_ref, o_ref, entry_ref, cursor_s, A_s, x_s, B_s, dt_s, barrier = refs
+        elif copies_cursor:
+            cursor_ref, o_ref, entry_ref, cursor_s, barrier = refs
         else:
             (o_ref,) = refs
         program = lax.axis_index("program")
+
+        def load_cursors():  # the cursors at entry into shared memory (one TMA copy of up to TMA_MAX rows each)
+            for r in range(cursor_rows(batch)):
+                n = min(TMA_MAX, batch - r * TMA_MAX)
+                plgpu.copy_gmem_to_smem(cursor_ref.at[pl.ds(r * TMA_MAX, n)], cursor_s.at[r, pl.ds(0, n)],
+                                        barrier.at[0])
+                plgpu.barrier_wait(barrier.at[0])
+
+        def store_entry():  # ... and from there into `entry`; its reads of shared memory done when this returns
+            for r in range(cursor_rows(batch)):
+                n = min(TMA_MAX, batch - r * TMA_MAX)
+                plgpu.copy_smem_to_gmem(cursor_s.at[r, pl.ds(0, n)], entry_ref.at[pl.ds(r * TMA_MAX, n)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def item(step):  # (batch row, row tile) of this program's step; past the end (no flush): the last item
             i = step * programs + program  # again, the same writes
@@ -975,11 +999,15 @@ def _mamba2_readout_kernel(shape: tuple[int, int], rows_per_group: int, config: 
 
         if not flush:
             pipeline(steps)
+            if copies_cursor:  # by the last program, after its items (it has the fewest where they differ)
+
+                @pl.when(program == programs - 1)
+                def _():
+                    load_cursors()
+                    store_entry()
             return
-        for r in range(cursor_rows(batch)):  # the cursor, then A, into shared memory
-            n = min(TMA_MAX, batch - r * TMA_MAX)
-            plgpu.copy_gmem_to_smem(cursor_ref.at[pl.ds(r * TMA_MAX, n)], cursor_s.at[r, pl.ds(0, n)], barrier.at[0])
-            plgpu.barrier_wait(barrier.at[0])
+        load_cursors()  # the cursor, then A, into shared memory
+        pl.when(program == programs - 1)(store_entry)
         plgpu.copy_gmem_to_smem(A_ref, A_s, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
         pipeline(_steps_each_item_once(count_items, programs, program))
@@ -987,30 +1015,38 @@ def _mamba2_readout_kernel(shape: tuple[int, int], rows_per_group: int, config: 
     return body
 
 
-def _mamba2_readout_call(checkpoint, C, config: TMAReadoutConfig, flush: Mamba2ReplayState | None = None):
+def _mamba2_readout_call(checkpoint, C, config: TMAReadoutConfig, flush: Mamba2ReplayState | None = None,
+                         copies_cursor: bool = False):
     """The Mosaic GPU kernel of :func:`mamba2_readout_tma` (flush None) or of
-    :func:`mamba2_deferred_readout_tma` (flush: the state), over the checkpoint's rows [batch, H P, N]."""
+    :func:`mamba2_deferred_readout_tma` (flush: the state), over the checkpoint's rows [batch, H P, N]; its
+    outputs the readout f32[batch, H P] and, with `copies_cursor` or `flush`, the cursors at entry i32[batch]."""
     batch, H, P, N = checkpoint.shape
     rows = H * P
     programs = _grid(batch, 1, rows, config)[1]
+    copies_cursor = copies_cursor or flush is not None
     body = _mamba2_readout_kernel((batch, rows), H // C.shape[1] * P, config, checkpoint.dtype,
-                                  None if flush is None else (P, flush.buffer_len))
+                                  None if flush is None else (P, flush.buffer_len), copies_cursor)
     route = "append" if flush is None else "deferred"
     name = f"mamba2_{route}_tma_bv{config.block_v}_st{config.stages}_p{programs}"  # as the profiles name it
-    scratch = []
+    scratch = [plgpu.SMEM((cursor_rows(batch), TMA_MAX), jnp.int32)] if copies_cursor else []
     if flush is not None:
         L = flush.buffer_len
         nh = heads_per_item(P, config.block_v)
-        scratch = [plgpu.SMEM((cursor_rows(batch), TMA_MAX), jnp.int32), plgpu.SMEM((H,), f32),
-                   plgpu.SMEM((nh * L, P), flush.x.dtype), plgpu.SMEM((L, N), flush.B.dtype),
-                   plgpu.SMEM((nh, L), f32), plgpu.Barrier(num_barriers=4)]
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((batch, rows), f32), grid=(programs,),
-                        grid_names=("program",), kernel_name=name, scratch_types=scratch)
+        scratch += [plgpu.SMEM((H,), f32), plgpu.SMEM((nh * L, P), flush.x.dtype), plgpu.SMEM((L, N), flush.B.dtype),
+                    plgpu.SMEM((nh, L), f32), plgpu.Barrier(num_barriers=4)]
+    elif copies_cursor:
+        scratch.append(plgpu.Barrier(num_barriers=1))
+    out_type = jax.ShapeDtypeStruct((batch, rows), f32)
+    if copies_cursor:
+        out_type = (out_type, jax.ShapeDtypeStruct((batch,), jnp.int32))
+    return plgpu.kernel(body, out_type=out_type, grid=(programs,), grid_names=("program",), kernel_name=name,
+                        scratch_types=scratch)
 
 
-def mamba2_readout_tma(checkpoint, C, config: TMAReadoutConfig):
+def mamba2_readout_tma(checkpoint, C, config: TMAReadoutConfig, cursor=None):
     """The Mamba-2 checkpoint's readout S_c C on Mosaic GPU: every head's checkpoint rows against its
     group's C, one persistent kernel whose TMA copies stream the checkpoint tiles through shared memory.
+    Given the cursor, its last program also copies it (:func:`readout_moves_cursor`).
 
     The checkpoint [batch, H, P, N] is read as its rows [batch, H P, N] (a
     reshape, no copy), in items of `config.block_v` rows; an item's rows
@@ -1022,13 +1058,26 @@ def mamba2_readout_tma(checkpoint, C, config: TMAReadoutConfig):
       C: f32 | bf16[batch, G, N], G dividing H (head h reads group
         h // (H // G)).
       config: a TMAReadoutConfig.
+      cursor: None, or i32[batch] (the state's cursor), batch a multiple
+        of 4.
 
     Returns:
-      f32[batch, H, P]: sum over n of checkpoint[b, h, p, n] C[b, h // (H // G), n].
+      f32[batch, H, P]: sum over n of checkpoint[b, h, p, n] C[b, h // (H // G), n]; given the cursor,
+      (that, a copy of the cursor i32[batch]).
+
+    Raises:
+      ValueError: a cursor given where batch is not a multiple of 4.
     """
     batch, H, P, N = checkpoint.shape
-    kernel = _mamba2_readout_call(checkpoint, C, config)
-    return kernel(checkpoint.reshape(batch, H * P, N), C).reshape(batch, H, P)
+    if cursor is not None and not readout_moves_cursor(batch):
+        raise ValueError(f"the readout copies the cursor in TMA copies of whole 16 bytes: batch a multiple of 4; "
+                         f"got batch = {batch}")
+    kernel = _mamba2_readout_call(checkpoint, C, config, copies_cursor=cursor is not None)
+    rows = checkpoint.reshape(batch, H * P, N)
+    if cursor is None:
+        return kernel(rows, C).reshape(batch, H, P)
+    o, entry = kernel(rows, C, cursor)
+    return o.reshape(batch, H, P), entry
 
 
 def mamba2_deferred_readout_tma(state: Mamba2ReplayState, C, A, config: TMAReadoutConfig):
@@ -1052,15 +1101,16 @@ def mamba2_deferred_readout_tma(state: Mamba2ReplayState, C, A, config: TMAReado
 
     Returns:
       (f32[batch, H, P] the readout S_c C of the checkpoint after the
-      flush, the checkpoint with the full rows flushed; in place).
+      flush, the checkpoint with the full rows flushed (in place), a copy
+      of the cursor at entry i32[batch] (:func:`readout_moves_cursor`)).
     """
     batch, H, P, N = state.checkpoint.shape
     kernel = _mamba2_readout_call(state.checkpoint, C, config, state)
     ck_ref = jax.new_ref(state.checkpoint.reshape(batch, H * P, N))  # the full rows' tiles written in place
     L = state.buffer_len
     x = state.x.reshape(batch, H * L, P)  # a head's records are L rows: an item's heads are one copy
-    o = kernel(ck_ref, C, state.cursor, x, state.dt, state.B, A.astype(f32))
-    return o.reshape(batch, H, P), ck_ref[...].reshape(state.checkpoint.shape)
+    o, entry = kernel(ck_ref, C, state.cursor, x, state.dt, state.B, A.astype(f32))
+    return o.reshape(batch, H, P), ck_ref[...].reshape(state.checkpoint.shape), entry
 
 
 def gdn_append_tma(state: GDNReplayState, qn, kn, terms, entry, v, config: TMAReadoutConfig, k0=None):
