@@ -23,4 +23,4 @@ python3 m2_atomic_probe.py > m2_atomic.log 2>&1
 # On the CPU (no GPU), the tree of 69ca17a with mamba2_entry_cursor.patch applied, from its root:
 #   python3 -m pytest tests/test_mamba2_tma.py -n 2            # 36 passed
 #   for a in "0 8" "1 12" "2 6" "3 8"; do python3 interpret_check.py $a; done   # append and deferred: passed
-# m2_entry_probe.py (the A/B on a GPU) has not run yet.
+# m2_entry_probe.py (the A/B on a GPU) ran after the patch landed (2908a70): ../2026-12-06-mamba2-entry-cursor/
