@@ -18,25 +18,33 @@ _OPS = [("step", None, None)] + [("replay_step", route, None)
                                  for route in ("output", "state", "direct", "append", "deferred")] + [
     ("replay_verify", None, None), ("replay_verify", None, DraftTree((-1, 0, 0, 1, 2))),
     ("verify", None, None), ("verify", None, DraftTree((-1, 0, 0)))]
-# The replay step's flush outside the default tilings: inside the replay launch, and a launch of its own
-# over blocks of two batch rows (the per-head parameters not indexed by row).
+# The replay step's output route at two tilings besides the default, which at the tests' CPU shapes (batch x
+# heads within one wave of programs, `kernels.config.default_replay_config`) fuses the flush into the replay
+# launch with one row tile a program: the flush fused with three row tiles a program, and a launch of its
+# own over blocks of two batch rows (the per-head parameters not indexed by row).
 _FLUSH_TILINGS = {"fused-flush": kernels.ReplayConfig(block_v=8, num_warps=2, tiles=3, fused_flush=True),
                   "flush-launch-2-rows": kernels.ReplayConfig(block_v=8, num_warps=2, tiles=2, flush_block_v=4,
                                                               flush_warps=1, flush_rows=2)}
 
 
-def _case(name, route, tree, config, backend, tag=""):
-    marks = [pytest.mark.gpu] if backend == "pallas" else []
+def _case(name, route, tree, config, backend, tag="", slow=False):
+    marks = [pytest.mark.gpu] if backend == "pallas" else [pytest.mark.slow] if slow else []
     case_id = "-".join(filter(None, (name, route, "tree" if tree else "", tag, backend)))
     return pytest.param(name, route, tree, config, backend, marks=marks, id=case_id)
 
 
 # (op, route, tree, config, backend) of the checks: every op on the reference and the interpreted kernels,
 # the chunked prefill on the reference, the output route on both flush tilings interpreted, and every op
-# compiled (GPU marker, at the test's GPU shape).
-FORM_CASES = ([_case(*op, None, backend) for backend in ("xla", "interpret") for op in _OPS]
+# compiled (GPU marker, at the test's GPU shape). In the default run: on the reference the step and the
+# chunked prefill, the others `slow` (each reference op takes the input form by one shared helper at its
+# entry, before any route or tree: `reference.mamba2.dt_columns`, `reference.gdn._gates_of`); interpreted
+# every op and route on a chain and the flush launch of its own, the draft trees `slow` (a tree's nodes
+# read their inputs by the chain's per-step code, `_window_steps` of the kernels) and so is the fused flush
+# of three row tiles a program (the default tiling's output route fuses the flush, one tile a program).
+FORM_CASES = ([_case(*op, None, "xla", slow=op[0] != "step") for op in _OPS]
+              + [_case(*op, None, "interpret", slow=op[2] is not None) for op in _OPS]
               + [_case("chunked", None, None, None, "xla")]
-              + [_case("replay_step", "output", None, config, "interpret", tag)
+              + [_case("replay_step", "output", None, config, "interpret", tag, slow=tag == "fused-flush")
                  for tag, config in _FLUSH_TILINGS.items()]
               + [_case(*op, None, "pallas") for op in _OPS])
 

@@ -107,6 +107,12 @@ def test_route_with_the_standard_state_warns(capsys):
     assert json.loads(captured.out)["route"] is None
 
 
+# `slow`: the direct and the default route decode the reference tokens by default in tests/test_generation.py
+# (test_direct_route_tokens_match_transformers, test_greedy_tokens_match_transformers), --prompt-ids of
+# several rows and --stop '' run in test_lockstep_option, --route in
+# test_command_text_output_names_state_and_route, and Generator's default lockstep (--lockstep auto's) stays
+# off on the xla backend in tests/test_bench_scripts.py::test_e2e_smoke.
+@pytest.mark.slow
 def test_command_prompt_ids_on_fixture(capsys):
     ref = reference("qwen3_next_tiny")
     ids = ";".join(",".join(map(str, row)) for row in ref["prompt_ids"])
@@ -123,8 +129,8 @@ def test_command_prompt_ids_on_fixture(capsys):
 
 def test_lockstep_option(capsys):
     """--lockstep on: the reference's tokens, and the JSON says the decode ran in lockstep (auto, the default, is
-    off on the xla backend: test_command_prompt_ids_on_fixture); on with a block size that L does not divide: a
-    usage error naming both flags."""
+    off on the xla backend: test_command_prompt_ids_on_fixture, `slow`); on with a block size that L does not
+    divide: a usage error naming both flags."""
     ref = reference("qwen3_next_tiny")
     ids = ";".join(",".join(map(str, row)) for row in ref["prompt_ids"])
     n = ref["generated_ids"].shape[1] - ref["prompt_ids"].shape[1]
@@ -138,6 +144,10 @@ def test_lockstep_option(capsys):
     assert "--lockstep on needs" in err and "block_size = 4 not a multiple of buffer_len = 3" in err
 
 
+# `slow`: the command's stop tokens and sampling from generation_config.json run by default in
+# test_generation_config_defaults_and_explicit_options_win, and sampled rows that end at the checkpoint's eos
+# in tests/test_generation.py::test_generation_config_gives_the_default_stop_token_and_sampling.
+@pytest.mark.slow
 def test_default_stop_is_the_checkpoints_eos(capsys):
     """The issue's command: sampled rows end at generation_config.json's eos_token_id (2)."""
     report = run_json(["--checkpoint", str(DATA / "nemotron_h_tiny"), "--prompt-ids",

@@ -93,11 +93,19 @@ def test_engine_gives_the_generator_tokens(model, generated, state):
 
 
 K = 2  # drafts per speculative round: W = 3 verified positions (<= L = 4)
+# By default the oracle (every draft accepted, and none) on ReplaySSM and the n-gram drafter on the standard
+# state; the oracle on the standard state and the n-gram drafter on ReplaySSM `slow`: the standard state's
+# verify and commit over the pool run in the n-gram case, and the n-gram rounds on ReplaySSM by default in
+# test_speculative_sampling_depends_on_the_request_only (its greedy requests get the Generator's tokens).
+_SPECULATIVE_DEFAULT = {("oracle-all", "replay"), ("oracle-none", "replay"), ("ngram", "standard")}
+SPECULATIVE_CASES = [pytest.param(method, alpha, state, id=f"{drafter}-{state}",
+                                  marks=() if (drafter, state) in _SPECULATIVE_DEFAULT else pytest.mark.slow)
+                     for state in ("replay", "standard")
+                     for method, alpha, drafter in (("oracle", 1.0, "oracle-all"), ("oracle", 0.0, "oracle-none"),
+                                                    ("ngram", 1.0, "ngram"))]
 
 
-@pytest.mark.parametrize("state", ["replay", "standard"])
-@pytest.mark.parametrize("method, alpha", [("oracle", 1.0), ("oracle", 0.0), ("ngram", 1.0)],
-                         ids=["oracle-all", "oracle-none", "ngram"])
+@pytest.mark.parametrize("method, alpha, state", SPECULATIVE_CASES)
 def test_speculative_engine_gives_the_generator_tokens(model, generated, state, method, alpha):
     """Speculative rounds over the pool (K = 2, W = 3): every request's sequence is the plain greedy
     Generator's, token for token, with the oracle drafting each request's own greedy continuation at alpha 1

@@ -4,7 +4,8 @@ and inside the kernels: no XLA launch for them in a decode step).
 
 Every op given the raw gates is checked against the same op given g and beta formed in float64 by NumPy,
 on the reference, the interpreted kernels and (GPU marker) the compiled kernels at Qwen3.5-4B's layer,
-where the append, deferred and direct routes run their Mosaic GPU kernels behind the Triton prelude.
+where the append, deferred and direct routes run their Mosaic GPU kernels behind the Triton prelude. Which
+of these cases the default run takes (the others `slow`): `input_forms.FORM_CASES`.
 """
 
 from __future__ import annotations

@@ -35,11 +35,12 @@ FIXTURES = ["mamba2_tiny", "nemotron_h_tiny", "qwen3_5_tiny", "qwen3_next_tiny"]
 MODES = [("standard", None, "standard"), ("replay", 4, "replay-L4"), ("replay", 1, "replay-L1"),
          ("replay", 16, "replay-L16")]
 # The Generator's path is the same code in every family (the families differ in their layers, which
-# test_models.py::test_decode_matches_transformers checks for both states on every fixture): each state
-# runs by default on one fixture of each layer type (the standard state on mamba2_tiny and qwen3_5_tiny,
-# L = 4 on the two with attention layers too, nemotron_h_tiny and qwen3_5_tiny), `slow` on the other
-# two; L = 1 and 16 `slow`.
-_DEFAULT_GREEDY = {None: ("mamba2_tiny", "qwen3_5_tiny"), 4: ("nemotron_h_tiny", "qwen3_5_tiny")}
+# test_models.py checks against the reference logits with both states on every fixture): the standard
+# state runs by default on one fixture of each layer type (mamba2_tiny and qwen3_5_tiny) and L = 4 on
+# nemotron_h_tiny (GDN's ReplaySSM decodes the reference tokens through the Generator by default in
+# test_direct_route_tokens_match_transformers[qwen3_5_tiny] and test_stop_tokens_end_only_their_sequence),
+# the other cases `slow`; L = 1 and 16 `slow`.
+_DEFAULT_GREEDY = {None: ("mamba2_tiny", "qwen3_5_tiny"), 4: ("nemotron_h_tiny",)}
 GREEDY_CASES = [pytest.param(name, state, L, id=f"{name}-{mode_id}",
                              marks=() if name in _DEFAULT_GREEDY.get(L, ()) else pytest.mark.slow)
                 for name in FIXTURES for state, L, mode_id in MODES]
@@ -189,6 +190,10 @@ def test_stop_tokens_end_only_their_sequence():
         assert out.num_generated[row] == cut
 
 
+# `slow`: the sampled decode block runs by default in test_generation_config_gives_the_default_stop_token_and_sampling
+# (top-k) and test_sampled_row_does_not_depend_on_the_other_rows (seeded), sample_tokens' top-k and top-p
+# filters in test_sample_tokens_stays_in_top_k_and_top_p.
+@pytest.mark.slow
 def test_sampling_is_seeded_and_respects_top_k():
     ref = reference("nemotron_h_tiny")
     gen = Generator(model("nemotron_h_tiny"), state="replay", buffer_len=4)

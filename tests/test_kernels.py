@@ -91,10 +91,14 @@ def case_id(case):
     return str(case[1]) if not isinstance(case[1], tuple) else f"{case[0].__name__}-{case[1]}"
 
 
+def backend_marks(backend, slow=False):
+    """The marks of a case on `backend`: `gpu` for the compiled kernels (and `slow` if asked)."""
+    return ([pytest.mark.gpu] if backend == "pallas" else []) + ([pytest.mark.slow] if slow else [])
+
+
 def on(backend, *values, id, slow=False):
     """pytest.param(backend, *values), marked `gpu` for the compiled kernels (and `slow` if asked)."""
-    marks = ([pytest.mark.gpu] if backend == "pallas" else []) + ([pytest.mark.slow] if slow else [])
-    return pytest.param(backend, *values, id=f"{backend}-{id}", marks=marks)
+    return pytest.param(backend, *values, id=f"{backend}-{id}", marks=backend_marks(backend, slow))
 
 
 def gpu_tiling_config(tiling):
@@ -109,12 +113,33 @@ def gpu_tiling_config(tiling):
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
-# The standard step, every backend at its shapes, every dtype combination.
-STEP_CASES = [on(backend, case, id=case_id(case)) for backend, table in SHAPES.items() for case in cases(table)]
+# The shape (index in the table) of each bf16 combination in the default run on the CPU backends, per layer:
+# each combination on one shape (the masks are the shape's, the casts the dtypes'), so every mask branch and
+# every cast runs, in test_step and in test_replay_step on every route; the other shape of each combination
+# is `slow` (test_step runs f32 on every shape interpreted; test_replay_tilings also runs the first shape
+# with bf16 inputs and f32 state).
+DEFAULT_BF16_SHAPE = {"bf16in-bf16state": 0, "bf16in-f32state": 1}
+
+# The standard step, every backend at its shapes, every dtype combination; on the CPU backends by default
+# the bf16 combinations at DEFAULT_BF16_SHAPE, f32 interpreted on every shape and on the reference on the
+# first shapes (at the second, test_reference.py's chunked T = 15 case holds the reference's f32 step loop to
+# the chunked form and that to the float64 loop).
+def step_is_slow(backend, index, dtypes) -> bool:
+    """Whether the test_step case on `backend` at shape `index` of its table with `dtypes` is `slow`."""
+    if backend == "pallas":
+        return False
+    if dtypes == "f32":
+        return backend == "xla" and index != 0
+    return index != DEFAULT_BF16_SHAPE[dtypes]
 
 
-@pytest.mark.parametrize(("backend", "case"), STEP_CASES)
-@pytest.mark.parametrize("dtypes", DTYPES)
+STEP_CASES = [pytest.param(dtypes, backend, (layer, shape), id=f"{dtypes}-{backend}-{case_id((layer, shape))}",
+                           marks=backend_marks(backend, slow=step_is_slow(backend, index, dtypes)))
+              for dtypes in DTYPES for backend, table in SHAPES.items() for layer, shapes in table.items()
+              for index, shape in enumerate(shapes)]
+
+
+@pytest.mark.parametrize(("dtypes", "backend", "case"), STEP_CASES)
 def test_step(backend, case, dtypes, rng):
     """Four standard steps against the float64 loop that follows the rounded state; outputs in the input
     dtype, the state in its own."""
@@ -126,19 +151,21 @@ def test_step(backend, case, dtypes, rng):
 ROUTES = ["output", "state", "direct", "deferred"]
 
 
-# Interpreted bf16 cases per CPU shape (index in the table) in the default run: each bf16 combination
-# on one shape (the masks are the shape's, the casts the dtypes'), so every mask branch and every cast
-# runs on every route; the other shape of each combination is `slow` (test_replay_tilings also runs
-# the first shape with bf16 inputs and f32 state).
-DEFAULT_BF16_SHAPE = {"bf16in-bf16state": 0, "bf16in-f32state": 1}
+# The lengths of the first shape's f32 replay steps in the default run, per CPU backend. Interpreted L = 1
+# (a flush every step; the output and state routes only, see `deferred_is_slow` and `direct_is_slow`), L 4
+# and 16 `slow`: test_replay_dead_slots_never_read runs every route at L = 8 in f32 (the same checks, the dead
+# slots poisoned), the bf16 cases every route but the deferred at L = 4, and the first shapes' default tiles
+# (8 rows) take the record loop at every L. On the reference L 1 and 4, L 16 `slow` (its replay step has no
+# branch on L; test_reference.py runs L 16).
+DEFAULT_F32_LENGTHS = {"xla": (1, 4), "interpret": (1,)}
 
 
 def replay_cases(backend):
     """(case, L, dtypes, steps, slow) of the replay step on `backend`. Interpreted and on the reference: the
-    first shape at L 1, 4, 16 in f32; interpreted also every shape at L 4 with bf16 inputs (the reference's
-    bf16 replay: test_reference.py), slow but for DEFAULT_BF16_SHAPE. Compiled: the model shape at every
-    dtype, a short and a long buffer; the second shape (GDN: one program per head; Mamba-2: head dim 100,
-    d_state 64) with bf16 inputs and f32 state."""
+    first shape at L 1, 4, 16 in f32, slow but for DEFAULT_F32_LENGTHS; interpreted also every shape at L 4
+    with bf16 inputs (the reference's bf16 replay: test_reference.py), slow but for DEFAULT_BF16_SHAPE.
+    Compiled: the model shape at every dtype, a short and a long buffer; the second shape (GDN: one program
+    per head; Mamba-2: head dim 100, d_state 64) with bf16 inputs and f32 state."""
     table = SHAPES[backend]
     if backend == "pallas":
         return ([((layer, shapes[0]), L, dtypes, L // 2 + 2, False) for layer, shapes in table.items()
@@ -146,7 +173,8 @@ def replay_cases(backend):
                 + [((layer, shapes[1]), L, "bf16in-f32state", L // 2 + 2, False) for layer, shapes in table.items()
                    for L in (1, 8)])
     bf16 = [] if backend == "xla" else ("bf16in-f32state", "bf16in-bf16state")
-    return ([(case, L, "f32", 3, False) for case in cases(table, first_only=True) for L in (1, 4, 16)]
+    return ([(case, L, "f32", 3, L not in DEFAULT_F32_LENGTHS[backend])
+             for case in cases(table, first_only=True) for L in (1, 4, 16)]
             + [((layer, shape), 4, dtypes, 3, index != DEFAULT_BF16_SHAPE[dtypes])
                for layer, shapes in table.items() for index, shape in enumerate(shapes) for dtypes in bf16])
 
@@ -154,12 +182,21 @@ def replay_cases(backend):
 def deferred_is_slow(backend, L, dtypes) -> bool:
     """Whether a deferred-route case of `replay_cases` is `slow` beyond its case: on the CPU backends all but
     L = 4 in f32 (its launches are the flush launch and the append route's replay kernel, which the other
-    routes' cases run at every L and dtype)."""
+    routes' cases run at every L and dtype). Interpreted, that case is `slow` as well (DEFAULT_F32_LENGTHS):
+    the route runs on both layers in test_replay_dead_slots_never_read (L = 8, f32)."""
     return backend != "pallas" and (L, dtypes) != (4, "f32")
 
 
+def direct_is_slow(backend, L, dtypes) -> bool:
+    """Whether a direct-route case of `replay_cases` is `slow` beyond its case: interpreted, L = 1 in f32 (the
+    route writes every row's checkpoint at any L, so L = 1 is no edge of it; test_replay_dead_slots_never_read
+    runs it at L = 8 in f32, the bf16 cases at L = 4)."""
+    return backend == "interpret" and (L, dtypes) == (1, "f32")
+
+
 REPLAY_CASES = [on(backend, case, L, dtypes, steps, route, id=f"{route}-{case_id(case)}-L{L}-{dtypes}",
-                   slow=slow or (route == "deferred" and deferred_is_slow(backend, L, dtypes)))
+                   slow=slow or (route == "deferred" and deferred_is_slow(backend, L, dtypes))
+                   or (route == "direct" and direct_is_slow(backend, L, dtypes)))
                 for backend in SHAPES for case, L, dtypes, steps, slow in replay_cases(backend) for route in ROUTES]
 
 
@@ -171,6 +208,14 @@ def test_replay_step(backend, case, L, dtypes, steps, route, rng):
                  steps=steps)
 
 
+# The readout tilings (no flush fields): their row tiles are `tiles.for_each_row_tile`'s, shared by both
+# routes' readouts (rows masked past V or not; one tile, a static or a dynamic trip count), and each of its
+# branches runs on both routes by default without the (entry, route) cases named here, which are `slow`: the
+# output route runs entry 0's static trip count in entry 2, entry 3's one masked tile in entries 5 and 7; the
+# state route runs entry 2's static trip count in entry 0, its masked rows in entry 3.
+SLOW_READOUT_TILINGS = {(0, "output"), (2, "state"), (3, "output")}
+
+
 def flush_tiling(config) -> bool:
     """Whether a TILINGS entry is there for its flush (fused, or the flush launch's own tiling): that code is
     the same on both routes (only the readout differs), so its "state" route case is `slow`; the state
@@ -180,10 +225,12 @@ def flush_tiling(config) -> bool:
 
 # Interpreted: the first CPU shape at TILINGS, each entry on one layer by default (the layers in turn:
 # the tiling code is shared, and each layer's kernel runs at every route in test_replay_step), on the
-# other `slow`; compiled: the model shape at GPU_TILINGS, L 8 and 32, dead slots poisoned.
+# other `slow`, and on the routes that `flush_tiling` and SLOW_READOUT_TILINGS leave; compiled: the model
+# shape at GPU_TILINGS, L 8 and 32, dead slots poisoned.
 TILING_CASES = (
     [on("interpret", (layer, shapes[0]), config, L, False, route, id=f"{layer.__name__}-{config.tag()}-L{L}-{route}",
-        slow=(route == "state" and flush_tiling(config)) or i % len(CPU_SHAPES) != j)
+        slow=(route == "state" and flush_tiling(config)) or (i, route) in SLOW_READOUT_TILINGS
+        or i % len(CPU_SHAPES) != j)
      for j, (layer, shapes) in enumerate(CPU_SHAPES.items()) for i, (config, L) in enumerate(TILINGS)
      for route in ("output", "state")]
     + [on("pallas", (layer, GPU_SHAPES[layer][0]), gpu_tiling_config(tiling), L, True, route,
@@ -199,7 +246,11 @@ def test_replay_tilings(backend, case, config, L, poison, route, rng):
                  steps=L // 2 + 2, config=config, poison=poison)
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+# On each layer's first CPU shape, Mamba-2's `slow`: the launch order is `launch.pallas_call`'s (the grid and
+# the block specs' index maps reversed), the same for every kernel of both layers.
+@pytest.mark.parametrize("case", [pytest.param(case, id=case_id(case),
+                                               marks=[pytest.mark.slow] if case[0] is Mamba2 else [])
+                                  for case in cases(CPU_SHAPES, first_only=True)])
 def test_launch_order_changes_no_number(case, rng):
     """A launch in memory order (`memory_order=True`) and one with batch rows first give the same bits: the
     standard step, and the replay step (mixed cursors: flushing rows, a fused and a separate flush)."""
@@ -242,12 +293,16 @@ ROUTE_SEQUENCES = [
 ]
 
 
-# Every sequence on each layer's first CPU shape (the deferred route's on the first layer's only); the
-# second shapes with the first sequence only (the others `slow`).
+# In the default run the first sequence (the default tilings) on each layer's first CPU shape, and each other
+# sequence on one layer's first shape (MIXED_ROUTE_LAYER: the routes' tilings are shared code, and every
+# route's kernel of both layers runs in the first sequence); the other cases, and the second shapes (whose
+# masks test_replay_step runs on the first sequence's routes), `slow`.
+MIXED_ROUTE_LAYER = {1: Mamba2, 2: GDN, 3: GDN}
 MIXED_ROUTE_CASES = [pytest.param(case, routes, configs, id=f"{'-'.join(routes)}-{case_id(case)}",
-                                  marks=[pytest.mark.slow] if (k and i) or ("deferred" in routes and j) else [])
+                                  marks=[pytest.mark.slow] if k or (i and MIXED_ROUTE_LAYER[i] is not layer)
+                                  else [])
                      for i, (routes, configs) in enumerate(ROUTE_SEQUENCES)
-                     for j, (layer, shapes) in enumerate(CPU_SHAPES.items()) for k, shape in enumerate(shapes)
+                     for layer, shapes in CPU_SHAPES.items() for k, shape in enumerate(shapes)
                      for case in [(layer, shape)]]
 
 
@@ -310,7 +365,11 @@ def test_append_route(backend, case, rng):
         np.testing.assert_array_equal(np.asarray(new.cursor)[1:], 2)
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
+# Each layer's second CPU shape `slow`: the pick depends on the grid (ops.resolve_route), latency-bound at
+# every CPU shape.
+@pytest.mark.parametrize("case", [pytest.param((layer, shape), id=case_id((layer, shape)),
+                                               marks=[pytest.mark.slow] if index else [])
+                                  for layer, shapes in CPU_SHAPES.items() for index, shape in enumerate(shapes)])
 def test_auto_route_is_the_picked_route(case, rng):
     """route="auto" on these latency-bound grids: the kernels' direct route
     (bit for bit), their output route once a replay config is given, and the
@@ -383,22 +442,30 @@ def test_replay_after_a_wiping_decay(backend, case, L, fused, rng):
                  config=replay_config(layer, L, jnp.float32, fused_flush=fused))
 
 
+FLUSH_IDS = {False: "flush-launch", True: "fused-flush"}
+
 # Mamba-2 only: its records are the step's inputs, rounded to bf16 alike in
 # kernel and reference. GDN's d is computed in the kernel in f32, and a d that
 # differs from the reference's in its last f32 bits can round to the other
 # bf16 neighbour (one bf16 ulp, above an f32 tolerance): a flaky comparison.
 # test_rank_update_accuracy checks the dots of both layers' flushes
 # (`rank_update`) on their own. On the CPU, 16-row tiles make L = 16 take the
-# dots (the default tiles of these small shapes are narrower: the loop).
+# dots (the default tiles of these small shapes are narrower: the loop). Each
+# (L, flush) pair runs on one CPU shape by default, each shape with both L and
+# both flushes (the first shape the flush launch at L = 4 and the fused flush
+# at L = 16, the second the other two), the other shape `slow`.
 BF16_BUFFER_FLUSH_CASES = (
-    [(case, L, "interpret") for case in cases(CPU_SHAPES) if case[0] is Mamba2 for L in (4, 16)]
-    + [pytest.param(case, L, "pallas", marks=pytest.mark.gpu)
-       for case in cases(GPU_SHAPES, first_only=True) if case[0] is Mamba2 for L in (16, 32)])
+    [pytest.param(fused, case, L, "interpret", id=f"{FLUSH_IDS[fused]}-{case_id(case)}-{L}-interpret",
+                  marks=[] if (index == 0) == (fused == (L > 8)) else [pytest.mark.slow])
+     for fused in (False, True) for index, shape in enumerate(CPU_SHAPES[Mamba2]) for case in [(Mamba2, shape)]
+     for L in (4, 16)]
+    + [pytest.param(fused, case, L, "pallas", id=f"{FLUSH_IDS[fused]}-{case_id(case)}-{L}-pallas",
+                    marks=pytest.mark.gpu)
+       for fused in (False, True) for case in cases(GPU_SHAPES, first_only=True) if case[0] is Mamba2
+       for L in (16, 32)])
 
 
-@pytest.mark.parametrize(("case", "L", "backend"), BF16_BUFFER_FLUSH_CASES,
-                         ids=lambda v: case_id(v) if isinstance(v, tuple) else str(v))
-@pytest.mark.parametrize("fused", [False, True], ids=["flush-launch", "fused-flush"])
+@pytest.mark.parametrize(("fused", "case", "L", "backend"), BF16_BUFFER_FLUSH_CASES)
 def test_bf16_buffer_flush_matches_the_reference_to_f32_rounding(case, L, backend, fused, rng):
     """With float32 inputs and state, a bfloat16 buffer rounds the records alike
     in kernel and reference: flushed checkpoints agree to float32 tolerance,
@@ -643,15 +710,17 @@ def test_kernel_limits_before_any_launch(rng):
         kernels.gdn_replay_step(long, **inp, **kw, route="output")
 
 
-# The lowering depends on the buffer's slots (L) and on the dtypes' casts, each on its own: every L and
-# every dtype combination lowers at every shape by default, the other two pairings are `slow`.
-LOWERING_CASES = [(1, "f32"), (32, "bf16in-bf16state"), pytest.param(1, "bf16in-bf16state", marks=pytest.mark.slow),
-                  pytest.param(32, "f32", marks=pytest.mark.slow)]
+# The lowering depends on the buffer's slots (L) and on the dtypes' casts, each on its own: L = 32 with bf16
+# states and buffers lowers at every shape by default, L = 1 in f32 at each layer's first shape (the model
+# layer; at the other shapes `slow`: their tiles lower in the L = 32 case), the other two pairings are `slow`.
+LOWERING_CASES = [(1, "f32"), (32, "bf16in-bf16state"), (1, "bf16in-bf16state"), (32, "f32")]
 
 
-@pytest.mark.parametrize("case", cases(GPU_SHAPES), ids=case_id)
-@pytest.mark.parametrize(("L", "dtypes"), LOWERING_CASES, ids=["L1-f32", "L32-bf16in-bf16state", "L1-bf16in-bf16state",
-                                                                "L32-f32"])
+@pytest.mark.parametrize(("case", "L", "dtypes"), [
+    pytest.param((layer, shape), L, dtypes, id=f"L{L}-{dtypes}-{case_id((layer, shape))}",
+                 marks=[] if (L, dtypes) == (32, "bf16in-bf16state") or ((L, dtypes) == (1, "f32") and not index)
+                 else [pytest.mark.slow])
+    for L, dtypes in LOWERING_CASES for layer, shapes in GPU_SHAPES.items() for index, shape in enumerate(shapes)])
 def test_kernels_lower_for_cuda(case, L, dtypes, rng):
     """The Triton lowering of every kernel at the GPU test shapes, on the CPU."""
     input_dtype, state_dtype, buffer_dtype = DTYPES[dtypes]

@@ -512,8 +512,18 @@ def _ragged(u, starts, width):
     return jnp.stack([u[b, s:s + width] for b, s in enumerate(starts)])
 
 
-@pytest.mark.parametrize("name", SSM_LAYER_CASES)
-@pytest.mark.parametrize("buffer_len", [None, 3, 5], ids=["standard", "replay-L3", "replay-L5"])
+# The verify and commit rounds by default: ReplaySSM at L = 5 (W = 3 < L: the rows' buffers flush in
+# different rounds) on both layer types and the standard state on Mamba-2; L = 3 (W = L) and GDN's standard
+# state `slow`, which tests/test_model_verify.py runs by default through whole models (L = W = 4 and the
+# standard state, each on both layer types).
+_VERIFY_DEFAULT = {(5, "mamba2"), (5, "gdn_packed"), (None, "mamba2")}
+VERIFY_CASES = [pytest.param(name, buffer_len, id=f"{state}-{name}",
+                             marks=() if (buffer_len, name) in _VERIFY_DEFAULT else pytest.mark.slow)
+                for name in SSM_LAYERS
+                for buffer_len, state in ((None, "standard"), (3, "replay-L3"), (5, "replay-L5"))]
+
+
+@pytest.mark.parametrize("name, buffer_len", VERIFY_CASES)
 def test_ssm_layer_verify_and_commit(name, buffer_len):
     """Rounds of verify W = 3 and commit m (rows apart, m = 0 and m = W included), with a decode step
     between them: every output equals the full prefill's at its position; so does the final state."""

@@ -4,7 +4,7 @@ output zxbcdt, and the kernels read those columns where they lie (no slice launc
 Every op given dt inside a wider array, its other columns NaN, is checked against the same op given dt
 itself, bit for bit, on the reference, the interpreted kernels and (GPU marker) the compiled kernels at
 Nemotron-3-Nano-4B's layer, where the append and deferred routes run their Mosaic GPU readout and the
-Triton launch after it.
+Triton launch after it. Which of these cases the default run takes (the others `slow`): `input_forms.FORM_CASES`.
 """
 
 from __future__ import annotations

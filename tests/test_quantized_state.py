@@ -209,24 +209,49 @@ def _same_quantized(new, want, what):
     np.testing.assert_array_equal(np.asarray(new.cursor), np.asarray(want.cursor), err_msg=what)
 
 
+# The 8-bit checkpoint is read and written by the same code in every kernel of both layers
+# (`tiles.load_checkpoint`, `tiles.store_checkpoint`, `state.quantize_rows`: the dtype's and the rounding's
+# branches): by default the kernel tests below run each dtype on one layer (`one_layer_dtype`; the replay
+# steps on each route, with the layers' dtypes in turn over the routes, so that each layer's kernels run
+# both dtypes); the other cases are `slow` on the CPU (on a GPU every case runs).
+
+
+def one_layer_dtype(layer_cls, dtype) -> bool:
+    """Whether an 8-bit kernel case runs by default on the CPU: GDN with fp8, Mamba-2 with int8."""
+    return (layer_cls is GDN) == (dtype == fp8)
+
+
+def on_one_layer(layer_cls, *values, dtype, id):
+    """pytest.param(layer_cls, *values) of an 8-bit kernel test whose checkpoint is of `dtype`, `slow` but
+    where `one_layer_dtype`."""
+    marks = [] if one_layer_dtype(layer_cls, dtype) else [pytest.mark.slow]
+    return pytest.param(layer_cls, *values, id=id, marks=marks)
+
+
+def on_backends(*values, id, default=True):
+    """pytest.param(*values, backend) on each backend: "interpret" on the CPU shapes (`slow` unless
+    `default`), "pallas" (compiled, `gpu`) on the model shapes at batch 8."""
+    return [pytest.param(*values, "interpret", id=f"{id}-interpret", marks=[] if default else [pytest.mark.slow]),
+            pytest.param(*values, "pallas", id=f"{id}-pallas", marks=pytest.mark.gpu)]
+
+
 # (layer, dtype, rounding, route, fused_flush): each route (the replay kernel with its flush launch, with
 # its fused flush, the state route, the direct route, the deferred route's flush launch and append kernel)
-# with both dtypes and both roundings, on both layers; the deferred route by default on GDN with int8 and
-# Mamba-2 with fp8 (its kernels are the flush launch and the append route's, which the other routes' cases
-# run at both dtypes), the other two `slow`.
+# with both dtypes and both roundings, on both layers. On the CPU by default each route with one dtype per
+# layer, the layers' dtypes in turn over the routes (`one_layer_dtype` on the flush launch and the state
+# route, the other pairing on the others): every route runs both dtypes, both roundings and both layers,
+# each layer both dtypes, both roundings and both CPU shapes.
 KERNEL_CASES = [
-    pytest.param(layer_cls, dtype, rounding, route, fused, id=f"{name}-{rounding}-{tag}-{layer_cls.__name__}",
-                 marks=[pytest.mark.slow] if route == "deferred" and (layer_cls is GDN) != (dtype == int8) else [])
+    param
     for layer_cls in (GDN, Mamba2)
     for (dtype, name), roundings in (((int8, "int8"), ROUNDINGS), ((fp8, "fp8"), ROUNDINGS[::-1]))
     for (route, fused, tag), rounding in zip(
         [("output", False, "two-launch"), ("output", True, "fused"), ("state", False, "state"),
          ("direct", None, "direct"), ("deferred", False, "deferred")], roundings * 3)
+    for param in on_backends(layer_cls, dtype, rounding, route, fused,
+                             id=f"{name}-{rounding}-{tag}-{layer_cls.__name__}",
+                             default=one_layer_dtype(layer_cls, dtype) == (tag in ("two-launch", "state")))
 ]
-
-
-# "interpret" on the CPU shapes; "pallas" (compiled, on a GPU) on the model shapes at batch 8.
-BACKENDS = ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
 
 
 def _kernel_shape(layer_cls, backend, index):
@@ -235,8 +260,7 @@ def _kernel_shape(layer_cls, backend, index):
     return CPU_SHAPES[layer_cls][index]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(("layer_cls", "dtype", "rounding", "route", "fused"), KERNEL_CASES)
+@pytest.mark.parametrize(("layer_cls", "dtype", "rounding", "route", "fused", "backend"), KERNEL_CASES)
 def test_kernel_replay_steps_match_the_reference(layer_cls, dtype, rounding, route, fused, backend, rng):
     """L // 2 + 2 replay steps from mixed cursors (every row flushes at least once; on the deferred route
     every row that is not empty at the start), bf16 inputs and buffers on the second CPU shape. On the
@@ -266,9 +290,11 @@ def test_kernel_replay_steps_match_the_reference(layer_cls, dtype, rounding, rou
             want = rs  # continue from the kernels' state: the next step's comparison is exact again
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layer_cls", [GDN, Mamba2])
-@pytest.mark.parametrize(("dtype", "rounding"), [(int8, "stochastic"), (fp8, "nearest")], ids=["int8", "fp8"])
+@pytest.mark.parametrize(("layer_cls", "dtype", "rounding", "backend"), [
+    param for layer_cls in (GDN, Mamba2)
+    for dtype, rounding, name in ((int8, "stochastic", "int8"), (fp8, "nearest", "fp8"))
+    for param in on_backends(layer_cls, dtype, rounding, id=f"{name}-{layer_cls.__name__}",
+                             default=one_layer_dtype(layer_cls, dtype))])
 def test_kernel_verify_matches_the_reference(layer_cls, dtype, rounding, backend, rng):
     """A window of 3 from mixed cursors (the rows that lack room flush first, quantized), then a commit.
     The outputs are compared with the reference's from the kernels' flushed checkpoint (the two flushes
@@ -289,8 +315,10 @@ def test_kernel_verify_matches_the_reference(layer_cls, dtype, rounding, backend
     assert committed.scale is new.scale and committed.counter is new.counter
 
 
-@pytest.mark.parametrize("layer_cls", [GDN, Mamba2])
-@pytest.mark.parametrize(("dtypes", "route"), [("f32in-int8ckpt", "output"), ("bf16in-fp8ckpt", "direct")])
+@pytest.mark.parametrize(("layer_cls", "dtypes", "route"), [
+    on_one_layer(layer_cls, dtypes, route, dtype=CHECKPOINT_8BIT_DTYPES[dtypes][1],
+                 id=f"{dtypes}-{route}-{layer_cls.__name__}")
+    for layer_cls in (GDN, Mamba2) for dtypes, route in (("f32in-int8ckpt", "output"), ("bf16in-fp8ckpt", "direct"))])
 def test_kernel_replay_against_numpy_loops(layer_cls, dtypes, route, rng):
     """The shared replay check (outputs and materialized state against the float64 NumPy recurrence, cursor
     rule, kernel against reference, non-flushing rows' checkpoint bit for bit) with an 8-bit checkpoint, at
@@ -300,8 +328,10 @@ def test_kernel_replay_against_numpy_loops(layer_cls, dtypes, route, rng):
     check_replay(layer, 4, route, input_dtype, state_dtype, buffer_dtype, "interpret", steps=3)
 
 
-@pytest.mark.parametrize("layer_cls", [GDN, Mamba2])
-@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize(("layer_cls", "dtype"), [on_one_layer(layer_cls, dtype, dtype=dtype,
+                                                               id=f"{name}-{layer_cls.__name__}")
+                                                  for layer_cls in (GDN, Mamba2)
+                                                  for dtype, name in ((int8, "int8"), (fp8, "fp8"))])
 def test_8bit_kernels_lower_for_cuda(layer_cls, dtype, rng):
     """The Triton lowering of the 8-bit kernels (stochastic rounding, L 16: the flush's dot), on the CPU:
     per route the replay kernel with its flush launch and with its fused flush; the direct route; the verify

@@ -189,8 +189,11 @@ def check_distribution(tokens, num_accepted, params):
     ]
 
 
+# Top-k and top-p together `slow`: each filter runs alone by default, and
+# test_the_processed_distribution_is_the_one_sample_tokens_draws_from checks the two together.
 @pytest.mark.parametrize("drafter", ["q", "point"])
-@pytest.mark.parametrize("name", PARAMS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "t1_topk4_topp0.8" else n
+                                  for n in PARAMS])
 def test_sampling_preserves_the_target_distribution(name, drafter):
     params = PARAMS[name]
     tokens, num_accepted, num_drafts = speculative_round(params, drafter)

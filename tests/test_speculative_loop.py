@@ -4,7 +4,7 @@ Greedy speculative decoding must emit plain greedy decoding's tokens exactly,
 whatever the drafts: the fixtures' `generated_ids` are plain greedy output
 (tests/test_generation.py checks them against transformers'). Each fixture
 runs two of the configurations below (every configuration on two fixtures; the
-first of each fixture by default, the second `slow`):
+first of mamba2_tiny, nemotron_h_tiny and qwen3_5_tiny by default, the rest `slow`):
 the n-gram drafter and the oracle drafter at alpha 1 (every draft accepted),
 0 (none) and 0.6 (mixed), with ReplaySSM at L = 4 and 8 with W = L (early
 flushes) and with the standard state. The drafters with a state run on every
@@ -49,23 +49,29 @@ CONFIGS = [
     ("oracle", 0.6, "replay", 4, 3),
 ]
 CASES = [(name, CONFIGS[(i + j) % len(CONFIGS)]) for i, name in enumerate(FIXTURES) for j in (0, 2)]
-# The default run keeps each fixture's first configuration (every configuration on one fixture; with the
-# drafter cases below, both layer types under each state); the second of each fixture is `slow`.
+# The default run keeps the first configuration of mamba2_tiny, nemotron_h_tiny and qwen3_5_tiny (the n-gram
+# drafter, the oracle accepting every draft and none; ReplaySSM at L = 4 and 8 and the standard state), the
+# rest `slow`: the oracle's mixed acceptance (alpha 0.6) is the n-gram drafter's too, and GDN layers under
+# ReplaySSM run by default in test_ragged_prompts_and_rows_that_stop_in_different_rounds (qwen3_5_tiny, L = 4;
+# with the drafter cases below, both layer types under each state).
 CASE_PARAMS = [pytest.param(name, config, id=f"{name}-{config[0]}{'' if config[1] is None else config[1]}-"
                                              f"{config[2]}{config[3] or ''}",
-                            marks=() if k % 2 == 0 else pytest.mark.slow) for k, (name, config) in enumerate(CASES)]
+                            marks=() if k % 2 == 0 and name != "qwen3_next_tiny" else pytest.mark.slow)
+               for k, (name, config) in enumerate(CASES)]
 # (state, L, K) for the drafters with a state
 STATE_CONFIGS = [("replay", 4, 3), ("replay", 8, 7), ("standard", None, 2)]
 DRAFTER_CASES = [(name, method, STATE_CONFIGS[(i + j) % len(STATE_CONFIGS)])
                  for j, method in enumerate(("mtp", "draft-self", "draft-other"))
                  for i, name in enumerate(FIXTURES) if method != "mtp" or name in HEAD_FIXTURES]
-# The default run keeps the first two cases of each drafter (the MTP head on Nemotron-H and Qwen3.5,
-# the draft models on Mamba-2 and Nemotron-H), which together cover the three state configurations
-# and both layer types; the rest are `slow`.
-_FIRST_TWO = {case for method in ("mtp", "draft-self", "draft-other")
-              for case in [c for c in DRAFTER_CASES if c[1] == method][:2]}
+# The default run keeps the MTP head's first two cases (Nemotron-H at L = 8, Qwen3.5 on the standard state)
+# and each draft model's first (Mamba-2 drafting for itself at L = 8, Nemotron-H drafting for Mamba-2 on the
+# standard state); the rest are `slow`: both drafters with a state at L = 4 on a GDN target (and the draft
+# model with GDN layers) run by default in test_ragged_prompts_and_rows_that_stop_in_different_rounds.
+_DEFAULT_DRAFTER_CASES = {case for method, n in (("mtp", 2), ("draft-self", 1), ("draft-other", 1))
+                          for case in [c for c in DRAFTER_CASES if c[1] == method][:n]}
 DRAFTER_PARAMS = [pytest.param(*case, id=f"{case[0]}-{case[1]}-{case[2][0]}{case[2][1] or ''}",
-                               marks=() if case in _FIRST_TWO else pytest.mark.slow) for case in DRAFTER_CASES]
+                               marks=() if case in _DEFAULT_DRAFTER_CASES else pytest.mark.slow)
+                  for case in DRAFTER_CASES]
 
 
 def other_fixture(name):
@@ -168,7 +174,9 @@ def test_greedy_speculative_with_a_drafter_state_equals_plain_greedy(name, metho
 _PLAIN: dict = {}
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp", "draft-other"])
+# The n-gram drafter `slow`: the forced prompt tokens and the rows' stops are the loop's code, which the
+# drafters with a state run by default (and consume the forced tokens besides).
+@pytest.mark.parametrize("method", [pytest.param("ngram", marks=pytest.mark.slow), "mtp", "draft-other"])
 def test_ragged_prompts_and_rows_that_stop_in_different_rounds(method, mtp_model):
     """Prompts of 12 and 7 tokens (the prefill covers 7; the longer row's last 5 prompt tokens are fed as
     drafts that are always accepted), a stop token that ends row 0 early and max_new_tokens row 1: as plain greedy decoding, and

@@ -336,13 +336,20 @@ def test_deferred_terms_give_the_reference_deferred_step(buffer_dtype, rng):
     assert_close(decay * read(qn, terms[:, :, 1]) + kq * d, o_ref, f32, what="outputs")
 
 
-@pytest.mark.parametrize(("shape", "buffer_len", "buffer_dtype", "use_qk_l2norm"), [
-    (SHAPE, L, bf16, True),
-    (SHAPE, L, f32, False),
-    (GDNShape(batch=4, H=2, HV=6, K=96, V=64), 24, bf16, True),
-], ids=["bf16-records", "f32-records-no-norm", "group3-K96-L24"])
-@pytest.mark.parametrize("route", ["append", "deferred"])
-@pytest.mark.parametrize("move_cursor", [True, False], ids=["moves-cursor", "cursor-to-the-readout"])
+PRELUDE_SHAPES = {"bf16-records": (SHAPE, L, bf16, True), "f32-records-no-norm": (SHAPE, L, f32, False),
+                  "group3-K96-L24": (GDNShape(batch=4, H=2, HV=6, K=96, V=64), 24, bf16, True)}
+# Every shape on both routes with the prelude moving the cursor; the cursor left to the readout
+# (move_cursor False, which decides only the prelude's last store, `advance_cursor`) on both routes at the
+# first shape, at the others `slow`.
+PRELUDE_CASES = [pytest.param(*case, route, move_cursor,
+                              marks=[pytest.mark.slow] if not move_cursor and i else [],
+                              id=f"{'moves-cursor' if move_cursor else 'cursor-to-the-readout'}-{route}-{name}")
+                 for move_cursor in (True, False) for route in ("append", "deferred")
+                 for i, (name, case) in enumerate(PRELUDE_SHAPES.items())]
+
+
+@pytest.mark.parametrize(("shape", "buffer_len", "buffer_dtype", "use_qk_l2norm", "route", "move_cursor"),
+                         PRELUDE_CASES)
 def test_prelude_launch_matches_its_pure_jax_form(shape, buffer_len, buffer_dtype, use_qk_l2norm, route, move_cursor,
                                                   rng):
     """The Triton prelude launch (interpreted) against `head_terms` and `append_shared_records`: q, k and the

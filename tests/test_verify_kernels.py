@@ -42,15 +42,18 @@ BUFFERS = {GDN: ("d", "k", "g"), Mamba2: ("x", "dt", "B")}
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 # (L, W, state and buffer dtypes): W in {1, 2, 4, L} at L in {4, 8, 16}, a
 # window that is not a power of two, f32 and bf16 states and buffers. Four
-# are `slow`: W = 2 at L = 8 (W = 2 runs at L = 4, L = 8 with W = 3), the
-# bf16 twin of (16, 4) (bf16 states and buffers run at L = 4), and W = L at
-# L = 8 and 16 (a window that fills the buffer runs at L = 4).
-WINDOWS = [(4, 1, "f32"), (4, 2, "bf16in-bf16state"), (4, 4, "f32"), pytest.param(8, 2, "f32", marks=pytest.mark.slow),
-           (8, 3, "bf16in-f32state"), pytest.param(8, 8, "bf16in-bf16state", marks=pytest.mark.slow), (16, 4, "f32"),
-           pytest.param(16, 4, "bf16in-bf16state", marks=pytest.mark.slow),
-           pytest.param(16, 16, "f32", marks=pytest.mark.slow)]
-WINDOW_IDS = ["L4-W1-f32", "L4-W2-bf16in-bf16state", "L4-W4-f32", "L8-W2-f32", "L8-W3-bf16in-f32state",
-              "L8-W8-bf16in-bf16state", "L16-W4-f32", "L16-W4-bf16in-bf16state", "L16-W16-f32"]
+# are `slow` (SLOW_WINDOWS): W = 2 at L = 8 (W = 2 runs at L = 4, L = 8 with
+# W = 3), the bf16 twin of (16, 4) (bf16 states and buffers run at L = 4), and
+# W = L at L = 8 and 16 (a window that fills the buffer runs at L = 4).
+WINDOWS = [(4, 1, "f32"), (4, 2, "bf16in-bf16state"), (4, 4, "f32"), (8, 2, "f32"), (8, 3, "bf16in-f32state"),
+           (8, 8, "bf16in-bf16state"), (16, 4, "f32"), (16, 4, "bf16in-bf16state"), (16, 16, "f32")]
+SLOW_WINDOWS = {(8, 2, "f32"), (8, 8, "bf16in-bf16state"), (16, 4, "bf16in-bf16state"), (16, 16, "f32")}
+# Of the other windows, those that run on one layer only by default (on the other `slow`), so that each layer
+# runs every dtype combination and a window that is not a power of two: the window of one step, the window
+# that fills the buffer and the long buffer (the window's start and the rows that flush early are decided by
+# the shared launch code, `launch.window_start` and the flush launch, and the CPU shapes' 4-row tiles take
+# the record loop at every L).
+ONE_LAYER_WINDOWS = {(4, 1, "f32"): Mamba2, (4, 4, "f32"): GDN, (16, 4, "f32"): Mamba2}
 
 
 def cases(shapes, first_only=False):
@@ -139,20 +142,36 @@ def _check_verify(layer, L, W, dtypes, backend, rounds, config):
     np.testing.assert_array_equal(np.asarray(new.cursor), np.asarray(new_ref.cursor))
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
-@pytest.mark.parametrize("L, W, dtypes", WINDOWS, ids=WINDOW_IDS)
+# The first CPU shapes at WINDOWS.
+VERIFY_CASES = [
+    pytest.param(case, L, W, dtypes, id=f"L{L}-W{W}-{dtypes}-{case_id(case)}",
+                 marks=[pytest.mark.slow] if (L, W, dtypes) in SLOW_WINDOWS
+                 or ONE_LAYER_WINDOWS.get((L, W, dtypes), case[0]) is not case[0] else [])
+    for L, W, dtypes in WINDOWS for case in cases(CPU_SHAPES, first_only=True)]
+
+
+@pytest.mark.parametrize(("case", "L", "W", "dtypes"), VERIFY_CASES)
 def test_verify(case, L, W, dtypes, rng):
     layer = case[0](case[1], rng, DTYPES[dtypes][0])
     check_verify(layer, L, W, dtypes, "interpret")
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES), ids=case_id)
+# Every CPU shape; the first shapes `slow`: two rounds run on each layer's second shape (which runs
+# nowhere else), the first shapes' windows in test_verify.
+@pytest.mark.parametrize("case", [pytest.param((layer, shape), id=case_id((layer, shape)),
+                                               marks=[] if index else [pytest.mark.slow])
+                                  for layer, shapes in CPU_SHAPES.items() for index, shape in enumerate(shapes)])
 def test_verify_two_rounds(case, rng):
     """Verify, commit m, verify again from the moved cursors, commit, step."""
     check_verify(case[0](case[1], rng), 8, 3, "f32", "interpret", rounds=2)
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+# GDN's first shape; Mamba-2's `slow`: the row tiles are `launch.run_verify_program`'s
+# (`tiles.for_each_row_tile`), the early flush's tile and batch rows the flush launch's, the same for both
+# layers.
+@pytest.mark.parametrize("case", [pytest.param(case, id=case_id(case),
+                                               marks=[pytest.mark.slow] if case[0] is Mamba2 else [])
+                                  for case in cases(CPU_SHAPES, first_only=True)])
 def test_verify_tilings(case, rng):
     """Non-default tilings: one-row tiles, several tiles per program, and
     the early flush on its own tile and batch rows."""
@@ -193,7 +212,11 @@ def test_later_drafts_do_not_reach_earlier_outputs(case, rng):
         np.testing.assert_array_equal(as_f32(layer.materialize(after)), as_f32(layer.materialize(after_clean)))
 
 
-@pytest.mark.parametrize("case", cases(CPU_SHAPES, first_only=True), ids=case_id)
+# GDN's first shape; Mamba-2's `slow`: the limits are checked by `config.verify_config_for` (the layer's
+# dims named in the messages), the same for both layers, as test_kernels.py checks the replay step's on GDN.
+@pytest.mark.parametrize("case", [pytest.param(case, id=case_id(case),
+                                               marks=[pytest.mark.slow] if case[0] is Mamba2 else [])
+                                  for case in cases(CPU_SHAPES, first_only=True)])
 def test_verify_limits_before_any_launch(case, rng):
     """The kernels' own limits and config checks, before any launch; the state stays usable."""
     layer = case[0](case[1], rng)
@@ -231,8 +254,10 @@ def test_verify_ops_take_the_kernel_backends():
     assert kernels.default_verify_config(256, 96, 80, 128, jnp.float32, 16, 4).block_v == 16  # a divisor of P = 80
 
 
+# L = 16 with W = 4 `slow`: L = 16 lowers with W = 3 (a window padded to 4 steps), W = 4 at L = 4.
 @pytest.mark.parametrize("case", cases({GDN: GPU_SHAPES[GDN][:1], Mamba2: GPU_SHAPES[Mamba2][:1]}), ids=case_id)
-@pytest.mark.parametrize("L, W", [(16, 4), (16, 3), (4, 4)], ids=["L16-W4", "L16-W3", "L4-W4"])
+@pytest.mark.parametrize("L, W", [pytest.param(16, 4, marks=pytest.mark.slow), (16, 3), (4, 4)],
+                         ids=["L16-W4", "L16-W3", "L4-W4"])
 def test_verify_lowers_for_cuda(case, L, W, rng):
     """The Triton lowering of the verify launches at the model shapes, on the CPU:
     the early flush and the verify kernel."""
