@@ -38,11 +38,14 @@ def _case(name, route, tree, config, backend, tag="", slow=False):
 # compiled (GPU marker, at the test's GPU shape). In the default run: on the reference the step and the
 # chunked prefill, the others `slow` (each reference op takes the input form by one shared helper at its
 # entry, before any route or tree: `reference.mamba2.dt_columns`, `reference.gdn._gates_of`); interpreted
-# every op and route on a chain and the flush launch of its own, the draft trees `slow` (a tree's nodes
-# read their inputs by the chain's per-step code, `_window_steps` of the kernels) and so is the fused flush
-# of three row tiles a program (the default tiling's output route fuses the flush, one tile a program).
+# every op on a chain, the replay step on the output, direct and append routes and the flush launch of its
+# own; the draft trees `slow` (a tree's nodes read their inputs by the chain's per-step code, `_window_steps`
+# of the kernels), and so are the state and deferred routes (SLOW_ROUTES) and the fused flush of three row
+# tiles a program (the default tiling's output route fuses the flush, one tile a program).
+SLOW_ROUTES = ("state", "deferred")  # the state route reads the step's inputs as the output route, the
+# deferred route's replay kernel as the append route (its flush launch reads the records only)
 FORM_CASES = ([_case(*op, None, "xla", slow=op[0] != "step") for op in _OPS]
-              + [_case(*op, None, "interpret", slow=op[2] is not None) for op in _OPS]
+              + [_case(*op, None, "interpret", slow=op[2] is not None or op[1] in SLOW_ROUTES) for op in _OPS]
               + [_case("chunked", None, None, None, "xla")]
               + [_case("replay_step", "output", None, config, "interpret", tag, slow=tag == "fused-flush")
                  for tag, config in _FLUSH_TILINGS.items()]
@@ -79,3 +82,12 @@ def run_both_forms(layer, name, rng, backend, forms, route=None, tree=None, conf
     options = dict(route=route, config=config) if name == "replay_step" else (
         dict(tree=tree) if "verify" in name else dict(chunk_size=4) if name == "chunked" else {})
     return tuple(op(*state, **layer._kw(inputs), **options, backend=backend) for inputs in forms(layer.draw(*lead)))
+
+
+def lowered_params(lowered):
+    """pytest.params of the CUDA-lowering cases (op, route, TMAReadoutConfig or None) of an input form, with
+    ids; the Triton state and deferred routes `slow` (SLOW_ROUTES: their reads of the step's inputs are the
+    output and append routes', which lower by default)."""
+    return [pytest.param(n, r, c, id=f"{n}-{r or ''}-{'tma' if c is not None else 'triton'}",
+                         marks=[pytest.mark.slow] if c is None and r in SLOW_ROUTES else [])
+            for n, r, c in lowered]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from cases import assert_close
-from input_forms import FORM_CASES, L, cursors, run_both_forms
+from input_forms import FORM_CASES, L, cursors, lowered_params, run_both_forms
 from kernel_checks import lower_for_cuda
 from test_layers import randomize  # the layers' random weights
 from replayssm_jax import kernels, ops, reference
@@ -196,8 +196,7 @@ LOWERED = [("step", None, None), ("verify", None, None)] + [
     ("replay_verify", None, None), ("step", None, kernels.TMAReadoutConfig())]
 
 
-@pytest.mark.parametrize("name, route, config", LOWERED, ids=[
-    f"{n}-{r or ''}-{'tma' if c is not None else 'triton'}" for n, r, c in LOWERED])
+@pytest.mark.parametrize("name, route, config", lowered_params(LOWERED))
 def test_raw_gate_kernels_lower_for_cuda(name, route, config, rng):
     """Each kernel op with the raw gates lowers for CUDA (the whole Pallas -> Triton lowering of the gates'
     exp, softplus and sigmoid; with a TMAReadoutConfig the Triton prelude before the Mosaic GPU kernel), at

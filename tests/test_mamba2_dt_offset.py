@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from input_forms import FORM_CASES, L, cursors, run_both_forms
+from input_forms import FORM_CASES, L, cursors, lowered_params, run_both_forms
 from kernel_checks import lower_for_cuda
 from replayssm_jax import kernels, ops
 from replayssm_jax.testing import Mamba2, Mamba2Shape
@@ -84,8 +84,7 @@ LOWERED = [("step", None, None), ("verify", None, None), ("replay_verify", None,
     ("replay_step", route, kernels.TMAReadoutConfig()) for route in ("append", "deferred")]
 
 
-@pytest.mark.parametrize("name, route, config", LOWERED, ids=[
-    f"{n}-{r or ''}-{'tma' if c is not None else 'triton'}" for n, r, c in LOWERED])
+@pytest.mark.parametrize("name, route, config", lowered_params(LOWERED))
 def test_dt_offset_kernels_lower_for_cuda(name, route, config, rng):
     """Each kernel op with dt inside zxbcdt lowers for CUDA at Nemotron-3-Nano-4B's layout (dt the last
     nheads columns of in_proj's output), batch 64: kernels only, no slice of dt."""
