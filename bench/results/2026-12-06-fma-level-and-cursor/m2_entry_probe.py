@@ -1,4 +1,5 @@
-"""Not yet run on a GPU: with mamba2_entry_cursor.patch applied, the
+"""Written before mamba2_entry_cursor.patch landed (`2908a70`); run on GPUs after it (H100 and H200 runs:
+../2026-12-06-mamba2-entry-cursor/). With the patch applied, the
 Mamba-2 Mosaic GPU routes with the cursor copied at entry by the readout (the patched tree) against the cursor
 moved with atomics (`readout_moves_cursor` patched to False in the launch's module): each variant first checked
 against the f32 reference (bench/kernels.check), then timed (CUPTI kernel time). Run from the repository root
