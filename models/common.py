@@ -36,7 +36,7 @@ from replayssm_jax.layers.cache import (
     commit_layer_state,
     pending_window,
 )
-from replayssm_jax.ops.validate import check_path, check_tree
+from replayssm_jax.ops.validate import check_commit_path, check_tree
 
 __all__ = ["HybridBlock", "HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "make_verify_step",
            "make_commit", "commit_cache", "split_params"]
@@ -470,12 +470,7 @@ def commit_cache(cache: HybridCache, num_accepted, path=None, *, slots=None) -> 
         target = jnp.where(slots < 0, cache.position.shape[0], slots)  # padding rows: out of range, dropped
         num_accepted = jnp.zeros_like(cache.position).at[target].set(m, mode="drop")
     m = check_num_accepted(num_accepted, cache.position.shape[0], cache.window)
-    if (path is None) != (cache.tree is None):
-        raise ValueError("`path` is required after a draft tree's verify (the accepted nodes, root first)"
-                         if path is None else
-                         "`path` is for a draft tree's window; the pending window is a chain's (verify without "
-                         "`tree`): commit it with path None")
-    path = check_path(path, m, cache.window, cache.tree)
+    path = check_commit_path(path, m, cache.window, cache.tree)
     m = jnp.clip(m, 0, cache.window if path is None else path.shape[1])
     return cache.replace(layers=tuple(commit_layer_state(s, m, path) for s in cache.layers),
                          position=cache.position + m, tree=None)

@@ -173,6 +173,11 @@ def _parse(argv):
         args.backend = ops.resolve_backend(args.backend)
     except (ValueError, RuntimeError) as e:
         raise UsageError(f"--backend {args.backend}: {e}") from None
+    for L in args.buffer_lens:
+        try:
+            ops.check_buffer_len(L, args.backend, name="--buffer-lens")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return args
 
 

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "of 1-4 rows, where buffering saves nothing), or auto (default: the kernels pick direct "
                         "where their grid is latency-bound, else deferred from batch 64 with an f32 or bf16 "
                         "state, else output)")
-    p.add_argument("--dtype", default="float32",
+    p.add_argument("--dtype", default="float32", metavar="{" + ",".join(DTYPES) + "}",
                    help="float32 (default, whatever the checkpoint's dtype) or bfloat16: the weights and "
                         "activations (a bfloat16 checkpoint is upcast unless --dtype bfloat16)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8", "float8_e4m3fn"), default=None,
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-rounding", choices=("nearest", "stochastic"), default=None,
                    help="rounding of an 8-bit checkpoint at each flush (default nearest); --state-dtype int8 or "
                         "float8_e4m3fn only")
-    p.add_argument("--backend", default=None, help="SSM op backend: pallas, interpret or xla (default: pallas on GPU, else xla)")
+    p.add_argument("--backend", default=None, metavar="{" + ",".join(ops.BACKENDS) + "}", help="SSM op backend: pallas, interpret or xla (default: pallas on GPU, else xla)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and of --random-weights)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0: greedy (default: generation_config.json's, greedy without one)")

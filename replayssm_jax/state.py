@@ -158,6 +158,9 @@ class Mamba2ReplayState:
       B: [batch, n_groups, L, d_state], the buffered input projections B.
       cursor: i32[batch], steps buffered since the checkpoint, 0..L.
       window: static int, the pending verify window W (0 if none).
+      tree: static, the parents (`DraftTree.parents`) of the draft tree
+        whose window is pending, or None (no window, or a chain's): what
+        :func:`replayssm_jax.ops.replay_commit` checks a `path` against.
       scale: f32[batch, nheads, head_dim] for an int8 | float8_e4m3fn
         checkpoint (one scale per head_dim row, over d_state), else None.
       counter: i32[batch], checkpoint writes per row (the stochastic
@@ -175,6 +178,7 @@ class Mamba2ReplayState:
     scale: jax.Array | None = None
     counter: jax.Array | None = None
     rounding: str = struct.field(pytree_node=False, default="nearest")
+    tree: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
     @property
     def buffer_len(self) -> int:
@@ -204,6 +208,7 @@ class GDNReplayState:
       g: f32[batch, HV, L], the buffered log decays (<= 0).
       cursor: i32[batch], steps buffered since the checkpoint, 0..L.
       window: static int, the pending verify window W (0 if none).
+      tree: static, as :class:`Mamba2ReplayState`.
       scale: f32[batch, HV, V] for an int8 | float8_e4m3fn checkpoint (one
         scale per value row, over the key dim K), else None.
       counter, rounding: as :class:`Mamba2ReplayState`.
@@ -218,6 +223,7 @@ class GDNReplayState:
     scale: jax.Array | None = None
     counter: jax.Array | None = None
     rounding: str = struct.field(pytree_node=False, default="nearest")
+    tree: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
     @property
     def buffer_len(self) -> int:
@@ -378,7 +384,7 @@ def replay_commit(state: ReplayState, num_accepted: jax.Array, path: jax.Array |
         buffers = {name: gather_path(getattr(state, name), state.cursor, path, num_accepted)
                    for name in state.buffer_fields()}
         state = state.replace(**buffers)
-    return state.replace(cursor=state.cursor + num_accepted, window=0)
+    return state.replace(cursor=state.cursor + num_accepted, window=0, tree=None)
 
 
 def gather_path(buffer: jax.Array, start: jax.Array, path: jax.Array, count: jax.Array, axis: int = 2) -> jax.Array:

@@ -35,6 +35,8 @@ ARGV_ERRORS = [
     (["--batch", "x"], "argument --batch: invalid int value: 'x'"),
     (["--buffer-lens", "4,0"], "argument --buffer-lens: expected comma-separated positive integers; got '4,0'"),
     (["--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
+    (["--backend", "interpret", "--buffer-lens", "4,65"],
+     "`--buffer-lens` must be <= 64 with backend 'interpret' (the kernels' limit); got 65"),
 ]
 if jax.default_backend() != "gpu":
     ARGV_ERRORS.append((["--backend", "pallas"], "--backend pallas: `backend='pallas'` needs a CUDA GPU"))

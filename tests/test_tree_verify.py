@@ -245,6 +245,30 @@ def test_commit_path_checks(layer_cls):
     assert int(ops.replay_commit(new, m, path=np.zeros((layer.s.batch, 2), np.int32)).window) == 0
 
 
+@pytest.mark.parametrize("layer_cls", [Mamba2], ids=["mamba2"])
+def test_commit_checks_the_path_against_the_verified_tree(layer_cls):
+    """The verify records its tree's parents on the state; the commit refuses a path off the tree's edges,
+    a repeated node, a missing path after a tree and a path after a chain, before the state changes: the
+    same pending state then commits a path of the tree."""
+    layer, _, _, _, new = _tree_case(layer_cls)
+    assert new.tree == TREE.parents
+    batch = layer.s.batch
+    m = np.full(batch, 3, np.int32)
+    with pytest.raises(ValueError, match=r"row 0: node 2 \(position 1\) has parent 1, not node 0"):
+        ops.replay_commit(new, m, path=np.tile([0, 2, 6], (batch, 1)).astype(np.int32))
+    with pytest.raises(ValueError, match=r"row 0: node 1 \(position 2\) has parent 0, not node 1"):
+        ops.replay_commit(new, m, path=np.tile([0, 1, 1], (batch, 1)).astype(np.int32))
+    with pytest.raises(ValueError, match="`path` is required after a draft tree's verify"):
+        ops.replay_commit(new, m)
+    chain = _chain_of_path(layer_cls, (0, 1, 2))[1]
+    assert chain.tree is None
+    with pytest.raises(ValueError, match="the pending window is a chain's"):
+        ops.replay_commit(chain, m, path=np.tile([0, 1, 2], (batch, 1)).astype(np.int32))
+    committed = ops.replay_commit(new, m, path=np.tile([0, 3, 4], (batch, 1)).astype(np.int32))
+    assert committed.tree is None and committed.window == 0
+    np.testing.assert_array_equal(np.asarray(committed.cursor - new.cursor), m)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer_cls", [GDN, Mamba2], ids=["gdn", "mamba2"])
 @pytest.mark.parametrize("tree", [DraftTree.topk(2, 3), DraftTree.topk(4, 2)], ids=["topk2-depth3", "topk4-depth2"])

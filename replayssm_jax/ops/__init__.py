@@ -361,6 +361,13 @@ def _on_slots(step, state, slots):
     return y, put_slots(state, slots, rows)
 
 
+def _with_tree(result, tree):
+    """A replay verify's (y, state) with the verified tree's parents recorded on the state (None for a chain),
+    which :func:`replay_commit` checks its `path` against."""
+    y, state = result
+    return y, state.replace(tree=None if tree is None else tuple(tree.parents))
+
+
 def _pool_option(slots) -> dict:
     """The kernels' `slots` keyword: {} without a pool (so that those calls are unchanged)."""
     return {} if slots is None else {"slots": slots}
@@ -422,9 +429,10 @@ def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted, path=
         (`state.window = W > 0`).
       num_accepted: int[batch], per-sequence counts in 0..W (with a path:
         0..P).
-      path: None (the first m steps), or int[batch, P]: per row the node
-        indices of its accepted path, root first (path[b, i] is the node at
-        depth i; entries past num_accepted[b] are not read).
+      path: None after a chain's verify (the first m steps); after a
+        tree's verify (required), int[batch, P]: per row the node indices
+        of its accepted path, root first (path[b, i] is the node at depth
+        i; entries past num_accepted[b] are not read).
 
     Returns:
       The state with the cursor moved and `window = 0`.
@@ -432,12 +440,15 @@ def replay_commit(state: Mamba2ReplayState | GDNReplayState, num_accepted, path=
     Raises:
       TypeError: not a replay state, or non-integer counts.
       ValueError: no pending window, counts of the wrong shape, or (when
-        the counts are concrete) a count outside 0..W; a path not
-        [batch, P] with P <= W, or (concrete) a node index outside 0..W - 1
-        or a count above P. Inside jit, counts are clipped to 0..W.
+        the counts are concrete) a count outside 0..W; a path after a
+        chain's verify or none after a tree's; a path not [batch, P] with
+        P <= W, or (concrete) a node index outside 0..W - 1, a count above
+        P, or a row's kept nodes that are not a path of the verified tree
+        from its root (`state.tree`). Inside jit, counts are clipped to 0..W.
     """
     num_accepted = val.check_replay_commit(state, num_accepted)
-    return _state.replay_commit(state, num_accepted, val.check_path(path, num_accepted, state.window))
+    return _state.replay_commit(state, num_accepted,
+                                val.check_commit_path(path, num_accepted, state.window, state.tree))
 
 
 # --------------------------------------------------------------------------
@@ -692,6 +703,8 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
       (y [batch, W, nheads, head_dim] in x.dtype, new state with window = W):
       y[:, t] is the output of step t assuming steps 0..t-1 of the window
       (of a tree: t's ancestors) are accepted.
+      The state records the tree's parents (`state.tree`; None for a
+      chain), which :func:`replay_commit` checks its `path` against.
 
     Raises:
       TypeError, ValueError, RuntimeError: as :func:`mamba2_replay_step`, and
@@ -704,11 +717,11 @@ def mamba2_replay_verify(state: Mamba2ReplayState, x, dt, A, B, C, D=None, z=Non
                                                                   dt_limit, tree, slots, dt_offset)
     chosen = choose_backend("mamba2_replay_verify", backend, config)
     if chosen == "xla":
-        return _on_slots(lambda s: reference.mamba2_replay_verify(s, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
-                                                                  dt_limit, tree, dt_offset=dt_offset), state, slots)
-    return kernels.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
-                                        dt_limit=dt_limit, dt_offset=dt_offset, tree=tree, config=config,
-                                        interpret=chosen == "interpret", **_pool_option(slots))
+        return _with_tree(_on_slots(lambda s: reference.mamba2_replay_verify(
+            s, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, tree, dt_offset=dt_offset), state, slots), tree)
+    return _with_tree(kernels.mamba2_replay_verify(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=dt_softplus,
+                                                   dt_limit=dt_limit, dt_offset=dt_offset, tree=tree, config=config,
+                                                   interpret=chosen == "interpret", **_pool_option(slots)), tree)
 
 
 def mamba2_replay_materialize(state: Mamba2ReplayState, A, *, backend: str | None = None,
@@ -1036,6 +1049,7 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g=None, beta=None, scale=N
       (o [batch, W, HV, V] in v.dtype, new state with window = W): o[:, t]
       is the output of step t assuming steps 0..t-1 of the window (of a
       tree: t's ancestors) are accepted.
+      The state records the tree's parents, as :func:`mamba2_replay_verify`.
 
     Raises:
       TypeError, ValueError, RuntimeError: as :func:`gdn_replay_step`, and
@@ -1048,10 +1062,11 @@ def gdn_replay_verify(state: GDNReplayState, q, k, v, g=None, beta=None, scale=N
                                                               slots)
     chosen = choose_backend("gdn_replay_verify", backend, config)
     if chosen == "xla":
-        return _on_slots(lambda s: reference.gdn_replay_verify(s, q, k, v, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                                               tree=tree, **gates.keywords()), state, slots)
-    return kernels.gdn_replay_verify(state, q, k, v, **gates.keywords(), scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                     tree=tree, config=config, interpret=chosen == "interpret", **_pool_option(slots))
+        return _with_tree(_on_slots(lambda s: reference.gdn_replay_verify(
+            s, q, k, v, scale=scale, use_qk_l2norm=use_qk_l2norm, tree=tree, **gates.keywords()), state, slots), tree)
+    return _with_tree(kernels.gdn_replay_verify(state, q, k, v, **gates.keywords(), scale=scale,
+                                                use_qk_l2norm=use_qk_l2norm, tree=tree, config=config,
+                                                interpret=chosen == "interpret", **_pool_option(slots)), tree)
 
 
 def gdn_replay_materialize(state: GDNReplayState, *, backend: str | None = None,

@@ -477,6 +477,22 @@ def check_tree(tree, W: int, name: str):
     return tree
 
 
+def check_commit_path(path, num_accepted: jax.Array, window: int, tree: tuple[int, ...] | None) -> jax.Array | None:
+    """A commit's `path` against the pending window's `tree` (the verified draft tree's parents, None after a
+    chain's verify): required after a tree's verify, refused after a chain's, then :func:`check_path`.
+
+    Raises:
+      TypeError, ValueError: as :func:`check_path`, or a path given (missing) where the window is a chain's
+        (a tree's).
+    """
+    if (path is None) != (tree is None):
+        raise ValueError("`path` is required after a draft tree's verify (the accepted nodes, root first)"
+                         if path is None else
+                         "`path` is for a draft tree's window; the pending window is a chain's (verify without "
+                         "`tree`): commit it with path None")
+    return check_path(path, num_accepted, window, tree)
+
+
 def check_path(path, num_accepted: jax.Array, window: int, parents: tuple[int, ...] | None = None) -> jax.Array | None:
     """A commit's `path`: None, or int[batch, P] of node indices of a verified draft tree (1 <= P <=
     window), as i32; values checked where concrete: node indices in 0..window - 1, num_accepted <= P,
