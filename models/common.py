@@ -36,7 +36,7 @@ from replayssm_jax.layers.cache import (
     commit_layer_state,
     pending_window,
 )
-from replayssm_jax.ops.validate import check_commit_path, check_tree
+from replayssm_jax.ops.validate import check_commit_path, check_tree, tree_parents
 
 __all__ = ["HybridBlock", "HybridCache", "HybridCausalLM", "make_prefill", "make_decode_step", "make_verify_step",
            "make_commit", "commit_cache", "split_params"]
@@ -401,7 +401,7 @@ class HybridCausalLM(nnx.Module):
         for block, state in zip(self._blocks, cache.layers):
             h, state = block.verify(h, state, backend=backend, tree=tree, slots=slots)
             states.append(state)
-        cache = cache.replace(layers=tuple(states), tree=None if tree is None else tuple(tree.parents))
+        cache = cache.replace(layers=tuple(states), tree=tree_parents(tree))
         if return_hidden:
             hidden = self._final_norm(h)
             return self._lm_head(hidden), hidden, cache
@@ -456,7 +456,7 @@ def commit_cache(cache: HybridCache, num_accepted, path=None, *, slots=None) -> 
       ValueError: no pending window; counts not [batch] or outside 0..W; bad
         `slots` (`ops.validate.check_slots`) or a path with slots; a path
         after a chain's verify, none after a tree's, or (concrete) one off
-        the tree (`ops.validate.check_path`). All before anything changes.
+        the tree (`ops.validate.check_commit_path`). All before anything changes.
     """
     if not isinstance(cache, HybridCache):
         raise TypeError(f"`cache` must be a HybridCache (from `verify`); got {type(cache).__name__}")

@@ -61,7 +61,7 @@ def check_bad_trees(model, verify, commit, params, cache):
 def check_bad_paths(model, cache, tree):
     """A tree's pending window is committed only along a path of the tree, root first: no path, a path
     off the root or across siblings raises (`tree` has nodes 1 and 2 under the root, 3 under 1), naming
-    the row."""
+    the row; so do the commits of the model's layers on their own states."""
     batch = cache.position.shape[0]
     m = jnp.full(batch, 3, jnp.int32)
     with pytest.raises(ValueError, match="`path` is required after a draft tree's verify"):
@@ -74,6 +74,15 @@ def check_bad_paths(model, cache, tree):
         model.commit(cache, m, jnp.asarray(across))
     with pytest.raises(ValueError, match="`path` must start at the root, node 0; row 0 starts at node 1"):
         model.commit(cache, m, jnp.asarray(np.tile(np.array([1, 3, 0], np.int32), (batch, 1))))
+    # Each layer's state records the tree too, and the layers' own commits check against it.
+    for block, state in zip(model._blocks, cache.layers):
+        if state is None:
+            continue
+        assert state.tree == tree.parents, type(state).__name__
+        with pytest.raises(ValueError, match="`path` is required after a draft tree's verify"):
+            block.mixer.commit(state, m)
+        with pytest.raises(ValueError, match=rf"row {batch - 1}: node 2 \(position 2\) has parent 0, not node 1"):
+            block.mixer.commit(state, m, jnp.asarray(across))
 
 
 def tree_greedy(name, replay_buffer_len):

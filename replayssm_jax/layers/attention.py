@@ -27,7 +27,7 @@ from flax import nnx
 from replayssm_jax import kernels, ops
 from replayssm_jax.layers.cache import KVCache, check_input, check_num_accepted, check_sizes, commit_layer_state
 from replayssm_jax.ops import take_slots
-from replayssm_jax.ops.validate import check_backend_name, check_path, check_slots, check_tree
+from replayssm_jax.ops.validate import check_backend_name, check_commit_path, check_slots, check_tree, tree_parents
 from replayssm_jax.reference.attention import attend
 from replayssm_jax.layers.linear import Linear, default_rngs
 from replayssm_jax.layers.norms import RMSNorm
@@ -334,7 +334,7 @@ class Attention(nnx.Module):
         tree = check_tree(tree, window, "x.shape[1]")
         if slots is None:
             y, written = self.extend(x, cache, tree)
-            return y, written.replace(length=cache.length, window=window)
+            return y, written.replace(length=cache.length, window=window, tree=tree_parents(tree))
         rows = take_slots(cache, slots)
         y, written = self.extend(x, rows)
         batch = jnp.arange(slots.shape[0])[:, None]
@@ -352,12 +352,13 @@ class Attention(nnx.Module):
 
         Raises:
           TypeError: non-integer counts or path.
-          ValueError: no pending window, counts not [batch] or (concrete) outside 0..W; a path not
-            [batch, P] with P <= W, or (concrete) out of range.
+          ValueError: no pending window, counts not [batch] or (concrete) outside 0..W; a path after a
+            chain's verify or none after a tree's; a path not [batch, P] with P <= W, or (concrete) out of
+            range or off the verified tree.
         """
         if not isinstance(cache, KVCache) or cache.window == 0:
             raise ValueError("Attention.commit: `cache` must be a KVCache with a pending verify window; got "
                              + ("window = 0" if isinstance(cache, KVCache) else type(cache).__name__))
         m = check_num_accepted(num_accepted, cache.k.shape[0], cache.window)
-        return commit_layer_state(cache, m, check_path(path, m, cache.window))
+        return commit_layer_state(cache, m, check_commit_path(path, m, cache.window, cache.tree))
 

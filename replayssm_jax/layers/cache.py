@@ -40,11 +40,11 @@ from flax import struct
 
 from replayssm_jax import state as _state
 from replayssm_jax.ops import validate
-from replayssm_jax.ops.validate import check_path
+from replayssm_jax.ops.validate import check_commit_path
 from replayssm_jax.state import GDNReplayState, Mamba2ReplayState
 
 __all__ = ["ConvWindow", "SSMLayerState", "ReplayLayerState", "KVCache", "LayerState", "commit_layer_state",
-           "committed_index", "pending_window", "check_num_accepted", "check_path"]
+           "committed_index", "pending_window", "check_num_accepted", "check_commit_path"]
 
 
 @struct.dataclass
@@ -163,12 +163,15 @@ class SSMLayerState:
       index: None (plain), or i32[batch] in 0..S - 1 (slotted).
       window: static int, the pending verify window W (0 if none): its
         states are written, ``index`` not yet moved.
+      tree: static, the parents of the pending window's draft tree (None:
+        no window, or a chain's), which ``commit`` checks a path against.
     """
 
     conv_state: ConvWindow
     ssm_state: jax.Array
     index: jax.Array | None = None
     window: int = struct.field(pytree_node=False, default=0)
+    tree: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
     @property
     def slots(self) -> int:
@@ -214,6 +217,11 @@ class ReplayLayerState:
         """The pending verify window W (0 if none; static)."""
         return self.replay.window
 
+    @property
+    def tree(self) -> tuple[int, ...] | None:
+        """The parents of the pending window's draft tree (None: no window, or a chain's; static)."""
+        return self.replay.tree
+
 
 @struct.dataclass
 class KVCache:
@@ -228,12 +236,14 @@ class KVCache:
         slots, so callers size max_len for prompt + new tokens.
       window: static int, the pending verify window W (0 if none): K/V of
         positions length..length+W-1 are written, length not yet moved.
+      tree: static, as :class:`SSMLayerState`.
     """
 
     k: jax.Array
     v: jax.Array
     length: jax.Array
     window: int = struct.field(pytree_node=False, default=0)
+    tree: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
     @property
     def max_len(self) -> int:
@@ -281,12 +291,13 @@ def commit_layer_state(state: LayerState, num_accepted: jax.Array, path: jax.Arr
         if path is not None:
             state = state.replace(**{name: _state.gather_path(getattr(state, name), state.length, path, m, axis=1)
                                      for name in ("k", "v")})
-        return state.replace(length=state.length + m, window=0)
+        return state.replace(length=state.length + m, window=0, tree=None)
     conv_state = state.conv_state if path is None else state.conv_state.keep_path(path, m)
     conv_state = conv_state.advance(m)
     if isinstance(state, ReplayLayerState):
         return ReplayLayerState(conv_state=conv_state, replay=_state.replay_commit(state.replay, m, path))
-    return state.replace(conv_state=conv_state, index=committed_index(state.index, state.slots, m, path), window=0)
+    return state.replace(conv_state=conv_state, index=committed_index(state.index, state.slots, m, path), window=0,
+                         tree=None)
 
 
 def committed_index(index: jax.Array, slots: int, num_accepted: jax.Array, path: jax.Array | None = None):

@@ -40,7 +40,7 @@ from replayssm_jax.layers.cache import (
     SSMLayerState,
     check_input,
     check_num_accepted,
-    check_path,
+    check_commit_path,
     check_sizes,
     commit_layer_state,
 )
@@ -312,7 +312,8 @@ class SSMMixer(nnx.Module):
             state = state.slotted(window + 1)
         y, ssm_state = self.verify_op(state.ssm_state, state.index, **inputs, **params, tree=tree, backend=backend,
                                       **pool)
-        return self._finish(y, z), state.replace(conv_state=conv_state, ssm_state=ssm_state, window=window)
+        return self._finish(y, z), state.replace(conv_state=conv_state, ssm_state=ssm_state, window=window,
+                                                 tree=validate.tree_parents(tree))
 
     def commit(self, state: SSMLayerState | ReplayLayerState, num_accepted,
                path=None) -> SSMLayerState | ReplayLayerState:
@@ -322,8 +323,9 @@ class SSMMixer(nnx.Module):
           state: from `verify` (a pending window W).
           num_accepted: int[batch], per row in 0..W (checked where concrete;
             clipped to 0..W inside jit).
-          path: None, or int[batch, P] after a tree verify: per row the
-            accepted nodes, root first (`commit_layer_state`).
+          path: None after a chain's verify; after a tree's (required),
+            int[batch, P]: per row the accepted nodes, root first
+            (`commit_layer_state`).
 
         Returns:
           The state after those positions, no window pending:
@@ -333,11 +335,13 @@ class SSMMixer(nnx.Module):
 
         Raises:
           TypeError: `state` of another type, non-integer counts.
-          ValueError: no pending window, counts not [batch] or outside 0..W.
+          ValueError: no pending window, counts not [batch] or outside 0..W;
+            a path after a chain's verify, none after a tree's, or
+            (concrete) one off the verified tree (`validate.check_commit_path`).
         """
         self._check_state(state, "commit", (SSMLayerState, ReplayLayerState), pending=True)
         m = check_num_accepted(num_accepted, state.conv_state.batch, state.window)
-        return commit_layer_state(state, m, check_path(path, m, state.window))
+        return commit_layer_state(state, m, check_commit_path(path, m, state.window, state.tree))
 
 
     def _check_input(self, u, what: str, batch: int | None, *, window: bool = False) -> None:

@@ -365,7 +365,7 @@ def _with_tree(result, tree):
     """A replay verify's (y, state) with the verified tree's parents recorded on the state (None for a chain),
     which :func:`replay_commit` checks its `path` against."""
     y, state = result
-    return y, state.replace(tree=None if tree is None else tuple(tree.parents))
+    return y, state.replace(tree=val.tree_parents(tree))
 
 
 def _pool_option(slots) -> dict:

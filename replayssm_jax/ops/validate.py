@@ -477,6 +477,12 @@ def check_tree(tree, W: int, name: str):
     return tree
 
 
+def tree_parents(tree) -> tuple[int, ...] | None:
+    """What a pending window records of its verify's `tree` (a DraftTree, checked): its parents, or None for a
+    chain's window."""
+    return None if tree is None else tuple(tree.parents)
+
+
 def check_commit_path(path, num_accepted: jax.Array, window: int, tree: tuple[int, ...] | None) -> jax.Array | None:
     """A commit's `path` against the pending window's `tree` (the verified draft tree's parents, None after a
     chain's verify): required after a tree's verify, refused after a chain's, then :func:`check_path`.
