@@ -515,8 +515,8 @@ def _check_room(cache: HybridCache, window: int, slots=None) -> None:
             longest = int(np.max(lengths, initial=0))
             if longest + window > state.max_len:
                 raise ValueError(f"`tokens` has W = {window} positions; layer {i}'s KV cache holds "
-                                 f"{longest} of max_len = {state.max_len} positions in its longest row (prefill "
-                                 f"with a larger max_len)")
+                                 f"{longest} of max_len = {state.max_len} positions in its longest row (the "
+                                 f"prefill's max_len + max_window - 1; prefill with a larger max_len)")
 
 
 def _check_ids(ids, vocab_size: int, name: str, axes: tuple[str, ...]) -> jax.Array:

@@ -244,7 +244,8 @@ class Attention(nnx.Module):
                              f"({batch}, max_len, {self.num_kv_heads}, {self.head_dim}); got {cache.k.shape}")
         if not isinstance(cache.length, jax.core.Tracer) and int(np.max(cache.length)) + seqlen > cache.max_len:
             raise ValueError(f"Attention: the KV cache is full: a row holds {int(np.max(cache.length))} of "
-                             f"max_len = {cache.max_len} positions and {seqlen} more were given (prefill with a "
+                             f"max_len = {cache.max_len} positions and {seqlen} more were given (the cache's "
+                             f"length: a model's prefill with max_window W holds max_len + W - 1; prefill with a "
                              f"larger max_len: inside jit this is not checked, and a write past max_len "
                              f"lands on the last positions, giving wrong results)")
         offsets = jnp.arange(seqlen, dtype=jnp.int32) if tree is None else jnp.asarray(tree.depth, jnp.int32)
