@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-rounding", choices=("nearest", "stochastic"), default=None,
                    help="rounding of an 8-bit checkpoint at each flush (default nearest); --state-dtype int8 or "
                         "float8_e4m3fn only")
-    p.add_argument("--backend", default=None, metavar="{" + ",".join(ops.BACKENDS) + "}", help="SSM op backend: pallas, interpret or xla (default: pallas on GPU, else xla)")
+    p.add_argument("--backend", default=None, metavar="{" + ",".join(ops.BACKENDS) + "}",
+                   help="SSM op backend: pallas, interpret or xla (default: pallas on GPU, else xla)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and of --random-weights)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0: greedy (default: generation_config.json's, greedy without one)")
