@@ -38,6 +38,10 @@ import bench_args
 import kernels as kb  # bench/kernels.py: shapes, traffic model, timing
 
 
+# A dry run times tiny shapes in interpret mode: it checks the script, and its speedups mean nothing.
+DRY_RUN_NOTE = "dry run: interpret mode on tiny shapes, the timings and speedups are not measurements"
+
+
 def predicted_speedup(bench, L) -> float:
     """Standard bytes over ReplaySSM bytes per step, from the traffic model."""
     return kb.standard_bytes(bench) / kb.replay_bytes(bench, L)
@@ -77,7 +81,9 @@ def best_lengths(rows):
     return best
 
 
-def plot(rows, out_dir):
+def plot(rows, out_dir, note=None):
+    """The speedups against L and against batch, one panel per (layer, state dtype); `note` (a dry
+    run's warning, or None) heads each figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,6 +105,8 @@ def plot(rows, out_dir):
             ax.set_xlabel("buffer length L" if x_key == "L" else "batch")
             ax.set_ylabel("ReplaySSM speedup over standard")
             ax.legend(fontsize=7)
+        if note:
+            fig.suptitle(note, color="firebrick", fontsize=9)
         fig.tight_layout()
         paths[name] = os.path.join(out_dir, f"buffer_length_{name}.png")
         fig.savefig(paths[name], dpi=120)
@@ -146,13 +154,16 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__,
                 argv=sys.argv[1:] if argv is None else list(argv), backend=options.backend,
-                timing=dataclasses.asdict(options))
+                timing=dataclasses.asdict(options), timings_meaningful=not args.dry_run)
+    note = DRY_RUN_NOTE if args.dry_run else None
+    if note:
+        meta["note"] = note
 
     def save():
         """JSON and plots of the rows so far: a run cut short keeps what it measured."""
         with open(os.path.join(args.out, "buffer_length.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        return plot(rows, args.out)
+        return plot(rows, args.out, note)
 
     for layer in args.layers:
         for sd in args.state_dtypes:
@@ -160,6 +171,8 @@ def main(argv=None) -> int:
                   rows, save)
     paths = save()
     print(f"\n{meta['date']} {meta['device']}: best L per shape (measured speedup; traffic model's at that L)")
+    if note:
+        print(f"** {note} **")
     print("| layer | state | batch | best L | speedup | model |")
     print("|---|---|---|---|---|---|")
     for (layer, sd, b), r in sorted(best_lengths(rows).items()):

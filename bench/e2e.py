@@ -369,8 +369,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also break one decode step down by kernel category (a third, traced run per configuration)")
     p.add_argument("--out", default=None,
-                   help="JSON path, or a folder to write e2e.json in; default: bench/results/DATE-e2e/e2e.json "
-                        "(with --smoke: in a new temporary folder)")
+                   help="a JSON path (ending in .json), or a folder, new or not, to write e2e.json in; default: "
+                        "bench/results/DATE-e2e/e2e.json (with --smoke: in a new temporary folder)")
     p.add_argument("--smoke", action="store_true", help="tiny fixture on any device, to check the script")
     p.add_argument("--tp", type=bench_args.positive_int, default=None,
                    help="run on a mesh with this tensor-parallel size (models.sharding; default: no mesh)")
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
         folder = (tempfile.mkdtemp(prefix="e2e_smoke_") if args.smoke else
                   os.path.join(ROOT, "bench", "results", f"{datetime.date.today().isoformat()}-e2e"))
         args.out = os.path.join(folder, "e2e.json")
-    elif os.path.isdir(args.out) or args.out.endswith(("/", os.sep)):  # a folder, new or not
+    elif not args.out.endswith(".json"):  # a folder, new or not
         args.out = os.path.join(args.out, "e2e.json")
     if args.smoke:
         folder, dtype = os.path.join(ROOT, "tests", "data"), jnp.float32
@@ -478,7 +478,7 @@ def main(argv=None) -> int:
               f"{'-' if r.identical_to_standard is None else r.identical_to_standard}")
     bounded = [r for r in rows if r.roofline]
     if bounded:
-        print(f"\nroofline (copy {rates['copy_gbps']:.0f} GB/s, bf16 matmul {rates['matmul_tflops']:.0f} TFLOP/s): "
+        print(f"\nroofline (copy {rates['copy_gbps']:.0f} GB/s, bf16 matmul {rates['matmul_tflops']:.3g} TFLOP/s): "
               "ms per step, its terms, and the step over it")
         print(f"{'model':26s} {'batch':>5s} {'mode':>10s} {'step ms':>8s} {'bound ms':>8s} {'GEMM':>7s} {'attn':>7s} "
               f"{'states':>7s} {'x bound':>7s}")

@@ -51,7 +51,6 @@ if ROOT not in sys.path:
     sys.path.append(ROOT)  # after a tree put first on PYTHONPATH, as the other bench scripts
 
 from replayssm_jax import ops  # noqa: E402
-from replayssm_jax.state import dequantize  # noqa: E402
 from replayssm_jax.testing import GDN_CASES, MAMBA2_CASES  # noqa: E402
 
 f32 = jnp.float32
@@ -238,13 +237,14 @@ def _smooth(e: np.ndarray, points: int = 200) -> list[float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small CPU run: CPU test shapes, 512 layer steps, L 8 and "
-                                                        "16; two fixtures, L 16, 128 tokens")
+                                                        "16; two fixtures, L 16 (or --lengths), 128 tokens")
     p.add_argument("--backend", default=None, choices=bench_args.BACKENDS,
                    help="xla (default on the CPU) or pallas (default on a GPU)")
     p.add_argument("--model-shapes", action="store_true",
                    help="the layers at the model shapes also with backend xla (the default on a GPU)")
     p.add_argument("--lengths", type=bench_args.positive_ints, default=None,
-                   help="buffer lengths L, e.g. 16,32 (default 8,16,32; with --quick 8,16)")
+                   help="buffer lengths L of the layers and the fixtures, e.g. 16,32 (default 8,16,32; with "
+                        "--quick 8,16 for the layers and 16 for the fixtures)")
     p.add_argument("--batch", type=bench_args.positive_int, default=None,
                    help="rows of the model-shape layers (default 4 on a GPU, else 1)")
     p.add_argument("--out", default=None, help="output folder (default bench/results/DATE-state-drift)")
@@ -256,6 +256,7 @@ def main(argv=None) -> int:
     tokens = 128 if args.quick else 512
     fixture_marks = (32, 64, 128) if args.quick else marks
     fixtures = FIXTURES[::2] if args.quick else FIXTURES
+    fixture_lengths = (16,) if args.quick and args.lengths is None else lengths  # given lengths hold everywhere
     real = backend == "pallas" or args.model_shapes
     batch = args.batch or (4 if backend == "pallas" else 1)
     shapes = {"mamba2": MAMBA2_CASES.model.with_batch(batch) if real else MAMBA2_CASES.cpu[0],
@@ -281,7 +282,7 @@ def main(argv=None) -> int:
 
     fixture_rows = []
     for name in fixtures:
-        for L in ((16,) if args.quick else lengths):
+        for L in fixture_lengths:
             fixture_rows += fixture_drift(name, L, CONFIGS, tokens, fixture_marks, "xla")
     print(f"\nfixtures: logits error (teacher-forced on the f32 greedy tokens) and greedy agreement over {tokens} "
           "tokens:")

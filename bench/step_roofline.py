@@ -10,8 +10,8 @@ attention over the KV caches, and the SSM kernels over their states. Its bound i
   at the copy bandwidth, a KV cache operand (an array of a KV cache's shape) counted at the live
   length only (the positions a step must read, not the cache's allocated max_len);
 - SSM states (the Pallas kernels, which are no dots of the jaxpr; with the "xla" backend the
-  ops' reference form adds dots to the GEMMs, so the bound means something on the kernel
-  backends only): standard state 2 |S| (read and written); ReplaySSM checkpoint |S| (1 + 2 / L)
+  dots of the ops' reference form, under the layers' `SSM_SCOPE`, are left out of the GEMMs:
+  their traffic is this term): standard state 2 |S| (read and written); ReplaySSM checkpoint |S| (1 + 2 / L)
   (read, and re-read and written once per flush), |S| (1 + 1 / L) where the Generator decodes in
   lockstep (read, and written by the direct step that flushes every row once per L steps), and
   buffer records B (1 + 1 / L) (read, one of L slots written); the conv ring R W / S (W - 1 of its
@@ -33,6 +33,7 @@ from flax import nnx
 
 from replayssm_jax.layers.attention import ATTENTION_SCOPE
 from replayssm_jax.layers.cache import KVCache, ReplayLayerState, SSMLayerState
+from replayssm_jax.layers.ssm_mixer import SSM_SCOPE
 
 
 def _nbytes(aval) -> int:
@@ -64,8 +65,10 @@ def dot_costs(jaxpr, kv_shapes: frozenset, live_fraction: float, times: int = 1)
     `ATTENTION_SCOPE`; an operand of a KV cache's shape, one of `kv_shapes`, counted at `live_fraction` of
     its bytes: live length over max_len) or "gemm"; and of every Pallas kernel under `ATTENTION_SCOPE` (the
     decode attention kernel): "attention", its operands' and results' bytes counted so, its FLOPs 0 (the
-    bound is its traffic)."""
+    bound is its traffic). The SSM state ops (under `SSM_SCOPE`) are skipped: the state term counts them."""
     for eqn in jaxpr.eqns:
+        if SSM_SCOPE in str(eqn.source_info.name_stack):
+            continue
         if eqn.primitive.name == "pallas_call" and ATTENTION_SCOPE in str(eqn.source_info.name_stack):
             avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
             yield "attention", times * _attention_bytes(avals, kv_shapes, live_fraction), 0

@@ -75,7 +75,12 @@ def test_e2e_smoke(tmp_path, capsys):
     assert [r["mode"] for r in rows] == ["standard", "2", "3d"]
     assert all(r["tokens_per_s"] > 0 and r["identical_to_standard"] for r in rows)
     assert not any(r["lockstep"] for r in rows)  # the smoke's xla backend: Generator's default keeps it off
+    # the GEMMs of the bound are the model's: the SSM ops' reference dots (xla) are the state term's
+    assert len({(r["roofline"]["weights_gib"], r["roofline"]["gemm_tflop"]) for r in rows}) == 1, rows
     assert "nemotron_h_tiny" in capsys.readouterr().out
+    assert load("e2e").main(["--smoke", "--models", "nemotron_h_tiny", "--memory-only", "--modes", "standard",
+                             "--out", str(tmp_path / "new" / "e2e")]) == 0  # not .json: a folder, made
+    assert (tmp_path / "new" / "e2e" / "e2e.json").is_file()
     per_seq = {}
     for dtype in ("float32", "bfloat16"):
         path = tmp_path / f"memory_{dtype}.json"
@@ -537,9 +542,12 @@ def test_buffer_length_dry_run(tmp_path, capsys):
     rows = json.loads((tmp_path / "buffer_length.json").read_text())["rows"]
     assert {r["L"] for r in rows} == {1, 2} and all(r["passed"] for r in rows)
     assert (tmp_path / "buffer_length_vs_L.png").stat().st_size > 0
-    assert "best L per shape" in capsys.readouterr().out
-    timing = json.loads((tmp_path / "buffer_length.json").read_text())["meta"]["timing"]
+    out = capsys.readouterr().out
+    assert "best L per shape" in out and "timings and speedups are not measurements" in out
+    meta = json.loads((tmp_path / "buffer_length.json").read_text())["meta"]
+    timing = meta["timing"]
     assert (timing["backend"], timing["repeats"], timing["max_sets"], timing["standard_steps"]) == ("interpret", 1, 1, 2)
+    assert meta["timings_meaningful"] is False and "not measurements" in meta["note"]
 
 
 @pytest.mark.parametrize(("spec", "fields"), [

@@ -234,6 +234,22 @@ def test_attention_extend_with_ragged_lengths():
     np.testing.assert_array_equal(np.asarray(cache.length), [4, 6])
 
 
+def test_attention_row_past_the_cache_is_nan_inside_jit():
+    """A traced cache length with no room left (eager calls raise): that row's outputs are NaN, the
+    other row's equal the full forward."""
+    layer = randomize(Attention(16, 2, 1, 8, rotary_dim=8), scale=0.2)
+    x = rand(7, (2, 6, 16))
+    full = jax.jit(layer)(x)
+    _, cache = jax.jit(layer.prefill, static_argnums=1)(x[:, :4], 5)
+    cache = cache.replace(length=jnp.array([5, 4], jnp.int32))  # row 0 full
+    with pytest.raises(ValueError, match="the KV cache is full"):
+        layer.decode(x[:, 4], cache)
+    y, cache = jax.jit(layer.decode)(x[:, 4], cache)
+    assert np.isnan(np.asarray(y[0])).all()
+    assert_close(y[1], full[1, 4])
+    np.testing.assert_array_equal(np.asarray(cache.length), [6, 5])
+
+
 def test_attention_verify_and_commit():
     """Verify W positions per row at ragged lengths, commit m (0 and W included): outputs and the
     following decode steps equal the full forward."""
@@ -290,6 +306,8 @@ def test_attention_errors():
         layer.decode(rand(1, (2, 16)), KVCache.zeros(4, 4, 2, 4), slots=jnp.array([0, 1, 2]))
     with pytest.raises(ValueError, match=r"`slots` must be in \[-1, 3\]"):
         layer.decode(rand(1, (2, 16)), KVCache.zeros(4, 4, 2, 4), slots=jnp.array([9, 0]))
+    with pytest.raises(TypeError, match="Attention.decode: `x` must have dtype float32 or bfloat16; got float16"):
+        layer.decode(rand(1, (1, 16)).astype(jnp.float16), KVCache.zeros(1, 4, 2, 4))
     for sizes, name in [((16, 0, 1, 4), "num_heads"), ((16, 4, 2, 0), "head_dim"), ((0, 4, 2, 4), "hidden_size")]:
         with pytest.raises(ValueError, match=f"Attention: `{name}` must be >= 1; got 0"):
             Attention(*sizes)
@@ -656,6 +674,17 @@ def test_ssm_layer_input_and_state_errors(name):
             call()
     with pytest.raises(TypeError, match=rf"{owner}.to_replay: `state` must be SSMLayerState; got ReplayLayerState"):
         layer.to_replay(layer.to_replay(state, 4), 4)
+    replay = layer.to_replay(state, 4)
+    dtype_errors = [  # the ops refuse these too; the layer names `u` before its projections cast it
+        (lambda: layer.prefill(u.astype(jnp.int32)), rf"{owner}.prefill: `u` must have dtype float32 or bfloat16; "
+                                                     "got int32"),
+        (lambda: layer.decode(u[:, 3].astype(jnp.float16), replay),
+         rf"{owner}.decode: `u` must have dtype float32 or bfloat16; got float16 \(float16 overflows"),
+        (lambda: layer.verify(u[:, 3:].astype(jnp.int8), state), rf"{owner}.verify: `u` must have dtype"),
+    ]
+    for call, message in dtype_errors:
+        with pytest.raises(TypeError, match=message):
+            call()
     pool = jax.tree.map(lambda a: jnp.concatenate([a, a]), state)  # a pool of 4 slots
     with pytest.raises(ValueError, match=r"`slots` must have one entry per batch row of `u` \(u.shape\[0\] = 2\); "
                                          "got 3 slots"):

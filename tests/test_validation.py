@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cases import GDNCase, Mamba2Case, assert_close
-from replayssm_jax import ops, replay_commit
+from replayssm_jax import kernels, ops, replay_commit
 
 
 def with_(inp, **changes):
@@ -179,7 +179,7 @@ def test_init_divisibility(rng):
 
 
 def test_state_type_is_checked(mamba, gdn):
-    (mcase, mstate, minp), (gcase, gstate, ginp) = mamba, gdn
+    (mcase, mstate, _), (gcase, _, ginp) = mamba, gdn
     with pytest.raises(TypeError, match="`state` must be a GDNReplayState; got Mamba2ReplayState"):
         gcase.replay_step(mcase.replay_init(mstate, 2), ginp)
 
@@ -188,6 +188,22 @@ def test_unknown_backend(mamba):
     case, state, inp = mamba
     with pytest.raises(ValueError, match=r"`backend` must be one of \('pallas', 'interpret', 'xla'\) or None; got 'cuda'"):
         ops.mamba2_step(state, **inp, A=case.A, backend="cuda")
+
+
+def test_check_buffer_len_answers_for_the_kernels_on_any_machine():
+    """The kernels' limit on L is a property of the backend asked for, not of this machine: a named
+    "pallas" gets the L error on a CPU too; "xla" has no limit; a bad backend name is still named."""
+    limit = kernels.MAX_BUFFER_LEN
+    for backend in ("pallas", "interpret"):
+        with pytest.raises(ValueError, match=f"`buffer_len` must be <= {limit} with backend '{backend}'"):
+            ops.check_buffer_len(limit + 1, backend)
+    ops.check_buffer_len(limit, "interpret")
+    ops.check_buffer_len(limit + 1, "xla")
+    with pytest.raises(ValueError, match="`backend` must be one of"):
+        ops.check_buffer_len(4, "cuda")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            ops.check_buffer_len(limit, "pallas")
 
 
 def test_config_needs_a_kernel_backend(mamba):

@@ -193,6 +193,7 @@ class Attention(nnx.Module):
           (y [batch, T, hidden], KVCache with length T for every row (with `cache`: length + T)).
 
         Raises:
+          TypeError: `x` not float32 or bfloat16.
           ValueError: T > max_len; with `cache`, as `extend`.
         """
         if cache is not None:
@@ -232,7 +233,9 @@ class Attention(nnx.Module):
             (the ancestor mask); its K/V still go to length + t.
 
         Returns:
-          (y [batch, T, hidden], cache with the new keys/values written and length += T).
+          (y [batch, T, hidden], cache with the new keys/values written and length += T). A row
+          without room for T more positions: ValueError where `cache.length` is concrete; inside
+          jit that row's y is NaN (its writes land on the last positions).
         """
         self._check_cache(cache, "extend")
         check_input("Attention.extend", "x", x, self.hidden_size, cache.k.shape[0], "T")
@@ -246,8 +249,7 @@ class Attention(nnx.Module):
             raise ValueError(f"Attention: the KV cache is full: a row holds {int(np.max(cache.length))} of "
                              f"max_len = {cache.max_len} positions and {seqlen} more were given (the cache's "
                              f"length: a model's prefill with max_window W holds max_len + W - 1; prefill with a "
-                             f"larger max_len: inside jit this is not checked, and a write past max_len "
-                             f"lands on the last positions, giving wrong results)")
+                             f"larger max_len; inside jit such a row's outputs are NaN)")
         offsets = jnp.arange(seqlen, dtype=jnp.int32) if tree is None else jnp.asarray(tree.depth, jnp.int32)
         positions = cache.length[:, None] + offsets[None, :]
         q, k, v, gate = self._project(x, positions)
@@ -272,6 +274,9 @@ class Attention(nnx.Module):
             y = self._output(o.reshape(batch, 1, self.num_heads * self.head_dim), gate)
         else:
             y = self._output(self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask), gate)
+        # A traced length past the cache (checked above where concrete): the row's writes landed on the last
+        # positions, so its outputs are NaN rather than silently wrong.
+        y = jnp.where((cache.length + seqlen > cache.max_len)[:, None, None], jnp.nan, y).astype(y.dtype)
         length, y = in_order(cache.length, y)  # read before it moves: XLA updates it in place
         return y, KVCache(k=k_all, v=v_all, length=length + seqlen)
 
@@ -326,6 +331,7 @@ class Attention(nnx.Module):
           `commit` moves the length).
 
         Raises:
+          TypeError: `x` not float32 or bfloat16.
           ValueError: a pending window, a cache of another shape, or no room.
         """
         self._check_cache(cache, "verify")

@@ -329,8 +329,14 @@ def check_input(where: str, name: str, x, hidden: int, batch: int | None, seq: s
     [batch, seq, hidden] with seq >= 1; `batch` None: any batch.
 
     Raises:
+      TypeError: `x` of a dtype other than float32 or bfloat16 (an integer dtype, or float16, which
+        overflows in the SSM recurrences: replayssm_jax.ops.validate).
       ValueError: naming `where` (e.g. "Attention.decode") and `name`, with the shape asked and given.
     """
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jnp.dtype(dtype) not in validate.STATE_DTYPES:
+        why = f" ({validate.FLOAT16_OVERFLOWS})" if jnp.dtype(dtype) == jnp.float16 else ""
+        raise TypeError(f"{where}: `{name}` must have dtype float32 or bfloat16; got {jnp.dtype(dtype)}{why}")
     shape = getattr(x, "shape", None)
     fits = (shape is not None and len(shape) == (3 if seq else 2) and shape[-1] == hidden
             and (batch is None or shape[0] == batch) and (not seq or shape[1] >= 1))

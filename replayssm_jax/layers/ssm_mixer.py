@@ -45,6 +45,10 @@ from replayssm_jax.layers.cache import (
     commit_layer_state,
 )
 
+# The name scope of the SSM state ops in decode and verify: a profile or roofline tells their work (the
+# kernels, or the reference's XLA ops and dots on the "xla" backend) from the layer's projections by it.
+SSM_SCOPE = "ssm_state_op"
+
 
 class SSMMixer(nnx.Module):
     """Base of the SSM token mixers: prefill, standard and ReplaySSM decode."""
@@ -111,14 +115,16 @@ class SSMMixer(nnx.Module):
             ``ops.backend_for(op, backend)`` (its XLA form where it has no kernel).
 
         Returns:
-          (out [batch, T, hidden] of u.dtype, SSMLayerState with conv_state a
-          `ConvWindow` (columns [batch, W, conv_dim] of u.dtype: a ring of the
+          (out [batch, T, hidden] of the layer's compute dtype (jnp.result_type
+          of u and the parameters: float32 unless both are bfloat16; so are
+          decode's and verify's outputs), SSMLayerState with conv_state a
+          `ConvWindow` (columns [batch, W, conv_dim] of that dtype: a ring of the
           last W - 1 conv inputs and one free slot, max_window 1) and
           ssm_state = the checkpoint (the layer's state layout,
           ssm_state_dtype)).
 
         Raises:
-          TypeError: `state` not an `SSMLayerState`.
+          TypeError: `state` not an `SSMLayerState`; `u` not float32 or bfloat16.
           ValueError: `u` not [batch, T, hidden] with T >= 1 (and the state's batch); a state of another
             layer's shape, or with a pending verify window.
         """
@@ -199,7 +205,7 @@ class SSMMixer(nnx.Module):
           (out [batch, hidden], the new state of the same type).
 
         Raises:
-          TypeError: `state` of another type.
+          TypeError: `state` of another type; `u` not float32 or bfloat16.
           ValueError: `u` not [batch, hidden] (the state's batch, or the
             number of `slots`); an unknown `route` (also with a standard
             state, which takes none); a state of another layer's shape, or
@@ -223,15 +229,17 @@ class SSMMixer(nnx.Module):
         conv_rows = state.conv_state if slots is None else ops.take_slots(state.conv_state, slots)
         inputs, z, conv_rows = self._ssm_inputs(u, conv_rows, functools.partial(self.conv1d.step, backend=backend))
         pool = {} if slots is None else {"slots": slots}
-        if slotted:  # verify one position, commit it
-            y, ssm_state = self.verify_op(state.ssm_state, state.index, **{k: v[:, None] for k, v in inputs.items()},
-                                          backend=backend, **self._op_params())
-            y = y[:, 0]
-        elif isinstance(state, SSMLayerState):
-            y, ssm_state = self.step_op(state.ssm_state, **inputs, backend=backend, **pool, **self._op_params())
-        else:
-            y, replay = self.replay_step_op(state.replay, **inputs, route=route, backend=backend, **pool,
-                                            **self._op_params())
+        with jax.named_scope(SSM_SCOPE):
+            if slotted:  # verify one position, commit it
+                y, ssm_state = self.verify_op(state.ssm_state, state.index,
+                                              **{k: v[:, None] for k, v in inputs.items()}, backend=backend,
+                                              **self._op_params())
+                y = y[:, 0]
+            elif isinstance(state, SSMLayerState):
+                y, ssm_state = self.step_op(state.ssm_state, **inputs, backend=backend, **pool, **self._op_params())
+            else:
+                y, replay = self.replay_step_op(state.replay, **inputs, route=route, backend=backend, **pool,
+                                                **self._op_params())
         conv_state = conv_rows if slots is None else ops.put_slots(state.conv_state, slots, conv_rows)
         if slotted:
             new = state.replace(conv_state=conv_state, ssm_state=ssm_state, index=(state.index + 1) % state.slots)
@@ -275,7 +283,7 @@ class SSMMixer(nnx.Module):
           unchanged, ``window = W``). `commit` resolves it.
 
         Raises:
-          TypeError: `state` of another type.
+          TypeError: `state` of another type; `u` not float32 or bfloat16.
           ValueError: a pending window, u not [batch, W, hidden], W above the
             conv window's max_window or the replay buffer length L; a `tree`
             that is not a DraftTree of W nodes; with `slots`, a tree or a
@@ -305,13 +313,15 @@ class SSMMixer(nnx.Module):
         params = self._op_params()
         pool = {} if slots is None else {"slots": slots}
         if isinstance(state, ReplayLayerState):
-            y, replay = self.replay_verify_op(state.replay, **inputs, **params, tree=tree, **pool,
-                                              backend=ops.backend_for(self.replay_verify_op.__name__, backend))
+            with jax.named_scope(SSM_SCOPE):
+                y, replay = self.replay_verify_op(state.replay, **inputs, **params, tree=tree, **pool,
+                                                  backend=ops.backend_for(self.replay_verify_op.__name__, backend))
             return self._finish(y, z), ReplayLayerState(conv_state=conv_state, replay=replay)
         if state.slots < window + 1:  # a plain state, or too few slots: the slotted layout, once
             state = state.slotted(window + 1)
-        y, ssm_state = self.verify_op(state.ssm_state, state.index, **inputs, **params, tree=tree, backend=backend,
-                                      **pool)
+        with jax.named_scope(SSM_SCOPE):
+            y, ssm_state = self.verify_op(state.ssm_state, state.index, **inputs, **params, tree=tree,
+                                          backend=backend, **pool)
         return self._finish(y, z), state.replace(conv_state=conv_state, ssm_state=ssm_state, window=window,
                                                  tree=validate.tree_parents(tree))
 

@@ -223,10 +223,15 @@ def check_buffer_len(buffer_len: int, backend: str | None, name: str = "buffer_l
     the "xla" backend has no limit). `name` is the caller's argument name.
 
     Raises:
-      ValueError: `buffer_len` above the kernels' limit, or an unknown backend.
-      RuntimeError: "pallas" where JAX has no GPU.
+      ValueError: `buffer_len` above the kernels' limit (for "pallas" and
+        "interpret" on any machine), or an unknown backend.
+      RuntimeError: "pallas" where JAX has no GPU, with `buffer_len` within
+        the limit.
     """
-    chosen = resolve_backend(backend, "mamba2_replay_step")
+    named = backend in ("pallas", "interpret")  # the limit holds on any machine: checked before the device
+    chosen = backend if named else resolve_backend(backend, "mamba2_replay_step")
     if chosen != "xla" and buffer_len > kernels.MAX_BUFFER_LEN:
         raise ValueError(f"`{name}` must be <= {kernels.MAX_BUFFER_LEN} with backend {chosen!r} (the kernels' "
                          f"limit); got {buffer_len} (use backend='xla')")
+    if named:
+        resolve_backend(backend, "mamba2_replay_step")
