@@ -1,0 +1,17 @@
+# 2026-12-06, one H100 80GB HBM3 (driver 580.159.04), jax 0.11.2; PyTorch 2.11 and Triton 3.6 for vLLM's kernel.
+# Two GPU commands on one machine, from the repository root (the anchors harness extracted to .anchors/), on the
+# tree of 3c517ae (kernels unchanged since 2908a70).
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+# run 1: vLLM's GDN standard kernel at its best config, then the A/B of split_output_probe.py
+python3 .anchors/harness_orig.py run --out vllm.json --layers gdn --batches 64,256,512 --dtypes float32,bfloat16 \
+  --lengths 16 --deadline-s 5 > vllm.log 2>&1
+python3 split_output_probe.py > probe.log 2>&1
+
+# run 2: the GPU tests of the files that exercise the layers and models on the kernels, and the command's
+# --compare on two fixtures
+python3 -m pytest -m gpu tests/test_inplace_hlo.py tests/test_attention_decode.py tests/test_pool.py \
+  tests/test_quantized_state.py -q -n 12 -p no:cacheprovider -p no:benchmark -W ignore::DeprecationWarning > gpu_tests.log 2>&1
+for m in qwen3_5_tiny nemotron_h_tiny; do
+  python3 -m replayssm_jax.generate --checkpoint tests/data/$m --backend pallas --compare --max-new-tokens 24 > compare_$m.log 2>&1
+done
