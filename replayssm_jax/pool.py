@@ -82,7 +82,8 @@ class StatePool:
       capacity, max_len, buffer_len.
 
     Raises:
-      PoolError: a `model` without `prefill`, `decode` and `config`, or abstract;
+      PoolError: a `model` without `prefill`, `decode` and `config`, sharded over
+        a mesh (models.sharding.ShardedLM: its entry points take no slots), or abstract;
         capacity, max_len or max_window not an int >= 1; a state_dtype with
         standard states (buffer_len None).
       ValueError: a buffer_len the backend's kernels cannot take, a max_window
@@ -96,6 +97,10 @@ class StatePool:
         if not all(hasattr(model, attr) for attr in ("prefill", "decode", "config")):
             raise PoolError(f"`model` must be a model of this package (with `prefill`, `decode` and `config`, e.g. "
                             f"from models.load_model); got {type(model).__name__} {model!r:.80}")
+        if getattr(model, "mesh", None) is not None:
+            raise PoolError(f"`model` is sharded over a mesh ({type(model).__name__}, mesh {dict(model.mesh.shape)}): "
+                            "a state pool decodes by slots, which the sharded entry points do not take; serve a "
+                            "model on one device (models.load_model without mesh)")
         if is_abstract(nnx.state(model)):
             raise PoolError("`model` is abstract (its parameters are shapes only, as nnx.eval_shape gives them); "
                             "load its weights to allocate a pool")

@@ -64,8 +64,9 @@ class SequenceState:
       arrays: {path in the cache: the row's array without the batch axis}
         (NumPy, the cache's dtypes; a KV cache's k / v cut to the row's length).
       structure: the cache's tree structure as text, static fields included
-        (state types, verify windows, conv widths, 8-bit rounding): an import
-        requires the same.
+        (state types, verify windows, conv widths, 8-bit rounding), and the tp
+        of the mesh of a sharded model's cache (tp > 1): an import requires
+        the same.
       model: a name of the model the state belongs to (the caller's, e.g. a
         checkpoint folder), or None; an import that names one requires the same.
     """
@@ -146,6 +147,20 @@ def _model_name(model, where: str) -> str | None:
     raise TypeError(f"{where}: `model` must be a str, a path or None; got {type(model).__name__} {model!r}")
 
 
+# The mesh axis of tensor parallelism (models.sharding): a cache sharded over it keeps each conv window's
+# channels in its shards' order, so a row moves only between caches of the same tp.
+_TP_AXIS = "tp"
+
+
+def _structure(cache) -> str:
+    """The cache's tree structure as text, and, for a cache on a mesh with tp > 1, its tp: the layout that
+    an imported row must share."""
+    tps = {leaf.sharding.mesh.shape[_TP_AXIS] for leaf in jax.tree.leaves(cache)
+           if _TP_AXIS in getattr(getattr(getattr(leaf, "sharding", None), "mesh", None), "axis_names", ())}
+    tp = max(tps, default=1)
+    return str(jax.tree.structure(cache)) + (f" on a mesh of tp = {tp}" if tp > 1 else "")
+
+
 def export_sequence(cache, row: int, *, model: str | os.PathLike | None = None) -> SequenceState:
     """Row `row` of `cache` as a :class:`SequenceState` on the host (the cache is not changed).
 
@@ -172,7 +187,7 @@ def export_sequence(cache, row: int, *, model: str | os.PathLike | None = None) 
     for name, leaf, kv in _leaves(cache):
         value = np.asarray(jax.device_get(leaf[row]))
         arrays[name] = value[: lengths[_kv_prefix(name)]] if kv else value
-    return SequenceState(arrays, str(jax.tree.structure(cache)), model)
+    return SequenceState(arrays, _structure(cache), model)
 
 
 def import_sequence(cache, row: int, state: SequenceState, *, model: str | os.PathLike | None = None):
@@ -195,7 +210,8 @@ def import_sequence(cache, row: int, state: SequenceState, *, model: str | os.Pa
         `model` that is not a str, a path or None.
       SequenceStateError: `row` out of range, a pending window, another
         model name, another tree structure (another model, state mode,
-        checkpoint format, verify window room or rounding; the message
+        checkpoint format, verify window room, rounding, or another tp of
+        the mesh that a sharded model's cache lives on; the message
         shows where the two first differ), an array of another shape or dtype
         (named by its path in the cache), a KV cache shorter than the sequence.
     """
@@ -206,10 +222,11 @@ def import_sequence(cache, row: int, state: SequenceState, *, model: str | os.Pa
     _check_committed(cache, "import_sequence")
     if model is not None and state.model != model:
         raise SequenceStateError(f"`state` belongs to model {state.model!r}; expected {model!r}")
-    structure = str(jax.tree.structure(cache))
+    structure = _structure(cache)
     if state.structure != structure:
         raise SequenceStateError("`state` has another cache structure than `cache` (another model, state mode, "
-                                 "checkpoint format (8-bit or not), verify window room or rounding); "
+                                 "checkpoint format (8-bit or not), verify window room, rounding or tensor "
+                                 "parallelism); "
                                  + _first_difference(state.structure, structure))
     leaves = _leaves(cache)
     missing = sorted(set(name for name, _, _ in leaves) ^ set(state.arrays))

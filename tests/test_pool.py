@@ -124,6 +124,22 @@ def test_replay_step_writes_only_its_slots(layer, route, config):
     _assert_slots(new, pool, want)
 
 
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_a_traced_slot_out_of_range_is_a_padding_row(layer):
+    """Under jit slots are not checked: a slot past the pool (here CAPACITY + 2 where SLOTS has its padding
+    row) reads and writes nothing in the kernels, as -1, where a clamped index would step the last slot."""
+    case, _, replay_step, init = LAYERS[layer]
+    checkpoint, inputs, params, shared = case(np.random.default_rng(3))
+    pool = _with_random_records(init(checkpoint, L, shared).replace(cursor=jnp.asarray(CURSORS)),
+                                np.random.default_rng(6))
+    slots = jnp.asarray(np.where(SLOTS < 0, CAPACITY + 2, SLOTS))
+    step = jax.jit(functools.partial(replay_step, **params, backend="interpret"))  # the default: flush in the launch
+    y, new = step(pool, **inputs, slots=slots)
+    want_y, want = _reference_on_rows(replay_step, pool, inputs, params)
+    np.testing.assert_allclose(np.asarray(y)[INPUT_ROWS], np.asarray(want_y)[INPUT_ROWS], rtol=2e-5, atol=2e-5)
+    _assert_slots(new, pool, want)
+
+
 @pytest.mark.parametrize("route, config, calls", [
     ("output", ReplayConfig(block_v=8, fused_flush=True), 1),
     ("output", ReplayConfig(block_v=8), 2),

@@ -119,6 +119,40 @@ SLOW_CASES = {("qwen3_5_tiny", 2, 2, "standard", "interpret"), ("nemotron_h_tiny
 
 
 @needs_devices
+def test_a_sequence_moves_only_between_caches_of_one_tp():
+    """A sharded cache keeps each conv window's channels in shard order: a row exported from it imports into
+    a cache of the same tp (row 1 moved to row 0 exports as row 1 did), and a cache of another tp refuses
+    it, both ways."""
+    from replayssm_jax.sequence_state import SequenceStateError, export_sequence, import_sequence
+
+    ids = jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32)
+    caches = {tp: model.prefill(ids, 16, replay_buffer_len=4)[1]
+              for tp, model in ((1, load_model(DATA / "nemotron_h_tiny")), (2, _sharded("nemotron_h_tiny", 2, 1)))}
+    row = export_sequence(caches[2], 1)
+    moved = export_sequence(import_sequence(caches[2], 0, row), 0)
+    assert moved.structure == row.structure and moved.structure.endswith("on a mesh of tp = 2")
+    for name, value in row.arrays.items():
+        np.testing.assert_array_equal(moved.arrays[name], value, err_msg=name)
+    for source, target in ((1, 2), (2, 1)):
+        with pytest.raises(SequenceStateError, match="tensor parallelism"):
+            import_sequence(caches[target], 0, export_sequence(caches[source], 0))
+
+
+@needs_devices
+def test_a_state_pool_refuses_a_sharded_model():
+    """The pool and the engine decode by slots, which ShardedLM's entry points do not take: both refuse it at
+    construction, naming the mesh, rather than failing at the first step."""
+    from replayssm_jax.engine import Engine, EngineError
+    from replayssm_jax.pool import PoolError, StatePool
+
+    model = _sharded("nemotron_h_tiny", 2, 1)
+    with pytest.raises(PoolError, match=r"`model` is sharded over a mesh \(ShardedLM, mesh \{'dp': 1, 'tp': 2\}\)"):
+        StatePool(model, 2, max_len=16, buffer_len=4)
+    with pytest.raises(EngineError, match="`model` is sharded over a mesh"):
+        Engine(model, 2, state="replay", buffer_len=4, max_len=16)
+
+
+@needs_devices
 @pytest.mark.parametrize("name, tp, dp, state, backend", [
     pytest.param(*c, id="-".join(map(str, c)), marks=pytest.mark.slow if c in SLOW_CASES else ()) for c in CASES])
 def test_fixture_tokens_match_unsharded(name, tp, dp, state, backend):

@@ -132,7 +132,8 @@ class Pool(NamedTuple):
 
     slots: i32[batch], each in -1 .. capacity - 1, no slot twice (checked by
     the ops where concrete); -1: a padding row, whose programs read and
-    write nothing (its outputs are left unwritten).
+    write nothing (its outputs are left unwritten). Under jit, where slots
+    are not checked, a slot outside 0 .. capacity - 1 is a padding row too.
     """
 
     slots: jax.Array
@@ -169,21 +170,23 @@ def _pool_specs(specs, capacity: int):
     return jax.tree.map(whole_axis, specs, is_leaf=_is_spec)
 
 
-def _slot_kernel(kernel, squeezed):
-    """`kernel` over a state pool: kernel(*inputs, *outputs) with each pooled
-    argument's refs replaced by their slot's `SlotView`s, run where the slot
-    is not -1. squeezed: per argument (inputs, then outputs), None (not
-    pooled) or a tree of bools (the launch's batch axis squeezed in that
-    ref's block)."""
+def _slot_kernel(kernel, squeezed, capacity: int):
+    """`kernel` over a state pool of `capacity` slots: kernel(*inputs,
+    *outputs) with each pooled argument's refs replaced by their slot's
+    `SlotView`s, run where the slot is in 0 .. capacity - 1 (-1, or a traced
+    slot out of range: a padding row, no read and no write). squeezed: per
+    argument (inputs, then outputs), None (not pooled) or a tree of bools
+    (the launch's batch axis squeezed in that ref's block)."""
 
     def run(slots_ref, *args):
         with hoisted_program_ids(3):
             slot = slots_ref[0]
-            index = jnp.maximum(slot, 0)
+            live = (slot >= 0) & (slot < capacity)
+            index = jnp.where(live, slot, 0)
             views = [arg if flags is None else jax.tree.map(lambda ref, sq: SlotView(ref, index, sq), arg, flags)
                      for arg, flags in zip(args, squeezed)]
 
-            @pl.when(slot >= 0)
+            @pl.when(live)
             def _():
                 kernel(*views)
 
@@ -207,7 +210,7 @@ def _launch(kernel, operands: tuple, *, in_specs: tuple, out_specs: tuple, out_s
     specs_out = tuple(_pool_specs(spec, pool.capacity) if pooled else spec
                       for spec, pooled in zip(out_specs, pooled_out))
     aliases = {1 + i: o for i, o in aliases.items()}
-    return pallas_call(_slot_kernel(kernel, squeezed), in_specs=(cursor_spec(), *specs_in), out_specs=specs_out,
+    return pallas_call(_slot_kernel(kernel, squeezed, pool.capacity), in_specs=(cursor_spec(), *specs_in), out_specs=specs_out,
                        out_shape=out_shape, input_output_aliases=aliases, **kwargs)(pool.slots, *operands)
 
 
