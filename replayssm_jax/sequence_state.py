@@ -152,12 +152,16 @@ def _model_name(model, where: str) -> str | None:
 _TP_AXIS = "tp"
 
 
+def _tp(leaf) -> int:
+    """The tp of the mesh that `leaf` is sharded over (1: no mesh, or no tp axis)."""
+    mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+    return mesh.shape[_TP_AXIS] if mesh is not None and _TP_AXIS in mesh.axis_names else 1
+
+
 def _structure(cache) -> str:
     """The cache's tree structure as text, and, for a cache on a mesh with tp > 1, its tp: the layout that
     an imported row must share."""
-    tps = {leaf.sharding.mesh.shape[_TP_AXIS] for leaf in jax.tree.leaves(cache)
-           if _TP_AXIS in getattr(getattr(getattr(leaf, "sharding", None), "mesh", None), "axis_names", ())}
-    tp = max(tps, default=1)
+    tp = max((_tp(leaf) for leaf in jax.tree.leaves(cache)), default=1)
     return str(jax.tree.structure(cache)) + (f" on a mesh of tp = {tp}" if tp > 1 else "")
 
 

@@ -210,8 +210,9 @@ def _launch(kernel, operands: tuple, *, in_specs: tuple, out_specs: tuple, out_s
     specs_out = tuple(_pool_specs(spec, pool.capacity) if pooled else spec
                       for spec, pooled in zip(out_specs, pooled_out))
     aliases = {1 + i: o for i, o in aliases.items()}
-    return pallas_call(_slot_kernel(kernel, squeezed, pool.capacity), in_specs=(cursor_spec(), *specs_in), out_specs=specs_out,
-                       out_shape=out_shape, input_output_aliases=aliases, **kwargs)(pool.slots, *operands)
+    return pallas_call(_slot_kernel(kernel, squeezed, pool.capacity), in_specs=(cursor_spec(), *specs_in),
+                       out_specs=specs_out, out_shape=out_shape, input_output_aliases=aliases,
+                       **kwargs)(pool.slots, *operands)
 
 
 def _shapes(tree):
