@@ -26,3 +26,6 @@ python3 slot_oob.py > run3_slot_oob.log 2>&1
 # 110 passed, 1 failed: test_compiled_kernel_matches_reference[float32-256-nemotron3-nano-4b], out of GPU memory
 # with 12 workers on the 80 GB card (CUDA_ERROR_OUT_OF_MEMORY). Run 4, that test's cases alone: 12 passed.
 python3 -m pytest -m gpu "tests/test_attention_decode.py::test_compiled_kernel_matches_reference" -q > run4_rerun.log
+
+# run 5 (the tree of d44212e), a third H100 80GB HBM3 the same day: the pooled launches' slot test before and after
+python3 pool_ab.py > run5_pool_ab.log 2>&1
