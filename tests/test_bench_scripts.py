@@ -833,6 +833,10 @@ def test_spec_dry_run(tmp_path, capsys):
     assert "spec-replay" in capsys.readouterr().out
 
 
+# `slow` (42 s on the 2-core CI machine): speculative chains and trees through the model run by default in
+# tests/test_speculative_loop.py, test_tree_loop.py and test_tree_model.py; the script's arguments in
+# test_bench_scripts_refuse_bad_arguments_in_one_line.
+@pytest.mark.slow
 def test_spec_replay_and_tree_dry_run(tmp_path, capsys):
     """bench/spec.py --dry-run --tree 2,2 on the ReplaySSM state (L 8; tree-standard is skipped without its
     AR run; test_spec_dry_run, `slow`, adds the standard state's modes): ar-replay, then spec-replay with the
@@ -885,6 +889,9 @@ def test_spec_rejects_bad_arguments(args, message, tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
+# `slow` (31 s): the engine's prefix caching, n-gram speculation and int8 checkpoints run by default in
+# tests/test_engine.py; the script's arguments in test_bench_scripts_refuse_bad_arguments_in_one_line.
+@pytest.mark.slow
 def test_serve_dry_run(tmp_path):
     """bench/serve.py --dry-run (ReplaySSM only): a row per prefix-caching setting, an n-gram speculative row
     and an int8-checkpoint row, with every request served, the Generator's reference, the JSON and the plot.
